@@ -1,0 +1,93 @@
+/* fp4moe/gather_qmm.h: the MoE gather quantized matmul on NVFP4 expert weights.
+ *
+ * Contract (../shared/spec/NVFP4.md section 4; MLX gather_qmm(transpose=True, M=1, rhs indices)):
+ *   y[b][n] = sum_k x[b][k] * w[idx[b]][n][k]     for b < B, n < N
+ * x: B x K activations of `dtype` (row-major); y: B x N of the same dtype; fp32 accumulation,
+ * rounded once to dtype. w[e][n][k] = e2m1(code) * e4m3(scale) * (global_scale ? gs[e] : 1).
+ * Rows with idx[b] >= E are written as zeros. `sorted != 0` promises idx is non-decreasing (one
+ * contiguous run of rows per expert). Inputs are never modified; every output element is written.
+ *
+ * Routes (one function chooses: fp4moe_gather_route_choose_cpu):
+ *   QMV           each row streams its expert's weights; rows of one expert share weight decodes.
+ *   BATCHED       expert-batched: sorted && B >= 64; each expert's run found once, each weight tile
+ *                 decoded once for all rows of the run (register-blocked micro-kernel).
+ *   DEQUANT_GEMM  sorted: dequantize each run's expert to fp32 and call BLAS sgemm.
+ * Environment: FP4MOE_GATHER_EXPERT_BATCHED=0 forces QMV for the automatic choice;
+ *              FP4MOE_GATHER_ROUTE=qmv|batched|dequant_gemm forces a route where it is legal. */
+#ifndef FP4MOE_GATHER_QMM_H
+#define FP4MOE_GATHER_QMM_H
+
+#include <stdint.h>
+#include "fp4moe/types.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* E stacked experts, each an N x K NVFP4 matrix (row n = output feature n). */
+typedef struct {
+    const uint8_t *codes;        /* E*N*(K/2) bytes; byte j of a row: element 2j low nibble, 2j+1 high */
+    const uint8_t *scales;       /* E*N*(K/16) E4M3 bytes */
+    const float *global_scale;   /* NULL, or E fp32 decode multipliers (one per expert) */
+    int64_t E, N, K;             /* E >= 1, N >= 1, K >= 16 and K % 16 == 0 */
+} fp4moe_nvfp4_weights;
+
+typedef enum {
+    FP4MOE_ROUTE_AUTO = 0,
+    FP4MOE_ROUTE_QMV = 1,
+    FP4MOE_ROUTE_BATCHED = 2,
+    FP4MOE_ROUTE_DEQUANT_GEMM = 3
+} fp4moe_route;
+
+/* Minimum rows for the expert-batched / dequant-GEMM routes (sorted input). */
+#define FP4MOE_BATCHED_MIN_ROWS 64
+
+/* "auto", "qmv", "batched", "dequant_gemm". */
+const char *fp4moe_route_name(fp4moe_route r);
+/* Parses the names above. Returns FP4MOE_OK or FP4MOE_EINVAL. */
+int fp4moe_route_parse(const char *s, fp4moe_route *out);
+
+/* Validates w and the call's sizes (NULL pointers, E/N/K ranges, K % 16, overflow of E*N*K, B < 0).
+ * Returns FP4MOE_OK or an error with a message naming the bad argument. Shared by all backends. */
+int fp4moe_gather_qmm_check(const fp4moe_nvfp4_weights *w, const void *x, const uint32_t *idx,
+                            int64_t B, const void *y);
+
+/* The route the automatic choice takes on the CPU for this call, after the environment switches.
+ * The one place where the CPU route predicate lives. */
+fp4moe_route fp4moe_gather_route_choose_cpu(const fp4moe_nvfp4_weights *w, int64_t B, int sorted);
+
+/* gather_qmm on the CPU, route chosen automatically. x, idx, y: host pointers.
+ * Errors: FP4MOE_EINVAL (see fp4moe_gather_qmm_check, unknown dtype), FP4MOE_EOVERFLOW,
+ * FP4MOE_ENOMEM. OpenMP-parallel. */
+int fp4moe_gather_qmm_cpu(const fp4moe_nvfp4_weights *w, const void *x, fp4moe_dtype dtype,
+                          const uint32_t *idx, int64_t B, int sorted, void *y);
+
+/* Same, with an explicit route (FP4MOE_ROUTE_AUTO = automatic). BATCHED and DEQUANT_GEMM need
+ * sorted != 0 (FP4MOE_EINVAL otherwise) but accept any B >= 0. Environment switches are ignored. */
+int fp4moe_gather_qmm_cpu_route(const fp4moe_nvfp4_weights *w, const void *x, fp4moe_dtype dtype,
+                                const uint32_t *idx, int64_t B, int sorted, fp4moe_route route,
+                                void *y);
+
+/* Reference in fp64 (for tests): y64[b][n] = sum_k double(x[b][k]) * double(w[idx[b]][n][k]),
+ * zeros for idx[b] >= E. Single-threaded and slow; works for any sorted or unsorted idx. */
+int fp4moe_gather_qmm_ref_f64(const fp4moe_nvfp4_weights *w, const void *x, fp4moe_dtype dtype,
+                              const uint32_t *idx, int64_t B, double *y64);
+
+/* GPU (CUDA) version: same contract; w's codes/scales/global_scale, x, idx, y are DEVICE pointers;
+ * stream is a cudaStream_t (NULL = default stream). Asynchronous: returns after enqueueing; launch
+ * errors are checked and returned. No host synchronisation. Returns FP4MOE_EUNSUPPORTED in builds
+ * without CUDA. Routes: FP4MOE_GATHER_ROUTE=qmv|batched|dequant_gemm; FP4MOE_GATHER_EXPERT_BATCHED=0
+ * forces qmv. */
+int fp4moe_gather_qmm_cuda(const fp4moe_nvfp4_weights *w, const void *x, fp4moe_dtype dtype,
+                           const uint32_t *idx, int64_t B, int sorted, void *y, void *stream);
+int fp4moe_gather_qmm_cuda_route(const fp4moe_nvfp4_weights *w, const void *x, fp4moe_dtype dtype,
+                                 const uint32_t *idx, int64_t B, int sorted, fp4moe_route route,
+                                 void *y, void *stream);
+
+/* 1 when this build has CUDA support and a CUDA device is visible, else 0. */
+int fp4moe_cuda_available(void);
+
+#ifdef __cplusplus
+}
+#endif
+#endif
