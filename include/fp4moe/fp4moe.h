@@ -5,5 +5,6 @@
 #include "fp4moe/nvfp4.h"
 #include "fp4moe/gather_qmm.h"
 #include "fp4moe/safetensors.h"
+#include "fp4moe/tokenizer.h"
 #define FP4MOE_VERSION "0.1.0"
 #endif
