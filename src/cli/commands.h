@@ -13,5 +13,22 @@ int cmd_quantize(int argc, char **argv);
 int cmd_dequantize(int argc, char **argv);
 int cmd_inspect(int argc, char **argv);
 int cmd_bench_kernel(int argc, char **argv);
+int cmd_generate(int argc, char **argv);
+int cmd_bench(int argc, char **argv);
+
+/* Shared by generate and bench (cmd_generate.c). */
+#include <signal.h>
+#include <stdio.h>
+#include "fp4moe/model.h"
+/* Loads model dir `dir` (quantize: NVFP4-quantize dense checkpoints on load), a progress bar on a
+ * terminal when it takes over a second, the load time and a summary on stderr. Returns an exit code. */
+int cli_load_model(const char *cmd, const char *dir, int quantize, fp4moe_model **out);
+/* Model-level summary (format, layer pattern, parameters, bytes per component) of model dir `dir`
+ * on `out`, for `inspect -m DIR`. Returns an exit code. */
+int cli_model_summary(const char *cmd, const char *dir, FILE *out);
+/* "bf16"/"f32" -> dtype, else a usage error (exit code 2). */
+int cli_parse_dtype(const char *cmd, const char *s, fp4moe_dtype *dt);
+/* Installs a SIGINT handler; the returned flag becomes 1 on Ctrl-C. */
+const volatile sig_atomic_t *cli_install_sigint(void);
 
 #endif

@@ -1,0 +1,230 @@
+/* fp4moe/model.h: nemotron_h models on the CPU: config, checkpoint loading, forward pass, sampling.
+ *
+ * The model is specified in ../shared/spec/NEMOTRON_H.md (the reference implementation is HF
+ * transformers' NemotronHForCausalLM, torch path); the NVFP4 format in ../shared/spec/NVFP4.md.
+ *
+ * A model is a directory: config.json, *.safetensors (+ model.safetensors.index.json when sharded),
+ * optionally hf_quant_config.json (ModelOpt) and tokenizer files. Three checkpoint formats load
+ * into one internal layout:
+ *   MLX nvfp4      config "quantization": {"mode": "nvfp4", "group_size": 16, "bits": 4};
+ *                  quantized modules carry .weight (U32) + .scales (U8), experts stacked as
+ *                  mixer.switch_mlp.fc1/fc2; codes and scales are used in place (mmap, no copy).
+ *   ModelOpt NVFP4 hf_quant_config.json or config "quantization_config" with quant_algo NVFP4;
+ *                  .weight (U8) + .weight_scale (F8_E4M3) + .weight_scale_2 (F32 decode multiplier);
+ *                  excluded modules stay BF16; experts are stacked on load (a copy).
+ *   dense          bf16/f16/f32 (transformers save_pretrained): every linear layer (and lm_head) is
+ *                  NVFP4-quantized on load (spec NVFP4.md section 3, no global scale) unless
+ *                  quantize = 0; the embedding is always used in place.
+ * Activations: fp32 everywhere, rounded to act_dtype (bf16 or f32) at the input and output of every
+ * matmul; norms, router, softmax and the SSM state stay fp32.
+ *
+ * Errors: every function returns an fp4moe_status; fp4moe_last_error() names the file, tensor or
+ * field. Threading: a model may be shared by several sessions, each session used by one thread. */
+#ifndef FP4MOE_MODEL_H
+#define FP4MOE_MODEL_H
+
+#include <signal.h>
+#include <stdint.h>
+#include "fp4moe/gather_qmm.h"
+#include "fp4moe/types.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---- config --------------------------------------------------------------------------------- */
+
+/* Layer (block) types, one char each, as in `hybrid_override_pattern`. */
+#define FP4MOE_LAYER_MAMBA 'M'
+#define FP4MOE_LAYER_ATTENTION '*'
+#define FP4MOE_LAYER_MOE 'E'
+#define FP4MOE_LAYER_MLP '-'
+
+typedef enum {
+    FP4MOE_QUANT_NONE = 0,        /* dense checkpoint */
+    FP4MOE_QUANT_MLX_NVFP4 = 1,   /* config "quantization": {"mode": "nvfp4"} */
+    FP4MOE_QUANT_MODELOPT_NVFP4 = 2 /* quant_algo "NVFP4" (hf_quant_config.json / quantization_config) */
+} fp4moe_quant_mode;
+
+/* "dense", "mlx-nvfp4", "modelopt-nvfp4". */
+const char *fp4moe_quant_mode_name(fp4moe_quant_mode q);
+
+/* The fields of config.json that the nemotron_h forward pass uses (spec NEMOTRON_H.md "Config
+ * fields"). Sizes are element counts. Fields of layer types absent from the pattern are 0. */
+typedef struct {
+    int64_t n_layers;           /* num_hidden_layers == strlen(layer_types) */
+    char *layer_types;          /* n_layers chars of M * E -, NUL-terminated (owned) */
+    int64_t hidden;             /* hidden_size H */
+    int64_t vocab;              /* vocab_size V */
+    float eps;                  /* layer_norm_epsilon (default 1e-5) */
+    int tie_embeddings;         /* tie_word_embeddings (default 0) */
+    /* Mamba-2 */
+    int64_t mamba_heads;        /* mamba_num_heads nh */
+    int64_t mamba_head_dim;     /* mamba_head_dim hd; d_inner = nh*hd */
+    int64_t ssm_state;          /* ssm_state_size S */
+    int64_t mamba_groups;       /* n_groups G (divides nh) */
+    int64_t conv_kernel;        /* conv_kernel Kc >= 1 */
+    int64_t chunk_size;         /* chunk_size (informational: the scan here is sequential) */
+    int conv_bias;              /* use_conv_bias (default 1) */
+    int mamba_proj_bias;        /* mamba_proj_bias, else use_bias (default 0): in/out_proj biases */
+    float time_step_min;        /* dt is clamped to >= this (see src/model/mamba2.c), default 1e-3 */
+    float time_step_limit[2];   /* time_step_limit (default [0, inf]); parsed and recorded only:
+                                   transformers 5.17 clamps with (time_step_min, inf) instead */
+    /* attention */
+    int64_t attn_heads;         /* num_attention_heads nq */
+    int64_t kv_heads;           /* num_key_value_heads nkv (divides nq) */
+    int64_t head_dim;           /* head_dim dh (default H / nq) */
+    /* MoE */
+    int64_t n_experts;          /* n_routed_experts E */
+    int64_t top_k;              /* num_experts_per_tok k */
+    int64_t moe_inter;          /* moe_intermediate_size I */
+    int64_t shared_inter;       /* moe_shared_expert_intermediate_size Is (0: no shared expert) */
+    int64_t n_shared;           /* n_shared_experts (0 or 1 supported; default 1) */
+    int64_t n_group;            /* n_group (default 1) */
+    int64_t topk_group;         /* topk_group (default 1) */
+    int norm_topk_prob;         /* default 1 */
+    float routed_scaling;       /* routed_scaling_factor (default 1) */
+    int64_t moe_latent;         /* moe_latent_size (0 when null/absent) */
+    /* dense MLP */
+    int64_t mlp_inter;          /* intermediate_size */
+    int mlp_bias;               /* mlp_bias (default 0) */
+    /* special tokens (-1 when absent) */
+    int64_t bos_id, eos_id, pad_id;
+    /* quantization as config.json declares it (hf_quant_config.json is read by the loader) */
+    fp4moe_quant_mode quant;
+    int64_t quant_group_size;   /* 16 for NVFP4 */
+} fp4moe_config;
+
+/* Parses the text of a config.json. `label` names it in messages (e.g. the path; NULL -> "config").
+ * Accepts both layer-pattern spellings (hybrid_override_pattern, layers_block_type with
+ * mamba/linear_attention, attention/full_attention, moe, mlp; when both are present they must
+ * agree), numbers written as {"__float__": "Infinity"} (also -Infinity, NaN), mtp fields ignored.
+ * Errors (cfg left zeroed): FP4MOE_EFORMAT (bad JSON, missing or ill-typed field, inconsistent
+ * sizes: message names the field), FP4MOE_EUNSUPPORTED (model_type other than nemotron_h, unknown
+ * quantization mode or algorithm, n_shared_experts > 1), FP4MOE_ENOMEM. */
+int fp4moe_config_parse(const char *json, const char *label, fp4moe_config *cfg);
+
+/* Reads and parses DIR/config.json, and DIR/hf_quant_config.json when present (which then sets
+ * quant to FP4MOE_QUANT_MODELOPT_NVFP4 or fails for another quant_algo). Errors: FP4MOE_EIO (cannot
+ * read config.json, naming the path) and those of fp4moe_config_parse. */
+int fp4moe_config_load(const char *dir, fp4moe_config *cfg);
+
+/* Frees what the config owns and zeroes it; NULL and zeroed configs are fine. */
+void fp4moe_config_free(fp4moe_config *cfg);
+
+/* "mamba", "attention", "moe", "mlp" for a layer type char; "?" otherwise. */
+const char *fp4moe_layer_type_name(char type);
+
+/* ---- model ---------------------------------------------------------------------------------- */
+
+/* Progress of loading: called with (done, total) weight bytes, from the loading thread. */
+typedef void (*fp4moe_progress_fn)(void *ctx, int64_t done, int64_t total);
+
+typedef struct {
+    int quantize;                 /* dense checkpoints: 1 = NVFP4-quantize linears on load (default) */
+    fp4moe_progress_fn progress;  /* NULL: none */
+    void *progress_ctx;
+} fp4moe_load_options;
+
+/* quantize = 1, no progress. */
+void fp4moe_load_options_default(fp4moe_load_options *o);
+
+typedef struct fp4moe_model fp4moe_model;
+
+/* Loads the model in directory `dir` (opts NULL = defaults). Validates every tensor the config
+ * implies: a missing tensor, a wrong dtype or shape, a NaN E4M3 scale byte (0x7F/0xFF) or an
+ * unknown global-scale convention is an error naming the tensor (and the position for NaN scales).
+ * Tensors the model does not use (mtp.*, input_scale, ...) are ignored.
+ * Errors: FP4MOE_EIO, FP4MOE_EFORMAT, FP4MOE_EUNSUPPORTED, FP4MOE_EOVERFLOW, FP4MOE_ENOMEM. */
+int fp4moe_model_load(const char *dir, const fp4moe_load_options *opts, fp4moe_model **out);
+
+/* Frees everything (unmaps the files); NULL is a no-op. */
+void fp4moe_model_free(fp4moe_model *m);
+
+const fp4moe_config *fp4moe_model_config(const fp4moe_model *m);
+
+/* The checkpoint format found on disk (FP4MOE_QUANT_NONE for dense, also when quantized on load). */
+fp4moe_quant_mode fp4moe_model_format(const fp4moe_model *m);
+
+/* Weight statistics, by component: parameter counts (weights of quantized modules count one
+ * parameter per element) and bytes as held in memory (mapped or owned). */
+typedef struct {
+    int64_t params_total;
+    int64_t params_active;      /* per token: everything but the E - k unused routed experts */
+    int64_t bytes_embed, bytes_lm_head, bytes_mamba, bytes_attention, bytes_moe_experts,
+        bytes_moe_shared, bytes_moe_router, bytes_mlp, bytes_norms;
+    int64_t n_nvfp4_linears, n_dense_linears; /* linear modules (a stacked expert set counts once) */
+    double load_seconds;        /* wall time of fp4moe_model_load */
+} fp4moe_model_stats;
+void fp4moe_model_get_stats(const fp4moe_model *m, fp4moe_model_stats *st);
+
+/* ---- session: caches + forward -------------------------------------------------------------- */
+
+typedef struct {
+    fp4moe_dtype act_dtype;     /* FP4MOE_F32 or FP4MOE_BF16: matmul inputs/outputs (default F32) */
+    fp4moe_route route;         /* NVFP4 matmuls: FP4MOE_ROUTE_AUTO (default) or a forced route;
+                                   a forced BATCHED/DEQUANT_GEMM is used where rows are sorted and
+                                   falls back to QMV for unsorted calls */
+    int64_t max_chunk;          /* tokens per forward chunk (bounds activation memory); default 256 */
+    int64_t max_context;        /* KV cache limit in tokens; <= 0: grow without limit */
+    const volatile sig_atomic_t *interrupt; /* when non-NULL and set: forward stops with
+                                               FP4MOE_EINTERRUPTED between chunks and layers */
+} fp4moe_session_options;
+
+void fp4moe_session_options_default(fp4moe_session_options *o);
+
+typedef struct fp4moe_session fp4moe_session;
+
+/* A new empty session (position 0) over model m (m must outlive it). opts NULL = defaults.
+ * Errors: FP4MOE_EINVAL (act_dtype not f32/bf16, max_chunk < 1), FP4MOE_ENOMEM. */
+int fp4moe_session_new(const fp4moe_model *m, const fp4moe_session_options *opts,
+                       fp4moe_session **out);
+void fp4moe_session_free(fp4moe_session *s);
+
+/* Back to position 0 (clears the KV cache, the conv and SSM states). */
+void fp4moe_session_reset(fp4moe_session *s);
+
+/* Number of tokens consumed so far. */
+int64_t fp4moe_session_pos(const fp4moe_session *s);
+
+/* Runs tokens[0..T) (T >= 1) after everything consumed so far (prefill when T > 1, decode when
+ * T == 1; long inputs are processed in chunks of max_chunk). logits: when all_logits, T x V floats
+ * (one row per input token), else V floats for the last token; NULL skips lm_head.
+ * Errors: FP4MOE_EINVAL (token id outside [0, V), T < 1), FP4MOE_EOVERFLOW (context over
+ * max_context), FP4MOE_EINTERRUPTED, FP4MOE_ENOMEM, kernel errors. After an error the session
+ * must be reset before further use. */
+int fp4moe_session_forward(fp4moe_session *s, const int32_t *tokens, int64_t T, float *logits,
+                           int all_logits);
+
+/* ---- sampling ------------------------------------------------------------------------------- */
+
+typedef struct {
+    float p;
+    int32_t id;
+} fp4moe_prob_id;
+
+typedef struct {
+    int64_t vocab;
+    float temperature;          /* <= 0: greedy (argmax, ties -> lowest id) */
+    float top_p;                /* nucleus mass in (0, 1]; 1 = the whole distribution */
+    uint64_t rng;               /* xorshift64* state */
+    float *probs;               /* vocab scratch (owned) */
+    fp4moe_prob_id *cand;       /* vocab scratch (owned) */
+} fp4moe_sampler;
+
+/* Errors: FP4MOE_EINVAL (vocab < 1, top_p outside (0, 1], NaN temperature), FP4MOE_ENOMEM. */
+int fp4moe_sampler_init(fp4moe_sampler *s, int64_t vocab, float temperature, float top_p,
+                        uint64_t seed);
+void fp4moe_sampler_free(fp4moe_sampler *s);
+
+/* The next token id from V logits: greedy, or a draw from softmax(logits / T) restricted to the
+ * smallest set of most likely tokens whose mass reaches top_p (ties in probability: lower id first). */
+int32_t fp4moe_sample(fp4moe_sampler *s, const float *logits);
+
+/* argmax over n logits, lowest index on ties; NaN never wins. */
+int32_t fp4moe_argmax(const float *logits, int64_t n);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

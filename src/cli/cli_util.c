@@ -1,0 +1,333 @@
+/* Helpers shared by the fp4moe subcommands (cli_util.h). */
+#include "cli/cli_util.h"
+
+#include <dirent.h>
+#include <errno.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "common/error.h"
+#include "fp4moe/types.h"
+
+/* ---- options -------------------------------------------------------------------------------------- */
+
+void cli_print_usage(const cli_spec *spec, FILE *out) {
+    fprintf(out, "usage: %s\n", spec->usage);
+    if (spec->description) fprintf(out, "\n%s\n", spec->description);
+    fprintf(out, "\noptions:\n");
+    for (int i = 0; i < spec->nopts; i++) {
+        const cli_opt *o = &spec->opts[i];
+        char left[96];
+        snprintf(left, sizeof left, "%s%s%s%s%s", o->alias ? o->alias : "", o->alias ? ", " : "",
+                 o->name, o->metavar ? " " : "", o->metavar ? o->metavar : "");
+        fprintf(out, "  %-28s %s\n", left, o->help ? o->help : "");
+    }
+    fprintf(out, "  %-28s %s\n", "-h, --help", "show this help and exit");
+}
+
+int cli_usage_error(const char *command, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    fprintf(stderr, "fp4moe %s: ", command);
+    vfprintf(stderr, fmt, ap);
+    fprintf(stderr, "\nTry 'fp4moe %s --help'.\n", command);
+    va_end(ap);
+    return CLI_USAGE;
+}
+
+int cli_fail(const char *command, int status) {
+    const char *msg = fp4moe_last_error();
+    fprintf(stderr, "fp4moe %s: error: %s\n", command, msg[0] ? msg : fp4moe_status_name(status));
+    return 1;
+}
+
+static const cli_opt *find_opt(const cli_spec *spec, const char *arg, size_t len) {
+    for (int i = 0; i < spec->nopts; i++) {
+        const cli_opt *o = &spec->opts[i];
+        if ((strlen(o->name) == len && !strncmp(o->name, arg, len)) ||
+            (o->alias && strlen(o->alias) == len && !strncmp(o->alias, arg, len)))
+            return o;
+    }
+    return NULL;
+}
+
+static int set_value(const cli_spec *spec, const cli_opt *o, const char *v) {
+    char *end = NULL;
+    errno = 0;
+    switch (o->kind) {
+    case CLI_STRING:
+        *(const char **)o->dst = v;
+        return CLI_OK;
+    case CLI_INT: {
+        long long x = strtoll(v, &end, 10);
+        if (errno || end == v || *end)
+            return cli_usage_error(spec->command, "%s expects an integer, got '%s'", o->name, v);
+        *(int64_t *)o->dst = x;
+        return CLI_OK;
+    }
+    case CLI_DOUBLE: {
+        double x = strtod(v, &end);
+        if (errno || end == v || *end || !isfinite(x))
+            return cli_usage_error(spec->command, "%s expects a number, got '%s'", o->name, v);
+        *(double *)o->dst = x;
+        return CLI_OK;
+    }
+    default:
+        return CLI_USAGE;
+    }
+}
+
+int cli_parse(const cli_spec *spec, int argc, char **argv) {
+    int npos = 0, only_pos = 0;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        if (!only_pos && !strcmp(a, "--")) {
+            only_pos = 1;
+            continue;
+        }
+        if (!only_pos && a[0] == '-' && a[1] != '\0') {
+            if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
+                cli_print_usage(spec, stdout);
+                return CLI_HELP;
+            }
+            const char *eq = a[1] == '-' ? strchr(a, '=') : NULL;
+            const size_t len = eq ? (size_t)(eq - a) : strlen(a);
+            const cli_opt *o = find_opt(spec, a, len);
+            if (!o) return cli_usage_error(spec->command, "unknown option '%.*s'", (int)len, a);
+            if (o->kind == CLI_FLAG) {
+                if (eq) return cli_usage_error(spec->command, "%s takes no value", o->name);
+                *(int *)o->dst = 1;
+                continue;
+            }
+            const char *v = eq ? eq + 1 : NULL;
+            if (!v) {
+                if (i + 1 >= argc) return cli_usage_error(spec->command, "%s needs a value", o->name);
+                v = argv[++i];
+            }
+            int st = set_value(spec, o, v);
+            if (st) return st;
+            continue;
+        }
+        if (npos >= spec->max_positional)
+            return cli_usage_error(spec->command, "unexpected argument '%s'", a);
+        spec->positional[npos++] = a;
+    }
+    if (spec->npositional) *spec->npositional = npos;
+    return CLI_OK;
+}
+
+/* ---- time and progress --------------------------------------------------------------------------- */
+
+double cli_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+const char *cli_format_bytes(int64_t bytes, char buf[32]) {
+    static const char *unit[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+    double v = (double)bytes;
+    int u = 0;
+    while (v >= 1024.0 && u < 4) {
+        v /= 1024.0;
+        u++;
+    }
+    if (u == 0) snprintf(buf, 32, "%lld B", (long long)bytes);
+    else snprintf(buf, 32, "%.2f %s", v, unit[u]);
+    return buf;
+}
+
+void cli_progress_start(cli_progress *p, const char *label, int64_t total) {
+    p->label = label;
+    p->total = total;
+    p->t0 = p->last = cli_now();
+    p->tty = isatty(STDERR_FILENO);
+    p->shown = 0;
+}
+
+void cli_progress_update(cli_progress *p, int64_t done, const char *item) {
+    const double now = cli_now();
+    if (now - p->t0 < 1.0 || now - p->last < (p->tty ? 0.1 : 10.0)) return;
+    p->last = now;
+    char pct[16] = "";
+    if (p->total > 0) snprintf(pct, sizeof pct, "%5.1f%% ", 100.0 * (double)done / (double)p->total);
+    if (p->tty)
+        fprintf(stderr, "\r\033[K%s: %s%6.1f s  %.60s", p->label, pct, now - p->t0, item ? item : "");
+    else
+        fprintf(stderr, "%s: %s%6.1f s  %s\n", p->label, pct, now - p->t0, item ? item : "");
+    fflush(stderr);
+    p->shown = 1;
+}
+
+void cli_progress_finish(cli_progress *p) {
+    const double dt = cli_now() - p->t0;
+    if (p->shown && p->tty) fprintf(stderr, "\r\033[K");
+    if (dt >= 1.0) fprintf(stderr, "%s: done in %.1f s\n", p->label, dt);
+}
+
+/* ---- files ------------------------------------------------------------------------------------------ */
+
+int cli_is_dir(const char *path) {
+    struct stat sb;
+    return stat(path, &sb) == 0 && S_ISDIR(sb.st_mode);
+}
+
+int cli_same_file(const char *a, const char *b) {
+    struct stat x, y;
+    return stat(a, &x) == 0 && stat(b, &y) == 0 && x.st_dev == y.st_dev && x.st_ino == y.st_ino;
+}
+
+char *cli_join(const char *dir, const char *name) {
+    size_t n = strlen(dir) + strlen(name) + 2;
+    char *p = malloc(n);
+    if (p) snprintf(p, n, "%s/%s", dir, name);
+    return p;
+}
+
+int cli_mkdirs(const char *path) {
+    char *p = strdup(path);
+    if (!p) return fp4moe_set_error(FP4MOE_ENOMEM, "out of memory");
+    for (char *s = p + 1;; s++) {
+        if (*s != '/' && *s != '\0') continue;
+        const char c = *s;
+        *s = '\0';
+        if (mkdir(p, 0777) != 0 && errno != EEXIST) {
+            int err = errno;
+            int st = fp4moe_set_error(FP4MOE_EIO, "%s: cannot create directory: %s", p, strerror(err));
+            free(p);
+            return st;
+        }
+        *s = c;
+        if (c == '\0') break;
+    }
+    free(p);
+    if (!cli_is_dir(path)) return fp4moe_set_error(FP4MOE_EIO, "%s: exists and is not a directory", path);
+    return FP4MOE_OK;
+}
+
+int cli_copy_file(const char *src, const char *dst) {
+    FILE *in = fopen(src, "rb");
+    if (!in) return fp4moe_set_error(FP4MOE_EIO, "%s: cannot open: %s", src, strerror(errno));
+    FILE *out = fopen(dst, "wb");
+    if (!out) {
+        int err = errno;
+        fclose(in);
+        return fp4moe_set_error(FP4MOE_EIO, "%s: cannot create: %s", dst, strerror(err));
+    }
+    char buf[1 << 16];
+    size_t n;
+    int st = FP4MOE_OK;
+    while ((n = fread(buf, 1, sizeof buf, in)) > 0) {
+        if (fwrite(buf, 1, n, out) != n) {
+            st = fp4moe_set_error(FP4MOE_EIO, "%s: write failed: %s", dst, strerror(errno));
+            break;
+        }
+    }
+    if (!st && ferror(in)) st = fp4moe_set_error(FP4MOE_EIO, "%s: read failed", src);
+    fclose(in);
+    if (fclose(out) != 0 && !st) st = fp4moe_set_error(FP4MOE_EIO, "%s: close failed: %s", dst, strerror(errno));
+    return st;
+}
+
+int cli_read_text(const char *path, int64_t max_bytes, char **out) {
+    *out = NULL;
+    FILE *fp = fopen(path, "rb");
+    if (!fp) return fp4moe_set_error(FP4MOE_EIO, "%s: cannot open: %s", path, strerror(errno));
+    int st = FP4MOE_OK;
+    char *buf = NULL;
+    long n = -1;
+    if (fseek(fp, 0, SEEK_END) == 0) n = ftell(fp);
+    if (n < 0 || n > max_bytes) {
+        st = fp4moe_set_error(FP4MOE_EFORMAT, "%s: cannot read (size %ld, limit %lld)", path, n,
+                              (long long)max_bytes);
+    } else if (!(buf = malloc((size_t)n + 1))) {
+        st = fp4moe_set_error(FP4MOE_ENOMEM, "%s: out of memory", path);
+    } else {
+        rewind(fp);
+        if (fread(buf, 1, (size_t)n, fp) != (size_t)n) st = fp4moe_set_error(FP4MOE_EIO, "%s: read failed", path);
+        buf[n] = '\0';
+    }
+    fclose(fp);
+    if (st) free(buf);
+    else *out = buf;
+    return st;
+}
+
+int cli_write_text(const char *path, const char *text) {
+    char *tmp = malloc(strlen(path) + 8);
+    if (!tmp) return fp4moe_set_error(FP4MOE_ENOMEM, "out of memory");
+    sprintf(tmp, "%s.tmp", path);
+    FILE *fp = fopen(tmp, "wb");
+    int st = FP4MOE_OK;
+    if (!fp) {
+        st = fp4moe_set_error(FP4MOE_EIO, "%s: cannot create: %s", tmp, strerror(errno));
+    } else {
+        size_t n = strlen(text);
+        if (fwrite(text, 1, n, fp) != n) st = fp4moe_set_error(FP4MOE_EIO, "%s: write failed", tmp);
+        if (fclose(fp) != 0 && !st) st = fp4moe_set_error(FP4MOE_EIO, "%s: close failed", tmp);
+        if (!st && rename(tmp, path) != 0)
+            st = fp4moe_set_error(FP4MOE_EIO, "%s: cannot rename into place: %s", path, strerror(errno));
+        if (st) unlink(tmp);
+    }
+    free(tmp);
+    return st;
+}
+
+static int cmp_str(const void *a, const void *b) { return strcmp(*(char *const *)a, *(char *const *)b); }
+
+int cli_for_each_file(const char *dir, int (*fn)(const char *name, void *ctx), void *ctx) {
+    DIR *d = opendir(dir);
+    if (!d) return fp4moe_set_error(FP4MOE_EIO, "%s: cannot open directory: %s", dir, strerror(errno));
+    char **names = NULL;
+    size_t n = 0, cap = 0;
+    int st = FP4MOE_OK;
+    struct dirent *de;
+    while ((de = readdir(d))) {
+        char *p = cli_join(dir, de->d_name);
+        struct stat sb;
+        int regular = p && stat(p, &sb) == 0 && S_ISREG(sb.st_mode);
+        free(p);
+        if (!regular) continue;
+        if (n == cap) {
+            cap = cap ? 2 * cap : 32;
+            char **q = realloc(names, cap * sizeof *q);
+            if (!q) { st = fp4moe_set_error(FP4MOE_ENOMEM, "out of memory"); break; }
+            names = q;
+        }
+        if (!(names[n] = strdup(de->d_name))) { st = fp4moe_set_error(FP4MOE_ENOMEM, "out of memory"); break; }
+        n++;
+    }
+    closedir(d);
+    if (!st && n) qsort(names, n, sizeof *names, cmp_str);
+    for (size_t i = 0; i < n && !st; i++) st = fn(names[i], ctx);
+    for (size_t i = 0; i < n; i++) free(names[i]);
+    free(names);
+    return st;
+}
+
+typedef struct { const char *in, *out; const char *const *skip; } copy_ctx;
+
+static int copy_one(const char *name, void *vctx) {
+    const copy_ctx *c = vctx;
+    size_t len = strlen(name);
+    if (name[0] == '.') return FP4MOE_OK;
+    if (len >= 12 && !strcmp(name + len - 12, ".safetensors")) return FP4MOE_OK;
+    if (!strcmp(name, "model.safetensors.index.json")) return FP4MOE_OK;
+    for (const char *const *s = c->skip; s && *s; s++)
+        if (!strcmp(name, *s)) return FP4MOE_OK;
+    char *src = cli_join(c->in, name), *dst = cli_join(c->out, name);
+    int st = (src && dst) ? cli_copy_file(src, dst) : fp4moe_set_error(FP4MOE_ENOMEM, "out of memory");
+    free(src);
+    free(dst);
+    return st;
+}
+
+int cli_copy_model_files(const char *in_dir, const char *out_dir, const char *const *skip) {
+    copy_ctx c = {in_dir, out_dir, skip};
+    return cli_for_each_file(in_dir, copy_one, &c);
+}

@@ -1,0 +1,116 @@
+/* Internal: helpers shared by every fp4moe subcommand: declarative option parsing with generated
+ * usage text, error reporting with the command's name, progress on stderr, wall-clock time, and the
+ * small file-system operations of the converters (mkdir -p, copy a file, list a directory). */
+#ifndef FP4MOE_CLI_UTIL_H
+#define FP4MOE_CLI_UTIL_H
+
+#include <stdint.h>
+#include <stdio.h>
+
+/* ---- options -------------------------------------------------------------------------------------- */
+
+typedef enum {
+    CLI_FLAG,    /* no value: *(int *)dst = 1 */
+    CLI_STRING,  /* *(const char **)dst = value (points into argv) */
+    CLI_INT,     /* *(int64_t *)dst = value (decimal) */
+    CLI_DOUBLE   /* *(double *)dst = value */
+} cli_kind;
+
+typedef struct {
+    const char *name;     /* long form, "--input" */
+    const char *alias;    /* short form, "-i", or NULL */
+    cli_kind kind;
+    void *dst;
+    const char *metavar;  /* "PATH" (shown in the usage text; NULL for flags) */
+    const char *help;     /* one line; the default, if any, belongs here */
+} cli_opt;
+
+typedef struct {
+    const char *command;      /* "quantize" */
+    const char *usage;        /* "fp4moe quantize --input IN --output OUT [options]" */
+    const char *description;  /* a paragraph (may hold newlines); NULL for none */
+    const cli_opt *opts;
+    int nopts;
+    const char **positional;  /* room for max_positional arguments, or NULL */
+    int max_positional;
+    int *npositional;         /* out: how many were given (may be NULL when max_positional is 0) */
+} cli_spec;
+
+#define CLI_OK 0
+#define CLI_HELP 1   /* --help / -h was given: usage printed on stdout; the command exits 0 */
+#define CLI_USAGE 2  /* bad arguments: message printed on stderr; the command exits 2 */
+
+/* Parses argv[1..argc) (argv[0] is the command name) against spec. Accepts "--name value",
+ * "--name=value", "-a value", and "--" ending the options. Returns CLI_OK, CLI_HELP or CLI_USAGE
+ * (unknown option, missing or malformed value, too many positional arguments). */
+int cli_parse(const cli_spec *spec, int argc, char **argv);
+
+/* Prints the usage text generated from spec. */
+void cli_print_usage(const cli_spec *spec, FILE *out);
+
+/* Prints "fp4moe CMD: MESSAGE" and "Try 'fp4moe CMD --help'." on stderr; returns 2 (usage exit). */
+int cli_usage_error(const char *command, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 2, 3)))
+#endif
+    ;
+
+/* Prints "fp4moe CMD: error: <fp4moe_last_error()>" on stderr; returns 1 (failure exit). */
+int cli_fail(const char *command, int status);
+
+/* ---- time and progress --------------------------------------------------------------------------- */
+
+/* Monotonic wall-clock seconds. */
+double cli_now(void);
+
+/* "12.3 MiB" style (binary units) into buf. Returns buf. */
+const char *cli_format_bytes(int64_t bytes, char buf[32]);
+
+/* A progress line on stderr for long runs: on a terminal it is redrawn in place at most 10 times a
+ * second; otherwise one line every 10 s. Nothing is printed during the first second. */
+typedef struct {
+    const char *label;
+    int64_t total;        /* units of work (bytes, tensors); 0 = unknown */
+    double t0, last;
+    int tty, shown;
+} cli_progress;
+
+void cli_progress_start(cli_progress *p, const char *label, int64_t total);
+/* done: units finished so far; item: what is being worked on (may be NULL). */
+void cli_progress_update(cli_progress *p, int64_t done, const char *item);
+/* Ends the line (if one was shown) and prints "<label>: done in X s" when the run took >= 1 s. */
+void cli_progress_finish(cli_progress *p);
+
+/* ---- files ------------------------------------------------------------------------------------------ */
+
+/* 1 if path is a directory, 0 otherwise. */
+int cli_is_dir(const char *path);
+/* mkdir -p (mode 0777 & ~umask). Returns FP4MOE_OK or FP4MOE_EIO with a message. */
+int cli_mkdirs(const char *path);
+/* Copies the regular file src to dst (overwriting). Returns FP4MOE_OK or FP4MOE_EIO. */
+int cli_copy_file(const char *src, const char *dst);
+/* "dir/name" in a new buffer (caller frees), NULL when out of memory. */
+char *cli_join(const char *dir, const char *name);
+/* 1 when a and b name the same existing file or directory (same device and inode). */
+int cli_same_file(const char *a, const char *b);
+
+/* Reads a whole text file (<= max_bytes) into a NUL-terminated buffer (caller frees). */
+int cli_read_text(const char *path, int64_t max_bytes, char **out);
+/* Writes text to path (temp file + rename). */
+int cli_write_text(const char *path, const char *text);
+
+/* Calls fn(name, ctx) for each regular file of dir (no recursion, names sorted). Stops at and
+ * returns the first nonzero return of fn. Errors: FP4MOE_EIO. */
+int cli_for_each_file(const char *dir, int (*fn)(const char *name, void *ctx), void *ctx);
+
+/* Copies the regular files of a model directory to out_dir, except the weights (*.safetensors,
+ * model.safetensors.index.json), hidden files, and the names listed in skip (NULL-terminated;
+ * e.g. config.json when the caller rewrites it). */
+int cli_copy_model_files(const char *in_dir, const char *out_dir, const char *const *skip);
+
+/* Copies the regular files of a model directory to out_dir, except the weights (*.safetensors,
+ * model.safetensors.index.json), hidden files, and the names listed in skip (NULL-terminated;
+ * e.g. config.json when the caller rewrites it). */
+int cli_copy_model_files(const char *in_dir, const char *out_dir, const char *const *skip);
+
+#endif

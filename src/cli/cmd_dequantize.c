@@ -1,0 +1,222 @@
+/* fp4moe dequantize: an MLX nvfp4 or ModelOpt NVFP4 checkpoint -> plain float tensors.
+ * Every quantized module (io/nvfp4_ckpt.h) "<m>.weight" becomes a float "<m>.weight" of its logical
+ * shape (..., N, K), computed by fp4moe_nvfp4_dequantize (w = e2m1 * e4m3 * gs, rounded once);
+ * its scales, global scale and (ModelOpt) input scale are dropped; every other tensor is copied.
+ * Stacked experts ("<p>.switch_mlp.fc1/fc2.weight", E x N x K) stay stacked, the layout mlx-lm
+ * and the fp4moe loader read; --unstack writes HF's "<p>.experts.{e}.up_proj/down_proj.weight"
+ * instead (what transformers loads). A NaN scale byte (0x7F/0xFF) is an error naming the tensor
+ * and the index. A directory's config.json loses its "quantization"/"quantization_config" entries
+ * and hf_quant_config.json is not copied. */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cjson/cJSON.h>
+
+#include "cli/cli_util.h"
+#include "cli/commands.h"
+#include "common/error.h"
+#include "fp4moe/fp4moe.h"
+#include "io/nvfp4_ckpt.h"
+
+#define CMD "dequantize"
+#define CHUNK_ROWS_BYTES (8 << 20) /* output bytes per step */
+
+typedef struct {
+    fp4moe_qtensor q;
+    int64_t e0, e1;         /* leading indices [e0, e1) of q written by this producer */
+    fp4moe_dtype out;
+    cli_progress *progress;
+    int64_t *done;
+} deq_ctx;
+
+static const char *k_help =
+    "Dequantizes an MLX nvfp4 or ModelOpt NVFP4 checkpoint (file or model directory) to plain\n"
+    "float tensors of --dtype (w = e2m1(code) * e4m3(scale) * global scale, rounded once).\n"
+    "Scales, global scales and input scales are dropped; other tensors are copied unchanged.\n"
+    "Stacked experts (switch_mlp.fc1/fc2) stay stacked unless --unstack is given, which writes\n"
+    "HF names (experts.{e}.up_proj/down_proj). A NaN scale byte (0x7F/0xFF) is an error.";
+
+/* Dequantizes leading indices [e0, e1) chunk by chunk into the sink. */
+static int fill_deq(void *vctx, fp4moe_st_sink *sink, int64_t nbytes) {
+    deq_ctx *c = vctx;
+    const fp4moe_qtensor *q = &c->q;
+    const int64_t K = q->K, os = (int64_t)fp4moe_dtype_size(c->out);
+    const int64_t rows_per = CHUNK_ROWS_BYTES / (K * os) > 0 ? CHUNK_ROWS_BYTES / (K * os) : 1;
+    void *buf = malloc((size_t)(rows_per * K * os));
+    if (!buf) return fp4moe_set_error(FP4MOE_ENOMEM, "out of memory");
+    int st = FP4MOE_OK;
+    for (int64_t e = c->e0; e < c->e1 && !st; e++) {
+        float gs;
+        if ((st = fp4moe_qtensor_gs(q, e, &gs))) break;
+        for (int64_t r0 = 0; r0 < q->N && !st; r0 += rows_per) {
+            const int64_t r = q->N - r0 < rows_per ? q->N - r0 : rows_per, row = e * q->N + r0;
+            const uint8_t *codes = (const uint8_t *)q->weight->data + row * (K / 2);
+            const uint8_t *scales = (const uint8_t *)q->scales->data + row * (K / 16);
+            const int64_t bad = fp4moe_nvfp4_find_nan_scale(scales, r * K / 16);
+            if (bad >= 0) {
+                const int64_t at = row * (K / 16) + bad;
+                st = fp4moe_set_error(FP4MOE_EFORMAT, "%s: tensor '%s': NaN scale byte 0x%02X at index %lld "
+                                      "(row %lld, block %lld)", q->scales->file, q->scales->name, scales[bad],
+                                      (long long)at, (long long)(at / (K / 16)), (long long)(at % (K / 16)));
+                break;
+            }
+            if ((st = fp4moe_nvfp4_dequantize(codes, scales, r, K, gs, c->out, buf))) {
+                fp4moe_error_context(st, "tensor '%s'", q->weight->name);
+                break;
+            }
+            st = fp4moe_st_sink_write(sink, buf, r * K * os);
+            *c->done += r * K / 2;
+            cli_progress_update(c->progress, *c->done, q->weight->name);
+        }
+    }
+    free(buf);
+    (void)nbytes;
+    return st;
+}
+
+/* For --unstack: "<p>.switch_mlp.fc1.weight" -> "<p>.experts.<e>.up_proj.weight" (fc2: down_proj). */
+static int unstacked_name(const char *name, int64_t e, char *out, size_t cap) {
+    const char *x = strstr(name, ".switch_mlp.");
+    if (!x) return 0;
+    const char *proj = !strcmp(x, ".switch_mlp.fc1.weight") ? "up_proj" : !strcmp(x, ".switch_mlp.fc2.weight") ? "down_proj" : NULL;
+    if (!proj) return 0;
+    return (size_t)snprintf(out, cap, "%.*s.experts.%lld.%s.weight", (int)(x - name), name, (long long)e, proj) < cap;
+}
+
+static int write_config(const char *in_dir, const char *out_dir) {
+    char *in = cli_join(in_dir, "config.json"), *out = cli_join(out_dir, "config.json"), *text = NULL;
+    if (!in || !out) {
+        free(in);
+        free(out);
+        return fp4moe_set_error(FP4MOE_ENOMEM, "out of memory");
+    }
+    int st = FP4MOE_OK;
+    if (cli_read_text(in, 64 << 20, &text) == FP4MOE_OK) {
+        cJSON *root = cJSON_Parse(text);
+        if (!cJSON_IsObject(root)) {
+            st = fp4moe_set_error(FP4MOE_EFORMAT, "%s: not a JSON object", in);
+        } else {
+            cJSON_DeleteItemFromObjectCaseSensitive(root, "quantization");
+            cJSON_DeleteItemFromObjectCaseSensitive(root, "quantization_config");
+            char *s = cJSON_Print(root);
+            st = s ? cli_write_text(out, s) : fp4moe_set_error(FP4MOE_ENOMEM, "out of memory");
+            free(s);
+        }
+        cJSON_Delete(root);
+    }
+    free(text);
+    free(in);
+    free(out);
+    return st;
+}
+
+int cmd_dequantize(int argc, char **argv) {
+    const char *input = NULL, *output = NULL, *dtype_s = "bf16";
+    int unstack = 0;
+    double shard_gb = 5.0;
+    const cli_opt opts[] = {
+        {"--input", "-i", CLI_STRING, &input, "IN", "a .safetensors file or a model directory (required)"},
+        {"--output", "-o", CLI_STRING, &output, "OUT", "output file (for a file) or directory (required)"},
+        {"--dtype", NULL, CLI_STRING, &dtype_s, "T", "bf16 | f16 | f32 (default bf16)"},
+        {"--unstack", NULL, CLI_FLAG, &unstack, NULL, "write stacked experts as HF experts.{e}.up_proj/down_proj"},
+        {"--shard-gb", NULL, CLI_DOUBLE, &shard_gb, "GB", "max shard size of a directory output (default 5)"},
+    };
+    const cli_spec spec = {CMD, "fp4moe dequantize --input IN --output OUT [--dtype bf16|f16|f32]", k_help,
+                           opts, (int)(sizeof opts / sizeof opts[0]), NULL, 0, NULL};
+    int rc = cli_parse(&spec, argc, argv);
+    if (rc == CLI_HELP) return FP4MOE_EXIT_OK;
+    if (rc) return FP4MOE_EXIT_USAGE;
+    if (!input || !output) return cli_usage_error(CMD, "--input and --output are required");
+    fp4moe_dtype out_dt;
+    if (fp4moe_dtype_parse(dtype_s, &out_dt)) return cli_usage_error(CMD, "--dtype must be bf16, f16 or f32, not '%s'", dtype_s);
+    if (!(shard_gb > 0)) return cli_usage_error(CMD, "--shard-gb must be > 0");
+
+    const double t0 = cli_now();
+    fp4moe_st_model *m = NULL;
+    fp4moe_st_writer *w = NULL;
+    deq_ctx *ctx = NULL;
+    int64_t nctx = 0, done = 0, total = 0, ndeq = 0;
+    cli_progress progress;
+    int st = fp4moe_st_model_open(input, &m);
+    rc = FP4MOE_EXIT_FAIL;
+    if (st) goto fail;
+    const int is_dir = fp4moe_st_model_is_dir(m);
+    if (is_dir && cli_same_file(input, output)) {
+        rc = cli_usage_error(CMD, "--output must differ from --input");
+        goto done;
+    }
+    const fp4moe_qformat fmt = fp4moe_qformat_detect(m);
+    if (fmt == FP4MOE_QFMT_PLAIN) fprintf(stderr, "dequantize: %s has no quantized tensor; copying it\n", input);
+    const int64_t n = fp4moe_st_model_count(m);
+    int64_t max_ctx = 0; /* one producer per quantized tensor, E with --unstack */
+    for (int64_t i = 0; i < n; i++) {
+        fp4moe_qtensor q;
+        int r = fp4moe_qtensor_of(m, fp4moe_st_model_at(m, i), &q);
+        if (r < 0) { st = r; goto fail; }
+        if (r == 1) max_ctx += unstack && q.ndim == 3 ? q.E : 1;
+    }
+    if (!(ctx = calloc((size_t)max_ctx + 1, sizeof *ctx)) || (st = fp4moe_st_writer_new(&w))) {
+        if (!st) st = fp4moe_set_error(FP4MOE_ENOMEM, "out of memory");
+        goto fail;
+    }
+    cli_progress_start(&progress, "dequantize", 0);
+    for (int64_t i = 0; i < n; i++) {
+        const fp4moe_st_tensor *t = fp4moe_st_model_at(m, i);
+        fp4moe_qtensor q;
+        if (fp4moe_qtensor_is_aux(m, t->name)) continue;
+        if (fp4moe_qtensor_of(m, t, &q) != 1) {
+            if ((st = fp4moe_st_writer_add(w, t->name, t->dtype, t->ndim, t->shape, t->data))) goto fail;
+            continue;
+        }
+        ndeq++;
+        total += q.weight->nbytes;
+        char name[1100];
+        if (unstack && q.ndim == 3 && unstacked_name(t->name, 0, name, sizeof name)) {
+            for (int64_t e = 0; e < q.E; e++) {
+                unstacked_name(t->name, e, name, sizeof name);
+                ctx[nctx] = (deq_ctx){q, e, e + 1, out_dt, &progress, &done};
+                if ((st = fp4moe_st_writer_add_fn(w, name, fp4moe_st_dtype_from(out_dt), 2, q.shape + 1, fill_deq,
+                                                  &ctx[nctx++])))
+                    goto fail;
+            }
+            continue;
+        }
+        ctx[nctx] = (deq_ctx){q, 0, q.E, out_dt, &progress, &done};
+        if ((st = fp4moe_st_writer_add_fn(w, t->name, fp4moe_st_dtype_from(out_dt), q.ndim, q.shape, fill_deq,
+                                          &ctx[nctx++])))
+            goto fail;
+    }
+    progress.total = total;
+    if ((st = fp4moe_st_writer_set_metadata(w, "format", "pt"))) goto fail;
+    if (is_dir) {
+        const char *skip[] = {"config.json", "hf_quant_config.json", NULL};
+        if ((st = cli_mkdirs(output)) || (st = fp4moe_st_writer_write_model(w, output, (int64_t)(shard_gb * 1e9))) ||
+            (st = write_config(fp4moe_st_model_dir(m), output)) ||
+            (st = cli_copy_model_files(fp4moe_st_model_dir(m), output, skip)))
+            goto fail;
+    } else {
+        char *path = NULL;
+        if (cli_is_dir(output)) {
+            const char *base = strrchr(input, '/');
+            path = cli_join(output, base ? base + 1 : input);
+        }
+        st = fp4moe_st_writer_write(w, path ? path : output);
+        free(path);
+        if (st) goto fail;
+    }
+    cli_progress_finish(&progress);
+    char b[32];
+    fprintf(stderr, "dequantize: %lld %s tensors -> %s, %lld tensors written (%s) in %.1f s\n", (long long)ndeq,
+            fp4moe_qformat_name(fmt), fp4moe_dtype_name(out_dt), (long long)fp4moe_st_writer_count(w),
+            cli_format_bytes(fp4moe_st_writer_data_size(w), b), cli_now() - t0);
+    rc = FP4MOE_EXIT_OK;
+    goto done;
+fail:
+    rc = cli_fail(CMD, st);
+done:
+    fp4moe_st_writer_free(w);
+    free(ctx);
+    fp4moe_st_model_close(m);
+    return rc;
+}

@@ -1,0 +1,308 @@
+/* fp4moe generate -m DIR -p TEXT: text generation with a nemotron_h model on the CPU.
+ * Tokens are streamed to stdout as they come (whole UTF-8 characters only); load time, prefill and
+ * decode speeds go to stderr. Ctrl-C stops cleanly (between tokens, or between prefill chunks and
+ * layers). Also holds the model loading shared with `fp4moe bench` (cli_load_model). */
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "cli/cli_util.h"
+#include "cli/commands.h"
+#include "fp4moe/fp4moe.h"
+#include "fp4moe/model.h"
+#include "fp4moe/tokenizer.h"
+
+#define CMD "generate"
+
+static volatile sig_atomic_t g_stop;
+
+static void on_sigint(int sig) {
+    (void)sig;
+    g_stop = 1;
+}
+
+/* Ctrl-C sets g_stop (a second Ctrl-C is handled the same way; the loop exits promptly). */
+const volatile sig_atomic_t *cli_install_sigint(void) {
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = on_sigint;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGINT, &sa, NULL);
+    g_stop = 0;
+    return &g_stop;
+}
+
+/* ---- loading (shared with bench) ------------------------------------------------------------- */
+
+typedef struct {
+    cli_progress bar;
+} load_progress;
+
+static void on_progress(void *ctx, int64_t done, int64_t total) {
+    load_progress *p = ctx;
+    char bar[40];
+    const int w = 30, fill = total > 0 ? (int)((double)done / (double)total * w) : 0;
+    bar[0] = '[';
+    for (int i = 0; i < w; i++) bar[1 + i] = i < fill ? '#' : '.';
+    bar[w + 1] = ']';
+    bar[w + 2] = '\0';
+    p->bar.total = total;
+    cli_progress_update(&p->bar, done, bar);
+}
+
+int cli_load_model(const char *cmd, const char *dir, int quantize, fp4moe_model **out) {
+    fp4moe_load_options o;
+    fp4moe_load_options_default(&o);
+    o.quantize = quantize;
+    load_progress p;
+    cli_progress_start(&p.bar, "loading", 0);
+    o.progress = on_progress;
+    o.progress_ctx = &p;
+    int st = fp4moe_model_load(dir, &o, out);
+    if (p.bar.shown && p.bar.tty) fprintf(stderr, "\r\033[K");
+    if (st) return cli_fail(cmd, st);
+    const fp4moe_config *c = fp4moe_model_config(*out);
+    fp4moe_model_stats s;
+    fp4moe_model_get_stats(*out, &s);
+    char b[32];
+    int64_t bytes = s.bytes_embed + s.bytes_lm_head + s.bytes_mamba + s.bytes_attention +
+                    s.bytes_moe_experts + s.bytes_moe_shared + s.bytes_moe_router + s.bytes_mlp +
+                    s.bytes_norms;
+    fprintf(stderr, "%s: loaded %s in %.2f s: %s, %lld layers (%s), %.3g B params (%.3g B active), "
+            "%s, %lld NVFP4 + %lld dense linears\n", cmd, dir, s.load_seconds,
+            fp4moe_quant_mode_name(fp4moe_model_format(*out)), (long long)c->n_layers,
+            c->layer_types, (double)s.params_total * 1e-9, (double)s.params_active * 1e-9,
+            cli_format_bytes(bytes, b), (long long)s.n_nvfp4_linears, (long long)s.n_dense_linears);
+    return FP4MOE_EXIT_OK;
+}
+
+/* Model-level summary for `inspect -m DIR`: format, layer pattern, parameters, bytes per component.
+ * Loads without quantizing (weights in place). Returns an exit code. */
+int cli_model_summary(const char *cmd, const char *dir, FILE *out) {
+    fp4moe_load_options o;
+    fp4moe_load_options_default(&o);
+    o.quantize = 0;
+    fp4moe_model *m = NULL;
+    int st = fp4moe_model_load(dir, &o, &m);
+    if (st) return cli_fail(cmd, st);
+    const fp4moe_config *c = fp4moe_model_config(m);
+    fp4moe_model_stats s;
+    fp4moe_model_get_stats(m, &s);
+    char b[32];
+    fprintf(out, "model:   nemotron_h, %s, %lld layers: %s\n", fp4moe_quant_mode_name(fp4moe_model_format(m)),
+            (long long)c->n_layers, c->layer_types);
+    fprintf(out, "params:  %lld total, %lld active per token\n", (long long)s.params_total,
+            (long long)s.params_active);
+    const struct { const char *name; int64_t bytes; } parts[] = {
+        {"embedding", s.bytes_embed}, {"lm_head", s.bytes_lm_head}, {"mamba", s.bytes_mamba},
+        {"attention", s.bytes_attention}, {"moe experts", s.bytes_moe_experts},
+        {"moe shared", s.bytes_moe_shared}, {"moe router", s.bytes_moe_router}, {"mlp", s.bytes_mlp},
+        {"norms", s.bytes_norms}};
+    for (size_t i = 0; i < sizeof parts / sizeof parts[0]; i++)
+        if (parts[i].bytes) fprintf(out, "  %-12s %s\n", parts[i].name, cli_format_bytes(parts[i].bytes, b));
+    fprintf(out, "linears: %lld NVFP4, %lld dense\n", (long long)s.n_nvfp4_linears, (long long)s.n_dense_linears);
+    fp4moe_model_free(m);
+    return FP4MOE_EXIT_OK;
+}
+
+int cli_parse_dtype(const char *cmd, const char *s, fp4moe_dtype *dt) {
+    if (fp4moe_dtype_parse(s, dt) || (*dt != FP4MOE_F32 && *dt != FP4MOE_BF16))
+        return cli_usage_error(cmd, "--dtype must be bf16 or f32 (got '%s')", s);
+    return FP4MOE_EXIT_OK;
+}
+
+/* ---- generate -------------------------------------------------------------------------------- */
+
+typedef struct {
+    const char *model, *prompt, *prompt_ids, *dtype;
+    int64_t n, seed, chunk;
+    double temp, top_p;
+    int no_quantize, ignore_eos;
+} gen_args;
+
+/* "1,2,3" -> ids (malloc'd). */
+static int parse_ids(const char *s, int32_t **ids, int64_t *n) {
+    int64_t cap = 16, k = 0;
+    int32_t *a = malloc((size_t)cap * sizeof *a);
+    while (a && *s) {
+        char *end;
+        long v = strtol(s, &end, 10);
+        if (end == s || v < 0 || v > INT32_MAX) break;
+        if (k == cap) {
+            int32_t *b = realloc(a, (size_t)(cap *= 2) * sizeof *a);
+            if (!b) break;
+            a = b;
+        }
+        a[k++] = (int32_t)v;
+        s = end;
+        if (*s == ',') s++;
+        else if (*s) break;
+    }
+    if (!a || *s || k == 0) {
+        free(a);
+        return 1;
+    }
+    *ids = a;
+    *n = k;
+    return 0;
+}
+
+/* Prints a token: text through the streaming decoder, or "[id]" without a tokenizer. */
+static int emit(fp4moe_tokenizer_stream *ts, const fp4moe_tokenizer *tok, int32_t id) {
+    if (!tok) {
+        printf(" %d", id);
+    } else {
+        const char *text;
+        int64_t len;
+        int st = fp4moe_tokenizer_stream_push(ts, id, &text, &len);
+        if (st) return st;
+        fwrite(text, 1, (size_t)len, stdout);
+    }
+    fflush(stdout);
+    return FP4MOE_OK;
+}
+
+static void print_speed(const char *what, int64_t n, double dt) {
+    fprintf(stderr, "%s: %s: %lld tokens in %.3f s, %.2f tok/s\n", CMD, what, (long long)n, dt,
+            dt > 0 ? (double)n / dt : 0.0);
+}
+
+typedef struct {
+    fp4moe_model *m;
+    fp4moe_tokenizer *tok;
+    fp4moe_session *s;
+    fp4moe_sampler smp;
+    int32_t *prompt;
+    int64_t T;
+    float *logits;
+} gen_state;
+
+static void gen_free(gen_state *g) {
+    fp4moe_sampler_free(&g->smp);
+    fp4moe_session_free(g->s);
+    fp4moe_tokenizer_free(g->tok);
+    fp4moe_model_free(g->m);
+    free(g->prompt);
+    free(g->logits);
+}
+
+/* Tokenizer from the model directory (NULL when it has none and ids are given). */
+static int load_tokenizer(const gen_args *a, gen_state *g) {
+    char *path = cli_join(a->model, "tokenizer.json");
+    const int have = path && access(path, R_OK) == 0;
+    free(path);
+    if (!have && a->prompt_ids) return FP4MOE_EXIT_OK;
+    int st = fp4moe_tokenizer_load(a->model, &g->tok);
+    return st ? cli_fail(CMD, st) : FP4MOE_EXIT_OK;
+}
+
+static int encode_prompt(const gen_args *a, gen_state *g) {
+    if (a->prompt_ids) {
+        if (parse_ids(a->prompt_ids, &g->prompt, &g->T))
+            return cli_usage_error(CMD, "--prompt-ids must be a list like 1,2,3");
+        return FP4MOE_EXIT_OK;
+    }
+    int st = fp4moe_tokenizer_encode(g->tok, a->prompt, (int64_t)strlen(a->prompt), 1, &g->prompt, &g->T);
+    if (st) return cli_fail(CMD, st);
+    if (g->T == 0) return cli_usage_error(CMD, "the prompt encodes to no tokens");
+    return FP4MOE_EXIT_OK;
+}
+
+/* Prefill, then sample/decode up to n tokens, streaming them. */
+static int run_generation(const gen_args *a, gen_state *g, const volatile sig_atomic_t *stop) {
+    const fp4moe_config *c = fp4moe_model_config(g->m);
+    fp4moe_tokenizer_stream ts;
+    if (g->tok) fp4moe_tokenizer_stream_init(&ts, g->tok, 1);
+    const int32_t eos = g->tok ? fp4moe_tokenizer_eos_id(g->tok) : (int32_t)c->eos_id;
+    double t0 = cli_now();
+    int st = fp4moe_session_forward(g->s, g->prompt, g->T, g->logits, 0);
+    const double t_prefill = cli_now() - t0;
+    int64_t produced = 0;
+    double t_decode = 0.0;
+    if (!st) {
+        print_speed("prefill", g->T, t_prefill);
+        t0 = cli_now();
+        while (produced < a->n && !*stop) {
+            int32_t id = fp4moe_sample(&g->smp, g->logits);
+            produced++;
+            if (id == eos && !a->ignore_eos) break;
+            if ((st = emit(&ts, g->tok, id))) break;
+            if (produced == a->n) break;
+            if ((st = fp4moe_session_forward(g->s, &id, 1, g->logits, 0))) break;
+        }
+        t_decode = cli_now() - t0;
+    }
+    if (g->tok) {
+        const char *text;
+        int64_t len;
+        if (!fp4moe_tokenizer_stream_flush(&ts, &text, &len)) fwrite(text, 1, (size_t)len, stdout);
+        fp4moe_tokenizer_stream_free(&ts);
+    }
+    printf("\n");
+    fflush(stdout);
+    if (st == FP4MOE_EINTERRUPTED || *stop) {
+        fprintf(stderr, "%s: stopped (Ctrl-C)\n", CMD);
+        st = FP4MOE_OK;
+    }
+    if (produced > 1) print_speed("decode", produced - 1, t_decode);
+    return st ? cli_fail(CMD, st) : FP4MOE_EXIT_OK;
+}
+
+static int generate(const gen_args *a) {
+    gen_state g;
+    memset(&g, 0, sizeof g);
+    fp4moe_dtype dt;
+    int rc = cli_parse_dtype(CMD, a->dtype, &dt);
+    if (rc) return rc;
+    const volatile sig_atomic_t *stop = cli_install_sigint();
+    if ((rc = load_tokenizer(a, &g)) || (rc = encode_prompt(a, &g)) ||
+        (rc = cli_load_model(CMD, a->model, !a->no_quantize, &g.m))) {
+        gen_free(&g);
+        return rc;
+    }
+    fp4moe_session_options so;
+    fp4moe_session_options_default(&so);
+    so.act_dtype = dt;
+    so.interrupt = stop;
+    if (a->chunk > 0) so.max_chunk = a->chunk;
+    const int64_t V = fp4moe_model_config(g.m)->vocab;
+    int st = fp4moe_session_new(g.m, &so, &g.s);
+    if (!st) st = fp4moe_sampler_init(&g.smp, V, (float)a->temp, (float)a->top_p, (uint64_t)a->seed);
+    if (!st && !(g.logits = malloc((size_t)V * sizeof(float)))) st = FP4MOE_ENOMEM;
+    rc = st ? cli_fail(CMD, st) : run_generation(a, &g, stop);
+    gen_free(&g);
+    return rc;
+}
+
+int cmd_generate(int argc, char **argv) {
+    gen_args a = {.n = 128, .temp = 0.0, .top_p = 1.0, .dtype = "f32", .seed = 0};
+    const cli_opt opts[] = {
+        {"--model", "-m", CLI_STRING, &a.model, "DIR", "model directory (config.json, *.safetensors, tokenizer.json)"},
+        {"--prompt", "-p", CLI_STRING, &a.prompt, "TEXT", "prompt text"},
+        {"--prompt-ids", NULL, CLI_STRING, &a.prompt_ids, "IDS", "prompt as token ids, e.g. 1,2,3 (no tokenizer needed)"},
+        {"--tokens", "-n", CLI_INT, &a.n, "N", "tokens to generate (default 128)"},
+        {"--temp", NULL, CLI_DOUBLE, &a.temp, "T", "sampling temperature; 0 = greedy (default 0)"},
+        {"--top-p", NULL, CLI_DOUBLE, &a.top_p, "P", "nucleus sampling mass in (0, 1] (default 1)"},
+        {"--seed", NULL, CLI_INT, &a.seed, "S", "sampling seed (default 0)"},
+        {"--dtype", NULL, CLI_STRING, &a.dtype, "DT", "matmul activations: f32 or bf16 (default f32)"},
+        {"--no-quantize", NULL, CLI_FLAG, &a.no_quantize, NULL, "keep dense checkpoints dense (default: NVFP4 on load)"},
+        {"--chunk", NULL, CLI_INT, &a.chunk, "N", "prefill chunk in tokens (default 256)"},
+        {"--ignore-eos", NULL, CLI_FLAG, &a.ignore_eos, NULL, "do not stop at the end-of-sequence token"},
+    };
+    const cli_spec spec = {CMD, "fp4moe generate -m DIR -p TEXT [options]",
+                           "Generates text with a nemotron_h model (MLX nvfp4, ModelOpt NVFP4 or dense\n"
+                           "bf16/f16/f32 checkpoint). Greedy by default; tokens are streamed to stdout,\n"
+                           "load time and prefill/decode speed go to stderr. Ctrl-C stops cleanly.",
+                           opts, (int)(sizeof opts / sizeof opts[0]), NULL, 0, NULL};
+    int rc = cli_parse(&spec, argc, argv);
+    if (rc == CLI_HELP) return FP4MOE_EXIT_OK;
+    if (rc) return FP4MOE_EXIT_USAGE;
+    if (!a.model) return cli_usage_error(CMD, "-m DIR is required");
+    if (!a.prompt == !a.prompt_ids) return cli_usage_error(CMD, "give exactly one of -p TEXT and --prompt-ids IDS");
+    if (a.n < 1) return cli_usage_error(CMD, "-n must be >= 1");
+    if (!(a.top_p > 0.0 && a.top_p <= 1.0)) return cli_usage_error(CMD, "--top-p must be in (0, 1]");
+    if (a.temp < 0.0) return cli_usage_error(CMD, "--temp must be >= 0");
+    return generate(&a);
+}

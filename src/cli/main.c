@@ -1,0 +1,54 @@
+/* fp4moe: the command-line front end. `fp4moe <command> [options]`; each command lives in its own
+ * cmd_*.c and is listed once in the table below. Exit codes (commands.h): 0 ok, 1 failure, 2 usage. */
+#include <stdio.h>
+#include <string.h>
+
+#include "cli/commands.h"
+#include "fp4moe/fp4moe.h"
+
+typedef struct {
+    const char *name;
+    int (*run)(int argc, char **argv);
+    const char *summary;
+} command;
+
+static const command k_commands[] = {
+    {"quantize", cmd_quantize, "convert a float checkpoint (file or model dir) to MLX nvfp4"},
+    {"dequantize", cmd_dequantize, "convert an MLX nvfp4 / ModelOpt NVFP4 checkpoint to bf16/f16/f32"},
+    {"inspect", cmd_inspect, "list tensors, detect the format, validate every NVFP4 scale byte"},
+    {"bench-kernel", cmd_bench_kernel, "time the gather_qmm routes on random expert weights"},
+    {"generate", cmd_generate, "generate text with a nemotron_h model (streamed, tok/s on stderr)"},
+    {"bench", cmd_bench, "prefill / decode tok/s of a nemotron_h model, hash of the greedy ids"},
+};
+#define N_COMMANDS (int)(sizeof k_commands / sizeof k_commands[0])
+
+static void usage(FILE *out) {
+    fprintf(out,
+            "fp4moe %s: NVFP4 Mixture-of-Experts inference (nemotron_h) on CPU and NVIDIA GPUs\n\n"
+            "usage: fp4moe <command> [options]\n"
+            "       fp4moe <command> --help     options of one command\n"
+            "       fp4moe --version\n\ncommands:\n",
+            FP4MOE_VERSION);
+    for (int i = 0; i < N_COMMANDS; i++) fprintf(out, "  %-14s %s\n", k_commands[i].name, k_commands[i].summary);
+}
+
+int main(int argc, char **argv) {
+    if (argc < 2) {
+        usage(stderr);
+        return FP4MOE_EXIT_USAGE;
+    }
+    const char *cmd = argv[1];
+    if (!strcmp(cmd, "--help") || !strcmp(cmd, "-h") || !strcmp(cmd, "help")) {
+        usage(stdout);
+        return FP4MOE_EXIT_OK;
+    }
+    if (!strcmp(cmd, "--version") || !strcmp(cmd, "-V")) {
+        printf("fp4moe %s\n", FP4MOE_VERSION);
+        return FP4MOE_EXIT_OK;
+    }
+    for (int i = 0; i < N_COMMANDS; i++)
+        if (!strcmp(cmd, k_commands[i].name)) return k_commands[i].run(argc - 1, argv + 1);
+    fprintf(stderr, "fp4moe: unknown command '%s'\n\n", cmd);
+    usage(stderr);
+    return FP4MOE_EXIT_USAGE;
+}

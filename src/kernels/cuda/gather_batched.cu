@@ -1,0 +1,332 @@
+/* The expert-batched gather_qmm route on tensor cores (sorted idx; f16 / bf16 activations).
+ * Contract: ../shared/spec/NVFP4.md section 4; design notes and measurements: docs/GPU-NOTES.md.
+ *
+ * Work item = (expert e, row-tile of e's run, N-tile of 64 output features). The runs kernel
+ * (gather_qmm_cuda.cu) finds each expert's run [starts[e], starts[e+1]) and the prefix sum of
+ * row-tiles per expert on the device; this kernel is a persistent grid that walks the items in
+ * the order (expert, N-tile, row-tile), so the row-tiles of one weight tile run side by side and
+ * a weight tile comes from HBM once per row-tile at most (from L2 after the first).
+ *
+ * Per item, 4 warps; warp w owns features n0 + 16w .. +15, the mma M side. The run's token rows
+ * are the mma N side (n8 tiles; tiles past the run are skipped). K advances in steps of 128
+ * (8 NVFP4 blocks):
+ *  - thread (g = lane/4, t = lane%4) loads, for its rows g and g+8, blocks 2t and 2t+1 of the step
+ *    with one 16-byte load each (codes) plus their two scale bytes, one step ahead;
+ *  - codes become f16x2/bf16x2 pairs by bit operations (gather_cuda.cuh), pair i of a 32-bit word
+ *    holding codes (i, i+4), times the block scale (one packed multiply per pair, exact);
+ *  - the mma's k16 slots of thread t therefore hold K indices 32t + {8q + i, 8q + i + 4}; the x tile
+ *    in shared memory is stored with the same permutation (four byte-permutes per 16-byte piece
+ *    when it is written) so that one 16-byte shared load gives the B fragments of two k16 steps;
+ *  - fp32 accumulators; global scale and the power of two of the scale trick in the epilogue.
+ * Rows of a partial last n8 tile read a copy of the run's last row (results discarded); K past the
+ * end is zero in both operands; features past N read row N-1 (results discarded). */
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels/cuda/gather_cuda.cuh"
+
+#define BT_KSTEP 128   /* K per pipeline step */
+#define BT_XROW 288    /* bytes per token row of the x tile: 256 + swizzle room + padding */
+
+/* f16 or bf16: the code bit trick, the scale power of two, the packed multiply and the mma. */
+template <typename T> struct bt_ops;
+
+template <> struct bt_ops<__half> {
+    static constexpr float kUndo = 128.0f; /* A = e2m1*2^-14 * (s*2^7) = e2m1*s*2^-7 */
+    template <int I> __device__ static uint32_t code2(uint32_t w) { return cu_e2m1x2_f16<I>(w); }
+    __device__ static uint32_t scale2(float s) {
+        const __half2 h = __float2half2_rn(s * 128.0f); /* s <= 448: s*2^7 <= 57344, exact */
+        return *reinterpret_cast<const uint32_t *>(&h);
+    }
+    __device__ static uint32_t mul2(uint32_t a, uint32_t b) {
+        uint32_t d;
+        asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+        return d;
+    }
+    __device__ static void mma(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                               uint32_t b0, uint32_t b1) {
+        asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+            "{%8,%9}, {%0,%1,%2,%3};"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+            : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+    }
+};
+
+template <> struct bt_ops<__nv_bfloat16> {
+    static constexpr float kUndo = 256.0f; /* A = e2m1*2^-126 * (s*2^118) = e2m1*s*2^-8 */
+    template <int I> __device__ static uint32_t code2(uint32_t w) { return cu_e2m1x2_bf16<I>(w); }
+    __device__ static uint32_t scale2(float s) {
+        const __nv_bfloat162 h = __float2bfloat162_rn(s * 0x1p118f); /* < 2^127, exact */
+        return *reinterpret_cast<const uint32_t *>(&h);
+    }
+    __device__ static uint32_t mul2(uint32_t a, uint32_t b) {
+        uint32_t d;
+        asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+        return d;
+    }
+    __device__ static void mma(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                               uint32_t b0, uint32_t b1) {
+        asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+            "{%8,%9}, {%0,%1,%2,%3};"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+            : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+    }
+};
+
+/* One step's weights of one thread: blocks 2t, 2t+1 of rows g (c0) and g+8 (c1), scale bytes. */
+struct bt_w {
+    uint4 c0, c1;
+    uint32_t s0, s1; /* byte 0: block 2t, byte 1: block 2t+1 */
+};
+
+template <bool V16>
+__device__ __forceinline__ bt_w bt_load_w(const uint8_t *crow0, const uint8_t *crow1,
+                                          const uint8_t *srow0, const uint8_t *srow1, int kb, int KB) {
+    bt_w r;
+    r.c0 = r.c1 = make_uint4(0, 0, 0, 0);
+    r.s0 = r.s1 = 0;
+    if (V16) { /* KB even: kb < KB implies kb + 1 < KB */
+        if (kb < KB) {
+            r.c0 = cu_ld_stream16(crow0 + (int64_t)kb * 8);
+            r.c1 = cu_ld_stream16(crow1 + (int64_t)kb * 8);
+            r.s0 = __ldg(srow0 + kb) | (uint32_t)__ldg(srow0 + kb + 1) << 8;
+            r.s1 = __ldg(srow1 + kb) | (uint32_t)__ldg(srow1 + kb + 1) << 8;
+        }
+    } else {
+        if (kb < KB) {
+            const uint2 a = cu_ld_stream8(crow0 + (int64_t)kb * 8), b = cu_ld_stream8(crow1 + (int64_t)kb * 8);
+            r.c0.x = a.x; r.c0.y = a.y; r.c1.x = b.x; r.c1.y = b.y;
+            r.s0 = __ldg(srow0 + kb);
+            r.s1 = __ldg(srow1 + kb);
+        }
+        if (kb + 1 < KB) {
+            const uint2 a = cu_ld_stream8(crow0 + (int64_t)kb * 8 + 8), b = cu_ld_stream8(crow1 + (int64_t)kb * 8 + 8);
+            r.c0.z = a.x; r.c0.w = a.y; r.c1.z = b.x; r.c1.w = b.y;
+            r.s0 |= (uint32_t)__ldg(srow0 + kb + 1) << 8;
+            r.s1 |= (uint32_t)__ldg(srow1 + kb + 1) << 8;
+        }
+    }
+    return r;
+}
+
+/* The x tile of one step: MT token rows x 128 K, in 16-byte pieces (8 elements); thread `tid`
+ * stages the pieces of rows tid/16 + i*(THREADS/16) at K offset 8*(tid%16) of every step, so the
+ * source pointers are set once per item and only the K offset moves. */
+template <typename T, int MT, int THREADS> struct bt_xstage {
+    static constexpr int NP = MT * 16 / THREADS; /* pieces per thread */
+    const T *src[NP];                            /* NULL: row past the last n8 tile, not staged */
+    uint4 v[NP];
+    int kc, dst;                                 /* K offset in the step; byte offset of piece 0 */
+
+    __device__ __forceinline__ void init(const T *x, int64_t row0, int rows, int rows_pad, int K) {
+        const int c = threadIdx.x & 15, grp = c >> 2;
+        kc = c * 8;
+        /* permuted group of thread t at byte 64t + 16*(t/2): conflict-free fragment loads */
+        dst = (threadIdx.x >> 4) * BT_XROW + grp * 64 + (grp >> 1) * 16 + (c & 3) * 16;
+#pragma unroll
+        for (int i = 0; i < NP; i++) {
+            const int r = (threadIdx.x >> 4) + i * (THREADS / 16);
+            const int rr = r < rows ? r : rows - 1; /* partial n8 tile: a copy of the last row */
+            src[i] = r < rows_pad ? x + (row0 + rr) * K + kc : nullptr;
+        }
+    }
+    __device__ __forceinline__ void load(int k0, int K) { /* the pieces at K offset k0 + kc */
+        const bool kok = k0 + kc < K;
+#pragma unroll
+        for (int i = 0; i < NP; i++) {
+            v[i] = make_uint4(0, 0, 0, 0); /* K past the end: zeros */
+            if (src[i] && kok) v[i] = __ldg(reinterpret_cast<const uint4 *>(src[i] + k0));
+        }
+    }
+    /* elements (k0..k7) stored as (k0,k4),(k1,k5),(k2,k6),(k3,k7), like the decoded code pairs */
+    __device__ __forceinline__ void store(uint8_t *xs) const {
+#pragma unroll
+        for (int i = 0; i < NP; i++) {
+            if (src[i]) {
+                const uint4 w = v[i];
+                uint4 o;
+                o.x = __byte_perm(w.x, w.z, 0x5410);
+                o.y = __byte_perm(w.x, w.z, 0x7632);
+                o.z = __byte_perm(w.y, w.w, 0x5410);
+                o.w = __byte_perm(w.y, w.w, 0x7632);
+                *reinterpret_cast<uint4 *>(xs + dst + i * (THREADS / 16) * BT_XROW) = o;
+            }
+        }
+    }
+};
+
+template <typename T, int MT, bool V16, int WARPS>
+__global__ void __launch_bounds__(WARPS * 32, (MT == 32 ? 16 : 12) / WARPS) /* regs: <= 128 (MT 32), 168 (MT 64, 4 warps) */
+gq_batched_kernel(gq_args a, const int *__restrict__ starts, const int *__restrict__ tile_off) {
+    constexpr int THREADS = WARPS * 32, NTILE = WARPS * 16;
+    __shared__ __align__(16) uint8_t xs[2][MT * BT_XROW];
+    typedef bt_ops<T> ops;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int N = a.N, K = a.K, KB = K >> 4, nsteps = (K + BT_KSTEP - 1) / BT_KSTEP;
+    const int NT = (N + NTILE - 1) / NTILE;
+    const int64_t total = (int64_t)tile_off[a.E] * NT;
+    const T *x = static_cast<const T *>(a.x);
+    T *y = static_cast<T *>(a.y);
+
+    for (int64_t item = blockIdx.x; item < total; item += gridDim.x) {
+        /* the expert: the largest e with tile_off[e] * NT <= item (it has tiles) */
+        int lo = 0, hi = a.E;
+        while (hi - lo > 1) {
+            const int mid = (lo + hi) >> 1;
+            if ((int64_t)tile_off[mid] * NT <= item) lo = mid;
+            else hi = mid;
+        }
+        const int e = lo, tiles = tile_off[e + 1] - tile_off[e];
+        const int64_t local = item - (int64_t)tile_off[e] * NT;
+        const int ntile = (int)(local / tiles), rtile = (int)(local % tiles);
+        const int64_t row0 = (int64_t)starts[e] + (int64_t)rtile * MT;
+        const int rows = (int)min((int64_t)MT, (int64_t)starts[e + 1] - row0);
+        const int ntv = (rows + 7) >> 3, rows_pad = ntv * 8;
+        const int nw = ntile * NTILE + warp * 16;
+
+        const int64_t we = cu_weight_expert(e, a.E);
+        const int64_t wr0 = we * N + min(nw + g, N - 1), wr1 = we * N + min(nw + g + 8, N - 1);
+        const uint8_t *crow0 = a.codes + wr0 * (K >> 1), *crow1 = a.codes + wr1 * (K >> 1);
+        const uint8_t *srow0 = a.scales + wr0 * KB, *srow1 = a.scales + wr1 * KB;
+
+        float acc[MT / 8][4];
+#pragma unroll
+        for (int i = 0; i < MT / 8; i++) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+
+        bt_xstage<T, MT, THREADS> xr;
+        xr.init(x, row0, rows, rows_pad, K);
+        bt_w cur = bt_load_w<V16>(crow0, crow1, srow0, srow1, 2 * t, KB);
+        xr.load(0, K);
+        xr.store(xs[0]);
+        __syncthreads();
+
+        for (int s = 0; s < nsteps; s++) {
+            bt_w nxt = cur;
+            if (s + 1 < nsteps) {
+                nxt = bt_load_w<V16>(crow0, crow1, srow0, srow1, (s + 1) * 8 + 2 * t, KB);
+                xr.load((s + 1) * BT_KSTEP, K);
+            }
+            /* scales of this step as packed pairs: [row g | row g+8][block 2t | 2t+1] */
+            const uint32_t sg[2] = {ops::scale2(cu_e4m3_to_float(cur.s0 & 0xff)),
+                                    ops::scale2(cu_e4m3_to_float(cur.s0 >> 8))};
+            const uint32_t sg8[2] = {ops::scale2(cu_e4m3_to_float(cur.s1 & 0xff)),
+                                     ops::scale2(cu_e4m3_to_float(cur.s1 >> 8))};
+            const uint32_t w0[4] = {cur.c0.x, cur.c0.y, cur.c0.z, cur.c0.w};
+            const uint32_t w1[4] = {cur.c1.x, cur.c1.y, cur.c1.z, cur.c1.w};
+            const uint8_t *xb = xs[s & 1] + g * BT_XROW + t * 64 + (t >> 1) * 16;
+#pragma unroll
+            for (int q = 0; q < 4; q++) { /* word q: codes 8q..8q+7 of the thread's 32; k16 steps 2q, 2q+1 */
+                const uint32_t sa = sg[q >> 1], sb = sg8[q >> 1];
+                /* A operand pairs: row g (ra) and row g+8 (rb), codes (i, i+4) of word q */
+                const uint32_t ra0 = ops::mul2(ops::template code2<0>(w0[q]), sa);
+                const uint32_t ra1 = ops::mul2(ops::template code2<1>(w0[q]), sa);
+                const uint32_t ra2 = ops::mul2(ops::template code2<2>(w0[q]), sa);
+                const uint32_t ra3 = ops::mul2(ops::template code2<3>(w0[q]), sa);
+                const uint32_t rb0 = ops::mul2(ops::template code2<0>(w1[q]), sb);
+                const uint32_t rb1 = ops::mul2(ops::template code2<1>(w1[q]), sb);
+                const uint32_t rb2 = ops::mul2(ops::template code2<2>(w1[q]), sb);
+                const uint32_t rb3 = ops::mul2(ops::template code2<3>(w1[q]), sb);
+#pragma unroll
+                for (int nt = 0; nt < MT / 8; nt++) {
+                    if (nt < ntv) {
+                        const uint4 xf = *reinterpret_cast<const uint4 *>(xb + nt * 8 * BT_XROW + q * 16);
+                        ops::mma(acc[nt], ra0, rb0, ra1, rb1, xf.x, xf.y); /* k16 step 2q */
+                        ops::mma(acc[nt], ra2, rb2, ra3, rb3, xf.z, xf.w); /* k16 step 2q+1 */
+                    }
+                }
+            }
+            if (s + 1 < nsteps) xr.store(xs[(s + 1) & 1]);
+            __syncthreads();
+            cur = nxt;
+        }
+
+        /* epilogue: y[row][n] = acc * gs * 2^kshift; C fragment (g, 2t..2t+1) and (g+8, 2t..2t+1) */
+        const float mult = cu_expert_gs(a.gs, e) * ops::kUndo;
+        const int na = nw + g, nb = nw + g + 8;
+#pragma unroll
+        for (int nt = 0; nt < MT / 8; nt++) {
+            if (nt < ntv) {
+                const int r = nt * 8 + 2 * t;
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    if (r + h < rows) {
+                        T *yr = y + (row0 + r + h) * N;
+                        if (na < N) yr[na] = cu_from_float<T>(acc[nt][h] * mult);
+                        if (nb < N) yr[nb] = cu_from_float<T>(acc[nt][2 + h] * mult);
+                    }
+                }
+            }
+        }
+    }
+
+    /* rows with idx >= E (the sorted tail [starts[E], B)) are zeros */
+    const T zero = cu_from_float<T>(0.0f);
+    const int64_t end = (int64_t)a.B * N;
+    for (int64_t i = (int64_t)starts[a.E] * N + (int64_t)blockIdx.x * THREADS + threadIdx.x; i < end;
+         i += (int64_t)gridDim.x * THREADS)
+        y[i] = zero;
+}
+
+int gq_batched_row_tile(const gq_args *a, fp4moe_dtype dtype) {
+    (void)dtype;
+    /* tuning knob for measurements (docs/GPU-NOTES.md): FP4MOE_CUDA_BATCHED_ROWS=32|64 */
+    const char *env = getenv("FP4MOE_CUDA_BATCHED_ROWS");
+    if (env && (!strcmp(env, "32") || !strcmp(env, "64"))) return atoi(env);
+    /* 64-row tiles halve the weight re-reads and dequantizations of long runs; 32-row tiles keep
+     * more items (and fewer wasted n8 tiles) when runs are short. */
+    return (int64_t)a->B > 48ll * a->E ? 64 : 32;
+}
+
+template <typename T, int MT, bool V16, int WARPS>
+static int launch(const gq_args *a, const int *starts, const int *tile_off, cudaStream_t st) {
+    int dev = 0, sms = 0, occ = 0;
+    GQ_CUDA_TRY(cudaGetDevice(&dev), "cudaGetDevice");
+    GQ_CUDA_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), "cudaDeviceGetAttribute");
+    GQ_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, gq_batched_kernel<T, MT, V16, WARPS>,
+                                                              WARPS * 32, 0),
+                "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
+    /* upper bound on the items: sum over experts of ceil(len/MT) <= B/MT + min(E, B) */
+    const int64_t NT = (a->N + WARPS * 16 - 1) / (WARPS * 16);
+    const int64_t bound = ((int64_t)a->B / MT + 1 + (a->E < a->B ? a->E : a->B)) * NT;
+    int64_t grid = (int64_t)sms * (occ > 0 ? occ : 1);
+    if (grid > bound) grid = bound;
+    gq_batched_kernel<T, MT, V16, WARPS><<<(unsigned)grid, WARPS * 32, 0, st>>>(*a, starts, tile_off);
+    GQ_CUDA_TRY(cudaGetLastError(), "launch of the expert-batched kernel");
+    return FP4MOE_OK;
+}
+
+/* Warps per block (= 16-feature slices sharing one x tile): 8 for 32-row tiles (half the x
+ * staging per thread of 4 warps, 128 registers), 4 for 64-row tiles (168 registers without spills);
+ * FP4MOE_CUDA_BATCHED_WARPS=4|8 is a tuning knob for measurements. */
+static int batched_warps(int mt) {
+    const char *env = getenv("FP4MOE_CUDA_BATCHED_WARPS");
+    if (env && (!strcmp(env, "4") || !strcmp(env, "8"))) return atoi(env);
+    return mt == 32 ? 8 : 4;
+}
+
+template <typename T, int MT>
+static int launch_mt(const gq_args *a, const int *starts, const int *tile_off, cudaStream_t st) {
+    const bool v16 = (a->K % 32) == 0 && ((uintptr_t)a->codes & 15) == 0;
+    if (batched_warps(MT) == 4)
+        return v16 ? launch<T, MT, true, 4>(a, starts, tile_off, st) : launch<T, MT, false, 4>(a, starts, tile_off, st);
+    return v16 ? launch<T, MT, true, 8>(a, starts, tile_off, st) : launch<T, MT, false, 8>(a, starts, tile_off, st);
+}
+
+template <typename T>
+static int launch_dtype(const gq_args *a, int mt, const int *starts, const int *tile_off, cudaStream_t st) {
+    return mt == 64 ? launch_mt<T, 64>(a, starts, tile_off, st) : launch_mt<T, 32>(a, starts, tile_off, st);
+}
+
+int gq_launch_batched(const gq_args *a, fp4moe_dtype dtype, cudaStream_t st) {
+    const int mt = gq_batched_row_tile(a, dtype);
+    int *buf = NULL;
+    int rc = gq_scratch_alloc((void **)&buf, 2 * ((size_t)a->E + 1) * sizeof(int), st);
+    if (rc != FP4MOE_OK) return rc;
+    int *starts = buf, *tile_off = buf + a->E + 1;
+    rc = gq_launch_runs(a, mt, starts, tile_off, st);
+    if (rc == FP4MOE_OK)
+        rc = dtype == FP4MOE_F16 ? launch_dtype<__half>(a, mt, starts, tile_off, st)
+                                 : launch_dtype<__nv_bfloat16>(a, mt, starts, tile_off, st);
+    const int rc2 = gq_scratch_free(buf, st);
+    return rc != FP4MOE_OK ? rc : rc2;
+}

@@ -1,0 +1,139 @@
+/* Internal: pieces shared by the CUDA gather_qmm routes (the .cu files of src/kernels/cuda).
+ * Contract: ../shared/spec/NVFP4.md section 4 and include/fp4moe/gather_qmm.h.
+ *
+ * Number tricks used by the kernels (all exact; spec section 1: every e2m1 * e4m3 product is exact
+ * in bf16 and fp16):
+ *  - E2M1 code c = s e1 e0 m. Written into an fp16 as (mag << 9) | (s << 15) it reads as
+ *    e2m1(c) * 2^-14 (e1e0 lands in the exponent, m in the top mantissa bit; e1e0 = 0 is the
+ *    subnormal 0.5 case, which matches). Into a bf16 as (mag << 6) | (s << 15): e2m1(c) * 2^-126.
+ *    Into an fp32 as (mag << 22) | (s << 31): e2m1(c) * 2^-126.
+ *  - The kernels multiply these by the E4M3 block scale times a power of two chosen so that nothing
+ *    overflows or underflows, and undo that power of two (exactly) in the epilogue together with
+ *    the global scale. */
+#ifndef FP4MOE_KERNELS_CUDA_GATHER_CUDA_CUH
+#define FP4MOE_KERNELS_CUDA_GATHER_CUDA_CUH
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "common/error.h"
+#include "fp4moe/gather_qmm.h"
+
+/* One gather_qmm call, device pointers; sizes already validated to fit in int. */
+struct gq_args {
+    const uint8_t *codes;   /* E*N*(K/2) bytes */
+    const uint8_t *scales;  /* E*N*(K/16) E4M3 bytes */
+    const float *gs;        /* E fp32 decode multipliers, or NULL */
+    int E, N, K;
+    const void *x;          /* B x K of the activation dtype */
+    void *y;                /* B x N of the same dtype */
+    const uint32_t *idx;    /* B expert indices */
+    int B;
+};
+
+/* ---- deliberate faults (FP4MOE_INJECT_FAULT, see src/kernels/gather_common.h) ---------------- */
+__host__ __device__ __forceinline__ int64_t cu_weight_expert(int64_t e, int64_t E) {
+#ifdef FP4MOE_INJECT_FAULT_EXPERT_OFFSET /* deliberate fault (tests must catch it): shifted expert */
+    return e + 1 < E ? e + 1 : (e > 0 ? e - 1 : e);
+#else
+    (void)E;
+    return e;
+#endif
+}
+
+__device__ __forceinline__ float cu_expert_gs(const float *gs, int64_t e) {
+#ifdef FP4MOE_INJECT_FAULT_GLOBAL_SCALE /* deliberate fault (tests must catch it): gs dropped */
+    (void)gs; (void)e;
+    return 1.0f;
+#else
+    return gs ? gs[e] : 1.0f;
+#endif
+}
+
+/* ---- E4M3 and E2M1 decoding -------------------------------------------------------------- */
+/* E4M3 byte -> float (hardware cvt on sm_89+). */
+__device__ __forceinline__ float cu_e4m3_to_float(uint32_t b) {
+    const __half_raw h = __nv_cvt_fp8_to_halfraw((__nv_fp8_storage_t)b, __NV_E4M3);
+    return __half2float(__half(h));
+}
+
+/* Codes i and i+4 of the 8 in word w (code j in bits 4j..4j+3), as an fp16x2 bit pattern
+ * (low half: code i) holding e2m1 * 2^-14. */
+template <int I>
+__device__ __forceinline__ uint32_t cu_e2m1x2_f16(uint32_t w) {
+    const uint32_t v = w >> (4 * I);
+    return ((v & 0x00070007u) << 9) | ((v & 0x00080008u) << 12);
+}
+/* Same as a bf16x2 bit pattern holding e2m1 * 2^-126. */
+template <int I>
+__device__ __forceinline__ uint32_t cu_e2m1x2_bf16(uint32_t w) {
+    const uint32_t v = w >> (4 * I);
+    return ((v & 0x00070007u) << 6) | ((v & 0x00080008u) << 12);
+}
+/* Code i of word w as an fp32 holding e2m1 * 2^-126. */
+__device__ __forceinline__ float cu_e2m1_f32(uint32_t w, int i) {
+    const uint32_t v = w >> (4 * i);
+    return __uint_as_float(((v & 7u) << 22) | ((v & 8u) << 28));
+}
+
+/* ---- loads --------------------------------------------------------------------------------- */
+/* Weights are read once per row-tile: stream them past L1 (read-only path, no L1 allocation). */
+__device__ __forceinline__ uint4 cu_ld_stream16(const void *p) {
+    uint4 r;
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+        : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+    return r;
+}
+__device__ __forceinline__ uint2 cu_ld_stream8(const void *p) {
+    uint2 r;
+    asm("ld.global.nc.L1::no_allocate.v2.u32 {%0,%1}, [%2];" : "=r"(r.x), "=r"(r.y) : "l"(p));
+    return r;
+}
+
+/* ---- activation / output element access ----------------------------------------------------- */
+__device__ __forceinline__ float cu_to_float(float v) { return v; }
+__device__ __forceinline__ float cu_to_float(__half v) { return __half2float(v); }
+__device__ __forceinline__ float cu_to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+template <typename T> __device__ __forceinline__ T cu_from_float(float v);
+template <> __device__ __forceinline__ float cu_from_float<float>(float v) { return v; }
+template <> __device__ __forceinline__ __half cu_from_float<__half>(float v) { return __float2half_rn(v); }
+template <> __device__ __forceinline__ __nv_bfloat16 cu_from_float<__nv_bfloat16>(float v) {
+    return __float2bfloat16_rn(v);
+}
+
+/* ---- host side ----------------------------------------------------------------------------- */
+/* Checks a CUDA runtime status; on failure sets the fp4moe error ("gather_qmm_cuda: <what>: <msg>")
+ * and returns FP4MOE_ECUDA from the calling function. */
+#define GQ_CUDA_TRY(call, what)                                                                    \
+    do {                                                                                           \
+        const cudaError_t gq_err_ = (call);                                                        \
+        if (gq_err_ != cudaSuccess)                                                                \
+            return fp4moe_set_error(FP4MOE_ECUDA, "gather_qmm_cuda: %s: %s", (what),               \
+                                    cudaGetErrorString(gq_err_));                                  \
+    } while (0)
+
+/* Rows per row-tile of the expert-batched kernel for this call (32 or 64, see gather_batched.cu);
+ * the runs kernel counts tiles with the same value. */
+int gq_batched_row_tile(const gq_args *a, fp4moe_dtype dtype);
+
+/* Computes on the device, without host synchronisation:
+ *   starts[e] = first row b with idx[b] >= e, for e in [0, E]   (idx sorted: expert e's run is
+ *               rows [starts[e], starts[e+1]); rows [starts[E], B) are out of range),
+ *   tile_off[e] = sum over e' < e of ceil(run length of e' / row_tile), e in [0, E] (if non-NULL).
+ * A broken "sorted" promise gives wrong runs but never an out-of-bounds access. */
+int gq_launch_runs(const gq_args *a, int row_tile, int *starts, int *tile_off, cudaStream_t st);
+
+/* Route launchers (arguments already validated; FP4MOE_OK or FP4MOE_ECUDA with a message). */
+int gq_launch_qmv(const gq_args *a, fp4moe_dtype dtype, cudaStream_t st);
+int gq_launch_batched(const gq_args *a, fp4moe_dtype dtype, cudaStream_t st);
+int gq_run_dequant_gemm(const gq_args *a, fp4moe_dtype dtype, cudaStream_t st);
+
+/* cudaMallocAsync on the stream (from the device's default pool, whose release threshold is raised
+ * once per device so that small per-call buffers are reused, not re-mapped after each sync). */
+int gq_scratch_alloc(void **p, size_t bytes, cudaStream_t st);
+int gq_scratch_free(void *p, cudaStream_t st);
+
+#endif

@@ -1,0 +1,172 @@
+/* The dequantize + cuBLAS gather_qmm route (sorted idx). Contract: ../shared/spec/NVFP4.md
+ * section 4; measurements: docs/PERFORMANCE.md, docs/GPU-NOTES.md.
+ *
+ * 1. The runs kernel finds each expert's run on the device; its E+1 run starts (and the global
+ *    scales) are copied to the host: the route SYNCHRONIZES THE STREAM once, because cuBLAS needs
+ *    each run's row count on the host.
+ * 2. Experts that have rows are dequantized (w = e2m1 * e4m3, exact in f16/bf16/f32) into a cached
+ *    per-device scratch, as many at a time as fit in FP4MOE_DQ_SCRATCH_BYTES.
+ * 3. One cublasGemmEx per run: y_run (len x N) = gs[e] * x_run (len x K) * W_e^T, fp32 compute
+ *    (CUBLAS_COMPUTE_32F: f32 activations get plain fp32, no TF32), rounded once to dtype.
+ *    Out-of-range rows (the sorted tail) are cleared with cudaMemsetAsync.
+ * The scratch and the cuBLAS handle are cached per device and guarded by a process-wide mutex,
+ * which is held until the stream has finished with the scratch (a second synchronisation at the
+ * end), so concurrent calls from several host threads are serialized but safe. */
+#include <cublas_v2.h>
+#include <pthread.h>
+#include <stdlib.h>
+
+#include "kernels/cuda/gather_cuda.cuh"
+#include "kernels/gather_common.h"
+
+#define FP4MOE_DQ_SCRATCH_BYTES (1ull << 30) /* dequantized experts per batch: at most 1 GiB */
+#define DQ_MAX_DEVICES 64
+
+/* w[e][n][k] for the experts e0 .. e0+ne-1 that have rows, into out[(e - e0)][n][k] (dtype T).
+ * One thread per NVFP4 block (16 weights: one 8-byte code load, one scale byte). */
+template <typename T>
+__global__ void gq_dequant_kernel(const uint8_t *__restrict__ codes, const uint8_t *__restrict__ scales,
+                                  int E, int N, int K, const int *__restrict__ starts, int e0, T *__restrict__ out) {
+    const int e = e0 + blockIdx.y;
+    if (starts[e + 1] <= starts[e]) return; /* no rows: not needed */
+    const int64_t nblocks = (int64_t)N * (K >> 4);
+    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= nblocks) return;
+    const int64_t src = cu_weight_expert(e, E) * nblocks + i; /* block index within all experts */
+    const uint2 c = cu_ld_stream8(codes + src * 8);
+    const float s = cu_e4m3_to_float(__ldg(scales + src));
+    T *o = out + (int64_t)blockIdx.y * nblocks * 16 + i * 16;
+    const uint32_t cw[2] = {c.x, c.y};
+#pragma unroll
+    for (int j = 0; j < 16; j++) /* (e2m1 * 2^-126 * 2^100) * (s * 2^26): exact in fp32 */
+        o[j] = cu_from_float<T>(cu_e2m1_f32(cw[j >> 3], j & 7) * 0x1p100f * (s * 0x1p26f));
+}
+
+static pthread_mutex_t g_dq_lock = PTHREAD_MUTEX_INITIALIZER;
+static struct {
+    cublasHandle_t handle;
+    void *scratch;
+    size_t bytes;
+} g_dq[DQ_MAX_DEVICES];
+
+#define CUBLAS_TRY(call, what)                                                                     \
+    do {                                                                                           \
+        const cublasStatus_t cs_ = (call);                                                         \
+        if (cs_ != CUBLAS_STATUS_SUCCESS) {                                                        \
+            rc = fp4moe_set_error(FP4MOE_ECUDA, "gather_qmm_cuda: %s: cuBLAS status %d", (what),   \
+                                  (int)cs_);                                                       \
+            goto done;                                                                             \
+        }                                                                                          \
+    } while (0)
+#define CUDA_TRY_GOTO(call, what)                                                                  \
+    do {                                                                                           \
+        const cudaError_t ce_ = (call);                                                            \
+        if (ce_ != cudaSuccess) {                                                                  \
+            rc = fp4moe_set_error(FP4MOE_ECUDA, "gather_qmm_cuda: %s: %s", (what),                 \
+                                  cudaGetErrorString(ce_));                                        \
+            goto done;                                                                             \
+        }                                                                                          \
+    } while (0)
+
+template <typename T>
+static int dequant_gemm(const gq_args *a, fp4moe_dtype dtype, cudaStream_t st) {
+    const cudaDataType_t ty = dtype == FP4MOE_F32 ? CUDA_R_32F : dtype == FP4MOE_F16 ? CUDA_R_16F : CUDA_R_16BF;
+    const size_t es = sizeof(T);
+    const int64_t per_expert = (int64_t)a->N * a->K; /* weights */
+    int rc = FP4MOE_OK, dev = 0, e0 = 0;
+    int *d_starts = NULL, *h_starts = NULL;
+    float *h_gs = NULL;
+    int64_t batch;
+
+    GQ_CUDA_TRY(cudaGetDevice(&dev), "cudaGetDevice");
+    if (dev < 0 || dev >= DQ_MAX_DEVICES)
+        return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "gather_qmm_cuda: device %d >= %d", dev, DQ_MAX_DEVICES);
+    if ((uint64_t)per_expert * es > FP4MOE_DQ_SCRATCH_BYTES)
+        return fp4moe_set_error(FP4MOE_EUNSUPPORTED,
+                                "gather_qmm_cuda: dequant_gemm: one expert (N=%d x K=%d) exceeds the %llu-byte scratch",
+                                a->N, a->K, (unsigned long long)FP4MOE_DQ_SCRATCH_BYTES);
+    h_starts = (int *)malloc(((size_t)a->E + 1) * sizeof(int));
+    h_gs = (float *)malloc((size_t)a->E * sizeof(float));
+    if (!h_starts || !h_gs) {
+        free(h_starts);
+        free(h_gs);
+        return fp4moe_set_error(FP4MOE_ENOMEM, "gather_qmm_cuda: dequant_gemm: host buffers for E=%d", a->E);
+    }
+    pthread_mutex_lock(&g_dq_lock);
+
+    /* 1. run starts (and global scales) on the host: the one synchronisation of this route */
+    rc = gq_scratch_alloc((void **)&d_starts, ((size_t)a->E + 1) * sizeof(int), st);
+    if (rc != FP4MOE_OK) goto done;
+    rc = gq_launch_runs(a, 1, d_starts, NULL, st);
+    if (rc != FP4MOE_OK) goto done;
+    CUDA_TRY_GOTO(cudaMemcpyAsync(h_starts, d_starts, ((size_t)a->E + 1) * sizeof(int), cudaMemcpyDeviceToHost, st),
+                  "copy of the run starts to the host");
+    if (a->gs)
+        CUDA_TRY_GOTO(cudaMemcpyAsync(h_gs, a->gs, (size_t)a->E * sizeof(float), cudaMemcpyDeviceToHost, st),
+                      "copy of the global scales to the host");
+    CUDA_TRY_GOTO(cudaStreamSynchronize(st), "cudaStreamSynchronize (run sizes for cuBLAS)");
+
+    /* 2. cached scratch and handle */
+    if (!g_dq[dev].handle) CUBLAS_TRY(cublasCreate(&g_dq[dev].handle), "cublasCreate");
+    CUBLAS_TRY(cublasSetStream(g_dq[dev].handle, st), "cublasSetStream");
+    CUBLAS_TRY(cublasSetPointerMode(g_dq[dev].handle, CUBLAS_POINTER_MODE_HOST), "cublasSetPointerMode");
+    batch = (int64_t)(FP4MOE_DQ_SCRATCH_BYTES / ((uint64_t)per_expert * es));
+    if (batch > a->E) batch = a->E;
+    if (batch > 65535) batch = 65535; /* gridDim.y of the dequantize kernel */
+    if (g_dq[dev].bytes < (size_t)(batch * per_expert) * es) {
+        if (g_dq[dev].scratch) CUDA_TRY_GOTO(cudaFree(g_dq[dev].scratch), "cudaFree of the dequant scratch");
+        g_dq[dev].scratch = NULL;
+        g_dq[dev].bytes = 0;
+        CUDA_TRY_GOTO(cudaMalloc(&g_dq[dev].scratch, (size_t)(batch * per_expert) * es),
+                      "cudaMalloc of the dequant scratch");
+        g_dq[dev].bytes = (size_t)(batch * per_expert) * es;
+    }
+
+    /* 3. per batch of experts: dequantize those with rows, one GEMM per run */
+    for (e0 = 0; e0 < a->E; e0 += (int)batch) {
+        const int ne = (int)(a->E - e0 < batch ? a->E - e0 : batch);
+        if (h_starts[e0 + ne] <= h_starts[e0]) continue; /* no rows in this batch */
+        const int64_t nblocks = (int64_t)a->N * (a->K >> 4);
+        const dim3 grid((unsigned)((nblocks + 255) / 256), (unsigned)ne);
+        gq_dequant_kernel<T><<<grid, 256, 0, st>>>(a->codes, a->scales, a->E, a->N, a->K, d_starts, e0,
+                                                   (T *)g_dq[dev].scratch);
+        CUDA_TRY_GOTO(cudaGetLastError(), "launch of the dequantize kernel");
+        for (int e = e0; e < e0 + ne; e++) {
+            const int len = h_starts[e + 1] - h_starts[e];
+            if (len <= 0) continue;
+            /* column-major view: Y^T (N x len, ld N) = W_e (K x N, ld K)^T * X^T (K x len, ld K) */
+            const float alpha = gather_expert_gs(a->gs ? h_gs : NULL, e), beta = 0.0f;
+            const char *W = (const char *)g_dq[dev].scratch + (size_t)(e - e0) * per_expert * es;
+            const char *X = (const char *)a->x + (size_t)h_starts[e] * a->K * es;
+            char *Y = (char *)a->y + (size_t)h_starts[e] * a->N * es;
+            CUBLAS_TRY(cublasGemmEx(g_dq[dev].handle, CUBLAS_OP_T, CUBLAS_OP_N, a->N, len, a->K, &alpha, W, ty,
+                                    a->K, X, ty, a->K, &beta, Y, ty, a->N, CUBLAS_COMPUTE_32F,
+                                    CUBLAS_GEMM_DEFAULT),
+                       "cublasGemmEx");
+        }
+    }
+    /* out-of-range rows: [starts[E], B) */
+    if (h_starts[a->E] < a->B)
+        CUDA_TRY_GOTO(cudaMemsetAsync((char *)a->y + (size_t)h_starts[a->E] * a->N * es, 0,
+                                      (size_t)(a->B - h_starts[a->E]) * a->N * es, st),
+                      "cudaMemsetAsync of the out-of-range rows");
+    /* the scratch is reused by the next call: wait for this one before releasing the lock */
+    CUDA_TRY_GOTO(cudaStreamSynchronize(st), "cudaStreamSynchronize (end of dequant_gemm)");
+done:
+    if (d_starts) {
+        const int rc2 = gq_scratch_free(d_starts, st);
+        if (rc == FP4MOE_OK) rc = rc2;
+    }
+    pthread_mutex_unlock(&g_dq_lock);
+    free(h_starts);
+    free(h_gs);
+    return rc;
+}
+
+int gq_run_dequant_gemm(const gq_args *a, fp4moe_dtype dtype, cudaStream_t st) {
+    switch (dtype) {
+    case FP4MOE_F32: return dequant_gemm<float>(a, dtype, st);
+    case FP4MOE_F16: return dequant_gemm<__half>(a, dtype, st);
+    default: return dequant_gemm<__nv_bfloat16>(a, dtype, st);
+    }
+}

@@ -1,0 +1,190 @@
+/* gather_qmm on CUDA: the public entry points, the route choice, the device-side expert runs and
+ * the per-call scratch. Contract: ../shared/spec/NVFP4.md section 4, include/fp4moe/gather_qmm.h.
+ *
+ * Routes (src/kernels/cuda/):
+ *   qmv           gather_qmv.cu      decode / unsorted: a warp per (segment of <= 8 rows of one
+ *                                    expert, output feature n); fp32 CUDA-core FMA; any dtype.
+ *   batched       gather_batched.cu  sorted: tensor-core mma.sync over work items (expert, row-tile,
+ *                                    N-tile) found on the device; f16/bf16 activations. For f32
+ *                                    activations the batched route runs the qmv kernel (fp32 FMA,
+ *                                    rows of one expert share each weight load), to meet the f32
+ *                                    tolerance without TF32.
+ *   dequant_gemm  gather_dequant_gemm.cu  sorted: dequantize each used expert to dtype, cuBLAS GEMM
+ *                                    per run; synchronizes the stream once (run sizes on the host).
+ * Automatic choice: FP4MOE_GATHER_ROUTE (where legal), else FP4MOE_GATHER_EXPERT_BATCHED=0 -> qmv,
+ * else sorted && B >= FP4MOE_BATCHED_MIN_ROWS -> batched (measured faster than dequant_gemm on the
+ * Nemotron shapes, docs/PERFORMANCE.md), else qmv.
+ *
+ * Thread safety: qmv and batched are reentrant (per-call scratch comes from cudaMallocAsync on the
+ * caller's stream). dequant_gemm serializes on a process-wide mutex (it owns a cached scratch
+ * buffer and cuBLAS handle per device). Pointers must belong to the current device. */
+#include <limits.h>
+#include <stdlib.h>
+
+#include "kernels/cuda/gather_cuda.cuh"
+#include "kernels/gather_common.h"
+
+/* ---- expert runs on the device ------------------------------------------------------------- */
+#define RUNS_THREADS 1024
+
+__global__ void __launch_bounds__(RUNS_THREADS)
+gq_runs_kernel(const uint32_t *__restrict__ idx, int B, int E, int row_tile, int *__restrict__ starts,
+               int *__restrict__ tile_off) {
+    /* starts[e] = lower bound of e in idx (first b with idx[b] >= e) */
+    for (int e = threadIdx.x; e <= E; e += blockDim.x) {
+        int lo = 0, hi = B;
+        while (lo < hi) {
+            const int mid = lo + (hi - lo) / 2;
+            if (idx[mid] < (uint32_t)e) lo = mid + 1;
+            else hi = mid;
+        }
+        starts[e] = lo;
+    }
+    if (!tile_off) return;
+    __syncthreads(); /* starts[] written by this block is visible to it after the barrier */
+    /* exclusive scan of tiles(e) = ceil(max(0, starts[e+1] - starts[e]) / row_tile), in chunks */
+    __shared__ int warp_sum[RUNS_THREADS / 32];
+    __shared__ int carry;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (threadIdx.x == 0) {
+        carry = 0;
+        tile_off[0] = 0;
+    }
+    __syncthreads();
+    for (int base = 0; base < E; base += RUNS_THREADS) {
+        const int e = base + threadIdx.x;
+        int v = 0;
+        if (e < E) {
+            const int len = starts[e + 1] - starts[e];
+            v = len > 0 ? (len + row_tile - 1) / row_tile : 0;
+        }
+        for (int o = 1; o < 32; o <<= 1) { /* inclusive warp scan */
+            const int u = __shfl_up_sync(0xffffffffu, v, o);
+            if (lane >= o) v += u;
+        }
+        if (lane == 31) warp_sum[warp] = v;
+        __syncthreads();
+        if (warp == 0) {
+            int s = warp_sum[lane];
+            for (int o = 1; o < 32; o <<= 1) {
+                const int u = __shfl_up_sync(0xffffffffu, s, o);
+                if (lane >= o) s += u;
+            }
+            warp_sum[lane] = s; /* inclusive over warps */
+        }
+        __syncthreads();
+        const int incl = carry + v + (warp > 0 ? warp_sum[warp - 1] : 0);
+        if (e < E) tile_off[e + 1] = incl;
+        __syncthreads();
+        if (threadIdx.x == RUNS_THREADS - 1) carry = incl;
+        __syncthreads();
+    }
+}
+
+int gq_launch_runs(const gq_args *a, int row_tile, int *starts, int *tile_off, cudaStream_t st) {
+    gq_runs_kernel<<<1, RUNS_THREADS, 0, st>>>(a->idx, a->B, a->E, row_tile, starts, tile_off);
+    GQ_CUDA_TRY(cudaGetLastError(), "launch of the expert-runs kernel");
+    return FP4MOE_OK;
+}
+
+/* ---- per-call scratch ------------------------------------------------------------------------ */
+#define GQ_MAX_DEVICES 64
+static int g_pool_ready[GQ_MAX_DEVICES];
+
+int gq_scratch_alloc(void **p, size_t bytes, cudaStream_t st) {
+    int dev = 0;
+    GQ_CUDA_TRY(cudaGetDevice(&dev), "cudaGetDevice");
+    if (dev >= 0 && dev < GQ_MAX_DEVICES && !__atomic_load_n(&g_pool_ready[dev], __ATOMIC_ACQUIRE)) {
+        /* keep up to 64 MiB in the default pool across synchronisations (default: 0, every
+         * cudaStreamSynchronize would hand small buffers back and the next call re-map them) */
+        cudaMemPool_t pool;
+        GQ_CUDA_TRY(cudaDeviceGetDefaultMemPool(&pool, dev), "cudaDeviceGetDefaultMemPool");
+        uint64_t thr = 0;
+        GQ_CUDA_TRY(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &thr),
+                    "cudaMemPoolGetAttribute");
+        if (thr < (64ull << 20)) {
+            thr = 64ull << 20;
+            GQ_CUDA_TRY(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &thr),
+                        "cudaMemPoolSetAttribute");
+        }
+        __atomic_store_n(&g_pool_ready[dev], 1, __ATOMIC_RELEASE);
+    }
+    GQ_CUDA_TRY(cudaMallocAsync(p, bytes, st), "cudaMallocAsync of the per-call scratch");
+    return FP4MOE_OK;
+}
+
+int gq_scratch_free(void *p, cudaStream_t st) {
+    GQ_CUDA_TRY(cudaFreeAsync(p, st), "cudaFreeAsync of the per-call scratch");
+    return FP4MOE_OK;
+}
+
+/* ---- public API ------------------------------------------------------------------------------ */
+static int route_needs_sorted(fp4moe_route r) {
+    return r == FP4MOE_ROUTE_BATCHED || r == FP4MOE_ROUTE_DEQUANT_GEMM;
+}
+
+/* The automatic choice on CUDA (the one place where the CUDA route predicate lives). */
+static fp4moe_route choose_route(int64_t B, int sorted) {
+    const fp4moe_route env = gather_env_route();
+    if (env != FP4MOE_ROUTE_AUTO && (sorted || !route_needs_sorted(env))) return env;
+    if (gather_env_batched_off()) return FP4MOE_ROUTE_QMV;
+    if (sorted && B >= FP4MOE_BATCHED_MIN_ROWS) return FP4MOE_ROUTE_BATCHED;
+    return FP4MOE_ROUTE_QMV;
+}
+
+static int misaligned(const void *p, uintptr_t a) { return ((uintptr_t)p & (a - 1)) != 0; }
+
+extern "C" int fp4moe_gather_qmm_cuda_route(const fp4moe_nvfp4_weights *w, const void *x,
+                                            fp4moe_dtype dtype, const uint32_t *idx, int64_t B,
+                                            int sorted, fp4moe_route route, void *y, void *stream) {
+    int st = fp4moe_gather_qmm_check(w, x, idx, B, y);
+    if (st != FP4MOE_OK) return st;
+    if (dtype != FP4MOE_F32 && dtype != FP4MOE_F16 && dtype != FP4MOE_BF16)
+        return fp4moe_set_error(FP4MOE_EINVAL, "gather_qmm_cuda: unknown activation dtype %d", (int)dtype);
+    if ((int)route < (int)FP4MOE_ROUTE_AUTO || (int)route > (int)FP4MOE_ROUTE_DEQUANT_GEMM)
+        return fp4moe_set_error(FP4MOE_EINVAL, "gather_qmm_cuda: unknown route %d", (int)route);
+    if (route_needs_sorted(route) && !sorted)
+        return fp4moe_set_error(FP4MOE_EINVAL, "gather_qmm_cuda: route %s needs sorted idx",
+                                fp4moe_route_name(route));
+    if (B == 0) return FP4MOE_OK;
+    /* the kernels count rows, features and K in int (64-bit offsets) */
+    if (B > INT_MAX || w->E > INT_MAX - 1 || w->N > INT_MAX || w->K > INT_MAX)
+        return fp4moe_set_error(FP4MOE_EUNSUPPORTED,
+                                "gather_qmm_cuda: B=%lld, E=%lld, N=%lld or K=%lld exceeds 2^31-1",
+                                (long long)B, (long long)w->E, (long long)w->N, (long long)w->K);
+    /* vector loads: x rows in 16-byte pieces, codes in 8- or 16-byte pieces */
+    if (misaligned(x, 16) || misaligned(w->codes, 8) || misaligned(y, fp4moe_dtype_size(dtype)) ||
+        misaligned(idx, 4) || misaligned(w->global_scale, 4))
+        return fp4moe_set_error(FP4MOE_EINVAL,
+                                "gather_qmm_cuda: misaligned device pointer (x needs 16 bytes, w.codes 8, "
+                                "y its element size, idx and w.global_scale 4; cudaMalloc gives 256)");
+    const gq_args a = {w->codes, w->scales, w->global_scale, (int)w->E, (int)w->N, (int)w->K,
+                       x, y, idx, (int)B};
+    cudaStream_t s = (cudaStream_t)stream;
+    if (route == FP4MOE_ROUTE_AUTO) route = choose_route(B, sorted);
+    switch (route) {
+    case FP4MOE_ROUTE_BATCHED:
+        st = dtype == FP4MOE_F32 ? gq_launch_qmv(&a, dtype, s) : gq_launch_batched(&a, dtype, s);
+        break;
+    case FP4MOE_ROUTE_DEQUANT_GEMM: st = gq_run_dequant_gemm(&a, dtype, s); break;
+    default: st = gq_launch_qmv(&a, dtype, s); break;
+    }
+    if (st != FP4MOE_OK)
+        return fp4moe_error_context(st, "gather_qmm_cuda (route %s, E=%d N=%d K=%d B=%d)",
+                                    fp4moe_route_name(route), a.E, a.N, a.K, a.B);
+    return FP4MOE_OK;
+}
+
+extern "C" int fp4moe_gather_qmm_cuda(const fp4moe_nvfp4_weights *w, const void *x, fp4moe_dtype dtype,
+                                      const uint32_t *idx, int64_t B, int sorted, void *y, void *stream) {
+    return fp4moe_gather_qmm_cuda_route(w, x, dtype, idx, B, sorted, FP4MOE_ROUTE_AUTO, y, stream);
+}
+
+extern "C" int fp4moe_cuda_available(void) {
+    int n = 0;
+    if (cudaGetDeviceCount(&n) != cudaSuccess) {
+        (void)cudaGetLastError(); /* clear the error state: "no device" is an answer, not a fault */
+        return 0;
+    }
+    return n > 0;
+}

@@ -1,0 +1,104 @@
+/* Token sampling: greedy argmax, or temperature + top-p (nucleus) sampling with a seeded
+ * xorshift64* generator (the llama2.c sampler, with deterministic tie order). */
+#include "fp4moe/model.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/error.h"
+
+int32_t fp4moe_argmax(const float *logits, int64_t n) {
+    int64_t best = 0;
+    for (int64_t i = 1; i < n; i++)
+        if (logits[i] > logits[best] || (isnan(logits[best]) && !isnan(logits[i]))) best = i;
+    return (int32_t)best;
+}
+
+int fp4moe_sampler_init(fp4moe_sampler *s, int64_t vocab, float temperature, float top_p,
+                        uint64_t seed) {
+    if (!s) return fp4moe_set_error(FP4MOE_EINVAL, "sampler: NULL argument");
+    memset(s, 0, sizeof *s);
+    if (vocab < 1 || vocab > INT32_MAX)
+        return fp4moe_set_error(FP4MOE_EINVAL, "sampler: vocab=%lld", (long long)vocab);
+    if (!(top_p > 0.0f && top_p <= 1.0f))
+        return fp4moe_set_error(FP4MOE_EINVAL, "sampler: top_p=%g is not in (0, 1]", top_p);
+    if (isnan(temperature) || isinf(temperature))
+        return fp4moe_set_error(FP4MOE_EINVAL, "sampler: temperature=%g", temperature);
+    s->vocab = vocab;
+    s->temperature = temperature;
+    s->top_p = top_p;
+    s->rng = seed ? seed : 0x9E3779B97F4A7C15ull;
+    s->probs = malloc((size_t)vocab * sizeof(float));
+    s->cand = malloc((size_t)vocab * sizeof *s->cand);
+    if (!s->probs || !s->cand) {
+        fp4moe_sampler_free(s);
+        return fp4moe_set_error(FP4MOE_ENOMEM, "sampler: out of memory");
+    }
+    return FP4MOE_OK;
+}
+
+void fp4moe_sampler_free(fp4moe_sampler *s) {
+    if (!s) return;
+    free(s->probs);
+    free(s->cand);
+    s->probs = NULL;
+    s->cand = NULL;
+}
+
+/* Uniform in [0, 1) from xorshift64*. */
+static float next_uniform(fp4moe_sampler *s) {
+    s->rng ^= s->rng >> 12;
+    s->rng ^= s->rng << 25;
+    s->rng ^= s->rng >> 27;
+    return (float)((s->rng * 0x2545F4914F6CDD1Dull) >> 40) * 0x1.0p-24f;
+}
+
+/* probs = softmax(logits / temperature), fp32 with the max subtracted. */
+static void softmax_t(const float *logits, int64_t n, float temperature, float *probs) {
+    float mx = -INFINITY;
+    for (int64_t i = 0; i < n; i++) mx = fmaxf(mx, logits[i]);
+    double sum = 0.0;
+    for (int64_t i = 0; i < n; i++) {
+        probs[i] = expf((logits[i] - mx) / temperature);
+        sum += probs[i];
+    }
+    for (int64_t i = 0; i < n; i++) probs[i] = (float)(probs[i] / sum);
+}
+
+/* Probability descending, then id ascending. */
+static int by_prob_desc(const void *a, const void *b) {
+    const fp4moe_prob_id *x = a, *y = b;
+    if (x->p != y->p) return x->p > y->p ? -1 : 1;
+    return x->id < y->id ? -1 : 1;
+}
+
+/* Draw from the smallest prefix (by probability, descending) whose mass reaches top_p. */
+static int32_t sample_top_p(fp4moe_sampler *s) {
+    const int64_t n = s->vocab;
+    /* tokens below (1 - top_p) / (n - 1) can never be in the nucleus (llama2.c's cut) */
+    const float cut = s->top_p < 1.0f ? (1.0f - s->top_p) / (float)(n > 1 ? n - 1 : 1) : 0.0f;
+    int64_t m = 0;
+    for (int64_t i = 0; i < n; i++)
+        if (s->probs[i] >= cut) s->cand[m++] = (fp4moe_prob_id){s->probs[i], (int32_t)i};
+    qsort(s->cand, (size_t)m, sizeof *s->cand, by_prob_desc);
+    double mass = 0.0;
+    int64_t last = m - 1;
+    for (int64_t i = 0; i < m; i++) {
+        mass += s->cand[i].p;
+        if (mass >= s->top_p) { last = i; break; }
+    }
+    const double r = (double)next_uniform(s) * mass;
+    double acc = 0.0;
+    for (int64_t i = 0; i <= last; i++) {
+        acc += s->cand[i].p;
+        if (r < acc) return s->cand[i].id;
+    }
+    return s->cand[last].id;
+}
+
+int32_t fp4moe_sample(fp4moe_sampler *s, const float *logits) {
+    if (s->temperature <= 0.0f) return fp4moe_argmax(logits, s->vocab);
+    softmax_t(logits, s->vocab, s->temperature, s->probs);
+    return sample_top_p(s);
+}

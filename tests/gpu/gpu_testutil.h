@@ -1,0 +1,49 @@
+/* Small helpers for the GPU test and benchmark programs (C, CUDA runtime API): device buffers,
+ * host<->device copies, NaN poisoning on the device, and the "no GPU -> skip (77)" rule.
+ * Every CUDA call is checked; a failure prints the call and exits 1 (test programs only). */
+#ifndef FP4MOE_GPU_TESTUTIL_H
+#define FP4MOE_GPU_TESTUTIL_H
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <cuda_runtime_api.h>
+
+#include "fp4moe/gather_qmm.h"
+
+#define GT_CHECK(call)                                                                             \
+    do {                                                                                           \
+        const cudaError_t gt_e_ = (call);                                                          \
+        if (gt_e_ != cudaSuccess) {                                                                \
+            fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(gt_e_)); \
+            exit(1);                                                                               \
+        }                                                                                          \
+    } while (0)
+
+/* Exits with 77 (ctest: skipped) when this build or machine has no CUDA device. */
+static inline void gt_require_gpu(const char *prog) {
+    if (!fp4moe_cuda_available()) {
+        fprintf(stderr, "%s: no CUDA device visible: skipped\n", prog);
+        exit(77);
+    }
+}
+
+/* cudaMalloc + copy of n bytes from host (src may be NULL: allocation only). */
+static inline void *gt_upload(const void *src, size_t n) {
+    void *d = NULL;
+    GT_CHECK(cudaMalloc(&d, n ? n : 1));
+    if (src && n) GT_CHECK(cudaMemcpy(d, src, n, cudaMemcpyHostToDevice));
+    return d;
+}
+
+static inline void gt_download(void *dst, const void *src, size_t n) {
+    if (n) GT_CHECK(cudaMemcpy(dst, src, n, cudaMemcpyDeviceToHost));
+}
+
+/* All bytes 0xFF: NaN in f32, f16 and bf16. */
+static inline void gt_poison(void *d, size_t n) { GT_CHECK(cudaMemset(d, 0xFF, n)); }
+
+static inline void gt_free(void *d) {
+    if (d) GT_CHECK(cudaFree(d));
+}
+
+#endif

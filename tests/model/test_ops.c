@@ -1,0 +1,386 @@
+/* The dense CPU ops of the forward pass (src/kernels/cpu/ops.h) against straightforward fp64
+ * references on random data, the router's contract (correction bias for choice only, group
+ * masking, deterministic ties, normalisation, routed scaling), the stable expert sort, state
+ * carry-over of the conv and the scan, and the sampler. */
+#include <math.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdlib.h>
+#include <string.h>
+#include <cmocka.h>
+
+#include "fp4moe/model.h"
+#include "kernels/cpu/ops.h"
+#include "testutil.h"
+
+static float *rnd(tu_rng *r, int64_t n, double scale) {
+    float *p = malloc((size_t)n * sizeof(float));
+    for (int64_t i = 0; i < n; i++) p[i] = (float)(scale * tu_rng_normal(r));
+    return p;
+}
+
+static float *poison(int64_t n) {
+    float *p = malloc((size_t)n * sizeof(float));
+    tu_poison(p, FP4MOE_F32, n);
+    return p;
+}
+
+/* |y - ref| <= rtol * max|ref| + atol, elementwise over n. */
+static void close_f64(const float *y, const double *ref, int64_t n, double rtol, const char *what) {
+    double mx = 0;
+    for (int64_t i = 0; i < n; i++) mx = fmax(mx, fabs(ref[i]));
+    for (int64_t i = 0; i < n; i++)
+        if (!(fabs(y[i] - ref[i]) <= rtol * mx + 1e-30)) fail_msg("%s[%lld] = %g, ref %g", what, (long long)i, y[i], ref[i]);
+}
+
+/* ---- router ----------------------------------------------------------------------------------- */
+
+static double sigm(double x) { return 1.0 / (1.0 + exp(-x)); }
+
+/* fp64 reference router with the same rules. */
+static void router_ref(const op_router_cfg *c, const float *logit, int32_t *ids, double *w) {
+    const int64_t E = c->E, per = E / c->n_group;
+    double *ch = malloc((size_t)E * sizeof *ch);
+    for (int64_t e = 0; e < E; e++) ch[e] = sigm(logit[e]) + (c->bias ? c->bias[e] : 0);
+    if (c->n_group > 1) {
+        double gs[64];
+        int keep[64] = {0};
+        for (int64_t g = 0; g < c->n_group; g++) {
+            double a = -INFINITY, b = -INFINITY;
+            for (int64_t i = 0; i < per; i++) {
+                const double v = ch[g * per + i];
+                if (v > a) { b = a; a = v; } else if (v > b) b = v;
+            }
+            gs[g] = a + b;
+        }
+        for (int64_t j = 0; j < c->topk_group; j++) {
+            int64_t best = -1;
+            for (int64_t g = 0; g < c->n_group; g++)
+                if (!keep[g] && (best < 0 || gs[g] > gs[best])) best = g;
+            keep[best] = 1;
+        }
+        for (int64_t e = 0; e < E; e++)
+            if (!keep[e / per]) ch[e] = -INFINITY;
+    }
+    double sum = 0;
+    for (int64_t j = 0; j < c->k; j++) {
+        int64_t best = -1;
+        for (int64_t e = 0; e < E; e++) {
+            int taken = 0;
+            for (int64_t i = 0; i < j; i++) taken |= ids[i] == e;
+            if (!taken && (best < 0 || ch[e] > ch[best])) best = e;
+        }
+        ids[j] = (int32_t)best;
+        w[j] = sigm(logit[best]);
+        sum += w[j];
+    }
+    for (int64_t j = 0; j < c->k; j++) w[j] = (c->norm_topk_prob ? w[j] / (sum + 1e-20) : w[j]) * c->scaling;
+    free(ch);
+}
+
+static void test_router_ties_and_bias(void **state) {
+    float logits[8] = {0.5f, 0.5f, 0.5f, 0.5f, 0.5f, 0.5f, 0.5f, 0.5f};
+    int32_t ids[3];
+    float w[3];
+    op_router_cfg c = {8, 3, 1, 1, 1, 2.5f, NULL};
+    assert_int_equal(op_router_topk(&c, logits, 1, ids, w), FP4MOE_OK);
+    assert_int_equal(ids[0], 0);                 /* all equal: lowest ids first */
+    assert_int_equal(ids[1], 1);
+    assert_int_equal(ids[2], 2);
+    assert_true(fabsf(w[0] - 2.5f / 3) < 1e-6f);
+    /* the bias chooses expert 7 but its weight is its sigmoid score, not the choice score */
+    const float bias[8] = {0, 0, 0, 0, 0, 0, 0, 1.0f};
+    float lg2[8] = {2.0f, 1.0f, 0.0f, -1.0f, -2.0f, -3.0f, -4.0f, -5.0f};
+    op_router_cfg c2 = {8, 2, 1, 1, 0, 2.0f, bias};
+    assert_int_equal(op_router_topk(&c2, lg2, 1, ids, w), FP4MOE_OK);
+    assert_int_equal(ids[0], 7);                 /* sigmoid(-5) + 1 = 1.0067 > sigmoid(2) = 0.88 */
+    assert_int_equal(ids[1], 0);
+    assert_true(fabs(w[0] - 2.0 * sigm(-5)) < 1e-6);
+    assert_true(fabs(w[1] - 2.0 * sigm(2)) < 1e-6);
+    /* groups: expert 0 is the best single score, but group 0's top-2 sum loses */
+    float lg3[8] = {3.0f, -6.0f, 1.0f, 1.0f, 1.2f, 1.1f, -6.0f, -6.0f};
+    op_router_cfg c3 = {8, 2, 4, 2, 1, 1.0f, NULL};
+    assert_int_equal(op_router_topk(&c3, lg3, 1, ids, w), FP4MOE_OK);
+    assert_int_equal(ids[0], 4);
+    assert_int_equal(ids[1], 5);
+    assert_true(fabs(w[0] + w[1] - 1.0) < 1e-6);
+}
+
+static void test_router_random(void **state) {
+    tu_rng r;
+    tu_rng_seed(&r, 7);
+    const int64_t E = 32, T = 50;
+    float *bias = rnd(&r, E, 0.05);
+    const op_router_cfg cfgs[] = {{E, 6, 1, 1, 1, 2.5f, bias}, {E, 4, 4, 2, 0, 1.5f, bias},
+                                  {E, 3, 8, 3, 1, 1.0f, NULL}};
+    for (size_t ci = 0; ci < 3; ci++) {
+        const op_router_cfg *c = &cfgs[ci];
+        float *lg = rnd(&r, T * E, 1.5);
+        int32_t *ids = malloc((size_t)(T * c->k) * 4), rid[8];
+        float *w = poison(T * c->k);
+        double rw[8];
+        assert_int_equal(op_router_topk(c, lg, T, ids, w), FP4MOE_OK);
+        for (int64_t t = 0; t < T; t++) {
+            router_ref(c, lg + t * E, rid, rw);
+            for (int64_t j = 0; j < c->k; j++) {
+                assert_int_equal(ids[t * c->k + j], rid[j]);
+                assert_true(fabs(w[t * c->k + j] - rw[j]) <= 1e-6 * fabs(rw[j]));
+            }
+        }
+        free(lg);
+        free(ids);
+        free(w);
+    }
+    free(bias);
+}
+
+static void test_sort_and_combine(void **state) {
+    tu_rng r;
+    tu_rng_seed(&r, 11);
+    const int64_t T = 37, k = 3, E = 9, B = T * k, H = 5;
+    int32_t ids[37 * 3];
+    for (int64_t b = 0; b < B; b++) ids[b] = (int32_t)tu_rng_below(&r, (uint32_t)E);
+    uint32_t row_of[37 * 3], idx[37 * 3], pos_of[37 * 3];
+    assert_int_equal(op_sort_by_expert(ids, B, E, row_of, idx, pos_of), FP4MOE_OK);
+    for (int64_t p = 0; p < B; p++) {
+        assert_int_equal(idx[p], ids[row_of[p]]);
+        assert_int_equal(pos_of[row_of[p]], p);
+        if (p) {
+            assert_true(idx[p - 1] <= idx[p]);
+            if (idx[p - 1] == idx[p]) assert_true(row_of[p - 1] < row_of[p]);   /* stable */
+        }
+    }
+    float *ys = rnd(&r, B * H, 1.0), *w = rnd(&r, B, 1.0), *out = poison(T * H);
+    double ref[37 * 5];
+    op_moe_combine(ys, H, pos_of, w, T, k, out);
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t h = 0; h < H; h++) {
+            ref[t * H + h] = 0;
+            for (int64_t j = 0; j < k; j++) ref[t * H + h] += (double)w[t * k + j] * ys[pos_of[t * k + j] * H + h];
+        }
+    close_f64(out, ref, T * H, 1e-6, "combine");
+    free(ys);
+    free(w);
+    free(out);
+}
+
+/* ---- Mamba ops ------------------------------------------------------------------------------ */
+
+static void test_conv1d_state(void **state) {
+    tu_rng r;
+    tu_rng_seed(&r, 3);
+    const int64_t T = 11, C = 6, Kc = 4, xs = 9;    /* x rows have stride 9 > C */
+    float *x = rnd(&r, T * xs, 1.0), *w = rnd(&r, C * Kc, 1.0), *b = rnd(&r, C, 1.0);
+    float *st = calloc((size_t)((Kc - 1) * C), 4), *st2 = calloc((size_t)((Kc - 1) * C), 4);
+    float *y = poison(T * C), *y2 = poison(T * C);
+    double ref[11 * 6];
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t c = 0; c < C; c++) {
+            double a = b[c];
+            for (int64_t j = 0; j < Kc; j++) {
+                const int64_t s = t - (Kc - 1) + j;
+                if (s >= 0) a += (double)w[c * Kc + j] * x[s * xs + c];
+            }
+            ref[t * C + c] = a;
+        }
+    op_conv1d_causal(x, xs, T, C, w, b, Kc, st, y);
+    close_f64(y, ref, T * C, 1e-6, "conv whole");
+    /* the same sequence in pieces of 1, 2 and 8 tokens through the state */
+    op_conv1d_causal(x, xs, 1, C, w, b, Kc, st2, y2);
+    op_conv1d_causal(x + 1 * xs, xs, 2, C, w, b, Kc, st2, y2 + 1 * C);
+    op_conv1d_causal(x + 3 * xs, xs, 8, C, w, b, Kc, st2, y2 + 3 * C);
+    close_f64(y2, ref, T * C, 1e-6, "conv pieces");
+    assert_memory_equal(st, st2, (size_t)((Kc - 1) * C) * 4);
+    for (int64_t i = 0; i < Kc - 1; i++)                   /* state = the last Kc-1 inputs */
+        for (int64_t c = 0; c < C; c++) assert_true(st[i * C + c] == x[(T - (Kc - 1) + i) * xs + c]);
+    free(x); free(w); free(b); free(st); free(st2); free(y); free(y2);
+}
+
+static double softplus_d(double v) { return v > 20 ? v : log1p(exp(v)); }
+
+static void test_ssm_scan(void **state) {
+    tu_rng r;
+    tu_rng_seed(&r, 5);
+    const int64_t T = 9, nh = 4, hd = 3, S = 5, G = 2, xs = 20, bcs = 2 * G * S + 1, dts = 7;
+    float *x = rnd(&r, T * xs, 1.0), *bc = rnd(&r, T * bcs, 1.0), *dt = rnd(&r, T * dts, 1.0);
+    float *dtb = rnd(&r, nh, 1.0), *A = malloc(nh * 4), *D = rnd(&r, nh, 1.0);
+    for (int64_t h = 0; h < nh; h++) A[h] = -expf((float)tu_rng_uniform(&r) * 2.0f);
+    dtb[0] = -9.0f;                                         /* head 0 hits the dt clamp */
+    const float dt_min = 0.01f;
+    double *ref = calloc((size_t)(T * nh * hd), 8), *sref = calloc((size_t)(nh * hd * S), 8);
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t h = 0; h < nh; h++) {
+            const int64_t g = h / (nh / G);
+            double d = softplus_d((double)dt[t * dts + h] + dtb[h]);
+            if (d < dt_min) d = dt_min;
+            const double dA = exp(d * A[h]);
+            for (int64_t p = 0; p < hd; p++) {
+                double y = 0;
+                for (int64_t n = 0; n < S; n++) {
+                    double *s = &sref[(h * hd + p) * S + n];
+                    *s = dA * *s + d * x[t * xs + h * hd + p] * bc[t * bcs + g * S + n];
+                    y += *s * bc[t * bcs + G * S + g * S + n];
+                }
+                ref[t * nh * hd + h * hd + p] = y + (double)D[h] * x[t * xs + h * hd + p];
+            }
+        }
+    float *st = calloc((size_t)(nh * hd * S), 4), *y = poison(T * nh * hd);
+    op_ssm_args a = {T, nh, hd, S, G, x, xs, bc, bc + G * S, bcs, dt, dts, dtb, A, D, dt_min, st, y};
+    op_ssm_scan(&a);
+    close_f64(y, ref, T * nh * hd, 1e-5, "scan whole");
+    /* token by token from a zero state gives the same outputs */
+    float *st2 = calloc((size_t)(nh * hd * S), 4), *y2 = poison(T * nh * hd);
+    for (int64_t t = 0; t < T; t++) {
+        op_ssm_args b = {1, nh, hd, S, G, x + t * xs, xs, bc + t * bcs, bc + t * bcs + G * S, bcs,
+                         dt + t * dts, dts, dtb, A, D, dt_min, st2, y2 + t * nh * hd};
+        op_ssm_scan(&b);
+    }
+    close_f64(y2, ref, T * nh * hd, 1e-5, "scan token by token");
+    for (int64_t i = 0; i < nh * hd * S; i++) assert_true(fabs(st2[i] - sref[i]) <= 1e-5 * (1 + fabs(sref[i])));
+    free(x); free(bc); free(dt); free(dtb); free(A); free(D); free(ref); free(sref);
+    free(st); free(y); free(st2); free(y2);
+}
+
+static void test_rmsnorm_gated(void **state) {
+    tu_rng r;
+    tu_rng_seed(&r, 9);
+    const int64_t T = 3, D = 12, G = 3, ys = 15, zs = 20;
+    float *y = rnd(&r, T * ys, 1.0), *z = rnd(&r, T * zs, 1.0), *w = rnd(&r, D, 1.0), *out = poison(T * D);
+    double ref[3 * 12];
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t g = 0; g < G; g++) {
+            double v[4], ss = 0;
+            for (int64_t i = 0; i < 4; i++) {
+                const double zz = z[t * zs + g * 4 + i];
+                v[i] = y[t * ys + g * 4 + i] * zz / (1 + exp(-zz));
+                ss += v[i] * v[i];
+            }
+            for (int64_t i = 0; i < 4; i++) ref[t * D + g * 4 + i] = v[i] / sqrt(ss / 4 + 1e-5) * w[g * 4 + i];
+        }
+    op_rmsnorm_gated(y, ys, z, zs, w, T, D, G, 1e-5f, out);
+    close_f64(out, ref, T * D, 1e-5, "gated rmsnorm");
+    free(y); free(z); free(w); free(out);
+}
+
+/* ---- attention ------------------------------------------------------------------------------ */
+
+static void test_attention_gqa_cache(void **state) {
+    tu_rng r;
+    tu_rng_seed(&r, 13);
+    const int64_t P = 5, T = 4, nq = 6, nkv = 2, dh = 8, qs = nq * dh + 3, kvs = nkv * dh;
+    float *q = rnd(&r, T * qs, 1.0), *k = rnd(&r, (P + T) * kvs, 1.0), *v = rnd(&r, (P + T) * kvs, 1.0);
+    float *out = poison(T * nq * dh);
+    double *ref = calloc((size_t)(T * nq * dh), 8);
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t h = 0; h < nq; h++) {
+            const int64_t kh = h / (nq / nkv), n = P + t + 1;
+            double sc[16], mx = -INFINITY, sum = 0;
+            for (int64_t j = 0; j < n; j++) {
+                double d = 0;
+                for (int64_t i = 0; i < dh; i++) d += (double)q[t * qs + h * dh + i] * k[j * kvs + kh * dh + i];
+                sc[j] = d / sqrt((double)dh);
+                mx = fmax(mx, sc[j]);
+            }
+            for (int64_t j = 0; j < n; j++) sum += (sc[j] = exp(sc[j] - mx));
+            for (int64_t j = 0; j < n; j++)
+                for (int64_t i = 0; i < dh; i++) ref[(t * nq + h) * dh + i] += sc[j] / sum * v[j * kvs + kh * dh + i];
+        }
+    assert_int_equal(op_attention_causal(q, qs, k, v, P, T, nq, nkv, dh, out), FP4MOE_OK);
+    close_f64(out, ref, T * nq * dh, 1e-5, "attention");
+    free(q); free(k); free(v); free(out); free(ref);
+}
+
+/* ---- linear --------------------------------------------------------------------------------- */
+
+static void test_linear_dense_and_nvfp4(void **state) {
+    tu_rng r;
+    tu_rng_seed(&r, 17);
+    const int64_t T = 5, N = 24, K = 48;
+    float *x = rnd(&r, T * K, 1.0), *wf = rnd(&r, N * K, 0.2), *bias = rnd(&r, N, 1.0), *y = poison(T * N);
+    uint16_t *wb = malloc((size_t)(N * K) * 2);
+    fp4moe_from_f32(wf, N * K, FP4MOE_BF16, wb);
+    const void *ptr[1] = {wb};
+    op_linear dense = {1, N, K, 0, {0}, FP4MOE_BF16, ptr, bias};
+    ops_ctx c = {FP4MOE_F32, FP4MOE_ROUTE_AUTO, NULL, 0};
+    double *ref = malloc((size_t)(T * N) * 8);
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t n = 0; n < N; n++) {
+            double a = bias[n];
+            for (int64_t i = 0; i < K; i++) a += (double)x[t * K + i] * fp4moe_bf16_to_f32(wb[n * K + i]);
+            ref[t * N + n] = a;
+        }
+    assert_int_equal(op_linear_forward(&c, &dense, x, T, y), FP4MOE_OK);
+    close_f64(y, ref, T * N, 1e-5, "dense bf16 linear");
+    /* NVFP4 through gather_qmm, E = 1 */
+    uint8_t *codes = malloc((size_t)(N * K / 2)), *scales = malloc((size_t)(N * K / 16));
+    assert_int_equal(fp4moe_nvfp4_quantize(wf, FP4MOE_F32, N, K, 0, codes, scales, NULL), FP4MOE_OK);
+    float *wd = malloc((size_t)(N * K) * 4);
+    fp4moe_nvfp4_dequantize(codes, scales, N, K, 1.0f, FP4MOE_F32, wd);
+    op_linear q = {1, N, K, 1, {codes, scales, NULL, 1, N, K}, FP4MOE_F32, NULL, NULL};
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t n = 0; n < N; n++) {
+            double a = 0;
+            for (int64_t i = 0; i < K; i++) a += (double)x[t * K + i] * wd[n * K + i];
+            ref[t * N + n] = a;
+        }
+    tu_poison(y, FP4MOE_F32, T * N);
+    assert_int_equal(op_linear_forward(&c, &q, x, T, y), FP4MOE_OK);
+    close_f64(y, ref, T * N, 1e-5, "nvfp4 linear");
+    /* bf16 activations: the result is the bf16 rounding of (bf16-rounded x) @ W */
+    c.act = FP4MOE_BF16;
+    tu_poison(y, FP4MOE_F32, T * N);
+    assert_int_equal(op_linear_forward(&c, &q, x, T, y), FP4MOE_OK);
+    for (int64_t i = 0; i < T * N; i++) assert_true(y[i] == fp4moe_bf16_to_f32(fp4moe_f32_to_bf16(y[i])));
+    close_f64(y, ref, T * N, 2e-2, "nvfp4 linear, bf16 act");
+    ops_ctx_free(&c);
+    free(x); free(wf); free(bias); free(y); free(wb); free(ref); free(codes); free(scales); free(wd);
+}
+
+/* ---- sampler -------------------------------------------------------------------------------- */
+
+static void test_sampler(void **state) {
+    float lg[6] = {1.0f, 3.0f, 3.0f, -1.0f, NAN, 0.0f};
+    assert_int_equal(fp4moe_argmax(lg, 6), 1);          /* tie: lowest id; NaN never wins */
+    fp4moe_sampler s;
+    assert_int_equal(fp4moe_sampler_init(&s, 6, 0.0f, 1.0f, 1), FP4MOE_OK);
+    assert_int_equal(fp4moe_sample(&s, lg), 1);
+    fp4moe_sampler_free(&s);
+    assert_int_equal(fp4moe_sampler_init(&s, 6, 1.0f, 0.0f, 1), FP4MOE_EINVAL);
+    assert_int_equal(fp4moe_sampler_init(&s, 0, 1.0f, 1.0f, 1), FP4MOE_EINVAL);
+    /* temperature 1 over 4 tokens: frequencies follow softmax; top_p 0.5 keeps only the top token */
+    float l4[4] = {0.0f, 1.0f, 2.0f, -1.0f};
+    double p[4], z = 0;
+    for (int i = 0; i < 4; i++) z += (p[i] = exp(l4[i]));
+    int cnt[4] = {0};
+    assert_int_equal(fp4moe_sampler_init(&s, 4, 1.0f, 1.0f, 42), FP4MOE_OK);
+    const int n = 20000;
+    for (int i = 0; i < n; i++) cnt[fp4moe_sample(&s, l4)]++;
+    for (int i = 0; i < 4; i++) assert_true(fabs(cnt[i] / (double)n - p[i] / z) < 0.02);
+    fp4moe_sampler_free(&s);
+    assert_int_equal(fp4moe_sampler_init(&s, 4, 1.0f, 0.5f, 42), FP4MOE_OK);
+    for (int i = 0; i < 200; i++) assert_int_equal(fp4moe_sample(&s, l4), 2);
+    fp4moe_sampler_free(&s);
+    /* same seed, same draws */
+    fp4moe_sampler a, b;
+    fp4moe_sampler_init(&a, 4, 0.7f, 0.9f, 5);
+    fp4moe_sampler_init(&b, 4, 0.7f, 0.9f, 5);
+    for (int i = 0; i < 100; i++) assert_int_equal(fp4moe_sample(&a, l4), fp4moe_sample(&b, l4));
+    fp4moe_sampler_free(&a);
+    fp4moe_sampler_free(&b);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_router_ties_and_bias),
+        cmocka_unit_test(test_router_random),
+        cmocka_unit_test(test_sort_and_combine),
+        cmocka_unit_test(test_conv1d_state),
+        cmocka_unit_test(test_ssm_scan),
+        cmocka_unit_test(test_rmsnorm_gated),
+        cmocka_unit_test(test_attention_gqa_cache),
+        cmocka_unit_test(test_linear_dense_and_nvfp4),
+        cmocka_unit_test(test_sampler),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
