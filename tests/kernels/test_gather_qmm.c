@@ -42,6 +42,7 @@ static const gq_case k_cases[] = {
     {8, 100, 2688, 200, TU_IDX_TOPK_SORTED, 6, 1, FP4MOE_F32},    /* K chunks, f32 in place, N % 4 */
     {128, 7, 16, 3072, TU_IDX_EMPTY_EXPERTS, 6, 1, FP4MOE_BF16},  /* empty experts first/middle/last */
     {128, 64, 1856, 3072, TU_IDX_UNSORTED, 6, 1, FP4MOE_F32},     /* big unsorted batch (qmv) */
+    {128, 60, 256, 768, TU_IDX_TOPK_SORTED, 6, 1, FP4MOE_F16},    /* runs of ~6: short and panel chunks */
     {128, 7, 48, 40000, TU_IDX_OOR_TAIL, 6, 1, FP4MOE_BF16},      /* B > 32768, out-of-range tail */
     {8, 7, 48, 40000, TU_IDX_ONE_EXPERT, 6, 1, FP4MOE_F16},       /* one run of 40000 rows */
     {8, 2688, 1856, 3072, TU_IDX_OOR_TAIL, 6, 1, FP4MOE_F16},     /* down shape, 384 rows / expert */

@@ -24,6 +24,11 @@
 #define BATCHED_NT 48   /* multiple of 12 (the micro-kernels' weight-row blocks: 6 and 12) */
 #define BATCHED_KC 256
 #define BATCHED_PF_CHUNKS 2 /* prefetch distance in K-chunks */
+/* Chunks with fewer rows than this use the qmv kernel inside the batched route: for them the
+ * 8-row padding of the micro-kernel costs more than the extra decodes (docs/PERFORMANCE.md). */
+#ifndef BATCHED_MIN_PANEL_ROWS
+#define BATCHED_MIN_PANEL_ROWS 12
+#endif
 #define BATCHED_SLAB_FLOATS ((int64_t)32 << 20)
 /* Dequant + sgemm: a work item is (expert run, tile of <= DQ_NC weight rows), rows in chunks of DQ_MC. */
 #define DQ_NC 128
@@ -278,6 +283,22 @@ static void batched_item(const gather_ctx *c, const batched_chunk *ch, const flo
     }
 }
 
+/* A short chunk (m < BATCHED_MIN_PANEL_ROWS): groups of <= GATHER_QMV_ROWS rows share each block
+ * decode through the qmv kernel; xrows holds GATHER_QMV_ROWS x K fp32, yf GATHER_QMV_ROWS x NT. */
+static void batched_item_short(const gather_ctx *c, const batched_chunk *ch, int64_t n0, float *xrows,
+                               float *yf) {
+    const int64_t N = c->w->N, K = c->w->K, nn = N - n0 < BATCHED_NT ? N - n0 : BATCHED_NT;
+    const float gs = gather_expert_gs(c->w->global_scale, ch->expert);
+    for (int64_t r0 = 0; r0 < ch->m; r0 += GATHER_QMV_ROWS) {
+        const int64_t g = ch->m - r0 < GATHER_QMV_ROWS ? ch->m - r0 : GATHER_QMV_ROWS;
+        c->kern->x_to_f32(x_row(c, ch->row0 + r0), c->dtype, g * K, xrows);
+        c->kern->qmv(expert_codes(c->w, ch->expert, n0), expert_scales(c->w, ch->expert, n0), c->stab, K, nn,
+                     xrows, K, (int)g, yf, BATCHED_NT);
+        for (int64_t r = 0; r < g; r++)
+            c->kern->y_from_f32(yf + r * BATCHED_NT, nn, gs, c->dtype, y_at(c, ch->row0 + r0 + r, n0));
+    }
+}
+
 static int route_batched(const gather_ctx *c, const uint32_t *idx, int64_t B) {
     const int64_t N = c->w->N, K = c->w->K, ntiles = (N + BATCHED_NT - 1) / BATCHED_NT;
     gather_run *runs;
@@ -296,25 +317,26 @@ static int route_batched(const gather_ctx *c, const uint32_t *idx, int64_t B) {
     for (int64_t i = 0, ci = 0; i < nruns; i++)
         for (int64_t r = 0; r < runs[i].len; r += BATCHED_MC, ci++) {
             const int64_t m = runs[i].len - r < BATCHED_MC ? runs[i].len - r : BATCHED_MC;
-            if (slab_floats > 0 && slab_floats + pad8(m) * K > BATCHED_SLAB_FLOATS) {
+            if (slab_floats > 0 && m >= BATCHED_MIN_PANEL_ROWS && slab_floats + pad8(m) * K > BATCHED_SLAB_FLOATS) {
                 slab_end[nslabs++] = ci;
                 slab_floats = 0;
             }
             chunks[ci] = (batched_chunk){runs[i].start + r, m, slab_floats, runs[i].expert};
-            slab_floats += pad8(m) * K;
+            if (m >= BATCHED_MIN_PANEL_ROWS) slab_floats += pad8(m) * K; /* short chunks are not packed */
             if (slab_floats > max_slab) max_slab = slab_floats;
         }
     if (nchunks > 0) slab_end[nslabs++] = nchunks;
     free(runs);
-    float *xpack = nchunks ? scratch_alloc(max_slab) : NULL;
-    int failed = nchunks && !xpack;
+    float *xpack = max_slab > 0 ? scratch_alloc(max_slab) : NULL;
+    int failed = max_slab > 0 && !xpack;
 
 #pragma omp parallel if (nchunks * ntiles > 1 && !failed)
     {
         float *wbuf = scratch_alloc(BATCHED_NT * BATCHED_KC);
         float *cbuf = scratch_alloc(BATCHED_NT * BATCHED_MC);
         float *tmp = scratch_alloc(K > BATCHED_NT ? K : BATCHED_NT);
-        const int ok = wbuf && cbuf && tmp && !failed;
+        float *xrows = scratch_alloc(GATHER_QMV_ROWS * K), *yf = scratch_alloc(GATHER_QMV_ROWS * BATCHED_NT);
+        const int ok = wbuf && cbuf && tmp && xrows && yf && !failed;
         if (!ok) {
 #pragma omp atomic write
             failed = 1;
@@ -323,17 +345,22 @@ static int route_batched(const gather_ctx *c, const uint32_t *idx, int64_t B) {
             const int64_t c1 = slab_end[sl];
 #pragma omp for schedule(dynamic, 1)
             for (int64_t ci = c0; ci < c1; ci++)
-                if (ok) pack_x(c, &chunks[ci], xpack + chunks[ci].xoff, tmp);
+                if (ok && chunks[ci].m >= BATCHED_MIN_PANEL_ROWS) pack_x(c, &chunks[ci], xpack + chunks[ci].xoff, tmp);
 #pragma omp for schedule(dynamic, 1)
             for (int64_t it = c0 * ntiles; it < c1 * ntiles; it++) {
                 if (!ok) continue;
                 const batched_chunk *ch = &chunks[it / ntiles];
-                batched_item(c, ch, xpack + ch->xoff, it % ntiles * BATCHED_NT, wbuf, cbuf, tmp);
+                if (ch->m < BATCHED_MIN_PANEL_ROWS)
+                    batched_item_short(c, ch, it % ntiles * BATCHED_NT, xrows, yf);
+                else
+                    batched_item(c, ch, xpack + ch->xoff, it % ntiles * BATCHED_NT, wbuf, cbuf, tmp);
             }
         }
         free(wbuf);
         free(cbuf);
         free(tmp);
+        free(xrows);
+        free(yf);
     }
     free(xpack);
     free(chunks);
@@ -414,9 +441,11 @@ static int route_dequant_gemm(const gather_ctx *c, const uint32_t *idx, int64_t 
 
 /* The CPU route predicate (the only one). qmv unless the input is sorted and has at least
  * FP4MOE_BATCHED_MIN_ROWS rows; then the expert-batched route, which measured faster than
- * dequant + sgemm on the Nemotron MoE shapes (docs/PERFORMANCE.md, "Route choice"). The routes
- * have no tile constraints on B, N or K (every remainder is handled), so the predicate needs no
- * shape test. Environment: FP4MOE_GATHER_ROUTE=qmv|batched|dequant_gemm wins where legal
+ * dequant + sgemm on both Nemotron MoE shapes (E=128, 3072 rows, bf16, 2-core Zen 3 VM, median
+ * wall: up 644-671 vs 732-787 ms, down 700-728 vs 860-874 ms; docs/PERFORMANCE.md, "Route
+ * choice"). Short runs (E=128 with B near 64) are no slower there than in qmv, because the batched
+ * route gives chunks of < BATCHED_MIN_PANEL_ROWS rows to the qmv kernel. The routes have no tile
+ * constraints on B, N or K (every remainder is handled), so the predicate needs no shape test. Environment: FP4MOE_GATHER_ROUTE=qmv|batched|dequant_gemm wins where legal
  * (batched and dequant_gemm need sorted input); else FP4MOE_GATHER_EXPERT_BATCHED=0 gives qmv. */
 fp4moe_route fp4moe_gather_route_choose_cpu(const fp4moe_nvfp4_weights *w, int64_t B, int sorted) {
     (void)w;

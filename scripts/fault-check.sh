@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Deliberate-fault check (issue 2, spec NVFP4.md section 4): proves that the gather_qmm tests can fail.
+#
+# Builds the library twice with a fault injected into every CPU gather_qmm route
+#   -DFP4MOE_INJECT_FAULT=global_scale   every route ignores the per-expert global scale
+#   -DFP4MOE_INJECT_FAULT=expert_offset  every route reads expert e's weights at expert e+1 (e-1 for the last)
+# and runs tests/kernels/test_gather_qmm once per route (FP4MOE_TEST_ROUTE=qmv|batched|dequant_gemm|auto),
+# so that one failing route cannot hide another that passes. Passes only if EVERY route's tests FAIL in
+# EVERY fault build (a crash does not count as a detection).
+#
+# Environment: JOBS (default 2), FAULT_CMAKE_FLAGS (default -DFP4MOE_CUDA=OFF: the CPU routes are
+# checked here), FAULT_CHECK_FULL=1 to run the Nemotron-sized cases too (default: the quick set).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+JOBS=${JOBS:-2}
+FAULT_CMAKE_FLAGS=${FAULT_CMAKE_FLAGS:--DFP4MOE_CUDA=OFF}
+FAULTS=(global_scale expert_offset)
+ROUTES=(qmv batched dequant_gemm auto)
+quick=1
+[[ "${FAULT_CHECK_FULL:-0}" == 1 ]] && quick=0
+
+for fault in "${FAULTS[@]}"; do
+  dir=build-fault-$fault
+  log=$dir/fault-build.log
+  echo "fault-check: building $dir (FP4MOE_INJECT_FAULT=$fault)"
+  mkdir -p "$dir"
+  # shellcheck disable=SC2086
+  if ! cmake -S . -B "$dir" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DFP4MOE_INJECT_FAULT="$fault" \
+         $FAULT_CMAKE_FLAGS > "$log" 2>&1 ||
+     ! cmake --build "$dir" -j "$JOBS" --target test_gather_qmm >> "$log" 2>&1; then
+    echo "fault-check: FAILED to build $dir (see $log)"
+    tail -20 "$log"
+    exit 1
+  fi
+done
+
+status=0
+printf '\n%-15s %-14s %-10s %s\n' "fault" "route" "tests" "verdict"
+for fault in "${FAULTS[@]}"; do
+  for route in "${ROUTES[@]}"; do
+    log=build-fault-$fault/fault-$route.log
+    FP4MOE_TEST_ROUTE=$route FP4MOE_TEST_QUICK=$quick build-fault-$fault/test_gather_qmm > "$log" 2>&1
+    rc=$?
+    nfail=$(grep '^\[  FAILED  \] [^0-9]' "$log" | sort -u | wc -l)
+    if (( rc > 128 )); then
+      verdict="BAD: crashed (signal $((rc - 128))), see $log"; status=1
+    elif (( rc != 0 && rc != 77 && nfail > 0 )); then
+      verdict="ok: the fault is caught"
+    else
+      verdict="BAD: tests pass with the fault (rc $rc), see $log"; status=1
+    fi
+    printf '%-15s %-14s %-10s %s\n' "$fault" "$route" "$nfail failed" "$verdict"
+  done
+done
+if (( status == 0 )); then
+  echo "fault-check: PASS (every route's tests fail under every injected fault)"
+else
+  echo "fault-check: FAIL"
+fi
+exit $status
