@@ -7,11 +7,14 @@
  * the order (expert, N-tile, row-tile), so the row-tiles of one weight tile run side by side and
  * a weight tile comes from HBM once per row-tile at most (from L2 after the first).
  *
- * Per item, 4 warps; warp w owns features n0 + 16w .. +15, the mma M side. The run's token rows
- * are the mma N side (n8 tiles; tiles past the run are skipped). K advances in steps of 128
+ * Per item, 8 warps (32-row tiles; 4 warps for 64-row tiles); warp w owns features n0 + 16w .. +15,
+ * the mma M side. The run's token rows are the mma N side (n8 tiles; a step specialised on the
+ * number of n8 tiles the run fills, so no mma is issued for empty ones). K advances in steps of 128
  * (8 NVFP4 blocks):
- *  - thread (g = lane/4, t = lane%4) loads, for its rows g and g+8, blocks 2t and 2t+1 of the step
- *    with one 16-byte load each (codes) plus their two scale bytes, one step ahead;
+ *  - thread (g = lane/4, t = lane%4) copies, for its rows g and g+8, blocks 2t and 2t+1 of the step
+ *    (16 code bytes each, one cp.async) and the 4-byte word holding their scale bytes into a private
+ *    shared-memory ring, 3 steps ahead (fast path, K % 64 == 0; otherwise 8-byte register loads one
+ *    step ahead);
  *  - codes become f16x2/bf16x2 pairs by bit operations (gather_cuda.cuh), pair i of a 32-bit word
  *    holding codes (i, i+4), times the block scale (one packed multiply per pair, exact);
  *  - the mma's k16 slots of thread t therefore hold K indices 32t + {8q + i, 8q + i + 4}; the x tile
@@ -79,32 +82,23 @@ struct bt_w {
     uint32_t s0, s1; /* byte 0: block 2t, byte 1: block 2t+1 */
 };
 
-template <bool V16>
-__device__ __forceinline__ bt_w bt_load_w(const uint8_t *crow0, const uint8_t *crow1,
-                                          const uint8_t *srow0, const uint8_t *srow1, int kb, int KB) {
+/* Slow path (any K % 16, codes 8-byte aligned): 8-byte loads per block into registers. */
+__device__ __forceinline__ bt_w bt_load_w(const uint8_t *crow0, const uint8_t *crow1, const uint8_t *srow0,
+                                          const uint8_t *srow1, int kb, int KB) {
     bt_w r;
     r.c0 = r.c1 = make_uint4(0, 0, 0, 0);
     r.s0 = r.s1 = 0;
-    if (V16) { /* KB even: kb < KB implies kb + 1 < KB */
-        if (kb < KB) {
-            r.c0 = cu_ld_stream16(crow0 + (int64_t)kb * 8);
-            r.c1 = cu_ld_stream16(crow1 + (int64_t)kb * 8);
-            r.s0 = __ldg(srow0 + kb) | (uint32_t)__ldg(srow0 + kb + 1) << 8;
-            r.s1 = __ldg(srow1 + kb) | (uint32_t)__ldg(srow1 + kb + 1) << 8;
-        }
-    } else {
-        if (kb < KB) {
-            const uint2 a = cu_ld_stream8(crow0 + (int64_t)kb * 8), b = cu_ld_stream8(crow1 + (int64_t)kb * 8);
-            r.c0.x = a.x; r.c0.y = a.y; r.c1.x = b.x; r.c1.y = b.y;
-            r.s0 = __ldg(srow0 + kb);
-            r.s1 = __ldg(srow1 + kb);
-        }
-        if (kb + 1 < KB) {
-            const uint2 a = cu_ld_stream8(crow0 + (int64_t)kb * 8 + 8), b = cu_ld_stream8(crow1 + (int64_t)kb * 8 + 8);
-            r.c0.z = a.x; r.c0.w = a.y; r.c1.z = b.x; r.c1.w = b.y;
-            r.s0 |= (uint32_t)__ldg(srow0 + kb + 1) << 8;
-            r.s1 |= (uint32_t)__ldg(srow1 + kb + 1) << 8;
-        }
+    if (kb < KB) {
+        const uint2 a = cu_ld_stream8(crow0 + (int64_t)kb * 8), b = cu_ld_stream8(crow1 + (int64_t)kb * 8);
+        r.c0.x = a.x; r.c0.y = a.y; r.c1.x = b.x; r.c1.y = b.y;
+        r.s0 = __ldg(srow0 + kb);
+        r.s1 = __ldg(srow1 + kb);
+    }
+    if (kb + 1 < KB) {
+        const uint2 a = cu_ld_stream8(crow0 + (int64_t)kb * 8 + 8), b = cu_ld_stream8(crow1 + (int64_t)kb * 8 + 8);
+        r.c0.z = a.x; r.c0.w = a.y; r.c1.z = b.x; r.c1.w = b.y;
+        r.s0 |= (uint32_t)__ldg(srow0 + kb + 1) << 8;
+        r.s1 |= (uint32_t)__ldg(srow1 + kb + 1) << 8;
     }
     return r;
 }
@@ -155,11 +149,107 @@ template <typename T, int MT, int THREADS> struct bt_xstage {
     }
 };
 
-template <typename T, int MT, bool V16, int WARPS>
-__global__ void __launch_bounds__(WARPS * 32, (MT == 32 ? 16 : 12) / WARPS) /* regs: <= 128 (MT 32), 168 (MT 64, 4 warps) */
+/* ---- the weight stream ------------------------------------------------------------------ */
+#define BT_STAGES 4 /* cp.async ring: 3 steps of weights in flight per thread */
+
+__device__ __forceinline__ uint32_t bt_smem_addr(const void *p) {
+    return (uint32_t)__cvta_generic_to_shared(p);
+}
+/* cp.async of 16 (4) bytes; src_bytes = 0 fills zeros and reads nothing */
+__device__ __forceinline__ void bt_cp16(uint32_t dst, const void *src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes));
+}
+__device__ __forceinline__ void bt_cp4(uint32_t dst, const void *src, int src_bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(src_bytes));
+}
+__device__ __forceinline__ void bt_cp_commit() { asm volatile("cp.async.commit_group;"); }
+template <int N> __device__ __forceinline__ void bt_cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
+
+/* Fast path (K % 64 == 0, codes 16-byte and scales 4-byte aligned): each thread copies its own
+ * step data - 16 code bytes of rows g and g+8 and the 4-byte scale word holding its two scale bytes
+ * of each row - into a private shared-memory slot of a BT_STAGES ring with cp.async, BT_STAGES-1
+ * steps ahead. Private slots: no barrier is needed for the weights. */
+struct bt_slot {
+    uint4 c0, c1;   /* codes of rows g, g+8 */
+    uint32_t s0, s1; /* scale words of rows g, g+8 (bytes 2(t&1), 2(t&1)+1 are this thread's) */
+};
+
+__device__ __forceinline__ void bt_issue(bt_slot *slot, const uint8_t *crow0, const uint8_t *crow1,
+                                         const uint8_t *srow0, const uint8_t *srow1, int step, int t, int KB) {
+    const int kb = step * 8 + 2 * t, sb = step * 8 + 4 * (t >> 1);
+    const int cb = kb < KB ? 16 : 0, ss = sb < KB ? 4 : 0; /* KB % 4 == 0: a word is in or out */
+    const int kbc = kb < KB ? kb : 0, sbc = sb < KB ? sb : 0; /* keep the address valid */
+    bt_cp16(bt_smem_addr(&slot->c0), crow0 + (int64_t)kbc * 8, cb);
+    bt_cp16(bt_smem_addr(&slot->c1), crow1 + (int64_t)kbc * 8, cb);
+    bt_cp4(bt_smem_addr(&slot->s0), srow0 + sbc, ss);
+    bt_cp4(bt_smem_addr(&slot->s1), srow1 + sbc, ss);
+}
+
+/* One 128-K step of one warp: 16 features x (8 * NTV) token rows. w0/w1: code words of rows g and
+ * g+8 (blocks 2t, 2t+1); sa/sb: their packed scales; xb: this thread's x fragment base. */
+template <typename T, int NTV, int MT>
+__device__ __forceinline__ void bt_step(float (&acc)[MT / 8][4], const uint32_t (&w0)[4], const uint32_t (&w1)[4],
+                                        const uint32_t (&sa)[2], const uint32_t (&sb)[2], const uint8_t *xb) {
+    typedef bt_ops<T> ops;
+#pragma unroll
+    for (int q = 0; q < 4; q++) { /* word q: codes 8q..8q+7 of the thread's 32; k16 steps 2q, 2q+1 */
+        const uint32_t s0 = sa[q >> 1], s1 = sb[q >> 1];
+        /* A operand pairs: row g (ra) and row g+8 (rb), codes (i, i+4) of word q */
+        const uint32_t ra0 = ops::mul2(ops::template code2<0>(w0[q]), s0);
+        const uint32_t ra1 = ops::mul2(ops::template code2<1>(w0[q]), s0);
+        const uint32_t ra2 = ops::mul2(ops::template code2<2>(w0[q]), s0);
+        const uint32_t ra3 = ops::mul2(ops::template code2<3>(w0[q]), s0);
+        const uint32_t rb0 = ops::mul2(ops::template code2<0>(w1[q]), s1);
+        const uint32_t rb1 = ops::mul2(ops::template code2<1>(w1[q]), s1);
+        const uint32_t rb2 = ops::mul2(ops::template code2<2>(w1[q]), s1);
+        const uint32_t rb3 = ops::mul2(ops::template code2<3>(w1[q]), s1);
+#pragma unroll
+        for (int nt = 0; nt < NTV; nt++) {
+            const uint4 xf = *reinterpret_cast<const uint4 *>(xb + nt * 8 * BT_XROW + q * 16);
+            ops::mma(acc[nt], ra0, rb0, ra1, rb1, xf.x, xf.y); /* k16 step 2q */
+            ops::mma(acc[nt], ra2, rb2, ra3, rb3, xf.z, xf.w); /* k16 step 2q+1 */
+        }
+    }
+}
+
+template <typename T, int MT>
+__device__ __forceinline__ void bt_step_ntv(int ntv, float (&acc)[MT / 8][4], const uint32_t (&w0)[4],
+                                            const uint32_t (&w1)[4], const uint32_t (&sa)[2],
+                                            const uint32_t (&sb)[2], const uint8_t *xb) {
+    /* only the n8 tiles the run has: a specialised step per count (no predicated-off mma) */
+    switch (ntv) {
+    case 1: bt_step<T, 1, MT>(acc, w0, w1, sa, sb, xb); break;
+    case 2: bt_step<T, 2, MT>(acc, w0, w1, sa, sb, xb); break;
+    case 3: bt_step<T, 3, MT>(acc, w0, w1, sa, sb, xb); break;
+    case 4: bt_step<T, 4, MT>(acc, w0, w1, sa, sb, xb); break;
+    default:
+        if constexpr (MT > 32) {
+            switch (ntv) {
+            case 5: bt_step<T, 5, MT>(acc, w0, w1, sa, sb, xb); break;
+            case 6: bt_step<T, 6, MT>(acc, w0, w1, sa, sb, xb); break;
+            case 7: bt_step<T, 7, MT>(acc, w0, w1, sa, sb, xb); break;
+            default: bt_step<T, 8, MT>(acc, w0, w1, sa, sb, xb); break;
+            }
+        }
+    }
+}
+
+/* warps per block: 8 for 32-row tiles (x staging shared by 128 features), 4 for 64-row tiles */
+template <int MT> struct bt_cfg {
+    static constexpr int WARPS = MT == 32 ? 8 : 4, THREADS = WARPS * 32, NTILE = WARPS * 16;
+    static constexpr int XBYTES = 2 * MT * BT_XROW;                     /* double-buffered x tile */
+    static constexpr int SMEM = XBYTES + BT_STAGES * THREADS * (int)sizeof(bt_slot);
+    static constexpr int MINBLOCKS = MT == 32 ? 2 : 3;                   /* 128 / 168 registers */
+};
+
+template <typename T, int MT, bool FAST, int MINB>
+__global__ void __launch_bounds__(bt_cfg<MT>::THREADS, MINB)
 gq_batched_kernel(gq_args a, const int *__restrict__ starts, const int *__restrict__ tile_off) {
-    constexpr int THREADS = WARPS * 32, NTILE = WARPS * 16;
-    __shared__ __align__(16) uint8_t xs[2][MT * BT_XROW];
+    typedef bt_cfg<MT> cfg;
+    constexpr int THREADS = cfg::THREADS, NTILE = cfg::NTILE;
+    extern __shared__ __align__(16) uint8_t smem[];
+    uint8_t *xs0 = smem, *xs1 = smem + MT * BT_XROW;
+    bt_slot *ring = reinterpret_cast<bt_slot *>(smem + cfg::XBYTES) + threadIdx.x; /* + stage*THREADS */
     typedef bt_ops<T> ops;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const int N = a.N, K = a.K, KB = K >> 4, nsteps = (K + BT_KSTEP - 1) / BT_KSTEP;
@@ -167,6 +257,7 @@ gq_batched_kernel(gq_args a, const int *__restrict__ starts, const int *__restri
     const int64_t total = (int64_t)tile_off[a.E] * NT;
     const T *x = static_cast<const T *>(a.x);
     T *y = static_cast<T *>(a.y);
+    const int xoff = g * BT_XROW + t * 64 + (t >> 1) * 16; /* this thread's fragment base in x tile */
 
     for (int64_t item = blockIdx.x; item < total; item += gridDim.x) {
         /* the expert: the largest e with tile_off[e] * NT <= item (it has tiles) */
@@ -195,49 +286,50 @@ gq_batched_kernel(gq_args a, const int *__restrict__ starts, const int *__restri
 
         bt_xstage<T, MT, THREADS> xr;
         xr.init(x, row0, rows, rows_pad, K);
-        bt_w cur = bt_load_w<V16>(crow0, crow1, srow0, srow1, 2 * t, KB);
+        bt_w cur; /* slow path: registers, one step ahead */
+        if constexpr (FAST) {
+#pragma unroll
+            for (int p = 0; p < BT_STAGES - 1; p++) {
+                if (p < nsteps) bt_issue(ring + p * THREADS, crow0, crow1, srow0, srow1, p, t, KB);
+                bt_cp_commit();
+            }
+        } else {
+            cur = bt_load_w(crow0, crow1, srow0, srow1, 2 * t, KB);
+        }
         xr.load(0, K);
-        xr.store(xs[0]);
+        xr.store(xs0);
         __syncthreads();
 
         for (int s = 0; s < nsteps; s++) {
-            bt_w nxt = cur;
-            if (s + 1 < nsteps) {
-                nxt = bt_load_w<V16>(crow0, crow1, srow0, srow1, (s + 1) * 8 + 2 * t, KB);
-                xr.load((s + 1) * BT_KSTEP, K);
+            uint32_t w0[4], w1[4], sa[2], sb[2];
+            if constexpr (FAST) {
+                bt_cp_wait<BT_STAGES - 2>(); /* this thread's copies of step s have landed */
+                const bt_slot *sl = ring + (s % BT_STAGES) * THREADS;
+                const uint4 c0 = sl->c0, c1 = sl->c1;
+                const uint32_t sw0 = sl->s0 >> (16 * (t & 1)), sw1 = sl->s1 >> (16 * (t & 1));
+                w0[0] = c0.x; w0[1] = c0.y; w0[2] = c0.z; w0[3] = c0.w;
+                w1[0] = c1.x; w1[1] = c1.y; w1[2] = c1.z; w1[3] = c1.w;
+                sa[0] = ops::scale2(cu_e4m3_to_float(sw0 & 0xff));
+                sa[1] = ops::scale2(cu_e4m3_to_float((sw0 >> 8) & 0xff));
+                sb[0] = ops::scale2(cu_e4m3_to_float(sw1 & 0xff));
+                sb[1] = ops::scale2(cu_e4m3_to_float((sw1 >> 8) & 0xff));
+                /* refill the slot read in step s-1 with step s + BT_STAGES - 1 */
+                const int nxt = s + BT_STAGES - 1;
+                if (nxt < nsteps) bt_issue(ring + (nxt % BT_STAGES) * THREADS, crow0, crow1, srow0, srow1, nxt, t, KB);
+                bt_cp_commit();
+            } else {
+                w0[0] = cur.c0.x; w0[1] = cur.c0.y; w0[2] = cur.c0.z; w0[3] = cur.c0.w;
+                w1[0] = cur.c1.x; w1[1] = cur.c1.y; w1[2] = cur.c1.z; w1[3] = cur.c1.w;
+                sa[0] = ops::scale2(cu_e4m3_to_float(cur.s0 & 0xff));
+                sa[1] = ops::scale2(cu_e4m3_to_float(cur.s0 >> 8));
+                sb[0] = ops::scale2(cu_e4m3_to_float(cur.s1 & 0xff));
+                sb[1] = ops::scale2(cu_e4m3_to_float(cur.s1 >> 8));
+                if (s + 1 < nsteps) cur = bt_load_w(crow0, crow1, srow0, srow1, (s + 1) * 8 + 2 * t, KB);
             }
-            /* scales of this step as packed pairs: [row g | row g+8][block 2t | 2t+1] */
-            const uint32_t sg[2] = {ops::scale2(cu_e4m3_to_float(cur.s0 & 0xff)),
-                                    ops::scale2(cu_e4m3_to_float(cur.s0 >> 8))};
-            const uint32_t sg8[2] = {ops::scale2(cu_e4m3_to_float(cur.s1 & 0xff)),
-                                     ops::scale2(cu_e4m3_to_float(cur.s1 >> 8))};
-            const uint32_t w0[4] = {cur.c0.x, cur.c0.y, cur.c0.z, cur.c0.w};
-            const uint32_t w1[4] = {cur.c1.x, cur.c1.y, cur.c1.z, cur.c1.w};
-            const uint8_t *xb = xs[s & 1] + g * BT_XROW + t * 64 + (t >> 1) * 16;
-#pragma unroll
-            for (int q = 0; q < 4; q++) { /* word q: codes 8q..8q+7 of the thread's 32; k16 steps 2q, 2q+1 */
-                const uint32_t sa = sg[q >> 1], sb = sg8[q >> 1];
-                /* A operand pairs: row g (ra) and row g+8 (rb), codes (i, i+4) of word q */
-                const uint32_t ra0 = ops::mul2(ops::template code2<0>(w0[q]), sa);
-                const uint32_t ra1 = ops::mul2(ops::template code2<1>(w0[q]), sa);
-                const uint32_t ra2 = ops::mul2(ops::template code2<2>(w0[q]), sa);
-                const uint32_t ra3 = ops::mul2(ops::template code2<3>(w0[q]), sa);
-                const uint32_t rb0 = ops::mul2(ops::template code2<0>(w1[q]), sb);
-                const uint32_t rb1 = ops::mul2(ops::template code2<1>(w1[q]), sb);
-                const uint32_t rb2 = ops::mul2(ops::template code2<2>(w1[q]), sb);
-                const uint32_t rb3 = ops::mul2(ops::template code2<3>(w1[q]), sb);
-#pragma unroll
-                for (int nt = 0; nt < MT / 8; nt++) {
-                    if (nt < ntv) {
-                        const uint4 xf = *reinterpret_cast<const uint4 *>(xb + nt * 8 * BT_XROW + q * 16);
-                        ops::mma(acc[nt], ra0, rb0, ra1, rb1, xf.x, xf.y); /* k16 step 2q */
-                        ops::mma(acc[nt], ra2, rb2, ra3, rb3, xf.z, xf.w); /* k16 step 2q+1 */
-                    }
-                }
-            }
-            if (s + 1 < nsteps) xr.store(xs[(s + 1) & 1]);
+            if (s + 1 < nsteps) xr.load((s + 1) * BT_KSTEP, K);
+            bt_step_ntv<T, MT>(ntv, acc, w0, w1, sa, sb, ((s & 1) ? xs1 : xs0) + xoff);
+            if (s + 1 < nsteps) xr.store((s & 1) ? xs0 : xs1);
             __syncthreads();
-            cur = nxt;
         }
 
         /* epilogue: y[row][n] = acc * gs * 2^kshift; C fragment (g, 2t..2t+1) and (g+8, 2t..2t+1) */
@@ -277,44 +369,38 @@ int gq_batched_row_tile(const gq_args *a, fp4moe_dtype dtype) {
     return (int64_t)a->B > 48ll * a->E ? 64 : 32;
 }
 
-template <typename T, int MT, bool V16, int WARPS>
+template <typename T, int MT, bool FAST, int MINB = bt_cfg<MT>::MINBLOCKS>
 static int launch(const gq_args *a, const int *starts, const int *tile_off, cudaStream_t st) {
+    typedef bt_cfg<MT> cfg;
     int dev = 0, sms = 0, occ = 0;
     GQ_CUDA_TRY(cudaGetDevice(&dev), "cudaGetDevice");
     GQ_CUDA_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), "cudaDeviceGetAttribute");
-    GQ_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, gq_batched_kernel<T, MT, V16, WARPS>,
-                                                              WARPS * 32, 0),
+    /* > 48 KB of dynamic shared memory needs the opt-in (idempotent, cheap) */
+    GQ_CUDA_TRY(cudaFuncSetAttribute(gq_batched_kernel<T, MT, FAST, MINB>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                     cfg::SMEM),
+                "cudaFuncSetAttribute (dynamic shared memory)");
+    GQ_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, gq_batched_kernel<T, MT, FAST, MINB>, cfg::THREADS,
+                                                              cfg::SMEM),
                 "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
     /* upper bound on the items: sum over experts of ceil(len/MT) <= B/MT + min(E, B) */
-    const int64_t NT = (a->N + WARPS * 16 - 1) / (WARPS * 16);
+    const int64_t NT = (a->N + cfg::NTILE - 1) / cfg::NTILE;
     const int64_t bound = ((int64_t)a->B / MT + 1 + (a->E < a->B ? a->E : a->B)) * NT;
     int64_t grid = (int64_t)sms * (occ > 0 ? occ : 1);
     if (grid > bound) grid = bound;
-    gq_batched_kernel<T, MT, V16, WARPS><<<(unsigned)grid, WARPS * 32, 0, st>>>(*a, starts, tile_off);
+    gq_batched_kernel<T, MT, FAST, MINB><<<(unsigned)grid, cfg::THREADS, cfg::SMEM, st>>>(*a, starts, tile_off);
     GQ_CUDA_TRY(cudaGetLastError(), "launch of the expert-batched kernel");
     return FP4MOE_OK;
 }
 
-/* Warps per block (= 16-feature slices sharing one x tile): 8 for 32-row tiles (half the x
- * staging per thread of 4 warps, 128 registers), 4 for 64-row tiles (168 registers without spills);
- * FP4MOE_CUDA_BATCHED_WARPS=4|8 is a tuning knob for measurements. */
-static int batched_warps(int mt) {
-    const char *env = getenv("FP4MOE_CUDA_BATCHED_WARPS");
-    if (env && (!strcmp(env, "4") || !strcmp(env, "8"))) return atoi(env);
-    return mt == 32 ? 8 : 4;
-}
-
-template <typename T, int MT>
-static int launch_mt(const gq_args *a, const int *starts, const int *tile_off, cudaStream_t st) {
-    const bool v16 = (a->K % 32) == 0 && ((uintptr_t)a->codes & 15) == 0;
-    if (batched_warps(MT) == 4)
-        return v16 ? launch<T, MT, true, 4>(a, starts, tile_off, st) : launch<T, MT, false, 4>(a, starts, tile_off, st);
-    return v16 ? launch<T, MT, true, 8>(a, starts, tile_off, st) : launch<T, MT, false, 8>(a, starts, tile_off, st);
-}
-
 template <typename T>
 static int launch_dtype(const gq_args *a, int mt, const int *starts, const int *tile_off, cudaStream_t st) {
-    return mt == 64 ? launch_mt<T, 64>(a, starts, tile_off, st) : launch_mt<T, 32>(a, starts, tile_off, st);
+    /* fast path: cp.async of 16 code bytes and a 4-byte scale word per row and step */
+    const bool fast = (a->K % 64) == 0 && ((uintptr_t)a->codes & 15) == 0 && ((uintptr_t)a->scales & 3) == 0;
+    if (mt == 64) return fast ? launch<T, 64, true>(a, starts, tile_off, st) : launch<T, 64, false>(a, starts, tile_off, st);
+    /* tuning knob for measurements: FP4MOE_CUDA_BATCHED_BLOCKS=3 (3 blocks/SM, 80 registers) */
+    const char *env = getenv("FP4MOE_CUDA_BATCHED_BLOCKS");
+    if (fast && env && !strcmp(env, "3")) return launch<T, 32, true, 3>(a, starts, tile_off, st);
+    return fast ? launch<T, 32, true>(a, starts, tile_off, st) : launch<T, 32, false>(a, starts, tile_off, st);
 }
 
 int gq_launch_batched(const gq_args *a, fp4moe_dtype dtype, cudaStream_t st) {

@@ -35,11 +35,17 @@ __global__ void gq_dequant_kernel(const uint8_t *__restrict__ codes, const uint8
     const int64_t src = cu_weight_expert(e, E) * nblocks + i; /* block index within all experts */
     const uint2 c = cu_ld_stream8(codes + src * 8);
     const float s = cu_e4m3_to_float(__ldg(scales + src));
-    T *o = out + (int64_t)blockIdx.y * nblocks * 16 + i * 16;
     const uint32_t cw[2] = {c.x, c.y};
+    union {
+        T v[16];
+        uint4 q[16 * sizeof(T) / 16];
+    } o;
 #pragma unroll
     for (int j = 0; j < 16; j++) /* (e2m1 * 2^-126 * 2^100) * (s * 2^26): exact in fp32 */
-        o[j] = cu_from_float<T>(cu_e2m1_f32(cw[j >> 3], j & 7) * 0x1p100f * (s * 0x1p26f));
+        o.v[j] = cu_from_float<T>(cu_e2m1_f32(cw[j >> 3], j & 7) * 0x1p100f * (s * 0x1p26f));
+    uint4 *dst = reinterpret_cast<uint4 *>(out + (int64_t)blockIdx.y * nblocks * 16 + i * 16);
+#pragma unroll
+    for (int j = 0; j < (int)(16 * sizeof(T) / 16); j++) dst[j] = o.q[j]; /* 16-byte stores */
 }
 
 static pthread_mutex_t g_dq_lock = PTHREAD_MUTEX_INITIALIZER;

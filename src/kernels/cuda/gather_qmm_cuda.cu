@@ -13,7 +13,9 @@
  *                                    per run; synchronizes the stream once (run sizes on the host).
  * Automatic choice: FP4MOE_GATHER_ROUTE (where legal), else FP4MOE_GATHER_EXPERT_BATCHED=0 -> qmv,
  * else sorted && B >= FP4MOE_BATCHED_MIN_ROWS -> batched (measured faster than dequant_gemm on the
- * Nemotron shapes, docs/PERFORMANCE.md), else qmv.
+ * Nemotron shapes up to 2048 tokens, docs/PERFORMANCE.md), or dequant_gemm when the runs average
+ * >= 256 rows per expert (compute-bound; cuBLAS measured faster at 8192 tokens; this default then
+ * synchronizes the stream), else qmv.
  *
  * Thread safety: qmv and batched are reentrant (per-call scratch comes from cudaMallocAsync on the
  * caller's stream). dequant_gemm serializes on a process-wide mutex (it owns a cached scratch
@@ -124,12 +126,15 @@ static int route_needs_sorted(fp4moe_route r) {
 }
 
 /* The automatic choice on CUDA (the one place where the CUDA route predicate lives). */
-static fp4moe_route choose_route(int64_t B, int sorted) {
+#define GQ_DEQUANT_GEMM_ROWS_PER_EXPERT 256
+static fp4moe_route choose_route(int64_t B, int64_t E, int sorted) {
     const fp4moe_route env = gather_env_route();
     if (env != FP4MOE_ROUTE_AUTO && (sorted || !route_needs_sorted(env))) return env;
     if (gather_env_batched_off()) return FP4MOE_ROUTE_QMV;
-    if (sorted && B >= FP4MOE_BATCHED_MIN_ROWS) return FP4MOE_ROUTE_BATCHED;
-    return FP4MOE_ROUTE_QMV;
+    if (!sorted || B < FP4MOE_BATCHED_MIN_ROWS) return FP4MOE_ROUTE_QMV;
+    /* long runs (>= 256 rows per expert on average) are compute-bound: cuBLAS on the dequantized
+     * experts beats the mma.sync kernel there (measured: docs/PERFORMANCE.md, 8192 tokens) */
+    return B >= GQ_DEQUANT_GEMM_ROWS_PER_EXPERT * E ? FP4MOE_ROUTE_DEQUANT_GEMM : FP4MOE_ROUTE_BATCHED;
 }
 
 static int misaligned(const void *p, uintptr_t a) { return ((uintptr_t)p & (a - 1)) != 0; }
@@ -161,7 +166,7 @@ extern "C" int fp4moe_gather_qmm_cuda_route(const fp4moe_nvfp4_weights *w, const
     const gq_args a = {w->codes, w->scales, w->global_scale, (int)w->E, (int)w->N, (int)w->K,
                        x, y, idx, (int)B};
     cudaStream_t s = (cudaStream_t)stream;
-    if (route == FP4MOE_ROUTE_AUTO) route = choose_route(B, sorted);
+    if (route == FP4MOE_ROUTE_AUTO) route = choose_route(B, w->E, sorted);
     switch (route) {
     case FP4MOE_ROUTE_BATCHED:
         st = dtype == FP4MOE_F32 ? gq_launch_qmv(&a, dtype, s) : gq_launch_batched(&a, dtype, s);

@@ -3,8 +3,8 @@
  *
  * Rows are taken in chunks of 32 (one warp-wide load of idx). Inside a chunk a *segment* is a run of
  * consecutive rows with the same expert, cut every QMV_G rows; the warp finds the segments with two
- * ballots (no pre-pass, no host round trip). A warp computes one output feature n for one segment:
- * its lanes stream weight row n of the segment's expert in 16-byte pieces (2 NVFP4 blocks; 8-byte
+ * ballots (no pre-pass, no host round trip). A warp computes NF (2 or 4) output features for one segment:
+ * its lanes stream weight rows n, n+1 of the segment's expert in 16-byte pieces (2 NVFP4 blocks; 8-byte
  * pieces when K % 32 != 0), decode each code once to fp32 and use it for all rows of the segment,
  * then reduce across the warp. Blocks of 8 warps cover 8 consecutive features (so the x rows of the
  * segment are read from L1 after the first warp); blockIdx.x also selects which segments of the
@@ -14,7 +14,7 @@
 
 #define QMV_WARPS 8  /* warps per block = consecutive output features */
 #define QMV_CHUNK 32 /* rows per chunk */
-#define QMV_G 8      /* rows per segment at most (accumulators per lane) */
+#define QMV_G 8      /* rows per segment at most (accumulators per lane), B > 32 */
 #define QMV_SLOTS 8  /* segments of a chunk handled in parallel */
 #define FULL 0xffffffffu
 
@@ -52,83 +52,94 @@ __device__ __forceinline__ void qmv_load_x16(const __half *p, float (&v)[16]) {
     }
 }
 
-/* One segment (rows b0 .. b0+len-1, expert e < E, len <= QMV_G), one output feature n.
- * Weights decode as (e2m1 * 2^-126) * (scale * 2^100) = e2m1 * scale * 2^-26 (exact, fp32 normal);
- * the epilogue multiplies by 2^26 and the global scale. */
-template <typename T, int BPL>
+/* One segment (rows b0 .. b0+len-1, expert e < E, len <= G), output features n0 .. n0+NF-1 (those
+ * < N). The lane's weight pieces are loaded QMV_PM at a time, all before any is used (for the
+ * Nemotron K one batch covers the whole row: one memory latency per warp). Weights decode as
+ * (e2m1 * 2^-126) * (scale * 2^100) = e2m1 * scale * 2^-26 (exact, fp32 normal); the epilogue
+ * multiplies by 2^26 and the global scale. */
+#define QMV_PM 3 /* pieces per lane in flight per feature */
+template <typename T, int BPL, int G, int NF>
 __device__ __forceinline__ void qmv_segment(const gq_args &a, const T *__restrict__ x, T *__restrict__ y,
-                                            uint32_t e, int64_t b0, int len, int n, int lane) {
+                                            uint32_t e, int64_t b0, int len, int n0, int lane) {
     const int K = a.K, KB = K >> 4;
-    const int64_t wrow = cu_weight_expert(e, a.E) * a.N + n;
-    const uint8_t *codes = a.codes + wrow * (K >> 1);
-    const uint8_t *scales = a.scales + wrow * KB;
-    float acc[QMV_G];
+    const uint8_t *codes[NF], *scales[NF];
 #pragma unroll
-    for (int r = 0; r < QMV_G; r++) acc[r] = 0.0f;
-
-    uint32_t wd[4] = {0, 0, 0, 0}, sc = 0; /* this lane's next piece: codes, scale bytes */
-    int kb = lane * BPL;
-    if (kb < KB) {
-        if (BPL == 2) {
-            const uint4 q = cu_ld_stream16(codes + (int64_t)kb * 8);
-            wd[0] = q.x; wd[1] = q.y; wd[2] = q.z; wd[3] = q.w;
-            sc = __ldg(scales + kb) | (uint32_t)__ldg(scales + kb + 1) << 8;
-        } else {
-            const uint2 q = cu_ld_stream8(codes + (int64_t)kb * 8);
-            wd[0] = q.x; wd[1] = q.y;
-            sc = __ldg(scales + kb);
-        }
+    for (int f = 0; f < NF; f++) {
+        const int64_t wrow = cu_weight_expert(e, a.E) * a.N + min(n0 + f, a.N - 1);
+        codes[f] = a.codes + wrow * (K >> 1);
+        scales[f] = a.scales + wrow * KB;
     }
-    for (; kb < KB; kb += 32 * BPL) {
-        const uint32_t cw[4] = {wd[0], wd[1], wd[2], wd[3]}, cs = sc;
-        const int nkb = kb + 32 * BPL; /* prefetch the next piece before using this one */
-        if (nkb < KB) {
-            if (BPL == 2) {
-                const uint4 q = cu_ld_stream16(codes + (int64_t)nkb * 8);
-                wd[0] = q.x; wd[1] = q.y; wd[2] = q.z; wd[3] = q.w;
-                sc = __ldg(scales + nkb) | (uint32_t)__ldg(scales + nkb + 1) << 8;
-            } else {
-                const uint2 q = cu_ld_stream8(codes + (int64_t)nkb * 8);
-                wd[0] = q.x; wd[1] = q.y;
-                sc = __ldg(scales + nkb);
+    float acc[NF][G];
+#pragma unroll
+    for (int f = 0; f < NF; f++)
+#pragma unroll
+        for (int r = 0; r < G; r++) acc[f][r] = 0.0f;
+
+    for (int kc = lane * BPL; kc < KB; kc += 32 * BPL * QMV_PM) {
+        uint32_t cw[QMV_PM][NF][2 * BPL], cs[QMV_PM][NF];
+#pragma unroll
+        for (int p = 0; p < QMV_PM; p++) { /* issue every load of this batch first */
+            const int kb = kc + p * 32 * BPL;
+#pragma unroll
+            for (int f = 0; f < NF; f++) {
+                if (kb < KB) {
+                    if constexpr (BPL == 2) {
+                        const uint4 q = cu_ld_stream16(codes[f] + (int64_t)kb * 8);
+                        cw[p][f][0] = q.x; cw[p][f][1] = q.y; cw[p][f][2] = q.z; cw[p][f][3] = q.w;
+                        cs[p][f] = __ldg(scales[f] + kb) | (uint32_t)__ldg(scales[f] + kb + 1) << 8;
+                    } else {
+                        const uint2 q = cu_ld_stream8(codes[f] + (int64_t)kb * 8);
+                        cw[p][f][0] = q.x; cw[p][f][1] = q.y;
+                        cs[p][f] = __ldg(scales[f] + kb);
+                    }
+                }
             }
         }
 #pragma unroll
-        for (int bi = 0; bi < BPL; bi++) {
-            const float s = cu_e4m3_to_float((cs >> (8 * bi)) & 0xffu) * 0x1p100f;
-            float w[16];
+        for (int p = 0; p < QMV_PM; p++) {
+            const int kb = kc + p * 32 * BPL;
+            if (kb >= KB) break;
 #pragma unroll
-            for (int j = 0; j < 16; j++) w[j] = cu_e2m1_f32(cw[2 * bi + (j >> 3)], j & 7) * s;
-            const int64_t k0 = (int64_t)(kb + bi) * 16;
+            for (int bi = 0; bi < BPL; bi++) {
+                const int64_t k0 = (int64_t)(kb + bi) * 16;
 #pragma unroll
-            for (int r = 0; r < QMV_G; r++) {
-                if (r < len) {
-                    float xv[16];
-                    qmv_load_x16(x + (b0 + r) * K + k0, xv);
+                for (int r = 0; r < G; r++) {
+                    if (r < len) {
+                        float xv[16];
+                        qmv_load_x16(x + (b0 + r) * K + k0, xv);
 #pragma unroll
-                    for (int j = 0; j < 16; j++) acc[r] = fmaf(xv[j], w[j], acc[r]);
+                        for (int f = 0; f < NF; f++) {
+                            const float s = cu_e4m3_to_float((cs[p][f] >> (8 * bi)) & 0xffu) * 0x1p100f;
+#pragma unroll
+                            for (int j = 0; j < 16; j++)
+                                acc[f][r] = fmaf(xv[j], cu_e2m1_f32(cw[p][f][2 * bi + (j >> 3)], j & 7) * s, acc[f][r]);
+                        }
+                    }
                 }
             }
         }
     }
     const float mult = cu_expert_gs(a.gs, e) * 0x1p26f;
 #pragma unroll
-    for (int r = 0; r < QMV_G; r++) {
+    for (int r = 0; r < G; r++) {
         if (r < len) {
-            float v = acc[r];
 #pragma unroll
-            for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL, v, o);
-            if (lane == 0) y[(b0 + r) * a.N + n] = cu_from_float<T>(v * mult);
+            for (int f = 0; f < NF; f++) {
+                float v = acc[f][r];
+#pragma unroll
+                for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL, v, o);
+                if (lane == 0 && n0 + f < a.N) y[(b0 + r) * a.N + n0 + f] = cu_from_float<T>(v * mult);
+            }
         }
     }
 }
 
-template <typename T, int BPL>
+template <typename T, int BPL, int G, int NF>
 __global__ void __launch_bounds__(QMV_WARPS * 32, 2) gq_qmv_kernel(gq_args a, int slots) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int nblk = (a.N + QMV_WARPS - 1) / QMV_WARPS;
+    const int nblk = (a.N + QMV_WARPS * NF - 1) / (QMV_WARPS * NF);
     const int slot = blockIdx.x / nblk;
-    const int n = (blockIdx.x % nblk) * QMV_WARPS + warp;
+    const int n = ((blockIdx.x % nblk) * QMV_WARPS + warp) * NF; /* first of NF features */
     if (n >= a.N) return; /* whole warp; no block-wide barriers below */
     const T *x = static_cast<const T *>(a.x);
     T *y = static_cast<T *>(a.y);
@@ -139,7 +150,7 @@ __global__ void __launch_bounds__(QMV_WARPS * 32, 2) gq_qmv_kernel(gq_args a, in
         const uint32_t prev = __shfl_up_sync(FULL, v, 1);
         const uint32_t heads = __ballot_sync(FULL, valid && (lane == 0 || v != prev));
         const int run0 = 31 - __clz(heads & (FULL >> (31 - lane))); /* start of this lane's run */
-        uint32_t segs = __ballot_sync(FULL, valid && ((lane - run0) % QMV_G) == 0);
+        uint32_t segs = __ballot_sync(FULL, valid && ((lane - run0) % G) == 0);
         for (int i = 0; i < slot && segs; i++) segs &= segs - 1; /* skip to this block's first */
         while (segs) {
             const int s = __ffs(segs) - 1;
@@ -148,28 +159,38 @@ __global__ void __launch_bounds__(QMV_WARPS * 32, 2) gq_qmv_kernel(gq_args a, in
             const uint32_t e = __shfl_sync(FULL, v, s);
             const int64_t b0 = c0 + s;
             if (e >= (uint32_t)a.E) {
-                if (lane < len) y[(b0 + lane) * a.N + n] = cu_from_float<T>(0.0f);
+                if (lane < len)
+                    for (int f = 0; f < NF && n + f < a.N; f++)
+                        y[(b0 + lane) * a.N + n + f] = cu_from_float<T>(0.0f);
             } else {
-                qmv_segment<T, BPL>(a, x, y, e, b0, len, n, lane);
+                qmv_segment<T, BPL, G, NF>(a, x, y, e, b0, len, n, lane);
             }
             for (int i = 0; i < slots && segs; i++) segs &= segs - 1;
         }
     }
 }
 
-template <typename T>
-static int launch(const gq_args *a, cudaStream_t st) {
+template <typename T, int G, int NF>
+static int launch_g(const gq_args *a, cudaStream_t st) {
     const int64_t chunks = ((int64_t)a->B + QMV_CHUNK - 1) / QMV_CHUNK;
     const int slots = a->B < QMV_SLOTS ? a->B : QMV_SLOTS;
-    const int64_t nblk = (a->N + QMV_WARPS - 1) / QMV_WARPS;
+    const int64_t nblk = (a->N + QMV_WARPS * NF - 1) / (QMV_WARPS * NF);
     if (nblk * slots > 0x7fffffff)
         return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "gather_qmm_cuda: qmv grid too large (N=%d)", a->N);
     const dim3 grid((unsigned)(nblk * slots), (unsigned)(chunks < 65535 ? chunks : 65535));
     const bool v16 = (a->K % 32) == 0 && ((uintptr_t)a->codes & 15) == 0;
-    if (v16) gq_qmv_kernel<T, 2><<<grid, QMV_WARPS * 32, 0, st>>>(*a, slots);
-    else gq_qmv_kernel<T, 1><<<grid, QMV_WARPS * 32, 0, st>>>(*a, slots);
+    if (v16) gq_qmv_kernel<T, 2, G, NF><<<grid, QMV_WARPS * 32, 0, st>>>(*a, slots);
+    else gq_qmv_kernel<T, 1, G, NF><<<grid, QMV_WARPS * 32, 0, st>>>(*a, slots);
     GQ_CUDA_TRY(cudaGetLastError(), "launch of the qmv kernel");
     return FP4MOE_OK;
+}
+
+/* Decode-sized batches (B <= 32): segments of one row and 4 features per warp (more weight bytes in
+ * flight per warp, fewer waves); larger batches: segments of up to 8 rows sharing each weight
+ * load, 2 features per warp. */
+template <typename T>
+static int launch(const gq_args *a, cudaStream_t st) {
+    return a->B <= QMV_CHUNK ? launch_g<T, 1, 4>(a, st) : launch_g<T, QMV_G, 2>(a, st);
 }
 
 int gq_launch_qmv(const gq_args *a, fp4moe_dtype dtype, cudaStream_t st) {
