@@ -2,12 +2,13 @@
  * Formulas: ../shared/spec/NVFP4.md section 1; OCP Microscaling Formats (MX) v1.0 for E2M1/E4M3;
  * IEEE 754-2008 binary16 for fp16. All rounding is round-to-nearest-even. */
 #include "fp4moe/nvfp4.h"
+#include "format/codecs_inline.h"
 
 #include <math.h>
 #include <string.h>
 
-static inline uint32_t f32_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
-static inline float bits_f32(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+#define f32_bits fp4moe_f32_bits
+#define bits_f32 fp4moe_bits_f32
 
 /* ---- E2M1 ------------------------------------------------------------------------------------ */
 
@@ -16,22 +17,7 @@ static const float k_e2m1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
 
 float fp4moe_e2m1_to_f32(uint8_t code) { return k_e2m1[code & 15]; }
 
-/* Nearest grid point of |v|; a tie goes to the even code (mantissa bit 0), which on this grid
- * gives 0.25->0, 0.75->1, 1.25->1, 1.75->2, 2.5->2, 3.5->4, 5->4. Beyond 6 saturates; NaN -> 6. */
-uint8_t fp4moe_f32_to_e2m1(float v) {
-    const uint8_t sign = signbit(v) ? 8 : 0;
-    const float a = fabsf(v);
-    uint8_t c;
-    if (a <= 0.25f) c = 0;
-    else if (a < 0.75f) c = 1;
-    else if (a <= 1.25f) c = 2;
-    else if (a < 1.75f) c = 3;
-    else if (a <= 2.5f) c = 4;
-    else if (a < 3.5f) c = 5;
-    else if (a <= 5.0f) c = 6;
-    else c = 7; /* (5, inf], and NaN (every comparison above is false) */
-    return (uint8_t)(sign | c);
-}
+uint8_t fp4moe_f32_to_e2m1(float v) { return fp4moe_e2m1_encode_inline(v); }
 
 /* ---- E4M3 (bias 7, no infinities, 0x7F/0xFF NaN) --------------------------------------------- */
 

@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "common/error.h"
+#include "format/codecs_inline.h"
 
 static int check_tensor_args(const char *fn, const void *a, const void *b, const void *c,
                              int64_t rows, int64_t K) {
@@ -19,6 +20,19 @@ static int check_tensor_args(const char *fn, const void *a, const void *b, const
         return fp4moe_set_error(FP4MOE_EOVERFLOW, "%s: rows*K = %lld*%lld overflows", fn,
                                 (long long)rows, (long long)K);
     return FP4MOE_OK;
+}
+
+/* n elements of w (dtype) starting at element i0 -> fp32 */
+static void load_block_f32(const void *w, fp4moe_dtype dtype, int64_t i0, int n, float *v) {
+    if (dtype == FP4MOE_F32) {
+        memcpy(v, (const float *)w + i0, (size_t)n * sizeof(float));
+    } else if (dtype == FP4MOE_BF16) {
+        const uint16_t *h = (const uint16_t *)w + i0;
+        for (int i = 0; i < n; i++) v[i] = fp4moe_bf16_to_f32_inline(h[i]);
+    } else {
+        const uint16_t *h = (const uint16_t *)w + i0;
+        for (int i = 0; i < n; i++) v[i] = fp4moe_f16_to_f32(h[i]);
+    }
 }
 
 static float load_f32(const void *w, fp4moe_dtype dtype, int64_t i) {
@@ -39,15 +53,16 @@ float fp4moe_amax(const void *w, fp4moe_dtype dtype, int64_t n) {
  * and returns the E4M3 scale byte. */
 static uint8_t quantize_block(const float v[16], float enc, uint8_t codes[8]) {
     float amax = 0.0f;
-    for (int i = 0; i < 16; i++) amax = fmaxf(amax, fabsf(v[i]));
+    for (int i = 0; i < 16; i++) {                                        /* NaN skipped */
+        const float a = fabsf(v[i]);
+        amax = a > amax ? a : amax;
+    }
     const uint8_t s = fp4moe_f32_to_e4m3(amax / 6.0f * enc);              /* step 2 */
     const float ds = fp4moe_e4m3_to_f32(s);
     const float r = ds == 0.0f ? 0.0f : enc / ds;                         /* step 3 */
-    for (int j = 0; j < 8; j++) {                                         /* step 4 */
-        const uint8_t lo = fp4moe_f32_to_e2m1(v[2 * j] * r);
-        const uint8_t hi = fp4moe_f32_to_e2m1(v[2 * j + 1] * r);
-        codes[j] = (uint8_t)(lo | (hi << 4));
-    }
+    uint8_t q[16];
+    for (int i = 0; i < 16; i++) q[i] = fp4moe_e2m1_encode_inline(v[i] * r); /* step 4 */
+    for (int j = 0; j < 8; j++) codes[j] = (uint8_t)(q[2 * j] | (q[2 * j + 1] << 4));
     return s;
 }
 
@@ -68,7 +83,7 @@ int fp4moe_nvfp4_quantize(const void *w, fp4moe_dtype dtype, int64_t rows, int64
         float v[16];
         for (int64_t b = 0; b < nb; b++) {
             const int64_t i0 = r * K + b * 16;
-            for (int i = 0; i < 16; i++) v[i] = load_f32(w, dtype, i0 + i);
+            load_block_f32(w, dtype, i0, 16, v);
             scales[r * nb + b] = quantize_block(v, enc, codes + i0 / 2);
         }
     }
