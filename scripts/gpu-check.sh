@@ -12,7 +12,12 @@
 #                                     on the build machine (nvcc, no GPU needed): build the three
 #                                     configurations and copy the programs (+ libcmocka, which the
 #                                     GPU machine's image lacks) into BIN, ready to carry.
-# Environment: GPU_CHECK_QUICK=1: quick test set and quick benchmark; GPU_CHECK_NCU=0: no ncu step.
+# Environment: GPU_CHECK_QUICK=1: quick test set and quick benchmark; GPU_CHECK_NCU=0: no ncu step;
+#   GPU_CHECK_BUILD=DIR: build directory prefix (default build-cuda; DIR-fault-* for the fault builds);
+#   GPU_CHECK_VARIANT="VAR=value ...": a kernel variant under test (e.g. "FP4MOE_CUDA_BATCHED_V=4
+#   FP4MOE_CUDA_QMV_V=4", docs/GPU-NOTES.md): the tests run with the default kernels (quick set)
+#   and with the variant (full set); sanitizer and fault runs use the variant; the benchmark is
+#   `gpu_bench --compare` (versions 3 and 4 interleaved) instead of the route table.
 set -u
 cd "$(dirname "$0")/.."
 FAULTS="global_scale expert_offset"
@@ -25,13 +30,13 @@ build() { # build DIR [cmake args...]: configure + build the GPU programs
 }
 
 build_all() { # BIN: three builds, programs copied into BIN
-    local bin=$1
+    local bin=$1 pre=${GPU_CHECK_BUILD:-build-cuda}
     mkdir -p "$bin"
-    build build-cuda || return 1
-    for p in $PROGS; do cp build-cuda/$p "$bin/"; done
+    build $pre || return 1
+    for p in $PROGS; do cp $pre/$p "$bin/"; done
     for f in $FAULTS; do
-        build build-cuda-fault-$f -DFP4MOE_INJECT_FAULT=$f || return 1
-        cp build-cuda-fault-$f/test_gather_qmm_gpu "$bin/test_gather_qmm_gpu.fault_$f"
+        build $pre-fault-$f -DFP4MOE_INJECT_FAULT=$f || return 1
+        cp $pre-fault-$f/test_gather_qmm_gpu "$bin/test_gather_qmm_gpu.fault_$f"
     done
 }
 
@@ -69,19 +74,37 @@ row() { ROWS+=("$(printf '%-34s %-8s %6ss  %s' "$1" "$2" "$3" "${4:-}")"); }
         --format=csv; ldd "$BIN/test_gather_qmm_gpu"; git rev-parse --short HEAD 2>/dev/null
 } >"$OUT/env.log" 2>&1
 
-# 1. the GPU tests
+VARIANT=${GPU_CHECK_VARIANT:-}
+# 1. the GPU tests (with a variant: the variant's full set first, then the default kernels' quick set)
 t0=$SECONDS
-env FP4MOE_TEST_QUICK=$QUICK timeout 240 "$BIN/test_gather_qmm_gpu" >"$OUT/tests.log" 2>&1
+if [ -n "$VARIANT" ]; then
+    env $VARIANT FP4MOE_TEST_QUICK=$QUICK timeout 150 "$BIN/test_gather_qmm_gpu" >"$OUT/tests_variant.log" 2>&1
+    rc=$?
+    row "tests, variant: $VARIANT" "$([ $rc = 0 ] && echo PASS || echo "FAIL($rc)")" $((SECONDS - t0)) \
+        "$(grep -c '^ok ' "$OUT/tests_variant.log") ok, $(grep -c '^FAIL' "$OUT/tests_variant.log") failed calls"
+    t0=$SECONDS
+    env FP4MOE_TEST_QUICK=1 timeout 100 "$BIN/test_gather_qmm_gpu" >"$OUT/tests.log" 2>&1
+else
+    env FP4MOE_TEST_QUICK=$QUICK timeout 240 "$BIN/test_gather_qmm_gpu" >"$OUT/tests.log" 2>&1
+fi
 rc=$?
 row "tests (all routes/dtypes/shapes)" "$([ $rc = 0 ] && echo PASS || echo "FAIL($rc)")" $((SECONDS - t0)) \
     "$(grep -c '^ok ' "$OUT/tests.log") ok, $(grep -c '^FAIL' "$OUT/tests.log") failed calls"
+
+# with a variant, the benchmark comes next (the sanitizer and fault runs after it)
+if [ -n "$VARIANT" ]; then
+    t0=$SECONDS
+    timeout 100 "$BIN/gpu_bench" --compare >"$OUT/bench.log" 2>&1
+    rc=$?
+    row "benchmark --compare" "$([ $rc = 0 ] && echo DONE || echo "FAIL($rc)")" $((SECONDS - t0))
+fi
 
 # 2. compute-sanitizer on the small cases
 : >"$OUT/sanitizer.log"
 for tool in memcheck racecheck; do
     t0=$SECONDS
     echo "=== $tool" >>"$OUT/sanitizer.log"
-    FP4MOE_TEST_SANITIZE=1 timeout 150 compute-sanitizer --tool $tool --error-exitcode 99 \
+    env $VARIANT FP4MOE_TEST_SANITIZE=1 timeout 60 compute-sanitizer --tool $tool --error-exitcode 99 \
         "$BIN/test_gather_qmm_gpu" >>"$OUT/sanitizer.log" 2>&1
     rc=$?
     row "compute-sanitizer $tool" "$([ $rc = 0 ] && echo CLEAN || echo "FAIL($rc)")" $((SECONDS - t0)) \
@@ -94,7 +117,7 @@ for f in $FAULTS; do
     for route in qmv batched dequant_gemm; do
         t0=$SECONDS
         echo "=== fault $f, route $route" >>"$OUT/fault.log"
-        FP4MOE_TEST_ROUTE=$route FP4MOE_TEST_QUICK=1 timeout 90 "$BIN/test_gather_qmm_gpu.fault_$f" \
+        env $VARIANT FP4MOE_TEST_ROUTE=$route FP4MOE_TEST_QUICK=1 timeout 40 "$BIN/test_gather_qmm_gpu.fault_$f" \
             >>"$OUT/fault.log" 2>&1
         rc=$?
         ok=$([ $rc != 0 ] && [ $rc != 77 ] && [ $rc != 124 ] && echo CAUGHT || echo "MISSED($rc)")
@@ -102,11 +125,13 @@ for f in $FAULTS; do
     done
 done
 
-# 4. the benchmark
-t0=$SECONDS
-timeout 240 "$BIN/gpu_bench" $([ "$QUICK" = 1 ] && echo --quick) >"$OUT/bench.log" 2>&1
-rc=$?
-row "benchmark" "$([ $rc = 0 ] && echo DONE || echo "FAIL($rc)")" $((SECONDS - t0))
+# 4. the benchmark (without a variant)
+if [ -z "$VARIANT" ]; then
+    t0=$SECONDS
+    timeout 240 "$BIN/gpu_bench" $([ "$QUICK" = 1 ] && echo --quick) >"$OUT/bench.log" 2>&1
+    rc=$?
+    row "benchmark" "$([ $rc = 0 ] && echo DONE || echo "FAIL($rc)")" $((SECONDS - t0))
+fi
 
 # 5. Nsight Compute on one launch of the batched kernel (512 tokens, up) and of qmv (decode, up)
 if [ "${GPU_CHECK_NCU:-1}" = 1 ] && command -v ncu >/dev/null; then
@@ -126,5 +151,6 @@ fi
 echo
 grep '^|' "$OUT/bench.log"
 grep -E '^(device|512 tokens|decode)' "$OUT/bench.log"
+grep -h '^FAIL\|^\[  FAILED' "$OUT"/tests*.log 2>/dev/null | head -20
 echo
 printf '%s\n' "${ROWS[@]}" | tee "$OUT/summary.txt"

@@ -1,4 +1,5 @@
-/* fp4moe/model.h: nemotron_h models on the CPU: config, checkpoint loading, forward pass, sampling.
+/* fp4moe/model.h: nemotron_h models on the CPU and (CUDA builds) the GPU: config, checkpoint
+ * loading, synthetic weights, forward pass, sampling.
  *
  * The model is specified in ../shared/spec/NEMOTRON_H.md (the reference implementation is HF
  * transformers' NemotronHForCausalLM, torch path); the NVFP4 format in ../shared/spec/NVFP4.md.
@@ -115,6 +116,17 @@ void fp4moe_config_free(fp4moe_config *cfg);
 /* "mamba", "attention", "moe", "mlp" for a layer type char; "?" otherwise. */
 const char *fp4moe_layer_type_name(char type);
 
+/* ---- devices ------------------------------------------------------------------------------ */
+
+/* Where weights live and a session runs. DEFAULT: for loading, the CPU only; for a session, CUDA
+ * when the model's weights were uploaded to the GPU, else the CPU. */
+typedef enum { FP4MOE_DEVICE_DEFAULT = 0, FP4MOE_DEVICE_CPU = 1, FP4MOE_DEVICE_CUDA = 2 } fp4moe_device;
+
+/* "default", "cpu", "cuda". */
+const char *fp4moe_device_name(fp4moe_device d);
+/* "cpu", "cuda", or "auto" (-> CUDA when fp4moe_cuda_available(), else CPU). FP4MOE_OK or EINVAL. */
+int fp4moe_device_parse(const char *s, fp4moe_device *out);
+
 /* ---- model ---------------------------------------------------------------------------------- */
 
 /* Progress of loading: called with (done, total) weight bytes, from the loading thread. */
@@ -124,6 +136,10 @@ typedef struct {
     int quantize;                 /* dense checkpoints: 1 = NVFP4-quantize linears on load (default) */
     fp4moe_progress_fn progress;  /* NULL: none */
     void *progress_ctx;
+    fp4moe_device device;         /* CUDA: after loading, upload every weight once to the current
+                                     GPU (the progress callback then runs a second time, 0 .. the
+                                     bytes uploaded); the host weights stay usable by CPU sessions.
+                                     DEFAULT/CPU: host only */
 } fp4moe_load_options;
 
 /* quantize = 1, no progress. */
@@ -140,6 +156,27 @@ int fp4moe_model_load(const char *dir, const fp4moe_load_options *opts, fp4moe_m
 
 /* Frees everything (unmaps the files); NULL is a no-op. */
 void fp4moe_model_free(fp4moe_model *m);
+
+/* A model with the exact shapes of `cfg` (all layers, experts and vocabulary) and random weights,
+ * for benchmarks without the checkpoint (fp4moe bench --synthetic). Every linear layer is NVFP4
+ * (random data, never zeros) with realistic block scales: Gaussian-like weights of std 0.02
+ * quantized as spec NVFP4.md section 3 (per-expert global scales when cfg->quant is ModelOpt, none
+ * otherwise); the embedding is bf16; norms, Mamba parameters and the router are plausible fp32
+ * values (src/model/synthetic.c). device CUDA: generated directly in GPU memory by a kernel (never
+ * staged on the host; such a model runs CUDA sessions only); CPU: in host memory. The same seed
+ * gives the same weights, bit for bit, on both devices. Errors: FP4MOE_EINVAL (bad config or
+ * options), FP4MOE_EUNSUPPORTED (CUDA without a GPU / CUDA build), FP4MOE_ENOMEM, FP4MOE_ECUDA. */
+typedef struct {
+    fp4moe_device device;         /* CPU (DEFAULT) or CUDA */
+    uint64_t seed;                /* 0: a fixed default */
+    fp4moe_progress_fn progress;  /* NULL: none; (done, total) bytes generated */
+    void *progress_ctx;
+} fp4moe_synthetic_options;
+int fp4moe_model_synthetic(const fp4moe_config *cfg, const fp4moe_synthetic_options *opts,
+                           fp4moe_model **out);
+
+/* 1 when the model's weights are on the GPU (loaded with device CUDA, or synthetic on CUDA). */
+int fp4moe_model_on_gpu(const fp4moe_model *m);
 
 const fp4moe_config *fp4moe_model_config(const fp4moe_model *m);
 
@@ -168,7 +205,15 @@ typedef struct {
     int64_t max_chunk;          /* tokens per forward chunk (bounds activation memory); default 256 */
     int64_t max_context;        /* KV cache limit in tokens; <= 0: grow without limit */
     const volatile sig_atomic_t *interrupt; /* when non-NULL and set: forward stops with
-                                               FP4MOE_EINTERRUPTED between chunks and layers */
+                                               FP4MOE_EINTERRUPTED between chunks and layers
+                                               (CUDA: between chunks) */
+    fp4moe_device device;       /* DEFAULT: CUDA when the model is on the GPU, else CPU. CUDA needs
+                                   a model on the GPU and act_dtype BF16 (activations bf16 at every
+                                   matmul, fp32 accumulation, fp32 residual/norms/SSM/router);
+                                   decode (T = 1) is captured once as a CUDA graph and replayed
+                                   (FP4MOE_CUDA_GRAPH=0: launched op by op) */
+    int profile;                /* CUDA: time each layer kind with device events (see
+                                   fp4moe_session_profile); off by default: it adds event records */
 } fp4moe_session_options;
 
 void fp4moe_session_options_default(fp4moe_session_options *o);
@@ -195,6 +240,30 @@ int64_t fp4moe_session_pos(const fp4moe_session *s);
  * must be reset before further use. */
 int fp4moe_session_forward(fp4moe_session *s, const int32_t *tokens, int64_t T, float *logits,
                            int all_logits);
+
+/* Runs tokens[0..T) like fp4moe_session_forward and returns the greedy next token (argmax of the
+ * last row of logits, lowest id on ties) without handing the logits to the host: on CUDA the
+ * argmax runs on the device and only 4 bytes come back. Errors: those of fp4moe_session_forward. */
+int fp4moe_session_forward_argmax(fp4moe_session *s, const int32_t *tokens, int64_t T,
+                                  int32_t *next);
+
+/* The device a session runs on (FP4MOE_DEVICE_CPU or FP4MOE_DEVICE_CUDA). */
+fp4moe_device fp4moe_session_device(const fp4moe_session *s);
+
+/* Time by layer kind (needs session option profile on a CUDA session): milliseconds of device time
+ * since the last reset, measured with CUDA events recorded between the parts of each forward
+ * (inside the decode graph too). A layer's pre-norm and residual add count with its kind; in a MoE
+ * layer the shared expert (up, relu^2, down) is "moe shared" and the rest "moe routed"; the final
+ * norm, lm_head and argmax are "lm_head"; the embedding and dense MLP layers are "other".
+ * reset != 0 zeroes the totals after reading.
+ * Errors: FP4MOE_EINVAL (profiling off or a CPU session). */
+typedef enum {
+    FP4MOE_PROF_MAMBA = 0, FP4MOE_PROF_ATTENTION, FP4MOE_PROF_MOE_ROUTED, FP4MOE_PROF_MOE_SHARED,
+    FP4MOE_PROF_LM_HEAD, FP4MOE_PROF_OTHER, FP4MOE_PROF_KINDS
+} fp4moe_prof_kind;
+/* "mamba", "attention", "moe routed", "moe shared", "lm_head", "other". */
+const char *fp4moe_prof_kind_name(fp4moe_prof_kind k);
+int fp4moe_session_profile(fp4moe_session *s, double ms[FP4MOE_PROF_KINDS], int reset);
 
 /* ---- sampling ------------------------------------------------------------------------------- */
 

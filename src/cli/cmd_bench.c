@@ -1,13 +1,18 @@
-/* fp4moe bench -m DIR: prefill and decode speed of a nemotron_h model on the CPU.
- * A fixed synthetic prompt (ids from a seeded generator, no tokenizer needed) is prefilled, then
- * gen-tokens are decoded greedily; repeated `repeats` times from an empty cache. Reports prefill
- * tok/s and decode tok/s (median over the repeats) and an FNV-1a hash of the generated ids (the
- * same in every repeat, or the run fails: greedy decoding is deterministic). */
+/* fp4moe bench -m DIR | --synthetic CONFIG: prefill and decode speed of a nemotron_h model on the
+ * CPU or the GPU. A fixed synthetic prompt (ids from a seeded generator, no tokenizer needed) is
+ * prefilled, then gen-tokens are decoded greedily; repeated `repeats` times from an empty cache
+ * (after `warmup` uncounted runs). Reports prefill tok/s and decode tok/s (median over the repeats)
+ * and an FNV-1a hash of the generated ids (the same in every repeat, or the run fails: greedy
+ * decoding is deterministic). --synthetic builds random NVFP4 weights with the exact shapes of a
+ * config (fp4moe_model_synthetic; on CUDA directly in GPU memory). On CUDA, each speed is also
+ * given next to its memory floor (weights read once per prefill, the active weights once per
+ * decoded token, at --floor-bw bytes/s), and --profile splits the device time by layer kind. */
 #include <math.h>
 #include <omp.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include <cjson/cJSON.h>
 
@@ -20,14 +25,17 @@
 #define CMD "bench"
 
 typedef struct {
-    const char *model, *dtype, *route;
-    int64_t prompt_tokens, gen_tokens, repeats, chunk;
-    int json, no_quantize;
+    const char *model, *synthetic, *dtype, *route, *device;
+    int64_t prompt_tokens, gen_tokens, repeats, chunk, seed, warmup;
+    double floor_bw;
+    int json, no_quantize, profile;
 } bench_args;
 
 typedef struct {
     double prefill_s, decode_s;
     uint64_t hash;
+    int32_t *ids;                   /* the generated ids (the first counted run only), or NULL */
+    double split_prefill[FP4MOE_PROF_KINDS], split_decode[FP4MOE_PROF_KINDS]; /* ms */
 } bench_run;
 
 static uint64_t fnv1a(uint64_t h, int32_t id) {
@@ -47,20 +55,26 @@ static void synthetic_prompt(int32_t *ids, int64_t n, int64_t V) {
     }
 }
 
-static int one_run(fp4moe_session *s, const int32_t *prompt, const bench_args *a, int64_t V,
-                   float *logits, bench_run *r) {
+/* One prefill + gen_tokens greedy decode steps; the next token is chosen where the logits are
+ * (on the GPU: only the id comes back). */
+static int one_run(fp4moe_session *s, const int32_t *prompt, const bench_args *a, bench_run *r) {
+    double ms[FP4MOE_PROF_KINDS];
     fp4moe_session_reset(s);
+    if (a->profile) fp4moe_session_profile(s, ms, 1);
+    int32_t id = 0;
     double t0 = cli_now();
-    int st = fp4moe_session_forward(s, prompt, a->prompt_tokens, logits, 0);
+    int st = fp4moe_session_forward_argmax(s, prompt, a->prompt_tokens, &id);
     r->prefill_s = cli_now() - t0;
+    if (!st && a->profile) st = fp4moe_session_profile(s, r->split_prefill, 1);
     r->hash = 0xCBF29CE484222325ull;
     t0 = cli_now();
     for (int64_t i = 0; !st && i < a->gen_tokens; i++) {
-        int32_t id = fp4moe_argmax(logits, V);
         r->hash = fnv1a(r->hash, id);
-        st = fp4moe_session_forward(s, &id, 1, logits, 0);
+        if (r->ids) r->ids[i] = id;
+        st = fp4moe_session_forward_argmax(s, &id, 1, &id);
     }
     r->decode_s = cli_now() - t0;
+    if (!st && a->profile) st = fp4moe_session_profile(s, r->split_decode, 1);
     return st;
 }
 
@@ -74,82 +88,265 @@ static double median(double *v, int64_t n) {
     return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
-static void report(const bench_args *a, const fp4moe_model *m, const bench_run *runs) {
+/* Bytes a prefill reads (every weight once, the embedding aside) and a decode step reads (the
+ * same with k of E experts per MoE layer). */
+static void weight_bytes(const fp4moe_model *m, double *prefill, double *decode) {
+    fp4moe_model_stats s;
+    fp4moe_model_get_stats(m, &s);
+    const fp4moe_config *c = fp4moe_model_config(m);
+    const double rest = (double)(s.bytes_lm_head + s.bytes_mamba + s.bytes_attention + s.bytes_moe_shared +
+                                 s.bytes_moe_router + s.bytes_mlp + s.bytes_norms);
+    *prefill = rest + (double)s.bytes_moe_experts;
+    *decode = rest + (c->n_experts ? (double)s.bytes_moe_experts * (double)c->top_k / (double)c->n_experts : 0.0);
+}
+
+typedef struct {
+    double pf, dc;                  /* median tok/s */
+    double pf_floor, dc_floor;      /* tok/s at floor_bw */
+    double split_pf[FP4MOE_PROF_KINDS], split_dc[FP4MOE_PROF_KINDS]; /* median ms */
+    double wb_prefill, wb_decode;
+} bench_summary;
+
+static void summarize(const bench_args *a, const fp4moe_model *m, const bench_run *runs, bench_summary *o) {
     const int64_t R = a->repeats;
-    double *pf = malloc((size_t)R * sizeof *pf), *dc = malloc((size_t)R * sizeof *dc);
-    for (int64_t i = 0; i < R; i++) {
-        pf[i] = (double)a->prompt_tokens / runs[i].prefill_s;
-        dc[i] = (double)a->gen_tokens / runs[i].decode_s;
+    double *v = malloc((size_t)R * sizeof *v);
+    for (int64_t i = 0; i < R; i++) v[i] = (double)a->prompt_tokens / runs[i].prefill_s;
+    o->pf = median(v, R);
+    for (int64_t i = 0; i < R; i++) v[i] = (double)a->gen_tokens / runs[i].decode_s;
+    o->dc = median(v, R);
+    for (int k = 0; k < FP4MOE_PROF_KINDS; k++) {
+        for (int64_t i = 0; i < R; i++) v[i] = runs[i].split_prefill[k];
+        o->split_pf[k] = median(v, R);
+        for (int64_t i = 0; i < R; i++) v[i] = runs[i].split_decode[k] / (double)a->gen_tokens;
+        o->split_dc[k] = median(v, R);
     }
+    free(v);
+    weight_bytes(m, &o->wb_prefill, &o->wb_decode);
+    o->pf_floor = (double)a->prompt_tokens / (o->wb_prefill / a->floor_bw);
+    o->dc_floor = a->floor_bw / o->wb_decode;
+}
+
+static cJSON *split_json(const double *ms) {
+    cJSON *o = cJSON_CreateObject();
+    for (int k = 0; k < FP4MOE_PROF_KINDS; k++)
+        cJSON_AddNumberToObject(o, fp4moe_prof_kind_name((fp4moe_prof_kind)k), ms[k]);
+    return o;
+}
+
+static void report(const bench_args *a, const fp4moe_model *m, fp4moe_device dev, const bench_run *runs) {
+    const int64_t R = a->repeats;
+    bench_summary sm;
+    summarize(a, m, runs, &sm);
+    const int gpu = dev == FP4MOE_DEVICE_CUDA;
+    const char *what = a->synthetic ? a->synthetic : a->model;
     char hash[24];
     snprintf(hash, sizeof hash, "%016llx", (unsigned long long)runs[0].hash);
     if (a->json) {
         cJSON *o = cJSON_CreateObject();
-        cJSON_AddStringToObject(o, "model", a->model);
+        cJSON_AddStringToObject(o, "model", what);
+        cJSON_AddBoolToObject(o, "synthetic", a->synthetic != NULL);
         cJSON_AddStringToObject(o, "format", fp4moe_quant_mode_name(fp4moe_model_format(m)));
+        cJSON_AddStringToObject(o, "device", fp4moe_device_name(dev));
         cJSON_AddStringToObject(o, "dtype", a->dtype);
         cJSON_AddStringToObject(o, "route", a->route);
+        const char *eb = getenv("FP4MOE_GATHER_EXPERT_BATCHED");
+        cJSON_AddStringToObject(o, "FP4MOE_GATHER_EXPERT_BATCHED", eb ? eb : "");
         cJSON_AddNumberToObject(o, "threads", omp_get_max_threads());
         cJSON_AddNumberToObject(o, "prompt_tokens", (double)a->prompt_tokens);
         cJSON_AddNumberToObject(o, "gen_tokens", (double)a->gen_tokens);
         cJSON_AddNumberToObject(o, "repeats", (double)R);
+        cJSON_AddNumberToObject(o, "warmup", (double)a->warmup);
+        double *pf = malloc((size_t)R * sizeof *pf), *dc = malloc((size_t)R * sizeof *dc);
+        for (int64_t i = 0; i < R; i++) {
+            pf[i] = (double)a->prompt_tokens / runs[i].prefill_s;
+            dc[i] = (double)a->gen_tokens / runs[i].decode_s;
+        }
         cJSON_AddItemToObject(o, "prefill_tok_s", cJSON_CreateDoubleArray(pf, (int)R));
         cJSON_AddItemToObject(o, "decode_tok_s", cJSON_CreateDoubleArray(dc, (int)R));
-        cJSON_AddNumberToObject(o, "prefill_tok_s_median", median(pf, R));
-        cJSON_AddNumberToObject(o, "decode_tok_s_median", median(dc, R));
+        free(pf);
+        free(dc);
+        cJSON_AddNumberToObject(o, "prefill_tok_s_median", sm.pf);
+        cJSON_AddNumberToObject(o, "decode_tok_s_median", sm.dc);
         cJSON_AddStringToObject(o, "gen_ids_fnv1a", hash);
+        if (runs[0].ids) cJSON_AddItemToObject(o, "gen_ids", cJSON_CreateIntArray(runs[0].ids, (int)a->gen_tokens));
+        if (gpu) {
+            cJSON_AddNumberToObject(o, "weight_bytes_prefill", sm.wb_prefill);
+            cJSON_AddNumberToObject(o, "weight_bytes_decode_token", sm.wb_decode);
+            cJSON_AddNumberToObject(o, "floor_bw_bytes_s", a->floor_bw);
+            cJSON_AddNumberToObject(o, "prefill_floor_tok_s", sm.pf_floor);
+            cJSON_AddNumberToObject(o, "decode_floor_tok_s", sm.dc_floor);
+            cJSON_AddNumberToObject(o, "prefill_floor_fraction", sm.pf / sm.pf_floor);
+            cJSON_AddNumberToObject(o, "decode_floor_fraction", sm.dc / sm.dc_floor);
+        }
+        if (a->profile) {
+            cJSON_AddItemToObject(o, "prefill_split_ms", split_json(sm.split_pf));
+            cJSON_AddItemToObject(o, "decode_split_ms_per_token", split_json(sm.split_dc));
+        }
         char *s = cJSON_Print(o);
         printf("%s\n", s);
         free(s);
         cJSON_Delete(o);
-    } else {
-        printf("model          %s (%s)\n", a->model, fp4moe_quant_mode_name(fp4moe_model_format(m)));
-        printf("setup          %lld prompt tokens, %lld generated, %lld repeats, %s activations, "
-               "route %s, %d threads\n", (long long)a->prompt_tokens, (long long)a->gen_tokens,
-               (long long)R, a->dtype, a->route, omp_get_max_threads());
-        printf("prefill        %.2f tok/s (median)\n", median(pf, R));
-        printf("decode         %.2f tok/s (median)\n", median(dc, R));
-        printf("gen ids hash   %s (FNV-1a 64)\n", hash);
+        return;
     }
-    free(pf);
-    free(dc);
+    printf("model          %s (%s%s)\n", what, fp4moe_quant_mode_name(fp4moe_model_format(m)),
+           a->synthetic ? ", synthetic weights" : "");
+    printf("setup          %lld prompt tokens, %lld generated, %lld repeats, %s activations, "
+           "route %s, device %s, %d threads\n", (long long)a->prompt_tokens, (long long)a->gen_tokens,
+           (long long)R, a->dtype, a->route, fp4moe_device_name(dev), omp_get_max_threads());
+    if (gpu) {
+        printf("prefill        %.2f tok/s (median); floor %.0f tok/s (%.2f GB at %.2f TB/s): %.3f of it\n",
+               sm.pf, sm.pf_floor, sm.wb_prefill * 1e-9, a->floor_bw * 1e-12, sm.pf / sm.pf_floor);
+        printf("decode         %.2f tok/s (median); floor %.0f tok/s (%.3f GB per token): %.3f of it\n",
+               sm.dc, sm.dc_floor, sm.wb_decode * 1e-9, sm.dc / sm.dc_floor);
+    } else {
+        printf("prefill        %.2f tok/s (median)\n", sm.pf);
+        printf("decode         %.2f tok/s (median)\n", sm.dc);
+    }
+    printf("gen ids hash   %s (FNV-1a 64)\n", hash);
+    if (a->profile) {
+        printf("split (device ms, median)   prefill    decode/token\n");
+        for (int k = 0; k < FP4MOE_PROF_KINDS; k++)
+            printf("  %-24s %10.3f %12.4f\n", fp4moe_prof_kind_name((fp4moe_prof_kind)k), sm.split_pf[k],
+                   sm.split_dc[k]);
+    }
 }
 
-static int bench(const bench_args *a) {
+/* ---- synthetic models ------------------------------------------------------------------------ */
+
+/* The directory of the running executable (malloc'd), or NULL. */
+static char *exe_dir(void) {
+    char buf[4096];
+    const ssize_t n = readlink("/proc/self/exe", buf, sizeof buf - 1);
+    if (n <= 0) return NULL;
+    buf[n] = '\0';
+    char *slash = strrchr(buf, '/');
+    if (!slash) return NULL;
+    *slash = '\0';
+    return strdup(buf);
+}
+
+/* CONFIG: a config.json path, a directory holding one, or the name of a config shipped under
+ * configs/ (looked up from the working directory and from the executable's directory, its
+ * parent and grandparent). */
+static int load_config(const char *name, fp4moe_config *cfg, char **used) {
+    char *cands[8] = {0};
+    int n = 0;
+    char rel[1024];
+    cands[n++] = strdup(name);
+    snprintf(rel, sizeof rel, "configs/%s.json", name);
+    cands[n++] = strdup(rel);
+    char *ed = exe_dir();
+    if (ed) {
+        const char *ups[] = {"", "/..", "/../.."};
+        for (int i = 0; i < 3; i++) {
+            snprintf(rel, sizeof rel, "%s%s/configs/%s.json", ed, ups[i], name);
+            cands[n++] = strdup(rel);
+        }
+        free(ed);
+    }
+    int st = fp4moe_set_error(FP4MOE_EIO, "synthetic: no config '%s' (a config.json path, a model directory, "
+                              "or a name under configs/)", name);
+    for (int i = 0; i < n && st == FP4MOE_EIO; i++) {
+        if (!cands[i] || access(cands[i], R_OK)) continue;
+        if (cli_is_dir(cands[i])) {
+            st = fp4moe_config_load(cands[i], cfg);
+        } else {
+            char *text = NULL;
+            st = cli_read_text(cands[i], 1 << 24, &text);
+            if (!st) st = fp4moe_config_parse(text, cands[i], cfg);
+            free(text);
+        }
+        if (!st) *used = strdup(cands[i]);
+    }
+    for (int i = 0; i < n; i++) free(cands[i]);
+    return st;
+}
+
+static void on_gen_progress(void *ctx, int64_t done, int64_t total) {
+    cli_progress *p = ctx;
+    p->total = total;
+    cli_progress_update(p, done, NULL);
+}
+
+static int load_synthetic(const bench_args *a, fp4moe_device dev, fp4moe_model **out) {
+    fp4moe_config cfg;
+    char *path = NULL;
+    int st = load_config(a->synthetic, &cfg, &path);
+    if (st) return cli_fail(CMD, st);
+    fp4moe_synthetic_options o = {.device = dev, .seed = (uint64_t)a->seed};
+    cli_progress bar;
+    cli_progress_start(&bar, dev == FP4MOE_DEVICE_CUDA ? "generating weights on the GPU" : "generating weights", 0);
+    o.progress = on_gen_progress;
+    o.progress_ctx = &bar;
+    const double t0 = cli_now();
+    st = fp4moe_model_synthetic(&cfg, &o, out);
+    cli_progress_finish(&bar);
+    fp4moe_config_free(&cfg);
+    if (st) {
+        free(path);
+        return cli_fail(CMD, st);
+    }
+    fp4moe_model_stats s;
+    fp4moe_model_get_stats(*out, &s);
+    const fp4moe_config *c = fp4moe_model_config(*out);
+    fprintf(stderr, "%s: synthetic %s (%s) on %s in %.2f s: %lld layers (%s), %.3g B params (%.3g B active), "
+            "%lld NVFP4 linears\n", CMD, a->synthetic, path, fp4moe_device_name(dev), cli_now() - t0,
+            (long long)c->n_layers, c->layer_types, (double)s.params_total * 1e-9,
+            (double)s.params_active * 1e-9, (long long)s.n_nvfp4_linears);
+    free(path);
+    return FP4MOE_EXIT_OK;
+}
+
+/* ---- the benchmark ---------------------------------------------------------------------------- */
+
+static int bench(bench_args *a) {
     fp4moe_dtype dt;
     fp4moe_route route;
-    int rc = cli_parse_dtype(CMD, a->dtype, &dt);
+    fp4moe_device dev;
+    int rc = cli_parse_device(CMD, a->device, &dev);
     if (rc) return rc;
+    if (!a->dtype) a->dtype = dev == FP4MOE_DEVICE_CUDA ? "bf16" : "f32";
+    if ((rc = cli_parse_dtype(CMD, a->dtype, &dt))) return rc;
     if (fp4moe_route_parse(a->route, &route))
         return cli_usage_error(CMD, "--route must be auto, qmv, batched or dequant_gemm");
+    if (a->warmup < 0) a->warmup = dev == FP4MOE_DEVICE_CUDA ? 1 : 0;
+    if (a->profile && dev != FP4MOE_DEVICE_CUDA)
+        return cli_usage_error(CMD, "--profile times device events: it needs --device cuda");
     fp4moe_model *m = NULL;
-    if ((rc = cli_load_model(CMD, a->model, !a->no_quantize, &m))) return rc;
+    rc = a->synthetic ? load_synthetic(a, dev, &m) : cli_load_model_on(CMD, a->model, !a->no_quantize, dev, &m);
+    if (rc) return rc;
     fp4moe_session_options so;
     fp4moe_session_options_default(&so);
     so.act_dtype = dt;
     so.route = route;
     so.interrupt = cli_install_sigint();
+    so.device = dev;
+    so.profile = a->profile;
+    if (dev == FP4MOE_DEVICE_CUDA) so.max_chunk = CLI_CUDA_CHUNK;
     if (a->chunk > 0) so.max_chunk = a->chunk;
     const int64_t V = fp4moe_model_config(m)->vocab;
     fp4moe_session *s = NULL;
     int32_t *prompt = malloc((size_t)a->prompt_tokens * sizeof *prompt);
-    float *logits = malloc((size_t)V * sizeof *logits);
-    bench_run *runs = calloc((size_t)a->repeats, sizeof *runs);
-    int st = prompt && logits && runs ? fp4moe_session_new(m, &so, &s) : FP4MOE_ENOMEM;
+    bench_run *runs = calloc((size_t)(a->repeats + a->warmup), sizeof *runs);
+    int32_t *ids = malloc((size_t)a->gen_tokens * sizeof *ids);
+    if (runs && ids) runs[a->warmup].ids = ids;
+    int st = prompt && runs && ids ? fp4moe_session_new(m, &so, &s) : FP4MOE_ENOMEM;
     if (!st) synthetic_prompt(prompt, a->prompt_tokens, V);
-    for (int64_t i = 0; !st && i < a->repeats; i++) {
-        st = one_run(s, prompt, a, V, logits, &runs[i]);
-        if (!st && runs[i].hash != runs[0].hash)
-            st = fp4moe_set_error(FP4MOE_EFORMAT, "repeat %lld generated other tokens than "
-                                  "repeat 0: greedy decoding is not deterministic", (long long)i);
+    for (int64_t i = 0; !st && i < a->warmup + a->repeats; i++) {
+        bench_run *r = &runs[i];
+        st = one_run(s, prompt, a, r);
+        if (!st && r->hash != runs[0].hash)
+            st = fp4moe_set_error(FP4MOE_EFORMAT, "run %lld generated other tokens than run 0: greedy "
+                                  "decoding is not deterministic", (long long)i);
         if (!st && !a->json)
-            fprintf(stderr, "%s: repeat %lld: prefill %.3f s, decode %.3f s\n", CMD, (long long)i,
-                    runs[i].prefill_s, runs[i].decode_s);
+            fprintf(stderr, "%s: %s %lld: prefill %.3f s, decode %.3f s\n", CMD,
+                    i < a->warmup ? "warm-up" : "repeat", (long long)(i < a->warmup ? i : i - a->warmup),
+                    r->prefill_s, r->decode_s);
     }
     rc = st ? cli_fail(CMD, st) : FP4MOE_EXIT_OK;
-    if (!st) report(a, m, runs);
+    if (!st) report(a, m, fp4moe_session_device(s), runs + a->warmup);
+    free(ids);
     free(runs);
-    free(logits);
     free(prompt);
     fp4moe_session_free(s);
     fp4moe_model_free(m);
@@ -157,27 +354,38 @@ static int bench(const bench_args *a) {
 }
 
 int cmd_bench(int argc, char **argv) {
-    bench_args a = {.prompt_tokens = 512, .gen_tokens = 128, .repeats = 3, .dtype = "f32", .route = "auto"};
+    bench_args a = {.prompt_tokens = 512, .gen_tokens = 128, .repeats = 3, .warmup = -1, .dtype = NULL,
+                    .route = "auto", .device = "auto", .floor_bw = 4.2e12};
     const cli_opt opts[] = {
         {"--model", "-m", CLI_STRING, &a.model, "DIR", "model directory"},
+        {"--synthetic", NULL, CLI_STRING, &a.synthetic, "CONFIG",
+         "random NVFP4 weights with the shapes of CONFIG (config.json path or a name under configs/)"},
+        {"--device", NULL, CLI_STRING, &a.device, "DEV", "cpu, cuda or auto (default auto: cuda when a GPU is visible)"},
         {"--prompt-tokens", NULL, CLI_INT, &a.prompt_tokens, "N", "prompt length (default 512)"},
         {"--gen-tokens", NULL, CLI_INT, &a.gen_tokens, "N", "tokens decoded after the prompt (default 128)"},
         {"--repeats", NULL, CLI_INT, &a.repeats, "N", "runs; speeds are medians (default 3)"},
-        {"--dtype", NULL, CLI_STRING, &a.dtype, "DT", "matmul activations: f32 or bf16 (default f32)"},
+        {"--warmup", NULL, CLI_INT, &a.warmup, "N", "uncounted runs first (default 1 on cuda, 0 on cpu)"},
+        {"--dtype", NULL, CLI_STRING, &a.dtype, "DT", "matmul activations: f32 or bf16 (default f32 on cpu; cuda: bf16 only)"},
         {"--route", NULL, CLI_STRING, &a.route, "R", "gather_qmm route: auto, qmv, batched, dequant_gemm (default auto)"},
-        {"--chunk", NULL, CLI_INT, &a.chunk, "N", "prefill chunk in tokens (default 256)"},
+        {"--chunk", NULL, CLI_INT, &a.chunk, "N", "prefill chunk in tokens (default 256 on cpu, 8192 on cuda)"},
+        {"--seed", NULL, CLI_INT, &a.seed, "S", "seed of the synthetic weights (default: fixed)"},
+        {"--profile", NULL, CLI_FLAG, &a.profile, NULL, "cuda: device time by layer kind (prefill, decode per token)"},
+        {"--floor-bw", NULL, CLI_DOUBLE, &a.floor_bw, "B/S", "memory bandwidth of the floors, bytes/s (default 4.2e12)"},
         {"--no-quantize", NULL, CLI_FLAG, &a.no_quantize, NULL, "keep dense checkpoints dense"},
         {"--json", NULL, CLI_FLAG, &a.json, NULL, "print one JSON object on stdout"},
     };
-    const cli_spec spec = {CMD, "fp4moe bench -m DIR [options]",
+    const cli_spec spec = {CMD, "fp4moe bench (-m DIR | --synthetic CONFIG) [options]",
                            "Measures prefill and decode speed (median tok/s over the repeats) on a fixed\n"
-                           "synthetic prompt, and hashes the greedy token ids.",
+                           "synthetic prompt, and hashes the greedy token ids. --synthetic runs the exact\n"
+                           "shapes of a config with random NVFP4 weights (on cuda made in GPU memory), e.g.\n"
+                           "  fp4moe bench --synthetic nemotron-3-nano-30b-a3b --device cuda",
                            opts, (int)(sizeof opts / sizeof opts[0]), NULL, 0, NULL};
     int rc = cli_parse(&spec, argc, argv);
     if (rc == CLI_HELP) return FP4MOE_EXIT_OK;
     if (rc) return FP4MOE_EXIT_USAGE;
-    if (!a.model) return cli_usage_error(CMD, "-m DIR is required");
+    if (!a.model == !a.synthetic) return cli_usage_error(CMD, "give exactly one of -m DIR and --synthetic CONFIG");
     if (a.prompt_tokens < 1 || a.gen_tokens < 1 || a.repeats < 1)
         return cli_usage_error(CMD, "--prompt-tokens, --gen-tokens and --repeats must be >= 1");
+    if (!(a.floor_bw > 0.0)) return cli_usage_error(CMD, "--floor-bw must be > 0");
     return bench(&a);
 }

@@ -1,4 +1,4 @@
-/* fp4moe generate -m DIR -p TEXT: text generation with a nemotron_h model on the CPU.
+/* fp4moe generate -m DIR -p TEXT: text generation with a nemotron_h model on the CPU or the GPU.
  * Tokens are streamed to stdout as they come (whole UTF-8 characters only); load time, prefill and
  * decode speeds go to stderr. Ctrl-C stops cleanly (between tokens, or between prefill chunks and
  * layers). Also holds the model loading shared with `fp4moe bench` (cli_load_model). */
@@ -38,10 +38,13 @@ const volatile sig_atomic_t *cli_install_sigint(void) {
 
 typedef struct {
     cli_progress bar;
+    int64_t last;
 } load_progress;
 
 static void on_progress(void *ctx, int64_t done, int64_t total) {
     load_progress *p = ctx;
+    if (done < p->last) p->bar.label = "uploading to the GPU"; /* the second pass (device cuda) */
+    p->last = done;
     char bar[40];
     const int w = 30, fill = total > 0 ? (int)((double)done / (double)total * w) : 0;
     bar[0] = '[';
@@ -53,10 +56,16 @@ static void on_progress(void *ctx, int64_t done, int64_t total) {
 }
 
 int cli_load_model(const char *cmd, const char *dir, int quantize, fp4moe_model **out) {
+    return cli_load_model_on(cmd, dir, quantize, FP4MOE_DEVICE_CPU, out);
+}
+
+int cli_load_model_on(const char *cmd, const char *dir, int quantize, fp4moe_device device,
+                      fp4moe_model **out) {
     fp4moe_load_options o;
     fp4moe_load_options_default(&o);
     o.quantize = quantize;
-    load_progress p;
+    o.device = device;
+    load_progress p = {.last = 0};
     cli_progress_start(&p.bar, "loading", 0);
     o.progress = on_progress;
     o.progress_ctx = &p;
@@ -71,10 +80,17 @@ int cli_load_model(const char *cmd, const char *dir, int quantize, fp4moe_model 
                     s.bytes_moe_experts + s.bytes_moe_shared + s.bytes_moe_router + s.bytes_mlp +
                     s.bytes_norms;
     fprintf(stderr, "%s: loaded %s in %.2f s: %s, %lld layers (%s), %.3g B params (%.3g B active), "
-            "%s, %lld NVFP4 + %lld dense linears\n", cmd, dir, s.load_seconds,
+            "%s, %lld NVFP4 + %lld dense linears%s\n", cmd, dir, s.load_seconds,
             fp4moe_quant_mode_name(fp4moe_model_format(*out)), (long long)c->n_layers,
             c->layer_types, (double)s.params_total * 1e-9, (double)s.params_active * 1e-9,
-            cli_format_bytes(bytes, b), (long long)s.n_nvfp4_linears, (long long)s.n_dense_linears);
+            cli_format_bytes(bytes, b), (long long)s.n_nvfp4_linears, (long long)s.n_dense_linears,
+            fp4moe_model_on_gpu(*out) ? ", weights on the GPU" : "");
+    return FP4MOE_EXIT_OK;
+}
+
+int cli_parse_device(const char *cmd, const char *s, fp4moe_device *d) {
+    if (fp4moe_device_parse(s, d))
+        return cli_usage_error(cmd, "--device must be cpu, cuda or auto (got '%s')", s);
     return FP4MOE_EXIT_OK;
 }
 
@@ -116,7 +132,7 @@ int cli_parse_dtype(const char *cmd, const char *s, fp4moe_dtype *dt) {
 /* ---- generate -------------------------------------------------------------------------------- */
 
 typedef struct {
-    const char *model, *prompt, *prompt_ids, *dtype;
+    const char *model, *prompt, *prompt_ids, *dtype, *device;
     int64_t n, seed, chunk;
     double temp, top_p;
     int no_quantize, ignore_eos;
@@ -254,11 +270,14 @@ static int generate(const gen_args *a) {
     gen_state g;
     memset(&g, 0, sizeof g);
     fp4moe_dtype dt;
-    int rc = cli_parse_dtype(CMD, a->dtype, &dt);
+    fp4moe_device dev;
+    int rc = cli_parse_device(CMD, a->device, &dev);
     if (rc) return rc;
+    if ((rc = cli_parse_dtype(CMD, a->dtype ? a->dtype : (dev == FP4MOE_DEVICE_CUDA ? "bf16" : "f32"), &dt)))
+        return rc;
     const volatile sig_atomic_t *stop = cli_install_sigint();
     if ((rc = load_tokenizer(a, &g)) || (rc = encode_prompt(a, &g)) ||
-        (rc = cli_load_model(CMD, a->model, !a->no_quantize, &g.m))) {
+        (rc = cli_load_model_on(CMD, a->model, !a->no_quantize, dev, &g.m))) {
         gen_free(&g);
         return rc;
     }
@@ -266,6 +285,8 @@ static int generate(const gen_args *a) {
     fp4moe_session_options_default(&so);
     so.act_dtype = dt;
     so.interrupt = stop;
+    so.device = dev;
+    if (dev == FP4MOE_DEVICE_CUDA) so.max_chunk = CLI_CUDA_CHUNK;
     if (a->chunk > 0) so.max_chunk = a->chunk;
     const int64_t V = fp4moe_model_config(g.m)->vocab;
     int st = fp4moe_session_new(g.m, &so, &g.s);
@@ -277,7 +298,7 @@ static int generate(const gen_args *a) {
 }
 
 int cmd_generate(int argc, char **argv) {
-    gen_args a = {.n = 128, .temp = 0.0, .top_p = 1.0, .dtype = "f32", .seed = 0};
+    gen_args a = {.n = 128, .temp = 0.0, .top_p = 1.0, .dtype = NULL, .device = "auto", .seed = 0};
     const cli_opt opts[] = {
         {"--model", "-m", CLI_STRING, &a.model, "DIR", "model directory (config.json, *.safetensors, tokenizer.json)"},
         {"--prompt", "-p", CLI_STRING, &a.prompt, "TEXT", "prompt text"},
@@ -286,9 +307,10 @@ int cmd_generate(int argc, char **argv) {
         {"--temp", NULL, CLI_DOUBLE, &a.temp, "T", "sampling temperature; 0 = greedy (default 0)"},
         {"--top-p", NULL, CLI_DOUBLE, &a.top_p, "P", "nucleus sampling mass in (0, 1] (default 1)"},
         {"--seed", NULL, CLI_INT, &a.seed, "S", "sampling seed (default 0)"},
-        {"--dtype", NULL, CLI_STRING, &a.dtype, "DT", "matmul activations: f32 or bf16 (default f32)"},
+        {"--device", NULL, CLI_STRING, &a.device, "DEV", "cpu, cuda or auto (default auto: cuda when a GPU is visible)"},
+        {"--dtype", NULL, CLI_STRING, &a.dtype, "DT", "matmul activations: f32 or bf16 (default f32 on cpu; cuda: bf16 only)"},
         {"--no-quantize", NULL, CLI_FLAG, &a.no_quantize, NULL, "keep dense checkpoints dense (default: NVFP4 on load)"},
-        {"--chunk", NULL, CLI_INT, &a.chunk, "N", "prefill chunk in tokens (default 256)"},
+        {"--chunk", NULL, CLI_INT, &a.chunk, "N", "prefill chunk in tokens (default 256 on cpu, 8192 on cuda)"},
         {"--ignore-eos", NULL, CLI_FLAG, &a.ignore_eos, NULL, "do not stop at the end-of-sequence token"},
     };
     const cli_spec spec = {CMD, "fp4moe generate -m DIR -p TEXT [options]",

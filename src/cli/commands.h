@@ -15,6 +15,7 @@ int cmd_inspect(int argc, char **argv);
 int cmd_bench_kernel(int argc, char **argv);
 int cmd_generate(int argc, char **argv);
 int cmd_bench(int argc, char **argv);
+int cmd_perplexity(int argc, char **argv);
 
 /* Shared by generate and bench (cmd_generate.c). */
 #include <signal.h>
@@ -23,6 +24,13 @@ int cmd_bench(int argc, char **argv);
 /* Loads model dir `dir` (quantize: NVFP4-quantize dense checkpoints on load), a progress bar on a
  * terminal when it takes over a second, the load time and a summary on stderr. Returns an exit code. */
 int cli_load_model(const char *cmd, const char *dir, int quantize, fp4moe_model **out);
+/* Same, with the weights also uploaded to the GPU when device is FP4MOE_DEVICE_CUDA. */
+int cli_load_model_on(const char *cmd, const char *dir, int quantize, fp4moe_device device,
+                      fp4moe_model **out);
+/* "cpu"/"cuda"/"auto" -> device, else a usage error (exit code 2). */
+int cli_parse_device(const char *cmd, const char *s, fp4moe_device *d);
+/* Default prefill chunk of CUDA sessions (tokens): large, so that a prompt reads the weights once. */
+#define CLI_CUDA_CHUNK 8192
 /* Model-level summary (format, layer pattern, parameters, bytes per component) of model dir `dir`
  * on `out`, for `inspect -m DIR`. Returns an exit code. */
 int cli_model_summary(const char *cmd, const char *dir, FILE *out);

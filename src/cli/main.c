@@ -19,6 +19,7 @@ static const command k_commands[] = {
     {"bench-kernel", cmd_bench_kernel, "time the gather_qmm routes on random expert weights"},
     {"generate", cmd_generate, "generate text with a nemotron_h model (streamed, tok/s on stderr)"},
     {"bench", cmd_bench, "prefill / decode tok/s of a nemotron_h model, hash of the greedy ids"},
+    {"perplexity", cmd_perplexity, "perplexity of a nemotron_h model over a text file (llama.cpp rule)"},
 };
 #define N_COMMANDS (int)(sizeof k_commands / sizeof k_commands[0])
 

@@ -13,6 +13,7 @@
 #include "common/error.h"
 #include "fp4moe/nvfp4.h"
 #include "io/nvfp4_ckpt.h"
+#include "model/model_cuda.h"
 #include "model/model_internal.h"
 
 typedef struct {
@@ -638,13 +639,21 @@ int fp4moe_model_load(const char *dir, const fp4moe_load_options *opts, fp4moe_m
         return st;
     }
     compute_stats(m);
+    if (L.opt.device == FP4MOE_DEVICE_CUDA &&
+        (st = gpu_model_upload(m, L.opt.progress, L.opt.progress_ctx))) {
+        fp4moe_model_free(m);
+        return st;
+    }
     m->stats.load_seconds = now_seconds() - t0;
     *out = m;
     return FP4MOE_OK;
 }
 
+void model_compute_stats(fp4moe_model *m) { compute_stats(m); }
+
 void fp4moe_model_free(fp4moe_model *m) {
     if (!m) return;
+    gpu_model_free(m->gpu);
     while (m->owned) {
         owned_block *b = m->owned;
         m->owned = b->next;

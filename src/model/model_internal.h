@@ -52,6 +52,8 @@ struct fp4moe_model {
     op_linear lm_head;              /* (V, H) */
     owned_block *owned;             /* everything allocated for the weights */
     fp4moe_model_stats stats;
+    struct gpu_model *gpu;          /* the weights on the GPU (model_cuda.h), or NULL */
+    int no_host_weights;            /* synthetic on the GPU: the host op_linears hold shapes only */
 };
 
 /* Bump allocator of scratch memory for one forward chunk; blocks are kept and reused. */
@@ -83,12 +85,17 @@ struct fp4moe_session {
     int64_t pos;
     layer_state *ls;
     arena scratch;
+    struct gpu_session *gpu;        /* a CUDA session (model_cuda.h): the forward runs there */
 };
 
 /* ---- src/model/ functions shared between files ---------------------------------------------- */
 
 /* Whole text file; NULL and *status set on failure (message names the path). */
 char *fp4moe_read_text_file(const char *path, int *status);
+/* The argument checks of fp4moe_session_forward (NULL, T < 1, token ids, max_context). */
+int session_check_input(const fp4moe_session *s, const int32_t *tokens, int64_t T);
+/* Fills m->stats from the loaded weights' shapes (loader.c; also used for synthetic models). */
+void model_compute_stats(fp4moe_model *m);
 /* ModelOpt quantization object -> cfg->quant (errors name `label`). */
 int fp4moe_parse_modelopt_quant(const struct cJSON *q, const char *label, fp4moe_config *cfg);
 

@@ -9,6 +9,7 @@
 
 #include "common/error.h"
 #include "fp4moe/nvfp4.h"
+#include "model/model_cuda.h"
 #include "model/model_internal.h"
 
 /* ---- scratch arena ------------------------------------------------------------------------ */
@@ -98,6 +99,7 @@ int fp4moe_session_new(const fp4moe_model *m, const fp4moe_session_options *opts
     int st = s->ls ? FP4MOE_OK : fp4moe_set_error(FP4MOE_ENOMEM, "session_new: out of memory");
     for (int64_t l = 0; !st && l < m->cfg.n_layers; l++)
         st = alloc_layer_state(&m->cfg, m->cfg.layer_types[l], &s->ls[l]);
+    if (!st) st = session_device_init(s);              /* CUDA sessions: model_cuda.h */
     if (st) {
         fp4moe_session_free(s);
         return st;
@@ -108,6 +110,7 @@ int fp4moe_session_new(const fp4moe_model *m, const fp4moe_session_options *opts
 
 void fp4moe_session_free(fp4moe_session *s) {
     if (!s) return;
+    gpu_session_free(s->gpu);
     for (int64_t l = 0; s->ls && l < s->m->cfg.n_layers; l++) {
         free(s->ls[l].conv_state);
         free(s->ls[l].ssm_state);
@@ -121,6 +124,10 @@ void fp4moe_session_free(fp4moe_session *s) {
 }
 
 void fp4moe_session_reset(fp4moe_session *s) {
+    if (s->gpu) {
+        gpu_session_reset(s);
+        return;
+    }
     const fp4moe_config *c = &s->m->cfg;
     for (int64_t l = 0; l < c->n_layers; l++) {
         if (c->layer_types[l] != FP4MOE_LAYER_MAMBA) continue;
@@ -209,8 +216,7 @@ static int chunk_forward(fp4moe_session *s, const int32_t *tokens, int64_t T, fl
     return st;
 }
 
-int fp4moe_session_forward(fp4moe_session *s, const int32_t *tokens, int64_t T, float *logits,
-                           int all_logits) {
+int session_check_input(const fp4moe_session *s, const int32_t *tokens, int64_t T) {
     if (!s || !tokens) return fp4moe_set_error(FP4MOE_EINVAL, "forward: NULL argument");
     if (T < 1) return fp4moe_set_error(FP4MOE_EINVAL, "forward: T=%lld < 1", (long long)T);
     const fp4moe_config *c = &s->m->cfg;
@@ -222,15 +228,22 @@ int fp4moe_session_forward(fp4moe_session *s, const int32_t *tokens, int64_t T, 
         return fp4moe_set_error(FP4MOE_EOVERFLOW, "forward: %lld + %lld tokens exceed the context "
                                 "limit %lld", (long long)s->pos, (long long)T,
                                 (long long)s->opt.max_context);
-    const int64_t V = c->vocab;
+    return FP4MOE_OK;
+}
+
+int fp4moe_session_forward(fp4moe_session *s, const int32_t *tokens, int64_t T, float *logits,
+                           int all_logits) {
+    int st = session_check_input(s, tokens, T);
+    if (st) return st;
+    if (s->gpu) return gpu_session_forward(s, tokens, T, logits, all_logits, NULL);
+    const int64_t V = s->m->cfg.vocab;
     for (int64_t t0 = 0; t0 < T; t0 += s->opt.max_chunk) {
         if (interrupted(s)) return fp4moe_set_error(FP4MOE_EINTERRUPTED, "forward: interrupted");
         const int64_t n = T - t0 < s->opt.max_chunk ? T - t0 : s->opt.max_chunk;
         float *lg = NULL;
         if (logits && all_logits) lg = logits + t0 * V;
         else if (logits && t0 + n == T) lg = logits;
-        int st = chunk_forward(s, tokens + t0, n, lg, all_logits);
-        if (st) return st;
+        if ((st = chunk_forward(s, tokens + t0, n, lg, all_logits))) return st;
     }
     return FP4MOE_OK;
 }

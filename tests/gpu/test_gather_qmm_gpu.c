@@ -12,7 +12,8 @@
  *
  * Environment: FP4MOE_TEST_ROUTE=qmv|batched|dequant_gemm|auto runs one route only (fault check);
  * FP4MOE_TEST_QUICK=1 skips the biggest cases; FP4MOE_TEST_SANITIZE=1 runs only the small cases
- * marked for compute-sanitizer. */
+ * marked for compute-sanitizer. The kernel versions under test follow FP4MOE_CUDA_BATCHED_V and
+ * FP4MOE_CUDA_QMV_V (3 or 4, docs/GPU-NOTES.md); scripts/gpu-check.sh runs the suite with both. */
 #include <math.h>
 #include <setjmp.h>
 #include <stdarg.h>

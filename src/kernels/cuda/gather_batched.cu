@@ -21,10 +21,15 @@
  *    in shared memory is stored with the same permutation (four byte-permutes per 16-byte piece
  *    when it is written) so that one 16-byte shared load gives the B fragments of two k16 steps;
  *  - fp32 accumulators; global scale and the power of two of the scale trick in the epilogue.
+ * Kernel version 4 (the default; FP4MOE_CUDA_BATCHED_V=3 selects v3) decodes with fewer instructions
+ * (bt_dec4: one integer multiply per bf16 pair, byte permutes for f16 pairs, one paired E4M3
+ * convert per row and step); everything else is shared.
  * Rows of a partial last n8 tile read a copy of the run's last row (results discarded); K past the
  * end is zero in both operands; features past N read row N-1 (results discarded). */
 #include <stdlib.h>
 #include <string.h>
+
+#include <type_traits>
 
 #include "kernels/cuda/gather_cuda.cuh"
 
@@ -76,6 +81,52 @@ template <> struct bt_ops<__nv_bfloat16> {
     }
 };
 
+/* v4 (round 4, docs/GPU-NOTES.md): the A pairs of a code word and the scale pair with fewer
+ * instructions. pairs(): word w -> the four A operand pairs p[0..3]; k16 step 2q of word q uses
+ * (p0, p1), step 2q+1 uses (p2, p3), and the x tile holds the same K pairs (xstage::store).
+ *  - bf16: pairs (i, i+4) as in v3, by one integer multiply per pair (cu_e2m1x2_bf16_mul);
+ *  - f16: pairs (0,2), (4,6), (1,3), (5,7) from the high bytes of the codes and a byte permute.
+ * scales(): the two E4M3 scale bytes of a thread's row (low byte: block 2t) -> one packed pair
+ * (low: block 2t) times the power of two of bt_ops (one paired fp8 convert for both). */
+template <typename T> struct bt_dec4;
+template <> struct bt_dec4<__half> {
+    __device__ static void pairs(uint32_t w, uint32_t (&p)[4]) {
+        const uint32_t lo = cu_e2m1_hb_lo(w), hi = cu_e2m1_hb_hi(w);
+        p[0] = cu_hb_pair_f16<0>(lo); /* codes 0, 2 */
+        p[1] = cu_hb_pair_f16<1>(lo); /* codes 4, 6 */
+        p[2] = cu_hb_pair_f16<0>(hi); /* codes 1, 3 */
+        p[3] = cu_hb_pair_f16<1>(hi); /* codes 5, 7 */
+    }
+    __device__ static __half2 scales(uint32_t b16) {
+        const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(b16 & 0xffffu), __NV_E4M3);
+        return __hmul2(__half2(h), __float2half2_rn(128.0f)); /* s * 2^7 <= 57344: exact */
+    }
+    __device__ static uint32_t lo2(__half2 s) { const __half2 r = __low2half2(s); return *reinterpret_cast<const uint32_t *>(&r); }
+    __device__ static uint32_t hi2(__half2 s) { const __half2 r = __high2half2(s); return *reinterpret_cast<const uint32_t *>(&r); }
+};
+template <> struct bt_dec4<__nv_bfloat16> {
+    __device__ static void pairs(uint32_t w, uint32_t (&p)[4]) {
+        const uint32_t w8 = w >> 8;
+        p[0] = cu_e2m1x2_bf16_mul<0>(w, w8); /* codes 0, 4 */
+        p[1] = cu_e2m1x2_bf16_mul<1>(w, w8); /* codes 1, 5 */
+        p[2] = cu_e2m1x2_bf16_mul<2>(w, w8); /* codes 2, 6 */
+        p[3] = cu_e2m1x2_bf16_mul<3>(w, w8); /* codes 3, 7 */
+    }
+    __device__ static __nv_bfloat162 scales(uint32_t b16) {
+        const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(b16 & 0xffffu), __NV_E4M3);
+        const float2 f = __half22float2(__half2(h));
+        return __floats2bfloat162_rn(f.x * 0x1p118f, f.y * 0x1p118f); /* < 2^127: exact */
+    }
+    __device__ static uint32_t lo2(__nv_bfloat162 s) {
+        const __nv_bfloat162 r = __low2bfloat162(s);
+        return *reinterpret_cast<const uint32_t *>(&r);
+    }
+    __device__ static uint32_t hi2(__nv_bfloat162 s) {
+        const __nv_bfloat162 r = __high2bfloat162(s);
+        return *reinterpret_cast<const uint32_t *>(&r);
+    }
+};
+
 /* One step's weights of one thread: blocks 2t, 2t+1 of rows g (c0) and g+8 (c1), scale bytes. */
 struct bt_w {
     uint4 c0, c1;
@@ -106,7 +157,7 @@ __device__ __forceinline__ bt_w bt_load_w(const uint8_t *crow0, const uint8_t *c
 /* The x tile of one step: MT token rows x 128 K, in 16-byte pieces (8 elements); thread `tid`
  * stages the pieces of rows tid/16 + i*(THREADS/16) at K offset 8*(tid%16) of every step, so the
  * source pointers are set once per item and only the K offset moves. */
-template <typename T, int MT, int THREADS> struct bt_xstage {
+template <typename T, int MT, int THREADS, int V> struct bt_xstage {
     static constexpr int NP = MT * 16 / THREADS; /* pieces per thread */
     const T *src[NP];                            /* NULL: row past the last n8 tile, not staged */
     uint4 v[NP];
@@ -132,17 +183,26 @@ template <typename T, int MT, int THREADS> struct bt_xstage {
             if (src[i] && kok) v[i] = __ldg(reinterpret_cast<const uint4 *>(src[i] + k0));
         }
     }
-    /* elements (k0..k7) stored as (k0,k4),(k1,k5),(k2,k6),(k3,k7), like the decoded code pairs */
+    /* elements (k0..k7) stored as (k0,k4),(k1,k5),(k2,k6),(k3,k7), like the decoded code pairs;
+     * v4 f16: (k0,k2),(k4,k6),(k1,k3),(k5,k7) (bt_dec4<__half>) */
     __device__ __forceinline__ void store(uint8_t *xs) const {
+        constexpr bool P2 = V == 4 && sizeof(T) == 2 && std::is_same<T, __half>::value;
 #pragma unroll
         for (int i = 0; i < NP; i++) {
             if (src[i]) {
                 const uint4 w = v[i];
                 uint4 o;
-                o.x = __byte_perm(w.x, w.z, 0x5410);
-                o.y = __byte_perm(w.x, w.z, 0x7632);
-                o.z = __byte_perm(w.y, w.w, 0x5410);
-                o.w = __byte_perm(w.y, w.w, 0x7632);
+                if constexpr (P2) {
+                    o.x = __byte_perm(w.x, w.y, 0x5410);
+                    o.y = __byte_perm(w.z, w.w, 0x5410);
+                    o.z = __byte_perm(w.x, w.y, 0x7632);
+                    o.w = __byte_perm(w.z, w.w, 0x7632);
+                } else {
+                    o.x = __byte_perm(w.x, w.z, 0x5410);
+                    o.y = __byte_perm(w.x, w.z, 0x7632);
+                    o.z = __byte_perm(w.y, w.w, 0x5410);
+                    o.w = __byte_perm(w.y, w.w, 0x7632);
+                }
                 *reinterpret_cast<uint4 *>(xs + dst + i * (THREADS / 16) * BT_XROW) = o;
             }
         }
@@ -187,22 +247,28 @@ __device__ __forceinline__ void bt_issue(bt_slot *slot, const uint8_t *crow0, co
 
 /* One 128-K step of one warp: 16 features x (8 * NTV) token rows. w0/w1: code words of rows g and
  * g+8 (blocks 2t, 2t+1); sa/sb: their packed scales; xb: this thread's x fragment base. */
-template <typename T, int NTV, int MT>
+template <typename T, int NTV, int MT, int V>
 __device__ __forceinline__ void bt_step(float (&acc)[MT / 8][4], const uint32_t (&w0)[4], const uint32_t (&w1)[4],
                                         const uint32_t (&sa)[2], const uint32_t (&sb)[2], const uint8_t *xb) {
     typedef bt_ops<T> ops;
 #pragma unroll
     for (int q = 0; q < 4; q++) { /* word q: codes 8q..8q+7 of the thread's 32; k16 steps 2q, 2q+1 */
         const uint32_t s0 = sa[q >> 1], s1 = sb[q >> 1];
-        /* A operand pairs: row g (ra) and row g+8 (rb), codes (i, i+4) of word q */
-        const uint32_t ra0 = ops::mul2(ops::template code2<0>(w0[q]), s0);
-        const uint32_t ra1 = ops::mul2(ops::template code2<1>(w0[q]), s0);
-        const uint32_t ra2 = ops::mul2(ops::template code2<2>(w0[q]), s0);
-        const uint32_t ra3 = ops::mul2(ops::template code2<3>(w0[q]), s0);
-        const uint32_t rb0 = ops::mul2(ops::template code2<0>(w1[q]), s1);
-        const uint32_t rb1 = ops::mul2(ops::template code2<1>(w1[q]), s1);
-        const uint32_t rb2 = ops::mul2(ops::template code2<2>(w1[q]), s1);
-        const uint32_t rb3 = ops::mul2(ops::template code2<3>(w1[q]), s1);
+        /* A operand pairs: row g (ra) and row g+8 (rb); v3: codes (i, i+4) of word q; v4: bt_dec4 */
+        uint32_t pa[4], pb[4];
+        if constexpr (V == 4) {
+            bt_dec4<T>::pairs(w0[q], pa);
+            bt_dec4<T>::pairs(w1[q], pb);
+        } else {
+            pa[0] = ops::template code2<0>(w0[q]); pa[1] = ops::template code2<1>(w0[q]);
+            pa[2] = ops::template code2<2>(w0[q]); pa[3] = ops::template code2<3>(w0[q]);
+            pb[0] = ops::template code2<0>(w1[q]); pb[1] = ops::template code2<1>(w1[q]);
+            pb[2] = ops::template code2<2>(w1[q]); pb[3] = ops::template code2<3>(w1[q]);
+        }
+        const uint32_t ra0 = ops::mul2(pa[0], s0), ra1 = ops::mul2(pa[1], s0);
+        const uint32_t ra2 = ops::mul2(pa[2], s0), ra3 = ops::mul2(pa[3], s0);
+        const uint32_t rb0 = ops::mul2(pb[0], s1), rb1 = ops::mul2(pb[1], s1);
+        const uint32_t rb2 = ops::mul2(pb[2], s1), rb3 = ops::mul2(pb[3], s1);
 #pragma unroll
         for (int nt = 0; nt < NTV; nt++) {
             const uint4 xf = *reinterpret_cast<const uint4 *>(xb + nt * 8 * BT_XROW + q * 16);
@@ -212,23 +278,23 @@ __device__ __forceinline__ void bt_step(float (&acc)[MT / 8][4], const uint32_t 
     }
 }
 
-template <typename T, int MT>
+template <typename T, int MT, int V>
 __device__ __forceinline__ void bt_step_ntv(int ntv, float (&acc)[MT / 8][4], const uint32_t (&w0)[4],
                                             const uint32_t (&w1)[4], const uint32_t (&sa)[2],
                                             const uint32_t (&sb)[2], const uint8_t *xb) {
     /* only the n8 tiles the run has: a specialised step per count (no predicated-off mma) */
     switch (ntv) {
-    case 1: bt_step<T, 1, MT>(acc, w0, w1, sa, sb, xb); break;
-    case 2: bt_step<T, 2, MT>(acc, w0, w1, sa, sb, xb); break;
-    case 3: bt_step<T, 3, MT>(acc, w0, w1, sa, sb, xb); break;
-    case 4: bt_step<T, 4, MT>(acc, w0, w1, sa, sb, xb); break;
+    case 1: bt_step<T, 1, MT, V>(acc, w0, w1, sa, sb, xb); break;
+    case 2: bt_step<T, 2, MT, V>(acc, w0, w1, sa, sb, xb); break;
+    case 3: bt_step<T, 3, MT, V>(acc, w0, w1, sa, sb, xb); break;
+    case 4: bt_step<T, 4, MT, V>(acc, w0, w1, sa, sb, xb); break;
     default:
         if constexpr (MT > 32) {
             switch (ntv) {
-            case 5: bt_step<T, 5, MT>(acc, w0, w1, sa, sb, xb); break;
-            case 6: bt_step<T, 6, MT>(acc, w0, w1, sa, sb, xb); break;
-            case 7: bt_step<T, 7, MT>(acc, w0, w1, sa, sb, xb); break;
-            default: bt_step<T, 8, MT>(acc, w0, w1, sa, sb, xb); break;
+            case 5: bt_step<T, 5, MT, V>(acc, w0, w1, sa, sb, xb); break;
+            case 6: bt_step<T, 6, MT, V>(acc, w0, w1, sa, sb, xb); break;
+            case 7: bt_step<T, 7, MT, V>(acc, w0, w1, sa, sb, xb); break;
+            default: bt_step<T, 8, MT, V>(acc, w0, w1, sa, sb, xb); break;
             }
         }
     }
@@ -242,7 +308,7 @@ template <int MT> struct bt_cfg {
     static constexpr int MINBLOCKS = MT == 32 ? 2 : 3;                   /* 128 / 168 registers */
 };
 
-template <typename T, int MT, bool FAST, int MINB>
+template <typename T, int MT, bool FAST, int MINB, int V>
 __global__ void __launch_bounds__(bt_cfg<MT>::THREADS, MINB)
 gq_batched_kernel(gq_args a, const int *__restrict__ starts, const int *__restrict__ tile_off) {
     typedef bt_cfg<MT> cfg;
@@ -284,7 +350,7 @@ gq_batched_kernel(gq_args a, const int *__restrict__ starts, const int *__restri
 #pragma unroll
         for (int i = 0; i < MT / 8; i++) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
 
-        bt_xstage<T, MT, THREADS> xr;
+        bt_xstage<T, MT, THREADS, V> xr;
         xr.init(x, row0, rows, rows_pad, K);
         bt_w cur; /* slow path: registers, one step ahead */
         if constexpr (FAST) {
@@ -309,10 +375,16 @@ gq_batched_kernel(gq_args a, const int *__restrict__ starts, const int *__restri
                 const uint32_t sw0 = sl->s0 >> (16 * (t & 1)), sw1 = sl->s1 >> (16 * (t & 1));
                 w0[0] = c0.x; w0[1] = c0.y; w0[2] = c0.z; w0[3] = c0.w;
                 w1[0] = c1.x; w1[1] = c1.y; w1[2] = c1.z; w1[3] = c1.w;
-                sa[0] = ops::scale2(cu_e4m3_to_float(sw0 & 0xff));
-                sa[1] = ops::scale2(cu_e4m3_to_float((sw0 >> 8) & 0xff));
-                sb[0] = ops::scale2(cu_e4m3_to_float(sw1 & 0xff));
-                sb[1] = ops::scale2(cu_e4m3_to_float((sw1 >> 8) & 0xff));
+                if constexpr (V == 4) {
+                    const auto pa = bt_dec4<T>::scales(sw0), pb = bt_dec4<T>::scales(sw1);
+                    sa[0] = bt_dec4<T>::lo2(pa); sa[1] = bt_dec4<T>::hi2(pa);
+                    sb[0] = bt_dec4<T>::lo2(pb); sb[1] = bt_dec4<T>::hi2(pb);
+                } else {
+                    sa[0] = ops::scale2(cu_e4m3_to_float(sw0 & 0xff));
+                    sa[1] = ops::scale2(cu_e4m3_to_float((sw0 >> 8) & 0xff));
+                    sb[0] = ops::scale2(cu_e4m3_to_float(sw1 & 0xff));
+                    sb[1] = ops::scale2(cu_e4m3_to_float((sw1 >> 8) & 0xff));
+                }
                 /* refill the slot read in step s-1 with step s + BT_STAGES - 1 */
                 const int nxt = s + BT_STAGES - 1;
                 if (nxt < nsteps) bt_issue(ring + (nxt % BT_STAGES) * THREADS, crow0, crow1, srow0, srow1, nxt, t, KB);
@@ -320,14 +392,20 @@ gq_batched_kernel(gq_args a, const int *__restrict__ starts, const int *__restri
             } else {
                 w0[0] = cur.c0.x; w0[1] = cur.c0.y; w0[2] = cur.c0.z; w0[3] = cur.c0.w;
                 w1[0] = cur.c1.x; w1[1] = cur.c1.y; w1[2] = cur.c1.z; w1[3] = cur.c1.w;
-                sa[0] = ops::scale2(cu_e4m3_to_float(cur.s0 & 0xff));
-                sa[1] = ops::scale2(cu_e4m3_to_float(cur.s0 >> 8));
-                sb[0] = ops::scale2(cu_e4m3_to_float(cur.s1 & 0xff));
-                sb[1] = ops::scale2(cu_e4m3_to_float(cur.s1 >> 8));
+                if constexpr (V == 4) {
+                    const auto pa = bt_dec4<T>::scales(cur.s0), pb = bt_dec4<T>::scales(cur.s1);
+                    sa[0] = bt_dec4<T>::lo2(pa); sa[1] = bt_dec4<T>::hi2(pa);
+                    sb[0] = bt_dec4<T>::lo2(pb); sb[1] = bt_dec4<T>::hi2(pb);
+                } else {
+                    sa[0] = ops::scale2(cu_e4m3_to_float(cur.s0 & 0xff));
+                    sa[1] = ops::scale2(cu_e4m3_to_float(cur.s0 >> 8));
+                    sb[0] = ops::scale2(cu_e4m3_to_float(cur.s1 & 0xff));
+                    sb[1] = ops::scale2(cu_e4m3_to_float(cur.s1 >> 8));
+                }
                 if (s + 1 < nsteps) cur = bt_load_w(crow0, crow1, srow0, srow1, (s + 1) * 8 + 2 * t, KB);
             }
             if (s + 1 < nsteps) xr.load((s + 1) * BT_KSTEP, K);
-            bt_step_ntv<T, MT>(ntv, acc, w0, w1, sa, sb, ((s & 1) ? xs1 : xs0) + xoff);
+            bt_step_ntv<T, MT, V>(ntv, acc, w0, w1, sa, sb, ((s & 1) ? xs1 : xs0) + xoff);
             if (s + 1 < nsteps) xr.store((s & 1) ? xs0 : xs1);
             __syncthreads();
         }
@@ -369,17 +447,17 @@ int gq_batched_row_tile(const gq_args *a, fp4moe_dtype dtype) {
     return (int64_t)a->B > 48ll * a->E ? 64 : 32;
 }
 
-template <typename T, int MT, bool FAST, int MINB = bt_cfg<MT>::MINBLOCKS>
+template <typename T, int MT, bool FAST, int V, int MINB = bt_cfg<MT>::MINBLOCKS>
 static int launch(const gq_args *a, const int *starts, const int *tile_off, cudaStream_t st) {
     typedef bt_cfg<MT> cfg;
     int dev = 0, sms = 0, occ = 0;
     GQ_CUDA_TRY(cudaGetDevice(&dev), "cudaGetDevice");
     GQ_CUDA_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), "cudaDeviceGetAttribute");
     /* > 48 KB of dynamic shared memory needs the opt-in (idempotent, cheap) */
-    GQ_CUDA_TRY(cudaFuncSetAttribute(gq_batched_kernel<T, MT, FAST, MINB>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    GQ_CUDA_TRY(cudaFuncSetAttribute(gq_batched_kernel<T, MT, FAST, MINB, V>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                      cfg::SMEM),
                 "cudaFuncSetAttribute (dynamic shared memory)");
-    GQ_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, gq_batched_kernel<T, MT, FAST, MINB>, cfg::THREADS,
+    GQ_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, gq_batched_kernel<T, MT, FAST, MINB, V>, cfg::THREADS,
                                                               cfg::SMEM),
                 "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
     /* upper bound on the items: sum over experts of ceil(len/MT) <= B/MT + min(E, B) */
@@ -387,20 +465,20 @@ static int launch(const gq_args *a, const int *starts, const int *tile_off, cuda
     const int64_t bound = ((int64_t)a->B / MT + 1 + (a->E < a->B ? a->E : a->B)) * NT;
     int64_t grid = (int64_t)sms * (occ > 0 ? occ : 1);
     if (grid > bound) grid = bound;
-    gq_batched_kernel<T, MT, FAST, MINB><<<(unsigned)grid, cfg::THREADS, cfg::SMEM, st>>>(*a, starts, tile_off);
+    gq_batched_kernel<T, MT, FAST, MINB, V><<<(unsigned)grid, cfg::THREADS, cfg::SMEM, st>>>(*a, starts, tile_off);
     GQ_CUDA_TRY(cudaGetLastError(), "launch of the expert-batched kernel");
     return FP4MOE_OK;
 }
 
-template <typename T>
+template <typename T, int V>
 static int launch_dtype(const gq_args *a, int mt, const int *starts, const int *tile_off, cudaStream_t st) {
     /* fast path: cp.async of 16 code bytes and a 4-byte scale word per row and step */
     const bool fast = (a->K % 64) == 0 && ((uintptr_t)a->codes & 15) == 0 && ((uintptr_t)a->scales & 3) == 0;
-    if (mt == 64) return fast ? launch<T, 64, true>(a, starts, tile_off, st) : launch<T, 64, false>(a, starts, tile_off, st);
+    if (mt == 64) return fast ? launch<T, 64, true, V>(a, starts, tile_off, st) : launch<T, 64, false, V>(a, starts, tile_off, st);
     /* tuning knob for measurements: FP4MOE_CUDA_BATCHED_BLOCKS=3 (3 blocks/SM, 80 registers) */
     const char *env = getenv("FP4MOE_CUDA_BATCHED_BLOCKS");
-    if (fast && env && !strcmp(env, "3")) return launch<T, 32, true, 3>(a, starts, tile_off, st);
-    return fast ? launch<T, 32, true>(a, starts, tile_off, st) : launch<T, 32, false>(a, starts, tile_off, st);
+    if (fast && env && !strcmp(env, "3")) return launch<T, 32, true, V, 3>(a, starts, tile_off, st);
+    return fast ? launch<T, 32, true, V>(a, starts, tile_off, st) : launch<T, 32, false, V>(a, starts, tile_off, st);
 }
 
 int gq_launch_batched(const gq_args *a, fp4moe_dtype dtype, cudaStream_t st) {
@@ -411,8 +489,11 @@ int gq_launch_batched(const gq_args *a, fp4moe_dtype dtype, cudaStream_t st) {
     int *starts = buf, *tile_off = buf + a->E + 1;
     rc = gq_launch_runs(a, mt, starts, tile_off, st);
     if (rc == FP4MOE_OK)
-        rc = dtype == FP4MOE_F16 ? launch_dtype<__half>(a, mt, starts, tile_off, st)
-                                 : launch_dtype<__nv_bfloat16>(a, mt, starts, tile_off, st);
+        rc = gq_kernel_version("FP4MOE_CUDA_BATCHED_V", GQ_BATCHED_DEFAULT_V) == 4
+                 ? (dtype == FP4MOE_F16 ? launch_dtype<__half, 4>(a, mt, starts, tile_off, st)
+                                        : launch_dtype<__nv_bfloat16, 4>(a, mt, starts, tile_off, st))
+                 : (dtype == FP4MOE_F16 ? launch_dtype<__half, 3>(a, mt, starts, tile_off, st)
+                                        : launch_dtype<__nv_bfloat16, 3>(a, mt, starts, tile_off, st));
     const int rc2 = gq_scratch_free(buf, st);
     return rc != FP4MOE_OK ? rc : rc2;
 }

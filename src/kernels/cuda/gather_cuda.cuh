@@ -18,6 +18,7 @@
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "common/error.h"
 #include "fp4moe/gather_qmm.h"
@@ -73,6 +74,33 @@ __device__ __forceinline__ uint32_t cu_e2m1x2_bf16(uint32_t w) {
     const uint32_t v = w >> (4 * I);
     return ((v & 0x00070007u) << 6) | ((v & 0x00080008u) << 12);
 }
+/* v4 decode (docs/GPU-NOTES.md, round 4): the same bf16x2 pattern as cu_e2m1x2_bf16 with one integer
+ * multiply instead of two shift-and-mask pairs. A code v (4 bits) times 0x1040 = v << 6 | v << 12
+ * (no overlap, no carries): bits 6..8 hold the magnitude (bits 6..9 of v << 6) and bit 15 the sign
+ * (bit 3 of v << 12); one mask keeps those. Two codes 16 bits apart do this side by side. Pairs
+ * 0 and 1 read w, pairs 2 and 3 read w >> 8 (the caller shifts once per word). */
+template <int I>
+__device__ __forceinline__ uint32_t cu_e2m1x2_bf16_mul(uint32_t w, uint32_t w8) {
+    if (I == 0) return ((w & 0x000F000Fu) * 0x1040u) & 0x81C081C0u;
+    if (I == 1) return ((w & 0x00F000F0u) * 0x104u) & 0x81C081C0u;
+    if (I == 2) return ((w8 & 0x000F000Fu) * 0x1040u) & 0x81C081C0u;
+    return ((w8 & 0x00F000F0u) * 0x104u) & 0x81C081C0u;
+}
+/* v4 f16 decode by byte permutes: the fp16 pattern of a code (mag << 9 | s << 15, e2m1 * 2^-14)
+ * has a zero low byte and the high byte hb = s << 7 | mag << 1. lo_hb(w) holds the high bytes of
+ * codes 0, 2, 4, 6 (byte j: code 2j), hi_hb(w) those of codes 1, 3, 5, 7; one byte permute against
+ * zero then builds an fp16x2 from two of them: [0, hb_a, 0, hb_b]. */
+__device__ __forceinline__ uint32_t cu_e2m1_hb_lo(uint32_t w) {
+    return ((w << 1) & 0x0E0E0E0Eu) | ((w << 4) & 0x80808080u);
+}
+__device__ __forceinline__ uint32_t cu_e2m1_hb_hi(uint32_t w) {
+    return ((w >> 3) & 0x0E0E0E0Eu) | (w & 0x80808080u);
+}
+/* bytes 2P, 2P+1 of hb as the low and high fp16 of a pair (P = 0 or 1) */
+template <int P> __device__ __forceinline__ uint32_t cu_hb_pair_f16(uint32_t hb) {
+    return __byte_perm(hb, 0u, P == 0 ? 0x1404u : 0x3424u);
+}
+
 /* Code i of word w as an fp32 holding e2m1 * 2^-126. */
 __device__ __forceinline__ float cu_e2m1_f32(uint32_t w, int i) {
     const uint32_t v = w >> (4 * i);
@@ -125,6 +153,17 @@ int gq_batched_row_tile(const gq_args *a, fp4moe_dtype dtype);
  *   tile_off[e] = sum over e' < e of ceil(run length of e' / row_tile), e in [0, E] (if non-NULL).
  * A broken "sorted" promise gives wrong runs but never an out-of-bounds access. */
 int gq_launch_runs(const gq_args *a, int row_tile, int *starts, int *tile_off, cudaStream_t st);
+
+/* Kernel version of a route, for measurements (docs/GPU-NOTES.md, round 4): the environment
+ * variable `name` = 3 or 4 (FP4MOE_CUDA_BATCHED_V, FP4MOE_CUDA_QMV_V); unset or anything else: `def`. */
+static inline int gq_kernel_version(const char *name, int def) {
+    const char *v = getenv(name);
+    if (v && v[0] == '3' && !v[1]) return 3;
+    if (v && v[0] == '4' && !v[1]) return 4;
+    return def;
+}
+#define GQ_BATCHED_DEFAULT_V 4 /* the routes' default kernel versions (round 4: v4 measured faster) */
+#define GQ_QMV_DEFAULT_V 4
 
 /* Route launchers (arguments already validated; FP4MOE_OK or FP4MOE_ECUDA with a message). */
 int gq_launch_qmv(const gq_args *a, fp4moe_dtype dtype, cudaStream_t st);

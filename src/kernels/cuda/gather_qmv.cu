@@ -52,13 +52,38 @@ __device__ __forceinline__ void qmv_load_x16(const __half *p, float (&v)[16]) {
     }
 }
 
+/* v4 (round 4, docs/GPU-NOTES.md): one NVFP4 block (code words w0, w1; E4M3 scale byte sb) as 16
+ * fp32 weights e2m1 * scale * 2^-8 (exact): code pairs (i, i+4) as bf16x2 patterns by one integer
+ * multiply each (cu_e2m1x2_bf16_mul, e2m1 * 2^-126), one packed multiply by scale * 2^118 (exact,
+ * as in the batched route), then each bf16 half is an fp32 by a shift or a mask. 2.6 integer ops
+ * + 0.5 packed multiplies per weight instead of ~4 ops + 1 fp32 multiply, and the decode is done
+ * once per block and feature, not once per row. */
+__device__ __forceinline__ void qmv_decode16(uint32_t w0, uint32_t w1, uint32_t sb, float (&wv)[16]) {
+    const __nv_bfloat162 s2 = __float2bfloat162_rn(cu_e4m3_to_float(sb) * 0x1p118f); /* < 2^127 */
+    const uint32_t s = *reinterpret_cast<const uint32_t *>(&s2);
+    const uint32_t w[2] = {w0, w1};
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const uint32_t w8 = w[h] >> 8;
+        const uint32_t p[4] = {cu_e2m1x2_bf16_mul<0>(w[h], w8), cu_e2m1x2_bf16_mul<1>(w[h], w8),
+                               cu_e2m1x2_bf16_mul<2>(w[h], w8), cu_e2m1x2_bf16_mul<3>(w[h], w8)};
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            uint32_t d;
+            asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(p[i]), "r"(s));
+            wv[8 * h + i] = __uint_as_float(d << 16);             /* code 8h + i */
+            wv[8 * h + i + 4] = __uint_as_float(d & 0xffff0000u); /* code 8h + i + 4 */
+        }
+    }
+}
+
 /* One segment (rows b0 .. b0+len-1, expert e < E, len <= G), output features n0 .. n0+NF-1 (those
  * < N). The lane's weight pieces are loaded QMV_PM at a time, all before any is used (for the
  * Nemotron K one batch covers the whole row: one memory latency per warp). Weights decode as
  * (e2m1 * 2^-126) * (scale * 2^100) = e2m1 * scale * 2^-26 (exact, fp32 normal); the epilogue
  * multiplies by 2^26 and the global scale. */
 #define QMV_PM 3 /* pieces per lane in flight per feature */
-template <typename T, int BPL, int G, int NF>
+template <typename T, int BPL, int G, int NF, int V>
 __device__ __forceinline__ void qmv_segment(const gq_args &a, const T *__restrict__ x, T *__restrict__ y,
                                             uint32_t e, int64_t b0, int len, int n0, int lane) {
     const int K = a.K, KB = K >> 4;
@@ -102,24 +127,52 @@ __device__ __forceinline__ void qmv_segment(const gq_args &a, const T *__restric
 #pragma unroll
             for (int bi = 0; bi < BPL; bi++) {
                 const int64_t k0 = (int64_t)(kb + bi) * 16;
+                if constexpr (V == 4 && G == 1) { /* decode: one row, x shared by the NF features */
+                    float xv[16];
+                    qmv_load_x16(x + b0 * K + k0, xv);
 #pragma unroll
-                for (int r = 0; r < G; r++) {
-                    if (r < len) {
-                        float xv[16];
-                        qmv_load_x16(x + (b0 + r) * K + k0, xv);
+                    for (int f = 0; f < NF; f++) {
+                        float wv[16];
+                        qmv_decode16(cw[p][f][2 * bi], cw[p][f][2 * bi + 1], (cs[p][f] >> (8 * bi)) & 0xffu, wv);
 #pragma unroll
-                        for (int f = 0; f < NF; f++) {
-                            const float s = cu_e4m3_to_float((cs[p][f] >> (8 * bi)) & 0xffu) * 0x1p100f;
+                        for (int j = 0; j < 16; j++) acc[f][0] = fmaf(xv[j], wv[j], acc[f][0]);
+                    }
+                } else if constexpr (V == 4) { /* weights decoded once, used by every row */
+                    float wv[NF][16];
 #pragma unroll
-                            for (int j = 0; j < 16; j++)
-                                acc[f][r] = fmaf(xv[j], cu_e2m1_f32(cw[p][f][2 * bi + (j >> 3)], j & 7) * s, acc[f][r]);
+                    for (int f = 0; f < NF; f++)
+                        qmv_decode16(cw[p][f][2 * bi], cw[p][f][2 * bi + 1], (cs[p][f] >> (8 * bi)) & 0xffu, wv[f]);
+#pragma unroll
+                    for (int r = 0; r < G; r++) {
+                        if (r < len) {
+                            float xv[16];
+                            qmv_load_x16(x + (b0 + r) * K + k0, xv);
+#pragma unroll
+                            for (int f = 0; f < NF; f++)
+#pragma unroll
+                                for (int j = 0; j < 16; j++) acc[f][r] = fmaf(xv[j], wv[f][j], acc[f][r]);
+                        }
+                    }
+                } else { /* v3 */
+#pragma unroll
+                    for (int r = 0; r < G; r++) {
+                        if (r < len) {
+                            float xv[16];
+                            qmv_load_x16(x + (b0 + r) * K + k0, xv);
+#pragma unroll
+                            for (int f = 0; f < NF; f++) {
+                                const float s = cu_e4m3_to_float((cs[p][f] >> (8 * bi)) & 0xffu) * 0x1p100f;
+#pragma unroll
+                                for (int j = 0; j < 16; j++)
+                                    acc[f][r] = fmaf(xv[j], cu_e2m1_f32(cw[p][f][2 * bi + (j >> 3)], j & 7) * s, acc[f][r]);
+                            }
                         }
                     }
                 }
             }
         }
     }
-    const float mult = cu_expert_gs(a.gs, e) * 0x1p26f;
+    const float mult = cu_expert_gs(a.gs, e) * (V == 4 ? 0x1p8f : 0x1p26f);
 #pragma unroll
     for (int r = 0; r < G; r++) {
         if (r < len) {
@@ -134,7 +187,7 @@ __device__ __forceinline__ void qmv_segment(const gq_args &a, const T *__restric
     }
 }
 
-template <typename T, int BPL, int G, int NF>
+template <typename T, int BPL, int G, int NF, int V>
 __global__ void __launch_bounds__(QMV_WARPS * 32, 2) gq_qmv_kernel(gq_args a, int slots) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int nblk = (a.N + QMV_WARPS * NF - 1) / (QMV_WARPS * NF);
@@ -163,14 +216,14 @@ __global__ void __launch_bounds__(QMV_WARPS * 32, 2) gq_qmv_kernel(gq_args a, in
                     for (int f = 0; f < NF && n + f < a.N; f++)
                         y[(b0 + lane) * a.N + n + f] = cu_from_float<T>(0.0f);
             } else {
-                qmv_segment<T, BPL, G, NF>(a, x, y, e, b0, len, n, lane);
+                qmv_segment<T, BPL, G, NF, V>(a, x, y, e, b0, len, n, lane);
             }
             for (int i = 0; i < slots && segs; i++) segs &= segs - 1;
         }
     }
 }
 
-template <typename T, int G, int NF>
+template <typename T, int G, int NF, int V>
 static int launch_g(const gq_args *a, cudaStream_t st) {
     const int64_t chunks = ((int64_t)a->B + QMV_CHUNK - 1) / QMV_CHUNK;
     const int slots = a->B < QMV_SLOTS ? a->B : QMV_SLOTS;
@@ -179,8 +232,8 @@ static int launch_g(const gq_args *a, cudaStream_t st) {
         return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "gather_qmm_cuda: qmv grid too large (N=%d)", a->N);
     const dim3 grid((unsigned)(nblk * slots), (unsigned)(chunks < 65535 ? chunks : 65535));
     const bool v16 = (a->K % 32) == 0 && ((uintptr_t)a->codes & 15) == 0;
-    if (v16) gq_qmv_kernel<T, 2, G, NF><<<grid, QMV_WARPS * 32, 0, st>>>(*a, slots);
-    else gq_qmv_kernel<T, 1, G, NF><<<grid, QMV_WARPS * 32, 0, st>>>(*a, slots);
+    if (v16) gq_qmv_kernel<T, 2, G, NF, V><<<grid, QMV_WARPS * 32, 0, st>>>(*a, slots);
+    else gq_qmv_kernel<T, 1, G, NF, V><<<grid, QMV_WARPS * 32, 0, st>>>(*a, slots);
     GQ_CUDA_TRY(cudaGetLastError(), "launch of the qmv kernel");
     return FP4MOE_OK;
 }
@@ -190,7 +243,9 @@ static int launch_g(const gq_args *a, cudaStream_t st) {
  * load, 2 features per warp. */
 template <typename T>
 static int launch(const gq_args *a, cudaStream_t st) {
-    return a->B <= QMV_CHUNK ? launch_g<T, 1, 4>(a, st) : launch_g<T, QMV_G, 2>(a, st);
+    if (gq_kernel_version("FP4MOE_CUDA_QMV_V", GQ_QMV_DEFAULT_V) == 4)
+        return a->B <= QMV_CHUNK ? launch_g<T, 1, 4, 4>(a, st) : launch_g<T, QMV_G, 2, 4>(a, st);
+    return a->B <= QMV_CHUNK ? launch_g<T, 1, 4, 3>(a, st) : launch_g<T, QMV_G, 2, 3>(a, st);
 }
 
 int gq_launch_qmv(const gq_args *a, fp4moe_dtype dtype, cudaStream_t st) {

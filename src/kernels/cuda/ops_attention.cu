@@ -1,0 +1,235 @@
+/* CUDA ops of the attention mixer: appending to the bf16 KV cache, and causal GQA attention without
+ * positional encoding (nemotron_h has no RoPE). Formula: spec NEMOTRON_H.md "Attention",
+ * src/kernels/cpu/ops_attention.c; here with fp32 scores and an online softmax over tiles of 32
+ * keys (flash-attention style; the CPU takes the max over all keys first: the results differ by
+ * fp32 rounding only). The context length P is read from device memory (decode graphs).
+ * Contracts: ops_cuda.h.
+ *
+ * Prefill: block (query head h, 8 consecutive tokens), one warp per token; K/V tiles staged in
+ * shared memory as fp32 (rows padded to dh+1 words: lane j reading row j hits distinct banks).
+ * Decode (T = 1): block per query head, its 8 warps take interleaved key tiles straight from global
+ * memory, and combine their partial (max, sum, output) in shared memory. */
+#include <math.h>
+
+#include "kernels/cuda/ops_cuda.h"
+
+#define ATT_WARPS 8
+#define ATT_TILE 32
+
+/* ---- KV cache append -------------------------------------------------------------------------- */
+
+__global__ void kv_append_kernel(const uint16_t *k, const uint16_t *v, int64_t n, int64_t kvs,
+                                 const int32_t *d_pos, uint16_t *kc, uint16_t *vc) {
+    const int64_t off = (int64_t)d_pos[0] * kvs;
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
+         i += (int64_t)gridDim.x * blockDim.x) {
+        kc[off + i] = k[i];
+        vc[off + i] = v[i];
+    }
+}
+
+extern "C" int cuda_kv_append(void *stream, const uint16_t *k, const uint16_t *v, int64_t T,
+                              int64_t kvs, const int32_t *d_pos, uint16_t *k_cache, uint16_t *v_cache) {
+    const int64_t n = T * kvs;
+    if (n <= 0) return FP4MOE_OK;
+    const int64_t b = (n + 255) / 256;
+    kv_append_kernel<<<(unsigned)(b < 65536 ? b : 65536), 256, 0, (cudaStream_t)stream>>>(
+        k, v, n, kvs, d_pos, k_cache, v_cache);
+    OPS_LAUNCH_CHECK("kv cache append");
+    return FP4MOE_OK;
+}
+
+/* ---- prefill ---------------------------------------------------------------------------------- */
+
+/* DPL = output dims per lane (d = lane + 32*i, i < DPL), dh <= 32*DPL. */
+template <int DPL>
+__global__ void __launch_bounds__(ATT_WARPS * 32)
+attn_prefill_kernel(const uint16_t *q, const uint16_t *kc, const uint16_t *vc, const int32_t *d_pos,
+                    int T, int nq, int nkv, int dh, float scale, uint16_t *out) {
+    extern __shared__ float sm[];
+    const int ld = dh + 1;
+    float *qs = sm, *Ks = qs + ATT_WARPS * dh, *Vs = Ks + ATT_TILE * ld;
+    const int h = blockIdx.x, t0 = blockIdx.y * ATT_WARPS;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, t = t0 + warp;
+    const int kh = h / (nq / nkv);
+    const int64_t kvs = (int64_t)nkv * dh, qstride = (int64_t)nq * dh;
+    const int P = d_pos[0];
+    for (int i = threadIdx.x; i < ATT_WARPS * dh; i += blockDim.x) {
+        const int r = i / dh, d = i % dh;
+        qs[i] = t0 + r < T ? ops_bf16_to_f32(q[(int64_t)(t0 + r) * qstride + (int64_t)h * dh + d]) : 0.0f;
+    }
+    const int nkeys = P + min(t0 + ATT_WARPS, T); /* keys 0 .. P + last token of the block */
+    const int last = P + t;                       /* this warp's last visible key */
+    const float *qw = qs + warp * dh;
+    float m = -INFINITY, l = 0.0f, acc[DPL];
+#pragma unroll
+    for (int i = 0; i < DPL; i++) acc[i] = 0.0f;
+    for (int j0 = 0; j0 < nkeys; j0 += ATT_TILE) {
+        __syncthreads(); /* q loaded / previous tile consumed */
+        for (int i = threadIdx.x; i < ATT_TILE * dh; i += blockDim.x) {
+            const int jj = i / dh, d = i % dh, key = j0 + jj;
+            const int64_t src = (int64_t)key * kvs + (int64_t)kh * dh + d;
+            Ks[jj * ld + d] = key < nkeys ? ops_bf16_to_f32(kc[src]) : 0.0f;
+            Vs[jj * ld + d] = key < nkeys ? ops_bf16_to_f32(vc[src]) : 0.0f;
+        }
+        __syncthreads();
+        if (t >= T || j0 > last) continue; /* warp-uniform */
+        float s = -INFINITY;
+        if (j0 + lane <= last) {
+            const float *kr = Ks + lane * ld;
+            float dot = 0.0f;
+            for (int d = 0; d < dh; d++) dot = fmaf(qw[d], kr[d], dot);
+            s = dot * scale;
+        }
+        const float mnew = fmaxf(m, ops_warp_max(s)); /* finite: key j0 <= last is visible */
+        const float p = expf(s - mnew), corr = expf(m - mnew);
+        l = l * corr + ops_warp_sum(p);
+#pragma unroll
+        for (int i = 0; i < DPL; i++) acc[i] *= corr;
+        const int nj = min(ATT_TILE, last - j0 + 1);
+        for (int jj = 0; jj < nj; jj++) {
+            const float pj = __shfl_sync(0xffffffffu, p, jj);
+            const float *vr = Vs + jj * ld;
+#pragma unroll
+            for (int i = 0; i < DPL; i++) {
+                const int d = lane + 32 * i;
+                if (d < dh) acc[i] = fmaf(pj, vr[d], acc[i]);
+            }
+        }
+        m = mnew;
+    }
+    if (t >= T) return;
+    const float inv = 1.0f / l;
+#pragma unroll
+    for (int i = 0; i < DPL; i++) {
+        const int d = lane + 32 * i;
+        if (d < dh) out[(int64_t)t * qstride + (int64_t)h * dh + d] = ops_f32_to_bf16(acc[i] * inv);
+    }
+}
+
+/* ---- decode ----------------------------------------------------------------------------------- */
+
+/* acc + q[0] * lo(u) + q[1] * hi(u) for a pair of bf16 (low half: the first element). */
+__device__ __forceinline__ float dot_bf16x2(const float *q, uint32_t u, float acc) {
+    acc = fmaf(q[0], __uint_as_float(u << 16), acc);
+    return fmaf(q[1], __uint_as_float(u & 0xffff0000u), acc);
+}
+
+template <int DPL>
+__global__ void __launch_bounds__(ATT_WARPS * 32)
+attn_decode_kernel(const uint16_t *q, const uint16_t *kc, const uint16_t *vc, const int32_t *d_pos,
+                   int nq, int nkv, int dh, float scale, uint16_t *out) {
+    extern __shared__ float sm[];
+    float *qs = sm, *part = qs + dh;              /* part: ATT_WARPS x (dh + 2): acc, m, l */
+    const int h = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int kh = h / (nq / nkv);
+    const int64_t kvs = (int64_t)nkv * dh;
+    const int n = d_pos[0] + 1;                   /* keys 0 .. P */
+    for (int d = threadIdx.x; d < dh; d += blockDim.x) qs[d] = ops_bf16_to_f32(q[(int64_t)h * dh + d]);
+    __syncthreads();
+    const bool vec = (dh & 7) == 0;               /* 16-byte loads of 8 bf16 */
+    float m = -INFINITY, l = 0.0f, acc[DPL];
+#pragma unroll
+    for (int i = 0; i < DPL; i++) acc[i] = 0.0f;
+    for (int j0 = warp * ATT_TILE; j0 < n; j0 += ATT_WARPS * ATT_TILE) {
+        const int key = j0 + lane;
+        float s = -INFINITY;
+        if (key < n) {
+            const uint16_t *kr = kc + (int64_t)key * kvs + (int64_t)kh * dh;
+            float dot = 0.0f;
+            if (vec) {
+                for (int d = 0; d < dh; d += 8) {
+                    const uint4 w = *(const uint4 *)(kr + d);
+                    dot = dot_bf16x2(qs + d, w.x, dot);
+                    dot = dot_bf16x2(qs + d + 2, w.y, dot);
+                    dot = dot_bf16x2(qs + d + 4, w.z, dot);
+                    dot = dot_bf16x2(qs + d + 6, w.w, dot);
+                }
+            } else {
+                for (int d = 0; d < dh; d++) dot = fmaf(qs[d], ops_bf16_to_f32(kr[d]), dot);
+            }
+            s = dot * scale;
+        }
+        const float mnew = fmaxf(m, ops_warp_max(s)); /* finite: key j0 < n */
+        const float p = expf(s - mnew), corr = expf(m - mnew);
+        l = l * corr + ops_warp_sum(p);
+#pragma unroll
+        for (int i = 0; i < DPL; i++) acc[i] *= corr;
+        const int nj = min(ATT_TILE, n - j0);
+        for (int jj = 0; jj < nj; jj++) {
+            const float pj = __shfl_sync(0xffffffffu, p, jj);
+            const uint16_t *vr = vc + (int64_t)(j0 + jj) * kvs + (int64_t)kh * dh;
+#pragma unroll
+            for (int i = 0; i < DPL; i++) {
+                const int d = lane + 32 * i;
+                if (d < dh) acc[i] = fmaf(pj, ops_bf16_to_f32(vr[d]), acc[i]);
+            }
+        }
+        m = mnew;
+    }
+    float *pw = part + warp * (dh + 2);
+#pragma unroll
+    for (int i = 0; i < DPL; i++) {
+        const int d = lane + 32 * i;
+        if (d < dh) pw[d] = acc[i];
+    }
+    if (lane == 0) { pw[dh] = m; pw[dh + 1] = l; }
+    __syncthreads();
+    for (int d = threadIdx.x; d < dh; d += blockDim.x) {
+        float M = -INFINITY;
+        for (int w = 0; w < ATT_WARPS; w++) M = fmaxf(M, part[w * (dh + 2) + dh]);
+        float L = 0.0f, O = 0.0f;
+        for (int w = 0; w < ATT_WARPS; w++) {
+            const float *pp = part + w * (dh + 2);
+            const float c = expf(pp[dh] - M); /* 0 for a warp that saw no key (m = -inf) */
+            L += pp[dh + 1] * c;
+            O += pp[d] * c;
+        }
+        out[(int64_t)h * dh + d] = ops_f32_to_bf16(O / L);
+    }
+}
+
+/* ---- launch ----------------------------------------------------------------------------------- */
+
+template <int DPL>
+static int launch_attention(const uint16_t *q, const uint16_t *kc, const uint16_t *vc,
+                            const int32_t *d_pos, int T, int nq, int nkv, int dh, uint16_t *out,
+                            cudaStream_t st) {
+    const float scale = 1.0f / sqrtf((float)dh);
+    if (T == 1) {
+        const size_t smem = ((size_t)dh + (size_t)ATT_WARPS * (dh + 2)) * sizeof(float);
+        attn_decode_kernel<DPL><<<(unsigned)nq, ATT_WARPS * 32, smem, st>>>(q, kc, vc, d_pos, nq, nkv,
+                                                                            dh, scale, out);
+        OPS_LAUNCH_CHECK("attention (decode)");
+        return FP4MOE_OK;
+    }
+    const size_t smem = ((size_t)ATT_WARPS * dh + (size_t)2 * ATT_TILE * (dh + 1)) * sizeof(float);
+    if (smem > 48 * 1024) {
+        const cudaError_t e = cudaFuncSetAttribute(attn_prefill_kernel<DPL>,
+                                                   cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+        if (e != cudaSuccess)
+            return fp4moe_set_error(FP4MOE_ECUDA, "cuda op attention: %zu bytes of shared memory: %s",
+                                    smem, cudaGetErrorString(e));
+    }
+    const dim3 grid((unsigned)nq, ops_blocks(T, ATT_WARPS));
+    attn_prefill_kernel<DPL><<<grid, ATT_WARPS * 32, smem, st>>>(q, kc, vc, d_pos, T, nq, nkv, dh, scale,
+                                                                 out);
+    OPS_LAUNCH_CHECK("attention (prefill)");
+    return FP4MOE_OK;
+}
+
+extern "C" int cuda_attention(void *stream, const uint16_t *q, const uint16_t *k_cache,
+                              const uint16_t *v_cache, const int32_t *d_pos, int64_t T, int64_t nq,
+                              int64_t nkv, int64_t dh, uint16_t *out) {
+    if (T <= 0) return FP4MOE_OK;
+    if (dh < 1 || dh > 256 || nkv < 1 || nq % nkv || nq > 65535 || T > (int64_t)65535 * ATT_WARPS)
+        return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "cuda op attention: head_dim=%lld (at most 256), "
+                                "%lld query heads over %lld kv heads, %lld tokens", (long long)dh,
+                                (long long)nq, (long long)nkv, (long long)T);
+    cudaStream_t st = (cudaStream_t)stream;
+    const int t = (int)T, a = (int)nq, b = (int)nkv, d = (int)dh;
+    if (dh <= 32) return launch_attention<1>(q, k_cache, v_cache, d_pos, t, a, b, d, out, st);
+    if (dh <= 64) return launch_attention<2>(q, k_cache, v_cache, d_pos, t, a, b, d, out, st);
+    if (dh <= 128) return launch_attention<4>(q, k_cache, v_cache, d_pos, t, a, b, d, out, st);
+    return launch_attention<8>(q, k_cache, v_cache, d_pos, t, a, b, d, out, st);
+}

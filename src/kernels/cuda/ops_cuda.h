@@ -1,0 +1,248 @@
+/* Internal: the CUDA ops of the nemotron_h forward pass (spec NEMOTRON_H.md "Forward pass"), the
+ * GPU twins of src/kernels/cpu/ops.h. Every op mirrors its CPU counterpart's formula and, where it
+ * is cheap, its order of fp32 operations (the CPU runtime is the oracle: tests/gpu/test_model_gpu.c).
+ *
+ * Conventions: row-major; a weight is (N, K) = (out, in); "T" tokens, "B" (token, slot) rows.
+ * All pointers are DEVICE pointers; `stream` is a cudaStream_t (NULL = legacy default stream).
+ * Activations between ops: the residual stream, norms, the SSM and the router are fp32; the inputs
+ * and outputs of every matmul are bf16 (the bits as uint16_t in this C interface), which is exactly
+ * the CPU runtime's rounding with act_dtype = bf16 (round at each matmul input and output).
+ * Every launcher is asynchronous (no host synchronisation, capturable into a CUDA graph), checks
+ * the launch and returns FP4MOE_OK or FP4MOE_ECUDA with a message naming the op; size limits are
+ * checked where a kernel assumes them (FP4MOE_EUNSUPPORTED). Positions that change from one decode
+ * step to the next (the context length P) are read from device memory (d_pos), so that one
+ * captured graph serves every step. */
+#ifndef FP4MOE_KERNELS_CUDA_OPS_CUDA_H
+#define FP4MOE_KERNELS_CUDA_OPS_CUDA_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "fp4moe/gather_qmm.h"
+#include "fp4moe/types.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---- linear layers --------------------------------------------------------------------------- */
+
+/* E stacked (N, K) weights on the device (E = 1 for a plain linear layer). N == 0: absent. */
+typedef struct {
+    int64_t E, N, K;
+    int nvfp4;                  /* 1: q holds device codes/scales/global scales */
+    fp4moe_nvfp4_weights q;
+    fp4moe_dtype dtype;         /* dense: FP4MOE_BF16 or FP4MOE_F32 (f16 is uploaded as f32) */
+    const void *dense;          /* dense: E*N*K elements, expert-major */
+    const float *bias;          /* N floats or NULL */
+} cuda_linear;
+
+/* What the matmul ops need besides their operands (one per session). */
+typedef struct {
+    void *stream;               /* cudaStream_t */
+    void *blas;                 /* cublasHandle_t bound to stream (cuda_blas_create) */
+    fp4moe_route route;         /* FP4MOE_ROUTE_AUTO or a forced gather_qmm route */
+    const uint32_t *zero_idx;   /* zero_n zeros: the idx of E = 1 NVFP4 linears */
+    int64_t zero_n;
+    float *f32_x, *f32_y;       /* f32_n floats each: staging for f32 dense weights */
+    int64_t f32_n;
+} cuda_ops;
+
+/* cuBLAS handle on `stream` with a caller-owned workspace (so that graph capture never makes cuBLAS
+ * allocate); default math (no TF32). Errors: FP4MOE_ECUDA. */
+int cuda_blas_create(void *stream, void *workspace, size_t workspace_bytes, void **blas);
+void cuda_blas_destroy(void *blas);
+
+/* y (T x N, bf16) = x (T x K, bf16) @ W[0]^T (+ bias), fp32 accumulation, rounded once.
+ * NVFP4: fp4moe_gather_qmm_cuda with E = 1 and idx all 0 (sorted; T <= o->zero_n).
+ * Dense bf16: cublasGemmEx (bf16 in/out, fp32 compute). Dense f32: x widened to f32, cublasGemmEx
+ * in f32, rounded to bf16 (T*K and T*N <= o->f32_n). Bias: added in fp32, rounded again to bf16
+ * (the CPU adds it to the fp32 output without the second rounding; nemotron_h has no biases).
+ * Errors: those of gather_qmm, FP4MOE_ECUDA, FP4MOE_EUNSUPPORTED (staging too small). */
+int cuda_linear_forward(const cuda_ops *o, const cuda_linear *w, const uint16_t *x, int64_t T,
+                        uint16_t *y);
+
+/* Expert matmul on rows sorted by expert: y[b] = x[b] @ W[idx[b]]^T, b < B (bf16 in and out).
+ * NVFP4: fp4moe_gather_qmm_cuda (sorted = 1: the expert-batched route from 64 rows). Dense
+ * experts: a plain fp32 CUDA-core kernel (correct, not fast: unquantized experts are for checks). */
+int cuda_linear_gather(const cuda_ops *o, const cuda_linear *w, const uint16_t *x,
+                       const uint32_t *idx, int64_t B, uint16_t *y);
+
+/* y (T x N, fp32) = x (T x K, fp32) @ W^T (W: N x K fp32), cublasGemmEx with fp32 compute (the
+ * fp32 router, as op_matmul_f32). */
+int cuda_matmul_f32(const cuda_ops *o, const float *x, int64_t T, const float *W, int64_t N,
+                    int64_t K, float *y);
+
+/* ---- embedding, norms, elementwise ---------------------------------------------------------------- */
+
+/* h[t] (H fp32) = row tokens[t] of the embedding e (V x H): dense bf16/f16/f32, or NVFP4
+ * (e2m1 * e4m3 * gs, as fp4moe_nvfp4_dequantize). e->dtype may be FP4MOE_F16 here. */
+int cuda_embed(void *stream, const cuda_linear *e, const int32_t *tokens, int64_t T, float *h);
+
+/* y[t] = bf16(x[t] / sqrt(mean(x[t]^2) + eps) * w), T rows of H (sum of squares in fp64, as
+ * op_rmsnorm); y32 (optional, may be NULL) receives the same rounded values as fp32. */
+int cuda_rmsnorm(void *stream, const float *x, const float *w, int64_t T, int64_t H, float eps,
+                 uint16_t *y, float *y32);
+
+/* Gated grouped RMSNorm of Mamba-2 (op_rmsnorm_gated): g = y * silu(z); out = bf16(w * g /
+ * rms over each of G groups of D/G channels). y: T x D fp32; z: T rows of stride zs (bf16). */
+int cuda_rmsnorm_gated(void *stream, const float *y, const uint16_t *z, int64_t zs, const float *w,
+                       int64_t T, int64_t D, int64_t G, float eps, uint16_t *out);
+
+/* x (T x N bf16) = bf16(max(x, 0)^2) in place (op_relu2 followed by the next matmul's rounding). */
+int cuda_relu2(void *stream, uint16_t *x, int64_t n);
+
+/* h[i] += a[i] (+ b[i]) for i < n, fp32: h + (a + b) in that order (moe_forward's out += shared,
+ * then layer_forward's h += out). b may be NULL. */
+int cuda_residual_add(void *stream, float *h, const uint16_t *a, const uint16_t *b, int64_t n);
+
+/* y[i] = x[i] (bf16 -> fp32). */
+int cuda_bf16_to_f32(void *stream, const uint16_t *x, int64_t n, float *y);
+
+/* *out = argmax over x[0..n) (bf16), lowest index on ties, NaN never wins (fp4moe_argmax); two
+ * stages (up to CUDA_ARGMAX_PARTS blocks, then one). scratch: CUDA_ARGMAX_SCRATCH device bytes. */
+#define CUDA_ARGMAX_PARTS 256
+#define CUDA_ARGMAX_SCRATCH (CUDA_ARGMAX_PARTS * 8)
+int cuda_argmax_bf16(void *stream, const uint16_t *x, int64_t n, void *scratch, int32_t *out);
+
+/* *d_pos += T (the context length after a forward chunk). */
+int cuda_pos_advance(void *stream, int32_t *d_pos, int64_t T);
+
+/* ---- Mamba-2 ------------------------------------------------------------------------------ */
+
+/* y[t][c] = silu(b[c] + sum_{j<Kc} w[c][j] * in[t-(Kc-1)+j][c]) (fp32), in[<0] from state; then
+ * state := the last Kc-1 inputs (op_conv1d_causal + op_silu). x: T rows of stride xs (bf16, C
+ * channels used); w: C x Kc; b: C or NULL; state: (Kc-1) x C fp32; y: T x C fp32. Kc <= 8. */
+int cuda_conv1d_causal(void *stream, const uint16_t *x, int64_t xs, int64_t T, int64_t C,
+                       const float *w, const float *b, int64_t Kc, float *state, float *y);
+
+/* The Mamba-2 selective scan (op_ssm_scan, recurrent form, fp32 state), one function for prefill
+ * (T tokens, sequential in time, parallel over heads x head_dim x state) and decode (T = 1):
+ *   dt = max(softplus(dt_raw + dt_bias), dt_min); dA = exp(dt * A)
+ *   state_h = dA * state_h + dt * x_h (outer) B_g;  y_h = state_h @ C_g + D_h * x_h,  g = h/(nh/G)
+ * S <= 256. */
+typedef struct {
+    int64_t T, nh, hd, S, G;
+    const float *x;  int64_t xs;        /* T rows (stride xs): nh*hd fp32 */
+    const float *B, *C; int64_t bcs;    /* T rows (stride bcs): G*S fp32 each */
+    const uint16_t *dt; int64_t dts;    /* T rows (stride dts): nh raw bf16 values */
+    const float *dt_bias, *A, *D;       /* nh each; A = -exp(A_log) */
+    float dt_min;
+    float *state;                       /* nh x hd x S fp32, updated */
+    float *y;                           /* T x nh*hd fp32 */
+} cuda_ssm_args;
+int cuda_ssm_scan(void *stream, const cuda_ssm_args *a);
+
+/* ---- attention ------------------------------------------------------------------------------- */
+
+/* k_cache[P + t] = k[t], v_cache[P + t] = v[t] for t < T (rows of kvs bf16), P = *d_pos. */
+int cuda_kv_append(void *stream, const uint16_t *k, const uint16_t *v, int64_t T, int64_t kvs,
+                   const int32_t *d_pos, uint16_t *k_cache, uint16_t *v_cache);
+
+/* Causal GQA attention without positional encoding (op_attention_causal) for T new queries after
+ * P = *d_pos cached positions (the caches already hold rows 0 .. P+T-1):
+ *   out[t][h] = bf16(softmax_{j <= P+t}(q[t][h] . k[j][h/(nq/nkv)] / sqrt(dh)) @ v)
+ * fp32 scores, online softmax (flash-attention style tiles of 32 keys). q: T x nq*dh (bf16);
+ * caches: rows of nkv*dh bf16; out: T x nq*dh bf16. T == 1 uses a split-key decode kernel.
+ * dh <= 256. */
+int cuda_attention(void *stream, const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
+                   const int32_t *d_pos, int64_t T, int64_t nq, int64_t nkv, int64_t dh,
+                   uint16_t *out);
+
+/* ---- MoE routing ------------------------------------------------------------------------------ */
+
+typedef struct {
+    int64_t E, k, n_group, topk_group;
+    int norm_topk_prob;
+    float scaling;              /* routed_scaling_factor */
+    const float *bias;          /* E (device): e_score_correction_bias, for choice only; or NULL */
+} cuda_router_cfg;
+
+/* op_router_topk on the device, one warp per token: s = sigmoid(logits); choice = s + bias;
+ * n_group > 1: only the topk_group groups with the best sum-of-top-2 choice stay; top-k by choice
+ * (ties: lower expert id); w = s[top] (/ (sum + 1e-20) when norm) * scaling. logits: T x E fp32;
+ * ids, wts: T x k. E <= 4096, k <= E. */
+int cuda_router_topk(void *stream, const cuda_router_cfg *r, const float *logits, int64_t T,
+                     int32_t *ids, float *wts);
+
+/* Stable counting sort of B rows by expert (op_sort_by_expert), one block, no host round trip:
+ * sorted position p holds original row row_of[p] with expert idx[p] (non-decreasing);
+ * pos_of[row] = p. ids in [0, E), E <= 6143, B < 2^31. */
+int cuda_sort_by_expert(void *stream, const int32_t *ids, int64_t B, int64_t E, uint32_t *row_of,
+                        uint32_t *idx, uint32_t *pos_of);
+
+/* xs[p] = x[row_of[p] / k] for p < B: rows of H bf16 gathered into expert order. */
+int cuda_gather_rows(void *stream, const uint16_t *x, int64_t H, const uint32_t *row_of, int64_t B,
+                     int64_t k, uint16_t *xs);
+
+/* out[t] = bf16(sum_{j<k} wts[t][j] * ys[pos_of[t*k+j]]) in fp32, slots in order j = 0..k-1
+ * (op_moe_combine + op_round_act). ys: B x H bf16 in sorted order; out: T x H bf16. */
+int cuda_moe_combine(void *stream, const uint16_t *ys, int64_t H, const uint32_t *pos_of,
+                     const float *wts, int64_t T, int64_t k, uint16_t *out);
+
+/* ---- synthetic weights (src/model/synthetic.h holds the per-element formulas) ------------------ */
+
+/* n_blocks NVFP4 blocks of tensor `tensor_id` (block i = 16 consecutive weights of the flattened
+ * tensor, rows of blocks_per_row = K/16 blocks): codes (8 bytes per block) and E4M3 scales (1 byte
+ * per block), from the counter-based generator syn_nvfp4_block — the same bits as on the CPU. */
+int cuda_synth_nvfp4(void *stream, uint64_t seed, uint64_t tensor_id, int64_t n_blocks,
+                     int64_t blocks_per_row, float sigma, float enc, uint8_t *codes, uint8_t *scales);
+
+/* n bf16 values sigma * N(0,1)-like of tensor `tensor_id` (syn_bf16). */
+int cuda_synth_bf16(void *stream, uint64_t seed, uint64_t tensor_id, int64_t n, float sigma,
+                    uint16_t *out);
+
+#ifdef __cplusplus
+}
+#endif
+
+/* ---- device-side helpers shared by the ops_*.cu files ---------------------------------------- */
+#ifdef __CUDACC__
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include "common/error.h"
+
+/* After a launch: FP4MOE_ECUDA naming the op when the launch failed. */
+#define OPS_LAUNCH_CHECK(what)                                                                     \
+    do {                                                                                           \
+        const cudaError_t ops_e_ = cudaGetLastError();                                             \
+        if (ops_e_ != cudaSuccess)                                                                 \
+            return fp4moe_set_error(FP4MOE_ECUDA, "cuda op %s: %s", (what),                        \
+                                    cudaGetErrorString(ops_e_));                                   \
+    } while (0)
+
+__device__ __forceinline__ float ops_bf16_to_f32(uint16_t b) {
+    return __uint_as_float((uint32_t)b << 16);
+}
+/* Round to nearest even (NaN stays NaN), as fp4moe_f32_to_bf16. */
+__device__ __forceinline__ uint16_t ops_f32_to_bf16(float v) {
+    return __bfloat16_as_ushort(__float2bfloat16_rn(v));
+}
+/* The bf16 rounding of v, as fp32. */
+__device__ __forceinline__ float ops_round_bf16(float v) {
+    return ops_bf16_to_f32(ops_f32_to_bf16(v));
+}
+
+__device__ __forceinline__ float ops_warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+__device__ __forceinline__ float ops_warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+__device__ __forceinline__ double ops_warp_sum_f64(double v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+/* silu(v) = v / (1 + exp(-v)), as the CPU's silu1 (no fused multiply-add). */
+__device__ __forceinline__ float ops_silu(float v) {
+    return __fdiv_rn(v, __fadd_rn(1.0f, expf(-v)));
+}
+
+static inline unsigned ops_blocks(int64_t n, int per) { return (unsigned)((n + per - 1) / per); }
+#endif
+
+#endif

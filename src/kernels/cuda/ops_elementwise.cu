@@ -1,0 +1,282 @@
+/* CUDA ops: embedding rows, RMSNorm (plain and the gated grouped one of Mamba-2), relu^2, the
+ * residual add, bf16 -> fp32, greedy argmax and the position counter. Formulas and the order of
+ * fp32 operations follow src/kernels/cpu/ops_norm.c (transformers NemotronHRMSNorm,
+ * Zamba2RMSNormGated): __fmul_rn / __fadd_rn keep nvcc from fusing what the CPU computes as two
+ * roundings. Contracts: ops_cuda.h. */
+#include <float.h>
+#include <limits.h>
+#include <math.h>
+
+#include <cuda_fp16.h>
+
+#include "kernels/cuda/ops_cuda.h"
+
+#define NORM_THREADS 256
+
+/* ---- block reductions -------------------------------------------------------------------------- */
+
+/* Sum over the block (blockDim.x a multiple of 32, <= 1024); every thread gets the result. */
+__device__ double block_sum_f64(double v) {
+    __shared__ double part[32];
+    __shared__ double total;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    v = ops_warp_sum_f64(v);
+    if (lane == 0) part[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        double s = lane < nw ? part[lane] : 0.0;
+        s = ops_warp_sum_f64(s);
+        if (lane == 0) total = s;
+    }
+    __syncthreads();
+    const double r = total;
+    __syncthreads(); /* part/total may be reused by a following call */
+    return r;
+}
+
+/* ---- embedding -------------------------------------------------------------------------------- */
+
+/* E2M1 code -> value: the bits (mag << 22 | sign << 31) read as fp32 are e2m1 * 2^-126
+ * (src/kernels/cuda/gather_cuda.cuh); times 2^126, exact. */
+__device__ __forceinline__ float e2m1_value(uint32_t c) {
+    return __uint_as_float(((c & 7u) << 22) | ((c & 8u) << 28)) * 0x1p126f;
+}
+
+/* E4M3 byte -> value (spec NVFP4.md section 1); exact. */
+__device__ __forceinline__ float e4m3_value(uint32_t b) {
+    const uint32_t e = (b >> 3) & 15, m = b & 7;
+    const float v = e == 0 ? (float)m * 0.001953125f : __uint_as_float(((e + 120) << 23) | (m << 20));
+    return (b & 0x80) ? -v : v;
+}
+
+__global__ void embed_kernel(const void *table, int kind, const uint8_t *codes, const uint8_t *scales,
+                             const float *gs, const int32_t *tokens, int64_t H, float *h) {
+    const int64_t t = blockIdx.x, id = tokens[t];
+    float *out = h + t * H;
+    for (int64_t i = threadIdx.x; i < H; i += blockDim.x) {
+        float v;
+        if (kind == 3) { /* NVFP4: (e2m1 * e4m3) exact, then one rounding by gs */
+            const uint32_t byte = codes[id * (H / 2) + i / 2];
+            const float cs = __fmul_rn(e2m1_value(i & 1 ? byte >> 4 : byte & 15),
+                                       e4m3_value(scales[id * (H / 16) + i / 16]));
+            v = __fmul_rn(cs, gs ? gs[0] : 1.0f);
+        } else if (kind == FP4MOE_BF16) {
+            v = ops_bf16_to_f32(((const uint16_t *)table)[id * H + i]);
+        } else if (kind == FP4MOE_F16) {
+            v = __half2float(((const __half *)table)[id * H + i]);
+        } else {
+            v = ((const float *)table)[id * H + i];
+        }
+        out[i] = v;
+    }
+}
+
+extern "C" int cuda_embed(void *stream, const cuda_linear *e, const int32_t *tokens, int64_t T,
+                          float *h) {
+    if (T <= 0) return FP4MOE_OK;
+    const int kind = e->nvfp4 ? 3 : (int)e->dtype;
+    embed_kernel<<<(unsigned)T, NORM_THREADS, 0, (cudaStream_t)stream>>>(
+        e->dense, kind, e->q.codes, e->q.scales, e->q.global_scale, tokens, e->K, h);
+    OPS_LAUNCH_CHECK("embedding");
+    return FP4MOE_OK;
+}
+
+/* ---- RMSNorm ---------------------------------------------------------------------------------- */
+
+/* 1 / sqrt(mean + eps) exactly as the CPU's inv_rms: fp64 sum of squares, one conversion. */
+__device__ __forceinline__ float inv_rms_from(double ss, int64_t n, float eps) {
+    return __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn((float)(ss / (double)n), eps)));
+}
+
+__global__ void rmsnorm_kernel(const float *x, const float *w, int64_t H, float eps, uint16_t *y,
+                               float *y32) {
+    const int64_t t = blockIdx.x;
+    const float *xt = x + t * H;
+    double ss = 0.0;
+    for (int64_t i = threadIdx.x; i < H; i += blockDim.x) ss += (double)xt[i] * (double)xt[i];
+    const float r = inv_rms_from(block_sum_f64(ss), H, eps);
+    for (int64_t i = threadIdx.x; i < H; i += blockDim.x) {
+        const uint16_t b = ops_f32_to_bf16(__fmul_rn(__fmul_rn(xt[i], r), w[i]));
+        y[t * H + i] = b;
+        if (y32) y32[t * H + i] = ops_bf16_to_f32(b);
+    }
+}
+
+extern "C" int cuda_rmsnorm(void *stream, const float *x, const float *w, int64_t T, int64_t H,
+                            float eps, uint16_t *y, float *y32) {
+    if (T <= 0) return FP4MOE_OK;
+    rmsnorm_kernel<<<(unsigned)T, NORM_THREADS, 0, (cudaStream_t)stream>>>(x, w, H, eps, y, y32);
+    OPS_LAUNCH_CHECK("rmsnorm");
+    return FP4MOE_OK;
+}
+
+/* One block per (token, group): g = y * silu(z) is computed twice (sum of squares, then output)
+ * rather than stored: it is cheap and keeps the kernel free of a size limit. */
+__global__ void rmsnorm_gated_kernel(const float *y, const uint16_t *z, int64_t zs, const float *w,
+                                     int64_t D, int64_t gsz, float eps, uint16_t *out) {
+    const int64_t t = blockIdx.x, g0 = (int64_t)blockIdx.y * gsz;
+    const float *yt = y + t * D + g0;
+    const uint16_t *zt = z + t * zs + g0;
+    double ss = 0.0;
+    for (int64_t i = threadIdx.x; i < gsz; i += blockDim.x) {
+        const float g = __fmul_rn(yt[i], ops_silu(ops_bf16_to_f32(zt[i])));
+        ss += (double)g * (double)g;
+    }
+    const float r = inv_rms_from(block_sum_f64(ss), gsz, eps);
+    for (int64_t i = threadIdx.x; i < gsz; i += blockDim.x) {
+        const float g = __fmul_rn(yt[i], ops_silu(ops_bf16_to_f32(zt[i])));
+        out[t * D + g0 + i] = ops_f32_to_bf16(__fmul_rn(__fmul_rn(g, r), w[g0 + i]));
+    }
+}
+
+extern "C" int cuda_rmsnorm_gated(void *stream, const float *y, const uint16_t *z, int64_t zs,
+                                  const float *w, int64_t T, int64_t D, int64_t G, float eps,
+                                  uint16_t *out) {
+    if (T <= 0) return FP4MOE_OK;
+    if (G < 1 || G > 65535 || D % G)
+        return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "cuda op rmsnorm_gated: %lld groups of %lld channels",
+                                (long long)G, (long long)D);
+    const dim3 grid((unsigned)T, (unsigned)G);
+    rmsnorm_gated_kernel<<<grid, NORM_THREADS, 0, (cudaStream_t)stream>>>(y, z, zs, w, D, D / G, eps,
+                                                                           out);
+    OPS_LAUNCH_CHECK("rmsnorm_gated");
+    return FP4MOE_OK;
+}
+
+/* ---- elementwise -------------------------------------------------------------------------------- */
+
+__global__ void relu2_kernel(uint16_t *x, int64_t n) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
+         i += (int64_t)gridDim.x * blockDim.x) {
+        const float v = ops_bf16_to_f32(x[i]);
+        const float r = v > 0.0f ? v : 0.0f;
+        x[i] = ops_f32_to_bf16(__fmul_rn(r, r));
+    }
+}
+
+/* Grid size for a grid-stride loop over n elements. */
+static unsigned stride_blocks(int64_t n) {
+    const int64_t b = (n + 255) / 256;
+    return (unsigned)(b < 65536 ? (b > 0 ? b : 1) : 65536);
+}
+
+extern "C" int cuda_relu2(void *stream, uint16_t *x, int64_t n) {
+    if (n <= 0) return FP4MOE_OK;
+    relu2_kernel<<<stride_blocks(n), 256, 0, (cudaStream_t)stream>>>(x, n);
+    OPS_LAUNCH_CHECK("relu2");
+    return FP4MOE_OK;
+}
+
+__global__ void residual_kernel(float *h, const uint16_t *a, const uint16_t *b, int64_t n) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
+         i += (int64_t)gridDim.x * blockDim.x) {
+        float o = ops_bf16_to_f32(a[i]);
+        if (b) o = __fadd_rn(o, ops_bf16_to_f32(b[i]));
+        h[i] = __fadd_rn(h[i], o);
+    }
+}
+
+extern "C" int cuda_residual_add(void *stream, float *h, const uint16_t *a, const uint16_t *b,
+                                 int64_t n) {
+    if (n <= 0) return FP4MOE_OK;
+    residual_kernel<<<stride_blocks(n), 256, 0, (cudaStream_t)stream>>>(h, a, b, n);
+    OPS_LAUNCH_CHECK("residual add");
+    return FP4MOE_OK;
+}
+
+__global__ void bf16_to_f32_kernel(const uint16_t *x, int64_t n, float *y) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
+         i += (int64_t)gridDim.x * blockDim.x)
+        y[i] = ops_bf16_to_f32(x[i]);
+}
+
+extern "C" int cuda_bf16_to_f32(void *stream, const uint16_t *x, int64_t n, float *y) {
+    if (n <= 0) return FP4MOE_OK;
+    bf16_to_f32_kernel<<<stride_blocks(n), 256, 0, (cudaStream_t)stream>>>(x, n, y);
+    OPS_LAUNCH_CHECK("bf16 to f32");
+    return FP4MOE_OK;
+}
+
+/* ---- greedy argmax ---------------------------------------------------------------------------- */
+
+/* a beats b: a number beats NaN; larger wins; equal values: lower index. */
+__device__ __forceinline__ bool arg_better(float av, int ai, float bv, int bi) {
+    const bool an = isnan(av), bn = isnan(bv);
+    if (an != bn) return bn;
+    if (!an && av != bv) return av > bv;
+    return ai < bi;
+}
+
+#define ARGMAX_THREADS 256
+
+/* The block's best (value, index) of (v, i) pairs held one per thread, into (*bv, *bi) of thread 0. */
+__device__ void block_argmax(float v, int i, float *bv, int *bi) {
+    __shared__ float sv[32];
+    __shared__ int si[32];
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, v, o);
+        const int oi = __shfl_xor_sync(0xffffffffu, i, o);
+        if (arg_better(ov, oi, v, i)) { v = ov; i = oi; }
+    }
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0) { sv[warp] = v; si[warp] = i; }
+    __syncthreads();
+    if (warp == 0) {
+        const bool has = lane < (int)(blockDim.x >> 5);
+        v = has ? sv[lane] : __int_as_float(0x7fc00000);
+        i = has ? si[lane] : INT_MAX;
+        for (int o = 16; o > 0; o >>= 1) {
+            const float ov = __shfl_xor_sync(0xffffffffu, v, o);
+            const int oi = __shfl_xor_sync(0xffffffffu, i, o);
+            if (arg_better(ov, oi, v, i)) { v = ov; i = oi; }
+        }
+        if (lane == 0) { *bv = v; *bi = i; }
+    }
+}
+
+/* Stage 1: block b reduces its grid-stride share into part_v[b], part_i[b]. A NaN with index
+ * INT_MAX stands for "nothing": it loses to every element. */
+__global__ void __launch_bounds__(ARGMAX_THREADS)
+argmax_part_kernel(const uint16_t *x, int n, float *part_v, int *part_i) {
+    float bv = __int_as_float(0x7fc00000);
+    int bi = INT_MAX;
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+        const float v = ops_bf16_to_f32(x[i]);
+        if (arg_better(v, i, bv, bi)) { bv = v; bi = i; }
+    }
+    block_argmax(bv, bi, &part_v[blockIdx.x], &part_i[blockIdx.x]);
+}
+
+/* Stage 2: one block over the partials. */
+__global__ void __launch_bounds__(ARGMAX_THREADS)
+argmax_final_kernel(const float *part_v, const int *part_i, int parts, int32_t *out) {
+    __shared__ float v;
+    __shared__ int i;
+    const bool has = (int)threadIdx.x < parts;
+    block_argmax(has ? part_v[threadIdx.x] : __int_as_float(0x7fc00000), has ? part_i[threadIdx.x] : INT_MAX,
+                 &v, &i);
+    if (threadIdx.x == 0) out[0] = i == INT_MAX ? 0 : i;
+}
+
+extern "C" int cuda_argmax_bf16(void *stream, const uint16_t *x, int64_t n, void *scratch, int32_t *out) {
+    if (n < 1 || n > INT_MAX)
+        return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "cuda op argmax: n=%lld", (long long)n);
+    cudaStream_t st = (cudaStream_t)stream;
+    int parts = (int)((n + 4095) / 4096);
+    parts = parts < 1 ? 1 : (parts > CUDA_ARGMAX_PARTS ? CUDA_ARGMAX_PARTS : parts);
+    float *pv = (float *)scratch;
+    int *pi = (int *)(pv + CUDA_ARGMAX_PARTS);
+    argmax_part_kernel<<<parts, ARGMAX_THREADS, 0, st>>>(x, (int)n, pv, pi);
+    OPS_LAUNCH_CHECK("argmax (partials)");
+    argmax_final_kernel<<<1, ARGMAX_THREADS, 0, st>>>(pv, pi, parts, out);
+    OPS_LAUNCH_CHECK("argmax");
+    return FP4MOE_OK;
+}
+
+__global__ void pos_advance_kernel(int32_t *d_pos, int32_t T) { d_pos[0] += T; }
+
+extern "C" int cuda_pos_advance(void *stream, int32_t *d_pos, int64_t T) {
+    pos_advance_kernel<<<1, 1, 0, (cudaStream_t)stream>>>(d_pos, (int32_t)T);
+    OPS_LAUNCH_CHECK("position advance");
+    return FP4MOE_OK;
+}

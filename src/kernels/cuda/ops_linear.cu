@@ -1,0 +1,164 @@
+/* CUDA linear layers of the nemotron_h forward pass: NVFP4 through the public
+ * fp4moe_gather_qmm_cuda (E = 1 for plain linears, sorted rows for experts; never a second NVFP4
+ * implementation), dense bf16/f32 through cuBLAS (cublasGemmEx, fp32 compute, no TF32), the fp32
+ * router matmul, and a plain kernel for unquantized expert stacks. Contracts: ops_cuda.h;
+ * formulas: src/kernels/cpu/ops_linear.c. */
+#include <cublas_v2.h>
+
+#include "kernels/cuda/ops_cuda.h"
+
+#define BLAS_TRY(call, what)                                                                       \
+    do {                                                                                           \
+        const cublasStatus_t bt_s_ = (call);                                                       \
+        if (bt_s_ != CUBLAS_STATUS_SUCCESS)                                                        \
+            return fp4moe_set_error(FP4MOE_ECUDA, "cuda op %s: %s", (what),                        \
+                                    cublasGetStatusString(bt_s_));                                 \
+    } while (0)
+
+extern "C" int cuda_blas_create(void *stream, void *workspace, size_t workspace_bytes, void **blas) {
+    cublasHandle_t h = NULL;
+    *blas = NULL;
+    BLAS_TRY(cublasCreate(&h), "cublasCreate");
+    cublasStatus_t s = cublasSetStream(h, (cudaStream_t)stream);
+    if (s == CUBLAS_STATUS_SUCCESS && workspace) s = cublasSetWorkspace(h, workspace, workspace_bytes);
+    if (s == CUBLAS_STATUS_SUCCESS) s = cublasSetMathMode(h, CUBLAS_DEFAULT_MATH);
+    if (s != CUBLAS_STATUS_SUCCESS) {
+        cublasDestroy(h);
+        return fp4moe_set_error(FP4MOE_ECUDA, "cuda op cublas setup: %s", cublasGetStatusString(s));
+    }
+    *blas = h;
+    return FP4MOE_OK;
+}
+
+extern "C" void cuda_blas_destroy(void *blas) {
+    if (blas) cublasDestroy((cublasHandle_t)blas);
+}
+
+/* Row-major y (T x N) = x (T x K) @ W^T with W (N x K) row-major: in cuBLAS's column-major terms
+ * y^T (N x T, ld N) = (W^T as K x N, ld K)^T * x^T (K x T, ld K). */
+static int gemm_xwt(cublasHandle_t h, const void *W, const void *x, void *y, cudaDataType_t ab,
+                    cudaDataType_t c, int64_t T, int64_t N, int64_t K, const char *what) {
+    if (T > 0x7fffffff || N > 0x7fffffff || K > 0x7fffffff)
+        return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "cuda op %s: %lld x %lld x %lld exceeds int",
+                                what, (long long)T, (long long)N, (long long)K);
+    const float one = 1.0f, zero = 0.0f;
+    BLAS_TRY(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, (int)N, (int)T, (int)K, &one, W, ab, (int)K, x,
+                          ab, (int)K, &zero, y, c, (int)N, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+             what);
+    return FP4MOE_OK;
+}
+
+/* ---- small kernels ----------------------------------------------------------------------------- */
+
+static unsigned grid_for(int64_t n) {
+    const int64_t b = (n + 255) / 256;
+    return (unsigned)(b < 65536 ? (b > 0 ? b : 1) : 65536);
+}
+
+__global__ void widen_kernel(const uint16_t *x, int64_t n, float *y) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
+        y[i] = ops_bf16_to_f32(x[i]);
+}
+
+__global__ void narrow_kernel(const float *x, int64_t n, uint16_t *y) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
+        y[i] = ops_f32_to_bf16(x[i]);
+}
+
+__global__ void bias_kernel(uint16_t *y, const float *bias, int64_t T, int64_t N) {
+    const int64_t n = T * N;
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
+        y[i] = ops_f32_to_bf16(__fadd_rn(ops_bf16_to_f32(y[i]), bias[i % N]));
+}
+
+/* Dense experts: warp per (row b, feature n), fp32 dot product; rows with idx >= E are zeros. */
+__global__ void dense_gather_kernel(const void *W, int f32, int64_t E, int64_t N, int64_t K,
+                                    const uint16_t *x, const uint32_t *idx, uint16_t *y) {
+    const int lane = threadIdx.x & 31;
+    const int64_t n = (int64_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), b = blockIdx.y;
+    if (n >= N) return;
+    const uint32_t e = idx[b];
+    float acc = 0.0f;
+    if (e < (uint32_t)E) {
+        const int64_t off = ((int64_t)e * N + n) * K;
+        for (int64_t k = lane; k < K; k += 32) {
+            const float w = f32 ? ((const float *)W)[off + k] : ops_bf16_to_f32(((const uint16_t *)W)[off + k]);
+            acc = fmaf(ops_bf16_to_f32(x[b * K + k]), w, acc);
+        }
+    }
+    acc = ops_warp_sum(acc);
+    if (lane == 0) y[b * N + n] = ops_f32_to_bf16(acc);
+}
+
+static int add_bias(const cuda_ops *o, const cuda_linear *w, int64_t T, uint16_t *y) {
+    if (!w->bias) return FP4MOE_OK;
+    bias_kernel<<<grid_for(T * w->N), 256, 0, (cudaStream_t)o->stream>>>(y, w->bias, T, w->N);
+    OPS_LAUNCH_CHECK("linear bias");
+    return FP4MOE_OK;
+}
+
+/* ---- entry points ------------------------------------------------------------------------------ */
+
+static int nvfp4_call(const cuda_ops *o, const cuda_linear *w, const uint16_t *x, const uint32_t *idx,
+                      int64_t B, uint16_t *y) {
+    if (o->route == FP4MOE_ROUTE_AUTO)
+        return fp4moe_gather_qmm_cuda(&w->q, x, FP4MOE_BF16, idx, B, 1, y, o->stream);
+    return fp4moe_gather_qmm_cuda_route(&w->q, x, FP4MOE_BF16, idx, B, 1, o->route, y, o->stream);
+}
+
+extern "C" int cuda_linear_forward(const cuda_ops *o, const cuda_linear *w, const uint16_t *x,
+                                   int64_t T, uint16_t *y) {
+    if (T <= 0) return FP4MOE_OK;
+    cudaStream_t st = (cudaStream_t)o->stream;
+    int rc;
+    if (w->nvfp4) {
+        if (T > o->zero_n)
+            return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "cuda linear: %lld rows, idx zeros for %lld",
+                                    (long long)T, (long long)o->zero_n);
+        rc = nvfp4_call(o, w, x, o->zero_idx, T, y);
+    } else if (w->dtype == FP4MOE_BF16) {
+        rc = gemm_xwt((cublasHandle_t)o->blas, w->dense, x, y, CUDA_R_16BF, CUDA_R_16BF, T, w->N, w->K,
+                      "linear (cublasGemmEx bf16)");
+    } else {
+        if (T * w->K > o->f32_n || T * w->N > o->f32_n)
+            return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "cuda linear: f32 weights (%lld x %lld) need "
+                                    "%lld staging floats, have %lld", (long long)w->N, (long long)w->K,
+                                    (long long)(T * (w->K > w->N ? w->K : w->N)), (long long)o->f32_n);
+        widen_kernel<<<grid_for(T * w->K), 256, 0, st>>>(x, T * w->K, o->f32_x);
+        OPS_LAUNCH_CHECK("linear (widen x to f32)");
+        rc = gemm_xwt((cublasHandle_t)o->blas, w->dense, o->f32_x, o->f32_y, CUDA_R_32F, CUDA_R_32F, T,
+                      w->N, w->K, "linear (cublasGemmEx f32)");
+        if (rc) return rc;
+        narrow_kernel<<<grid_for(T * w->N), 256, 0, st>>>(o->f32_y, T * w->N, y);
+        OPS_LAUNCH_CHECK("linear (round y to bf16)");
+    }
+    if (rc) return rc;
+    return add_bias(o, w, T, y);
+}
+
+extern "C" int cuda_linear_gather(const cuda_ops *o, const cuda_linear *w, const uint16_t *x,
+                                  const uint32_t *idx, int64_t B, uint16_t *y) {
+    if (B <= 0) return FP4MOE_OK;
+    int rc;
+    if (w->nvfp4) {
+        rc = nvfp4_call(o, w, x, idx, B, y);
+    } else {
+        if (B > 65535)
+            return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "cuda linear gather: %lld rows on dense "
+                                    "(unquantized) experts; at most 65535", (long long)B);
+        const dim3 grid(ops_blocks(w->N, 8), (unsigned)B);
+        dense_gather_kernel<<<grid, 256, 0, (cudaStream_t)o->stream>>>(
+            w->dense, w->dtype == FP4MOE_F32, w->E, w->N, w->K, x, idx, y);
+        OPS_LAUNCH_CHECK("linear gather (dense experts)");
+        rc = FP4MOE_OK;
+    }
+    if (rc) return rc;
+    return add_bias(o, w, B, y);
+}
+
+extern "C" int cuda_matmul_f32(const cuda_ops *o, const float *x, int64_t T, const float *W, int64_t N,
+                               int64_t K, float *y) {
+    if (T <= 0) return FP4MOE_OK;
+    return gemm_xwt((cublasHandle_t)o->blas, W, x, y, CUDA_R_32F, CUDA_R_32F, T, N, K,
+                    "matmul f32 (router)");
+}

@@ -1,0 +1,454 @@
+/* The nemotron_h forward pass on CUDA against the CPU runtime (the oracle), both with bf16
+ * activations: on the golden tiny models (every checkpoint format; NVFP4 and dense, bf16 and f32
+ * weights) and on the default model models/nemotron-h-tiny-moe when present, and on small
+ * synthetic models made on both devices from the same seed (bit-identical weights). Checked:
+ *   - logits of every prompt position and of every decode step within the model-level bf16
+ *     tolerance (tests/model/model_test.h: |gpu - cpu| <= MT_RTOL_BF16 * max|cpu| per row);
+ *   - identical greedy tokens, step by step (both runtimes fed the same ids; on the random synthetic
+ *     weights a different id at a near tie of the logits ends the comparison instead);
+ *   - the decode CUDA graph against launch-by-launch decode (FP4MOE_CUDA_GRAPH=0): identical bits;
+ *   - route auto against qmv (FP4MOE_GATHER_EXPERT_BATCHED=0's route), chunked against one-shot
+ *     prefill, reset, KV cache growth past its first capacity (graph re-captured);
+ *   - forward_argmax against the argmax of the logits; the profile split;
+ *   - the device errors (CUDA session of a CPU model, f32 activations on CUDA, CPU session of a
+ *     GPU-only synthetic model, bad token ids).
+ * Outputs are poisoned (NaN) before every call. Needs a CUDA device; exits 77 (skipped) without. */
+#include <math.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+#include <cmocka.h>
+
+#include "../model/model_test.h"
+#include "gpu_testutil.h"
+#include "testutil.h"
+
+#define DEFAULT_MODEL "models/nemotron-h-tiny-moe"
+
+static double g_worst = 0.0; /* worst row error seen, for the summary line */
+
+static fp4moe_model *load_on(const char *dir, int quantize, fp4moe_device dev) {
+    fp4moe_load_options o;
+    fp4moe_load_options_default(&o);
+    o.quantize = quantize;
+    o.device = dev;
+    fp4moe_model *m = NULL;
+    if (fp4moe_model_load(dir, &o, &m)) {
+        fprintf(stderr, "cannot load %s: %s\n", dir, fp4moe_last_error());
+        abort();
+    }
+    return m;
+}
+
+typedef struct {
+    fp4moe_device device;
+    fp4moe_route route;
+    int64_t max_chunk;
+    int profile;
+} sess_opts;
+
+static fp4moe_session *open_session(const fp4moe_model *m, sess_opts so) {
+    fp4moe_session_options o;
+    fp4moe_session_options_default(&o);
+    o.act_dtype = FP4MOE_BF16;
+    o.device = so.device;
+    o.route = so.route;
+    o.profile = so.profile;
+    if (so.max_chunk > 0) o.max_chunk = so.max_chunk;
+    fp4moe_session *s = NULL;
+    if (fp4moe_session_new(m, &o, &s)) {
+        fprintf(stderr, "session: %s\n", fp4moe_last_error());
+        abort();
+    }
+    return s;
+}
+
+static fp4moe_session *cpu_session(const fp4moe_model *m) {
+    return open_session(m, (sess_opts){FP4MOE_DEVICE_CPU, FP4MOE_ROUTE_AUTO, 0, 0});
+}
+static fp4moe_session *gpu_session(const fp4moe_model *m) {
+    return open_session(m, (sess_opts){FP4MOE_DEVICE_CUDA, FP4MOE_ROUTE_AUTO, 0, 0});
+}
+
+/* forward with the outputs poisoned first: rows x V logits (all positions or the last). */
+static void forward_rows(fp4moe_session *s, const int32_t *ids, int64_t T, int64_t V, float *lg, int all) {
+    for (int64_t i = 0; i < (all ? T : 1) * V; i++) lg[i] = NAN;
+    mt_forward(s, ids, T, lg, all);
+}
+
+/* Every row of gpu within MT_RTOL_BF16 of cpu (max |.| of the cpu row as the scale). */
+static void check_rows(const float *gpu, const float *cpu, int64_t rows, int64_t V, const char *what) {
+    const double e = mt_max_err(gpu, cpu, rows, V);
+    g_worst = fmax(g_worst, e);
+    if (e > MT_RTOL_BF16) print_error("%s: max row error %.3g > %.3g\n", what, e, MT_RTOL_BF16);
+    assert_true(e <= MT_RTOL_BF16);
+}
+
+/* 1 when the best two logits of row v are within two bf16 steps of the larger: a near tie, where
+ * fp32 summation order alone may pick either (random synthetic weights give flat distributions). */
+static int near_tie(const float *v, int64_t V) {
+    const int32_t a = fp4moe_argmax(v, V);
+    float second = -INFINITY;
+    for (int64_t i = 0; i < V; i++)
+        if (i != a && v[i] > second) second = v[i];
+    int ex;
+    frexpf(v[a], &ex);
+    return v[a] - second <= ldexpf(2.0f, ex - 9); /* 2 bf16 ulps: 8 significant bits */
+}
+
+/* The prompt's logits on both devices (all positions), then n greedy steps in lock step: at each
+ * step the logits agree within tolerance and the argmax is the same id, which both are fed.
+ * allow_tie: a different id at a near tie of the CPU's logits ends the comparison (reported)
+ * instead of failing; used for random synthetic weights only. */
+static void compare_ex(fp4moe_session *cpu, fp4moe_session *gpu, const int32_t *prompt, int64_t T, int64_t V,
+                       int64_t n, const char *what, int allow_tie) {
+    float *a = malloc((size_t)(T * V) * sizeof(float)), *b = malloc((size_t)(T * V) * sizeof(float));
+    fp4moe_session_reset(cpu);
+    fp4moe_session_reset(gpu);
+    forward_rows(cpu, prompt, T, V, a, 1);
+    forward_rows(gpu, prompt, T, V, b, 1);
+    check_rows(b, a, T, V, what);
+    const double pe = mt_max_err(b, a, T, V);
+    double de = 0.0;
+    int32_t id = fp4moe_argmax(a + (T - 1) * V, V);
+    const int32_t g0 = fp4moe_argmax(b + (T - 1) * V, V);
+    if (g0 != id && allow_tie && near_tie(a + (T - 1) * V, V)) {
+        print_message("%-34s after the prompt: near tie (cpu %d, gpu %d): no decode comparison\n", what, id, g0);
+        n = 0;
+    } else {
+        assert_int_equal(g0, id);
+    }
+    for (int64_t i = 0; i < n; i++) {
+        forward_rows(cpu, &id, 1, V, a, 0);
+        forward_rows(gpu, &id, 1, V, b, 0);
+        check_rows(b, a, 1, V, what);
+        de = fmax(de, mt_row_err(b, a, V));
+        const int32_t c = fp4moe_argmax(a, V), g = fp4moe_argmax(b, V);
+        if (c != g && allow_tie && near_tie(a, V)) {
+            print_message("%-34s step %lld: near tie (cpu %d, gpu %d): comparison ends here\n", what,
+                          (long long)i, c, g);
+            n = i;
+            break;
+        }
+        if (c != g) print_error("%s: step %lld: cpu token %d, gpu token %d\n", what, (long long)i, c, g);
+        assert_int_equal(c, g);
+        id = c;
+    }
+    print_message("%-34s prefill %lld rows max err %.3g, %lld decode steps max err %.3g, greedy identical\n",
+                  what, (long long)T, pe, (long long)n, de);
+    free(a);
+    free(b);
+}
+
+static void compare(fp4moe_session *cpu, fp4moe_session *gpu, const int32_t *prompt, int64_t T, int64_t V,
+                    int64_t n, const char *what) {
+    compare_ex(cpu, gpu, prompt, T, V, n, what, 0);
+}
+
+/* Deterministic prompt ids in [3, V). */
+static int32_t *make_prompt(int64_t T, int64_t V, uint64_t seed) {
+    int32_t *p = malloc((size_t)T * sizeof *p);
+    tu_rng r;
+    tu_rng_seed(&r, seed);
+    for (int64_t i = 0; i < T; i++) p[i] = (int32_t)(3 + tu_rng_below(&r, (uint32_t)(V - 3)));
+    return p;
+}
+
+/* ---- golden models ------------------------------------------------------------------------------ */
+
+typedef struct {
+    const char *dir, *ref;
+    int quantize;
+} golden;
+
+static const golden k_golden[] = {
+    {"tiny-a-bf16", "tiny-a-bf16-q", 1},    /* quantized on load */
+    {"tiny-a-mlx", "tiny-a-mlx", 1},        /* MLX nvfp4, in place */
+    {"tiny-a-modelopt", "tiny-a-modelopt", 1}, /* ModelOpt: global scales */
+    {"tiny-b-f32", "tiny-b-f32-q", 1},      /* latent MoE, n_group 4 */
+    {"tiny-b-mlx", "tiny-b-mlx", 1},
+    {"tiny-a-bf16", "tiny-a-bf16", 0},      /* dense bf16: cuBLAS, dense experts */
+    {"tiny-b-f32", "tiny-b-f32", 0},        /* dense f32: f32 cuBLAS path */
+};
+#define N_GOLDEN (sizeof k_golden / sizeof k_golden[0])
+
+static void test_golden(void **state) {
+    const golden *g = *state;
+    char dir[256], what[128];
+    snprintf(dir, sizeof dir, MT_GOLDEN "/%s", g->dir);
+    snprintf(what, sizeof what, "%s%s", g->dir, g->quantize ? "" : " (dense)");
+    mt_ref r;
+    mt_ref_open(g->ref, &r);
+    fp4moe_model *m = load_on(dir, g->quantize, FP4MOE_DEVICE_CUDA);
+    assert_true(fp4moe_model_on_gpu(m));
+    fp4moe_session *c = cpu_session(m), *gs = gpu_session(m);
+    assert_int_equal(fp4moe_session_device(gs), FP4MOE_DEVICE_CUDA);
+    assert_int_equal(fp4moe_session_device(c), FP4MOE_DEVICE_CPU);
+    compare(c, gs, r.prompt, r.T, r.V, r.n, what);
+    /* a longer prompt: B = T*k >= 64 rows takes the expert-batched route */
+    int32_t *p = make_prompt(80, r.V, 7);
+    snprintf(what, sizeof what, "%s%s, 80-token prompt", g->dir, g->quantize ? "" : " (dense)");
+    compare(c, gs, p, 80, r.V, 24, what);
+    free(p);
+    fp4moe_session_free(gs);
+    fp4moe_session_free(c);
+    fp4moe_model_free(m);
+    mt_ref_close(&r);
+}
+
+/* ---- the default model ---------------------------------------------------------------------------- */
+
+static void test_default_model(void **state) {
+    (void)state;
+    if (access(DEFAULT_MODEL "/config.json", R_OK)) {
+        print_message("%s not present: skipped\n", DEFAULT_MODEL);
+        skip();
+    }
+    fp4moe_model *m = load_on(DEFAULT_MODEL, 1, FP4MOE_DEVICE_CUDA);
+    const int64_t V = fp4moe_model_config(m)->vocab;
+    fp4moe_session *c = cpu_session(m), *gs = gpu_session(m);
+    int32_t *p = make_prompt(200, V, 11);
+    compare(c, gs, p, 200, V, 48, "nemotron-h-tiny-moe, 200 tokens");
+    compare(c, gs, p, 5, V, 16, "nemotron-h-tiny-moe, 5 tokens");
+    free(p);
+    fp4moe_session_free(gs);
+    fp4moe_session_free(c);
+    fp4moe_model_free(m);
+}
+
+/* ---- synthetic models: the same weights on both devices ----------------------------------------- */
+
+static const char *k_small_cfg =
+    "{\"model_type\": \"nemotron_h\", \"vocab_size\": 640, \"hidden_size\": 128, \"num_hidden_layers\": 7,"
+    " \"hybrid_override_pattern\": \"ME*M-EM\", \"layer_norm_epsilon\": 1e-5,"
+    " \"mamba_num_heads\": 8, \"mamba_head_dim\": 16, \"ssm_state_size\": 128, \"n_groups\": 2,"
+    " \"conv_kernel\": 4, \"chunk_size\": 64, \"use_conv_bias\": true, \"time_step_min\": 0.001,"
+    " \"num_attention_heads\": 4, \"num_key_value_heads\": 2, \"head_dim\": 128,"
+    " \"n_routed_experts\": 32, \"num_experts_per_tok\": 6, \"moe_intermediate_size\": 64,"
+    " \"n_shared_experts\": 1, \"moe_shared_expert_intermediate_size\": 96, \"n_group\": 1,"
+    " \"topk_group\": 1, \"norm_topk_prob\": true, \"routed_scaling_factor\": 2.5,"
+    " \"intermediate_size\": 160, \"quantization\": {\"group_size\": 16, \"bits\": 4, \"mode\": \"nvfp4\"}}";
+
+static fp4moe_model *synthetic(const fp4moe_config *cfg, fp4moe_device dev) {
+    fp4moe_synthetic_options o = {.device = dev, .seed = 1234};
+    fp4moe_model *m = NULL;
+    if (fp4moe_model_synthetic(cfg, &o, &m)) {
+        fprintf(stderr, "synthetic: %s\n", fp4moe_last_error());
+        abort();
+    }
+    return m;
+}
+
+static void synthetic_case(int modelopt) {
+    fp4moe_config cfg;
+    char *json = modelopt ? mt_replace(k_small_cfg, "\"quantization\": {\"group_size\": 16, \"bits\": 4, "
+                                       "\"mode\": \"nvfp4\"}", "\"quantization_config\": {\"quant_algo\": \"NVFP4\"}")
+                          : strdup(k_small_cfg);
+    assert_int_equal(fp4moe_config_parse(json, "small synthetic", &cfg), FP4MOE_OK);
+    free(json);
+    fp4moe_model *mc = synthetic(&cfg, FP4MOE_DEVICE_CPU), *mg = synthetic(&cfg, FP4MOE_DEVICE_CUDA);
+    assert_false(fp4moe_model_on_gpu(mc));
+    assert_true(fp4moe_model_on_gpu(mg));
+    fp4moe_session *c = cpu_session(mc), *gs = gpu_session(mg);
+    int32_t *p = make_prompt(96, cfg.vocab, 5);
+    compare_ex(c, gs, p, 96, cfg.vocab, 32, modelopt ? "synthetic small (global scales)" : "synthetic small", 1);
+    /* the GPU-only model has no host weights: a CPU session is refused */
+    fp4moe_session_options o;
+    fp4moe_session_options_default(&o);
+    o.device = FP4MOE_DEVICE_CPU;
+    fp4moe_session *bad = NULL;
+    assert_int_equal(fp4moe_session_new(mg, &o, &bad), FP4MOE_EINVAL);
+    assert_null(bad);
+    free(p);
+    fp4moe_session_free(gs);
+    fp4moe_session_free(c);
+    fp4moe_model_free(mg);
+    fp4moe_model_free(mc);
+    fp4moe_config_free(&cfg);
+}
+
+static void test_synthetic(void **state) { (void)state; synthetic_case(0); }
+static void test_synthetic_global_scales(void **state) { (void)state; synthetic_case(1); }
+
+/* ---- GPU-only properties ---------------------------------------------------------------------------- */
+
+/* n greedy tokens after the prompt, with the logits of every step (n x V). */
+static void greedy(fp4moe_session *s, const int32_t *prompt, int64_t T, int64_t V, int64_t n, int32_t *ids,
+                   float *lgs) {
+    fp4moe_session_reset(s);
+    forward_rows(s, prompt, T, V, lgs, 0);
+    for (int64_t i = 0; i < n; i++) {
+        ids[i] = fp4moe_argmax(lgs + i * V, V);
+        if (i + 1 < n) forward_rows(s, &ids[i], 1, V, lgs + (i + 1) * V, 0);
+    }
+}
+
+/* Decode from the graph against launch by launch: the same kernels, so the same bits. Also
+ * forward_argmax against the argmax of the returned logits, and reset. */
+static void test_graph_vs_eager(void **state) {
+    (void)state;
+    fp4moe_model *m = load_on(MT_GOLDEN "/tiny-b-mlx", 1, FP4MOE_DEVICE_CUDA);
+    const int64_t V = fp4moe_model_config(m)->vocab, n = 40;
+    fp4moe_session *graph = gpu_session(m);
+    setenv("FP4MOE_CUDA_GRAPH", "0", 1);
+    fp4moe_session *eager = gpu_session(m);
+    unsetenv("FP4MOE_CUDA_GRAPH");
+    int32_t *p = make_prompt(70, V, 3), *ia = calloc(n, 4), *ib = calloc(n, 4);
+    float *la = malloc((size_t)(n * V) * 4), *lb = malloc((size_t)(n * V) * 4);
+    greedy(graph, p, 70, V, n, ia, la);
+    greedy(eager, p, 70, V, n, ib, lb);
+    assert_memory_equal(ia, ib, (size_t)n * 4);
+    assert_memory_equal(la, lb, (size_t)(n * V) * 4);
+    /* again after a reset: the graph is replayed from position 0 */
+    greedy(graph, p, 70, V, n, ib, lb);
+    assert_memory_equal(ia, ib, (size_t)n * 4);
+    assert_memory_equal(la, lb, (size_t)(n * V) * 4);
+    /* forward_argmax: the same ids without the logits */
+    fp4moe_session_reset(graph);
+    int32_t id = -1;
+    assert_int_equal(fp4moe_session_forward_argmax(graph, p, 70, &id), FP4MOE_OK);
+    for (int64_t i = 0; i < n; i++) {
+        assert_int_equal(id, ia[i]);
+        assert_int_equal(fp4moe_session_forward_argmax(graph, &id, 1, &id), FP4MOE_OK);
+    }
+    print_message("graph vs eager: %lld steps, identical ids and logits bits\n", (long long)n);
+    free(p); free(ia); free(ib); free(la); free(lb);
+    fp4moe_session_free(eager);
+    fp4moe_session_free(graph);
+    fp4moe_model_free(m);
+}
+
+/* Route auto (expert-batched for >= 64 sorted rows) against qmv, and a prefill in chunks of 7
+ * against one chunk: greedy identical, logits within tolerance. */
+static void test_routes_and_chunks(void **state) {
+    (void)state;
+    fp4moe_model *m = load_on(MT_GOLDEN "/tiny-a-mlx", 1, FP4MOE_DEVICE_CUDA);
+    const int64_t V = fp4moe_model_config(m)->vocab, n = 24, T = 150;
+    fp4moe_session *ses[3] = {
+        gpu_session(m),
+        open_session(m, (sess_opts){FP4MOE_DEVICE_CUDA, FP4MOE_ROUTE_QMV, 0, 0}),
+        open_session(m, (sess_opts){FP4MOE_DEVICE_CUDA, FP4MOE_ROUTE_AUTO, 7, 0}),
+    };
+    const char *names[3] = {"auto", "qmv", "chunks of 7"};
+    int32_t *p = make_prompt(T, V, 9), *ids[3];
+    float *lg[3], *all[3];
+    for (int i = 0; i < 3; i++) {
+        ids[i] = calloc(n, 4);
+        lg[i] = malloc((size_t)(n * V) * 4);
+        all[i] = malloc((size_t)(T * V) * 4);
+        fp4moe_session_reset(ses[i]);
+        forward_rows(ses[i], p, T, V, all[i], 1);
+        greedy(ses[i], p, T, V, n, ids[i], lg[i]);
+    }
+    for (int i = 1; i < 3; i++) {
+        check_rows(all[i], all[0], T, V, names[i]);
+        check_rows(lg[i], lg[0], n, V, names[i]);
+        assert_memory_equal(ids[i], ids[0], (size_t)n * 4);
+        print_message("route %s vs %s: prefill err %.3g, decode err %.3g, greedy identical\n", names[i],
+                      names[0], mt_max_err(all[i], all[0], T, V), mt_max_err(lg[i], lg[0], n, V));
+    }
+    for (int i = 0; i < 3; i++) {
+        free(ids[i]); free(lg[i]); free(all[i]);
+        fp4moe_session_free(ses[i]);
+    }
+    free(p);
+    fp4moe_model_free(m);
+}
+
+/* A context past the KV cache's first capacity (1024 rows): the caches grow and the decode graph is
+ * captured again; the CPU agrees. */
+static void test_kv_growth(void **state) {
+    (void)state;
+    fp4moe_model *m = load_on(MT_GOLDEN "/tiny-a-mlx", 1, FP4MOE_DEVICE_CUDA);
+    const int64_t V = fp4moe_model_config(m)->vocab;
+    fp4moe_session *c = cpu_session(m), *gs = gpu_session(m);
+    int32_t *p = make_prompt(1010, V, 13);
+    compare(c, gs, p, 1010, V, 30, "context 1010 -> 1040 (KV growth)");
+    free(p);
+    fp4moe_session_free(gs);
+    fp4moe_session_free(c);
+    fp4moe_model_free(m);
+}
+
+static void test_profile(void **state) {
+    (void)state;
+    fp4moe_model *m = load_on(MT_GOLDEN "/tiny-a-mlx", 1, FP4MOE_DEVICE_CUDA); /* M*EM-E */
+    const int64_t V = fp4moe_model_config(m)->vocab;
+    fp4moe_session *s = open_session(m, (sess_opts){FP4MOE_DEVICE_CUDA, FP4MOE_ROUTE_AUTO, 0, 1});
+    int32_t *p = make_prompt(64, V, 1), id;
+    double ms[FP4MOE_PROF_KINDS];
+    assert_int_equal(fp4moe_session_forward_argmax(s, p, 64, &id), FP4MOE_OK);
+    assert_int_equal(fp4moe_session_profile(s, ms, 1), FP4MOE_OK);
+    for (int k = 0; k < FP4MOE_PROF_KINDS; k++) {
+        print_message("prefill %-12s %.4f ms\n", fp4moe_prof_kind_name((fp4moe_prof_kind)k), ms[k]);
+        assert_true(ms[k] > 0.0);           /* every kind occurs in M*EM-E (other: embedding, MLP) */
+    }
+    for (int i = 0; i < 5; i++) assert_int_equal(fp4moe_session_forward_argmax(s, &id, 1, &id), FP4MOE_OK);
+    assert_int_equal(fp4moe_session_profile(s, ms, 0), FP4MOE_OK);
+    for (int k = 0; k < FP4MOE_PROF_KINDS; k++) assert_true(ms[k] > 0.0); /* inside the graph too */
+    fp4moe_session *cpu = cpu_session(m);
+    assert_int_equal(fp4moe_session_profile(cpu, ms, 0), FP4MOE_EINVAL);
+    fp4moe_session_free(cpu);
+    free(p);
+    fp4moe_session_free(s);
+    fp4moe_model_free(m);
+}
+
+static void test_errors(void **state) {
+    (void)state;
+    fp4moe_model *host = load_on(MT_GOLDEN "/tiny-a-mlx", 1, FP4MOE_DEVICE_CPU);
+    assert_false(fp4moe_model_on_gpu(host));
+    fp4moe_session_options o;
+    fp4moe_session_options_default(&o);
+    o.act_dtype = FP4MOE_BF16;
+    o.device = FP4MOE_DEVICE_CUDA;
+    fp4moe_session *s = NULL;
+    assert_int_equal(fp4moe_session_new(host, &o, &s), FP4MOE_EINVAL); /* weights not on the GPU */
+    assert_non_null(strstr(fp4moe_last_error(), "GPU"));
+    fp4moe_model *m = load_on(MT_GOLDEN "/tiny-a-mlx", 1, FP4MOE_DEVICE_CUDA);
+    o.act_dtype = FP4MOE_F32;
+    assert_int_equal(fp4moe_session_new(m, &o, &s), FP4MOE_EINVAL);   /* f32 activations */
+    assert_non_null(strstr(fp4moe_last_error(), "bf16"));
+    assert_null(s);
+    fp4moe_session_options_default(&o);                                 /* default device: cuda */
+    o.act_dtype = FP4MOE_BF16;
+    assert_int_equal(fp4moe_session_new(m, &o, &s), FP4MOE_OK);
+    assert_int_equal(fp4moe_session_device(s), FP4MOE_DEVICE_CUDA);
+    const int32_t bad[2] = {1, 100000};
+    float lg[272];
+    assert_int_equal(fp4moe_session_forward(s, bad, 2, lg, 0), FP4MOE_EINVAL);
+    int32_t next;
+    assert_int_equal(fp4moe_session_forward_argmax(s, bad, 2, &next), FP4MOE_EINVAL);
+    assert_int_equal(fp4moe_session_forward(s, bad, 0, lg, 0), FP4MOE_EINVAL);
+    fp4moe_session_free(s);
+    fp4moe_model_free(m);
+    fp4moe_model_free(host);
+}
+
+int main(void) {
+    gt_require_gpu("test_model_gpu");
+    struct CMUnitTest tests[N_GOLDEN + 8];
+    static char names[N_GOLDEN][96];
+    size_t n = 0;
+    for (size_t i = 0; i < N_GOLDEN; i++) {
+        snprintf(names[i], sizeof names[i], "golden_%s%s", k_golden[i].dir, k_golden[i].quantize ? "" : "_dense");
+        tests[n++] = (struct CMUnitTest){names[i], test_golden, NULL, NULL, (void *)&k_golden[i]};
+    }
+    tests[n++] = (struct CMUnitTest){"default_model", test_default_model, NULL, NULL, NULL};
+    tests[n++] = (struct CMUnitTest){"synthetic", test_synthetic, NULL, NULL, NULL};
+    tests[n++] = (struct CMUnitTest){"synthetic_global_scales", test_synthetic_global_scales, NULL, NULL, NULL};
+    tests[n++] = (struct CMUnitTest){"graph_vs_eager", test_graph_vs_eager, NULL, NULL, NULL};
+    tests[n++] = (struct CMUnitTest){"routes_and_chunks", test_routes_and_chunks, NULL, NULL, NULL};
+    tests[n++] = (struct CMUnitTest){"kv_growth", test_kv_growth, NULL, NULL, NULL};
+    tests[n++] = (struct CMUnitTest){"profile", test_profile, NULL, NULL, NULL};
+    tests[n++] = (struct CMUnitTest){"errors", test_errors, NULL, NULL, NULL};
+    const int rc = _cmocka_run_group_tests("model_gpu", tests, n, NULL, NULL);
+    printf("model_gpu: worst row error gpu vs cpu %.3g (tolerance %.3g)\n", g_worst, MT_RTOL_BF16);
+    mt_rmtree_tmp();
+    return rc;
+}
