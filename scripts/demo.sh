@@ -34,5 +34,5 @@ echo "== fp4moe bench -m $MODEL --prompt-tokens 512 --gen-tokens 64 --repeats 1 
 if [[ "${DEMO_KERNEL_BENCH:-1}" != 0 ]]; then
   echo
   echo "== fp4moe bench-kernel --both --E 128 --tokens 512 --topk 6 --repeats 3   (MoE gather_qmm, Nemotron-3-Nano shape)"
-  "$BIN" bench-kernel --both --E 128 --tokens 64 --topk 6 --dtype bf16 --repeats 3
+  "$BIN" bench-kernel --both --E 128 --tokens 512 --topk 6 --dtype bf16 --repeats 3
 fi

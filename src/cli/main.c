@@ -1,6 +1,7 @@
 /* fp4moe: the command-line front end. `fp4moe <command> [options]`; each command lives in its own
  * cmd_*.c and is listed once in the table below. Exit codes (commands.h): 0 ok, 1 failure, 2 usage. */
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "cli/commands.h"
@@ -33,6 +34,29 @@ static void usage(FILE *out) {
     for (int i = 0; i < N_COMMANDS; i++) fprintf(out, "  %-14s %s\n", k_commands[i].name, k_commands[i].summary);
 }
 
+/* The environment switches the library reads (gather_qmm.h, README): a value the library would
+ * silently ignore is a usage error here, so that a typo cannot pass for a measurement. */
+static int check_environment(void) {
+    static const struct { const char *name, *allowed[4]; } vars[] = {
+        {"FP4MOE_GATHER_EXPERT_BATCHED", {"0", "1"}},
+        {"FP4MOE_GATHER_ROUTE", {"auto", "qmv", "batched", "dequant_gemm"}},
+        {"FP4MOE_CPU_ISA", {"auto", "portable", "avx2"}},
+    };
+    for (size_t v = 0; v < sizeof vars / sizeof vars[0]; v++) {
+        const char *val = getenv(vars[v].name);
+        if (!val || !*val) continue;
+        int ok = 0;
+        for (int i = 0; i < 4 && vars[v].allowed[i]; i++) ok |= !strcmp(val, vars[v].allowed[i]);
+        if (!ok) {
+            fprintf(stderr, "fp4moe: environment %s='%s' is not one of:", vars[v].name, val);
+            for (int i = 0; i < 4 && vars[v].allowed[i]; i++) fprintf(stderr, " %s", vars[v].allowed[i]);
+            fprintf(stderr, "\n");
+            return FP4MOE_EXIT_USAGE;
+        }
+    }
+    return FP4MOE_EXIT_OK;
+}
+
 int main(int argc, char **argv) {
     if (argc < 2) {
         usage(stderr);
@@ -47,8 +71,11 @@ int main(int argc, char **argv) {
         printf("fp4moe %s\n", FP4MOE_VERSION);
         return FP4MOE_EXIT_OK;
     }
-    for (int i = 0; i < N_COMMANDS; i++)
-        if (!strcmp(cmd, k_commands[i].name)) return k_commands[i].run(argc - 1, argv + 1);
+    for (int i = 0; i < N_COMMANDS; i++) {
+        if (strcmp(cmd, k_commands[i].name)) continue;
+        const int env = check_environment();
+        return env ? env : k_commands[i].run(argc - 1, argv + 1);
+    }
     fprintf(stderr, "fp4moe: unknown command '%s'\n\n", cmd);
     usage(stderr);
     return FP4MOE_EXIT_USAGE;

@@ -738,9 +738,14 @@ static int ensure_kv(fp4moe_session *s, int64_t need) {
                 return fp4moe_set_error(FP4MOE_ENOMEM, "cuda session: no device memory for a KV cache "
                                         "of %lld tokens", (long long)cap);
             }
+        /* the rows kept are copied on the session's stream (a non-blocking stream is not ordered
+         * after a cudaMemcpy on the legacy stream) and complete before the old caches are freed */
         if (s->pos > 0 && ls->k_cache) {
-            CUDA_TRY(cudaMemcpy(kv[0], ls->k_cache, (size_t)s->pos * row, cudaMemcpyDeviceToDevice), "kv copy");
-            CUDA_TRY(cudaMemcpy(kv[1], ls->v_cache, (size_t)s->pos * row, cudaMemcpyDeviceToDevice), "kv copy");
+            CUDA_TRY(cudaMemcpyAsync(kv[0], ls->k_cache, (size_t)s->pos * row, cudaMemcpyDeviceToDevice,
+                                     gs->stream), "kv copy");
+            CUDA_TRY(cudaMemcpyAsync(kv[1], ls->v_cache, (size_t)s->pos * row, cudaMemcpyDeviceToDevice,
+                                     gs->stream), "kv copy");
+            CUDA_TRY(cudaStreamSynchronize(gs->stream), "kv copy");
         }
         cudaFree(ls->k_cache);
         cudaFree(ls->v_cache);

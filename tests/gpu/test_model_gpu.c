@@ -2,13 +2,18 @@
  * activations: on the golden tiny models (every checkpoint format; NVFP4 and dense, bf16 and f32
  * weights) and on the default model models/nemotron-h-tiny-moe when present, and on small
  * synthetic models made on both devices from the same seed (bit-identical weights). Checked:
- *   - logits of every prompt position and of every decode step within the model-level bf16
- *     tolerance (tests/model/model_test.h: |gpu - cpu| <= MT_RTOL_BF16 * max|cpu| per row);
- *   - identical greedy tokens, step by step (both runtimes fed the same ids; on the random synthetic
- *     weights a different id at a near tie of the logits ends the comparison instead);
+ *   - logits of every prompt position and of every decode step against the model-level bf16
+ *     tolerance (tests/model/model_test.h: row error |gpu - cpu| / max|cpu| <= MT_RTOL_BF16), with
+ *     the allowance of check_rows for the isolated rows where bf16 rounding flips a discrete
+ *     choice (see there: measured on the CPU alone);
+ *   - identical greedy tokens, step by step (both runtimes fed the CPU's id; a different id is
+ *     accepted only at a near tie of the bf16 logits, and counted);
  *   - the decode CUDA graph against launch-by-launch decode (FP4MOE_CUDA_GRAPH=0): identical bits;
  *   - route auto against qmv (FP4MOE_GATHER_EXPERT_BATCHED=0's route), chunked against one-shot
- *     prefill, reset, KV cache growth past its first capacity (graph re-captured);
+ *     prefill, reset, KV cache growth past its first capacity (graph re-captured; bit-identical to
+ *     a session whose cache never grows);
+ *   - on the default model, greedy ids with the expert-batched route on and off
+ *     (FP4MOE_GATHER_EXPERT_BATCHED=0);
  *   - forward_argmax against the argmax of the logits; the profile split;
  *   - the device errors (CUDA session of a CPU model, f32 activations on CUDA, CPU session of a
  *     GPU-only synthetic model, bad token ids).
@@ -30,7 +35,8 @@
 
 #define DEFAULT_MODEL "models/nemotron-h-tiny-moe"
 
-static double g_worst = 0.0; /* worst row error seen, for the summary line */
+static double g_worst = 0.0;        /* worst row error seen, for the summary line */
+static int64_t g_rows = 0, g_over = 0; /* rows checked, rows above MT_RTOL_BF16 (check_rows) */
 
 static fp4moe_model *load_on(const char *dir, int quantize, fp4moe_device dev) {
     fp4moe_load_options o;
@@ -50,6 +56,7 @@ typedef struct {
     fp4moe_route route;
     int64_t max_chunk;
     int profile;
+    int64_t max_context;            /* > 0: the KV caches start at this size and never grow */
 } sess_opts;
 
 static fp4moe_session *open_session(const fp4moe_model *m, sess_opts so) {
@@ -60,6 +67,7 @@ static fp4moe_session *open_session(const fp4moe_model *m, sess_opts so) {
     o.route = so.route;
     o.profile = so.profile;
     if (so.max_chunk > 0) o.max_chunk = so.max_chunk;
+    o.max_context = so.max_context;
     fp4moe_session *s = NULL;
     if (fp4moe_session_new(m, &o, &s)) {
         fprintf(stderr, "session: %s\n", fp4moe_last_error());
@@ -69,10 +77,10 @@ static fp4moe_session *open_session(const fp4moe_model *m, sess_opts so) {
 }
 
 static fp4moe_session *cpu_session(const fp4moe_model *m) {
-    return open_session(m, (sess_opts){FP4MOE_DEVICE_CPU, FP4MOE_ROUTE_AUTO, 0, 0});
+    return open_session(m, (sess_opts){FP4MOE_DEVICE_CPU, FP4MOE_ROUTE_AUTO, 0, 0, 0});
 }
 static fp4moe_session *gpu_session(const fp4moe_model *m) {
-    return open_session(m, (sess_opts){FP4MOE_DEVICE_CUDA, FP4MOE_ROUTE_AUTO, 0, 0});
+    return open_session(m, (sess_opts){FP4MOE_DEVICE_CUDA, FP4MOE_ROUTE_AUTO, 0, 0, 0});
 }
 
 /* forward with the outputs poisoned first: rows x V logits (all positions or the last). */
@@ -81,16 +89,55 @@ static void forward_rows(fp4moe_session *s, const int32_t *ids, int64_t T, int64
     mt_forward(s, ids, T, lg, all);
 }
 
-/* Every row of gpu within MT_RTOL_BF16 of cpu (max |.| of the cpu row as the scale). */
-static void check_rows(const float *gpu, const float *cpu, int64_t rows, int64_t V, const char *what) {
-    const double e = mt_max_err(gpu, cpu, rows, V);
-    g_worst = fmax(g_worst, e);
-    if (e > MT_RTOL_BF16) print_error("%s: max row error %.3g > %.3g\n", what, e, MT_RTOL_BF16);
-    assert_true(e <= MT_RTOL_BF16);
+static int cmp_double(const void *x, const void *y) {
+    const double a = *(const double *)x, b = *(const double *)y;
+    return (a > b) - (a < b);
 }
 
-/* 1 when the best two logits of row v are within two bf16 steps of the larger: a near tie, where
- * fp32 summation order alone may pick either (random synthetic weights give flat distributions). */
+/* Row errors of gpu against cpu (mt_row_err: max |gpu - cpu| over the row / max |cpu|):
+ *   - at most rows / 50 rows (none below 50 rows) above MT_RTOL_BF16, and
+ *   - the median row error at most MT_RTOL_BF16 / 4.
+ * Why not every row: with bf16 activations, a 1-ulp change of one rounded value (fp32 summation
+ * order alone causes it) can flip a discrete choice downstream, a router's top-k near a tie or the
+ * rounding of a logit, and that token's row then moves by O(0.1-1) while its neighbours do not.
+ * Measured on the CPU runtime alone, bf16 against bf16 with only the chunking changed (max_chunk 7
+ * vs 256, which changes the gather_qmm route and so the summation order): the default model on 200
+ * tokens (seed 11) has 1 row of 200 above 0.05 (worst 0.062, median 0.0044); tiny-a-mlx on 1010
+ * tokens (seed 13) has 3 rows of 1010 above 0.05 (worst 0.62, median 0.0049). The GPU differs from
+ * the CPU by summation order in the same way. A real fault (a wrong stride, a stale cache, a
+ * missing term) moves most rows: the median and the count catch it. */
+static void check_rows(const float *gpu, const float *cpu, int64_t rows, int64_t V, const char *what) {
+    assert_true(rows > 0);
+    double *e = malloc((size_t)rows * sizeof *e);
+    assert_non_null(e);
+    int64_t over = 0, worst = 0;
+    for (int64_t r = 0; r < rows; r++) {
+        e[r] = mt_row_err(gpu + r * V, cpu + r * V, V);
+        if (e[r] > MT_RTOL_BF16) {
+            over++;
+            print_message("%s: row %lld of %lld: error %.3g > %.3g\n", what, (long long)r, (long long)rows,
+                          e[r], MT_RTOL_BF16);
+        }
+        if (e[r] > e[worst]) worst = r;
+    }
+    const double mx = e[worst];
+    qsort(e, (size_t)rows, sizeof *e, cmp_double);
+    const double median = e[rows / 2];
+    free(e);
+    g_worst = fmax(g_worst, mx);
+    g_rows += rows;
+    g_over += over;
+    if (over > rows / 50 || median > MT_RTOL_BF16 / 4)
+        print_error("%s: %lld of %lld rows above %.3g (at most %lld allowed), median row error %.3g "
+                    "(at most %.3g), worst %.3g\n", what, (long long)over, (long long)rows, MT_RTOL_BF16,
+                    (long long)(rows / 50), median, MT_RTOL_BF16 / 4, mx);
+    assert_true(over <= rows / 50);
+    assert_true(median <= MT_RTOL_BF16 / 4);
+}
+
+/* 1 when the best two logits of row v are within two bf16 steps (ulps) of the larger: a near tie,
+ * where fp32 summation order alone may pick either (the logits are rounded to bf16, so exact ties
+ * occur; random synthetic weights give flat distributions). */
 static int near_tie(const float *v, int64_t V) {
     const int32_t a = fp4moe_argmax(v, V);
     float second = -INFINITY;
@@ -98,56 +145,55 @@ static int near_tie(const float *v, int64_t V) {
         if (i != a && v[i] > second) second = v[i];
     int ex;
     frexpf(v[a], &ex);
-    return v[a] - second <= ldexpf(2.0f, ex - 9); /* 2 bf16 ulps: 8 significant bits */
+    return v[a] - second <= ldexpf(2.0f, ex - 8); /* |v| in [2^(ex-1), 2^ex): 1 ulp = 2^(ex-8) */
 }
 
-/* The prompt's logits on both devices (all positions), then n greedy steps in lock step: at each
- * step the logits agree within tolerance and the argmax is the same id, which both are fed.
- * allow_tie: a different id at a near tie of the CPU's logits ends the comparison (reported)
- * instead of failing; used for random synthetic weights only. */
-static void compare_ex(fp4moe_session *cpu, fp4moe_session *gpu, const int32_t *prompt, int64_t T, int64_t V,
-                       int64_t n, const char *what, int allow_tie) {
+/* The prompt's logits on both devices (all positions), then n greedy steps in lock step: both
+ * runtimes are fed the CPU's argmax; the GPU's argmax is the same id, or the CPU's logits have a
+ * near tie there (bf16 logits tie exactly often enough: measured on the CPU, chunked vs not,
+ * default model step 28: top-1/top-2 gap of one bf16 ulp); ties are counted and reported. The
+ * prompt rows and the decode rows are each checked by check_rows. */
+static void compare(fp4moe_session *cpu, fp4moe_session *gpu, const int32_t *prompt, int64_t T, int64_t V,
+                    int64_t n, const char *what) {
     float *a = malloc((size_t)(T * V) * sizeof(float)), *b = malloc((size_t)(T * V) * sizeof(float));
+    float *da = malloc((size_t)((n ? n : 1) * V) * sizeof(float));
+    float *db = malloc((size_t)((n ? n : 1) * V) * sizeof(float));
+    char part[160];
     fp4moe_session_reset(cpu);
     fp4moe_session_reset(gpu);
     forward_rows(cpu, prompt, T, V, a, 1);
     forward_rows(gpu, prompt, T, V, b, 1);
-    check_rows(b, a, T, V, what);
+    snprintf(part, sizeof part, "%s (prompt)", what);
+    check_rows(b, a, T, V, part);
     const double pe = mt_max_err(b, a, T, V);
-    double de = 0.0;
+    int ties = 0;
     int32_t id = fp4moe_argmax(a + (T - 1) * V, V);
-    const int32_t g0 = fp4moe_argmax(b + (T - 1) * V, V);
-    if (g0 != id && allow_tie && near_tie(a + (T - 1) * V, V)) {
-        print_message("%-34s after the prompt: near tie (cpu %d, gpu %d): no decode comparison\n", what, id, g0);
-        n = 0;
-    } else {
-        assert_int_equal(g0, id);
-    }
-    for (int64_t i = 0; i < n; i++) {
-        forward_rows(cpu, &id, 1, V, a, 0);
-        forward_rows(gpu, &id, 1, V, b, 0);
-        check_rows(b, a, 1, V, what);
-        de = fmax(de, mt_row_err(b, a, V));
-        const int32_t c = fp4moe_argmax(a, V), g = fp4moe_argmax(b, V);
-        if (c != g && allow_tie && near_tie(a, V)) {
-            print_message("%-34s step %lld: near tie (cpu %d, gpu %d): comparison ends here\n", what,
-                          (long long)i, c, g);
-            n = i;
-            break;
+    for (int64_t i = 0; i <= n; i++) {
+        if (i > 0) {
+            forward_rows(cpu, &id, 1, V, da + (i - 1) * V, 0);
+            forward_rows(gpu, &id, 1, V, db + (i - 1) * V, 0);
         }
-        if (c != g) print_error("%s: step %lld: cpu token %d, gpu token %d\n", what, (long long)i, c, g);
-        assert_int_equal(c, g);
+        const float *ra = i ? da + (i - 1) * V : a + (T - 1) * V, *rb = i ? db + (i - 1) * V : b + (T - 1) * V;
+        const int32_t c = fp4moe_argmax(ra, V), g = fp4moe_argmax(rb, V);
+        if (c != g && near_tie(ra, V)) {
+            print_message("%-34s step %lld: near tie (cpu %d, gpu %d); both continue with %d\n", what,
+                          (long long)i, c, g, c);
+            ties++;
+        } else if (c != g) {
+            print_error("%s: step %lld: cpu token %d, gpu token %d (no tie)\n", what, (long long)i, c, g);
+        }
+        assert_true(c == g || near_tie(ra, V));
         id = c;
     }
-    print_message("%-34s prefill %lld rows max err %.3g, %lld decode steps max err %.3g, greedy identical\n",
-                  what, (long long)T, pe, (long long)n, de);
+    snprintf(part, sizeof part, "%s (decode)", what);
+    if (n) check_rows(db, da, n, V, part);
+    const double de = n ? mt_max_err(db, da, n, V) : 0.0;
+    print_message("%-34s prefill %lld rows max err %.3g, %lld decode steps max err %.3g, greedy identical%s\n",
+                  what, (long long)T, pe, (long long)n, de, ties ? " but at near ties" : "");
     free(a);
     free(b);
-}
-
-static void compare(fp4moe_session *cpu, fp4moe_session *gpu, const int32_t *prompt, int64_t T, int64_t V,
-                    int64_t n, const char *what) {
-    compare_ex(cpu, gpu, prompt, T, V, n, what, 0);
+    free(da);
+    free(db);
 }
 
 /* Deterministic prompt ids in [3, V). */
@@ -203,6 +249,9 @@ static void test_golden(void **state) {
 
 /* ---- the default model ---------------------------------------------------------------------------- */
 
+static void greedy(fp4moe_session *s, const int32_t *prompt, int64_t T, int64_t V, int64_t n, int32_t *ids,
+                   float *lgs);
+
 static void test_default_model(void **state) {
     (void)state;
     if (access(DEFAULT_MODEL "/config.json", R_OK)) {
@@ -215,6 +264,28 @@ static void test_default_model(void **state) {
     int32_t *p = make_prompt(200, V, 11);
     compare(c, gs, p, 200, V, 48, "nemotron-h-tiny-moe, 200 tokens");
     compare(c, gs, p, 5, V, 16, "nemotron-h-tiny-moe, 5 tokens");
+    /* the expert-batched route on (auto: 200 x top-k sorted rows) and off, as the bench switches it:
+     * the same greedy ids (a different id only at a near tie of the logits, reported) */
+    const int64_t n = 48;
+    int32_t *on = calloc(n, 4), *off = calloc(n, 4);
+    float *lon = malloc((size_t)(n * V) * 4), *loff = malloc((size_t)(n * V) * 4);
+    greedy(gs, p, 200, V, n, on, lon);
+    setenv("FP4MOE_GATHER_EXPERT_BATCHED", "0", 1);
+    greedy(gs, p, 200, V, n, off, loff);
+    unsetenv("FP4MOE_GATHER_EXPERT_BATCHED");
+    int64_t first = -1;
+    for (int64_t i = 0; i < n && first < 0; i++)
+        if (on[i] != off[i]) first = i;
+    if (first >= 0) {
+        const int tie = near_tie(lon + first * V, V);
+        print_message("route on vs off: first different id at step %lld (%d vs %d)%s\n", (long long)first,
+                      on[first], off[first], tie ? ": a near tie of the logits" : "");
+        assert_true(tie);
+    } else {
+        print_message("route on vs off: %lld greedy ids identical, logits max row err %.3g\n", (long long)n,
+                      mt_max_err(loff, lon, n, V));
+    }
+    free(on); free(off); free(lon); free(loff);
     free(p);
     fp4moe_session_free(gs);
     fp4moe_session_free(c);
@@ -256,7 +327,7 @@ static void synthetic_case(int modelopt) {
     assert_true(fp4moe_model_on_gpu(mg));
     fp4moe_session *c = cpu_session(mc), *gs = gpu_session(mg);
     int32_t *p = make_prompt(96, cfg.vocab, 5);
-    compare_ex(c, gs, p, 96, cfg.vocab, 32, modelopt ? "synthetic small (global scales)" : "synthetic small", 1);
+    compare(c, gs, p, 96, cfg.vocab, 32, modelopt ? "synthetic small (global scales)" : "synthetic small");
     /* the GPU-only model has no host weights: a CPU session is refused */
     fp4moe_session_options o;
     fp4moe_session_options_default(&o);
@@ -331,8 +402,8 @@ static void test_routes_and_chunks(void **state) {
     const int64_t V = fp4moe_model_config(m)->vocab, n = 24, T = 150;
     fp4moe_session *ses[3] = {
         gpu_session(m),
-        open_session(m, (sess_opts){FP4MOE_DEVICE_CUDA, FP4MOE_ROUTE_QMV, 0, 0}),
-        open_session(m, (sess_opts){FP4MOE_DEVICE_CUDA, FP4MOE_ROUTE_AUTO, 7, 0}),
+        open_session(m, (sess_opts){FP4MOE_DEVICE_CUDA, FP4MOE_ROUTE_QMV, 0, 0, 0}),
+        open_session(m, (sess_opts){FP4MOE_DEVICE_CUDA, FP4MOE_ROUTE_AUTO, 7, 0, 0}),
     };
     const char *names[3] = {"auto", "qmv", "chunks of 7"};
     int32_t *p = make_prompt(T, V, 9), *ids[3];
@@ -360,17 +431,50 @@ static void test_routes_and_chunks(void **state) {
     fp4moe_model_free(m);
 }
 
-/* A context past the KV cache's first capacity (1024 rows): the caches grow and the decode graph is
- * captured again; the CPU agrees. */
+/* A context past the KV cache's first capacity (1024 rows): the caches grow (rows copied, the
+ * decode graph dropped and captured again). The same kernels run with or without the growth, so the
+ * grown session (graph, and launch by launch) must give the bits of a session whose caches start at
+ * 2048 rows (max_context): this catches a stale pointer in the graph, a short or strided copy, a
+ * wrong length, exactly. Then the CPU agrees within the tolerance. */
 static void test_kv_growth(void **state) {
     (void)state;
     fp4moe_model *m = load_on(MT_GOLDEN "/tiny-a-mlx", 1, FP4MOE_DEVICE_CUDA);
-    const int64_t V = fp4moe_model_config(m)->vocab;
-    fp4moe_session *c = cpu_session(m), *gs = gpu_session(m);
-    int32_t *p = make_prompt(1010, V, 13);
-    compare(c, gs, p, 1010, V, 30, "context 1010 -> 1040 (KV growth)");
+    const int64_t V = fp4moe_model_config(m)->vocab, T = 1010, n = 30;
+    fp4moe_session *grown = gpu_session(m);
+    fp4moe_session *fixed = open_session(m, (sess_opts){FP4MOE_DEVICE_CUDA, FP4MOE_ROUTE_AUTO, 0, 0, 2048});
+    setenv("FP4MOE_CUDA_GRAPH", "0", 1);
+    fp4moe_session *eager = gpu_session(m);
+    unsetenv("FP4MOE_CUDA_GRAPH");
+    int32_t *p = make_prompt(T, V, 13), *ids[3];
+    float *lg[3];
+    fp4moe_session *ses[3] = {fixed, grown, eager};
+    for (int i = 0; i < 3; i++) {
+        ids[i] = calloc(n, 4);
+        lg[i] = malloc((size_t)(n * V) * 4);
+        greedy(ses[i], p, T, V, n, ids[i], lg[i]); /* positions 1010 .. 1039: growth at 1024 */
+    }
+    for (int i = 1; i < 3; i++) {
+        int64_t bad = -1;
+        for (int64_t r = 0; r < n && bad < 0; r++)
+            if (memcmp(lg[i] + r * V, lg[0] + r * V, (size_t)V * 4)) bad = r;
+        if (bad >= 0)
+            print_error("KV growth (%s): logits of step %lld (position %lld) differ from the session without "
+                        "growth: row error %.3g\n", i == 1 ? "graph" : "eager", (long long)bad,
+                        (long long)(T + bad), mt_row_err(lg[i] + bad * V, lg[0] + bad * V, V));
+        assert_true(bad < 0);
+        assert_memory_equal(ids[i], ids[0], (size_t)n * 4);
+    }
+    print_message("KV growth 1010 -> 1040: graph and eager sessions bit-identical to a cache of 2048\n");
+    for (int i = 0; i < 3; i++) {
+        free(ids[i]);
+        free(lg[i]);
+    }
+    fp4moe_session_free(eager);
+    fp4moe_session_free(fixed);
+    fp4moe_session *c = cpu_session(m);
+    compare(c, grown, p, T, V, n, "context 1010 -> 1040 (KV growth)");
     free(p);
-    fp4moe_session_free(gs);
+    fp4moe_session_free(grown);
     fp4moe_session_free(c);
     fp4moe_model_free(m);
 }
@@ -379,7 +483,7 @@ static void test_profile(void **state) {
     (void)state;
     fp4moe_model *m = load_on(MT_GOLDEN "/tiny-a-mlx", 1, FP4MOE_DEVICE_CUDA); /* M*EM-E */
     const int64_t V = fp4moe_model_config(m)->vocab;
-    fp4moe_session *s = open_session(m, (sess_opts){FP4MOE_DEVICE_CUDA, FP4MOE_ROUTE_AUTO, 0, 1});
+    fp4moe_session *s = open_session(m, (sess_opts){FP4MOE_DEVICE_CUDA, FP4MOE_ROUTE_AUTO, 0, 1, 0});
     int32_t *p = make_prompt(64, V, 1), id;
     double ms[FP4MOE_PROF_KINDS];
     assert_int_equal(fp4moe_session_forward_argmax(s, p, 64, &id), FP4MOE_OK);
@@ -448,7 +552,8 @@ int main(void) {
     tests[n++] = (struct CMUnitTest){"profile", test_profile, NULL, NULL, NULL};
     tests[n++] = (struct CMUnitTest){"errors", test_errors, NULL, NULL, NULL};
     const int rc = _cmocka_run_group_tests("model_gpu", tests, n, NULL, NULL);
-    printf("model_gpu: worst row error gpu vs cpu %.3g (tolerance %.3g)\n", g_worst, MT_RTOL_BF16);
+    printf("model_gpu: worst row error gpu vs cpu %.3g; %lld of %lld rows above %.3g (check_rows)\n", g_worst,
+           (long long)g_over, (long long)g_rows, MT_RTOL_BF16);
     mt_rmtree_tmp();
     return rc;
 }

@@ -298,6 +298,17 @@ static void test_usage_and_exit_codes(void **state) {
     expect_in(g_out, "inspect");
     EXPECT_RC(0, "--version");
     expect_in(g_out, FP4MOE_VERSION);
+    /* a mistyped environment switch is a usage error, not silently the default */
+    setenv("FP4MOE_GATHER_ROUTE", "bogus", 1);
+    EXPECT_RC(2, "inspect", "--help");
+    expect_in(g_err, "FP4MOE_GATHER_ROUTE='bogus'");
+    setenv("FP4MOE_GATHER_ROUTE", "batched", 1);
+    EXPECT_RC(0, "inspect", "--help");
+    unsetenv("FP4MOE_GATHER_ROUTE");
+    setenv("FP4MOE_CPU_ISA", "avx9", 1);
+    EXPECT_RC(2, "inspect", "--help");
+    expect_in(g_err, "FP4MOE_CPU_ISA");
+    unsetenv("FP4MOE_CPU_ISA");
     const char *cmds[] = {"quantize", "dequantize", "inspect", "bench-kernel"};
     for (int i = 0; i < 4; i++) {
         EXPECT_RC(0, cmds[i], "--help");
