@@ -331,3 +331,15 @@ int cli_copy_model_files(const char *in_dir, const char *out_dir, const char *co
     copy_ctx c = {in_dir, out_dir, skip};
     return cli_for_each_file(in_dir, copy_one, &c);
 }
+
+int cli_write_file(fp4moe_st_writer *w, const char *input, const char *output) {
+    char *path = NULL;
+    if (cli_is_dir(output)) {
+        const char *base = strrchr(input, '/');
+        path = cli_join(output, base ? base + 1 : input);
+        if (!path) return FP4MOE_ENOMEM;
+    }
+    const int st = fp4moe_st_writer_write(w, path ? path : output);
+    free(path);
+    return st;
+}

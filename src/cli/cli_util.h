@@ -7,6 +7,8 @@
 #include <stdint.h>
 #include <stdio.h>
 
+#include "fp4moe/safetensors.h"
+
 /* ---- options -------------------------------------------------------------------------------------- */
 
 typedef enum {
@@ -91,6 +93,10 @@ int cli_mkdirs(const char *path);
 int cli_copy_file(const char *src, const char *dst);
 /* "dir/name" in a new buffer (caller frees), NULL when out of memory. */
 char *cli_join(const char *dir, const char *name);
+
+/* Writes w to the file `output`, or, when `output` is an existing directory, to the file named like
+ * `input`'s last path component inside it. Returns a status (message set by the writer). */
+int cli_write_file(fp4moe_st_writer *w, const char *input, const char *output);
 /* 1 when a and b name the same existing file or directory (same device and inode). */
 int cli_same_file(const char *a, const char *b);
 

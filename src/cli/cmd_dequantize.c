@@ -196,14 +196,7 @@ int cmd_dequantize(int argc, char **argv) {
             (st = cli_copy_model_files(fp4moe_st_model_dir(m), output, skip)))
             goto fail;
     } else {
-        char *path = NULL;
-        if (cli_is_dir(output)) {
-            const char *base = strrchr(input, '/');
-            path = cli_join(output, base ? base + 1 : input);
-        }
-        st = fp4moe_st_writer_write(w, path ? path : output);
-        free(path);
-        if (st) goto fail;
+        if ((st = cli_write_file(w, input, output))) goto fail;
     }
     cli_progress_finish(&progress);
     char b[32];
