@@ -17,7 +17,8 @@
  *                  NVFP4-quantized on load (spec NVFP4.md section 3, no global scale) unless
  *                  quantize = 0; the embedding is always used in place.
  * Activations: fp32 everywhere, rounded to act_dtype (bf16 or f32) at the input and output of every
- * matmul; norms, router, softmax and the SSM state stay fp32.
+ * matmul except the output of lm_head: the logits are fp32 on every device; norms, router, softmax
+ * and the SSM state stay fp32.
  *
  * Errors: every function returns an fp4moe_status; fp4moe_last_error() names the file, tensor or
  * field. Threading: a model may be shared by several sessions, each session used by one thread. */

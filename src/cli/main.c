@@ -41,6 +41,7 @@ static int check_environment(void) {
         {"FP4MOE_GATHER_EXPERT_BATCHED", {"0", "1"}},
         {"FP4MOE_GATHER_ROUTE", {"auto", "qmv", "batched", "dequant_gemm"}},
         {"FP4MOE_CPU_ISA", {"auto", "portable", "avx2"}},
+        {"FP4MOE_SSM_SCAN", {"seq", "tiled", "tiled28", "tiled44"}},
     };
     for (size_t v = 0; v < sizeof vars / sizeof vars[0]; v++) {
         const char *val = getenv(vars[v].name);

@@ -349,10 +349,8 @@ struct gpu_session {
     uint16_t *xs, *hs, *ys;         /* cap*k x Hl, cap*k x I, cap*k x Hl */
     uint16_t *comb, *xl, *shh;      /* cap x Hl, cap x Hl (latent input), cap x Is */
     uint16_t *hm;                   /* dense MLP: cap x intermediate */
-    uint16_t *lg16;                 /* V: logits of the last row */
-    float *lg32;                    /* V */
-    uint16_t *lgall16;              /* all-row logits (all_logits), grown on demand */
-    float *lgall32;
+    float *lg32;                    /* V: fp32 logits of the last row */
+    float *lgall32;                 /* all-row fp32 logits (all_logits), grown on demand */
     int64_t lgall_rows;
     int32_t *h_io;                  /* pinned host: [0] token in, [1] next token out */
     /* caches */
@@ -416,7 +414,6 @@ void gpu_session_free(struct gpu_session *gs) {
         cudaFree(gs->ls[l].v_cache);
     }
     free(gs->ls);
-    cudaFree(gs->lgall16);
     cudaFree(gs->lgall32);
     for (int i = 0; i < gs->n_allocs; i++) cudaFree(gs->allocs[i]);
     if (gs->h_io) cudaFreeHost(gs->h_io);
@@ -571,9 +568,10 @@ static int layer_enqueue(fp4moe_session *s, int64_t l, int64_t T) {
 }
 
 /* The forward of T tokens already in gs->tokens, after *gs->pos positions: embedding, layers,
- * then (head_rows > 0) the final norm and lm_head of the last head_rows tokens into lg16
- * (head_rows x V, bf16) and (next != NULL) the argmax of the last row; *gs->pos += T. */
-static int enqueue_chunk(fp4moe_session *s, int64_t T, int64_t head_rows, uint16_t *lg16, int32_t *next) {
+ * then (head_rows > 0) the final norm and lm_head of the last head_rows tokens into lg
+ * (head_rows x V, fp32: the logits are not rounded to bf16) and (next != NULL) the argmax of the
+ * last row; *gs->pos += T. */
+static int enqueue_chunk(fp4moe_session *s, int64_t T, int64_t head_rows, float *lg, int32_t *next) {
     const fp4moe_config *c = &s->m->cfg;
     struct gpu_session *gs = s->gpu;
     const struct gpu_model *g = gs->g;
@@ -586,9 +584,9 @@ static int enqueue_chunk(fp4moe_session *s, int64_t T, int64_t head_rows, uint16
         const int64_t H = c->hidden, V = c->vocab;
         TRY(cuda_rmsnorm(gs->stream, gs->h + (T - head_rows) * H, g->norm_f, head_rows, H, c->eps, gs->xn,
                          NULL));
-        const int st = cuda_linear_forward(&gs->ops, &g->lm_head, gs->xn, head_rows, lg16);
+        const int st = cuda_linear_forward_f32out(&gs->ops, &g->lm_head, gs->xn, head_rows, lg);
         if (st) return fp4moe_error_context(st, "lm_head");
-        if (next) TRY(cuda_argmax_bf16(gs->stream, lg16 + (head_rows - 1) * V, V, gs->argmax_scratch, next));
+        if (next) TRY(cuda_argmax_f32(gs->stream, lg + (head_rows - 1) * V, V, gs->argmax_scratch, next));
         TRY(prof_mark(gs, FP4MOE_PROF_LM_HEAD));
     }
     return cuda_pos_advance(gs->stream, gs->pos, T);
@@ -598,8 +596,7 @@ static int enqueue_chunk(fp4moe_session *s, int64_t T, int64_t head_rows, uint16
  * same launches are captured into the decode graph. */
 static int decode_enqueue(fp4moe_session *s) {
     struct gpu_session *gs = s->gpu;
-    TRY(enqueue_chunk(s, 1, 1, gs->lg16, gs->next));
-    return cuda_bf16_to_f32(gs->stream, gs->lg16, s->m->cfg.vocab, gs->lg32);
+    return enqueue_chunk(s, 1, 1, gs->lg32, gs->next);
 }
 
 /* Captures decode_enqueue into gs->exec. A failure (e.g. a gather route that synchronizes) is not
@@ -658,13 +655,10 @@ static int decode_step(fp4moe_session *s, int32_t token, float *logits, int32_t 
 static int ensure_lgall(struct gpu_session *gs, int64_t rows, int64_t V) {
     if (rows <= gs->lgall_rows) return FP4MOE_OK;
     CUDA_TRY(cudaStreamSynchronize(gs->stream), "logits buffer");
-    cudaFree(gs->lgall16);
     cudaFree(gs->lgall32);
-    gs->lgall16 = NULL;
     gs->lgall32 = NULL;
     gs->lgall_rows = 0;
-    if (cudaMalloc((void **)&gs->lgall16, (size_t)(rows * V) * 2) != cudaSuccess ||
-        cudaMalloc((void **)&gs->lgall32, (size_t)(rows * V) * 4) != cudaSuccess) {
+    if (cudaMalloc((void **)&gs->lgall32, (size_t)(rows * V) * 4) != cudaSuccess) {
         (void)cudaGetLastError();
         return fp4moe_set_error(FP4MOE_ENOMEM, "cuda session: no device memory for %lld rows of logits",
                                 (long long)rows);
@@ -683,11 +677,11 @@ static int prefill(fp4moe_session *s, const int32_t *tokens, int64_t T, float *l
         const int64_t n = T - t0 < gs->cap ? T - t0 : gs->cap;
         const int last = t0 + n == T, all = logits && all_logits;
         int64_t rows = 0;
-        uint16_t *lg = gs->lg16;
+        float *lg = gs->lg32;
         if (all) {
             TRY(ensure_lgall(gs, n, V));
             rows = n;
-            lg = gs->lgall16;
+            lg = gs->lgall32;
         } else if (last && (logits || next)) {
             rows = 1;
         }
@@ -695,11 +689,9 @@ static int prefill(fp4moe_session *s, const int32_t *tokens, int64_t T, float *l
                                  cudaMemcpyHostToDevice, gs->stream), "token upload");
         TRY(enqueue_chunk(s, n, rows, lg, last && next ? gs->next : NULL));
         if (all) {
-            TRY(cuda_bf16_to_f32(gs->stream, lg, n * V, gs->lgall32));
             CUDA_TRY(cudaMemcpyAsync(logits + t0 * V, gs->lgall32, (size_t)(n * V) * sizeof(float),
                                      cudaMemcpyDeviceToHost, gs->stream), "logits download");
         } else if (last && logits) {
-            TRY(cuda_bf16_to_f32(gs->stream, lg, V, gs->lg32));
             CUDA_TRY(cudaMemcpyAsync(logits, gs->lg32, (size_t)V * sizeof(float), cudaMemcpyDeviceToHost,
                                      gs->stream), "logits download");
         }
@@ -774,22 +766,17 @@ void gpu_session_reset(fp4moe_session *s) {
 
 /* ---- session creation -------------------------------------------------------------------------- */
 
-/* Rows x width of f32 staging that the dense f32 linears of the model need (0 when none). */
+/* Rows x width of f32 staging that the model needs (0 when none): max(N, K) of its dense f32
+ * linears; K of the lm_head when NVFP4 or f32 (cuda_linear_forward_f32out widens its input). */
 static int64_t f32_staging(const struct gpu_model *g, const fp4moe_config *c) {
-    int64_t w = 0;
-    const cuda_linear *lins[16];
-    for (int64_t l = -1; l < c->n_layers; l++) {
-        int n = 0;
-        if (l < 0) {
-            lins[n++] = &g->lm_head;
-        } else {
-            const gpu_layer *d = &g->layers[l];
-            const cuda_linear *all[] = {&d->in_proj, &d->out_proj, &d->q_proj, &d->k_proj, &d->v_proj,
-                                        &d->o_proj, &d->shared_up, &d->shared_down, &d->latent_in,
-                                        &d->latent_out, &d->up, &d->down};
-            for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) lins[n++] = all[i];
-        }
-        for (int i = 0; i < n; i++)
+    const cuda_linear *hd = &g->lm_head;
+    int64_t w = hd->nvfp4 || hd->dtype == FP4MOE_F32 ? hd->K : 0;
+    for (int64_t l = 0; l < c->n_layers; l++) {
+        const gpu_layer *d = &g->layers[l];
+        const cuda_linear *lins[] = {&d->in_proj, &d->out_proj, &d->q_proj, &d->k_proj, &d->v_proj,
+                                     &d->o_proj, &d->shared_up, &d->shared_down, &d->latent_in,
+                                     &d->latent_out, &d->up, &d->down};
+        for (size_t i = 0; i < sizeof lins / sizeof lins[0]; i++)
             if (lins[i]->N && !lins[i]->nvfp4 && lins[i]->dtype == FP4MOE_F32) {
                 const int64_t m = lins[i]->N > lins[i]->K ? lins[i]->N : lins[i]->K;
                 w = m > w ? m : w;
@@ -854,7 +841,6 @@ static int session_buffers(fp4moe_session *s) {
         TRY(dalloc(gs, &gs->shh, cap * Is, 2, "shared expert hidden"));
     }
     if (has_layer(c, FP4MOE_LAYER_MLP)) TRY(dalloc(gs, &gs->hm, cap * c->mlp_inter, 2, "MLP hidden"));
-    TRY(dalloc(gs, &gs->lg16, V, 2, "logits"));
     TRY(dalloc(gs, &gs->lg32, V, 4, "logits"));
     const int64_t f32w = f32_staging(gs->g, c);
     TRY(dalloc(gs, &gs->ops.f32_x, cap * f32w, 4, "f32 staging"));

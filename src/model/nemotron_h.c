@@ -188,14 +188,14 @@ static int layer_forward(fp4moe_session *s, int64_t l, float *h, int64_t T) {
     return FP4MOE_OK;
 }
 
-/* logits (rows x V) of the last `rows` tokens of h (T x H). */
+/* logits (rows x V, fp32, not rounded to the act dtype) of the last `rows` tokens of h (T x H). */
 static int head_forward(fp4moe_session *s, const float *h, int64_t T, int64_t rows, float *logits) {
     const fp4moe_model *m = s->m;
     const int64_t H = m->cfg.hidden;
     float *x = arena_alloc(&s->scratch, (size_t)(rows * H) * sizeof(float));
     if (!x) return FP4MOE_ENOMEM;
     op_rmsnorm(h + (T - rows) * H, m->norm_f, rows, H, m->cfg.eps, x);
-    int st = op_linear_forward(&s->ops, &m->lm_head, x, rows, logits);
+    int st = op_linear_forward_f32out(&s->ops, &m->lm_head, x, rows, logits);
     return st ? fp4moe_error_context(st, "lm_head") : FP4MOE_OK;
 }
 

@@ -333,6 +333,24 @@ static void test_linear_dense_and_nvfp4(void **state) {
     assert_int_equal(op_linear_forward(&c, &q, x, T, y), FP4MOE_OK);
     for (int64_t i = 0; i < T * N; i++) assert_true(y[i] == fp4moe_bf16_to_f32(fp4moe_f32_to_bf16(y[i])));
     close_f64(y, ref, T * N, 2e-2, "nvfp4 linear, bf16 act");
+    /* fp32 output (the lm_head): (bf16-rounded x) @ W accumulated in fp32 and not rounded */
+    const op_linear *both[2] = {&q, &dense};
+    for (int w = 0; w < 2; w++) {
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t n = 0; n < N; n++) {
+                double a = both[w]->bias ? bias[n] : 0.0;
+                for (int64_t i = 0; i < K; i++)
+                    a += (double)fp4moe_bf16_to_f32(fp4moe_f32_to_bf16(x[t * K + i])) *
+                         (w ? fp4moe_bf16_to_f32(wb[n * K + i]) : wd[n * K + i]);
+                ref[t * N + n] = a;
+            }
+        tu_poison(y, FP4MOE_F32, T * N);
+        assert_int_equal(op_linear_forward_f32out(&c, both[w], x, T, y), FP4MOE_OK);
+        close_f64(y, ref, T * N, 1e-5, w ? "dense linear, bf16 act, f32 out" : "nvfp4 linear, bf16 act, f32 out");
+        int64_t off_bf16 = 0;
+        for (int64_t i = 0; i < T * N; i++) off_bf16 += y[i] != fp4moe_bf16_to_f32(fp4moe_f32_to_bf16(y[i]));
+        assert_true(off_bf16 > T * N / 2);
+    }
     ops_ctx_free(&c);
     free(x); free(wf); free(bias); free(y); free(wb); free(ref); free(codes); free(scales); free(wd);
 }

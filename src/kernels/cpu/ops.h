@@ -41,6 +41,11 @@ void ops_ctx_free(ops_ctx *c);
  * Errors: those of gather_qmm, FP4MOE_ENOMEM. */
 int op_linear_forward(ops_ctx *c, const op_linear *w, const float *x, int64_t T, float *y);
 
+/* As op_linear_forward, but y stays fp32 (fp32 accumulation, never rounded to c->act; x is still
+ * rounded): the lm_head, whose logits are fp32 on every device so that values one bf16 step
+ * apart neither tie nor swap. NVFP4: gather_qmm in f32 on the rounded x. */
+int op_linear_forward_f32out(ops_ctx *c, const op_linear *w, const float *x, int64_t T, float *y);
+
 /* Expert matmul on rows sorted by expert: y[b] = x[b] @ W[idx[b]]^T for b < B (idx
  * non-decreasing, idx[b] < E), rounding as op_linear_forward. NVFP4: gather_qmm (sorted, so the
  * expert-batched route serves B >= 64); dense: one sgemm per run of equal idx. */

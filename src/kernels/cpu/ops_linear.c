@@ -173,30 +173,50 @@ static const float *act_input(ops_ctx *c, const float *x, int64_t n) {
     return xr;
 }
 
+/* y = x @ W[e]^T with x rounded to the act dtype; y rounded to it too when round_y. */
 static int dense_forward(ops_ctx *c, const op_linear *w, int64_t e, const float *x, int64_t T,
-                         float *y) {
+                         float *y, int round_y) {
     const float *xr = act_input(c, x, T * w->K);
     if (!xr) return FP4MOE_ENOMEM;
     int st = dense_matmul(c, w->dense[e], w->dtype, w->N, w->K, xr, T, y);
-    op_round_act(c->act, y, T * w->N);
+    if (round_y) op_round_act(c->act, y, T * w->N);
     return st;
+}
+
+/* NVFP4 y (B x N) = gather_qmm(x rounded to the act dtype, idx sorted) in fp32, not rounded: a
+ * bf16-valued x in fp32 gives the products of the bf16 call, accumulated in fp32 as there. */
+static int nvfp4_matmul_f32out(ops_ctx *c, const op_linear *w, const float *x, const uint32_t *idx,
+                               int64_t B, float *y) {
+    const float *xr = act_input(c, x, B * w->K);
+    if (!xr) return FP4MOE_ENOMEM;
+    return gather_call(c, &w->q, xr, FP4MOE_F32, idx, B, y);
 }
 
 /* ---- entry points ------------------------------------------------------------------------- */
 
-int op_linear_forward(ops_ctx *c, const op_linear *w, const float *x, int64_t T, float *y) {
+/* op_linear_forward (round_y = 1) and op_linear_forward_f32out (round_y = 0). */
+static int linear_forward(ops_ctx *c, const op_linear *w, const float *x, int64_t T, float *y,
+                          int round_y) {
     int st;
     if (T <= 0) return FP4MOE_OK;
     if (w->nvfp4) {
         uint32_t *idx = calloc((size_t)T, sizeof *idx);    /* E = 1: every row uses expert 0 */
         if (!idx) return fp4moe_set_error(FP4MOE_ENOMEM, "linear: out of memory");
-        st = nvfp4_matmul(c, w, x, idx, T, y);
+        st = round_y ? nvfp4_matmul(c, w, x, idx, T, y) : nvfp4_matmul_f32out(c, w, x, idx, T, y);
         free(idx);
     } else {
-        st = dense_forward(c, w, 0, x, T, y);
+        st = dense_forward(c, w, 0, x, T, y, round_y);
     }
     if (!st) add_bias(w->bias, T, w->N, y);
     return st;
+}
+
+int op_linear_forward(ops_ctx *c, const op_linear *w, const float *x, int64_t T, float *y) {
+    return linear_forward(c, w, x, T, y, 1);
+}
+
+int op_linear_forward_f32out(ops_ctx *c, const op_linear *w, const float *x, int64_t T, float *y) {
+    return linear_forward(c, w, x, T, y, 0);
 }
 
 int op_linear_gather(ops_ctx *c, const op_linear *w, const float *x, const uint32_t *idx,
@@ -209,7 +229,7 @@ int op_linear_gather(ops_ctx *c, const op_linear *w, const float *x, const uint3
         if (idx[b0] >= (uint32_t)w->E)
             return fp4moe_set_error(FP4MOE_EINVAL, "linear_gather: expert %u >= E=%lld",
                                     idx[b0], (long long)w->E);
-        int st = dense_forward(c, w, idx[b0], x + b0 * w->K, b1 - b0, y + b0 * w->N);
+        int st = dense_forward(c, w, idx[b0], x + b0 * w->K, b1 - b0, y + b0 * w->N, 1);
         if (st) return st;
         b0 = b1;
     }

@@ -6,7 +6,8 @@
  * All pointers are DEVICE pointers; `stream` is a cudaStream_t (NULL = legacy default stream).
  * Activations between ops: the residual stream, norms, the SSM and the router are fp32; the inputs
  * and outputs of every matmul are bf16 (the bits as uint16_t in this C interface), which is exactly
- * the CPU runtime's rounding with act_dtype = bf16 (round at each matmul input and output).
+ * the CPU runtime's rounding with act_dtype = bf16 (round at each matmul input and output); the
+ * lm_head's output, the logits, is fp32 on both (cuda_linear_forward_f32out).
  * Every launcher is asynchronous (no host synchronisation, capturable into a CUDA graph), checks
  * the launch and returns FP4MOE_OK or FP4MOE_ECUDA with a message naming the op; size limits are
  * checked where a kernel assumes them (FP4MOE_EUNSUPPORTED). Positions that change from one decode
@@ -44,7 +45,8 @@ typedef struct {
     fp4moe_route route;         /* FP4MOE_ROUTE_AUTO or a forced gather_qmm route */
     const uint32_t *zero_idx;   /* zero_n zeros: the idx of E = 1 NVFP4 linears */
     int64_t zero_n;
-    float *f32_x, *f32_y;       /* f32_n floats each: staging for f32 dense weights */
+    float *f32_x, *f32_y;       /* f32_n floats each: staging for f32 dense weights (and the
+                                   f32 x of cuda_linear_forward_f32out) */
     int64_t f32_n;
 } cuda_ops;
 
@@ -61,6 +63,14 @@ void cuda_blas_destroy(void *blas);
  * Errors: those of gather_qmm, FP4MOE_ECUDA, FP4MOE_EUNSUPPORTED (staging too small). */
 int cuda_linear_forward(const cuda_ops *o, const cuda_linear *w, const uint16_t *x, int64_t T,
                         uint16_t *y);
+
+/* As cuda_linear_forward, but y (T x N) is fp32: fp32 accumulation, never rounded to bf16 (the
+ * lm_head: logits are fp32, as op_linear_forward_f32out on the CPU). NVFP4: x widened to f32 in
+ * o->f32_x (T*K <= o->f32_n), fp4moe_gather_qmm_cuda in f32; dense bf16:
+ * cublasGemmEx with bf16 inputs and an fp32 output; dense f32: x widened, cublasGemmEx in f32
+ * (T*K <= o->f32_n). Bias added in fp32. Errors: as cuda_linear_forward. */
+int cuda_linear_forward_f32out(const cuda_ops *o, const cuda_linear *w, const uint16_t *x, int64_t T,
+                               float *y);
 
 /* Expert matmul on rows sorted by expert: y[b] = x[b] @ W[idx[b]]^T, b < B (bf16 in and out).
  * NVFP4: fp4moe_gather_qmm_cuda (sorted = 1: the expert-batched route from 64 rows). Dense
@@ -96,14 +106,11 @@ int cuda_relu2(void *stream, uint16_t *x, int64_t n);
  * then layer_forward's h += out). b may be NULL. */
 int cuda_residual_add(void *stream, float *h, const uint16_t *a, const uint16_t *b, int64_t n);
 
-/* y[i] = x[i] (bf16 -> fp32). */
-int cuda_bf16_to_f32(void *stream, const uint16_t *x, int64_t n, float *y);
-
-/* *out = argmax over x[0..n) (bf16), lowest index on ties, NaN never wins (fp4moe_argmax); two
- * stages (up to CUDA_ARGMAX_PARTS blocks, then one). scratch: CUDA_ARGMAX_SCRATCH device bytes. */
+/* *out = argmax over x[0..n) (fp32 logits), lowest index on ties, NaN never wins (fp4moe_argmax);
+ * two stages (up to CUDA_ARGMAX_PARTS blocks, then one). scratch: CUDA_ARGMAX_SCRATCH device bytes. */
 #define CUDA_ARGMAX_PARTS 256
 #define CUDA_ARGMAX_SCRATCH (CUDA_ARGMAX_PARTS * 8)
-int cuda_argmax_bf16(void *stream, const uint16_t *x, int64_t n, void *scratch, int32_t *out);
+int cuda_argmax_f32(void *stream, const float *x, int64_t n, void *scratch, int32_t *out);
 
 /* *d_pos += T (the context length after a forward chunk). */
 int cuda_pos_advance(void *stream, int32_t *d_pos, int64_t T);
@@ -117,7 +124,8 @@ int cuda_conv1d_causal(void *stream, const uint16_t *x, int64_t xs, int64_t T, i
                        const float *w, const float *b, int64_t Kc, float *state, float *y);
 
 /* The Mamba-2 selective scan (op_ssm_scan, recurrent form, fp32 state), one function for prefill
- * (T tokens, sequential in time, parallel over heads x head_dim x state) and decode (T = 1):
+ * (T tokens: FP4MOE_SSM_SCAN=tiled (default; register-blocked state, cp.async input tiles) or seq)
+ * and decode (T = 1, seq):
  *   dt = max(softplus(dt_raw + dt_bias), dt_min); dA = exp(dt * A)
  *   state_h = dA * state_h + dt * x_h (outer) B_g;  y_h = state_h @ C_g + D_h * x_h,  g = h/(nh/G)
  * S <= 256. */

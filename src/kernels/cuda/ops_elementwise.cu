@@ -1,5 +1,5 @@
 /* CUDA ops: embedding rows, RMSNorm (plain and the gated grouped one of Mamba-2), relu^2, the
- * residual add, bf16 -> fp32, greedy argmax and the position counter. Formulas and the order of
+ * residual add, greedy argmax and the position counter. Formulas and the order of
  * fp32 operations follow src/kernels/cpu/ops_norm.c (transformers NemotronHRMSNorm,
  * Zamba2RMSNormGated): __fmul_rn / __fadd_rn keep nvcc from fusing what the CPU computes as two
  * roundings. Contracts: ops_cuda.h. */
@@ -184,19 +184,6 @@ extern "C" int cuda_residual_add(void *stream, float *h, const uint16_t *a, cons
     return FP4MOE_OK;
 }
 
-__global__ void bf16_to_f32_kernel(const uint16_t *x, int64_t n, float *y) {
-    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
-         i += (int64_t)gridDim.x * blockDim.x)
-        y[i] = ops_bf16_to_f32(x[i]);
-}
-
-extern "C" int cuda_bf16_to_f32(void *stream, const uint16_t *x, int64_t n, float *y) {
-    if (n <= 0) return FP4MOE_OK;
-    bf16_to_f32_kernel<<<stride_blocks(n), 256, 0, (cudaStream_t)stream>>>(x, n, y);
-    OPS_LAUNCH_CHECK("bf16 to f32");
-    return FP4MOE_OK;
-}
-
 /* ---- greedy argmax ---------------------------------------------------------------------------- */
 
 /* a beats b: a number beats NaN; larger wins; equal values: lower index. */
@@ -237,11 +224,11 @@ __device__ void block_argmax(float v, int i, float *bv, int *bi) {
 /* Stage 1: block b reduces its grid-stride share into part_v[b], part_i[b]. A NaN with index
  * INT_MAX stands for "nothing": it loses to every element. */
 __global__ void __launch_bounds__(ARGMAX_THREADS)
-argmax_part_kernel(const uint16_t *x, int n, float *part_v, int *part_i) {
+argmax_part_kernel(const float *x, int n, float *part_v, int *part_i) {
     float bv = __int_as_float(0x7fc00000);
     int bi = INT_MAX;
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
-        const float v = ops_bf16_to_f32(x[i]);
+        const float v = x[i];
         if (arg_better(v, i, bv, bi)) { bv = v; bi = i; }
     }
     block_argmax(bv, bi, &part_v[blockIdx.x], &part_i[blockIdx.x]);
@@ -258,7 +245,7 @@ argmax_final_kernel(const float *part_v, const int *part_i, int parts, int32_t *
     if (threadIdx.x == 0) out[0] = i == INT_MAX ? 0 : i;
 }
 
-extern "C" int cuda_argmax_bf16(void *stream, const uint16_t *x, int64_t n, void *scratch, int32_t *out) {
+extern "C" int cuda_argmax_f32(void *stream, const float *x, int64_t n, void *scratch, int32_t *out) {
     if (n < 1 || n > INT_MAX)
         return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "cuda op argmax: n=%lld", (long long)n);
     cudaStream_t st = (cudaStream_t)stream;

@@ -71,6 +71,12 @@ __global__ void bias_kernel(uint16_t *y, const float *bias, int64_t T, int64_t N
         y[i] = ops_f32_to_bf16(__fadd_rn(ops_bf16_to_f32(y[i]), bias[i % N]));
 }
 
+__global__ void bias_f32_kernel(float *y, const float *bias, int64_t T, int64_t N) {
+    const int64_t n = T * N;
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
+        y[i] = __fadd_rn(y[i], bias[i % N]);
+}
+
 /* Dense experts: warp per (row b, feature n), fp32 dot product; rows with idx >= E are zeros. */
 __global__ void dense_gather_kernel(const void *W, int f32, int64_t E, int64_t N, int64_t K,
                                     const uint16_t *x, const uint32_t *idx, uint16_t *y) {
@@ -134,6 +140,40 @@ extern "C" int cuda_linear_forward(const cuda_ops *o, const cuda_linear *w, cons
     }
     if (rc) return rc;
     return add_bias(o, w, T, y);
+}
+
+extern "C" int cuda_linear_forward_f32out(const cuda_ops *o, const cuda_linear *w, const uint16_t *x,
+                                          int64_t T, float *y) {
+    if (T <= 0) return FP4MOE_OK;
+    cudaStream_t st = (cudaStream_t)o->stream;
+    int rc;
+    if (w->nvfp4 && T > o->zero_n)
+        return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "cuda linear (f32 out): %lld rows, idx zeros for %lld",
+                                (long long)T, (long long)o->zero_n);
+    if (w->nvfp4 || w->dtype != FP4MOE_BF16) {          /* both read x as f32 */
+        if (T * w->K > o->f32_n)
+            return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "cuda linear (f32 out): x of %lld x %lld needs "
+                                    "%lld staging floats, have %lld", (long long)T, (long long)w->K,
+                                    (long long)(T * w->K), (long long)o->f32_n);
+        widen_kernel<<<grid_for(T * w->K), 256, 0, st>>>(x, T * w->K, o->f32_x);
+        OPS_LAUNCH_CHECK("linear (widen x to f32)");
+    }
+    if (w->nvfp4) {
+        rc = o->route == FP4MOE_ROUTE_AUTO
+                 ? fp4moe_gather_qmm_cuda(&w->q, o->f32_x, FP4MOE_F32, o->zero_idx, T, 1, y, o->stream)
+                 : fp4moe_gather_qmm_cuda_route(&w->q, o->f32_x, FP4MOE_F32, o->zero_idx, T, 1, o->route, y,
+                                                o->stream);
+    } else if (w->dtype == FP4MOE_BF16) {
+        rc = gemm_xwt((cublasHandle_t)o->blas, w->dense, x, y, CUDA_R_16BF, CUDA_R_32F, T, w->N, w->K,
+                      "linear (cublasGemmEx bf16, f32 out)");
+    } else {
+        rc = gemm_xwt((cublasHandle_t)o->blas, w->dense, o->f32_x, y, CUDA_R_32F, CUDA_R_32F, T, w->N, w->K,
+                      "linear (cublasGemmEx f32)");
+    }
+    if (rc || !w->bias) return rc;
+    bias_f32_kernel<<<grid_for(T * w->N), 256, 0, st>>>(y, w->bias, T, w->N);
+    OPS_LAUNCH_CHECK("linear bias");
+    return FP4MOE_OK;
 }
 
 extern "C" int cuda_linear_gather(const cuda_ops *o, const cuda_linear *w, const uint16_t *x,

@@ -2,11 +2,24 @@
  * scan with fp32 state. Formulas: spec NEMOTRON_H.md "Mamba-2", src/kernels/cpu/ops_ssm.c (dt
  * clamped to >= time_step_min on both the prefill and the decode path). Contracts: ops_cuda.h.
  *
- * The scan is the recurrent form for prefill too (not the chunked SSD matrix form): it is
- * sequential in time and parallel over heads x head_dim x state, which keeps it one function with
- * the same numbers for prefill and decode (as on the CPU). Tokens are staged through shared memory
- * in time chunks of TC steps. */
+ * The scan is the recurrent form for prefill too (not the chunked SSD matrix form, which in fp32 on
+ * CUDA cores needs about as many FMAs for S = 128 and would need tensor cores at TF32 to be faster,
+ * too coarse for the fp32 state): sequential in time, parallel over heads x head_dim x state. Two
+ * kernels (docs/GPU-NOTES.md "Mamba-2 prefill scan"):
+ *   - seq: lanes split one p's S state entries and reduce y with shuffles every step; tokens staged
+ *     in time chunks with a synchronous load phase (the kernel of the first end-to-end run; decode);
+ *   - tiled (prefill default): each thread holds a PR x NR register tile of the state (PR rows p,
+ *     NR columns n), so that every B/C value read from shared memory serves PR rows and every x
+ *     value NR columns; y partial sums of TT steps are reduced across lanes at once (a transposing
+ *     reduce-scatter: PR*TT values over NL lanes); time tiles of LT tokens are copied with cp.async
+ *     one tile ahead (double-buffered), so the global loads overlap the recurrence.
+ * Both update the state with the same fp32 operations in the same order (bit-identical states); y
+ * differs only in the order of the sum over n. FP4MOE_SSM_SCAN=seq|tiled picks one (measurements;
+ * default: tiled for T >= 2, seq for T = 1). */
 #include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 
 #include "kernels/cuda/ops_cuda.h"
 
@@ -165,6 +178,268 @@ static int launch_scan(const cuda_ssm_args *a, cudaStream_t st) {
     return FP4MOE_OK;
 }
 
+/* ---- tiled scan (prefill) ---------------------------------------------------------------------- */
+
+#define TS_LT 16 /* tokens per staged time tile */
+
+/* cp.async of 16 or 4 bytes global -> shared (sm_80+), and the group fences. */
+__device__ __forceinline__ void ts_cp16(float *dst, const float *src) {
+    const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(src) : "memory");
+}
+__device__ __forceinline__ void ts_cp4(float *dst, const float *src) {
+    const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(d), "l"(src) : "memory");
+}
+__device__ __forceinline__ void ts_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void ts_wait_prev() { asm volatile("cp.async.wait_group 1;\n" ::: "memory"); }
+
+/* dt and dA of head h at one token, exactly as ssm_scan_kernel computes them. */
+__device__ __forceinline__ float2 ts_dt_dA(uint16_t raw, float bias, float dt_min, float Ah) {
+    float dt = softplus_f(__fadd_rn(ops_bf16_to_f32(raw), bias));
+    if (dt < dt_min) dt = dt_min;
+    return make_float2(dt, expf(__fmul_rn(dt, Ah)));
+}
+
+/* Reduce-scatter of M values per lane over the lanes that differ in bits O, O/2, .., 1 of q: at
+ * offset O each lane keeps one half of its values (the upper half when bit O of q is set) and adds
+ * the partner's copy of that half. At the end lane q holds the sums of values q*R .. q*R+R-1,
+ * R = M / (2*O). (Recursion instead of a loop so that every index is a constant: registers.) */
+template <int M, int O>
+__device__ __forceinline__ void ts_reduce_scatter(float *acc, int q) {
+    if constexpr (O >= 1) {
+        const bool upper = (q & O) != 0;
+#pragma unroll
+        for (int e = 0; e < M / 2; e++) {
+            const float lo = acc[e], hi = acc[e + M / 2];
+            const float send = upper ? lo : hi, keep = upper ? hi : lo;
+            acc[e] = keep + __shfl_xor_sync(0xffffffffu, send, O);
+        }
+        ts_reduce_scatter<M / 2, O / 2>(acc, q);
+    }
+}
+
+/* Geometry of the tiled kernel for state size S_, PR rows per thread and W warps per block. */
+template <int S_, int PR, int W>
+struct ts_geom {
+    static constexpr int NR = S_ >= 64 ? 8 : 4;            /* state columns per thread */
+    static constexpr int K4 = NR / 4;                      /* float4 chunks per row */
+    static constexpr int NL = S_ / NR;                     /* lanes along n (a power of 2, <= 32) */
+    static constexpr int PW = 32 / NL;                     /* p lanes per warp */
+    static constexpr int PB = W * PW * PR;                 /* p rows per block */
+    static constexpr int TT = NL / PR > 8 ? NL / PR : 8;   /* steps per y reduction */
+    static constexpr int V = PR * TT;                      /* y partial sums per lane */
+    static constexpr int R = V / NL;                       /* y outputs per lane per reduction */
+    static constexpr int LT = TS_LT > TT ? TS_LT : TT;     /* tokens per staged tile */
+    static constexpr int STAGE = LT * (2 * S_ + PB) + 2 * LT; /* floats: B, C, x, (dt, dA) */
+    static_assert(NL <= 32 && 32 % NL == 0 && V % NL == 0 && LT % TT == 0, "ts_geom");
+};
+
+template <int S_, int PR, int W>
+__global__ void __launch_bounds__(W * 32)
+ssm_scan_tiled_kernel(cuda_ssm_args a, int vec) {
+    using Gm = ts_geom<S_, PR, W>;
+    constexpr int NR = Gm::NR, K4 = Gm::K4, NL = Gm::NL, PW = Gm::PW, PB = Gm::PB, TT = Gm::TT,
+                  V = Gm::V, R = Gm::R, LT = Gm::LT, STAGE = Gm::STAGE;
+    extern __shared__ __align__(16) float sm[];
+    const int hd = (int)a.hd, nh = (int)a.nh, T = (int)a.T;
+    const int h = blockIdx.y, g = h / (nh / (int)a.G), pbase = blockIdx.x * PB;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, q = lane % NL, pl = lane / NL;
+    const int prow = (warp * PW + pl) * PR; /* first of this thread's PR rows, within the block */
+    const float Ah = a.A[h], Dh = a.D[h], bias = a.dt_bias[h];
+
+    /* state tile: rows p = pbase + prow + j, columns n = k*4*NL + 4*q + e (float4 chunk k) */
+    float st[PR][NR];
+#pragma unroll
+    for (int j = 0; j < PR; j++) {
+        const int p = pbase + prow + j;
+#pragma unroll
+        for (int k = 0; k < K4; k++) {
+            float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            if (p < hd) v = *(const float4 *)(a.state + ((int64_t)h * hd + p) * S_ + k * 4 * NL + 4 * q);
+            st[j][4 * k] = v.x; st[j][4 * k + 1] = v.y; st[j][4 * k + 2] = v.z; st[j][4 * k + 3] = v.w;
+        }
+    }
+
+    /* one tile into stage `s`: B, C (LT x S_ each), x (LT x PB), dtA (LT float2) */
+    auto load = [&](int s, int t0) {
+        float *Bs = sm + s * STAGE, *Cs = Bs + LT * S_, *xs = Cs + LT * S_;
+        const int tc = min(LT, T - t0);
+        if (vec) {
+            constexpr int SV = S_ / 4, PV = PB / 4;
+            for (int i = tid; i < tc * SV; i += W * 32) {
+                const int tt = i / SV, v = i % SV;
+                const int64_t row = (int64_t)(t0 + tt) * a.bcs + (int64_t)g * S_ + 4 * v;
+                ts_cp16(Bs + tt * S_ + 4 * v, a.B + row);
+                ts_cp16(Cs + tt * S_ + 4 * v, a.C + row);
+            }
+            for (int i = tid; i < tc * PV; i += W * 32) {
+                const int tt = i / PV, v = i % PV, p = pbase + 4 * v;
+                const float *src = a.x + (int64_t)(t0 + tt) * a.xs + (int64_t)h * hd + p;
+                float *dst = xs + tt * PB + 4 * v;
+                if (p + 4 <= hd) ts_cp16(dst, src);
+                else
+                    for (int e = 0; e < 4; e++) dst[e] = p + e < hd ? src[e] : 0.0f;
+            }
+        } else {
+            for (int i = tid; i < tc * S_; i += W * 32) {
+                const int tt = i / S_, n = i % S_;
+                const int64_t row = (int64_t)(t0 + tt) * a.bcs + (int64_t)g * S_ + n;
+                ts_cp4(Bs + i, a.B + row);
+                ts_cp4(Cs + i, a.C + row);
+            }
+            for (int i = tid; i < tc * PB; i += W * 32) {
+                const int tt = i / PB, p = pbase + i % PB;
+                if (p < hd) ts_cp4(xs + i, a.x + (int64_t)(t0 + tt) * a.xs + (int64_t)h * hd + p);
+                else xs[i] = 0.0f;
+            }
+        }
+    };
+    auto dtA_at = [&](int s) { return (float2 *)(sm + s * STAGE + LT * (2 * S_ + PB)); };
+
+    const int ntiles = (T + LT - 1) / LT;
+    load(0, 0);
+    ts_commit();
+    if (tid < LT && tid < T) dtA_at(0)[tid] = ts_dt_dA(a.dt[(int64_t)tid * a.dts + h], bias, a.dt_min, Ah);
+    const int64_t ystride = (int64_t)nh * hd;
+
+    for (int tile = 0; tile < ntiles; tile++) {
+        const int s = tile & 1, t0 = tile * LT, tc = min(LT, T - t0);
+        /* the next tile's copies and raw dt go out now and land during this tile's recurrence */
+        uint16_t raw_next = 0;
+        const bool has_next = tile + 1 < ntiles;
+        if (has_next) {
+            load(s ^ 1, t0 + LT);
+            if (tid < LT && t0 + LT + tid < T) raw_next = a.dt[(int64_t)(t0 + LT + tid) * a.dts + h];
+        }
+        ts_commit();
+        ts_wait_prev();
+        __syncthreads();
+        const float *Bs = sm + s * STAGE, *Cs = Bs + LT * S_, *xs = Cs + LT * S_;
+        const float2 *dA2 = dtA_at(s);
+#pragma unroll 1
+        for (int u0 = 0; u0 < tc; u0 += TT) {
+            float acc[V]; /* acc[tt * PR + j]: sum_n st[j][n] * C[n] after step u0 + tt */
+#pragma unroll
+            for (int tt = 0; tt < TT; tt++) {
+                const int u = u0 + tt;
+                if (u < tc) {
+                    const float2 d = dA2[u];
+                    float xv[PR];
+                    if constexpr (PR == 2) {
+                        const float2 x2 = *(const float2 *)(xs + u * PB + prow);
+                        xv[0] = x2.x; xv[1] = x2.y;
+                    } else if constexpr (PR == 4) {
+                        const float4 x4 = *(const float4 *)(xs + u * PB + prow);
+                        xv[0] = x4.x; xv[1] = x4.y; xv[2] = x4.z; xv[3] = x4.w;
+                    } else {
+#pragma unroll
+                        for (int j = 0; j < PR; j++) xv[j] = xs[u * PB + prow + j];
+                    }
+                    float b[NR], c[NR];
+#pragma unroll
+                    for (int k = 0; k < K4; k++) {
+                        const float4 b4 = *(const float4 *)(Bs + u * S_ + k * 4 * NL + 4 * q);
+                        const float4 c4 = *(const float4 *)(Cs + u * S_ + k * 4 * NL + 4 * q);
+                        b[4 * k] = b4.x; b[4 * k + 1] = b4.y; b[4 * k + 2] = b4.z; b[4 * k + 3] = b4.w;
+                        c[4 * k] = c4.x; c[4 * k + 1] = c4.y; c[4 * k + 2] = c4.z; c[4 * k + 3] = c4.w;
+                    }
+#pragma unroll
+                    for (int j = 0; j < PR; j++) {
+                        const float dx = __fmul_rn(d.x, xv[j]);
+                        float y = 0.0f;
+#pragma unroll
+                        for (int i = 0; i < NR; i++) {
+                            st[j][i] = fmaf(d.y, st[j][i], __fmul_rn(dx, b[i])); /* as ssm_scan_kernel */
+                            y = fmaf(st[j][i], c[i], y);
+                        }
+                        acc[tt * PR + j] = y;
+                    }
+                } else {
+#pragma unroll
+                    for (int j = 0; j < PR; j++) acc[tt * PR + j] = 0.0f;
+                }
+            }
+            /* reduce-scatter over the NL lanes of one p group: at offset o each lane keeps one half
+             * of its m values and adds the partner's copy of that half; after log2(NL) levels lane
+             * q holds the sums of values q*R .. q*R+R-1 */
+            ts_reduce_scatter<V, NL / 2>(acc, q);
+#pragma unroll
+            for (int r = 0; r < R; r++) {
+                const int e = q * R + r, tt = e / PR, j = e % PR, u = u0 + tt, p = pbase + prow + j;
+                if (u < tc && p < hd) {
+                    const float xv = xs[u * PB + prow + j];
+                    a.y[(int64_t)(t0 + u) * ystride + (int64_t)h * hd + p] = __fadd_rn(acc[r], __fmul_rn(Dh, xv));
+                }
+            }
+        }
+        if (has_next && tid < LT && t0 + LT + tid < T)
+            dtA_at(s ^ 1)[tid] = ts_dt_dA(raw_next, bias, a.dt_min, Ah);
+        __syncthreads(); /* stage s is free for the tile after next; dtA of the next tile visible */
+    }
+#pragma unroll
+    for (int j = 0; j < PR; j++) {
+        const int p = pbase + prow + j;
+        if (p >= hd) continue;
+#pragma unroll
+        for (int k = 0; k < K4; k++)
+            *(float4 *)(a.state + ((int64_t)h * hd + p) * S_ + k * 4 * NL + 4 * q) =
+                make_float4(st[j][4 * k], st[j][4 * k + 1], st[j][4 * k + 2], st[j][4 * k + 3]);
+    }
+}
+
+template <int S_, int PR, int W>
+static int launch_tiled(const cuda_ssm_args *a, cudaStream_t st) {
+    using Gm = ts_geom<S_, PR, W>;
+    const size_t smem = (size_t)2 * Gm::STAGE * sizeof(float);
+    if (smem > 48 * 1024) {
+        const cudaError_t e = cudaFuncSetAttribute(ssm_scan_tiled_kernel<S_, PR, W>,
+                                                   cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+        if (e != cudaSuccess)
+            return fp4moe_set_error(FP4MOE_ECUDA, "cuda op ssm scan (tiled): %zu bytes of shared memory: %s",
+                                    smem, cudaGetErrorString(e));
+    }
+    const int vec = ((uintptr_t)a->B % 16 == 0) && ((uintptr_t)a->C % 16 == 0) &&
+                    ((uintptr_t)a->x % 16 == 0) && a->bcs % 4 == 0 && a->xs % 4 == 0 && a->hd % 4 == 0;
+    const dim3 grid(ops_blocks(a->hd, Gm::PB), (unsigned)a->nh);
+    ssm_scan_tiled_kernel<S_, PR, W><<<grid, W * 32, smem, st>>>(*a, vec);
+    OPS_LAUNCH_CHECK("ssm scan (tiled)");
+    return FP4MOE_OK;
+}
+
+/* Tile variants (PR rows per thread x W warps), for measurements; 0 = the default. */
+template <int PR, int W>
+static int launch_tiled_s(const cuda_ssm_args *a, cudaStream_t st) {
+    switch (a->S) {
+    case 16: return launch_tiled<16, PR, W>(a, st);
+    case 32: return launch_tiled<32, PR, W>(a, st);
+    case 64: return launch_tiled<64, PR, W>(a, st);
+    case 128: return launch_tiled<128, PR, W>(a, st);
+    default: return launch_tiled<256, PR, W>(a, st);
+    }
+}
+
+/* FP4MOE_SSM_SCAN: "seq" -> 0, "tiled" -> 1 (default tile), "tiled24"/"tiled28"/"tiled44" -> the
+ * tile PR x W (measurements), unset/other -> -1 (automatic). */
+static int scan_mode(void) {
+    const char *v = getenv("FP4MOE_SSM_SCAN");
+    if (!v) return -1;
+    if (!strcmp(v, "seq")) return 0;
+    if (!strcmp(v, "tiled")) return 1;
+    if (!strcmp(v, "tiled24")) return 24;
+    if (!strcmp(v, "tiled28")) return 28;
+    if (!strcmp(v, "tiled44")) return 44;
+    return -1;
+}
+
+static int launch_seq(const cuda_ssm_args *a, cudaStream_t st) {
+    if (a->S <= 16) return launch_scan<4, 4>(a, st);
+    if (a->S <= 32) return launch_scan<8, 4>(a, st);
+    if (a->S <= 64) return launch_scan<8, 8>(a, st);
+    if (a->S <= 128) return launch_scan<16, 8>(a, st);
+    return launch_scan<32, 8>(a, st);
+}
+
 extern "C" int cuda_ssm_scan(void *stream, const cuda_ssm_args *a) {
     if (a->T <= 0) return FP4MOE_OK;
     if (a->S < 1 || a->S > 256 || a->G < 1 || a->nh % a->G || a->nh > 65535 || a->T > (1 << 30) ||
@@ -173,9 +448,15 @@ extern "C" int cuda_ssm_scan(void *stream, const cuda_ssm_args *a) {
                                 "%lld heads in %lld groups", (long long)a->S, (long long)a->nh,
                                 (long long)a->G);
     cudaStream_t st = (cudaStream_t)stream;
-    if (a->S <= 16) return launch_scan<4, 4>(a, st);
-    if (a->S <= 32) return launch_scan<8, 4>(a, st);
-    if (a->S <= 64) return launch_scan<8, 8>(a, st);
-    if (a->S <= 128) return launch_scan<16, 8>(a, st);
-    return launch_scan<32, 8>(a, st);
+    const int S = (int)a->S;
+    const bool tiled_ok = (S == 16 || S == 32 || S == 64 || S == 128 || S == 256) &&
+                          (uintptr_t)a->state % 16 == 0; /* float4 state tiles */
+    int mode = scan_mode();
+    if (mode < 0) mode = a->T >= 2 ? 1 : 0;
+    if (!tiled_ok || mode == 0) return launch_seq(a, st);
+    switch (mode) {
+    case 28: return launch_tiled_s<2, 8>(a, st);
+    case 44: return launch_tiled_s<4, 4>(a, st);
+    default: return launch_tiled_s<2, 4>(a, st);
+    }
 }

@@ -1,0 +1,176 @@
+/* gpu_ssm: the Mamba-2 prefill scan (cuda_ssm_scan) of one Nemotron-3-Nano-30B-A3B layer on the GPU,
+ * old (FP4MOE_SSM_SCAN=seq) against new (tiled, and the tile variants tiled28 / tiled44).
+ *
+ * Shape: 64 heads x head_dim 64, state 128, 8 groups; operands laid out as in the model
+ * (src/model/model_cuda.c mamba_enqueue: x, B, C inside the conv output rows of 6144 floats, raw bf16
+ * dt inside the in_proj rows of 10304 values). Random data. For T = 1 (decode), 512, 2048, 8192:
+ * median milliseconds of one call (CUDA events around batches of calls, interleaved modes), the 23
+ * layers' total, the speedup over seq, and the FP32 floor: 3 FP32 instructions (FMUL dx*B, FFMA
+ * state, FFMA y) per (token, head, p, n) at 128 lanes x SMs x the SM clock. Also prints the largest
+ * difference of tiled against seq (y relative to max|y|; states must be identical).
+ * Usage: gpu_ssm [--quick]   (--quick: T = 512 only, fewer repetitions). */
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "gpu_testutil.h"
+#include "kernels/cuda/ops_cuda.h"
+#include "testutil.h"
+
+#define NH 64
+#define HD 64
+#define NS 128
+#define NG 8
+#define DI (NH * HD)
+#define CD (DI + 2 * NG * NS)   /* conv channels: x, B, C */
+#define NP (DI + CD + NH)     /* in_proj rows: z, xBC, dt */
+#define LAYERS 23
+
+static const char *const k_modes[] = {"seq", "tiled", "tiled28", "tiled44"};
+#define N_MODES 4
+
+static int cmp_float(const void *a, const void *b) {
+    const float x = *(const float *)a, y = *(const float *)b;
+    return (x > y) - (x < y);
+}
+
+typedef struct {
+    float *xbc, *dt_bias, *A, *D, *state, *y;
+    uint16_t *zx;
+} bufs;
+
+static cuda_ssm_args args_for(const bufs *b, int64_t T) {
+    const cuda_ssm_args a = {
+        .T = T, .nh = NH, .hd = HD, .S = NS, .G = NG,
+        .x = b->xbc, .xs = CD, .B = b->xbc + DI, .C = b->xbc + DI + NG * NS, .bcs = CD,
+        .dt = b->zx + DI + CD, .dts = NP, .dt_bias = b->dt_bias, .A = b->A, .D = b->D,
+        .dt_min = 1e-3f, .state = b->state, .y = b->y,
+    };
+    return a;
+}
+
+static void scan(const bufs *b, int64_t T, const char *mode) {
+    setenv("FP4MOE_SSM_SCAN", mode, 1);
+    const cuda_ssm_args a = args_for(b, T);
+    if (cuda_ssm_scan(NULL, &a)) {
+        fprintf(stderr, "cuda_ssm_scan (%s, T=%lld): %s\n", mode, (long long)T, fp4moe_last_error());
+        exit(1);
+    }
+}
+
+int main(int argc, char **argv) {
+    gt_require_gpu("gpu_ssm");
+    const int quick = argc > 1 && !strcmp(argv[1], "--quick");
+    const int64_t Tmax = quick ? 512 : 8192;
+    tu_rng r;
+    tu_rng_seed(&r, 42);
+
+    /* host data */
+    float *h_xbc = malloc((size_t)Tmax * CD * 4);
+    uint16_t *h_zx = malloc((size_t)Tmax * NP * 2);
+    for (int64_t i = 0; i < Tmax * CD; i++) h_xbc[i] = (float)(2.0 * tu_rng_uniform(&r) - 1.0);
+    for (int64_t i = 0; i < Tmax * NP; i++) { /* raw dt ~ U(-6, 2) as bf16 (truncated) */
+        const float f = (float)(-6.0 + 8.0 * tu_rng_uniform(&r));
+        uint32_t u;
+        memcpy(&u, &f, 4);
+        h_zx[i] = (uint16_t)(u >> 16);
+    }
+    float h_bias[NH], h_A[NH], h_D[NH];
+    for (int h = 0; h < NH; h++) {
+        h_bias[h] = (float)(-4.0 + 3.0 * tu_rng_uniform(&r));
+        h_A[h] = -expf((float)(2.8 * tu_rng_uniform(&r)));
+        h_D[h] = (float)(tu_rng_uniform(&r) + 0.5);
+    }
+    const size_t nst = (size_t)NH * HD * NS;
+    float *h_st = malloc(nst * 4);
+    for (size_t i = 0; i < nst; i++) h_st[i] = (float)(tu_rng_uniform(&r) - 0.5);
+
+    bufs b;
+    b.xbc = gt_upload(h_xbc, (size_t)Tmax * CD * 4);
+    b.zx = gt_upload(h_zx, (size_t)Tmax * NP * 2);
+    b.dt_bias = gt_upload(h_bias, sizeof h_bias);
+    b.A = gt_upload(h_A, sizeof h_A);
+    b.D = gt_upload(h_D, sizeof h_D);
+    b.state = gt_upload(h_st, nst * 4);
+    b.y = gt_upload(NULL, (size_t)Tmax * DI * 4);
+
+    int dev = 0, sms = 0, khz = 0;
+    GT_CHECK(cudaGetDevice(&dev));
+    GT_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+    GT_CHECK(cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, dev));
+    printf("gpu_ssm: %d SMs, %.0f MHz (max clock); shape nh %d hd %d S %d G %d, %d layers\n", sms,
+           khz / 1e3, NH, HD, NS, NG, LAYERS);
+
+    /* correctness of tiled against seq at T = min(512, Tmax), from the same state */
+    {
+        const int64_t T = 512, ny = T * DI;
+        float *y0 = malloc((size_t)ny * 4), *y1 = malloc((size_t)ny * 4), *s0 = malloc(nst * 4),
+              *s1 = malloc(nst * 4);
+        for (int m = 1; m < N_MODES; m++) {
+            GT_CHECK(cudaMemcpy(b.state, h_st, nst * 4, cudaMemcpyHostToDevice));
+            scan(&b, T, "seq");
+            GT_CHECK(cudaDeviceSynchronize());
+            gt_download(y0, b.y, (size_t)ny * 4);
+            gt_download(s0, b.state, nst * 4);
+            GT_CHECK(cudaMemcpy(b.state, h_st, nst * 4, cudaMemcpyHostToDevice));
+            scan(&b, T, k_modes[m]);
+            GT_CHECK(cudaDeviceSynchronize());
+            gt_download(y1, b.y, (size_t)ny * 4);
+            gt_download(s1, b.state, nst * 4);
+            double mx = 0, e = 0;
+            for (int64_t i = 0; i < ny; i++) {
+                mx = fmax(mx, fabs(y0[i]));
+                e = fmax(e, fabs((double)y1[i] - y0[i]));
+                if (isnan(y1[i])) e = INFINITY;
+            }
+            const int same = !memcmp(s0, s1, nst * 4);
+            printf("check T=512 %-8s vs seq: y max err / max|y| = %.2e, final state %s\n", k_modes[m],
+                   e / mx, same ? "identical" : "DIFFERENT");
+            if (!same || !(e / mx < 1e-5)) {
+                fprintf(stderr, "gpu_ssm: %s disagrees with seq\n", k_modes[m]);
+                return 1;
+            }
+        }
+        free(y0); free(y1); free(s0); free(s1);
+    }
+
+    const int64_t Ts[] = {1, 512, 2048, 8192};
+    cudaEvent_t e0, e1;
+    GT_CHECK(cudaEventCreate(&e0));
+    GT_CHECK(cudaEventCreate(&e1));
+    printf("\n%-6s %-8s %10s %12s %8s %10s %9s\n", "T", "kernel", "ms/layer", "ms/23 layers", "vs seq",
+           "floor ms", "fraction");
+    for (size_t ti = 0; ti < sizeof Ts / sizeof Ts[0]; ti++) {
+        const int64_t T = Ts[ti];
+        if (T > Tmax) continue;
+        const int reps = T == 1 ? 200 : (int)(quick ? 4 : 1 + 4096 / T), batches = quick ? 5 : 9;
+        float med[N_MODES];
+        float *samples = malloc(sizeof(float) * N_MODES * batches);
+        for (int m = 0; m < N_MODES; m++) scan(&b, T, k_modes[m]); /* warm-up */
+        for (int bt = 0; bt < batches; bt++)
+            for (int m = 0; m < N_MODES; m++) {
+                GT_CHECK(cudaEventRecord(e0, NULL));
+                for (int k = 0; k < reps; k++) scan(&b, T, k_modes[m]);
+                GT_CHECK(cudaEventRecord(e1, NULL));
+                GT_CHECK(cudaEventSynchronize(e1));
+                float ms = 0;
+                GT_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+                samples[m * batches + bt] = ms / reps;
+            }
+        const double floor_ms = 3.0 * (double)T * NH * HD * NS / ((double)sms * 128 * khz * 1e3) * 1e3;
+        for (int m = 0; m < N_MODES; m++) {
+            qsort(samples + m * batches, (size_t)batches, sizeof(float), cmp_float);
+            med[m] = samples[m * batches + batches / 2];
+            printf("%-6lld %-8s %10.4f %12.3f %7.2fx %10.4f %9.3f\n", (long long)T, k_modes[m], med[m],
+                   med[m] * LAYERS, med[0] / med[m], floor_ms, floor_ms / med[m]);
+        }
+        free(samples);
+    }
+    unsetenv("FP4MOE_SSM_SCAN");
+    gt_free(b.xbc); gt_free(b.zx); gt_free(b.dt_bias); gt_free(b.A); gt_free(b.D); gt_free(b.state);
+    gt_free(b.y);
+    free(h_xbc); free(h_zx); free(h_st);
+    return 0;
+}

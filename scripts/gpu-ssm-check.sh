@@ -1,0 +1,150 @@
+#!/usr/bin/env bash
+# scripts/gpu-ssm-check.sh: the Mamba-2 prefill scan round in ONE command on a machine with an NVIDIA
+# GPU (the H200 machine): the scan's GPU test (every kernel against an fp64 reference and against
+# the old sequential kernel), compute-sanitizer memcheck + racecheck on it, the scan benchmark
+# (bench/gpu_ssm.c: FP4MOE_SSM_SCAN=seq vs tiled and the tile variants at T = 1, 512, 2048, 8192 for
+# the Nemotron-3-Nano-30B-A3B shape), and the end-to-end split by layer kind (fp4moe bench
+# --synthetic nemotron-3-nano-30b-a3b --profile) at 512 and 2048 tokens with the old and the new
+# scan. Logs go to $OUT (default gpu-ssm-out/); a short table is printed last.
+#
+# Usage:
+#   scripts/gpu-ssm-check.sh [BIN]        run; BIN holds the package (--package: ssm.tar.xz),
+#                                         default BIN=build-ssd/ssm-bin when present, else build here
+#   scripts/gpu-ssm-check.sh --package BIN
+#                                         on the build machine (nvcc, no GPU needed): build build-ssd
+#                                         and pack test_ssm_gpu, gpu_ssm, fp4moe and the shared
+#                                         libraries they need beyond glibc/CUDA into BIN/ssm.tar.xz
+#                                         (run's carry: ["build-ssd/ssm-bin"]).
+# Environment: SSM_QUICK=1: benchmark at 512 tokens only, no sanitizer, no end-to-end runs.
+set -u
+cd "$(dirname "$0")/.."
+PROGS="test_ssm_gpu gpu_ssm fp4moe"
+CFG=nemotron-3-nano-30b-a3b
+
+build() { # DIR: configure + build the programs
+    cmake -S . -B "$1" -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null &&
+        cmake --build "$1" -j "$(nproc)" --target test_ssm_gpu gpu_ssm fp4moe_cli >/dev/null
+}
+
+package() { # BIN: the programs and libraries, xz-compressed
+    local bin=$1 stage
+    build build-ssd || return 1
+    stage=$(mktemp -d)
+    for p in $PROGS; do cp build-ssd/$p "$stage/" && strip "$stage/$p"; done
+    # every shared library beyond glibc, the C++ runtime and CUDA (the GPU image lacks cjson,
+    # pcre2, OpenBLAS, cmocka)
+    for p in $PROGS; do ldd "build-ssd/$p"; done | awk '$3 ~ /^\// {print $1, $3}' | sort -u |
+        while read -r name path; do
+            case $name in
+            libc.so*|libm.so*|libpthread*|libdl.so*|librt.so*|ld-linux*|libstdc++*|libgcc_s*|libcuda*|libcublas*) ;;
+            *) cp -L "$path" "$stage/$name" ;;
+            esac
+        done
+    mkdir -p "$bin"
+    rm -f "$bin/ssm.tar.xz"
+    tar -C "$stage" -cJf "$bin/ssm.tar.xz" . && rm -rf "$stage"
+    ls -la "$bin"
+}
+
+unpack() { # BIN -> prints the directory holding the programs
+    if [ -f "$1/ssm.tar.xz" ]; then
+        local d
+        d=$(mktemp -d "${TMPDIR:-/tmp}/fp4moe-ssm-XXXXXX")
+        python3 -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])' "$1/ssm.tar.xz" "$d" &&
+            echo "$d"
+    else
+        (cd "$1" && pwd)
+    fi
+}
+
+if [ "${1:-}" = "--package" ]; then
+    package "${2:?usage: scripts/gpu-ssm-check.sh --package BIN}" || { echo "gpu-ssm: build failed" >&2; exit 1; }
+    exit 0
+fi
+
+OUT=${OUT:-gpu-ssm-out}
+mkdir -p "$OUT"
+BIN=${1:-}
+if [ -z "$BIN" ] && [ -f build-ssd/ssm-bin/ssm.tar.xz ]; then BIN=build-ssd/ssm-bin; fi
+if [ -z "$BIN" ]; then
+    echo "gpu-ssm: building into build-ssd" >&2
+    build build-ssd || { echo "gpu-ssm: build failed" >&2; exit 1; }
+    BIN=build-ssd
+fi
+BIN=$(unpack "$BIN") || { echo "gpu-ssm: cannot unpack $BIN" >&2; exit 1; }
+export LD_LIBRARY_PATH="$BIN:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
+if ldd "$BIN/gpu_ssm" | grep -q "libcu.*not found"; then # CUDA libraries from the pip wheels
+    for mod in nvidia.cublas nvidia.cuda_runtime nvidia.cu13; do
+        d=$(python3 -c "import $mod, os; print(os.path.dirname($mod.__file__) + '/lib')" 2>/dev/null)
+        [ -n "$d" ] && [ -d "$d" ] && export LD_LIBRARY_PATH="$d:$LD_LIBRARY_PATH"
+    done
+fi
+export PATH="$PATH:/usr/local/cuda/bin"
+QUICK=${SSM_QUICK:-0}
+
+declare -a ROWS
+row() { ROWS+=("$(printf '%-34s %-10s %5ss  %s' "$1" "$2" "$3" "${4:-}")"); }
+status() { [ "$1" = 0 ] && echo PASS || echo "FAIL($1)"; }
+
+# 0. the machine
+{
+    date -u; nvidia-smi -L; nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem \
+        --format=csv; for p in $PROGS; do ldd "$BIN/$p"; done; git rev-parse --short HEAD 2>/dev/null
+    git status --short 2>/dev/null | head -30
+} >"$OUT/env.log" 2>&1
+
+# 1. the GPU test
+t0=$SECONDS
+timeout 300 "$BIN/test_ssm_gpu" >"$OUT/test_ssm_gpu.log" 2>&1
+rc=$?
+row "test_ssm_gpu" "$(status $rc)" $((SECONDS - t0)) \
+    "$(grep -c '^\[       OK' "$OUT/test_ssm_gpu.log") ok, $(grep -c '^\[  FAILED  \] [a-z]' "$OUT/test_ssm_gpu.log") failed"
+
+# 2. compute-sanitizer (cp.async staging, shared-memory reuse between tiles)
+if [ "$QUICK" != 1 ] && command -v compute-sanitizer >/dev/null; then
+    for tool in memcheck racecheck; do
+        t0=$SECONDS
+        timeout 600 compute-sanitizer --tool $tool --error-exitcode 9 "$BIN/test_ssm_gpu" \
+            >"$OUT/sanitizer_$tool.log" 2>&1
+        rc=$?
+        row "compute-sanitizer $tool" "$(status $rc)" $((SECONDS - t0)) \
+            "$(grep -m1 -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitizer_$tool.log")"
+    done
+fi
+
+# 3. the scan benchmark
+t0=$SECONDS
+timeout 300 "$BIN/gpu_ssm" $([ "$QUICK" = 1 ] && echo --quick) >"$OUT/gpu_ssm.log" 2>&1
+rc=$?
+row "gpu_ssm (scan benchmark)" "$(status $rc)" $((SECONDS - t0))
+
+# 4. end to end: the split by layer kind with the old and the new scan
+if [ "$QUICK" != 1 ]; then
+    for T in 512 2048; do
+        for mode in seq tiled; do
+            t0=$SECONDS
+            FP4MOE_SSM_SCAN=$mode timeout 120 "$BIN/fp4moe" bench --synthetic "$CFG" --device cuda \
+                --prompt-tokens $T --gen-tokens 16 --repeats 3 --profile \
+                >"$OUT/e2e_${T}_$mode.txt" 2>"$OUT/e2e_${T}_$mode.log"
+            rc=$?
+            row "e2e profile T=$T scan=$mode" "$(status $rc)" $((SECONDS - t0)) \
+                "$(grep -i -m1 'mamba' "$OUT/e2e_${T}_$mode.txt" | tr -s ' ' | cut -c1-60)"
+        done
+    done
+fi
+
+# 5. the table
+echo
+cat "$OUT/gpu_ssm.log"
+if [ "$QUICK" != 1 ]; then
+    for T in 512 2048; do
+        for mode in seq tiled; do
+            echo
+            echo "end to end, prefill $T, FP4MOE_SSM_SCAN=$mode:"
+            grep -i -E 'prefill.*tok/s|tok/s.*prefill' "$OUT/e2e_${T}_$mode.txt" | head -2
+            grep -A8 '^split' "$OUT/e2e_${T}_$mode.txt"
+        done
+    done
+fi
+echo
+printf '%s\n' "${ROWS[@]}" | tee "$OUT/summary.txt"
