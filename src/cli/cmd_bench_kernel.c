@@ -36,7 +36,20 @@ static void usage(FILE *f) {
             "sorted top-k indices (tokens * topk rows). --both runs the Nemotron MoE up (K=2688 -> N=1856)\n"
             "and down (K=1856 -> N=2688) shapes. Prints ms (median of repeats after a warm-up), effective\n"
             "weight GB/s (NVFP4 codes + scales of the experts touched), GFLOP/s, speedup over qmv, and\n"
-            "the machine's measured memory bandwidth. --json prints one JSON object instead.\n");
+            "the machine's measured memory bandwidth. --json prints one JSON object instead.\n\n"
+            "options:\n"
+            "  --E N                        experts (default 128)\n"
+            "  --N N                        output features per expert (default 1856)\n"
+            "  --K N                        input features, a multiple of 16 (default 2688)\n"
+            "  --tokens N                   tokens; rows = tokens * topk (default 512)\n"
+            "  --topk N                     experts per token (default 6)\n"
+            "  --dtype T                    activations: bf16 | f16 | f32 (default bf16)\n"
+            "  --route R                    all | qmv | batched | dequant_gemm | auto (default all)\n"
+            "  --repeats N                  timed rounds after one warm-up; medians reported (default 5)\n"
+            "  --seed S                     random seed (default 1)\n"
+            "  --both                       also the transposed shape: up (N x K) then down (K x N)\n"
+            "  --json                       one JSON object on stdout\n"
+            "  -h, --help                   show this help and exit\n");
 }
 
 /* ---- random data ---------------------------------------------------------------------------- */
