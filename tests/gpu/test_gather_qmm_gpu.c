@@ -10,6 +10,12 @@
  * zeros; the reference covers all rows, or a random subset (first and last included) on big shapes;
  * inputs are checked unmodified. Plus the argument errors of the CUDA entry point.
  *
+ * Route switch determinism (issue 6): on sorted input with B >= FP4MOE_BATCHED_MIN_ROWS, route qmv
+ * ("qmv, tiled by 8 rows" for f16/bf16; the fp32 FMA kernel for f32, which the f32 batched route
+ * runs too), route batched and the automatic choice with FP4MOE_GATHER_EXPERT_BATCHED=0 must give
+ * BITWISE identical outputs (memcmp, not the tolerance): greedy decoding must not depend on the
+ * switch.
+ *
  * Environment: FP4MOE_TEST_ROUTE=qmv|batched|dequant_gemm|auto runs one route only (fault check);
  * FP4MOE_TEST_QUICK=1 skips the biggest cases; FP4MOE_TEST_SANITIZE=1 runs only the small cases
  * marked for compute-sanitizer. The kernel versions under test follow FP4MOE_CUDA_BATCHED_V and
@@ -58,6 +64,13 @@ static const gg_case k_cases[] = {
     {8, 7, 16, 40000, TU_IDX_ONE_EXPERT, 1, FP4MOE_F16, 0},          /* one run of 40000 rows */
     {8, 1856, 2688, 40000, TU_IDX_TOPK_SORTED, 1, FP4MOE_BF16, 0},
     {128, 100, 48, 40000, TU_IDX_DUPLICATES, 0, FP4MOE_F32, 0},
+    /* more cases for the bitwise route-switch check: gs off, E = 128 at B = 64, K % 64 != 0 */
+    {8, 100, 48, 64, TU_IDX_TOPK_SORTED, 0, FP4MOE_F16, 1},
+    {128, 100, 48, 64, TU_IDX_EMPTY_EXPERTS, 0, FP4MOE_BF16, 1},
+    {128, 1856, 2688, 64, TU_IDX_TOPK_SORTED, 1, FP4MOE_F16, 0},
+    {128, 2688, 1856, 3072, TU_IDX_TOPK_SORTED, 0, FP4MOE_BF16, 0},
+    {8, 100, 2000, 3072, TU_IDX_DUPLICATES, 0, FP4MOE_BF16, 0},       /* K = 16*125: 8-byte path */
+    {8, 2688, 1856, 3072, TU_IDX_ONE_EXPERT, 0, FP4MOE_F16, 0},
 };
 #define N_CASES (sizeof k_cases / sizeof k_cases[0])
 
@@ -166,6 +179,12 @@ static void test_case(void **state) {
     const char *only = getenv("FP4MOE_TEST_ROUTE");
     const int sorted = c->pattern != TU_IDX_UNSORTED;
     int64_t failures = 0;
+    /* bitwise checks: route batched == route qmv (sorted, B >= 64: the same mma arithmetic, 8-row
+     * tiles), and auto with FP4MOE_GATHER_EXPERT_BATCHED=0 == auto with the switch unset (always) */
+    const int bitwise = sorted && c->B >= FP4MOE_BATCHED_MIN_ROWS && !only;
+    const size_t ybytes = (size_t)(c->B * c->N) * es;
+    void *yqmv = malloc(ybytes), *yauto = malloc(ybytes);
+    assert_true(yqmv && yauto);
     unsetenv("FP4MOE_GATHER_ROUTE");
     for (int ro = FP4MOE_ROUTE_QMV; ro <= FP4MOE_ROUTE_DEQUANT_GEMM + 2; ro++) {
         /* QMV, BATCHED, DEQUANT_GEMM explicitly, then AUTO with the switch unset and = 0 */
@@ -183,8 +202,29 @@ static void test_case(void **state) {
         const int64_t bad = run_route(&g, route, label);
         fprintf(stderr, "%s %s\n", bad ? "FAIL" : "ok  ", label);
         failures += bad != 0;
+        if (route == FP4MOE_ROUTE_QMV) memcpy(yqmv, y, ybytes);
+        if (route == FP4MOE_ROUTE_AUTO && !off) memcpy(yauto, y, ybytes);
+        const int vs_qmv = bitwise && route == FP4MOE_ROUTE_BATCHED, vs_auto = !only && off;
+        if (vs_qmv || vs_auto) {
+            const void *want = vs_qmv ? yqmv : yauto;
+            const char *what = vs_qmv ? "route qmv" : "auto with the switch unset";
+            int64_t diff = 0, first = -1;
+            for (int64_t i = 0; i < c->B * c->N; i++)
+                if (memcmp((const char *)y + i * es, (const char *)want + i * es, es)) {
+                    if (first < 0) first = i;
+                    diff++;
+                }
+            if (diff)
+                fprintf(stderr, "FAIL %s: %lld elements differ bitwise from %s (first: y[%lld][%lld] "
+                                "%.9g vs %.9g)\n", label, (long long)diff, what, (long long)(first / c->N),
+                        (long long)(first % c->N), elem(y, c->dtype, first), elem(want, c->dtype, first));
+            else fprintf(stderr, "ok   %s: bitwise equal to %s\n", label, what);
+            failures += diff != 0;
+        }
     }
     unsetenv("FP4MOE_GATHER_EXPERT_BATCHED");
+    free(yqmv);
+    free(yauto);
 
     /* inputs unmodified */
     void *xback = malloc((size_t)(c->B * c->K) * es);

@@ -7,7 +7,7 @@
  * the order (expert, N-tile, row-tile), so the row-tiles of one weight tile run side by side and
  * a weight tile comes from HBM once per row-tile at most (from L2 after the first).
  *
- * Per item, 8 warps (32-row tiles; 4 warps for 64-row tiles); warp w owns features n0 + 16w .. +15,
+ * Per item, 8 warps (32-row tiles; 4 warps for 64- and 8-row tiles); warp w owns features n0 + 16w .. +15,
  * the mma M side. The run's token rows are the mma N side (n8 tiles; a step specialised on the
  * number of n8 tiles the run fills, so no mma is issued for empty ones). K advances in steps of 128
  * (8 NVFP4 blocks):
@@ -25,7 +25,18 @@
  * (bt_dec4: one integer multiply per bf16 pair, byte permutes for f16 pairs, one paired E4M3
  * convert per row and step); everything else is shared.
  * Rows of a partial last n8 tile read a copy of the run's last row (results discarded); K past the
- * end is zero in both operands; features past N read row N-1 (results discarded). */
+ * end is zero in both operands; features past N read row N-1 (results discarded).
+ *
+ * "qmv, tiled by 8 rows" (gq_launch_qmv_tiled): the qmv route for sorted input with B >=
+ * FP4MOE_BATCHED_MIN_ROWS runs this same kernel with 8-row tiles, i.e. it re-reads an expert's
+ * weights for every 8 rows of its run (the naive baseline the expert-batched route is measured
+ * against). One output element's arithmetic does not depend on the row tile: the same decode and
+ * block-scale products, the same K order (steps of 128, then k16 steps 0..7, one mma chain per
+ * element, fp32 accumulator from 0, no split-K), the same epilogue (acc * gs * 2^kshift, one
+ * rounding to T). Only the neighbours in the tile change, and an mma output element depends only
+ * on its A row, B column and C element. So route qmv and route batched give bitwise identical
+ * outputs on sorted input (tests/gpu/test_gather_qmm_gpu.c checks it), and greedy decoding does
+ * not change with FP4MOE_GATHER_EXPERT_BATCHED. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -283,29 +294,36 @@ __device__ __forceinline__ void bt_step_ntv(int ntv, float (&acc)[MT / 8][4], co
                                             const uint32_t (&w1)[4], const uint32_t (&sa)[2],
                                             const uint32_t (&sb)[2], const uint8_t *xb) {
     /* only the n8 tiles the run has: a specialised step per count (no predicated-off mma) */
-    switch (ntv) {
-    case 1: bt_step<T, 1, MT, V>(acc, w0, w1, sa, sb, xb); break;
-    case 2: bt_step<T, 2, MT, V>(acc, w0, w1, sa, sb, xb); break;
-    case 3: bt_step<T, 3, MT, V>(acc, w0, w1, sa, sb, xb); break;
-    case 4: bt_step<T, 4, MT, V>(acc, w0, w1, sa, sb, xb); break;
-    default:
-        if constexpr (MT > 32) {
-            switch (ntv) {
-            case 5: bt_step<T, 5, MT, V>(acc, w0, w1, sa, sb, xb); break;
-            case 6: bt_step<T, 6, MT, V>(acc, w0, w1, sa, sb, xb); break;
-            case 7: bt_step<T, 7, MT, V>(acc, w0, w1, sa, sb, xb); break;
-            default: bt_step<T, 8, MT, V>(acc, w0, w1, sa, sb, xb); break;
+    if constexpr (MT == 8) { /* one n8 tile */
+        (void)ntv;
+        bt_step<T, 1, MT, V>(acc, w0, w1, sa, sb, xb);
+    } else {
+        switch (ntv) {
+        case 1: bt_step<T, 1, MT, V>(acc, w0, w1, sa, sb, xb); break;
+        case 2: bt_step<T, 2, MT, V>(acc, w0, w1, sa, sb, xb); break;
+        case 3: bt_step<T, 3, MT, V>(acc, w0, w1, sa, sb, xb); break;
+        case 4: bt_step<T, 4, MT, V>(acc, w0, w1, sa, sb, xb); break;
+        default:
+            if constexpr (MT > 32) {
+                switch (ntv) {
+                case 5: bt_step<T, 5, MT, V>(acc, w0, w1, sa, sb, xb); break;
+                case 6: bt_step<T, 6, MT, V>(acc, w0, w1, sa, sb, xb); break;
+                case 7: bt_step<T, 7, MT, V>(acc, w0, w1, sa, sb, xb); break;
+                default: bt_step<T, 8, MT, V>(acc, w0, w1, sa, sb, xb); break;
+                }
             }
         }
     }
 }
 
-/* warps per block: 8 for 32-row tiles (x staging shared by 128 features), 4 for 64-row tiles */
+/* warps per block: 8 for 32-row tiles (x staging shared by 128 features), 4 for 64-row tiles and
+ * for the 8-row tiles of "qmv, tiled by 8 rows" (8 rows x 16 pieces = one x piece per thread) */
 template <int MT> struct bt_cfg {
+    static_assert(MT == 8 || MT == 32 || MT == 64, "row tile: 8, 32 or 64");
     static constexpr int WARPS = MT == 32 ? 8 : 4, THREADS = WARPS * 32, NTILE = WARPS * 16;
     static constexpr int XBYTES = 2 * MT * BT_XROW;                     /* double-buffered x tile */
     static constexpr int SMEM = XBYTES + BT_STAGES * THREADS * (int)sizeof(bt_slot);
-    static constexpr int MINBLOCKS = MT == 32 ? 2 : 3;                   /* 128 / 168 registers */
+    static constexpr int MINBLOCKS = MT == 32 ? 2 : MT == 64 ? 3 : 4;    /* 128 / 168 / 128 registers */
 };
 
 template <typename T, int MT, bool FAST, int MINB, int V>
@@ -475,14 +493,17 @@ static int launch_dtype(const gq_args *a, int mt, const int *starts, const int *
     /* fast path: cp.async of 16 code bytes and a 4-byte scale word per row and step */
     const bool fast = (a->K % 64) == 0 && ((uintptr_t)a->codes & 15) == 0 && ((uintptr_t)a->scales & 3) == 0;
     if (mt == 64) return fast ? launch<T, 64, true, V>(a, starts, tile_off, st) : launch<T, 64, false, V>(a, starts, tile_off, st);
+    if (mt == GQ_QMV_TILE_ROWS)
+        return fast ? launch<T, GQ_QMV_TILE_ROWS, true, V>(a, starts, tile_off, st)
+                    : launch<T, GQ_QMV_TILE_ROWS, false, V>(a, starts, tile_off, st);
     /* tuning knob for measurements: FP4MOE_CUDA_BATCHED_BLOCKS=3 (3 blocks/SM, 80 registers) */
     const char *env = getenv("FP4MOE_CUDA_BATCHED_BLOCKS");
     if (fast && env && !strcmp(env, "3")) return launch<T, 32, true, V, 3>(a, starts, tile_off, st);
     return fast ? launch<T, 32, true, V>(a, starts, tile_off, st) : launch<T, 32, false, V>(a, starts, tile_off, st);
 }
 
-int gq_launch_batched(const gq_args *a, fp4moe_dtype dtype, cudaStream_t st) {
-    const int mt = gq_batched_row_tile(a, dtype);
+/* The kernel with row tile mt (8, 32 or 64): the runs on the device, then the tiles. */
+static int launch_tiled(const gq_args *a, fp4moe_dtype dtype, int mt, cudaStream_t st) {
     int *buf = NULL;
     int rc = gq_scratch_alloc((void **)&buf, 2 * ((size_t)a->E + 1) * sizeof(int), st);
     if (rc != FP4MOE_OK) return rc;
@@ -496,4 +517,12 @@ int gq_launch_batched(const gq_args *a, fp4moe_dtype dtype, cudaStream_t st) {
                                         : launch_dtype<__nv_bfloat16, 3>(a, mt, starts, tile_off, st));
     const int rc2 = gq_scratch_free(buf, st);
     return rc != FP4MOE_OK ? rc : rc2;
+}
+
+int gq_launch_batched(const gq_args *a, fp4moe_dtype dtype, cudaStream_t st) {
+    return launch_tiled(a, dtype, gq_batched_row_tile(a, dtype), st);
+}
+
+int gq_launch_qmv_tiled(const gq_args *a, fp4moe_dtype dtype, cudaStream_t st) {
+    return launch_tiled(a, dtype, GQ_QMV_TILE_ROWS, st);
 }

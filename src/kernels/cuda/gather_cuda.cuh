@@ -168,6 +168,13 @@ static inline int gq_kernel_version(const char *name, int def) {
 /* Route launchers (arguments already validated; FP4MOE_OK or FP4MOE_ECUDA with a message). */
 int gq_launch_qmv(const gq_args *a, fp4moe_dtype dtype, cudaStream_t st);
 int gq_launch_batched(const gq_args *a, fp4moe_dtype dtype, cudaStream_t st);
+/* "qmv, tiled by 8 rows": the qmv route for sorted f16/bf16 input with B >= FP4MOE_BATCHED_MIN_ROWS.
+ * The expert-batched kernel (same version, FP4MOE_CUDA_BATCHED_V) with GQ_QMV_TILE_ROWS-row tiles:
+ * an expert's weights are re-read for every 8 rows of its run, and every output element is bitwise
+ * equal to gq_launch_batched's (gather_batched.cu says why), so the route switch
+ * FP4MOE_GATHER_EXPERT_BATCHED does not change the numbers on this path. */
+#define GQ_QMV_TILE_ROWS 8
+int gq_launch_qmv_tiled(const gq_args *a, fp4moe_dtype dtype, cudaStream_t st);
 int gq_run_dequant_gemm(const gq_args *a, fp4moe_dtype dtype, cudaStream_t st);
 
 /* cudaMallocAsync on the stream (from the device's default pool, whose release threshold is raised

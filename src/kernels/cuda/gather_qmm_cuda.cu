@@ -4,6 +4,12 @@
  * Routes (src/kernels/cuda/):
  *   qmv           gather_qmv.cu      decode / unsorted: a warp per (segment of <= 8 rows of one
  *                                    expert, output feature n); fp32 CUDA-core FMA; any dtype.
+ *                                    Sorted f16/bf16 input with B >= FP4MOE_BATCHED_MIN_ROWS:
+ *                                    "qmv, tiled by 8 rows" (gq_launch_qmv_tiled), the batched
+ *                                    kernel with 8-row tiles (weights re-read every 8 rows), bitwise
+ *                                    equal to the batched route, so FP4MOE_GATHER_EXPERT_BATCHED=0
+ *                                    changes speed but not the numbers wherever the automatic
+ *                                    choice would be batched.
  *   batched       gather_batched.cu  sorted: tensor-core mma.sync over work items (expert, row-tile,
  *                                    N-tile) found on the device; f16/bf16 activations. For f32
  *                                    activations the batched route runs the qmv kernel (fp32 FMA,
@@ -130,11 +136,14 @@ static int route_needs_sorted(fp4moe_route r) {
 static fp4moe_route choose_route(int64_t B, int64_t E, int sorted) {
     const fp4moe_route env = gather_env_route();
     if (env != FP4MOE_ROUTE_AUTO && (sorted || !route_needs_sorted(env))) return env;
-    if (gather_env_batched_off()) return FP4MOE_ROUTE_QMV;
     if (!sorted || B < FP4MOE_BATCHED_MIN_ROWS) return FP4MOE_ROUTE_QMV;
     /* long runs (>= 256 rows per expert on average) are compute-bound: cuBLAS on the dequantized
      * experts beats the mma.sync kernel there (measured: docs/PERFORMANCE.md, 8192 tokens) */
-    return B >= GQ_DEQUANT_GEMM_ROWS_PER_EXPERT * E ? FP4MOE_ROUTE_DEQUANT_GEMM : FP4MOE_ROUTE_BATCHED;
+    if (B >= GQ_DEQUANT_GEMM_ROWS_PER_EXPERT * E) return FP4MOE_ROUTE_DEQUANT_GEMM;
+    /* FP4MOE_GATHER_EXPERT_BATCHED=0 replaces the expert-batched route by qmv and nothing else: the
+     * sorted qmv runs the same mma arithmetic in 8-row tiles, so the outputs are bit-identical and
+     * greedy output cannot depend on the switch */
+    return gather_env_batched_off() ? FP4MOE_ROUTE_QMV : FP4MOE_ROUTE_BATCHED;
 }
 
 static int misaligned(const void *p, uintptr_t a) { return ((uintptr_t)p & (a - 1)) != 0; }
@@ -172,7 +181,13 @@ extern "C" int fp4moe_gather_qmm_cuda_route(const fp4moe_nvfp4_weights *w, const
         st = dtype == FP4MOE_F32 ? gq_launch_qmv(&a, dtype, s) : gq_launch_batched(&a, dtype, s);
         break;
     case FP4MOE_ROUTE_DEQUANT_GEMM: st = gq_run_dequant_gemm(&a, dtype, s); break;
-    default: st = gq_launch_qmv(&a, dtype, s); break;
+    default:
+        /* qmv: sorted prefill-sized f16/bf16 batches take "qmv, tiled by 8 rows" (bitwise equal to
+         * the batched route); decode-sized, unsorted and f32 batches the fp32 FMA kernel (the f32
+         * batched route runs that kernel too) */
+        st = dtype != FP4MOE_F32 && sorted && B >= FP4MOE_BATCHED_MIN_ROWS ? gq_launch_qmv_tiled(&a, dtype, s)
+                                                                          : gq_launch_qmv(&a, dtype, s);
+        break;
     }
     if (st != FP4MOE_OK)
         return fp4moe_error_context(st, "gather_qmm_cuda (route %s, E=%d N=%d K=%d B=%d)",
