@@ -23,67 +23,16 @@
 # Environment: E2E_QUICK=1: fewer repeats, no 8192; E2E_TESTS=0: skip the tests.
 set -u
 cd "$(dirname "$0")/.."
-PROGS="fp4moe test_model_gpu"
+GP_NAME=e2e
+GP_BUILD=build-gpum
+GP_PROGS="fp4moe test_model_gpu"
+GP_TARGETS="fp4moe_cli test_model_gpu"
+. scripts/gpu-pack.sh
 CFG=nemotron-3-nano-30b-a3b
 
-build() { # DIR: configure + build the programs
-    cmake -S . -B "$1" -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null &&
-        cmake --build "$1" -j "$(nproc)" --target fp4moe_cli test_model_gpu >/dev/null
-}
-
-package() { # BIN: the programs and libraries, xz-compressed (the carry limit is 64 MiB)
-    local bin=$1 stage
-    build build-gpum || return 1
-    stage=$(mktemp -d)
-    for p in $PROGS; do cp build-gpum/$p "$stage/" && strip "$stage/$p"; done
-    # every shared library beyond glibc, the C++ runtime and CUDA (the GPU image lacks cjson,
-    # pcre2, OpenBLAS, cmocka)
-    for p in $PROGS; do ldd "build-gpum/$p"; done | awk '$3 ~ /^\// {print $1, $3}' | sort -u |
-        while read -r name path; do
-            case $name in
-            libc.so*|libm.so*|libpthread*|libdl.so*|librt.so*|ld-linux*|libstdc++*|libgcc_s*|libcuda*|libcublas*) ;;
-            *) cp -L "$path" "$stage/$name" ;;
-            esac
-        done
-    mkdir -p "$bin"
-    rm -f "$bin/e2e.tar.xz"
-    tar -C "$stage" -cJf "$bin/e2e.tar.xz" . && rm -rf "$stage"
-    ls -la "$bin"
-}
-
-unpack() { # BIN -> prints the directory holding the programs
-    if [ -f "$1/e2e.tar.xz" ]; then
-        local d
-        d=$(mktemp -d "${TMPDIR:-/tmp}/fp4moe-e2e-XXXXXX")
-        python3 -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])' "$1/e2e.tar.xz" "$d" &&
-            echo "$d"
-    else
-        (cd "$1" && pwd)
-    fi
-}
-
-if [ "${1:-}" = "--package" ]; then
-    package "${2:?usage: scripts/gpu-e2e-check.sh --package BIN}" || { echo "gpu-e2e: build failed" >&2; exit 1; }
-    exit 0
-fi
-
-OUT=${OUT:-gpu-e2e-out}
-mkdir -p "$OUT"
-BIN=${1:-}
-if [ -z "$BIN" ] && [ -f build-gpum/e2e-bin/e2e.tar.xz ]; then BIN=build-gpum/e2e-bin; fi
-if [ -z "$BIN" ]; then
-    echo "gpu-e2e: building into build-gpum" >&2
-    build build-gpum || { echo "gpu-e2e: build failed" >&2; exit 1; }
-    BIN=build-gpum
-fi
-BIN=$(unpack "$BIN") || { echo "gpu-e2e: cannot unpack $BIN" >&2; exit 1; }
-export LD_LIBRARY_PATH="$BIN:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
-if ldd "$BIN/fp4moe" | grep -q "libcu.*not found"; then # CUDA libraries from the pip wheels
-    for mod in nvidia.cublas nvidia.cuda_runtime nvidia.cu13; do
-        d=$(python3 -c "import $mod, os; print(os.path.dirname($mod.__file__) + '/lib')" 2>/dev/null)
-        [ -n "$d" ] && [ -d "$d" ] && export LD_LIBRARY_PATH="$d:$LD_LIBRARY_PATH"
-    done
-fi
+[ "${1:-}" = "--package" ] || { OUT=${OUT:-gpu-e2e-out}; mkdir -p "$OUT"; }
+gp_main "$@"
+BIN=$GP_BIN
 QUICK=${E2E_QUICK:-0}
 FP="$BIN/fp4moe"
 

@@ -18,67 +18,16 @@
 # Environment: SSM_QUICK=1: benchmark at 512 tokens only, no sanitizer, no end-to-end runs.
 set -u
 cd "$(dirname "$0")/.."
-PROGS="test_ssm_gpu gpu_ssm fp4moe"
+GP_NAME=ssm
+GP_BUILD=build-ssd
+GP_PROGS="test_ssm_gpu gpu_ssm fp4moe"
+GP_TARGETS="test_ssm_gpu gpu_ssm fp4moe_cli"
+. scripts/gpu-pack.sh
 CFG=nemotron-3-nano-30b-a3b
 
-build() { # DIR: configure + build the programs
-    cmake -S . -B "$1" -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null &&
-        cmake --build "$1" -j "$(nproc)" --target test_ssm_gpu gpu_ssm fp4moe_cli >/dev/null
-}
-
-package() { # BIN: the programs and libraries, xz-compressed
-    local bin=$1 stage
-    build build-ssd || return 1
-    stage=$(mktemp -d)
-    for p in $PROGS; do cp build-ssd/$p "$stage/" && strip "$stage/$p"; done
-    # every shared library beyond glibc, the C++ runtime and CUDA (the GPU image lacks cjson,
-    # pcre2, OpenBLAS, cmocka)
-    for p in $PROGS; do ldd "build-ssd/$p"; done | awk '$3 ~ /^\// {print $1, $3}' | sort -u |
-        while read -r name path; do
-            case $name in
-            libc.so*|libm.so*|libpthread*|libdl.so*|librt.so*|ld-linux*|libstdc++*|libgcc_s*|libcuda*|libcublas*) ;;
-            *) cp -L "$path" "$stage/$name" ;;
-            esac
-        done
-    mkdir -p "$bin"
-    rm -f "$bin/ssm.tar.xz"
-    tar -C "$stage" -cJf "$bin/ssm.tar.xz" . && rm -rf "$stage"
-    ls -la "$bin"
-}
-
-unpack() { # BIN -> prints the directory holding the programs
-    if [ -f "$1/ssm.tar.xz" ]; then
-        local d
-        d=$(mktemp -d "${TMPDIR:-/tmp}/fp4moe-ssm-XXXXXX")
-        python3 -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])' "$1/ssm.tar.xz" "$d" &&
-            echo "$d"
-    else
-        (cd "$1" && pwd)
-    fi
-}
-
-if [ "${1:-}" = "--package" ]; then
-    package "${2:?usage: scripts/gpu-ssm-check.sh --package BIN}" || { echo "gpu-ssm: build failed" >&2; exit 1; }
-    exit 0
-fi
-
-OUT=${OUT:-gpu-ssm-out}
-mkdir -p "$OUT"
-BIN=${1:-}
-if [ -z "$BIN" ] && [ -f build-ssd/ssm-bin/ssm.tar.xz ]; then BIN=build-ssd/ssm-bin; fi
-if [ -z "$BIN" ]; then
-    echo "gpu-ssm: building into build-ssd" >&2
-    build build-ssd || { echo "gpu-ssm: build failed" >&2; exit 1; }
-    BIN=build-ssd
-fi
-BIN=$(unpack "$BIN") || { echo "gpu-ssm: cannot unpack $BIN" >&2; exit 1; }
-export LD_LIBRARY_PATH="$BIN:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
-if ldd "$BIN/gpu_ssm" | grep -q "libcu.*not found"; then # CUDA libraries from the pip wheels
-    for mod in nvidia.cublas nvidia.cuda_runtime nvidia.cu13; do
-        d=$(python3 -c "import $mod, os; print(os.path.dirname($mod.__file__) + '/lib')" 2>/dev/null)
-        [ -n "$d" ] && [ -d "$d" ] && export LD_LIBRARY_PATH="$d:$LD_LIBRARY_PATH"
-    done
-fi
+[ "${1:-}" = "--package" ] || { OUT=${OUT:-gpu-ssm-out}; mkdir -p "$OUT"; }
+gp_main "$@"
+BIN=$GP_BIN
 export PATH="$PATH:/usr/local/cuda/bin"
 QUICK=${SSM_QUICK:-0}
 
