@@ -38,7 +38,7 @@ status() { [ "$1" = 0 ] && echo PASS || echo "FAIL($1)"; }
 # 0. the machine
 {
     date -u; nvidia-smi -L; nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem \
-        --format=csv; for p in $PROGS; do ldd "$BIN/$p"; done; git rev-parse --short HEAD 2>/dev/null
+        --format=csv; for p in $GP_PROGS; do ldd "$BIN/$p"; done; git rev-parse --short HEAD 2>/dev/null
     git status --short 2>/dev/null | head -30
 } >"$OUT/env.log" 2>&1
 
