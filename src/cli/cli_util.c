@@ -1,6 +1,8 @@
 /* Helpers shared by the fp4moe subcommands (cli_util.h). */
 #include "cli/cli_util.h"
 
+#include <cjson/cJSON.h>
+
 #include <dirent.h>
 #include <errno.h>
 #include <math.h>
@@ -341,5 +343,36 @@ int cli_write_file(fp4moe_st_writer *w, const char *input, const char *output) {
     }
     const int st = fp4moe_st_writer_write(w, path ? path : output);
     free(path);
+    return st;
+}
+
+int cli_copy_config(const char *in_dir, const char *out_dir, int nvfp4) {
+    static const char *keys[] = {"quantization", "quantization_config"};
+    char *in = cli_join(in_dir, "config.json"), *out = cli_join(out_dir, "config.json"), *text = NULL;
+    int st = (in && out) ? FP4MOE_OK : fp4moe_set_error(FP4MOE_ENOMEM, "out of memory");
+    cJSON *root = NULL;
+    if (!st && cli_read_text(in, 64 << 20, &text) == FP4MOE_OK) {
+        root = cJSON_Parse(text);
+        if (!cJSON_IsObject(root)) st = fp4moe_set_error(FP4MOE_EFORMAT, "%s: not a JSON object", in);
+    } else if (!st && nvfp4) {
+        root = cJSON_CreateObject();     /* no config: write just the quantization entry */
+    }
+    if (!st && root) {
+        for (int k = 0; k < 2; k++) {
+            cJSON_DeleteItemFromObjectCaseSensitive(root, keys[k]);
+            if (!nvfp4) continue;
+            cJSON *q = cJSON_AddObjectToObject(root, keys[k]);
+            cJSON_AddNumberToObject(q, "group_size", 16);
+            cJSON_AddNumberToObject(q, "bits", 4);
+            cJSON_AddStringToObject(q, "mode", "nvfp4");
+        }
+        char *js = cJSON_Print(root);
+        st = js ? cli_write_text(out, js) : fp4moe_set_error(FP4MOE_ENOMEM, "out of memory");
+        free(js);
+    }
+    cJSON_Delete(root);
+    free(text);
+    free(in);
+    free(out);
     return st;
 }

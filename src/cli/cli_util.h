@@ -96,6 +96,12 @@ char *cli_join(const char *dir, const char *name);
 
 /* Writes w to the file `output`, or, when `output` is an existing directory, to the file named like
  * `input`'s last path component inside it. Returns a status (message set by the writer). */
+/* Copies in_dir/config.json to out_dir/config.json with the quantization entry set to MLX nvfp4
+ * ({"group_size": 16, "bits": 4, "mode": "nvfp4"}, mirrored as "quantization_config") when nvfp4,
+ * or removed when not. A missing input config gives a config holding only that entry (nvfp4) or
+ * no file (not nvfp4). Errors: the input is not a JSON object (message names the file), I/O. */
+int cli_copy_config(const char *in_dir, const char *out_dir, int nvfp4);
+
 int cli_write_file(fp4moe_st_writer *w, const char *input, const char *output);
 /* 1 when a and b name the same existing file or directory (same device and inode). */
 int cli_same_file(const char *a, const char *b);

@@ -84,32 +84,6 @@ static int unstacked_name(const char *name, int64_t e, char *out, size_t cap) {
     return (size_t)snprintf(out, cap, "%.*s.experts.%lld.%s.weight", (int)(x - name), name, (long long)e, proj) < cap;
 }
 
-static int write_config(const char *in_dir, const char *out_dir) {
-    char *in = cli_join(in_dir, "config.json"), *out = cli_join(out_dir, "config.json"), *text = NULL;
-    if (!in || !out) {
-        free(in);
-        free(out);
-        return fp4moe_set_error(FP4MOE_ENOMEM, "out of memory");
-    }
-    int st = FP4MOE_OK;
-    if (cli_read_text(in, 64 << 20, &text) == FP4MOE_OK) {
-        cJSON *root = cJSON_Parse(text);
-        if (!cJSON_IsObject(root)) {
-            st = fp4moe_set_error(FP4MOE_EFORMAT, "%s: not a JSON object", in);
-        } else {
-            cJSON_DeleteItemFromObjectCaseSensitive(root, "quantization");
-            cJSON_DeleteItemFromObjectCaseSensitive(root, "quantization_config");
-            char *s = cJSON_Print(root);
-            st = s ? cli_write_text(out, s) : fp4moe_set_error(FP4MOE_ENOMEM, "out of memory");
-            free(s);
-        }
-        cJSON_Delete(root);
-    }
-    free(text);
-    free(in);
-    free(out);
-    return st;
-}
 
 int cmd_dequantize(int argc, char **argv) {
     const char *input = NULL, *output = NULL, *dtype_s = "bf16";
@@ -192,7 +166,7 @@ int cmd_dequantize(int argc, char **argv) {
     if (is_dir) {
         const char *skip[] = {"config.json", "hf_quant_config.json", NULL};
         if ((st = cli_mkdirs(output)) || (st = fp4moe_st_writer_write_model(w, output, (int64_t)(shard_gb * 1e9))) ||
-            (st = write_config(fp4moe_st_model_dir(m), output)) ||
+            (st = cli_copy_config(fp4moe_st_model_dir(m), output, 0)) ||
             (st = cli_copy_model_files(fp4moe_st_model_dir(m), output, skip)))
             goto fail;
     } else {

@@ -376,38 +376,6 @@ static int add_outputs(plan *p, fp4moe_st_writer *w, fill_ctx *ctx, int64_t *tot
 }
 
 /* config.json of the output: the input's with the MLX nvfp4 quantization entry. */
-static int write_config(const char *in_dir, const char *out_dir) {
-    char *in = cli_join(in_dir, "config.json"), *out = cli_join(out_dir, "config.json"), *text = NULL;
-    int st = (in && out) ? FP4MOE_OK : fp4moe_set_error(FP4MOE_ENOMEM, "out of memory");
-    cJSON *root = NULL;
-    if (!st && cli_is_dir(in_dir)) {
-        if (cli_read_text(in, 64 << 20, &text) == FP4MOE_OK) {
-            if (!(root = cJSON_Parse(text))) st = fp4moe_set_error(FP4MOE_EFORMAT, "%s: not valid JSON", in);
-        } else {
-            root = cJSON_CreateObject(); /* no config: write just the quantization entry */
-        }
-    }
-    if (!st && root && cJSON_IsObject(root)) {
-        const char *keys[] = {"quantization", "quantization_config"};
-        for (int k = 0; k < 2; k++) {
-            cJSON_DeleteItemFromObjectCaseSensitive(root, keys[k]);
-            cJSON *q = cJSON_AddObjectToObject(root, keys[k]);
-            cJSON_AddNumberToObject(q, "group_size", 16);
-            cJSON_AddNumberToObject(q, "bits", 4);
-            cJSON_AddStringToObject(q, "mode", "nvfp4");
-        }
-        char *s = cJSON_Print(root);
-        st = s ? cli_write_text(out, s) : fp4moe_set_error(FP4MOE_ENOMEM, "out of memory");
-        free(s);
-    } else if (!st && root) {
-        st = fp4moe_set_error(FP4MOE_EFORMAT, "%s: not a JSON object", in);
-    }
-    cJSON_Delete(root);
-    free(text);
-    free(in);
-    free(out);
-    return st;
-}
 
 int cmd_quantize(int argc, char **argv) {
     const char *input = NULL, *output = NULL, *include = NULL, *exclude = NULL;
@@ -481,7 +449,7 @@ int cmd_quantize(int argc, char **argv) {
     if (is_dir) {
         const char *skip[] = {"config.json", NULL};
         if ((st = cli_mkdirs(output)) || (st = fp4moe_st_writer_write_model(w, output, (int64_t)(shard_gb * 1e9))) ||
-            (st = write_config(input, output)) ||
+            (st = cli_copy_config(input, output, 1)) ||
             (st = cli_copy_model_files(fp4moe_st_model_dir(m), output, skip)))
             goto fail;
     } else {
