@@ -84,6 +84,27 @@ int64_t tu_check_close(const void *y, fp4moe_dtype dtype, const double *ref, int
     return bad;
 }
 
+int64_t tu_check_gather_output(const void *y, fp4moe_dtype dtype, const uint32_t *idx, int64_t B,
+                               int64_t N, int64_t E, const int64_t *rows, int64_t nrows,
+                               const double *ref, void *ysub, const char *label) {
+    const size_t es = fp4moe_dtype_size(dtype);
+    int64_t bad = 0;
+    for (int64_t b = 0; b < B; b++) {           /* every row: no NaN left, OOR rows exactly 0 */
+        const int oor = idx[b] >= (uint64_t)E;
+        for (int64_t n = 0; n < N; n++) {
+            const double v = load_elem(y, dtype, b * N + n);
+            if (isnan(v) || (oor && v != 0.0)) {
+                if (bad < 3) fprintf(stderr, "  %s: y[%lld][%lld] = %g (idx %u)\n", label, (long long)b,
+                                     (long long)n, v, idx[b]);
+                bad++;
+            }
+        }
+    }
+    for (int64_t i = 0; i < nrows; i++)
+        memcpy((char *)ysub + i * N * es, (const char *)y + rows[i] * N * es, N * es);
+    return bad + tu_check_close(ysub, dtype, ref, nrows, N, label);
+}
+
 void tu_poison(void *y, fp4moe_dtype dtype, int64_t n) {
     if (dtype == FP4MOE_F32) {
         for (int64_t i = 0; i < n; i++) ((float *)y)[i] = NAN;

@@ -27,6 +27,14 @@ double tu_atol(fp4moe_dtype dtype);   /* 4 x the smallest normal of dtype */
 int64_t tu_check_close(const void *y, fp4moe_dtype dtype, const double *ref, int64_t B, int64_t N,
                        const char *what);
 
+/* The full check of one gather_qmm output y (B x N of dtype): every element written (no NaN left
+ * from poisoning), rows with idx[b] >= E exactly zero, and the rows[0..nrows) subset within the
+ * tolerance of ref (nrows x N, fp64; computed for those rows only). ysub: scratch of nrows x N
+ * elements. Returns the number of bad elements; prints the first few. */
+int64_t tu_check_gather_output(const void *y, fp4moe_dtype dtype, const uint32_t *idx, int64_t B,
+                               int64_t N, int64_t E, const int64_t *rows, int64_t nrows,
+                               const double *ref, void *ysub, const char *label);
+
 /* Fills n elements of dtype with NaN. */
 void tu_poison(void *y, fp4moe_dtype dtype, int64_t n);
 

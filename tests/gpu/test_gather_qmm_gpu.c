@@ -122,22 +122,8 @@ static int64_t run_route(const gg_run *g, fp4moe_route route, const char *label)
         return 1;
     }
     gt_download(g->y, g->dy, (size_t)(c->B * c->N) * es);
-    int64_t bad = 0;
-    for (int64_t b = 0; b < c->B; b++) { /* every element written; idx >= E rows exactly zero */
-        const int oor = g->idx[b] >= (uint64_t)c->E;
-        for (int64_t n = 0; n < c->N; n++) {
-            const float v = elem(g->y, c->dtype, b * c->N + n);
-            if (isnan(v) || (oor && v != 0.0f)) {
-                if (bad < 3)
-                    fprintf(stderr, "  %s: y[%lld][%lld] = %g (idx %u)\n", label, (long long)b, (long long)n, v,
-                            g->idx[b]);
-                bad++;
-            }
-        }
-    }
-    for (int64_t i = 0; i < g->nrows; i++)
-        memcpy((char *)g->ysub + i * c->N * es, (const char *)g->y + g->rows[i] * c->N * es, c->N * es);
-    return bad + tu_check_close(g->ysub, c->dtype, g->ref, g->nrows, c->N, label);
+    return tu_check_gather_output(g->y, c->dtype, g->idx, c->B, c->N, c->E, g->rows, g->nrows, g->ref,
+                                  g->ysub, label);
 }
 
 static void test_case(void **state) {

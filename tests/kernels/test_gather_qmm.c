@@ -82,7 +82,6 @@ typedef struct {
 /* One call: poison, run, check. Returns the number of bad elements (or 1 for a failed call). */
 static int64_t run_route(const gq_run *g, fp4moe_route route, const char *label) {
     const gq_case *c = g->c;
-    const size_t es = fp4moe_dtype_size(c->dtype);
     const int sorted = c->pattern != TU_IDX_UNSORTED;
     tu_poison(g->y, c->dtype, c->B * c->N);
     const int st = fp4moe_gather_qmm_cpu_route(&g->tw->w, g->x, c->dtype, g->idx, c->B, sorted, route, g->y);
@@ -90,24 +89,8 @@ static int64_t run_route(const gq_run *g, fp4moe_route route, const char *label)
         fprintf(stderr, "  %s: status %d: %s\n", label, st, fp4moe_last_error());
         return 1;
     }
-    int64_t bad = 0;
-    for (int64_t b = 0; b < c->B; b++) {           /* every row: no NaN left, OOR rows exactly 0 */
-        const int oor = g->idx[b] >= (uint64_t)c->E;
-        for (int64_t n = 0; n < c->N; n++) {
-            const char *p = (const char *)g->y + (b * c->N + n) * es;
-            const float v = c->dtype == FP4MOE_F32 ? *(const float *)p
-                            : c->dtype == FP4MOE_F16 ? fp4moe_f16_to_f32(*(const uint16_t *)p)
-                                                     : fp4moe_bf16_to_f32(*(const uint16_t *)p);
-            if (isnan(v) || (oor && v != 0.0f)) {
-                if (bad < 3) fprintf(stderr, "  %s: y[%lld][%lld] = %g (idx %u)\n", label, (long long)b,
-                                     (long long)n, v, g->idx[b]);
-                bad++;
-            }
-        }
-    }
-    for (int64_t i = 0; i < g->nrows; i++)
-        memcpy((char *)g->ysub + i * c->N * es, (const char *)g->y + g->rows[i] * c->N * es, c->N * es);
-    return bad + tu_check_close(g->ysub, c->dtype, g->ref, g->nrows, c->N, label);
+    return tu_check_gather_output(g->y, c->dtype, g->idx, c->B, c->N, c->E, g->rows, g->nrows, g->ref,
+                                  g->ysub, label);
 }
 
 static void test_case(void **state) {
