@@ -46,7 +46,7 @@ static cuda_ssm_args args_for(const bufs *b, int64_t T) {
         .T = T, .nh = NH, .hd = HD, .S = NS, .G = NG,
         .x = b->xbc, .xs = CD, .B = b->xbc + DI, .C = b->xbc + DI + NG * NS, .bcs = CD,
         .dt = b->zx + DI + CD, .dts = NP, .dt_bias = b->dt_bias, .A = b->A, .D = b->D,
-        .dt_min = 1e-3f, .state = b->state, .y = b->y,
+        .dt_lo = 1e-3f, .dt_hi = INFINITY, .state = b->state, .y = b->y,
     };
     return a;
 }

@@ -32,10 +32,12 @@ eager attention on the weights the C side computes with:
                                          embedding as stored: what fp4moe's quantize-on-load computes
   NAME = tiny-a-mlx / tiny-b-mlx / tiny-a-modelopt   the dequantized checkpoint
 The greedy continuation recomputes the whole sequence at every step (use_cache=False): transformers
-5.17 clamps dt to >= time_step_min in its chunked (prefill) scan but not in its one-token cached
-update, and fp4moe follows the prefill form everywhere; the models here have heads whose dt falls
-below time_step_min, so the cached reference would differ from both. The cached greedy tokens are
-recorded in the metadata for information.
+5.17 clamps dt to >= time_step_min in its chunked (prefill) scan, while fp4moe (like mlx-lm and
+vLLM) clamps dt to the config's time_step_limit in prefill and decode. The configs here declare
+time_step_limit = [time_step_min, inf], so both rules are one function on these models (whose
+heads have dt below time_step_min: the clamp is exercised); the goldens made before fp4moe switched
+to time_step_limit stay valid unchanged. The cached greedy tokens are recorded in the metadata for
+information.
 
 The NVFP4 quantizer below follows spec NVFP4.md section 3 bit for bit (fp32 arithmetic, round to
 nearest even, ties to the even code); the C test checks fp4moe's quantize-on-load against the MLX files.
@@ -59,7 +61,7 @@ PROMPT_LEN = 40
 GEN_LEN = 16
 
 COMMON = dict(vocab_size=272, use_mamba_kernels=False, conv_kernel=4, chunk_size=16,
-              time_step_min=0.01, layer_norm_epsilon=1e-5, tie_word_embeddings=False,
+              time_step_min=0.01, time_step_limit=(0.01, float("inf")), layer_norm_epsilon=1e-5, tie_word_embeddings=False,
               bos_token_id=1, eos_token_id=2, pad_token_id=0)
 
 MODEL_CONFIGS = {

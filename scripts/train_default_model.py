@@ -85,7 +85,9 @@ CONFIG = dict(
     time_step_min=0.001,
     time_step_max=0.1,
     time_step_floor=1e-4,
-    time_step_limit=[0.0, float("inf")],
+    # trained through transformers' chunked path, which clamps dt >= time_step_min: declared as the
+    # limit so that fp4moe, mlx-lm and vLLM (which apply time_step_limit) compute the trained model
+    time_step_limit=[0.001, float("inf")],
     mamba_ssm_cache_dtype="float32",
     # attention: GQA 6 query heads over 2 KV heads, head_dim 64, no RoPE
     num_attention_heads=6,

@@ -69,9 +69,9 @@ typedef struct {
     int64_t chunk_size;         /* chunk_size (informational: the scan here is sequential) */
     int conv_bias;              /* use_conv_bias (default 1) */
     int mamba_proj_bias;        /* mamba_proj_bias, else use_bias (default 0): in/out_proj biases */
-    float time_step_min;        /* dt is clamped to >= this (see src/model/mamba2.c), default 1e-3 */
-    float time_step_limit[2];   /* time_step_limit (default [0, inf]); parsed and recorded only:
-                                   transformers 5.17 clamps with (time_step_min, inf) instead */
+    float time_step_min;        /* initialisation parameter (synthetic dt_bias); default 1e-3 */
+    float time_step_limit[2];   /* time_step_limit [lo, hi] (default [0, inf]): dt is clamped to it
+                                   in prefill and decode (src/model/mamba2.c); lo <= hi, no NaN */
     /* attention */
     int64_t attn_heads;         /* num_attention_heads nq */
     int64_t kv_heads;           /* num_key_value_heads nkv (divides nq) */

@@ -346,13 +346,73 @@ int cli_write_file(fp4moe_st_writer *w, const char *input, const char *output) {
     return st;
 }
 
+/* The number lexemes of JSON text, in document order (strings skipped). Returns the count, or -1
+ * when there are more than cap. */
+static int64_t json_number_lexemes(const char *t, const char **start, int *len, int64_t cap) {
+    int64_t n = 0;
+    for (const char *p = t; *p;) {
+        if (*p == '"') {
+            for (p++; *p && *p != '"'; p++)
+                if (*p == '\\' && p[1]) p++;
+            if (*p) p++;
+        } else if (*p == '-' || (*p >= '0' && *p <= '9')) {
+            const char *b = p;
+            while (*p && strchr("+-0123456789.eE", *p)) p++;
+            if (n == cap) return -1;
+            start[n] = b;
+            len[n++] = (int)(p - b);
+        } else {
+            p++;
+        }
+    }
+    return n;
+}
+
+/* Replaces the number nodes below `node` (document order) by raw nodes holding their source text,
+ * so that 0.0 stays 0.0 (cJSON would print 0, which transformers' strict config types reject). */
+static int keep_lexemes(cJSON *node, const char *const *start, const int *len, int64_t n, int64_t *i) {
+    for (cJSON *c = node->child; c; c = c->next) {
+        if (cJSON_IsNumber(c)) {
+            if (*i >= n || len[*i] > 63) return 0;
+            char *lex = malloc((size_t)len[*i] + 1);   /* freed by cJSON_Delete (cJSON_Raw) */
+            if (!lex) return 0;
+            memcpy(lex, start[*i], (size_t)len[*i]);
+            lex[len[*i]] = 0;
+            (*i)++;
+            c->type = cJSON_Raw;                        /* keeps the key and the position */
+            c->valuestring = lex;
+        } else if (c->child && !keep_lexemes(c, start, len, n, i)) {
+            return 0;
+        }
+    }
+    return 1;
+}
+
+/* Parses config text keeping each number's spelling; NULL when it is not JSON. */
+static cJSON *parse_keeping_numbers(const char *text) {
+    cJSON *root = cJSON_Parse(text);
+    if (!root) return NULL;
+    enum { CAP = 1 << 16 };
+    const char **start = malloc(CAP * sizeof *start);
+    int *len = malloc(CAP * sizeof *len);
+    const int64_t n = start && len ? json_number_lexemes(text, start, len, CAP) : -1;
+    int64_t i = 0;
+    if (n >= 0 && !keep_lexemes(root, start, len, n, &i)) {   /* cannot happen for valid JSON */
+        cJSON_Delete(root);
+        root = cJSON_Parse(text);
+    }
+    free(start);
+    free(len);
+    return root;
+}
+
 int cli_copy_config(const char *in_dir, const char *out_dir, int nvfp4) {
     static const char *keys[] = {"quantization", "quantization_config"};
     char *in = cli_join(in_dir, "config.json"), *out = cli_join(out_dir, "config.json"), *text = NULL;
     int st = (in && out) ? FP4MOE_OK : fp4moe_set_error(FP4MOE_ENOMEM, "out of memory");
     cJSON *root = NULL;
     if (!st && cli_read_text(in, 64 << 20, &text) == FP4MOE_OK) {
-        root = cJSON_Parse(text);
+        root = parse_keeping_numbers(text);   /* floats stay floats (transformers, mlx-lm) */
         if (!cJSON_IsObject(root)) st = fp4moe_set_error(FP4MOE_EFORMAT, "%s: not a JSON object", in);
     } else if (!st && nvfp4) {
         root = cJSON_CreateObject();     /* no config: write just the quantization entry */

@@ -269,6 +269,9 @@ static int parse_mamba(const cfg_src *c, fp4moe_config *cfg) {
             return fp4moe_set_error(FP4MOE_EFORMAT,
                                     "%s: time_step_limit must be [lo, hi] (numbers or "
                                     "{\"__float__\": \"Infinity\"})", c->label);
+        if (isnan(a) || isnan(b) || a > b)
+            return fp4moe_set_error(FP4MOE_EFORMAT, "%s: time_step_limit [%g, %g] must have lo <= hi",
+                                    c->label, a, b);
         cfg->time_step_limit[0] = (float)a;
         cfg->time_step_limit[1] = (float)b;
     }

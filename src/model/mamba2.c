@@ -3,10 +3,15 @@
  *   [z | xBC | dt] = in_proj(x);  xBC = silu(conv1d_causal(xBC));  [xs | B | C] = xBC
  *   y = ssm_scan(xs, dt, A, B, C, D);  out = out_proj(rmsnorm_grouped(y * silu(z)) * norm.weight)
  * The conv and SSM states carry over between calls (prefill and decode use the same code).
- * dt clamp: transformers 5.17 clamps dt to >= time_step_min in its chunked scan (every prefill)
- * but not in its one-token cached update; fp4moe clamps in both, so that prefill and decode are
- * one function (tests/model/test_model_paths.c checks they agree). The golden references are
- * computed with the chunked form throughout (scripts/make_golden.py). */
+ * dt clamp: dt = clamp(softplus(dt + dt_bias), time_step_limit[0], time_step_limit[1]) in prefill
+ * and decode alike, as the engines these checkpoints are served with do: mlx-lm applies the
+ * config's time_step_limit, vLLM's Mamba-2 mixer and the state-spaces/mamba kernels use
+ * dt_limit = (0, inf), which NVIDIA's configs declare. transformers 5.17 instead clamps dt to
+ * >= time_step_min in its chunked scan (every prefill) and not at all in its one-token cached
+ * update; time_step_min is an initialisation parameter of dt_bias elsewhere. A model trained
+ * through transformers' prefill path (the default model, the golden tiny models) declares
+ * time_step_limit = [time_step_min, inf], so both readings give one function there
+ * (docs/spec/NEMOTRON_H.md; tests/model/test_model_paths.c checks prefill == decode). */
 #include "model/model_internal.h"
 
 #include "common/error.h"
@@ -34,7 +39,7 @@ int mamba2_forward(fp4moe_session *s, int64_t l, const float *x, int64_t T, floa
         .T = T, .nh = nh, .hd = hd, .S = S, .G = G,
         .x = xbc, .xs = cd, .B = xbc + di, .C = xbc + di + GS, .bcs = cd,
         .dt = dt, .dts = np, .dt_bias = w->dt_bias, .A = w->A, .D = w->D,
-        .dt_min = c->time_step_min, .state = ls->ssm_state, .y = y,
+        .dt_lo = c->time_step_limit[0], .dt_hi = c->time_step_limit[1], .state = ls->ssm_state, .y = y,
     };
     op_ssm_scan(&a);
     op_rmsnorm_gated(y, di, z, np, w->gnorm, T, di, G, c->eps, y);

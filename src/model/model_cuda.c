@@ -469,7 +469,7 @@ static int mamba_enqueue(fp4moe_session *s, int64_t l, int64_t T) {
         .T = T, .nh = nh, .hd = hd, .S = S, .G = G,
         .x = gs->xbc, .xs = cd, .B = gs->xbc + di, .C = gs->xbc + di + GS, .bcs = cd,
         .dt = gs->zx + di + cd, .dts = np, .dt_bias = d->dt_bias, .A = d->A, .D = d->D,
-        .dt_min = c->time_step_min, .state = ls->ssm_state, .y = gs->y,
+        .dt_lo = c->time_step_limit[0], .dt_hi = c->time_step_limit[1], .state = ls->ssm_state, .y = gs->y,
     };
     TRY(cuda_ssm_scan(gs->stream, &a));
     TRY(cuda_rmsnorm_gated(gs->stream, gs->y, gs->zx, np, d->gnorm, T, di, G, c->eps, gs->yb));

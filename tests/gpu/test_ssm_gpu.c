@@ -1,6 +1,6 @@
 /* The Mamba-2 selective scan on CUDA (cuda_ssm_scan, src/kernels/cuda/ops_ssm.cu) against an fp64
  * reference of the recurrence (spec NEMOTRON_H.md "Mamba-2"; src/kernels/cpu/ops_ssm.c):
- *   dt = max(softplus(dt_raw + dt_bias), dt_min); dA = exp(dt * A)
+ *   dt = clamp(softplus(dt_raw + dt_bias), dt_lo, dt_hi); dA = exp(dt * A)
  *   state_h = dA * state_h + dt * x_h (outer) B_g;  y_h = state_h @ C_g + D_h * x_h,  g = h/(nh/G)
  * for each kernel (FP4MOE_SSM_SCAN = seq, tiled and the tile variants tiled28 / tiled44), on random
  * data (never zeros; a random starting state, as after an earlier prefill chunk; raw dt low enough
@@ -40,7 +40,7 @@ typedef struct {
     shape s;
     float *x, *B, *C, *dt_bias, *A, *D, *state0; /* host */
     uint16_t *dt;
-    float dt_min;
+    float dt_lo, dt_hi;
 } problem;
 
 static float bf16_to_f32(uint16_t b) {
@@ -68,12 +68,12 @@ static float *rand_floats(tu_rng *r, int64_t n, double lo, double hi) {
 static problem make_problem(shape s, uint64_t seed) {
     tu_rng r;
     tu_rng_seed(&r, seed);
-    problem p = {.s = s, .dt_min = 1e-3f};
+    problem p = {.s = s, .dt_lo = 1e-3f, .dt_hi = 1.5f}; /* softplus(2 + 1) > 1.5: clamped */
     p.x = rand_floats(&r, s.T * s.xs, -2.0, 2.0);
     p.B = rand_floats(&r, s.T * s.bcs, -1.0, 1.0);
     p.C = rand_floats(&r, s.T * s.bcs, -1.0, 1.0);
     p.dt = malloc((size_t)(s.T * s.dts) * sizeof *p.dt);
-    for (int64_t i = 0; i < s.T * s.dts; i++) /* softplus(-9 - 3) ~ 6e-6 < dt_min: clamped */
+    for (int64_t i = 0; i < s.T * s.dts; i++) /* softplus(-9 - 3) ~ 6e-6 < dt_lo: clamped */
         p.dt[i] = f32_to_bf16_trunc((float)(-9.0 + 11.0 * tu_rng_uniform(&r)));
     p.dt_bias = rand_floats(&r, s.nh, -3.0, 1.0);
     p.A = malloc((size_t)s.nh * sizeof *p.A);
@@ -96,7 +96,8 @@ static void reference(const problem *p, double *y, double *state) {
             const int64_t g = h / (s.nh / s.G);
             double v = (double)bf16_to_f32(p->dt[t * s.dts + h]) + p->dt_bias[h];
             double dt = v > 20.0 ? v : log1p(exp(v));
-            if (dt < p->dt_min) dt = p->dt_min;
+            if (dt < p->dt_lo) dt = p->dt_lo;
+            if (dt > p->dt_hi) dt = p->dt_hi;
             const double dA = exp(dt * p->A[h]);
             const float *B = p->B + t * s.bcs + g * s.S, *C = p->C + t * s.bcs + g * s.S;
             for (int64_t q = 0; q < s.hd; q++) {
@@ -144,7 +145,7 @@ static int run_scan(const problem *p, const dev *d, int64_t t0, int64_t T, const
         .T = T, .nh = s.nh, .hd = s.hd, .S = s.S, .G = s.G,
         .x = d->x + t0 * s.xs, .xs = s.xs, .B = d->B + t0 * s.bcs, .C = d->C + t0 * s.bcs, .bcs = s.bcs,
         .dt = d->dt + t0 * s.dts, .dts = s.dts, .dt_bias = d->dt_bias, .A = d->A, .D = d->D,
-        .dt_min = p->dt_min, .state = d->state, .y = d->y + t0 * s.nh * s.hd,
+        .dt_lo = p->dt_lo, .dt_hi = p->dt_hi, .state = d->state, .y = d->y + t0 * s.nh * s.hd,
     };
     const int rc = cuda_ssm_scan(NULL, &a);
     unsetenv("FP4MOE_SSM_SCAN");

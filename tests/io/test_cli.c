@@ -167,7 +167,8 @@ static void write_model(const char *path, int as_dir) {
         char p[600];
         snprintf(p, sizeof p, "%s/config.json", path);
         const char *cfg = "{\"model_type\": \"nemotron_h\", \"hidden_size\": 32, \"n_routed_experts\": 4, "
-                          "\"time_step_limit\": [0.0, {\"__float__\": \"Infinity\"}]}";
+                          "\"time_step_limit\": [0.0, {\"__float__\": \"Infinity\"}], \"attention_dropout\": 0.0, "
+                          "\"layer_norm_epsilon\": 1e-05, \"routed_scaling_factor\": 2.50}";
         io_write_bytes(p, cfg, strlen(cfg));
         snprintf(p, sizeof p, "%s/tokenizer.json", path);
         io_write_bytes(p, "{\"model\": {\"type\": \"BPE\"}}", 27);
@@ -276,6 +277,10 @@ static void expect_dequantized(const fp4moe_st_model *q, const fp4moe_st_model *
         assert_memory_equal((const uint8_t *)o->data + (size_t)(e * N * K) * es, ref, (size_t)(N * K) * es);
     }
     free(ref);
+}
+
+static void expect_text(const char *text, const char *want) {
+    if (!strstr(text, want)) fail_msg("expected '%s' in:\n%s", want, text);
 }
 
 static cJSON *read_json(const char *path) {
@@ -426,6 +431,18 @@ static void test_quantize_then_dequantize_dir(void **state) {
     assert_null(cJSON_GetObjectItem(cfg, "quantization_config"));
     assert_string_equal(cJSON_GetObjectItem(cfg, "model_type")->valuestring, "nemotron_h");
     cJSON_Delete(cfg);
+    /* every number keeps its spelling in both directions: floats stay floats (transformers' strict
+     * config types reject an int 0 in time_step_limit) */
+    const char *cfgs[2] = {q, d};
+    for (int k = 0; k < 2; k++) {
+        char t[4096];
+        snprintf(p, sizeof p, "%s/config.json", cfgs[k]);
+        slurp(p, t, sizeof t);
+        expect_text(t, "[0.0, {");
+        expect_text(t, "\"attention_dropout\":\t0.0,");
+        expect_text(t, "\"layer_norm_epsilon\":\t1e-05");
+        expect_text(t, "\"routed_scaling_factor\":\t2.50");
+    }
 
     /* --unstack gives back HF expert names, each the slice of the stack */
     EXPECT_RC(0, "dequantize", "-i", q, "-o", u, "--dtype", "f32", "--unstack");

@@ -120,6 +120,9 @@ static void test_float_spellings(void **state) {
     j = small("\"hybrid_override_pattern\": \"M\"", ", \"time_step_limit\": [0.0, {\"__float__\": \"lots\"}]");
     expect_error(j, FP4MOE_EFORMAT, "time_step_limit");
     free(j);
+    j = small("\"hybrid_override_pattern\": \"M\"", ", \"time_step_limit\": [0.5, 0.1]");
+    expect_error(j, FP4MOE_EFORMAT, "lo <= hi");
+    free(j);
 }
 
 static void test_quantization_modes(void **state) {

@@ -206,14 +206,16 @@ static void test_ssm_scan(void **state) {
     float *x = rnd(&r, T * xs, 1.0), *bc = rnd(&r, T * bcs, 1.0), *dt = rnd(&r, T * dts, 1.0);
     float *dtb = rnd(&r, nh, 1.0), *A = malloc(nh * 4), *D = rnd(&r, nh, 1.0);
     for (int64_t h = 0; h < nh; h++) A[h] = -expf((float)tu_rng_uniform(&r) * 2.0f);
-    dtb[0] = -9.0f;                                         /* head 0 hits the dt clamp */
-    const float dt_min = 0.01f;
+    dtb[0] = -9.0f;                                         /* head 0 hits the lower dt limit */
+    dtb[1] = 3.0f;                                          /* head 1 the upper one */
+    const float dt_lo = 0.01f, dt_hi = 2.5f;
     double *ref = calloc((size_t)(T * nh * hd), 8), *sref = calloc((size_t)(nh * hd * S), 8);
     for (int64_t t = 0; t < T; t++)
         for (int64_t h = 0; h < nh; h++) {
             const int64_t g = h / (nh / G);
             double d = softplus_d((double)dt[t * dts + h] + dtb[h]);
-            if (d < dt_min) d = dt_min;
+            if (d < dt_lo) d = dt_lo;
+            if (d > dt_hi) d = dt_hi;
             const double dA = exp(d * A[h]);
             for (int64_t p = 0; p < hd; p++) {
                 double y = 0;
@@ -226,14 +228,14 @@ static void test_ssm_scan(void **state) {
             }
         }
     float *st = calloc((size_t)(nh * hd * S), 4), *y = poison(T * nh * hd);
-    op_ssm_args a = {T, nh, hd, S, G, x, xs, bc, bc + G * S, bcs, dt, dts, dtb, A, D, dt_min, st, y};
+    op_ssm_args a = {T, nh, hd, S, G, x, xs, bc, bc + G * S, bcs, dt, dts, dtb, A, D, dt_lo, dt_hi, st, y};
     op_ssm_scan(&a);
     close_f64(y, ref, T * nh * hd, 1e-5, "scan whole");
     /* token by token from a zero state gives the same outputs */
     float *st2 = calloc((size_t)(nh * hd * S), 4), *y2 = poison(T * nh * hd);
     for (int64_t t = 0; t < T; t++) {
         op_ssm_args b = {1, nh, hd, S, G, x + t * xs, xs, bc + t * bcs, bc + t * bcs + G * S, bcs,
-                         dt + t * dts, dts, dtb, A, D, dt_min, st2, y2 + t * nh * hd};
+                         dt + t * dts, dts, dtb, A, D, dt_lo, dt_hi, st2, y2 + t * nh * hd};
         op_ssm_scan(&b);
     }
     close_f64(y2, ref, T * nh * hd, 1e-5, "scan token by token");

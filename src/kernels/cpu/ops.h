@@ -86,7 +86,7 @@ void op_conv1d_causal(const float *x, int64_t xs, int64_t T, int64_t C, const fl
                       const float *b, int64_t Kc, float *state, float *y);
 
 /* The Mamba-2 selective scan, recurrent form, fp32 state (spec NEMOTRON_H.md, Mamba-2):
- *   dt = max(softplus(dt_raw + dt_bias), dt_min); dA = exp(dt * A)
+ *   dt = clamp(softplus(dt_raw + dt_bias), dt_lo, dt_hi); dA = exp(dt * A)   (time_step_limit)
  *   state_h = dA * state_h + dt * x_h (outer) B_g;  y_h = state_h @ C_g + D_h * x_h,  g = h/(nh/G)
  * Used for prefill (T tokens, sequentially) and decode (T = 1); same function, same numbers. */
 typedef struct {
@@ -95,7 +95,7 @@ typedef struct {
     const float *B;  const float *C; int64_t bcs; /* T rows (stride bcs): G*S values each */
     const float *dt; int64_t dts;   /* T rows (stride dts): nh raw values */
     const float *dt_bias, *A, *D;   /* nh each; A = -exp(A_log) */
-    float dt_min;
+    float dt_lo, dt_hi;             /* the config's time_step_limit */
     float *state;                   /* nh x hd x S, updated */
     float *y;                       /* T x nh*hd */
 } op_ssm_args;

@@ -1,6 +1,7 @@
 /* Mamba-2 on the CPU: the causal depthwise conv1d with state and the selective scan (recurrent
  * form, fp32 state). Formulas: spec NEMOTRON_H.md "Mamba-2"; transformers NemotronHMamba2Mixer
- * torch_forward (dt clamped to >= time_step_min on both the prefill and the decode path). */
+ * torch_forward; dt clamped to the config's time_step_limit [lo, hi] on both the prefill and the
+ * decode path, as mlx-lm, vLLM and the state-spaces/mamba kernels do (src/model/mamba2.c). */
 #include "kernels/cpu/ops.h"
 
 #include <math.h>
@@ -39,7 +40,8 @@ static void scan_head(const op_ssm_args *a, int64_t h) {
     float *st = a->state + h * hd * S;
     for (int64_t t = 0; t < a->T; t++) {
         float dt = softplus(a->dt[t * a->dts + h] + a->dt_bias[h]);
-        if (dt < a->dt_min) dt = a->dt_min;
+        if (dt < a->dt_lo) dt = a->dt_lo;          /* torch.clamp(dt, lo, hi) */
+        if (dt > a->dt_hi) dt = a->dt_hi;
         const float dA = expf(dt * a->A[h]);
         const float *xh = a->x + t * a->xs + h * hd;
         const float *B = a->B + t * a->bcs + g * S, *C = a->C + t * a->bcs + g * S;

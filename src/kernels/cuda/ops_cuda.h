@@ -126,7 +126,7 @@ int cuda_conv1d_causal(void *stream, const uint16_t *x, int64_t xs, int64_t T, i
 /* The Mamba-2 selective scan (op_ssm_scan, recurrent form, fp32 state), one function for prefill
  * (T tokens: FP4MOE_SSM_SCAN=tiled (default; register-blocked state, cp.async input tiles) or seq)
  * and decode (T = 1, seq):
- *   dt = max(softplus(dt_raw + dt_bias), dt_min); dA = exp(dt * A)
+ *   dt = clamp(softplus(dt_raw + dt_bias), dt_lo, dt_hi); dA = exp(dt * A)   (time_step_limit)
  *   state_h = dA * state_h + dt * x_h (outer) B_g;  y_h = state_h @ C_g + D_h * x_h,  g = h/(nh/G)
  * S <= 256. */
 typedef struct {
@@ -135,7 +135,7 @@ typedef struct {
     const float *B, *C; int64_t bcs;    /* T rows (stride bcs): G*S fp32 each */
     const uint16_t *dt; int64_t dts;    /* T rows (stride dts): nh raw bf16 values */
     const float *dt_bias, *A, *D;       /* nh each; A = -exp(A_log) */
-    float dt_min;
+    float dt_lo, dt_hi;                 /* the config's time_step_limit */
     float *state;                       /* nh x hd x S fp32, updated */
     float *y;                           /* T x nh*hd fp32 */
 } cuda_ssm_args;

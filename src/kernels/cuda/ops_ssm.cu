@@ -1,6 +1,6 @@
 /* CUDA ops of the Mamba-2 mixer: the causal depthwise conv1d with state (+ silu) and the selective
  * scan with fp32 state. Formulas: spec NEMOTRON_H.md "Mamba-2", src/kernels/cpu/ops_ssm.c (dt
- * clamped to >= time_step_min on both the prefill and the decode path). Contracts: ops_cuda.h.
+ * clamped to the config's time_step_limit on both the prefill and the decode path). Contracts: ops_cuda.h.
  *
  * The scan is the recurrent form for prefill too (not the chunked SSD matrix form, which in fp32 on
  * CUDA cores needs about as many FMAs for S = 128 and would need tensor cores at TF32 to be faster,
@@ -130,7 +130,8 @@ ssm_scan_kernel(cuda_ssm_args a, int TC) {
         }
         for (int tt = threadIdx.x; tt < tc; tt += blockDim.x) {
             float dt = softplus_f(__fadd_rn(ops_bf16_to_f32(a.dt[(int64_t)(t0 + tt) * a.dts + h]), bias));
-            if (dt < a.dt_min) dt = a.dt_min;
+            if (dt < a.dt_lo) dt = a.dt_lo;
+            if (dt > a.dt_hi) dt = a.dt_hi;
             dts[tt] = dt;
             dAs[tt] = expf(__fmul_rn(dt, Ah));
         }
@@ -195,9 +196,10 @@ __device__ __forceinline__ void ts_commit() { asm volatile("cp.async.commit_grou
 __device__ __forceinline__ void ts_wait_prev() { asm volatile("cp.async.wait_group 1;\n" ::: "memory"); }
 
 /* dt and dA of head h at one token, exactly as ssm_scan_kernel computes them. */
-__device__ __forceinline__ float2 ts_dt_dA(uint16_t raw, float bias, float dt_min, float Ah) {
+__device__ __forceinline__ float2 ts_dt_dA(uint16_t raw, float bias, float dt_lo, float dt_hi, float Ah) {
     float dt = softplus_f(__fadd_rn(ops_bf16_to_f32(raw), bias));
-    if (dt < dt_min) dt = dt_min;
+    if (dt < dt_lo) dt = dt_lo;
+    if (dt > dt_hi) dt = dt_hi;
     return make_float2(dt, expf(__fmul_rn(dt, Ah)));
 }
 
@@ -300,7 +302,7 @@ ssm_scan_tiled_kernel(cuda_ssm_args a, int vec) {
     const int ntiles = (T + LT - 1) / LT;
     load(0, 0);
     ts_commit();
-    if (tid < LT && tid < T) dtA_at(0)[tid] = ts_dt_dA(a.dt[(int64_t)tid * a.dts + h], bias, a.dt_min, Ah);
+    if (tid < LT && tid < T) dtA_at(0)[tid] = ts_dt_dA(a.dt[(int64_t)tid * a.dts + h], bias, a.dt_lo, a.dt_hi, Ah);
     const int64_t ystride = (int64_t)nh * hd;
 
     for (int tile = 0; tile < ntiles; tile++) {
@@ -374,7 +376,7 @@ ssm_scan_tiled_kernel(cuda_ssm_args a, int vec) {
             }
         }
         if (has_next && tid < LT && t0 + LT + tid < T)
-            dtA_at(s ^ 1)[tid] = ts_dt_dA(raw_next, bias, a.dt_min, Ah);
+            dtA_at(s ^ 1)[tid] = ts_dt_dA(raw_next, bias, a.dt_lo, a.dt_hi, Ah);
         __syncthreads(); /* stage s is free for the tile after next; dtA of the next tile visible */
     }
 #pragma unroll
