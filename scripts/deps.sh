@@ -2,7 +2,8 @@
 # Installs (or names) the Debian packages fp4moe needs to build and test.
 # As root: apt-get installs what is missing. Otherwise: prints the exact apt line and exits 1.
 set -euo pipefail
-pkgs=(build-essential cmake pkg-config libcmocka-dev libcjson-dev libpcre2-dev libopenblas-dev)
+pkgs=(build-essential cmake pkg-config libcmocka-dev libcjson-dev libpcre2-dev libopenblas-dev
+      python3 python3-venv)   # python3-venv: scripts/pyenv.sh (the mlx-lm oracle test)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
