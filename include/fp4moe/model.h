@@ -266,6 +266,93 @@ typedef enum {
 const char *fp4moe_prof_kind_name(fp4moe_prof_kind k);
 int fp4moe_session_profile(fp4moe_session *s, double ms[FP4MOE_PROF_KINDS], int reset);
 
+/* ---- batch: many sequences in one forward (continuous batching) ---------------------------------- */
+
+/* A batch runs many sequences through ONE forward per step: every row of every sequence goes
+ * through one router and one sort by expert (the expert-batched gather route sees the whole
+ * batch), while the Mamba conv/scan and attention keep sequences apart. Sequences are added and
+ * removed at any step; each has its own conv/SSM state (a pool slot) and KV cache (pages of 32
+ * tokens from a pool shared by all sequences). A step takes a ragged set of (sequence, tokens):
+ * prefill chunks of some sequences and single decode tokens of others together. Results per
+ * sequence are those the sequence gets alone (bitwise on the CPU; on CUDA the same up to the
+ * gather route's row grouping, which the tests check on greedy ids). A session
+ * (fp4moe_session_*) is a batch of one. Threading: one thread per batch. */
+typedef struct {
+    int64_t max_seqs;           /* sequences alive at once (pool slots); default 16 */
+    int64_t max_kv_tokens;      /* KV tokens over all sequences (the page pool); <= 0: grown on
+                                   demand (default) */
+    int64_t max_step_tokens;    /* rows per step (bounds activation memory); default 256 */
+    int64_t max_context;        /* tokens per sequence; <= 0: max_kv_tokens or 1 << 20 */
+    fp4moe_dtype act_dtype;     /* as fp4moe_session_options (CUDA: bf16) */
+    fp4moe_route route;
+    fp4moe_device device;
+    int profile;
+    const volatile sig_atomic_t *interrupt;
+} fp4moe_batch_options;
+
+/* max_seqs 16, max_step_tokens 256, act f32 (CPU) / bf16 (CUDA) by device, route auto. */
+void fp4moe_batch_options_default(fp4moe_batch_options *o);
+
+typedef struct fp4moe_batch fp4moe_batch;
+
+/* A batch over model m (m outlives it). opts NULL: defaults. Device choice and its errors as
+ * fp4moe_session_new. Errors: FP4MOE_EINVAL (bad option), FP4MOE_ENOMEM, FP4MOE_ECUDA. */
+int fp4moe_batch_new(const fp4moe_model *m, const fp4moe_batch_options *opts, fp4moe_batch **out);
+void fp4moe_batch_free(fp4moe_batch *b);
+
+/* A new empty sequence (position 0, zero states); *seq is its id (never reused by this batch).
+ * Errors: FP4MOE_EOVERFLOW (max_seqs sequences alive: the message says so). */
+int fp4moe_batch_add(fp4moe_batch *b, int64_t *seq);
+/* Frees the sequence's slot and KV pages at once. Errors: FP4MOE_EINVAL (unknown id). */
+int fp4moe_batch_remove(fp4moe_batch *b, int64_t seq);
+/* Tokens consumed by the sequence, or -1 for an unknown id. */
+int64_t fp4moe_batch_pos(const fp4moe_batch *b, int64_t seq);
+/* Sequences alive; KV tokens held (pages x 32) and the pool's size in tokens. */
+int64_t fp4moe_batch_count(const fp4moe_batch *b);
+void fp4moe_batch_kv_usage(const fp4moe_batch *b, int64_t *used_tokens, int64_t *pool_tokens);
+
+enum { FP4MOE_LOGITS_NONE = 0, FP4MOE_LOGITS_LAST = 1, FP4MOE_LOGITS_ALL = 2 };
+
+/* One sequence's part of a step. */
+typedef struct {
+    int64_t seq;                /* in: the sequence */
+    const int32_t *tokens;      /* in: n >= 1 token ids, consumed after its position */
+    int64_t n;
+    int logits;                 /* in: FP4MOE_LOGITS_*: out_logits gets V (LAST) or n x V (ALL)
+                                   fp32 values */
+    float *out_logits;
+    int32_t *out_token;         /* in (optional): receives the greedy next token (argmax of the
+                                   last row, lowest id on ties; computed on the device) */
+    int status;                 /* out: FP4MOE_OK, or this item's error (then nothing of it ran
+                                   and the sequence is unchanged) */
+    char error[192];            /* out: the message of a failed item */
+} fp4moe_batch_item;
+
+/* Runs one step over items[0..n): at most max_step_tokens tokens in all, each sequence at most
+ * once. An item that cannot run gets its own status and message and the others go on: unknown
+ * sequence, a token id outside [0, V), n < 1, a sequence given twice, tokens beyond max_context
+ * (FP4MOE_EOVERFLOW), the KV pool exhausted (FP4MOE_EOVERFLOW: "KV cache pool exhausted"), or
+ * no room left in the step (FP4MOE_EOVERFLOW). Returns FP4MOE_OK when the step ran (check each
+ * item's status), FP4MOE_EINVAL for NULL arguments, or the error of the forward itself (kernel
+ * error, FP4MOE_EINTERRUPTED, FP4MOE_ENOMEM): then the sequences of the step are in an undefined
+ * state and must be removed. */
+int fp4moe_batch_step(fp4moe_batch *b, fp4moe_batch_item *items, int64_t n);
+
+/* A copy of a sequence's state at its current position p: the KV rows 0..p-1 of every attention
+ * layer and the conv and SSM states of every Mamba layer, in host memory. The primitive of prefix
+ * reuse: a hybrid model's SSM state cannot be truncated, so a prefix is reused by restoring the
+ * snapshot taken at its end. */
+typedef struct fp4moe_snapshot fp4moe_snapshot;
+/* Errors: FP4MOE_EINVAL (unknown sequence), FP4MOE_ENOMEM, FP4MOE_ECUDA. */
+int fp4moe_batch_snapshot(fp4moe_batch *b, int64_t seq, fp4moe_snapshot **out);
+/* A new sequence starting from snapshot s (position fp4moe_snapshot_pos(s)). Errors: those of
+ * fp4moe_batch_add, FP4MOE_EOVERFLOW (KV pool exhausted), FP4MOE_EINVAL (a snapshot of another
+ * model or device kind). */
+int fp4moe_batch_add_from_snapshot(fp4moe_batch *b, const fp4moe_snapshot *s, int64_t *seq);
+int64_t fp4moe_snapshot_pos(const fp4moe_snapshot *s);
+size_t fp4moe_snapshot_bytes(const fp4moe_snapshot *s);
+void fp4moe_snapshot_free(fp4moe_snapshot *s);
+
 /* ---- sampling ------------------------------------------------------------------------------- */
 
 typedef struct {

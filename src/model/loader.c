@@ -13,7 +13,7 @@
 #include "common/error.h"
 #include "fp4moe/nvfp4.h"
 #include "io/nvfp4_ckpt.h"
-#include "model/model_cuda.h"
+#include "backend/cuda/placement.h"
 #include "model/model_internal.h"
 
 typedef struct {

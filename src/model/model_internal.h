@@ -52,40 +52,15 @@ struct fp4moe_model {
     op_linear lm_head;              /* (V, H) */
     owned_block *owned;             /* everything allocated for the weights */
     fp4moe_model_stats stats;
-    struct gpu_model *gpu;          /* the weights on the GPU (model_cuda.h), or NULL */
+    struct gpu_model *gpu;          /* the weights on the GPU (backend/cuda/placement.h), or NULL */
     int no_host_weights;            /* synthetic on the GPU: the host op_linears hold shapes only */
 };
-
-/* Bump allocator of scratch memory for one forward chunk; blocks are kept and reused. */
-typedef struct arena_block {
-    struct arena_block *next;
-    size_t cap, used;
-    max_align_t data[];
-} arena_block;
-typedef struct {
-    arena_block *head, *cur;
-} arena;
-/* 64-byte aligned, uninitialized; NULL (with a message) when out of memory. */
-void *arena_alloc(arena *a, size_t bytes);
-void arena_reset(arena *a);
-void arena_free(arena *a);
-
-/* Per-layer decode state. */
-typedef struct {
-    float *conv_state;              /* (Kc-1) x conv_dim: the last Kc-1 inputs of the conv, oldest first */
-    float *ssm_state;               /* nh x hd x S, fp32 */
-    float *k_cache, *v_cache;       /* cap x (nkv*dh) */
-    int64_t cap;                    /* KV rows allocated */
-} layer_state;
 
 struct fp4moe_session {
     const fp4moe_model *m;
     fp4moe_session_options opt;
-    ops_ctx ops;                    /* act dtype, route, scratch */
-    int64_t pos;
-    layer_state *ls;
-    arena scratch;
-    struct gpu_session *gpu;        /* a CUDA session (model_cuda.h): the forward runs there */
+    fp4moe_batch *batch;            /* a batch of one sequence */
+    int64_t seq;
 };
 
 /* ---- src/model/ functions shared between files ---------------------------------------------- */
@@ -99,12 +74,8 @@ void model_compute_stats(fp4moe_model *m);
 /* ModelOpt quantization object -> cfg->quant (errors name `label`). */
 int fp4moe_parse_modelopt_quant(const struct cJSON *q, const char *label, fp4moe_config *cfg);
 
-/* Mixers: x is the normed input (T x H, fp32), out receives the mixer output (T x H).
- * They allocate their temporaries from s->scratch. */
-int mamba2_forward(fp4moe_session *s, int64_t l, const float *x, int64_t T, float *out);
-int attention_forward(fp4moe_session *s, int64_t l, const float *x, int64_t T, float *out);
-int moe_forward(fp4moe_session *s, int64_t l, const float *x, int64_t T, float *out);
-int mlp_forward(fp4moe_session *s, const op_linear *up, const op_linear *down, const float *x,
-                int64_t T, float *out);
+/* src/model/batch.c, for sessions: device timers (CUDA batches), and whether the batch runs on CUDA. */
+int batch_profile(fp4moe_batch *b, double ms[FP4MOE_PROF_KINDS], int reset);
+int batch_on_cuda(const fp4moe_batch *b);
 
 #endif

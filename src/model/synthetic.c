@@ -18,7 +18,7 @@
 
 #include "common/error.h"
 #include "fp4moe/nvfp4.h"
-#include "model/model_cuda.h"
+#include "backend/cuda/placement.h"
 #include "model/model_internal.h"
 #include "model/synthetic.h"
 

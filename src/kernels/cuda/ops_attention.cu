@@ -2,13 +2,16 @@
  * positional encoding (nemotron_h has no RoPE). Formula: spec NEMOTRON_H.md "Attention",
  * src/kernels/cpu/ops_attention.c; here with fp32 scores and an online softmax over tiles of 32
  * keys (flash-attention style; the CPU takes the max over all keys first: the results differ by
- * fp32 rounding only). The context length P is read from device memory (decode graphs).
+ * fp32 rounding only). Decode reads positions and slots from device memory (decode graphs).
  * Contracts: ops_cuda.h.
  *
- * Prefill: block (query head h, 8 consecutive tokens), one warp per token; K/V tiles staged in
- * shared memory as fp32 (rows padded to dh+1 words: lane j reading row j hits distinct banks).
- * Decode (T = 1): block per query head, its 8 warps take interleaved key tiles straight from global
- * memory, and combine their partial (max, sum, output) in shared memory. */
+ * The KV cache is paged: pages of ATT_TILE (32) tokens, one key tile each, found through the
+ * sequence's page table (src/backend/backend.h, FW_PAGE).
+ * Prefill (one sequence's chunk): block (query head h, 8 consecutive tokens), one warp per token;
+ * K/V tiles staged in shared memory as fp32 (rows padded to dh+1 words: lane j reading row j hits
+ * distinct banks). Decode (a batch of single-token rows, each its own sequence): block per (query
+ * head, row), its 8 warps take interleaved key tiles straight from global memory, and combine their
+ * partial (max, sum, output) in shared memory. */
 #include <math.h>
 
 #include "kernels/cuda/ops_cuda.h"
@@ -16,25 +19,32 @@
 #define ATT_WARPS 8
 #define ATT_TILE 32
 
-/* ---- KV cache append -------------------------------------------------------------------------- */
+/* ---- KV cache append (paged) ------------------------------------------------------------------ */
 
+/* Row r of k/v goes to position row_pos[r] of slot row_slot[r]: page pages[slot * max_pages +
+ * pos / ATT_TILE], row pos % ATT_TILE of it. */
 __global__ void kv_append_kernel(const uint16_t *k, const uint16_t *v, int64_t n, int64_t kvs,
-                                 const int32_t *d_pos, uint16_t *kc, uint16_t *vc) {
-    const int64_t off = (int64_t)d_pos[0] * kvs;
+                                 const int32_t *row_slot, const int32_t *row_pos, const int32_t *pages,
+                                 int64_t max_pages, uint16_t *kc, uint16_t *vc) {
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
          i += (int64_t)gridDim.x * blockDim.x) {
-        kc[off + i] = k[i];
-        vc[off + i] = v[i];
+        const int64_t r = i / kvs, d = i % kvs;
+        const int pos = row_pos[r];
+        const int64_t phys = (int64_t)pages[(int64_t)row_slot[r] * max_pages + pos / ATT_TILE] * ATT_TILE +
+                             pos % ATT_TILE;
+        kc[phys * kvs + d] = k[i];
+        vc[phys * kvs + d] = v[i];
     }
 }
 
-extern "C" int cuda_kv_append(void *stream, const uint16_t *k, const uint16_t *v, int64_t T,
-                              int64_t kvs, const int32_t *d_pos, uint16_t *k_cache, uint16_t *v_cache) {
-    const int64_t n = T * kvs;
+extern "C" int cuda_kv_append(void *stream, const uint16_t *k, const uint16_t *v, int64_t R, int64_t kvs,
+                              const int32_t *row_slot, const int32_t *row_pos, const int32_t *pages,
+                              int64_t max_pages, uint16_t *k_cache, uint16_t *v_cache) {
+    const int64_t n = R * kvs;
     if (n <= 0) return FP4MOE_OK;
     const int64_t b = (n + 255) / 256;
     kv_append_kernel<<<(unsigned)(b < 65536 ? b : 65536), 256, 0, (cudaStream_t)stream>>>(
-        k, v, n, kvs, d_pos, k_cache, v_cache);
+        k, v, n, kvs, row_slot, row_pos, pages, max_pages, k_cache, v_cache);
     OPS_LAUNCH_CHECK("kv cache append");
     return FP4MOE_OK;
 }
@@ -44,8 +54,8 @@ extern "C" int cuda_kv_append(void *stream, const uint16_t *k, const uint16_t *v
 /* DPL = output dims per lane (d = lane + 32*i, i < DPL), dh <= 32*DPL. */
 template <int DPL>
 __global__ void __launch_bounds__(ATT_WARPS * 32)
-attn_prefill_kernel(const uint16_t *q, const uint16_t *kc, const uint16_t *vc, const int32_t *d_pos,
-                    int T, int nq, int nkv, int dh, float scale, uint16_t *out) {
+attn_prefill_kernel(const uint16_t *q, const uint16_t *kc, const uint16_t *vc, const int32_t *pages,
+                    int P, int T, int nq, int nkv, int dh, float scale, uint16_t *out) {
     extern __shared__ float sm[];
     const int ld = dh + 1;
     float *qs = sm, *Ks = qs + ATT_WARPS * dh, *Vs = Ks + ATT_TILE * ld;
@@ -53,7 +63,6 @@ attn_prefill_kernel(const uint16_t *q, const uint16_t *kc, const uint16_t *vc, c
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, t = t0 + warp;
     const int kh = h / (nq / nkv);
     const int64_t kvs = (int64_t)nkv * dh, qstride = (int64_t)nq * dh;
-    const int P = d_pos[0];
     for (int i = threadIdx.x; i < ATT_WARPS * dh; i += blockDim.x) {
         const int r = i / dh, d = i % dh;
         qs[i] = t0 + r < T ? ops_bf16_to_f32(q[(int64_t)(t0 + r) * qstride + (int64_t)h * dh + d]) : 0.0f;
@@ -66,9 +75,10 @@ attn_prefill_kernel(const uint16_t *q, const uint16_t *kc, const uint16_t *vc, c
     for (int i = 0; i < DPL; i++) acc[i] = 0.0f;
     for (int j0 = 0; j0 < nkeys; j0 += ATT_TILE) {
         __syncthreads(); /* q loaded / previous tile consumed */
+        const int64_t page = (int64_t)pages[j0 / ATT_TILE] * ATT_TILE; /* a tile is one page */
         for (int i = threadIdx.x; i < ATT_TILE * dh; i += blockDim.x) {
             const int jj = i / dh, d = i % dh, key = j0 + jj;
-            const int64_t src = (int64_t)key * kvs + (int64_t)kh * dh + d;
+            const int64_t src = (page + jj) * kvs + (int64_t)kh * dh + d;
             Ks[jj * ld + d] = key < nkeys ? ops_bf16_to_f32(kc[src]) : 0.0f;
             Vs[jj * ld + d] = key < nkeys ? ops_bf16_to_f32(vc[src]) : 0.0f;
         }
@@ -117,14 +127,19 @@ __device__ __forceinline__ float dot_bf16x2(const float *q, uint32_t u, float ac
 
 template <int DPL>
 __global__ void __launch_bounds__(ATT_WARPS * 32)
-attn_decode_kernel(const uint16_t *q, const uint16_t *kc, const uint16_t *vc, const int32_t *d_pos,
-                   int nq, int nkv, int dh, float scale, uint16_t *out) {
+attn_decode_kernel(const uint16_t *q, const uint16_t *kc, const uint16_t *vc, const int32_t *row_slot,
+                   const int32_t *row_pos, const int32_t *pages_all, int64_t max_pages, int nq, int nkv,
+                   int dh, float scale, uint16_t *out) {
     extern __shared__ float sm[];
     float *qs = sm, *part = qs + dh;              /* part: ATT_WARPS x (dh + 2): acc, m, l */
     const int h = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int64_t r = blockIdx.y;                 /* decode row: its own sequence */
     const int kh = h / (nq / nkv);
     const int64_t kvs = (int64_t)nkv * dh;
-    const int n = d_pos[0] + 1;                   /* keys 0 .. P */
+    const int n = row_pos[r] + 1;                 /* keys 0 .. P */
+    const int32_t *pages = pages_all + (int64_t)row_slot[r] * max_pages;
+    q += r * (int64_t)nq * dh;
+    out += r * (int64_t)nq * dh;
     for (int d = threadIdx.x; d < dh; d += blockDim.x) qs[d] = ops_bf16_to_f32(q[(int64_t)h * dh + d]);
     __syncthreads();
     const bool vec = (dh & 7) == 0;               /* 16-byte loads of 8 bf16 */
@@ -133,9 +148,10 @@ attn_decode_kernel(const uint16_t *q, const uint16_t *kc, const uint16_t *vc, co
     for (int i = 0; i < DPL; i++) acc[i] = 0.0f;
     for (int j0 = warp * ATT_TILE; j0 < n; j0 += ATT_WARPS * ATT_TILE) {
         const int key = j0 + lane;
+        const int64_t page = (int64_t)pages[j0 / ATT_TILE] * ATT_TILE; /* a tile is one page */
         float s = -INFINITY;
         if (key < n) {
-            const uint16_t *kr = kc + (int64_t)key * kvs + (int64_t)kh * dh;
+            const uint16_t *kr = kc + (page + lane) * kvs + (int64_t)kh * dh;
             float dot = 0.0f;
             if (vec) {
                 for (int d = 0; d < dh; d += 8) {
@@ -158,7 +174,7 @@ attn_decode_kernel(const uint16_t *q, const uint16_t *kc, const uint16_t *vc, co
         const int nj = min(ATT_TILE, n - j0);
         for (int jj = 0; jj < nj; jj++) {
             const float pj = __shfl_sync(0xffffffffu, p, jj);
-            const uint16_t *vr = vc + (int64_t)(j0 + jj) * kvs + (int64_t)kh * dh;
+            const uint16_t *vr = vc + (page + jj) * kvs + (int64_t)kh * dh;
 #pragma unroll
             for (int i = 0; i < DPL; i++) {
                 const int d = lane + 32 * i;
@@ -192,17 +208,9 @@ attn_decode_kernel(const uint16_t *q, const uint16_t *kc, const uint16_t *vc, co
 /* ---- launch ----------------------------------------------------------------------------------- */
 
 template <int DPL>
-static int launch_attention(const uint16_t *q, const uint16_t *kc, const uint16_t *vc,
-                            const int32_t *d_pos, int T, int nq, int nkv, int dh, uint16_t *out,
-                            cudaStream_t st) {
+static int launch_prefill(const uint16_t *q, const uint16_t *kc, const uint16_t *vc, const int32_t *pages,
+                          int P, int T, int nq, int nkv, int dh, uint16_t *out, cudaStream_t st) {
     const float scale = 1.0f / sqrtf((float)dh);
-    if (T == 1) {
-        const size_t smem = ((size_t)dh + (size_t)ATT_WARPS * (dh + 2)) * sizeof(float);
-        attn_decode_kernel<DPL><<<(unsigned)nq, ATT_WARPS * 32, smem, st>>>(q, kc, vc, d_pos, nq, nkv,
-                                                                            dh, scale, out);
-        OPS_LAUNCH_CHECK("attention (decode)");
-        return FP4MOE_OK;
-    }
     const size_t smem = ((size_t)ATT_WARPS * dh + (size_t)2 * ATT_TILE * (dh + 1)) * sizeof(float);
     if (smem > 48 * 1024) {
         const cudaError_t e = cudaFuncSetAttribute(attn_prefill_kernel<DPL>,
@@ -212,24 +220,58 @@ static int launch_attention(const uint16_t *q, const uint16_t *kc, const uint16_
                                     smem, cudaGetErrorString(e));
     }
     const dim3 grid((unsigned)nq, ops_blocks(T, ATT_WARPS));
-    attn_prefill_kernel<DPL><<<grid, ATT_WARPS * 32, smem, st>>>(q, kc, vc, d_pos, T, nq, nkv, dh, scale,
+    attn_prefill_kernel<DPL><<<grid, ATT_WARPS * 32, smem, st>>>(q, kc, vc, pages, P, T, nq, nkv, dh, scale,
                                                                  out);
     OPS_LAUNCH_CHECK("attention (prefill)");
     return FP4MOE_OK;
 }
 
-extern "C" int cuda_attention(void *stream, const uint16_t *q, const uint16_t *k_cache,
-                              const uint16_t *v_cache, const int32_t *d_pos, int64_t T, int64_t nq,
-                              int64_t nkv, int64_t dh, uint16_t *out) {
-    if (T <= 0) return FP4MOE_OK;
+template <int DPL>
+static int launch_decode(const uint16_t *q, const uint16_t *kc, const uint16_t *vc, const int32_t *row_slot,
+                         const int32_t *row_pos, const int32_t *pages, int64_t max_pages, int R, int nq,
+                         int nkv, int dh, uint16_t *out, cudaStream_t st) {
+    const float scale = 1.0f / sqrtf((float)dh);
+    const size_t smem = ((size_t)dh + (size_t)ATT_WARPS * (dh + 2)) * sizeof(float);
+    attn_decode_kernel<DPL><<<dim3((unsigned)nq, (unsigned)R), ATT_WARPS * 32, smem, st>>>(
+        q, kc, vc, row_slot, row_pos, pages, max_pages, nq, nkv, dh, scale, out);
+    OPS_LAUNCH_CHECK("attention (decode)");
+    return FP4MOE_OK;
+}
+
+static int check_shape(int64_t T, int64_t nq, int64_t nkv, int64_t dh) {
     if (dh < 1 || dh > 256 || nkv < 1 || nq % nkv || nq > 65535 || T > (int64_t)65535 * ATT_WARPS)
         return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "cuda op attention: head_dim=%lld (at most 256), "
                                 "%lld query heads over %lld kv heads, %lld tokens", (long long)dh,
                                 (long long)nq, (long long)nkv, (long long)T);
+    return FP4MOE_OK;
+}
+
+extern "C" int cuda_attention_prefill(void *stream, const uint16_t *q, const uint16_t *k_cache,
+                                      const uint16_t *v_cache, const int32_t *pages, int64_t P, int64_t T,
+                                      int64_t nq, int64_t nkv, int64_t dh, uint16_t *out) {
+    if (T <= 0) return FP4MOE_OK;
+    const int e = check_shape(T, nq, nkv, dh);
+    if (e) return e;
     cudaStream_t st = (cudaStream_t)stream;
-    const int t = (int)T, a = (int)nq, b = (int)nkv, d = (int)dh;
-    if (dh <= 32) return launch_attention<1>(q, k_cache, v_cache, d_pos, t, a, b, d, out, st);
-    if (dh <= 64) return launch_attention<2>(q, k_cache, v_cache, d_pos, t, a, b, d, out, st);
-    if (dh <= 128) return launch_attention<4>(q, k_cache, v_cache, d_pos, t, a, b, d, out, st);
-    return launch_attention<8>(q, k_cache, v_cache, d_pos, t, a, b, d, out, st);
+    const int p = (int)P, t = (int)T, a = (int)nq, b = (int)nkv, d = (int)dh;
+    if (dh <= 32) return launch_prefill<1>(q, k_cache, v_cache, pages, p, t, a, b, d, out, st);
+    if (dh <= 64) return launch_prefill<2>(q, k_cache, v_cache, pages, p, t, a, b, d, out, st);
+    if (dh <= 128) return launch_prefill<4>(q, k_cache, v_cache, pages, p, t, a, b, d, out, st);
+    return launch_prefill<8>(q, k_cache, v_cache, pages, p, t, a, b, d, out, st);
+}
+
+extern "C" int cuda_attention_decode(void *stream, const uint16_t *q, const uint16_t *k_cache,
+                                     const uint16_t *v_cache, const int32_t *row_slot, const int32_t *row_pos,
+                                     const int32_t *pages, int64_t max_pages, int64_t R, int64_t nq,
+                                     int64_t nkv, int64_t dh, uint16_t *out) {
+    if (R <= 0) return FP4MOE_OK;
+    const int e = check_shape(1, nq, nkv, dh);
+    if (e) return e;
+    if (R > 65535) return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "cuda op attention: %lld decode rows", (long long)R);
+    cudaStream_t st = (cudaStream_t)stream;
+    const int r = (int)R, a = (int)nq, b = (int)nkv, d = (int)dh;
+    if (dh <= 32) return launch_decode<1>(q, k_cache, v_cache, row_slot, row_pos, pages, max_pages, r, a, b, d, out, st);
+    if (dh <= 64) return launch_decode<2>(q, k_cache, v_cache, row_slot, row_pos, pages, max_pages, r, a, b, d, out, st);
+    if (dh <= 128) return launch_decode<4>(q, k_cache, v_cache, row_slot, row_pos, pages, max_pages, r, a, b, d, out, st);
+    return launch_decode<8>(q, k_cache, v_cache, row_slot, row_pos, pages, max_pages, r, a, b, d, out, st);
 }

@@ -106,14 +106,13 @@ int cuda_relu2(void *stream, uint16_t *x, int64_t n);
  * then layer_forward's h += out). b may be NULL. */
 int cuda_residual_add(void *stream, float *h, const uint16_t *a, const uint16_t *b, int64_t n);
 
-/* *out = argmax over x[0..n) (fp32 logits), lowest index on ties, NaN never wins (fp4moe_argmax);
- * two stages (up to CUDA_ARGMAX_PARTS blocks, then one). scratch: CUDA_ARGMAX_SCRATCH device bytes. */
-#define CUDA_ARGMAX_PARTS 256
-#define CUDA_ARGMAX_SCRATCH (CUDA_ARGMAX_PARTS * 8)
-int cuda_argmax_f32(void *stream, const float *x, int64_t n, void *scratch, int32_t *out);
+/* out[r] = argmax over row r of x (rows x n fp32 logits), lowest index on ties, NaN never wins
+ * (fp4moe_argmax); one block per row. */
+int cuda_argmax_rows_f32(void *stream, const float *x, int64_t rows, int64_t n, int32_t *out);
 
-/* *d_pos += T (the context length after a forward chunk). */
-int cuda_pos_advance(void *stream, int32_t *d_pos, int64_t T);
+/* y[i] = bf16(rmsnorm(x[rows[i]]) * w) for i < n (cuda_rmsnorm on gathered rows; rows: device). */
+int cuda_rmsnorm_rows(void *stream, const float *x, const int32_t *rows, int64_t n, const float *w,
+                      int64_t H, float eps, uint16_t *y);
 
 /* ---- Mamba-2 ------------------------------------------------------------------------------ */
 
@@ -138,24 +137,42 @@ typedef struct {
     float dt_lo, dt_hi;                 /* the config's time_step_limit */
     float *state;                       /* nh x hd x S fp32, updated */
     float *y;                           /* T x nh*hd fp32 */
+    /* batched decode (optional): nb single-token sequences (T = 1), row z of x/B/C/dt/y with the
+     * state at state + row_slot[z] * state_stride (row_slot: device memory; NULL: one sequence) */
+    const int32_t *row_slot;
+    int64_t state_stride, nb;
 } cuda_ssm_args;
 int cuda_ssm_scan(void *stream, const cuda_ssm_args *a);
 
+/* The conv1d + silu of cuda_conv1d_causal for R single-token sequences at once: row r (x: stride xs,
+ * bf16) uses and updates the conv state at state + row_slot[r] * state_stride. y: R x C fp32. */
+int cuda_conv1d_decode(void *stream, const uint16_t *x, int64_t xs, int64_t R, int64_t C,
+                       const float *w, const float *b, int64_t Kc, const int32_t *row_slot,
+                       int64_t state_stride, float *state, float *y);
+
 /* ---- attention ------------------------------------------------------------------------------- */
 
-/* k_cache[P + t] = k[t], v_cache[P + t] = v[t] for t < T (rows of kvs bf16), P = *d_pos. */
-int cuda_kv_append(void *stream, const uint16_t *k, const uint16_t *v, int64_t T, int64_t kvs,
-                   const int32_t *d_pos, uint16_t *k_cache, uint16_t *v_cache);
+/* The KV cache is paged (src/backend/backend.h): pages of 32 tokens; position p of slot s is row
+ * pages[s * max_pages + p / 32] * 32 + p % 32 of the caches (rows of kvs bf16). */
 
-/* Causal GQA attention without positional encoding (op_attention_causal) for T new queries after
- * P = *d_pos cached positions (the caches already hold rows 0 .. P+T-1):
+/* Row r of k and v (R rows of kvs bf16) to position row_pos[r] of slot row_slot[r] (device arrays). */
+int cuda_kv_append(void *stream, const uint16_t *k, const uint16_t *v, int64_t R, int64_t kvs,
+                   const int32_t *row_slot, const int32_t *row_pos, const int32_t *pages,
+                   int64_t max_pages, uint16_t *k_cache, uint16_t *v_cache);
+
+/* Causal GQA attention without positional encoding (op_attention_causal), fp32 scores, online
+ * softmax (flash-attention style tiles of 32 keys = one page):
  *   out[t][h] = bf16(softmax_{j <= P+t}(q[t][h] . k[j][h/(nq/nkv)] / sqrt(dh)) @ v)
- * fp32 scores, online softmax (flash-attention style tiles of 32 keys). q: T x nq*dh (bf16);
- * caches: rows of nkv*dh bf16; out: T x nq*dh bf16. T == 1 uses a split-key decode kernel.
- * dh <= 256. */
-int cuda_attention(void *stream, const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
-                   const int32_t *d_pos, int64_t T, int64_t nq, int64_t nkv, int64_t dh,
-                   uint16_t *out);
+ * prefill: T queries of ONE sequence after P cached positions, `pages` its page table row (device),
+ * the caches already holding positions 0 .. P+T-1. decode: R single-token rows, row r of its own
+ * sequence (slot row_slot[r], P = row_pos[r]). q, out: rows of nq*dh bf16. dh <= 256. */
+int cuda_attention_prefill(void *stream, const uint16_t *q, const uint16_t *k_cache,
+                           const uint16_t *v_cache, const int32_t *pages, int64_t P, int64_t T,
+                           int64_t nq, int64_t nkv, int64_t dh, uint16_t *out);
+int cuda_attention_decode(void *stream, const uint16_t *q, const uint16_t *k_cache,
+                          const uint16_t *v_cache, const int32_t *row_slot, const int32_t *row_pos,
+                          const int32_t *pages, int64_t max_pages, int64_t R, int64_t nq, int64_t nkv,
+                          int64_t dh, uint16_t *out);
 
 /* ---- MoE routing ------------------------------------------------------------------------------ */
 

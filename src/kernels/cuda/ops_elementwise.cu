@@ -89,9 +89,9 @@ __device__ __forceinline__ float inv_rms_from(double ss, int64_t n, float eps) {
 }
 
 __global__ void rmsnorm_kernel(const float *x, const float *w, int64_t H, float eps, uint16_t *y,
-                               float *y32) {
+                               float *y32, const int32_t *rows) {
     const int64_t t = blockIdx.x;
-    const float *xt = x + t * H;
+    const float *xt = x + (rows ? (int64_t)rows[t] : t) * H;
     double ss = 0.0;
     for (int64_t i = threadIdx.x; i < H; i += blockDim.x) ss += (double)xt[i] * (double)xt[i];
     const float r = inv_rms_from(block_sum_f64(ss), H, eps);
@@ -105,7 +105,7 @@ __global__ void rmsnorm_kernel(const float *x, const float *w, int64_t H, float 
 extern "C" int cuda_rmsnorm(void *stream, const float *x, const float *w, int64_t T, int64_t H,
                             float eps, uint16_t *y, float *y32) {
     if (T <= 0) return FP4MOE_OK;
-    rmsnorm_kernel<<<(unsigned)T, NORM_THREADS, 0, (cudaStream_t)stream>>>(x, w, H, eps, y, y32);
+    rmsnorm_kernel<<<(unsigned)T, NORM_THREADS, 0, (cudaStream_t)stream>>>(x, w, H, eps, y, y32, NULL);
     OPS_LAUNCH_CHECK("rmsnorm");
     return FP4MOE_OK;
 }
@@ -221,49 +221,36 @@ __device__ void block_argmax(float v, int i, float *bv, int *bi) {
     }
 }
 
-/* Stage 1: block b reduces its grid-stride share into part_v[b], part_i[b]. A NaN with index
- * INT_MAX stands for "nothing": it loses to every element. */
+/* One block per row: out[r] = argmax of row r (the same order rules as argmax_part_kernel). */
 __global__ void __launch_bounds__(ARGMAX_THREADS)
-argmax_part_kernel(const float *x, int n, float *part_v, int *part_i) {
+argmax_rows_kernel(const float *x, int n, int32_t *out) {
+    const float *xr = x + (int64_t)blockIdx.x * n;
     float bv = __int_as_float(0x7fc00000);
     int bi = INT_MAX;
-    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
-        const float v = x[i];
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        const float v = xr[i];
         if (arg_better(v, i, bv, bi)) { bv = v; bi = i; }
     }
-    block_argmax(bv, bi, &part_v[blockIdx.x], &part_i[blockIdx.x]);
-}
-
-/* Stage 2: one block over the partials. */
-__global__ void __launch_bounds__(ARGMAX_THREADS)
-argmax_final_kernel(const float *part_v, const int *part_i, int parts, int32_t *out) {
     __shared__ float v;
     __shared__ int i;
-    const bool has = (int)threadIdx.x < parts;
-    block_argmax(has ? part_v[threadIdx.x] : __int_as_float(0x7fc00000), has ? part_i[threadIdx.x] : INT_MAX,
-                 &v, &i);
-    if (threadIdx.x == 0) out[0] = i == INT_MAX ? 0 : i;
+    block_argmax(bv, bi, &v, &i);
+    if (threadIdx.x == 0) out[blockIdx.x] = i == INT_MAX ? 0 : i;
 }
 
-extern "C" int cuda_argmax_f32(void *stream, const float *x, int64_t n, void *scratch, int32_t *out) {
-    if (n < 1 || n > INT_MAX)
-        return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "cuda op argmax: n=%lld", (long long)n);
-    cudaStream_t st = (cudaStream_t)stream;
-    int parts = (int)((n + 4095) / 4096);
-    parts = parts < 1 ? 1 : (parts > CUDA_ARGMAX_PARTS ? CUDA_ARGMAX_PARTS : parts);
-    float *pv = (float *)scratch;
-    int *pi = (int *)(pv + CUDA_ARGMAX_PARTS);
-    argmax_part_kernel<<<parts, ARGMAX_THREADS, 0, st>>>(x, (int)n, pv, pi);
-    OPS_LAUNCH_CHECK("argmax (partials)");
-    argmax_final_kernel<<<1, ARGMAX_THREADS, 0, st>>>(pv, pi, parts, out);
-    OPS_LAUNCH_CHECK("argmax");
+extern "C" int cuda_argmax_rows_f32(void *stream, const float *x, int64_t rows, int64_t n, int32_t *out) {
+    if (rows <= 0) return FP4MOE_OK;
+    if (n < 1 || n > INT_MAX || rows > INT_MAX)
+        return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "cuda op argmax rows: %lld x %lld", (long long)rows,
+                                (long long)n);
+    argmax_rows_kernel<<<(unsigned)rows, ARGMAX_THREADS, 0, (cudaStream_t)stream>>>(x, (int)n, out);
+    OPS_LAUNCH_CHECK("argmax rows");
     return FP4MOE_OK;
 }
 
-__global__ void pos_advance_kernel(int32_t *d_pos, int32_t T) { d_pos[0] += T; }
-
-extern "C" int cuda_pos_advance(void *stream, int32_t *d_pos, int64_t T) {
-    pos_advance_kernel<<<1, 1, 0, (cudaStream_t)stream>>>(d_pos, (int32_t)T);
-    OPS_LAUNCH_CHECK("position advance");
+extern "C" int cuda_rmsnorm_rows(void *stream, const float *x, const int32_t *rows, int64_t n, const float *w,
+                                 int64_t H, float eps, uint16_t *y) {
+    if (n <= 0) return FP4MOE_OK;
+    rmsnorm_kernel<<<(unsigned)n, NORM_THREADS, 0, (cudaStream_t)stream>>>(x, w, H, eps, y, NULL, rows);
+    OPS_LAUNCH_CHECK("rmsnorm rows");
     return FP4MOE_OK;
 }

@@ -67,6 +67,40 @@ __global__ void conv_state_kernel(const uint16_t *x, int64_t xs, int T, int C, i
     }
 }
 
+/* Thread (channel c, row r): one token of a batch of single-token sequences; row r uses the conv
+ * state of slot row_slot[r] (state + slot * state_stride), read and shifted in place. */
+__global__ void conv1d_decode_kernel(const uint16_t *x, int64_t xs, int R, int C, const float *w,
+                                     const float *b, int Kc, const int32_t *row_slot, int64_t state_stride,
+                                     float *state, float *y) {
+    const int c = blockIdx.x * CONV_THREADS + threadIdx.x, r = blockIdx.y;
+    if (c >= C || r >= R) return;
+    const int P = Kc - 1;
+    float *st = state + (int64_t)row_slot[r] * state_stride;
+    const float xv = ops_bf16_to_f32(x[(int64_t)r * xs + c]);
+    float acc = b ? b[c] : 0.0f;
+    for (int j = 0; j < Kc; j++) {
+        const float v = j < P ? st[(int64_t)j * C + c] : xv;
+        acc = __fadd_rn(acc, __fmul_rn(w[(int64_t)c * Kc + j], v));
+    }
+    y[(int64_t)r * C + c] = ops_silu(acc);
+    for (int i = 0; i + 1 < P; i++) st[(int64_t)i * C + c] = st[(int64_t)(i + 1) * C + c];
+    if (P > 0) st[(int64_t)(P - 1) * C + c] = xv;
+}
+
+extern "C" int cuda_conv1d_decode(void *stream, const uint16_t *x, int64_t xs, int64_t R, int64_t C,
+                                  const float *w, const float *b, int64_t Kc, const int32_t *row_slot,
+                                  int64_t state_stride, float *state, float *y) {
+    if (R <= 0) return FP4MOE_OK;
+    if (Kc < 1 || Kc > CONV_KMAX || C > (1 << 30) || R > 65535)
+        return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "cuda op conv1d decode: conv_kernel=%lld, %lld channels, "
+                                "%lld rows", (long long)Kc, (long long)C, (long long)R);
+    const dim3 grid(ops_blocks(C, CONV_THREADS), (unsigned)R);
+    conv1d_decode_kernel<<<grid, CONV_THREADS, 0, (cudaStream_t)stream>>>(x, xs, (int)R, (int)C, w, b, (int)Kc,
+                                                                          row_slot, state_stride, state, y);
+    OPS_LAUNCH_CHECK("conv1d decode");
+    return FP4MOE_OK;
+}
+
 extern "C" int cuda_conv1d_causal(void *stream, const uint16_t *x, int64_t xs, int64_t T, int64_t C,
                                   const float *w, const float *b, int64_t Kc, float *state, float *y) {
     if (T <= 0) return FP4MOE_OK;
@@ -103,6 +137,15 @@ template <int NPL, int LPP>
 __global__ void __launch_bounds__(SCAN_WARPS * 32)
 ssm_scan_kernel(cuda_ssm_args a, int TC) {
     constexpr int PW = 32 / LPP, PB = SCAN_WARPS * PW;
+    if (a.row_slot) { /* batch of single-token sequences: row z with the state of its slot */
+        const int64_t z = blockIdx.z;
+        a.state += (int64_t)a.row_slot[z] * a.state_stride;
+        a.x += z * a.xs;
+        a.B += z * a.bcs;
+        a.C += z * a.bcs;
+        a.dt += z * a.dts;
+        a.y += z * a.nh * a.hd;
+    }
     extern __shared__ float sm[];
     const int S = (int)a.S, hd = (int)a.hd, nh = (int)a.nh;
     float *Bs = sm, *Cs = Bs + TC * S, *dts = Cs + TC * S, *dAs = dts + TC, *xsm = dAs + TC;
@@ -173,7 +216,7 @@ static int launch_scan(const cuda_ssm_args *a, cudaStream_t st) {
     int TC = (int)(4096 / a->S);
     TC = TC < 8 ? 8 : (TC > 64 ? 64 : TC);
     const size_t smem = ((size_t)2 * TC * a->S + 2 * TC + (size_t)TC * PB) * sizeof(float);
-    const dim3 grid(ops_blocks(a->hd, PB), (unsigned)a->nh);
+    const dim3 grid(ops_blocks(a->hd, PB), (unsigned)a->nh, a->row_slot ? (unsigned)a->nb : 1u);
     ssm_scan_kernel<NPL, LPP><<<grid, SCAN_WARPS * 32, smem, st>>>(*a, TC);
     OPS_LAUNCH_CHECK("ssm scan");
     return FP4MOE_OK;
@@ -450,6 +493,12 @@ extern "C" int cuda_ssm_scan(void *stream, const cuda_ssm_args *a) {
                                 "%lld heads in %lld groups", (long long)a->S, (long long)a->nh,
                                 (long long)a->G);
     cudaStream_t st = (cudaStream_t)stream;
+    if (a->row_slot) {
+        if (a->T != 1 || a->nb < 1 || a->nb > 65535)
+            return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "cuda op ssm scan: a batch of %lld rows of %lld tokens",
+                                    (long long)a->nb, (long long)a->T);
+        return launch_seq(a, st);
+    }
     const int S = (int)a->S;
     const bool tiled_ok = (S == 16 || S == 32 || S == 64 || S == 128 || S == 256) &&
                           (uintptr_t)a->state % 16 == 0; /* float4 state tiles */

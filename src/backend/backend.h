@@ -1,0 +1,180 @@
+/* Internal: the backend table. The nemotron_h forward (src/model/forward.c) is written once against
+ * this struct of operations; src/backend/cpu/backend_cpu.c and src/backend/cuda/backend_cuda.c
+ * implement it (the CPU one is the oracle of the other). The granularity is the one the GPU needs
+ * for speed: one call per matmul, norm, scan, attention, routing step, over all rows of a step.
+ *
+ * Memory: every pointer an op takes is BACKEND memory (host memory on the CPU, device memory on
+ * CUDA). Two element kinds travel between ops:
+ *   "act" buffers: the inputs and outputs of matmuls. CPU: fp32 values already rounded to the
+ *                  session's act dtype; CUDA: bf16 bits. be_ops.act_size gives the bytes of one
+ *                  element; BE_ACT(be, p, n) is the address of element n.
+ *   fp32 buffers:  the residual stream, norms' fp32 copies, SSM input/state/output, router, logits.
+ * Rounding: every op rounds exactly where the CPU runtime of issue 4 did (matmul inputs/outputs),
+ * so a CPU step of one sequence gives the same bits as the former single-sequence forward.
+ *
+ * A step (fw_step) is a ragged set of sequences: decode rows (one token each) first, rows
+ * [0, nd), then prefill segments of several tokens. Per-sequence state lives in pools owned by the
+ * model layer (src/model/batch.c): for Mamba layers a conv and an SSM state per pool slot; for
+ * attention layers a paged KV cache (FW_PAGE tokens a page; a slot's page table maps its positions
+ * to pages). The ops that touch state (conv1d, scan, attention) get the step and honour sequence
+ * boundaries: no row sees another sequence's state or keys.
+ *
+ * Errors: every op returns FP4MOE_OK or a status with the thread-local message set (naming the op);
+ * ops are asynchronous on CUDA (one stream, capturable into a graph), synchronous on the CPU. */
+#ifndef FP4MOE_BACKEND_H
+#define FP4MOE_BACKEND_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "fp4moe/model.h"
+
+#define FW_PAGE 32                  /* KV tokens per page (one attention key tile on CUDA) */
+
+/* Weights as the forward sees them: backend-placed handles. A linear handle is an op_linear* on the
+ * CPU and a cuda_linear* on CUDA; NULL marks an absent module. Vectors are fp32 backend memory. */
+typedef struct {
+    char type;                      /* FP4MOE_LAYER_* */
+    const float *norm;
+    const void *in_proj, *out_proj;
+    const float *conv_w, *conv_b, *A, *D, *dt_bias, *gnorm;
+    const void *q_proj, *k_proj, *v_proj, *o_proj;
+    const float *router_w, *router_bias;
+    const void *experts_up, *experts_down, *shared_up, *shared_down, *latent_in, *latent_out;
+    const void *up, *down;
+} fw_layer;
+
+typedef struct {
+    const void *embed;              /* linear handle of the (V, H) embedding (dense or NVFP4) */
+    const void *lm_head;
+    const float *norm_f;
+    fw_layer *layers;               /* cfg.n_layers */
+} fw_weights;
+
+/* One sequence's part of a step: tokens pos0 .. pos0+n-1 of pool slot `slot`, rows row0 .. row0+n-1. */
+typedef struct {
+    int32_t slot;
+    int64_t pos0, n, row0;
+} fw_seg;
+
+/* A step. Host fields describe it; d_* are backend copies (uploaded by the model layer before the
+ * forward) that device kernels read, so that a decode step's launches do not depend on host values
+ * (CUDA graphs replay them). */
+typedef struct {
+    int64_t R;                      /* rows (tokens) in the step */
+    int64_t nd;                     /* rows [0, nd) are single-token (decode) segments 0 .. nd-1 */
+    int64_t nseg;
+    const fw_seg *seg;              /* host: nseg segments, decode ones first, rows in order */
+    int64_t n_head;                 /* rows whose logits are computed (lm_head) */
+    const int32_t *d_tokens;        /* R token ids */
+    const int32_t *d_row_slot;      /* R: pool slot of each row */
+    const int32_t *d_row_pos;       /* R: position of each row in its sequence */
+    const int32_t *d_head_rows;     /* n_head rows (ascending) */
+    const int32_t *d_pages;         /* page table: slot s, page i at [s * max_pages + i] */
+    const int32_t *h_pages;         /* the same table in host memory */
+    int64_t max_pages;
+} fw_step;
+
+/* Where a layer's per-slot state lives (backend memory). */
+typedef struct {
+    float *conv, *ssm;              /* Mamba: slot s at conv + s * conv_stride, ssm + s * ssm_stride */
+    int64_t conv_stride, ssm_stride;
+    void *k, *v;                    /* attention: page p, token j at (p * FW_PAGE + j) * kvs act elements */
+} fw_state;
+
+/* Mamba-2 scan arguments (formula: src/kernels/cpu/ops.h op_ssm_scan), rows of the whole step. */
+typedef struct {
+    int64_t nh, hd, S, G;
+    const float *x;  int64_t xs;    /* R rows (stride xs): nh*hd fp32 */
+    const float *B, *C; int64_t bcs;/* R rows (stride bcs): G*S fp32 each */
+    const void *dt; int64_t dts;    /* R rows (stride dts) of act: nh raw values */
+    const float *dt_bias, *A, *D;   /* nh each */
+    float dt_lo, dt_hi;             /* time_step_limit */
+    float *y;                       /* R x nh*hd fp32 */
+} fw_ssm;
+
+/* Router configuration (spec NEMOTRON_H.md MoE); bias is backend memory or NULL. */
+typedef struct {
+    int64_t E, k, n_group, topk_group;
+    int norm_topk_prob;
+    float scaling;
+    const float *bias;
+} fw_router;
+
+typedef struct be_ops {
+    const char *name;
+    size_t act_size;                /* bytes of one act element: 4 (CPU fp32), 2 (CUDA bf16) */
+    /* ---- memory (sizes in bytes) ---- */
+    int (*alloc)(void *bc, size_t bytes, void **p);           /* zeroed */
+    void (*free)(void *bc, void *p);
+    int (*upload)(void *bc, void *dst, const void *src, size_t bytes);   /* host -> backend, in order */
+    int (*download)(void *bc, void *dst, const void *src, size_t bytes); /* backend -> host, in order */
+    int (*copy)(void *bc, void *dst, const void *src, size_t bytes);     /* backend -> backend */
+    int (*zero)(void *bc, void *p, size_t bytes);
+    int (*sync)(void *bc);          /* waits for everything issued; reports asynchronous errors */
+    /* Runs fn(arg) (the forward of `st`): CPU calls it; CUDA replays or captures a graph for
+     * decode-only steps, else launches eagerly. */
+    int (*run)(void *bc, const fw_step *st, int (*fn)(void *arg), void *arg);
+    /* drops captured graphs (buffers they use moved) */
+    void (*invalidate)(void *bc);
+    /* ---- ops ---- */
+    int (*embed)(void *bc, const void *E, const int32_t *tokens, int64_t R, float *h);
+    /* y (act) = rmsnorm(x) * w, rows of H; y32 (optional) the same rounded values as fp32 */
+    int (*rmsnorm)(void *bc, const float *x, const float *w, int64_t T, int64_t H, float eps, void *y,
+                   float *y32);
+    /* y (act) = rmsnorm(x[rows[i]]) * w for i < n (the lm_head's input rows) */
+    int (*rmsnorm_rows)(void *bc, const float *x, const int32_t *rows, int64_t n, const float *w,
+                        int64_t H, float eps, void *y);
+    int (*linear)(void *bc, const void *W, const void *x, int64_t T, void *y);
+    int (*linear_f32out)(void *bc, const void *W, const void *x, int64_t T, float *y);
+    int (*linear_gather)(void *bc, const void *W, const void *x, const uint32_t *idx, int64_t B,
+                         void *y);
+    int (*matmul_f32)(void *bc, const float *x, int64_t T, const float *W, int64_t N, int64_t K,
+                      float *y);
+    int (*router_topk)(void *bc, const fw_router *r, const float *logits, int64_t T, int32_t *ids,
+                       float *wts);
+    int (*sort_by_expert)(void *bc, const int32_t *ids, int64_t B, int64_t E, uint32_t *row_of,
+                          uint32_t *idx, uint32_t *pos_of);
+    int (*gather_rows)(void *bc, const void *x, int64_t H, const uint32_t *row_of, int64_t B,
+                       int64_t k, void *xs);
+    int (*moe_combine)(void *bc, const void *ys, int64_t H, const uint32_t *pos_of, const float *wts,
+                       int64_t T, int64_t k, void *out);
+    int (*relu2)(void *bc, void *x, int64_t n);
+    /* h += a (+ b): h + (a + b) in fp32 */
+    int (*residual_add)(void *bc, float *h, const void *a, const void *b, int64_t n);
+    /* y (R x C fp32) = silu(causal conv1d of x (R rows of stride xs, act)) per sequence, with the
+     * conv state of each segment's slot in st->conv (updated) */
+    int (*conv1d_silu)(void *bc, const fw_step *s, const void *x, int64_t xs, int64_t C, const float *w,
+                       const float *b, int64_t Kc, const fw_state *st, float *y);
+    int (*ssm_scan)(void *bc, const fw_step *s, const fw_ssm *a, const fw_state *st);
+    int (*rmsnorm_gated)(void *bc, const float *y, const void *z, int64_t zs, const float *w,
+                         int64_t T, int64_t D, int64_t G, float eps, void *out);
+    /* appends k, v (R x nkv*dh act) to each row's slot at its position, then causal GQA attention of
+     * q (R x nq*dh act) over each row's sequence: out (R x nq*dh act) */
+    int (*attention)(void *bc, const fw_step *s, const void *q, const void *k, const void *v,
+                     const fw_state *st, int64_t nq, int64_t nkv, int64_t dh, void *out);
+    /* out[r] = argmax of row r of x (n rows of V fp32), lowest id on ties, NaN never wins */
+    int (*argmax_rows)(void *bc, const float *x, int64_t n, int64_t V, int32_t *out);
+    /* profiling mark (fp4moe_prof_kind) ending a segment of work; may be NULL */
+    int (*mark)(void *bc, int kind);
+} be_ops;
+
+#define BE_ACT(be, p, n) ((void *)((char *)(p) + (size_t)(n) * (be)->act_size))
+
+/* The CPU backend: ctx for act dtype `act` (f32 or bf16) and gather route `route`. */
+int be_cpu_new(fp4moe_dtype act, fp4moe_route route, const be_ops **ops, void **bc);
+void be_cpu_free(void *bc);
+/* The CPU placement of a loaded model's weights (pointers into the model; nothing copied). */
+int be_cpu_weights(const fp4moe_model *m, fw_weights *w);
+
+/* The CUDA backend (src/backend/cuda/backend_cuda.c; a stub without CUDA): ctx for a model whose
+ * weights are on the GPU (m->gpu), with room for max_rows rows per step. */
+int be_cuda_new(const fp4moe_model *m, fp4moe_route route, int64_t max_rows, int profile,
+                const be_ops **ops, void **bc);
+void be_cuda_free(void *bc);
+/* The model's device placement as fw_weights (owned by m->gpu). */
+const fw_weights *be_cuda_weights(const fp4moe_model *m);
+/* Accumulated device time by fp4moe_prof_kind (profile on). */
+int be_cuda_profile(void *bc, double ms[FP4MOE_PROF_KINDS], int reset);
+
+#endif

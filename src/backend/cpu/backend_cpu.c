@@ -1,0 +1,313 @@
+/* The CPU backend (src/backend/backend.h): the ops of src/kernels/cpu/ on host memory. "act"
+ * buffers are fp32 arrays holding values rounded to the act dtype (f32: unrounded), rounded
+ * exactly where the single-sequence CPU runtime rounded (each matmul's input and output, the
+ * attention output, the MoE combine), so a step of one sequence reproduces its bits. Weights are
+ * used in place (the model's op_linear descriptors). Per-sequence ops loop over the step's
+ * segments; the paged KV cache is gathered into contiguous scratch for op_attention_causal. */
+#include "backend/backend.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/error.h"
+#include "fp4moe/nvfp4.h"
+#include "kernels/cpu/ops.h"
+#include "model/model_internal.h"
+
+typedef struct {
+    ops_ctx ops;
+    float *kv;                      /* attention scratch: the keys and values of one sequence */
+    size_t kv_cap;                  /* floats */
+} cpu_ctx;
+
+static const be_ops CPU_OPS;
+
+/* ---- memory --------------------------------------------------------------------------------- */
+
+static int cpu_alloc(void *bc, size_t bytes, void **p) {
+    (void)bc;
+    *p = NULL;
+    if (posix_memalign(p, 64, bytes ? bytes : 1)) {
+        *p = NULL;
+        return fp4moe_set_error(FP4MOE_ENOMEM, "cpu: cannot allocate %zu bytes", bytes);
+    }
+    memset(*p, 0, bytes);
+    return FP4MOE_OK;
+}
+static void cpu_free(void *bc, void *p) { (void)bc; free(p); }
+static int cpu_copy(void *bc, void *dst, const void *src, size_t bytes) {
+    (void)bc;
+    if (bytes) memmove(dst, src, bytes);
+    return FP4MOE_OK;
+}
+static int cpu_zero(void *bc, void *p, size_t bytes) {
+    (void)bc;
+    memset(p, 0, bytes);
+    return FP4MOE_OK;
+}
+static int cpu_sync(void *bc) { (void)bc; return FP4MOE_OK; }
+static int cpu_run(void *bc, const fw_step *st, int (*fn)(void *), void *arg) {
+    (void)bc; (void)st;
+    return fn(arg);
+}
+static void cpu_invalidate(void *bc) { (void)bc; }
+
+/* ---- row-wise ops ----------------------------------------------------------------------------- */
+
+static fp4moe_dtype act_of(void *bc) { return ((cpu_ctx *)bc)->ops.act; }
+
+static int cpu_embed(void *bc, const void *Ev, const int32_t *tokens, int64_t T, float *h) {
+    (void)bc;
+    const op_linear *e = Ev;
+    const int64_t H = e->K;
+    for (int64_t t = 0; t < T; t++) {
+        const int64_t id = tokens[t];
+        if (!e->nvfp4) {
+            const uint8_t *row = (const uint8_t *)e->dense[0] + id * H * fp4moe_dtype_size(e->dtype);
+            fp4moe_to_f32(row, e->dtype, H, h + t * H);
+            continue;
+        }
+        const float gs = e->q.global_scale ? e->q.global_scale[0] : 1.0f;
+        const int st = fp4moe_nvfp4_dequantize(e->q.codes + id * (H / 2),
+                                               e->q.scales + id * (H / FP4MOE_NVFP4_BLOCK), 1, H, gs,
+                                               FP4MOE_F32, h + t * H);
+        if (st) return st;
+    }
+    return FP4MOE_OK;
+}
+
+static int cpu_rmsnorm(void *bc, const float *x, const float *w, int64_t T, int64_t H, float eps, void *y,
+                       float *y32) {
+    op_rmsnorm(x, w, T, H, eps, y);
+    op_round_act(act_of(bc), y, T * H);
+    if (y32) memcpy(y32, y, (size_t)(T * H) * sizeof(float));
+    return FP4MOE_OK;
+}
+
+static int cpu_rmsnorm_rows(void *bc, const float *x, const int32_t *rows, int64_t n, const float *w,
+                            int64_t H, float eps, void *yv) {
+    float *y = yv;
+    for (int64_t i = 0; i < n; i++) op_rmsnorm(x + (int64_t)rows[i] * H, w, 1, H, eps, y + i * H);
+    op_round_act(act_of(bc), y, n * H);
+    return FP4MOE_OK;
+}
+
+static int cpu_linear(void *bc, const void *W, const void *x, int64_t T, void *y) {
+    return op_linear_forward(&((cpu_ctx *)bc)->ops, W, x, T, y);
+}
+static int cpu_linear_f32out(void *bc, const void *W, const void *x, int64_t T, float *y) {
+    return op_linear_forward_f32out(&((cpu_ctx *)bc)->ops, W, x, T, y);
+}
+static int cpu_linear_gather(void *bc, const void *W, const void *x, const uint32_t *idx, int64_t B, void *y) {
+    return op_linear_gather(&((cpu_ctx *)bc)->ops, W, x, idx, B, y);
+}
+static int cpu_matmul_f32(void *bc, const float *x, int64_t T, const float *W, int64_t N, int64_t K, float *y) {
+    (void)bc;
+    op_matmul_f32(x, T, W, N, K, y, N);
+    return FP4MOE_OK;
+}
+static int cpu_router_topk(void *bc, const fw_router *r, const float *logits, int64_t T, int32_t *ids,
+                           float *wts) {
+    (void)bc;
+    const op_router_cfg rc = {r->E, r->k, r->n_group, r->topk_group, r->norm_topk_prob, r->scaling, r->bias};
+    return op_router_topk(&rc, logits, T, ids, wts);
+}
+static int cpu_sort(void *bc, const int32_t *ids, int64_t B, int64_t E, uint32_t *row_of, uint32_t *idx,
+                    uint32_t *pos_of) {
+    (void)bc;
+    return op_sort_by_expert(ids, B, E, row_of, idx, pos_of);
+}
+static int cpu_gather_rows(void *bc, const void *xv, int64_t H, const uint32_t *row_of, int64_t B, int64_t k,
+                           void *xsv) {
+    (void)bc;
+    const float *x = xv;
+    float *xs = xsv;
+    for (int64_t p = 0; p < B; p++)
+        memcpy(xs + p * H, x + (int64_t)(row_of[p] / k) * H, (size_t)H * sizeof(float));
+    return FP4MOE_OK;
+}
+static int cpu_moe_combine(void *bc, const void *ys, int64_t H, const uint32_t *pos_of, const float *wts,
+                           int64_t T, int64_t k, void *out) {
+    op_moe_combine(ys, H, pos_of, wts, T, k, out);
+    op_round_act(act_of(bc), out, T * H);
+    return FP4MOE_OK;
+}
+static int cpu_relu2(void *bc, void *x, int64_t n) {
+    (void)bc;
+    op_relu2(x, n);
+    return FP4MOE_OK;
+}
+static int cpu_residual_add(void *bc, float *h, const void *av, const void *bv, int64_t n) {
+    (void)bc;
+    const float *a = av, *b = bv;
+    if (b) {
+        for (int64_t i = 0; i < n; i++) h[i] += a[i] + b[i];
+    } else {
+        op_add(h, a, n);
+    }
+    return FP4MOE_OK;
+}
+static int cpu_rmsnorm_gated(void *bc, const float *y, const void *z, int64_t zs, const float *w, int64_t T,
+                             int64_t D, int64_t G, float eps, void *out) {
+    op_rmsnorm_gated(y, D, z, zs, w, T, D, G, eps, out);
+    op_round_act(act_of(bc), out, T * D);
+    return FP4MOE_OK;
+}
+static int cpu_argmax_rows(void *bc, const float *x, int64_t n, int64_t V, int32_t *out) {
+    (void)bc;
+    for (int64_t r = 0; r < n; r++) out[r] = fp4moe_argmax(x + r * V, V);
+    return FP4MOE_OK;
+}
+
+/* ---- per-sequence ops ------------------------------------------------------------------------- */
+
+static int cpu_conv1d_silu(void *bc, const fw_step *s, const void *xv, int64_t xs, int64_t C, const float *w,
+                           const float *b, int64_t Kc, const fw_state *st, float *y) {
+    (void)bc;
+    const float *x = xv;
+    for (int64_t i = 0; i < s->nseg; i++) {
+        const fw_seg *g = &s->seg[i];
+        float *state = st->conv + (int64_t)g->slot * st->conv_stride;
+        op_conv1d_causal(x + g->row0 * xs, xs, g->n, C, w, b, Kc, state, y + g->row0 * C);
+        op_silu(y + g->row0 * C, g->n * C);
+    }
+    return FP4MOE_OK;
+}
+
+static int cpu_ssm_scan(void *bc, const fw_step *s, const fw_ssm *a, const fw_state *st) {
+    (void)bc;
+    const float *dt = a->dt;
+    for (int64_t i = 0; i < s->nseg; i++) {
+        const fw_seg *g = &s->seg[i];
+        const int64_t r = g->row0;
+        const op_ssm_args o = {
+            .T = g->n, .nh = a->nh, .hd = a->hd, .S = a->S, .G = a->G,
+            .x = a->x + r * a->xs, .xs = a->xs, .B = a->B + r * a->bcs, .C = a->C + r * a->bcs,
+            .bcs = a->bcs, .dt = dt + r * a->dts, .dts = a->dts, .dt_bias = a->dt_bias, .A = a->A,
+            .D = a->D, .dt_lo = a->dt_lo, .dt_hi = a->dt_hi,
+            .state = st->ssm + (int64_t)g->slot * st->ssm_stride, .y = a->y + r * a->nh * a->hd,
+        };
+        op_ssm_scan(&o);
+    }
+    return FP4MOE_OK;
+}
+
+/* Row `pos` of slot's KV in the paged pool. */
+static int64_t kv_row(const fw_step *s, int32_t slot, int64_t pos) {
+    return (int64_t)s->h_pages[(int64_t)slot * s->max_pages + pos / FW_PAGE] * FW_PAGE + pos % FW_PAGE;
+}
+
+static int cpu_attention(void *bcv, const fw_step *s, const void *qv, const void *kv, const void *vv,
+                         const fw_state *st, int64_t nq, int64_t nkv, int64_t dh, void *outv) {
+    cpu_ctx *bc = bcv;
+    const float *q = qv, *k = kv, *v = vv;
+    float *out = outv, *kc = st->k, *vc = st->v;
+    const int64_t kvs = nkv * dh, qs = nq * dh;
+    for (int64_t i = 0; i < s->nseg; i++) {
+        const fw_seg *g = &s->seg[i];
+        for (int64_t t = 0; t < g->n; t++) {
+            const int64_t row = kv_row(s, g->slot, g->pos0 + t);
+            memcpy(kc + row * kvs, k + (g->row0 + t) * kvs, (size_t)kvs * sizeof(float));
+            memcpy(vc + row * kvs, v + (g->row0 + t) * kvs, (size_t)kvs * sizeof(float));
+        }
+        const int64_t n = g->pos0 + g->n;
+        const size_t need = (size_t)(2 * n * kvs);
+        if (need > bc->kv_cap) {
+            float *p = realloc(bc->kv, need * sizeof(float));
+            if (!p) return fp4moe_set_error(FP4MOE_ENOMEM, "attention: no memory for %lld keys", (long long)n);
+            bc->kv = p;
+            bc->kv_cap = need;
+        }
+        float *K = bc->kv, *V = bc->kv + n * kvs;
+        for (int64_t p0 = 0; p0 < n; p0 += FW_PAGE) {        /* page by page */
+            const int64_t m = n - p0 < FW_PAGE ? n - p0 : FW_PAGE, row = kv_row(s, g->slot, p0);
+            memcpy(K + p0 * kvs, kc + row * kvs, (size_t)(m * kvs) * sizeof(float));
+            memcpy(V + p0 * kvs, vc + row * kvs, (size_t)(m * kvs) * sizeof(float));
+        }
+        const int st2 = op_attention_causal(q + g->row0 * qs, qs, K, V, g->pos0, g->n, nq, nkv, dh,
+                                            out + g->row0 * qs);
+        if (st2) return st2;
+    }
+    op_round_act(bc->ops.act, out, s->R * qs);
+    return FP4MOE_OK;
+}
+
+/* ---- construction ----------------------------------------------------------------------------- */
+
+static const be_ops CPU_OPS = {
+    .name = "cpu",
+    .act_size = sizeof(float),
+    .alloc = cpu_alloc,
+    .free = cpu_free,
+    .upload = cpu_copy,
+    .download = cpu_copy,
+    .copy = cpu_copy,
+    .zero = cpu_zero,
+    .sync = cpu_sync,
+    .run = cpu_run,
+    .invalidate = cpu_invalidate,
+    .embed = cpu_embed,
+    .rmsnorm = cpu_rmsnorm,
+    .rmsnorm_rows = cpu_rmsnorm_rows,
+    .linear = cpu_linear,
+    .linear_f32out = cpu_linear_f32out,
+    .linear_gather = cpu_linear_gather,
+    .matmul_f32 = cpu_matmul_f32,
+    .router_topk = cpu_router_topk,
+    .sort_by_expert = cpu_sort,
+    .gather_rows = cpu_gather_rows,
+    .moe_combine = cpu_moe_combine,
+    .relu2 = cpu_relu2,
+    .residual_add = cpu_residual_add,
+    .conv1d_silu = cpu_conv1d_silu,
+    .ssm_scan = cpu_ssm_scan,
+    .rmsnorm_gated = cpu_rmsnorm_gated,
+    .attention = cpu_attention,
+    .argmax_rows = cpu_argmax_rows,
+    .mark = NULL,
+};
+
+int be_cpu_new(fp4moe_dtype act, fp4moe_route route, const be_ops **ops, void **bc) {
+    cpu_ctx *c = calloc(1, sizeof *c);
+    if (!c) return fp4moe_set_error(FP4MOE_ENOMEM, "cpu backend: out of memory");
+    c->ops.act = act;
+    c->ops.route = route;
+    *ops = &CPU_OPS;
+    *bc = c;
+    return FP4MOE_OK;
+}
+
+void be_cpu_free(void *bcv) {
+    cpu_ctx *c = bcv;
+    if (!c) return;
+    ops_ctx_free(&c->ops);
+    free(c->kv);
+    free(c);
+}
+
+static const void *lin(const op_linear *w) { return w->N ? (const void *)w : NULL; }
+
+int be_cpu_weights(const fp4moe_model *m, fw_weights *w) {
+    const int64_t L = m->cfg.n_layers;
+    memset(w, 0, sizeof *w);
+    w->layers = calloc((size_t)L, sizeof *w->layers);
+    if (!w->layers) return fp4moe_set_error(FP4MOE_ENOMEM, "cpu backend: out of memory");
+    w->embed = &m->embed;
+    w->lm_head = &m->lm_head;
+    w->norm_f = m->norm_f;
+    for (int64_t l = 0; l < L; l++) {
+        const layer_weights *s = &m->layers[l];
+        w->layers[l] = (fw_layer){
+            .type = s->type, .norm = s->norm,
+            .in_proj = lin(&s->in_proj), .out_proj = lin(&s->out_proj), .conv_w = s->conv_w,
+            .conv_b = s->conv_b, .A = s->A, .D = s->D, .dt_bias = s->dt_bias, .gnorm = s->gnorm,
+            .q_proj = lin(&s->q_proj), .k_proj = lin(&s->k_proj), .v_proj = lin(&s->v_proj),
+            .o_proj = lin(&s->o_proj), .router_w = s->router_w, .router_bias = s->router_bias,
+            .experts_up = lin(&s->experts_up), .experts_down = lin(&s->experts_down),
+            .shared_up = lin(&s->shared_up), .shared_down = lin(&s->shared_down),
+            .latent_in = lin(&s->latent_in), .latent_out = lin(&s->latent_out),
+            .up = lin(&s->up), .down = lin(&s->down),
+        };
+    }
+    return FP4MOE_OK;
+}

@@ -1,0 +1,737 @@
+/* The CUDA backend (src/backend/backend.h): the weights uploaded (or generated) once into one device
+ * allocation and exposed to the forward as fw_weights; the backend ops as launches of
+ * src/kernels/cuda/ on one stream (no host synchronisation inside a forward, no allocation per
+ * step); decode-only steps captured once per row count as a CUDA graph and replayed; optional
+ * device timers by layer kind. "act" buffers are bf16: every matmul reads and writes bf16,
+ * everything else is fp32, the CPU backend's rounding with act_dtype = bf16. NVFP4 matmuls go
+ * through fp4moe_gather_qmm_cuda. Builds without CUDA compile backend_cuda_stub.c instead. */
+#ifdef FP4MOE_HAVE_CUDA
+
+#include <stdlib.h>
+#include <string.h>
+
+#include <cuda_runtime_api.h>
+
+#include "common/error.h"
+#include "fp4moe/nvfp4.h"
+#include "kernels/cuda/ops_cuda.h"
+#include "backend/backend.h"
+#include "backend/cuda/placement.h"
+#include "model/model_internal.h"
+#include "model/synthetic.h"
+
+#define CUDA_TRY(call, what)                                                                       \
+    do {                                                                                           \
+        const cudaError_t ct_e_ = (call);                                                          \
+        if (ct_e_ != cudaSuccess)                                                                  \
+            return fp4moe_set_error(FP4MOE_ECUDA, "cuda: %s: %s", (what), cudaGetErrorString(ct_e_)); \
+    } while (0)
+
+#define TRY(expr)                                                                                  \
+    do {                                                                                           \
+        const int try_st_ = (expr);                                                                \
+        if (try_st_) return try_st_;                                                               \
+    } while (0)
+
+#define BLAS_WORKSPACE (32u << 20)
+#define KV_MIN_ROWS 1024
+
+/* ---- device weights --------------------------------------------------------------------------- */
+
+typedef struct {
+    char type;
+    const float *norm;
+    cuda_linear in_proj, out_proj;
+    const float *conv_w, *conv_b, *A, *D, *dt_bias, *gnorm;
+    cuda_linear q_proj, k_proj, v_proj, o_proj;
+    const float *router_w, *router_bias;
+    cuda_linear experts_up, experts_down, shared_up, shared_down, latent_in, latent_out;
+    cuda_linear up, down;
+} gpu_layer;
+
+struct gpu_model {
+    void *base;                     /* one cudaMalloc for every weight */
+    size_t bytes;
+    cuda_linear embed, lm_head;     /* embed: dense of its checkpoint dtype (bf16/f16/f32) or NVFP4 */
+    const float *norm_f;
+    gpu_layer *layers;
+    fw_weights fw;                  /* the same placement as the forward sees it */
+};
+
+/* Places the weights in the device arena in two passes over the same traversal: the first only
+ * counts bytes, the second copies (upload) or generates (synthetic) them. */
+typedef struct {
+    int fill;                       /* 0: count; 1: write */
+    int synth;                      /* generate NVFP4 codes/scales and the embedding on the device */
+    uint64_t seed;
+    char *base;
+    size_t used;
+    cudaStream_t stream;
+    fp4moe_progress_fn progress;
+    void *ctx;
+    int64_t total;
+} placer;
+
+static void report(placer *p, size_t bytes) {
+    (void)bytes;
+    if (p->fill && p->progress) p->progress(p->ctx, (int64_t)p->used, p->total);
+}
+
+/* Reserves `bytes` (256-byte aligned); *d is the device address in the fill pass, NULL before. */
+static void reserve(placer *p, size_t bytes, void **d) {
+    const size_t off = (p->used + 255) & ~(size_t)255;
+    p->used = off + bytes;
+    *d = p->fill ? p->base + off : NULL;
+}
+
+#define COPY_PIECE ((size_t)64 << 20)
+
+/* Reserves and, in the fill pass, copies `bytes` from host memory (in pieces, for the progress). */
+static int put(placer *p, const void *host, size_t bytes, void **d) {
+    reserve(p, bytes, d);
+    if (!p->fill || !bytes) return FP4MOE_OK;
+    for (size_t o = 0; o < bytes; o += COPY_PIECE) {
+        const size_t n = bytes - o < COPY_PIECE ? bytes - o : COPY_PIECE;
+        CUDA_TRY(cudaMemcpy((char *)*d + o, (const char *)host + o, n, cudaMemcpyHostToDevice),
+                 "upload of the weights");
+        if (p->progress) p->progress(p->ctx, (int64_t)(p->used - bytes + o + n), p->total);
+    }
+    return FP4MOE_OK;
+}
+
+static int put_f32(placer *p, const float *host, int64_t n, const float **d) {
+    *d = NULL;
+    if (!host) return FP4MOE_OK;
+    void *dv;
+    TRY(put(p, host, (size_t)n * sizeof(float), &dv));
+    *d = dv;
+    return FP4MOE_OK;
+}
+
+/* Dense weights: bf16 and f32 as they are, f16 widened to f32 (cuBLAS takes one type for A and B). */
+static int put_dense(placer *p, const op_linear *h, cuda_linear *d) {
+    const size_t per = (size_t)(h->N * h->K);
+    const fp4moe_dtype dt = h->dtype == FP4MOE_BF16 ? FP4MOE_BF16 : FP4MOE_F32;
+    const size_t esz = fp4moe_dtype_size(dt);
+    void *dv;
+    reserve(p, (size_t)h->E * per * esz, &dv);
+    d->dtype = dt;
+    d->dense = dv;
+    if (!p->fill) return FP4MOE_OK;
+    float *tmp = h->dtype == FP4MOE_F16 ? malloc(per * sizeof(float)) : NULL;
+    if (h->dtype == FP4MOE_F16 && !tmp)
+        return fp4moe_set_error(FP4MOE_ENOMEM, "upload: cannot allocate %zu bytes of staging", per * 4);
+    int st = FP4MOE_OK;
+    for (int64_t e = 0; !st && e < h->E; e++) {
+        const void *src = h->dense[e];
+        if (tmp) {
+            fp4moe_to_f32(src, FP4MOE_F16, (int64_t)per, tmp);
+            src = tmp;
+        }
+        const cudaError_t ce = cudaMemcpy((char *)dv + (size_t)e * per * esz, src, per * esz,
+                                          cudaMemcpyHostToDevice);
+        if (ce != cudaSuccess)
+            st = fp4moe_set_error(FP4MOE_ECUDA, "cuda: upload of the weights: %s", cudaGetErrorString(ce));
+    }
+    free(tmp);
+    report(p, 0);
+    return st;
+}
+
+/* Encode factor of a synthetic module: with a global scale the block scales use the E4M3 range. */
+static float synth_enc(const op_linear *h) {
+    return h->q.global_scale ? 2688.0f / (SYN_SIGMA * SYN_AMAX_SIGMAS) : 1.0f;
+}
+
+static int put_linear(placer *p, const op_linear *h, cuda_linear *d, uint64_t tensor_id) {
+    memset(d, 0, sizeof *d);
+    if (!h->N) return FP4MOE_OK;
+    d->E = h->E;
+    d->N = h->N;
+    d->K = h->K;
+    d->nvfp4 = h->nvfp4;
+    if (h->nvfp4) {
+        const size_t n = (size_t)(h->E * h->N * h->K);
+        void *codes, *scales, *gs = NULL;
+        if (p->synth) {
+            reserve(p, n / 2, &codes);
+            reserve(p, n / 16, &scales);
+            if (p->fill) {
+                TRY(cuda_synth_nvfp4(p->stream, p->seed, tensor_id, (int64_t)(n / 16), h->K / 16,
+                                     SYN_SIGMA, synth_enc(h), codes, scales));
+                report(p, n / 2 + n / 16);
+            }
+        } else {
+            TRY(put(p, h->q.codes, n / 2, &codes));
+            TRY(put(p, h->q.scales, n / 16, &scales));
+        }
+        if (h->q.global_scale) TRY(put(p, h->q.global_scale, (size_t)h->E * sizeof(float), &gs));
+        d->q = (fp4moe_nvfp4_weights){codes, scales, gs, h->E, h->N, h->K};
+    } else {
+        if (p->synth) return fp4moe_set_error(FP4MOE_EINVAL, "synthetic: dense module");
+        TRY(put_dense(p, h, d));
+    }
+    return put_f32(p, h->bias, h->N, &d->bias);
+}
+
+static int put_embedding(placer *p, const fp4moe_model *m, struct gpu_model *g) {
+    const op_linear *e = &m->embed;
+    cuda_linear *d = &g->embed;
+    if (e->nvfp4) return put_linear(p, e, d, SYN_EMBED);
+    memset(d, 0, sizeof *d);
+    d->E = 1;
+    d->N = e->N;
+    d->K = e->K;
+    d->dtype = e->dtype;            /* bf16, f16 or f32: cuda_embed reads all three */
+    const size_t n = (size_t)(e->N * e->K), bytes = n * fp4moe_dtype_size(e->dtype);
+    void *dv;
+    if (p->synth) {
+        reserve(p, bytes, &dv);
+        if (p->fill) {
+            TRY(cuda_synth_bf16(p->stream, p->seed, SYN_EMBED, (int64_t)n, SYN_SIGMA, dv));
+            report(p, bytes);
+        }
+    } else {
+        TRY(put(p, e->dense[0], bytes, &dv));
+    }
+    d->dense = dv;
+    return FP4MOE_OK;
+}
+
+/* The lm_head shares the embedding's device copy when the model ties them and that copy is usable
+ * as a linear (NVFP4, or dense bf16/f32). */
+static int put_head(placer *p, const fp4moe_model *m, struct gpu_model *g) {
+    const op_linear *e = &m->embed, *hd = &m->lm_head;
+    const int same = hd->nvfp4 ? (e->nvfp4 && hd->q.codes && hd->q.codes == e->q.codes)
+                               : (!e->nvfp4 && hd->dense && hd->dense == e->dense);
+    if (same && (hd->nvfp4 || hd->dtype != FP4MOE_F16)) {
+        g->lm_head = g->embed;
+        return FP4MOE_OK;
+    }
+    return put_linear(p, hd, &g->lm_head, SYN_LM_HEAD);
+}
+
+static int put_layer(placer *p, const fp4moe_model *m, int64_t l, gpu_layer *d) {
+    const fp4moe_config *c = &m->cfg;
+    const layer_weights *w = &m->layers[l];
+    const int64_t H = c->hidden, nh = c->mamba_heads, di = nh * c->mamba_head_dim;
+    const int64_t cd = di + 2 * c->mamba_groups * c->ssm_state;
+    d->type = w->type;
+    TRY(put_f32(p, w->norm, H, &d->norm));
+    switch (w->type) {
+    case FP4MOE_LAYER_MAMBA:
+        TRY(put_linear(p, &w->in_proj, &d->in_proj, SYN_LAYER_ID(l, SYN_IN_PROJ)));
+        TRY(put_linear(p, &w->out_proj, &d->out_proj, SYN_LAYER_ID(l, SYN_OUT_PROJ)));
+        TRY(put_f32(p, w->conv_w, cd * c->conv_kernel, &d->conv_w));
+        TRY(put_f32(p, w->conv_b, cd, &d->conv_b));
+        TRY(put_f32(p, w->A, nh, &d->A));
+        TRY(put_f32(p, w->D, nh, &d->D));
+        TRY(put_f32(p, w->dt_bias, nh, &d->dt_bias));
+        return put_f32(p, w->gnorm, di, &d->gnorm);
+    case FP4MOE_LAYER_ATTENTION:
+        TRY(put_linear(p, &w->q_proj, &d->q_proj, SYN_LAYER_ID(l, SYN_Q)));
+        TRY(put_linear(p, &w->k_proj, &d->k_proj, SYN_LAYER_ID(l, SYN_K)));
+        TRY(put_linear(p, &w->v_proj, &d->v_proj, SYN_LAYER_ID(l, SYN_V)));
+        return put_linear(p, &w->o_proj, &d->o_proj, SYN_LAYER_ID(l, SYN_O));
+    case FP4MOE_LAYER_MOE:
+        TRY(put_f32(p, w->router_w, c->n_experts * H, &d->router_w));
+        TRY(put_f32(p, w->router_bias, c->n_experts, &d->router_bias));
+        TRY(put_linear(p, &w->experts_up, &d->experts_up, SYN_LAYER_ID(l, SYN_EXPERTS_UP)));
+        TRY(put_linear(p, &w->experts_down, &d->experts_down, SYN_LAYER_ID(l, SYN_EXPERTS_DOWN)));
+        TRY(put_linear(p, &w->shared_up, &d->shared_up, SYN_LAYER_ID(l, SYN_SHARED_UP)));
+        TRY(put_linear(p, &w->shared_down, &d->shared_down, SYN_LAYER_ID(l, SYN_SHARED_DOWN)));
+        TRY(put_linear(p, &w->latent_in, &d->latent_in, SYN_LAYER_ID(l, SYN_LATENT_IN)));
+        return put_linear(p, &w->latent_out, &d->latent_out, SYN_LAYER_ID(l, SYN_LATENT_OUT));
+    default:
+        TRY(put_linear(p, &w->up, &d->up, SYN_LAYER_ID(l, SYN_UP)));
+        return put_linear(p, &w->down, &d->down, SYN_LAYER_ID(l, SYN_DOWN));
+    }
+}
+
+static int place_model(placer *p, const fp4moe_model *m, struct gpu_model *g) {
+    TRY(put_embedding(p, m, g));
+    for (int64_t l = 0; l < m->cfg.n_layers; l++) {
+        const int st = put_layer(p, m, l, &g->layers[l]);
+        if (st) return fp4moe_error_context(st, "layer %lld (%s)", (long long)l,
+                                            fp4moe_layer_type_name(m->cfg.layer_types[l]));
+    }
+    TRY(put_f32(p, m->norm_f, m->cfg.hidden, &g->norm_f));
+    return put_head(p, m, g);
+}
+
+static const void *lin(const cuda_linear *w) { return w->N ? (const void *)w : NULL; }
+
+/* g->fw: handles into g's cuda_linears. */
+static void build_fw(struct gpu_model *g, int64_t L) {
+    g->fw.embed = &g->embed;
+    g->fw.lm_head = &g->lm_head;
+    g->fw.norm_f = g->norm_f;
+    for (int64_t l = 0; l < L; l++) {
+        const gpu_layer *d = &g->layers[l];
+        g->fw.layers[l] = (fw_layer){
+            .type = d->type, .norm = d->norm,
+            .in_proj = lin(&d->in_proj), .out_proj = lin(&d->out_proj), .conv_w = d->conv_w,
+            .conv_b = d->conv_b, .A = d->A, .D = d->D, .dt_bias = d->dt_bias, .gnorm = d->gnorm,
+            .q_proj = lin(&d->q_proj), .k_proj = lin(&d->k_proj), .v_proj = lin(&d->v_proj),
+            .o_proj = lin(&d->o_proj), .router_w = d->router_w, .router_bias = d->router_bias,
+            .experts_up = lin(&d->experts_up), .experts_down = lin(&d->experts_down),
+            .shared_up = lin(&d->shared_up), .shared_down = lin(&d->shared_down),
+            .latent_in = lin(&d->latent_in), .latent_out = lin(&d->latent_out),
+            .up = lin(&d->up), .down = lin(&d->down),
+        };
+    }
+}
+
+const fw_weights *be_cuda_weights(const fp4moe_model *m) { return m->gpu ? &m->gpu->fw : NULL; }
+
+void gpu_model_free(struct gpu_model *g) {
+    if (!g) return;
+    if (g->base) cudaFree(g->base);
+    free(g->layers);
+    free(g->fw.layers);
+    free(g);
+}
+
+static int build_gpu_model(fp4moe_model *m, int synth, uint64_t seed, fp4moe_progress_fn progress,
+                           void *ctx) {
+    if (!fp4moe_cuda_available())
+        return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "cuda: no CUDA device is visible");
+    struct gpu_model *g = calloc(1, sizeof *g);
+    if (g) g->layers = calloc((size_t)m->cfg.n_layers, sizeof *g->layers);
+    if (!g || !g->layers) {
+        gpu_model_free(g);
+        return fp4moe_set_error(FP4MOE_ENOMEM, "cuda: out of host memory for the model");
+    }
+    placer p = {.synth = synth, .seed = seed, .progress = progress, .ctx = ctx};
+    int st = place_model(&p, m, g);                      /* pass 1: count */
+    if (!st) {
+        g->bytes = p.used;
+        const cudaError_t ce = cudaMalloc(&g->base, g->bytes ? g->bytes : 1);
+        if (ce != cudaSuccess) {
+            g->base = NULL;
+            (void)cudaGetLastError();
+            st = fp4moe_set_error(FP4MOE_ENOMEM, "cuda: cannot allocate %.2f GB of device memory for "
+                                  "the weights: %s", (double)g->bytes * 1e-9, cudaGetErrorString(ce));
+        }
+    }
+    if (!st) {                                           /* pass 2: write */
+        p.fill = 1;
+        p.base = g->base;
+        p.used = 0;
+        p.total = (int64_t)g->bytes;
+        st = place_model(&p, m, g);
+        const cudaError_t ce = cudaDeviceSynchronize();  /* the generator kernels */
+        if (!st && ce != cudaSuccess)
+            st = fp4moe_set_error(FP4MOE_ECUDA, "cuda: weights: %s", cudaGetErrorString(ce));
+        if (!st && progress) progress(ctx, p.total, p.total);
+    }
+    if (st) {
+        gpu_model_free(g);
+        return st;
+    }
+    if (!(g->fw.layers = calloc((size_t)m->cfg.n_layers, sizeof *g->fw.layers))) {
+        gpu_model_free(g);
+        return fp4moe_set_error(FP4MOE_ENOMEM, "cuda: out of host memory for the model");
+    }
+    build_fw(g, m->cfg.n_layers);
+    m->gpu = g;
+    return FP4MOE_OK;
+}
+
+int gpu_model_upload(fp4moe_model *m, fp4moe_progress_fn progress, void *ctx) {
+    if (m->no_host_weights)
+        return fp4moe_set_error(FP4MOE_EINVAL, "cuda: the model has no host weights to upload");
+    if (m->gpu) return FP4MOE_OK;
+    return build_gpu_model(m, 0, 0, progress, ctx);
+}
+
+int gpu_model_synthetic(fp4moe_model *m, uint64_t seed, fp4moe_progress_fn progress, void *ctx) {
+    return build_gpu_model(m, 1, seed, progress, ctx);
+}
+
+/* ---- the backend ------------------------------------------------------------------------------- */
+
+#define MAX_GRAPHS 64
+
+typedef struct {
+    int64_t R;                      /* decode rows of the step */
+    int seen;                       /* ran eagerly once (warm-up) */
+    int failed;                     /* capture failed: eager from now on */
+    int n_ev;                       /* profile events the captured forward records */
+    cudaGraphExec_t exec;
+} graph_slot;
+
+typedef struct {
+    struct gpu_model *g;
+    const fp4moe_config *cfg;
+    cudaStream_t stream;
+    void *blas, *ws;
+    cuda_ops ops;
+    uint32_t *zeros;
+    graph_slot graphs[MAX_GRAPHS];
+    int n_graphs, graph_off, capturing;
+    /* profiling */
+    int prof;
+    cudaEvent_t *ev;
+    int *ev_kind;
+    int n_ev, cap_ev;
+    double prof_ms[FP4MOE_PROF_KINDS];
+} cuda_ctx;
+
+static cudaStream_t S_(void *bc) { return ((cuda_ctx *)bc)->stream; }
+
+static int cu_alloc(void *bc, size_t bytes, void **p) {
+    *p = NULL;
+    const cudaError_t ce = cudaMalloc(p, bytes ? bytes : 1);
+    if (ce != cudaSuccess) {
+        *p = NULL;
+        (void)cudaGetLastError();
+        return fp4moe_set_error(FP4MOE_ENOMEM, "cuda: cannot allocate %zu bytes of device memory: %s", bytes,
+                                cudaGetErrorString(ce));
+    }
+    CUDA_TRY(cudaMemsetAsync(*p, 0, bytes, S_(bc)), "memset");
+    return FP4MOE_OK;
+}
+static void cu_free(void *bc, void *p) {
+    cudaStreamSynchronize(S_(bc));
+    cudaFree(p);
+}
+static int cu_upload(void *bc, void *dst, const void *src, size_t bytes) {
+    if (!bytes) return FP4MOE_OK;
+    CUDA_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, S_(bc)), "upload");
+    return FP4MOE_OK;
+}
+static int cu_download(void *bc, void *dst, const void *src, size_t bytes) {
+    if (!bytes) return FP4MOE_OK;
+    CUDA_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, S_(bc)), "download");
+    return FP4MOE_OK;
+}
+static int cu_copy(void *bc, void *dst, const void *src, size_t bytes) {
+    if (!bytes) return FP4MOE_OK;
+    CUDA_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, S_(bc)), "device copy");
+    return FP4MOE_OK;
+}
+static int cu_zero(void *bc, void *p, size_t bytes) {
+    if (!bytes) return FP4MOE_OK;
+    CUDA_TRY(cudaMemsetAsync(p, 0, bytes, S_(bc)), "memset");
+    return FP4MOE_OK;
+}
+
+/* After a synchronisation: adds the segments of the last forward to the totals. */
+static int prof_collect(cuda_ctx *c) {
+    for (int i = 1; i < c->n_ev; i++) {
+        float ms = 0.0f;
+        CUDA_TRY(cudaEventElapsedTime(&ms, c->ev[i - 1], c->ev[i]), "profile elapsed time");
+        c->prof_ms[c->ev_kind[i]] += ms;
+    }
+    c->n_ev = 0;
+    return FP4MOE_OK;
+}
+
+static int cu_sync(void *bcv) {
+    cuda_ctx *c = bcv;
+    CUDA_TRY(cudaStreamSynchronize(c->stream), "forward");
+    CUDA_TRY(cudaGetLastError(), "forward");
+    return c->prof ? prof_collect(c) : FP4MOE_OK;
+}
+
+static int cu_mark(void *bcv, int kind) {
+    cuda_ctx *c = bcv;
+    if (!c->prof) return FP4MOE_OK;
+    if (c->n_ev >= c->cap_ev) return fp4moe_set_error(FP4MOE_EINVAL, "cuda profile: too many marks");
+    CUDA_TRY(cudaEventRecordWithFlags(c->ev[c->n_ev], c->stream,
+                                      c->capturing ? cudaEventRecordExternal : cudaEventRecordDefault),
+             "profile event");
+    c->ev_kind[c->n_ev++] = kind;
+    return FP4MOE_OK;
+}
+
+static void cu_invalidate(void *bcv) {
+    cuda_ctx *c = bcv;
+    cudaStreamSynchronize(c->stream);
+    for (int i = 0; i < c->n_graphs; i++)
+        if (c->graphs[i].exec) cudaGraphExecDestroy(c->graphs[i].exec);
+    c->n_graphs = 0;
+}
+
+static graph_slot *graph_for(cuda_ctx *c, int64_t R) {
+    for (int i = 0; i < c->n_graphs; i++)
+        if (c->graphs[i].R == R) return &c->graphs[i];
+    if (c->n_graphs == MAX_GRAPHS) return NULL;
+    graph_slot *g = &c->graphs[c->n_graphs++];
+    memset(g, 0, sizeof *g);
+    g->R = R;
+    return g;
+}
+
+/* Captures fn(arg) into g->exec. A failure (e.g. a gather route that synchronizes) is not an error:
+ * that row count runs eagerly from then on. */
+static void capture(cuda_ctx *c, graph_slot *g, int (*fn)(void *), void *arg) {
+    cudaGraph_t graph = NULL;
+    int st = FP4MOE_ECUDA;
+    const int n_ev0 = c->n_ev;
+    c->capturing = 1;
+    if (cudaStreamBeginCapture(c->stream, cudaStreamCaptureModeRelaxed) == cudaSuccess) {
+        st = fn(arg);
+        if (cudaStreamEndCapture(c->stream, &graph) != cudaSuccess && !st) st = FP4MOE_ECUDA;
+    }
+    c->capturing = 0;
+    g->n_ev = c->n_ev;
+    c->n_ev = n_ev0;
+    if (!st && graph && cudaGraphInstantiate(&g->exec, graph, 0) != cudaSuccess) g->exec = NULL;
+    if (graph) cudaGraphDestroy(graph);
+    if (st || !g->exec) {
+        g->exec = NULL;
+        g->failed = 1;
+        (void)cudaGetLastError();
+        fp4moe_clear_error();
+    }
+}
+
+static int cu_run(void *bcv, const fw_step *st, int (*fn)(void *), void *arg) {
+    cuda_ctx *c = bcv;
+    c->n_ev = 0;
+    if (c->graph_off || st->nd != st->R) return fn(arg);
+    graph_slot *g = graph_for(c, st->R);
+    if (!g || g->failed) return fn(arg);
+    if (!g->exec && g->seen) capture(c, g, fn, arg);
+    if (!g->exec) {
+        g->seen = 1;
+        return fn(arg);
+    }
+    CUDA_TRY(cudaGraphLaunch(g->exec, c->stream), "decode graph launch");
+    c->n_ev = g->n_ev;              /* the replay records the events its capture recorded */
+    return FP4MOE_OK;
+}
+
+/* ---- ops ---------------------------------------------------------------------------------------- */
+
+#define CX(bc) ((cuda_ctx *)(bc))
+
+static int cu_embed(void *bc, const void *E, const int32_t *tokens, int64_t R, float *h) {
+    return cuda_embed(S_(bc), E, tokens, R, h);
+}
+static int cu_rmsnorm(void *bc, const float *x, const float *w, int64_t T, int64_t H, float eps, void *y,
+                      float *y32) {
+    return cuda_rmsnorm(S_(bc), x, w, T, H, eps, y, y32);
+}
+static int cu_rmsnorm_rows(void *bc, const float *x, const int32_t *rows, int64_t n, const float *w,
+                           int64_t H, float eps, void *y) {
+    return cuda_rmsnorm_rows(S_(bc), x, rows, n, w, H, eps, y);
+}
+static int cu_linear(void *bc, const void *W, const void *x, int64_t T, void *y) {
+    return cuda_linear_forward(&CX(bc)->ops, W, x, T, y);
+}
+static int cu_linear_f32out(void *bc, const void *W, const void *x, int64_t T, float *y) {
+    return cuda_linear_forward_f32out(&CX(bc)->ops, W, x, T, y);
+}
+static int cu_linear_gather(void *bc, const void *W, const void *x, const uint32_t *idx, int64_t B, void *y) {
+    return cuda_linear_gather(&CX(bc)->ops, W, x, idx, B, y);
+}
+static int cu_matmul_f32(void *bc, const float *x, int64_t T, const float *W, int64_t N, int64_t K, float *y) {
+    return cuda_matmul_f32(&CX(bc)->ops, x, T, W, N, K, y);
+}
+static int cu_router_topk(void *bc, const fw_router *r, const float *logits, int64_t T, int32_t *ids,
+                          float *wts) {
+    const cuda_router_cfg rc = {r->E, r->k, r->n_group, r->topk_group, r->norm_topk_prob, r->scaling, r->bias};
+    return cuda_router_topk(S_(bc), &rc, logits, T, ids, wts);
+}
+static int cu_sort(void *bc, const int32_t *ids, int64_t B, int64_t E, uint32_t *row_of, uint32_t *idx,
+                   uint32_t *pos_of) {
+    return cuda_sort_by_expert(S_(bc), ids, B, E, row_of, idx, pos_of);
+}
+static int cu_gather_rows(void *bc, const void *x, int64_t H, const uint32_t *row_of, int64_t B, int64_t k,
+                          void *xs) {
+    return cuda_gather_rows(S_(bc), x, H, row_of, B, k, xs);
+}
+static int cu_moe_combine(void *bc, const void *ys, int64_t H, const uint32_t *pos_of, const float *wts,
+                          int64_t T, int64_t k, void *out) {
+    return cuda_moe_combine(S_(bc), ys, H, pos_of, wts, T, k, out);
+}
+static int cu_relu2(void *bc, void *x, int64_t n) { return cuda_relu2(S_(bc), x, n); }
+static int cu_residual_add(void *bc, float *h, const void *a, const void *b, int64_t n) {
+    return cuda_residual_add(S_(bc), h, a, b, n);
+}
+static int cu_rmsnorm_gated(void *bc, const float *y, const void *z, int64_t zs, const float *w, int64_t T,
+                            int64_t D, int64_t G, float eps, void *out) {
+    return cuda_rmsnorm_gated(S_(bc), y, z, zs, w, T, D, G, eps, out);
+}
+static int cu_argmax_rows(void *bc, const float *x, int64_t n, int64_t V, int32_t *out) {
+    return cuda_argmax_rows_f32(S_(bc), x, n, V, out);
+}
+
+/* Decode rows [0, nd) in one launch each (device-side slots: graph-stable), prefill segments one
+ * launch per segment. */
+static int cu_conv1d_silu(void *bc, const fw_step *s, const void *xv, int64_t xs, int64_t C, const float *w,
+                          const float *b, int64_t Kc, const fw_state *st, float *y) {
+    const uint16_t *x = xv;
+    TRY(cuda_conv1d_decode(S_(bc), x, xs, s->nd, C, w, b, Kc, s->d_row_slot, st->conv_stride, st->conv, y));
+    for (int64_t i = s->nd; i < s->nseg; i++) {
+        const fw_seg *g = &s->seg[i];
+        TRY(cuda_conv1d_causal(S_(bc), x + g->row0 * xs, xs, g->n, C, w, b, Kc,
+                               st->conv + (int64_t)g->slot * st->conv_stride, y + g->row0 * C));
+    }
+    return FP4MOE_OK;
+}
+
+static int cu_ssm_scan(void *bc, const fw_step *s, const fw_ssm *a, const fw_state *st) {
+    const uint16_t *dt = a->dt;
+    cuda_ssm_args o = {
+        .T = 1, .nh = a->nh, .hd = a->hd, .S = a->S, .G = a->G,
+        .x = a->x, .xs = a->xs, .B = a->B, .C = a->C, .bcs = a->bcs, .dt = dt, .dts = a->dts,
+        .dt_bias = a->dt_bias, .A = a->A, .D = a->D, .dt_lo = a->dt_lo, .dt_hi = a->dt_hi,
+        .state = st->ssm, .y = a->y, .row_slot = s->d_row_slot, .state_stride = st->ssm_stride, .nb = s->nd,
+    };
+    if (s->nd) TRY(cuda_ssm_scan(S_(bc), &o));
+    for (int64_t i = s->nd; i < s->nseg; i++) {
+        const fw_seg *g = &s->seg[i];
+        const int64_t r = g->row0;
+        o.T = g->n;
+        o.x = a->x + r * a->xs;
+        o.B = a->B + r * a->bcs;
+        o.C = a->C + r * a->bcs;
+        o.dt = dt + r * a->dts;
+        o.y = a->y + r * a->nh * a->hd;
+        o.state = st->ssm + (int64_t)g->slot * st->ssm_stride;
+        o.row_slot = NULL;
+        o.nb = 1;
+        TRY(cuda_ssm_scan(S_(bc), &o));
+    }
+    return FP4MOE_OK;
+}
+
+static int cu_attention(void *bc, const fw_step *s, const void *qv, const void *k, const void *v,
+                        const fw_state *st, int64_t nq, int64_t nkv, int64_t dh, void *outv) {
+    const uint16_t *q = qv;
+    uint16_t *out = outv;
+    const int64_t kvs = nkv * dh, qs = nq * dh;
+    TRY(cuda_kv_append(S_(bc), k, v, s->R, kvs, s->d_row_slot, s->d_row_pos, s->d_pages, s->max_pages, st->k,
+                       st->v));
+    TRY(cuda_attention_decode(S_(bc), q, st->k, st->v, s->d_row_slot, s->d_row_pos, s->d_pages, s->max_pages,
+                              s->nd, nq, nkv, dh, out));
+    for (int64_t i = s->nd; i < s->nseg; i++) {
+        const fw_seg *g = &s->seg[i];
+        TRY(cuda_attention_prefill(S_(bc), q + g->row0 * qs, st->k, st->v,
+                                   s->d_pages + (int64_t)g->slot * s->max_pages, g->pos0, g->n, nq, nkv, dh,
+                                   out + g->row0 * qs));
+    }
+    return FP4MOE_OK;
+}
+
+static const be_ops CUDA_OPS = {
+    .name = "cuda",
+    .act_size = 2,
+    .alloc = cu_alloc,
+    .free = cu_free,
+    .upload = cu_upload,
+    .download = cu_download,
+    .copy = cu_copy,
+    .zero = cu_zero,
+    .sync = cu_sync,
+    .run = cu_run,
+    .invalidate = cu_invalidate,
+    .embed = cu_embed,
+    .rmsnorm = cu_rmsnorm,
+    .rmsnorm_rows = cu_rmsnorm_rows,
+    .linear = cu_linear,
+    .linear_f32out = cu_linear_f32out,
+    .linear_gather = cu_linear_gather,
+    .matmul_f32 = cu_matmul_f32,
+    .router_topk = cu_router_topk,
+    .sort_by_expert = cu_sort,
+    .gather_rows = cu_gather_rows,
+    .moe_combine = cu_moe_combine,
+    .relu2 = cu_relu2,
+    .residual_add = cu_residual_add,
+    .conv1d_silu = cu_conv1d_silu,
+    .ssm_scan = cu_ssm_scan,
+    .rmsnorm_gated = cu_rmsnorm_gated,
+    .attention = cu_attention,
+    .argmax_rows = cu_argmax_rows,
+    .mark = cu_mark,
+};
+
+/* Rows x width of f32 staging that the model needs (0 when none): max(N, K) of its dense f32
+ * linears; K of the lm_head when NVFP4 or f32 (cuda_linear_forward_f32out widens its input). */
+static int64_t f32_staging(const struct gpu_model *g, const fp4moe_config *c) {
+    const cuda_linear *hd = &g->lm_head;
+    int64_t w = hd->nvfp4 || hd->dtype == FP4MOE_F32 ? hd->K : 0;
+    for (int64_t l = 0; l < c->n_layers; l++) {
+        const gpu_layer *d = &g->layers[l];
+        const cuda_linear *lins[] = {&d->in_proj, &d->out_proj, &d->q_proj, &d->k_proj, &d->v_proj,
+                                     &d->o_proj, &d->shared_up, &d->shared_down, &d->latent_in,
+                                     &d->latent_out, &d->up, &d->down};
+        for (size_t i = 0; i < sizeof lins / sizeof lins[0]; i++)
+            if (lins[i]->N && !lins[i]->nvfp4 && lins[i]->dtype == FP4MOE_F32) {
+                const int64_t m = lins[i]->N > lins[i]->K ? lins[i]->N : lins[i]->K;
+                w = m > w ? m : w;
+            }
+    }
+    return w;
+}
+
+void be_cuda_free(void *bcv) {
+    cuda_ctx *c = bcv;
+    if (!c) return;
+    if (c->stream) cudaStreamSynchronize(c->stream);
+    cu_invalidate(c);
+    for (int i = 0; c->ev && i < c->cap_ev; i++)
+        if (c->ev[i]) cudaEventDestroy(c->ev[i]);
+    free(c->ev);
+    free(c->ev_kind);
+    cuda_blas_destroy(c->blas);
+    cudaFree(c->ws);
+    cudaFree(c->zeros);
+    cudaFree(c->ops.f32_x);
+    cudaFree(c->ops.f32_y);
+    if (c->stream) cudaStreamDestroy(c->stream);
+    free(c);
+}
+
+int be_cuda_new(const fp4moe_model *m, fp4moe_route route, int64_t cap, int profile, const be_ops **ops,
+                void **out) {
+    if (!m->gpu)
+        return fp4moe_set_error(FP4MOE_EINVAL, "cuda: the model's weights are not on the GPU (load it with "
+                                "device cuda)");
+    cuda_ctx *c = calloc(1, sizeof *c);
+    if (!c) return fp4moe_set_error(FP4MOE_ENOMEM, "cuda backend: out of memory");
+    *out = c;                       /* from here on, be_cuda_free releases what was made */
+    *ops = &CUDA_OPS;
+    c->g = m->gpu;
+    c->cfg = &m->cfg;
+    CUDA_TRY(cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking), "stream");
+    TRY(cu_alloc(c, BLAS_WORKSPACE, &c->ws));
+    TRY(cuda_blas_create(c->stream, c->ws, BLAS_WORKSPACE, &c->blas));
+    TRY(cu_alloc(c, (size_t)cap * 4, (void **)&c->zeros));
+    const int64_t f32w = f32_staging(c->g, &m->cfg);
+    float *fx = NULL, *fy = NULL;
+    if (f32w) {
+        TRY(cu_alloc(c, (size_t)(cap * f32w) * 4, (void **)&fx));
+        c->ops.f32_x = fx;
+        TRY(cu_alloc(c, (size_t)(cap * f32w) * 4, (void **)&fy));
+    }
+    c->ops = (cuda_ops){c->stream, c->blas, route, c->zeros, cap, fx, fy, cap * f32w};
+    if (profile) {
+        c->prof = 1;
+        c->cap_ev = 4 + 2 * (int)m->cfg.n_layers;
+        c->ev = calloc((size_t)c->cap_ev, sizeof *c->ev);
+        c->ev_kind = calloc((size_t)c->cap_ev, sizeof *c->ev_kind);
+        if (!c->ev || !c->ev_kind) return fp4moe_set_error(FP4MOE_ENOMEM, "cuda backend: out of memory");
+        for (int i = 0; i < c->cap_ev; i++) CUDA_TRY(cudaEventCreate(&c->ev[i]), "profile events");
+    }
+    const char *env = getenv("FP4MOE_CUDA_GRAPH");
+    c->graph_off = (env && !strcmp(env, "0")) || route == FP4MOE_ROUTE_DEQUANT_GEMM;
+    CUDA_TRY(cudaStreamSynchronize(c->stream), "backend setup");
+    return FP4MOE_OK;
+}
+
+int be_cuda_profile(void *bcv, double ms[FP4MOE_PROF_KINDS], int reset) {
+    cuda_ctx *c = bcv;
+    if (!c->prof)
+        return fp4moe_set_error(FP4MOE_EINVAL, "session profile: profiling is off (session option profile)");
+    for (int k = 0; k < FP4MOE_PROF_KINDS; k++) ms[k] = c->prof_ms[k];
+    if (reset) memset(c->prof_ms, 0, sizeof c->prof_ms);
+    return FP4MOE_OK;
+}
+
+#endif /* FP4MOE_HAVE_CUDA */

@@ -1,0 +1,650 @@
+/* Batches of sequences (include/fp4moe/model.h "batch"): the pools of per-sequence state, the
+ * paged KV cache, the step (validation, page allocation, the ragged row layout, outputs) and
+ * snapshots. The forward itself is src/model/forward.c, over the backend of the batch.
+ *
+ * Pools: for each Mamba layer a conv state ((Kc-1) x conv_dim) and an SSM state (nh x hd x S, fp32)
+ * per slot; for each attention layer K and V pages of FW_PAGE tokens (act elements), one page
+ * table per slot shared by the attention layers (page i of a slot holds its positions
+ * i*FW_PAGE .. i*FW_PAGE+FW_PAGE-1). Page ids are allocated from a free list; a sequence holds
+ * ceil(pos / FW_PAGE) pages. With max_kv_tokens <= 0 the page pool doubles when it runs out (the
+ * rows are copied; CUDA graphs are dropped). */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "backend/backend.h"
+#include "common/error.h"
+#include "model/forward.h"
+#include "model/model_internal.h"
+
+#define TRY(expr)                                                                                  \
+    do {                                                                                           \
+        const int try_st_ = (expr);                                                                \
+        if (try_st_) return try_st_;                                                               \
+    } while (0)
+
+#define DEFAULT_CTX_LIMIT ((int64_t)1 << 20)
+#define GROW_MIN_PAGES 32
+
+typedef struct {
+    int alive;
+    int64_t id;                     /* generation * max_seqs + slot */
+    int64_t pos;
+    int64_t npages;
+} seq_slot;
+
+struct fp4moe_batch {
+    const fp4moe_model *m;
+    fp4moe_batch_options o;
+    const be_ops *be;
+    void *bc;
+    int cuda;
+    fw_weights wcpu;                /* CPU placement (CUDA: the model's device placement) */
+    const fw_weights *w;
+    fw_bufs bufs;
+    fw_state *state;                /* per layer */
+    int64_t conv_n, ssm_n, kvs;     /* floats per slot and layer; act elements per KV row */
+    int64_t n_mamba, n_attn;
+    float *conv_pool, *ssm_pool;    /* n_mamba x slots x conv_n / ssm_n */
+    void **kpool, **vpool;          /* per attention layer (index into attn list) */
+    int64_t n_pages;                /* pages in the pool */
+    int32_t *free_pages;            /* stack of free page ids */
+    int64_t n_free;
+    int grow;
+    int64_t ctx_limit, max_pages;
+    int32_t *h_pages, *d_pages;     /* max_seqs x max_pages */
+    seq_slot *slots;
+    int64_t *gen;                   /* per slot: reuse count */
+    int64_t alive;
+    /* step staging */
+    int32_t *h_meta;                /* 4 * cap */
+    fw_seg *segs;
+    int64_t *order;                 /* item order in the step */
+    int32_t *h_next;                /* cap */
+};
+
+void fp4moe_batch_options_default(fp4moe_batch_options *o) {
+    memset(o, 0, sizeof *o);
+    o->max_seqs = 16;
+    o->max_step_tokens = 256;
+    o->act_dtype = FP4MOE_F32;
+    o->route = FP4MOE_ROUTE_AUTO;
+}
+
+/* ---- creation ------------------------------------------------------------------------------ */
+
+static int choose_device(const fp4moe_model *m, fp4moe_device d, int *cuda) {
+    if (d == FP4MOE_DEVICE_DEFAULT) d = m->gpu ? FP4MOE_DEVICE_CUDA : FP4MOE_DEVICE_CPU;
+    if (d == FP4MOE_DEVICE_CUDA) {
+        if (!m->gpu)
+            return fp4moe_set_error(FP4MOE_EINVAL, "device cuda needs a model whose weights are on the "
+                                    "GPU (load it with device cuda)");
+        *cuda = 1;
+        return FP4MOE_OK;
+    }
+    if (d != FP4MOE_DEVICE_CPU) return fp4moe_set_error(FP4MOE_EINVAL, "unknown device %d", (int)d);
+    if (m->no_host_weights)
+        return fp4moe_set_error(FP4MOE_EINVAL, "this synthetic model was generated on the GPU and has no "
+                                "host weights: use device cuda");
+    *cuda = 0;
+    return FP4MOE_OK;
+}
+
+static int alloc_kv_pools(fp4moe_batch *b, int64_t pages, void **k, void **v) {
+    const size_t bytes = (size_t)(pages * FW_PAGE * b->kvs) * b->be->act_size;
+    for (int64_t a = 0; a < b->n_attn; a++) {
+        int st = b->be->alloc(b->bc, bytes, &k[a]);
+        if (!st) st = b->be->alloc(b->bc, bytes, &v[a]);
+        if (st) {
+            for (int64_t j = 0; j <= a; j++) {
+                if (k[j]) b->be->free(b->bc, k[j]);
+                if (v[j]) b->be->free(b->bc, v[j]);
+                k[j] = v[j] = NULL;
+            }
+            return fp4moe_error_context(st, "KV cache pool of %lld tokens", (long long)(pages * FW_PAGE));
+        }
+    }
+    return FP4MOE_OK;
+}
+
+/* Points each layer's fw_state at its part of the pools. */
+static void bind_state(fp4moe_batch *b) {
+    const fp4moe_config *c = &b->m->cfg;
+    int64_t im = 0, ia = 0;
+    for (int64_t l = 0; l < c->n_layers; l++) {
+        fw_state *s = &b->state[l];
+        memset(s, 0, sizeof *s);
+        if (c->layer_types[l] == FP4MOE_LAYER_MAMBA) {
+            s->conv = b->conv_pool + im * b->o.max_seqs * b->conv_n;
+            s->ssm = b->ssm_pool + im * b->o.max_seqs * b->ssm_n;
+            s->conv_stride = b->conv_n;
+            s->ssm_stride = b->ssm_n;
+            im++;
+        } else if (c->layer_types[l] == FP4MOE_LAYER_ATTENTION) {
+            s->k = b->kpool[ia];
+            s->v = b->vpool[ia];
+            ia++;
+        }
+    }
+}
+
+static int64_t ceil_div(int64_t a, int64_t d) { return (a + d - 1) / d; }
+
+static int make_pools(fp4moe_batch *b) {
+    const fp4moe_config *c = &b->m->cfg;
+    const int64_t S = b->o.max_seqs;
+    const int64_t di = c->mamba_heads * c->mamba_head_dim, cd = di + 2 * c->mamba_groups * c->ssm_state;
+    b->conv_n = (c->conv_kernel - 1) * cd;
+    b->ssm_n = di * c->ssm_state;
+    b->kvs = c->kv_heads * c->head_dim;
+    for (int64_t l = 0; l < c->n_layers; l++) {
+        b->n_mamba += c->layer_types[l] == FP4MOE_LAYER_MAMBA;
+        b->n_attn += c->layer_types[l] == FP4MOE_LAYER_ATTENTION;
+    }
+    int64_t t;
+    if (fp4moe_mul_overflow(b->n_mamba * S, b->conv_n + b->ssm_n, &t))
+        return fp4moe_set_error(FP4MOE_EOVERFLOW, "batch: Mamba state pool size overflows");
+    if (b->n_mamba) {
+        TRY(b->be->alloc(b->bc, (size_t)(b->n_mamba * S * (b->conv_n ? b->conv_n : 1)) * sizeof(float),
+                         (void **)&b->conv_pool));
+        TRY(b->be->alloc(b->bc, (size_t)(b->n_mamba * S * b->ssm_n) * sizeof(float), (void **)&b->ssm_pool));
+    }
+    b->ctx_limit = b->o.max_context > 0 ? b->o.max_context
+                                        : (b->o.max_kv_tokens > 0 ? b->o.max_kv_tokens : DEFAULT_CTX_LIMIT);
+    b->max_pages = ceil_div(b->ctx_limit, FW_PAGE);
+    b->grow = b->o.max_kv_tokens <= 0;
+    b->n_pages = b->grow ? GROW_MIN_PAGES : ceil_div(b->o.max_kv_tokens, FW_PAGE);
+    if (b->grow && b->o.max_context > 0 && b->n_pages > b->max_pages * S) b->n_pages = b->max_pages * S;
+    if (!b->n_attn) b->n_pages = 0;
+    b->kpool = calloc((size_t)(b->n_attn + 1), sizeof(void *));
+    b->vpool = calloc((size_t)(b->n_attn + 1), sizeof(void *));
+    b->free_pages = malloc((size_t)(b->n_pages + 1) * sizeof(int32_t));
+    b->h_pages = calloc((size_t)(S * b->max_pages), sizeof(int32_t));
+    b->state = calloc((size_t)c->n_layers, sizeof *b->state);
+    if (!b->kpool || !b->vpool || !b->free_pages || !b->h_pages || !b->state)
+        return fp4moe_set_error(FP4MOE_ENOMEM, "batch: out of memory");
+    if (b->n_attn) {
+        if (b->n_pages > INT32_MAX) return fp4moe_set_error(FP4MOE_EOVERFLOW, "batch: KV pool too large");
+        TRY(alloc_kv_pools(b, b->n_pages, b->kpool, b->vpool));
+        TRY(b->be->alloc(b->bc, (size_t)(S * b->max_pages) * sizeof(int32_t), (void **)&b->d_pages));
+    }
+    for (int64_t i = 0; i < b->n_pages; i++) b->free_pages[i] = (int32_t)(b->n_pages - 1 - i);
+    b->n_free = b->n_pages;
+    bind_state(b);
+    return FP4MOE_OK;
+}
+
+int fp4moe_batch_new(const fp4moe_model *m, const fp4moe_batch_options *opts, fp4moe_batch **out) {
+    if (!m || !out) return fp4moe_set_error(FP4MOE_EINVAL, "batch_new: NULL argument");
+    *out = NULL;
+    fp4moe_batch_options o;
+    if (opts) o = *opts;
+    else fp4moe_batch_options_default(&o);
+    int cuda = 0;
+    TRY(choose_device(m, o.device, &cuda));
+    if (!opts && cuda) o.act_dtype = FP4MOE_BF16;
+    if (o.act_dtype != FP4MOE_F32 && o.act_dtype != FP4MOE_BF16)
+        return fp4moe_set_error(FP4MOE_EINVAL, "activation dtype %s (supported: f32, bf16)",
+                                fp4moe_dtype_name(o.act_dtype));
+    if (cuda && o.act_dtype != FP4MOE_BF16)
+        return fp4moe_set_error(FP4MOE_EINVAL, "CUDA computes with bf16 activations (act_dtype bf16, "
+                                "--dtype bf16); %s asked", fp4moe_dtype_name(o.act_dtype));
+    if (o.max_step_tokens < 1)
+        return fp4moe_set_error(FP4MOE_EINVAL, "max_step_tokens (max_chunk)=%lld < 1", (long long)o.max_step_tokens);
+    if (o.max_seqs < 1 || o.max_seqs > (1 << 20))
+        return fp4moe_set_error(FP4MOE_EINVAL, "max_seqs=%lld (1 .. 1048576)", (long long)o.max_seqs);
+    if (o.max_context > 0 && o.max_step_tokens > o.max_context) o.max_step_tokens = o.max_context;
+    fp4moe_batch *b = calloc(1, sizeof *b);
+    if (!b) return fp4moe_set_error(FP4MOE_ENOMEM, "batch_new: out of memory");
+    b->m = m;
+    b->o = o;
+    b->cuda = cuda;
+    int st;
+    if (cuda) {
+        st = be_cuda_new(m, o.route, o.max_step_tokens, o.profile, &b->be, &b->bc);
+        if (!st) b->w = be_cuda_weights(m);
+    } else {
+        st = be_cpu_new(o.act_dtype, o.route, &b->be, &b->bc);
+        if (!st) st = be_cpu_weights(m, &b->wcpu);
+        b->w = &b->wcpu;
+    }
+    const int64_t cap = o.max_step_tokens;
+    if (!st) st = fw_bufs_alloc(b->be, b->bc, &m->cfg, cap, &b->bufs);
+    if (!st) st = make_pools(b);
+    if (!st) {
+        b->slots = calloc((size_t)o.max_seqs, sizeof *b->slots);
+        b->gen = calloc((size_t)o.max_seqs, sizeof *b->gen);
+        b->h_meta = malloc((size_t)(4 * cap) * sizeof(int32_t));
+        b->segs = malloc((size_t)cap * sizeof *b->segs);
+        b->h_next = malloc((size_t)cap * sizeof(int32_t));
+        if (!b->slots || !b->gen || !b->h_meta || !b->segs || !b->h_next)
+            st = fp4moe_set_error(FP4MOE_ENOMEM, "batch_new: out of memory");
+    }
+    if (!st && b->be->sync) st = b->be->sync(b->bc);
+    if (st) {
+        fp4moe_batch_free(b);
+        return st;
+    }
+    *out = b;
+    return FP4MOE_OK;
+}
+
+void fp4moe_batch_free(fp4moe_batch *b) {
+    if (!b) return;
+    if (b->be) {
+        if (b->be->sync) (void)b->be->sync(b->bc);
+        fw_bufs_free(b->be, b->bc, &b->m->cfg, &b->bufs);
+        for (int64_t a = 0; b->kpool && a < b->n_attn; a++) {
+            if (b->kpool[a]) b->be->free(b->bc, b->kpool[a]);
+            if (b->vpool[a]) b->be->free(b->bc, b->vpool[a]);
+        }
+        if (b->conv_pool) b->be->free(b->bc, b->conv_pool);
+        if (b->ssm_pool) b->be->free(b->bc, b->ssm_pool);
+        if (b->d_pages) b->be->free(b->bc, b->d_pages);
+        if (b->cuda) be_cuda_free(b->bc);
+        else be_cpu_free(b->bc);
+    }
+    free(b->wcpu.layers);
+    free(b->kpool);
+    free(b->vpool);
+    free(b->free_pages);
+    free(b->h_pages);
+    free(b->state);
+    free(b->slots);
+    free(b->gen);
+    free(b->h_meta);
+    free(b->segs);
+    free(b->order);
+    free(b->h_next);
+    free(b);
+}
+
+/* ---- sequences ------------------------------------------------------------------------------- */
+
+static seq_slot *find(const fp4moe_batch *b, int64_t id) {
+    if (!b || id < 0) return NULL;
+    seq_slot *s = &b->slots[id % b->o.max_seqs];
+    return s->alive && s->id == id ? s : NULL;
+}
+
+static int32_t slot_of(const fp4moe_batch *b, const seq_slot *s) { return (int32_t)(s - b->slots); }
+
+static void release_pages(fp4moe_batch *b, seq_slot *s, int64_t keep) {
+    const int32_t slot = slot_of(b, s);
+    while (s->npages > keep) {
+        s->npages--;
+        b->free_pages[b->n_free++] = b->h_pages[(int64_t)slot * b->max_pages + s->npages];
+    }
+}
+
+/* Doubles the page pool (grow mode): new pools, rows copied, graphs dropped. */
+static int grow_pool(fp4moe_batch *b, int64_t need) {
+    int64_t np = b->n_pages ? b->n_pages : GROW_MIN_PAGES;
+    while (np < b->n_pages + need) np *= 2;
+    if (np > INT32_MAX) return fp4moe_set_error(FP4MOE_EOVERFLOW, "KV cache pool exhausted (limit)");
+    void **k = calloc((size_t)(b->n_attn + 1), sizeof(void *)), **v = calloc((size_t)(b->n_attn + 1), sizeof(void *));
+    int32_t *fp = malloc((size_t)np * sizeof(int32_t));
+    if (!k || !v || !fp) {
+        free(k); free(v); free(fp);
+        return fp4moe_set_error(FP4MOE_ENOMEM, "KV cache: out of memory");
+    }
+    int st = alloc_kv_pools(b, np, k, v);
+    const size_t old = (size_t)(b->n_pages * FW_PAGE * b->kvs) * b->be->act_size;
+    for (int64_t a = 0; !st && a < b->n_attn; a++) {
+        if ((st = b->be->copy(b->bc, k[a], b->kpool[a], old))) break;
+        st = b->be->copy(b->bc, v[a], b->vpool[a], old);
+    }
+    if (!st) st = b->be->sync(b->bc);
+    if (st) {
+        for (int64_t a = 0; a < b->n_attn; a++) {
+            if (k[a]) b->be->free(b->bc, k[a]);
+            if (v[a]) b->be->free(b->bc, v[a]);
+        }
+        free(k); free(v); free(fp);
+        return st;
+    }
+    for (int64_t a = 0; a < b->n_attn; a++) {
+        b->be->free(b->bc, b->kpool[a]);
+        b->be->free(b->bc, b->vpool[a]);
+    }
+    free(b->kpool);
+    free(b->vpool);
+    b->kpool = k;
+    b->vpool = v;
+    memcpy(fp, b->free_pages, (size_t)b->n_free * sizeof(int32_t));
+    for (int64_t i = np - 1; i >= b->n_pages; i--) fp[b->n_free++] = (int32_t)i;
+    free(b->free_pages);
+    b->free_pages = fp;
+    b->n_pages = np;
+    b->be->invalidate(b->bc);
+    bind_state(b);
+    return FP4MOE_OK;
+}
+
+/* Pages for positions [0, need) of s; the new table entries are uploaded. */
+static int reserve_pages(fp4moe_batch *b, seq_slot *s, int64_t need_tokens) {
+    if (!b->n_attn) return FP4MOE_OK;
+    const int64_t need = ceil_div(need_tokens, FW_PAGE), add = need - s->npages;
+    if (add <= 0) return FP4MOE_OK;
+    if (add > b->n_free) {
+        if (!b->grow)
+            return fp4moe_set_error(FP4MOE_EOVERFLOW, "KV cache pool exhausted: %lld more tokens needed, "
+                                    "%lld of %lld tokens free (max_kv_tokens)", (long long)(add * FW_PAGE),
+                                    (long long)(b->n_free * FW_PAGE), (long long)(b->n_pages * FW_PAGE));
+        TRY(grow_pool(b, add - b->n_free));
+    }
+    const int32_t slot = slot_of(b, s);
+    int32_t *row = b->h_pages + (int64_t)slot * b->max_pages;
+    const int64_t first = s->npages;
+    while (s->npages < need) row[s->npages++] = b->free_pages[--b->n_free];
+    return b->be->upload(b->bc, b->d_pages + (int64_t)slot * b->max_pages + first, row + first,
+                         (size_t)(need - first) * sizeof(int32_t));
+}
+
+static int zero_slot_state(fp4moe_batch *b, int32_t slot) {
+    const fp4moe_config *c = &b->m->cfg;
+    for (int64_t l = 0; l < c->n_layers; l++) {
+        const fw_state *s = &b->state[l];
+        if (c->layer_types[l] != FP4MOE_LAYER_MAMBA) continue;
+        if (b->conv_n) TRY(b->be->zero(b->bc, s->conv + slot * s->conv_stride, (size_t)b->conv_n * sizeof(float)));
+        TRY(b->be->zero(b->bc, s->ssm + slot * s->ssm_stride, (size_t)b->ssm_n * sizeof(float)));
+    }
+    return FP4MOE_OK;
+}
+
+int fp4moe_batch_add(fp4moe_batch *b, int64_t *seq) {
+    if (!b || !seq) return fp4moe_set_error(FP4MOE_EINVAL, "batch_add: NULL argument");
+    int64_t slot = -1;
+    for (int64_t i = 0; i < b->o.max_seqs && slot < 0; i++)
+        if (!b->slots[i].alive) slot = i;
+    if (slot < 0)
+        return fp4moe_set_error(FP4MOE_EOVERFLOW, "batch: %lld sequences are running, the most this batch "
+                                "holds (max_seqs)", (long long)b->o.max_seqs);
+    TRY(zero_slot_state(b, (int32_t)slot));
+    seq_slot *s = &b->slots[slot];
+    s->alive = 1;
+    s->id = b->gen[slot]++ * b->o.max_seqs + slot;
+    s->pos = 0;
+    s->npages = 0;
+    b->alive++;
+    *seq = s->id;
+    return FP4MOE_OK;
+}
+
+int fp4moe_batch_remove(fp4moe_batch *b, int64_t seq) {
+    seq_slot *s = find(b, seq);
+    if (!s) return fp4moe_set_error(FP4MOE_EINVAL, "batch_remove: no sequence %lld", (long long)seq);
+    release_pages(b, s, 0);
+    s->alive = 0;
+    b->alive--;
+    return FP4MOE_OK;
+}
+
+int64_t fp4moe_batch_pos(const fp4moe_batch *b, int64_t seq) {
+    const seq_slot *s = find(b, seq);
+    return s ? s->pos : -1;
+}
+
+int64_t fp4moe_batch_count(const fp4moe_batch *b) { return b ? b->alive : 0; }
+
+void fp4moe_batch_kv_usage(const fp4moe_batch *b, int64_t *used, int64_t *pool) {
+    if (used) *used = b ? (b->n_pages - b->n_free) * FW_PAGE : 0;
+    if (pool) *pool = b ? b->n_pages * FW_PAGE : 0;
+}
+
+/* ---- step ------------------------------------------------------------------------------------ */
+
+static void item_fail(fp4moe_batch_item *it, int st) {
+    it->status = st;
+    snprintf(it->error, sizeof it->error, "%s", fp4moe_last_error());
+}
+
+/* The checks of one item that need no state change. */
+static int check_item(const fp4moe_batch *b, const fp4moe_batch_item *it, const unsigned char *seen) {
+    const fp4moe_config *c = &b->m->cfg;
+    const seq_slot *s = find(b, it->seq);
+    if (!s) return fp4moe_set_error(FP4MOE_EINVAL, "step: no sequence %lld", (long long)it->seq);
+    if (seen[slot_of(b, s)])
+        return fp4moe_set_error(FP4MOE_EINVAL, "step: sequence %lld is given twice", (long long)it->seq);
+    if (!it->tokens || it->n < 1)
+        return fp4moe_set_error(FP4MOE_EINVAL, "step: sequence %lld: %lld tokens", (long long)it->seq,
+                                (long long)it->n);
+    if (it->logits != FP4MOE_LOGITS_NONE && !it->out_logits)
+        return fp4moe_set_error(FP4MOE_EINVAL, "step: sequence %lld asks for logits without a buffer",
+                                (long long)it->seq);
+    if (it->logits < 0 || it->logits > FP4MOE_LOGITS_ALL)
+        return fp4moe_set_error(FP4MOE_EINVAL, "step: logits mode %d", it->logits);
+    for (int64_t t = 0; t < it->n; t++)
+        if (it->tokens[t] < 0 || it->tokens[t] >= c->vocab)
+            return fp4moe_set_error(FP4MOE_EINVAL, "forward: token %lld is id %d, outside [0, %lld)",
+                                    (long long)t, it->tokens[t], (long long)c->vocab);
+    if (s->pos + it->n > b->ctx_limit)
+        return fp4moe_set_error(FP4MOE_EOVERFLOW, "forward: %lld + %lld tokens exceed the context limit "
+                                "%lld", (long long)s->pos, (long long)it->n, (long long)b->ctx_limit);
+    return FP4MOE_OK;
+}
+
+static int head_rows_of(const fp4moe_batch_item *it) {
+    if (it->logits == FP4MOE_LOGITS_ALL) return (int)(it->n > INT32_MAX ? INT32_MAX : it->n);
+    return it->logits == FP4MOE_LOGITS_LAST || it->out_token ? 1 : 0;
+}
+
+int fp4moe_batch_step(fp4moe_batch *b, fp4moe_batch_item *items, int64_t n) {
+    if (!b || (!items && n)) return fp4moe_set_error(FP4MOE_EINVAL, "batch_step: NULL argument");
+    const fp4moe_config *c = &b->m->cfg;
+    const int64_t cap = b->o.max_step_tokens, V = c->vocab;
+    unsigned char *seen = calloc((size_t)b->o.max_seqs, 1);
+    int64_t *order = malloc((size_t)(n ? n : 1) * sizeof *order);
+    if (!seen || !order) {
+        free(seen); free(order);
+        return fp4moe_set_error(FP4MOE_ENOMEM, "batch_step: out of memory");
+    }
+    /* 1. checks, then the order: decode items first (rows [0, nd)), then prefill, input order */
+    int64_t n_ok = 0;
+    for (int pass = 0; pass < 2; pass++)
+        for (int64_t i = 0; i < n; i++) {
+            fp4moe_batch_item *it = &items[i];
+            if (pass == 0) {
+                it->status = FP4MOE_OK;
+                it->error[0] = 0;
+                const int st = check_item(b, it, seen);
+                if (st) {
+                    item_fail(it, st);
+                    continue;
+                }
+                seen[slot_of(b, find(b, it->seq))] = 1;
+            }
+            if (it->status || (pass == 0) != (it->n == 1)) continue;
+            order[n_ok++] = i;
+        }
+    /* 2. room in the step and KV pages, in that order; a failing item leaves no trace */
+    int64_t R = 0, nh = 0, nseg = 0, nd = 0;
+    int32_t *tok = b->h_meta;
+    for (int64_t j = 0; j < n_ok; j++) {
+        fp4moe_batch_item *it = &items[order[j]];
+        seq_slot *s = find(b, it->seq);
+        if (R + it->n > cap) {
+            item_fail(it, fp4moe_set_error(FP4MOE_EOVERFLOW, "step: %lld tokens of sequence %lld do not fit "
+                                           "in the step (%lld of max_step_tokens %lld used)", (long long)it->n,
+                                           (long long)it->seq, (long long)R, (long long)cap));
+            continue;
+        }
+        const int64_t had = s->npages;
+        int st = reserve_pages(b, s, s->pos + it->n);
+        if (st) {
+            release_pages(b, s, had);
+            item_fail(it, st);
+            continue;
+        }
+        b->segs[nseg] = (fw_seg){slot_of(b, s), s->pos, it->n, R};
+        memcpy(tok + R, it->tokens, (size_t)it->n * sizeof(int32_t));
+        nd += it->n == 1 && nd == nseg;
+        order[nseg++] = order[j];
+        R += it->n;
+    }
+    int st = FP4MOE_OK;
+    if (!nseg) goto done;
+    /* 3. row metadata: tokens | slot | position | head rows, packed for one upload */
+    const int pure_decode = nd == nseg;
+    int32_t *rs = tok + R, *rp = rs + R, *hr = rp + R;
+    for (int64_t g = 0; g < nseg; g++) {
+        const fw_seg *sg = &b->segs[g];
+        const fp4moe_batch_item *it = &items[order[g]];
+        for (int64_t t = 0; t < sg->n; t++) {
+            rs[sg->row0 + t] = sg->slot;
+            rp[sg->row0 + t] = (int32_t)(sg->pos0 + t);
+        }
+        const int64_t h = pure_decode ? 1 : head_rows_of(it);  /* decode steps: every row (graphs) */
+        for (int64_t t = sg->n - h; t < sg->n; t++) hr[nh++] = (int32_t)(sg->row0 + t);
+    }
+    if ((st = b->be->upload(b->bc, b->bufs.meta, b->h_meta, (size_t)(3 * R + nh) * sizeof(int32_t))))
+        goto done;
+    const fw_step step = {
+        .R = R, .nd = nd, .nseg = nseg, .seg = b->segs, .n_head = nh,
+        .d_tokens = b->bufs.meta, .d_row_slot = b->bufs.meta + R, .d_row_pos = b->bufs.meta + 2 * R,
+        .d_head_rows = b->bufs.meta + 3 * R, .d_pages = b->d_pages, .h_pages = b->h_pages,
+        .max_pages = b->max_pages,
+    };
+    int want_argmax = 0;
+    for (int64_t g = 0; g < nseg; g++) want_argmax |= items[order[g]].out_token != NULL;
+    const fw_ctx f = {&b->m->cfg, b->be, b->bc, b->w, &b->bufs, b->state, &step,
+                      want_argmax || pure_decode, b->o.interrupt};
+    if ((st = b->be->run(b->bc, &step, fw_forward, (void *)&f))) goto done;
+    /* 4. outputs: head rows are in segment order */
+    if (want_argmax && (st = b->be->download(b->bc, b->h_next, b->bufs.next, (size_t)nh * sizeof(int32_t))))
+        goto done;
+    int64_t h0 = 0;
+    for (int64_t g = 0; g < nseg && !st; g++) {
+        fp4moe_batch_item *it = &items[order[g]];
+        const int64_t h = pure_decode ? 1 : head_rows_of(it);
+        if (it->logits == FP4MOE_LOGITS_ALL || it->logits == FP4MOE_LOGITS_LAST) {
+            const int64_t rows = it->logits == FP4MOE_LOGITS_ALL ? h : 1;
+            st = b->be->download(b->bc, it->out_logits, b->bufs.lg + (h0 + h - rows) * V,
+                                 (size_t)(rows * V) * sizeof(float));
+        }
+        h0 += h;
+    }
+    if (!st) st = b->be->sync(b->bc);
+    if (st) goto done;
+    h0 = 0;
+    for (int64_t g = 0; g < nseg; g++) {
+        fp4moe_batch_item *it = &items[order[g]];
+        const int64_t h = pure_decode ? 1 : head_rows_of(it);
+        if (it->out_token) *it->out_token = b->h_next[h0 + h - 1];
+        h0 += h;
+        find(b, it->seq)->pos += it->n;
+    }
+done:
+    free(seen);
+    free(order);
+    return st;
+}
+
+/* ---- snapshots ------------------------------------------------------------------------------- */
+
+struct fp4moe_snapshot {
+    const fp4moe_model *m;
+    size_t act_size;
+    int64_t pos;
+    size_t bytes;
+    unsigned char *data;            /* per Mamba layer conv + ssm floats; per attention layer K rows, V rows */
+};
+
+int64_t fp4moe_snapshot_pos(const fp4moe_snapshot *s) { return s ? s->pos : -1; }
+size_t fp4moe_snapshot_bytes(const fp4moe_snapshot *s) { return s ? s->bytes : 0; }
+void fp4moe_snapshot_free(fp4moe_snapshot *s) {
+    if (!s) return;
+    free(s->data);
+    free(s);
+}
+
+static size_t snapshot_size(const fp4moe_batch *b, int64_t pos) {
+    return (size_t)(b->n_mamba * (b->conv_n + b->ssm_n)) * sizeof(float) +
+           (size_t)(2 * b->n_attn * pos * b->kvs) * b->be->act_size;
+}
+
+/* Copies the state of slot `slot` (positions [0, pos)) to or from host memory `data`. */
+static int transfer(fp4moe_batch *b, int32_t slot, int64_t pos, unsigned char *data, int to_host) {
+    const fp4moe_config *c = &b->m->cfg;
+    int (*xfer)(void *, void *, const void *, size_t) = to_host ? b->be->download : b->be->upload;
+    const size_t row = (size_t)b->kvs * b->be->act_size;
+    size_t off = 0;
+    for (int64_t l = 0; l < c->n_layers; l++) {
+        const fw_state *s = &b->state[l];
+        if (c->layer_types[l] == FP4MOE_LAYER_MAMBA) {
+            void *pc = s->conv + slot * s->conv_stride, *ps = s->ssm + slot * s->ssm_stride;
+            const size_t nc = (size_t)b->conv_n * sizeof(float), ns = (size_t)b->ssm_n * sizeof(float);
+            if (nc) TRY(to_host ? xfer(b->bc, data + off, pc, nc) : xfer(b->bc, pc, data + off, nc));
+            off += nc;
+            TRY(to_host ? xfer(b->bc, data + off, ps, ns) : xfer(b->bc, ps, data + off, ns));
+            off += ns;
+        } else if (c->layer_types[l] == FP4MOE_LAYER_ATTENTION) {
+            for (int kv = 0; kv < 2; kv++) {
+                char *pool = kv ? s->v : s->k;
+                for (int64_t p0 = 0; p0 < pos; p0 += FW_PAGE) {
+                    const int64_t m = pos - p0 < FW_PAGE ? pos - p0 : FW_PAGE;
+                    const int64_t page = b->h_pages[(int64_t)slot * b->max_pages + p0 / FW_PAGE];
+                    char *dev = pool + (size_t)(page * FW_PAGE) * row;
+                    TRY(to_host ? xfer(b->bc, data + off, dev, (size_t)m * row)
+                                : xfer(b->bc, dev, data + off, (size_t)m * row));
+                    off += (size_t)m * row;
+                }
+            }
+        }
+    }
+    return b->be->sync(b->bc);
+}
+
+int fp4moe_batch_snapshot(fp4moe_batch *b, int64_t seq, fp4moe_snapshot **out) {
+    if (!b || !out) return fp4moe_set_error(FP4MOE_EINVAL, "snapshot: NULL argument");
+    *out = NULL;
+    seq_slot *s = find(b, seq);
+    if (!s) return fp4moe_set_error(FP4MOE_EINVAL, "snapshot: no sequence %lld", (long long)seq);
+    fp4moe_snapshot *sn = calloc(1, sizeof *sn);
+    const size_t bytes = snapshot_size(b, s->pos);
+    if (sn) sn->data = malloc(bytes ? bytes : 1);
+    if (!sn || !sn->data) {
+        fp4moe_snapshot_free(sn);
+        return fp4moe_set_error(FP4MOE_ENOMEM, "snapshot: cannot allocate %zu bytes", bytes);
+    }
+    sn->m = b->m;
+    sn->act_size = b->be->act_size;
+    sn->pos = s->pos;
+    sn->bytes = bytes;
+    const int st = transfer(b, slot_of(b, s), s->pos, sn->data, 1);
+    if (st) {
+        fp4moe_snapshot_free(sn);
+        return st;
+    }
+    *out = sn;
+    return FP4MOE_OK;
+}
+
+int fp4moe_batch_add_from_snapshot(fp4moe_batch *b, const fp4moe_snapshot *sn, int64_t *seq) {
+    if (!b || !sn || !seq) return fp4moe_set_error(FP4MOE_EINVAL, "snapshot restore: NULL argument");
+    if (sn->m != b->m || sn->act_size != b->be->act_size)
+        return fp4moe_set_error(FP4MOE_EINVAL, "snapshot restore: the snapshot is of another model or device");
+    if (sn->pos > b->ctx_limit)
+        return fp4moe_set_error(FP4MOE_EOVERFLOW, "snapshot restore: %lld tokens exceed the context limit %lld",
+                                (long long)sn->pos, (long long)b->ctx_limit);
+    TRY(fp4moe_batch_add(b, seq));
+    seq_slot *s = find(b, *seq);
+    int st = reserve_pages(b, s, sn->pos);
+    if (!st) st = transfer(b, slot_of(b, s), sn->pos, sn->data, 0);
+    if (st) {
+        fp4moe_batch_remove(b, *seq);
+        *seq = -1;
+        return st;
+    }
+    s->pos = sn->pos;
+    return FP4MOE_OK;
+}
+
+/* ---- internal accessors (sessions) ------------------------------------------------------------- */
+
+int batch_profile(fp4moe_batch *b, double ms[FP4MOE_PROF_KINDS], int reset) {
+    if (!b->cuda) return fp4moe_set_error(FP4MOE_EINVAL, "session profile: only CUDA sessions keep device timers");
+    return be_cuda_profile(b->bc, ms, reset);
+}
+
+int batch_on_cuda(const fp4moe_batch *b) { return b->cuda; }

@@ -1,0 +1,267 @@
+/* The nemotron_h forward pass, written once over the backend table (src/backend/backend.h), for a
+ * step of many sequences (spec NEMOTRON_H.md "Forward pass"):
+ *   h = embed[token];  for each layer: h = h + mixer(rmsnorm(h) * norm.weight)
+ *   logits = lm_head(rmsnorm(h) * norm_f.weight)      (the rows that asked for logits)
+ * Row-wise work (norms, projections, router, experts) runs over all rows of the step at once: the
+ * router and the sort by expert see every row of every sequence, so the gather routes serve the
+ * whole batch. The Mamba conv/scan and attention keep sequences apart (their ops take the step).
+ *
+ * Mamba-2 (transformers NemotronHMamba2Mixer.torch_forward):
+ *   [z | xBC | dt] = in_proj(x);  xBC = silu(conv1d_causal(xBC));  [xs | B | C] = xBC
+ *   y = ssm_scan(xs, dt, A, B, C, D);  out = out_proj(rmsnorm_grouped(y * silu(z)) * norm.weight)
+ * dt = clamp(softplus(dt + dt_bias), time_step_limit[0], time_step_limit[1]) in prefill and decode,
+ * as mlx-lm, vLLM and the state-spaces/mamba kernels do. transformers 5.17 instead clamps dt to
+ * >= time_step_min in its chunked scan (every prefill) and not at all in its cached update. A model
+ * trained through transformers' prefill path (the default model, the golden tiny models) declares
+ * time_step_limit = [time_step_min, inf], so both readings are one function there
+ * (docs/spec/NEMOTRON_H.md).
+ * Attention: GQA, causal, no positional encoding, paged KV cache per sequence.
+ * MoE: router (fp32) -> top-k -> (token, slot) rows sorted by expert -> gather_qmm up -> relu^2 ->
+ *   gather_qmm down -> fp32 combine with the router weights (+ shared expert); with
+ *   moe_latent_size the routed experts work in the latent width. */
+#include "model/forward.h"
+
+#include <string.h>
+
+#include "common/error.h"
+
+#define TRY(expr)                                                                                  \
+    do {                                                                                           \
+        const int try_st_ = (expr);                                                                \
+        if (try_st_) return try_st_;                                                               \
+    } while (0)
+
+static int has_layer(const fp4moe_config *c, char type) {
+    return strchr(c->layer_types, type) != NULL;
+}
+
+/* ---- buffer plan ---------------------------------------------------------------------------- */
+
+typedef struct {
+    void **p;
+    int64_t n;
+    size_t esz;
+    const char *what;
+} plan_item;
+
+static int64_t plan(const fp4moe_config *c, int64_t cap, size_t act, fw_bufs *b, plan_item *it) {
+    const int64_t H = c->hidden, V = c->vocab;
+    const int64_t di = c->mamba_heads * c->mamba_head_dim, GS = c->mamba_groups * c->ssm_state;
+    const int64_t cd = di + 2 * GS, np = 2 * di + 2 * GS + c->mamba_heads;
+    const int64_t q = c->attn_heads * c->head_dim, kvs = c->kv_heads * c->head_dim;
+    const int64_t E = c->n_experts, k = c->top_k, Hl = c->moe_latent ? c->moe_latent : H;
+    const int64_t B = cap * k, I = c->moe_inter, Is = c->n_shared ? c->shared_inter : 0;
+    int64_t n = 0;
+#define ITEM(ptr, count, size, name) it[n++] = (plan_item){(void **)&(ptr), (count), (size), (name)}
+    ITEM(b->meta, 4 * cap, 4, "step metadata");
+    ITEM(b->h, cap * H, 4, "the residual stream");
+    ITEM(b->xn, cap * H, act, "normed activations");
+    ITEM(b->out_a, cap * H, act, "mixer outputs");
+    ITEM(b->out_b, cap * H, act, "shared expert outputs");
+    if (has_layer(c, FP4MOE_LAYER_MAMBA)) {
+        ITEM(b->zx, cap * np, act, "in_proj outputs");
+        ITEM(b->xbc, cap * cd, 4, "conv outputs");
+        ITEM(b->y, cap * di, 4, "scan outputs");
+        ITEM(b->yb, cap * di, act, "gated norm outputs");
+    }
+    if (has_layer(c, FP4MOE_LAYER_ATTENTION)) {
+        ITEM(b->q, cap * q, act, "queries");
+        ITEM(b->kb, cap * kvs, act, "keys");
+        ITEM(b->vb, cap * kvs, act, "values");
+        ITEM(b->att, cap * q, act, "attention outputs");
+    }
+    if (has_layer(c, FP4MOE_LAYER_MOE)) {
+        ITEM(b->xn32, cap * H, 4, "router inputs");
+        ITEM(b->rlogits, cap * E, 4, "router logits");
+        ITEM(b->wts, B, 4, "router weights");
+        ITEM(b->ids, B, 4, "router ids");
+        ITEM(b->row_of, B, 4, "sort rows");
+        ITEM(b->idx, B, 4, "sorted experts");
+        ITEM(b->pos_of, B, 4, "sort positions");
+        ITEM(b->xs, B * Hl, act, "expert inputs");
+        ITEM(b->hs, B * I, act, "expert hidden");
+        ITEM(b->ys, B * Hl, act, "expert outputs");
+        ITEM(b->comb, cap * Hl, act, "combined outputs");
+        if (c->moe_latent) ITEM(b->xl, cap * Hl, act, "latent inputs");
+        if (Is) ITEM(b->shh, cap * Is, act, "shared expert hidden");
+    }
+    if (has_layer(c, FP4MOE_LAYER_MLP)) ITEM(b->hm, cap * c->mlp_inter, act, "MLP hidden");
+    ITEM(b->lg, cap * V, 4, "logits");
+    ITEM(b->next, cap, 4, "greedy tokens");
+#undef ITEM
+    return n;
+}
+
+int fw_bufs_alloc(const be_ops *be, void *bc, const fp4moe_config *c, int64_t cap, fw_bufs *b) {
+    memset(b, 0, sizeof *b);
+    b->cap = cap;
+    plan_item it[40];
+    const int64_t n = plan(c, cap, be->act_size, b, it);
+    for (int64_t i = 0; i < n; i++) {
+        int64_t bytes;
+        if (fp4moe_mul_overflow(it[i].n, (int64_t)it[i].esz, &bytes))
+            return fp4moe_set_error(FP4MOE_EOVERFLOW, "buffers: %s for %lld rows overflow", it[i].what,
+                                    (long long)cap);
+        const int st = be->alloc(bc, (size_t)(bytes ? bytes : 1), it[i].p);
+        if (st) return fp4moe_error_context(st, "buffers: %s (%lld bytes)", it[i].what, (long long)bytes);
+    }
+    return FP4MOE_OK;
+}
+
+void fw_bufs_free(const be_ops *be, void *bc, const fp4moe_config *c, fw_bufs *b) {
+    plan_item it[40];
+    const int64_t n = plan(c, b->cap, be->act_size, b, it);
+    for (int64_t i = 0; i < n; i++)
+        if (*it[i].p) be->free(bc, *it[i].p);
+    memset(b, 0, sizeof *b);
+}
+
+/* ---- layers --------------------------------------------------------------------------------- */
+
+static int mark(const fw_ctx *f, int kind) { return f->be->mark ? f->be->mark(f->bc, kind) : FP4MOE_OK; }
+
+static int mamba(const fw_ctx *f, const fw_layer *d, const fw_state *ls) {
+    const fp4moe_config *c = f->cfg;
+    const be_ops *be = f->be;
+    void *bc = f->bc;
+    const fw_bufs *b = f->b;
+    const int64_t R = f->st->R;
+    const int64_t nh = c->mamba_heads, hd = c->mamba_head_dim, G = c->mamba_groups, S = c->ssm_state;
+    const int64_t di = nh * hd, GS = G * S, cd = di + 2 * GS, np = 2 * di + 2 * GS + nh;
+    int st = be->linear(bc, d->in_proj, b->xn, R, b->zx);
+    if (st) return fp4moe_error_context(st, "in_proj");
+    TRY(be->conv1d_silu(bc, f->st, BE_ACT(be, b->zx, di), np, cd, d->conv_w, d->conv_b, c->conv_kernel,
+                        ls, b->xbc));
+    const fw_ssm a = {
+        .nh = nh, .hd = hd, .S = S, .G = G,
+        .x = b->xbc, .xs = cd, .B = b->xbc + di, .C = b->xbc + di + GS, .bcs = cd,
+        .dt = BE_ACT(be, b->zx, di + cd), .dts = np, .dt_bias = d->dt_bias, .A = d->A, .D = d->D,
+        .dt_lo = c->time_step_limit[0], .dt_hi = c->time_step_limit[1], .y = b->y,
+    };
+    TRY(be->ssm_scan(bc, f->st, &a, ls));
+    TRY(be->rmsnorm_gated(bc, b->y, b->zx, np, d->gnorm, R, di, G, c->eps, b->yb));
+    st = be->linear(bc, d->out_proj, b->yb, R, b->out_a);
+    if (st) return fp4moe_error_context(st, "out_proj");
+    return be->residual_add(bc, b->h, b->out_a, NULL, R * c->hidden);
+}
+
+static int attention(const fw_ctx *f, const fw_layer *d, const fw_state *ls) {
+    const fp4moe_config *c = f->cfg;
+    const be_ops *be = f->be;
+    void *bc = f->bc;
+    const fw_bufs *b = f->b;
+    const int64_t R = f->st->R;
+    int st;
+    if ((st = be->linear(bc, d->q_proj, b->xn, R, b->q)) || (st = be->linear(bc, d->k_proj, b->xn, R, b->kb)) ||
+        (st = be->linear(bc, d->v_proj, b->xn, R, b->vb)))
+        return fp4moe_error_context(st, "q/k/v_proj");
+    TRY(be->attention(bc, f->st, b->q, b->kb, b->vb, ls, c->attn_heads, c->kv_heads, c->head_dim, b->att));
+    st = be->linear(bc, d->o_proj, b->att, R, b->out_a);
+    if (st) return fp4moe_error_context(st, "o_proj");
+    return be->residual_add(bc, b->h, b->out_a, NULL, R * c->hidden);
+}
+
+static int mlp(const fw_ctx *f, const void *up, const void *down, int64_t inter, const void *x, void *hbuf,
+               void *out) {
+    const be_ops *be = f->be;
+    const int64_t R = f->st->R;
+    int st = be->linear(f->bc, up, x, R, hbuf);
+    if (st) return fp4moe_error_context(st, "up_proj");
+    TRY(be->relu2(f->bc, hbuf, R * inter));
+    st = be->linear(f->bc, down, hbuf, R, out);
+    return st ? fp4moe_error_context(st, "down_proj") : FP4MOE_OK;
+}
+
+static int moe(const fw_ctx *f, const fw_layer *d) {
+    const fp4moe_config *c = f->cfg;
+    const be_ops *be = f->be;
+    void *bc = f->bc;
+    const fw_bufs *b = f->b;
+    const int64_t R = f->st->R;
+    const int64_t H = c->hidden, E = c->n_experts, k = c->top_k, B = R * k;
+    const int64_t Hl = c->moe_latent ? c->moe_latent : H;
+    TRY(be->matmul_f32(bc, b->xn32, R, d->router_w, E, H, b->rlogits));
+    const fw_router rc = {E, k, c->n_group, c->topk_group, c->norm_topk_prob, c->routed_scaling,
+                          d->router_bias};
+    TRY(be->router_topk(bc, &rc, b->rlogits, R, b->ids, b->wts));
+    TRY(be->sort_by_expert(bc, b->ids, B, E, b->row_of, b->idx, b->pos_of));
+    const void *xin = b->xn;
+    int st;
+    if (c->moe_latent) {
+        if ((st = be->linear(bc, d->latent_in, b->xn, R, b->xl))) return fp4moe_error_context(st, "fc1_latent_proj");
+        xin = b->xl;
+    }
+    TRY(be->gather_rows(bc, xin, Hl, b->row_of, B, k, b->xs));
+    if ((st = be->linear_gather(bc, d->experts_up, b->xs, b->idx, B, b->hs)))
+        return fp4moe_error_context(st, "experts up (gather_qmm)");
+    TRY(be->relu2(bc, b->hs, B * c->moe_inter));
+    if ((st = be->linear_gather(bc, d->experts_down, b->hs, b->idx, B, b->ys)))
+        return fp4moe_error_context(st, "experts down (gather_qmm)");
+    TRY(be->moe_combine(bc, b->ys, Hl, b->pos_of, b->wts, R, k, b->comb));
+    const void *routed = b->comb;
+    if (c->moe_latent) {
+        if ((st = be->linear(bc, d->latent_out, b->comb, R, b->out_a))) return fp4moe_error_context(st, "fc2_latent_proj");
+        routed = b->out_a;
+    }
+    TRY(mark(f, FP4MOE_PROF_MOE_ROUTED));
+    const void *shared = NULL;
+    if (d->shared_up) {
+        if ((st = mlp(f, d->shared_up, d->shared_down, c->shared_inter, b->xn, b->shh, b->out_b)))
+            return fp4moe_error_context(st, "shared expert");
+        shared = b->out_b;
+    }
+    TRY(be->residual_add(bc, b->h, routed, shared, R * H));
+    return mark(f, FP4MOE_PROF_MOE_SHARED);
+}
+
+/* One layer: h += mixer(rmsnorm(h) * norm). */
+static int layer(const fw_ctx *f, int64_t l) {
+    const fp4moe_config *c = f->cfg;
+    const fw_layer *d = &f->w->layers[l];
+    const fw_bufs *b = f->b;
+    int st = f->be->rmsnorm(f->bc, b->h, d->norm, f->st->R, c->hidden, c->eps, b->xn,
+                            d->type == FP4MOE_LAYER_MOE ? b->xn32 : NULL);
+    switch (d->type) {
+    case FP4MOE_LAYER_MAMBA:
+        if (!st) st = mamba(f, d, &f->state[l]);
+        if (!st) st = mark(f, FP4MOE_PROF_MAMBA);
+        break;
+    case FP4MOE_LAYER_ATTENTION:
+        if (!st) st = attention(f, d, &f->state[l]);
+        if (!st) st = mark(f, FP4MOE_PROF_ATTENTION);
+        break;
+    case FP4MOE_LAYER_MOE:
+        if (!st) st = moe(f, d);
+        break;
+    default:
+        if (!st) st = mlp(f, d->up, d->down, c->mlp_inter, b->xn, b->hm, b->out_a);
+        if (!st) st = f->be->residual_add(f->bc, b->h, b->out_a, NULL, f->st->R * c->hidden);
+        if (!st) st = mark(f, FP4MOE_PROF_OTHER);
+    }
+    return st ? fp4moe_error_context(st, "layer %lld (%s)", (long long)l, fp4moe_layer_type_name(d->type))
+              : FP4MOE_OK;
+}
+
+int fw_forward(void *arg) {
+    const fw_ctx *f = arg;
+    const fp4moe_config *c = f->cfg;
+    const be_ops *be = f->be;
+    const fw_bufs *b = f->b;
+    const fw_step *s = f->st;
+    TRY(mark(f, FP4MOE_PROF_OTHER));
+    TRY(be->embed(f->bc, f->w->embed, s->d_tokens, s->R, b->h));
+    TRY(mark(f, FP4MOE_PROF_OTHER));
+    for (int64_t l = 0; l < c->n_layers; l++) {
+        if (f->interrupt && *f->interrupt)
+            return fp4moe_set_error(FP4MOE_EINTERRUPTED, "forward: interrupted");
+        TRY(layer(f, l));
+    }
+    if (s->n_head > 0) {
+        TRY(be->rmsnorm_rows(f->bc, b->h, s->d_head_rows, s->n_head, f->w->norm_f, c->hidden, c->eps, b->xn));
+        const int st = be->linear_f32out(f->bc, f->w->lm_head, b->xn, s->n_head, b->lg);
+        if (st) return fp4moe_error_context(st, "lm_head");
+        if (f->argmax) TRY(be->argmax_rows(f->bc, b->lg, s->n_head, c->vocab, b->next));
+        TRY(mark(f, FP4MOE_PROF_LM_HEAD));
+    }
+    return FP4MOE_OK;
+}
