@@ -26,7 +26,7 @@
 
 typedef struct {
     const char *model, *synthetic, *dtype, *route, *device;
-    int64_t prompt_tokens, gen_tokens, repeats, chunk, seed, warmup;
+    int64_t prompt_tokens, gen_tokens, repeats, chunk, seed, warmup, batch;
     double floor_bw;
     int json, no_quantize, profile;
 } bench_args;
@@ -46,14 +46,17 @@ static uint64_t fnv1a(uint64_t h, int32_t id) {
     return h;
 }
 
-/* Deterministic prompt ids in [3, V) (0..2 are usually pad/bos/eos). */
-static void synthetic_prompt(int32_t *ids, int64_t n, int64_t V) {
-    uint64_t x = 0x2545F4914F6CDD1Dull;
+/* Deterministic prompt ids in [3, V) (0..2 are usually pad/bos/eos); variant 0 is the prompt of
+ * the single-sequence benchmark. */
+static void synthetic_prompt_variant(int32_t *ids, int64_t n, int64_t V, uint64_t variant) {
+    uint64_t x = 0x2545F4914F6CDD1Dull + variant * 0x9E3779B97F4A7C15ull;
     for (int64_t i = 0; i < n; i++) {
         x ^= x >> 12; x ^= x << 25; x ^= x >> 27;
         ids[i] = (int32_t)(V > 3 ? 3 + (int64_t)((x * 0x2545F4914F6CDD1Dull) >> 33) % (V - 3) : 0);
     }
 }
+
+static void synthetic_prompt(int32_t *ids, int64_t n, int64_t V) { synthetic_prompt_variant(ids, n, V, 0); }
 
 /* One prefill + gen_tokens greedy decode steps; the next token is chosen where the logits are
  * (on the GPU: only the id comes back). */
@@ -297,6 +300,159 @@ static int load_synthetic(const bench_args *a, fp4moe_device dev, fp4moe_model *
     return FP4MOE_EXIT_OK;
 }
 
+/* ---- --batch N: N concurrent sequences ------------------------------------------------------- */
+
+/* One repeat: N sequences join, their prompts are prefilled in steps of at most max_step_tokens
+ * (several sequences per step), then every sequence decodes gen_tokens greedily, one step per token
+ * for all N together. */
+static int batch_run(fp4moe_batch *b, int32_t *const *prompts, const bench_args *a, double *pf_s, double *dc_s,
+                     uint64_t *hash, int32_t *ids0) {
+    const int64_t N = a->batch, P = a->prompt_tokens, G = a->gen_tokens;
+    int64_t *seq = calloc((size_t)N, sizeof *seq), *fed = calloc((size_t)N, sizeof *fed);
+    int32_t *next = calloc((size_t)N, sizeof *next);
+    fp4moe_batch_item *it = calloc((size_t)N, sizeof *it);
+    int st = seq && fed && next && it ? FP4MOE_OK : fp4moe_set_error(FP4MOE_ENOMEM, "bench: out of memory");
+    for (int64_t i = 0; !st && i < N; i++) {
+        st = fp4moe_batch_add(b, &seq[i]);
+        hash[i] = 0xCBF29CE484222325ull;
+    }
+    double t0 = cli_now();
+    for (int64_t done = 0; !st && done < N;) {
+        int64_t k = 0, budget = a->chunk;
+        for (int64_t i = 0; i < N && budget > 0; i++) {
+            if (fed[i] >= P) continue;
+            const int64_t n = P - fed[i] < budget ? P - fed[i] : budget;
+            it[k] = (fp4moe_batch_item){.seq = seq[i], .tokens = prompts[i] + fed[i], .n = n,
+                                        .out_token = fed[i] + n == P ? &next[i] : NULL};
+            budget -= n;
+            fed[i] += n;
+            done += fed[i] == P;
+            k++;
+        }
+        st = fp4moe_batch_step(b, it, k);
+        for (int64_t j = 0; !st && j < k; j++)
+            if (it[j].status) st = fp4moe_set_error(it[j].status, "%s", it[j].error);
+    }
+    *pf_s = cli_now() - t0;
+    t0 = cli_now();
+    for (int64_t g = 0; !st && g < G; g++) {
+        for (int64_t i = 0; i < N; i++) {
+            hash[i] = fnv1a(hash[i], next[i]);
+            if (i == 0 && ids0) ids0[g] = next[0];
+            it[i] = (fp4moe_batch_item){.seq = seq[i], .tokens = &next[i], .n = 1, .out_token = &next[i]};
+        }
+        st = fp4moe_batch_step(b, it, N);
+        for (int64_t j = 0; !st && j < N; j++)
+            if (it[j].status) st = fp4moe_set_error(it[j].status, "%s", it[j].error);
+    }
+    *dc_s = cli_now() - t0;
+    for (int64_t i = 0; seq && i < N; i++) fp4moe_batch_remove(b, seq[i]);
+    free(seq);
+    free(fed);
+    free(next);
+    free(it);
+    return st;
+}
+
+static int bench_batch(const bench_args *a, const fp4moe_model *m, fp4moe_dtype dt, fp4moe_route route,
+                       fp4moe_device dev) {
+    const int64_t N = a->batch, R = a->repeats, V = fp4moe_model_config(m)->vocab;
+    fp4moe_batch_options o;
+    fp4moe_batch_options_default(&o);
+    o.max_seqs = N;
+    o.max_step_tokens = a->chunk;
+    o.act_dtype = dt;
+    o.route = route;
+    o.device = dev;
+    o.interrupt = cli_install_sigint();
+    fp4moe_batch *b = NULL;
+    int32_t **prompts = calloc((size_t)N, sizeof *prompts);
+    uint64_t *hash = calloc((size_t)N, sizeof *hash), *hash0 = calloc((size_t)N, sizeof *hash0);
+    double *pf = calloc((size_t)(R + a->warmup), sizeof *pf), *dc = calloc((size_t)(R + a->warmup), sizeof *dc);
+    int32_t *ids0 = calloc((size_t)a->gen_tokens, sizeof *ids0);
+    int st = prompts && hash && hash0 && pf && dc && ids0 ? fp4moe_batch_new(m, &o, &b) : FP4MOE_ENOMEM;
+    for (int64_t i = 0; !st && i < N; i++) {
+        if (!(prompts[i] = malloc((size_t)a->prompt_tokens * sizeof(int32_t)))) st = FP4MOE_ENOMEM;
+        else synthetic_prompt_variant(prompts[i], a->prompt_tokens, V, (uint64_t)i);
+    }
+    for (int64_t r = 0; !st && r < a->warmup + R; r++) {
+        st = batch_run(b, prompts, a, &pf[r], &dc[r], r ? hash : hash0, r == a->warmup ? ids0 : NULL);
+        for (int64_t i = 0; !st && r && i < N; i++)
+            if (hash[i] != hash0[i])
+                st = fp4moe_set_error(FP4MOE_EFORMAT, "run %lld: sequence %lld generated other tokens than in run "
+                                      "0: greedy decoding is not deterministic", (long long)r, (long long)i);
+        if (!st && !a->json)
+            fprintf(stderr, "%s: %s %lld: prefill %.3f s, decode %.3f s (%lld sequences)\n", CMD,
+                    r < a->warmup ? "warm-up" : "repeat", (long long)(r < a->warmup ? r : r - a->warmup), pf[r],
+                    dc[r], (long long)N);
+    }
+    int rc = st ? cli_fail(CMD, st) : FP4MOE_EXIT_OK;
+    if (!st) {
+        double *v = malloc((size_t)R * sizeof *v);
+        for (int64_t i = 0; i < R; i++) v[i] = (double)(N * a->prompt_tokens) / pf[a->warmup + i];
+        const double pfm = median(v, R);
+        for (int64_t i = 0; i < R; i++) v[i] = (double)(N * a->gen_tokens) / dc[a->warmup + i];
+        const double dcm = median(v, R);
+        free(v);
+        uint64_t all = 0xCBF29CE484222325ull;
+        for (int64_t i = 0; i < N; i++) all = fnv1a(fnv1a(all, (int32_t)hash0[i]), (int32_t)(hash0[i] >> 32));
+        const char *what = a->synthetic ? a->synthetic : a->model;
+        if (a->json) {
+            cJSON *j = cJSON_CreateObject();
+            cJSON_AddStringToObject(j, "model", what);
+            cJSON_AddBoolToObject(j, "synthetic", a->synthetic != NULL);
+            cJSON_AddStringToObject(j, "device", fp4moe_device_name(dev));
+            cJSON_AddStringToObject(j, "dtype", a->dtype);
+            cJSON_AddStringToObject(j, "route", a->route);
+            const char *eb = getenv("FP4MOE_GATHER_EXPERT_BATCHED");
+            cJSON_AddStringToObject(j, "FP4MOE_GATHER_EXPERT_BATCHED", eb ? eb : "");
+            cJSON_AddNumberToObject(j, "threads", omp_get_max_threads());
+            cJSON_AddNumberToObject(j, "batch", (double)N);
+            cJSON_AddNumberToObject(j, "prompt_tokens", (double)a->prompt_tokens);
+            cJSON_AddNumberToObject(j, "gen_tokens", (double)a->gen_tokens);
+            cJSON_AddNumberToObject(j, "repeats", (double)R);
+            cJSON_AddNumberToObject(j, "prefill_tok_s_aggregate", pfm);
+            cJSON_AddNumberToObject(j, "decode_tok_s_aggregate", dcm);
+            cJSON_AddNumberToObject(j, "decode_tok_s_per_sequence", dcm / (double)N);
+            char h[24];
+            snprintf(h, sizeof h, "%016llx", (unsigned long long)all);
+            cJSON_AddStringToObject(j, "gen_ids_fnv1a_all", h);
+            cJSON *arr = cJSON_CreateArray();
+            for (int64_t i = 0; i < N; i++) {
+                snprintf(h, sizeof h, "%016llx", (unsigned long long)hash0[i]);
+                cJSON_AddItemToArray(arr, cJSON_CreateString(h));
+            }
+            cJSON_AddItemToObject(j, "gen_ids_fnv1a", arr);
+            cJSON_AddItemToObject(j, "gen_ids_0", cJSON_CreateIntArray(ids0, (int)a->gen_tokens));
+            char *txt = cJSON_Print(j);
+            printf("%s\n", txt);
+            free(txt);
+            cJSON_Delete(j);
+        } else {
+            printf("model          %s (%s%s)\n", what, fp4moe_quant_mode_name(fp4moe_model_format(m)),
+                   a->synthetic ? ", synthetic weights" : "");
+            printf("setup          %lld sequences x (%lld prompt tokens, %lld generated), %lld repeats, %s "
+                   "activations, route %s, device %s, %d threads\n", (long long)N, (long long)a->prompt_tokens,
+                   (long long)a->gen_tokens, (long long)R, a->dtype, a->route, fp4moe_device_name(dev),
+                   omp_get_max_threads());
+            printf("prefill        %.2f tok/s aggregate (median)\n", pfm);
+            printf("decode         %.2f tok/s aggregate, %.2f tok/s per sequence (median)\n", dcm, dcm / (double)N);
+            printf("gen ids hash   %016llx over all sequences; sequence 0: %016llx (FNV-1a 64)\n",
+                   (unsigned long long)all, (unsigned long long)hash0[0]);
+            for (int64_t i = 0; i < N; i++) printf("  seq %-4lld %016llx\n", (long long)i, (unsigned long long)hash0[i]);
+        }
+    }
+    for (int64_t i = 0; prompts && i < N; i++) free(prompts[i]);
+    free(prompts);
+    free(hash);
+    free(hash0);
+    free(pf);
+    free(dc);
+    free(ids0);
+    fp4moe_batch_free(b);
+    return rc;
+}
+
 /* ---- the benchmark ---------------------------------------------------------------------------- */
 
 static int bench(bench_args *a) {
@@ -315,6 +471,13 @@ static int bench(bench_args *a) {
     fp4moe_model *m = NULL;
     rc = a->synthetic ? load_synthetic(a, dev, &m) : cli_load_model_on(CMD, a->model, !a->no_quantize, dev, &m);
     if (rc) return rc;
+    if (a->batch > 0) {
+        if (a->chunk <= 0) a->chunk = dev == FP4MOE_DEVICE_CUDA ? CLI_CUDA_CHUNK : 256;
+        if (a->profile) return cli_usage_error(CMD, "--profile times single-sequence runs (no --batch)");
+        rc = bench_batch(a, m, dt, route, dev);
+        fp4moe_model_free(m);
+        return rc;
+    }
     fp4moe_session_options so;
     fp4moe_session_options_default(&so);
     so.act_dtype = dt;
@@ -369,6 +532,9 @@ int cmd_bench(int argc, char **argv) {
         {"--route", NULL, CLI_STRING, &a.route, "R", "gather_qmm route: auto, qmv, batched, dequant_gemm (default auto)"},
         {"--chunk", NULL, CLI_INT, &a.chunk, "N", "prefill chunk in tokens (default 256 on cpu, 8192 on cuda)"},
         {"--seed", NULL, CLI_INT, &a.seed, "S", "seed of the synthetic weights (default: fixed)"},
+        {"--batch", NULL, CLI_INT, &a.batch, "N",
+         "N concurrent sequences in one batch (each prefills --prompt-tokens, then decodes --gen-tokens): "
+         "aggregate and per-sequence tok/s, each sequence's id hash"},
         {"--profile", NULL, CLI_FLAG, &a.profile, NULL, "cuda: device time by layer kind (prefill, decode per token)"},
         {"--floor-bw", NULL, CLI_DOUBLE, &a.floor_bw, "B/S", "memory bandwidth of the floors, bytes/s (default 4.2e12)"},
         {"--no-quantize", NULL, CLI_FLAG, &a.no_quantize, NULL, "keep dense checkpoints dense"},
@@ -384,6 +550,7 @@ int cmd_bench(int argc, char **argv) {
     if (rc == CLI_HELP) return FP4MOE_EXIT_OK;
     if (rc) return FP4MOE_EXIT_USAGE;
     if (!a.model == !a.synthetic) return cli_usage_error(CMD, "give exactly one of -m DIR and --synthetic CONFIG");
+    if (a.batch < 0 || a.batch > 65535) return cli_usage_error(CMD, "--batch must be in 0 .. 65535");
     if (a.prompt_tokens < 1 || a.gen_tokens < 1 || a.repeats < 1)
         return cli_usage_error(CMD, "--prompt-tokens, --gen-tokens and --repeats must be >= 1");
     if (!(a.floor_bw > 0.0)) return cli_usage_error(CMD, "--floor-bw must be > 0");

@@ -209,14 +209,15 @@ int fp4moe_batch_new(const fp4moe_model *m, const fp4moe_batch_options *opts, fp
         b->w = &b->wcpu;
     }
     const int64_t cap = o.max_step_tokens;
-    if (!st) st = fw_bufs_alloc(b->be, b->bc, &m->cfg, cap, &b->bufs);
+    const int64_t lg_rows = cap < (o.max_seqs > 256 ? o.max_seqs : 256) ? cap : (o.max_seqs > 256 ? o.max_seqs : 256);
+    if (!st) st = fw_bufs_alloc(b->be, b->bc, &m->cfg, cap, lg_rows, &b->bufs);
     if (!st) st = make_pools(b);
     if (!st) {
         b->slots = calloc((size_t)o.max_seqs, sizeof *b->slots);
         b->gen = calloc((size_t)o.max_seqs, sizeof *b->gen);
         b->h_meta = malloc((size_t)(4 * cap) * sizeof(int32_t));
         b->segs = malloc((size_t)cap * sizeof *b->segs);
-        b->h_next = malloc((size_t)cap * sizeof(int32_t));
+        b->h_next = malloc((size_t)lg_rows * sizeof(int32_t));
         if (!b->slots || !b->gen || !b->h_meta || !b->segs || !b->h_next)
             st = fp4moe_set_error(FP4MOE_ENOMEM, "batch_new: out of memory");
     }
@@ -469,6 +470,13 @@ int fp4moe_batch_step(fp4moe_batch *b, fp4moe_batch_item *items, int64_t n) {
                                            (long long)it->seq, (long long)R, (long long)cap));
             continue;
         }
+        const int64_t hrows = head_rows_of(it);
+        if (nh + hrows > b->bufs.lg_rows) {
+            item_fail(it, fp4moe_set_error(FP4MOE_EOVERFLOW, "step: %lld rows of logits of sequence %lld do not "
+                                           "fit in the step (%lld of %lld used)", (long long)hrows,
+                                           (long long)it->seq, (long long)nh, (long long)b->bufs.lg_rows));
+            continue;
+        }
         const int64_t had = s->npages;
         int st = reserve_pages(b, s, s->pos + it->n);
         if (st) {
@@ -481,7 +489,9 @@ int fp4moe_batch_step(fp4moe_batch *b, fp4moe_batch_item *items, int64_t n) {
         nd += it->n == 1 && nd == nseg;
         order[nseg++] = order[j];
         R += it->n;
+        nh += hrows;
     }
+    nh = 0;
     int st = FP4MOE_OK;
     if (!nseg) goto done;
     /* 3. row metadata: tokens | slot | position | head rows, packed for one upload */
@@ -648,3 +658,5 @@ int batch_profile(fp4moe_batch *b, double ms[FP4MOE_PROF_KINDS], int reset) {
 }
 
 int batch_on_cuda(const fp4moe_batch *b) { return b->cuda; }
+
+int64_t batch_logit_rows(const fp4moe_batch *b) { return b->bufs.lg_rows; }

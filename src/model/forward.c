@@ -44,7 +44,7 @@ typedef struct {
     const char *what;
 } plan_item;
 
-static int64_t plan(const fp4moe_config *c, int64_t cap, size_t act, fw_bufs *b, plan_item *it) {
+static int64_t plan(const fp4moe_config *c, int64_t cap, int64_t lgr, size_t act, fw_bufs *b, plan_item *it) {
     const int64_t H = c->hidden, V = c->vocab;
     const int64_t di = c->mamba_heads * c->mamba_head_dim, GS = c->mamba_groups * c->ssm_state;
     const int64_t cd = di + 2 * GS, np = 2 * di + 2 * GS + c->mamba_heads;
@@ -86,17 +86,19 @@ static int64_t plan(const fp4moe_config *c, int64_t cap, size_t act, fw_bufs *b,
         if (Is) ITEM(b->shh, cap * Is, act, "shared expert hidden");
     }
     if (has_layer(c, FP4MOE_LAYER_MLP)) ITEM(b->hm, cap * c->mlp_inter, act, "MLP hidden");
-    ITEM(b->lg, cap * V, 4, "logits");
-    ITEM(b->next, cap, 4, "greedy tokens");
+    ITEM(b->lg, lgr * V, 4, "logits");
+    ITEM(b->next, lgr, 4, "greedy tokens");
 #undef ITEM
     return n;
 }
 
-int fw_bufs_alloc(const be_ops *be, void *bc, const fp4moe_config *c, int64_t cap, fw_bufs *b) {
+int fw_bufs_alloc(const be_ops *be, void *bc, const fp4moe_config *c, int64_t cap, int64_t lg_rows,
+                  fw_bufs *b) {
     memset(b, 0, sizeof *b);
     b->cap = cap;
+    b->lg_rows = lg_rows;
     plan_item it[40];
-    const int64_t n = plan(c, cap, be->act_size, b, it);
+    const int64_t n = plan(c, cap, lg_rows, be->act_size, b, it);
     for (int64_t i = 0; i < n; i++) {
         int64_t bytes;
         if (fp4moe_mul_overflow(it[i].n, (int64_t)it[i].esz, &bytes))
@@ -110,7 +112,7 @@ int fw_bufs_alloc(const be_ops *be, void *bc, const fp4moe_config *c, int64_t ca
 
 void fw_bufs_free(const be_ops *be, void *bc, const fp4moe_config *c, fw_bufs *b) {
     plan_item it[40];
-    const int64_t n = plan(c, b->cap, be->act_size, b, it);
+    const int64_t n = plan(c, b->cap, b->lg_rows, be->act_size, b, it);
     for (int64_t i = 0; i < n; i++)
         if (*it[i].p) be->free(bc, *it[i].p);
     memset(b, 0, sizeof *b);

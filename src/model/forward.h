@@ -10,7 +10,7 @@
  * have the backend's act element size, the rest fp32 / int32). Members of absent layer kinds are
  * NULL. */
 typedef struct {
-    int64_t cap;
+    int64_t cap, lg_rows;           /* rows of a step; rows of logits (head rows) */
     int32_t *meta;                  /* 4*cap: tokens, row slots, row positions, head rows */
     float *h;                       /* cap x H residual stream */
     void *xn, *out_a, *out_b;       /* cap x H act: normed input, mixer output, shared expert output */
@@ -22,11 +22,12 @@ typedef struct {
     uint32_t *row_of, *idx, *pos_of;
     void *xs, *hs, *ys, *comb, *xl, *shh; /* MoE act buffers */
     void *hm;                       /* dense MLP hidden */
-    float *lg;                      /* cap x V fp32 logits of the head rows */
-    int32_t *next;                  /* cap greedy tokens of the head rows */
+    float *lg;                      /* lg_rows x V fp32 logits of the head rows */
+    int32_t *next;                  /* lg_rows greedy tokens of the head rows */
 } fw_bufs;
 
-int fw_bufs_alloc(const be_ops *be, void *bc, const fp4moe_config *c, int64_t cap, fw_bufs *b);
+int fw_bufs_alloc(const be_ops *be, void *bc, const fp4moe_config *c, int64_t cap, int64_t lg_rows,
+                  fw_bufs *b);
 void fw_bufs_free(const be_ops *be, void *bc, const fp4moe_config *c, fw_bufs *b);
 
 /* Everything one forward of a step needs. */

@@ -77,5 +77,7 @@ int fp4moe_parse_modelopt_quant(const struct cJSON *q, const char *label, fp4moe
 /* src/model/batch.c, for sessions: device timers (CUDA batches), and whether the batch runs on CUDA. */
 int batch_profile(fp4moe_batch *b, double ms[FP4MOE_PROF_KINDS], int reset);
 int batch_on_cuda(const fp4moe_batch *b);
+/* Rows of logits one step can return (all-logits requests are chunked to it). */
+int64_t batch_logit_rows(const fp4moe_batch *b);
 
 #endif

@@ -91,10 +91,12 @@ static int session_run(fp4moe_session *s, const int32_t *tokens, int64_t T, floa
     int st = session_check_input(s, tokens, T);
     if (st) return st;
     const int64_t V = s->m->cfg.vocab;
-    for (int64_t t0 = 0; t0 < T; t0 += s->opt.max_chunk) {
+    int64_t chunk = s->opt.max_chunk;
+    if (logits && all_logits && chunk > batch_logit_rows(s->batch)) chunk = batch_logit_rows(s->batch);
+    for (int64_t t0 = 0; t0 < T; t0 += chunk) {
         if (s->opt.interrupt && *s->opt.interrupt)
             return fp4moe_set_error(FP4MOE_EINTERRUPTED, "forward: interrupted");
-        const int64_t n = T - t0 < s->opt.max_chunk ? T - t0 : s->opt.max_chunk;
+        const int64_t n = T - t0 < chunk ? T - t0 : chunk;
         const int last = t0 + n == T;
         fp4moe_batch_item it = {.seq = s->seq, .tokens = tokens + t0, .n = n};
         if (logits && all_logits) {

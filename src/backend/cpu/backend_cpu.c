@@ -161,34 +161,51 @@ static int cpu_argmax_rows(void *bc, const float *x, int64_t n, int64_t V, int32
 
 /* ---- per-sequence ops ------------------------------------------------------------------------- */
 
+/* One sequence's conv1d + silu. */
+static void conv_seg(const fw_step *s, int64_t i, const float *x, int64_t xs, int64_t C, const float *w,
+                     const float *b, int64_t Kc, const fw_state *st, float *y) {
+    const fw_seg *g = &s->seg[i];
+    float *state = st->conv + (int64_t)g->slot * st->conv_stride;
+    op_conv1d_causal(x + g->row0 * xs, xs, g->n, C, w, b, Kc, state, y + g->row0 * C);
+    op_silu(y + g->row0 * C, g->n * C);
+}
+
+/* Several sequences run in parallel, one per thread (the op's own parallel region then runs on
+ * that thread alone: the same numbers); a single one gets the op's parallel region. */
 static int cpu_conv1d_silu(void *bc, const fw_step *s, const void *xv, int64_t xs, int64_t C, const float *w,
                            const float *b, int64_t Kc, const fw_state *st, float *y) {
     (void)bc;
-    const float *x = xv;
-    for (int64_t i = 0; i < s->nseg; i++) {
-        const fw_seg *g = &s->seg[i];
-        float *state = st->conv + (int64_t)g->slot * st->conv_stride;
-        op_conv1d_causal(x + g->row0 * xs, xs, g->n, C, w, b, Kc, state, y + g->row0 * C);
-        op_silu(y + g->row0 * C, g->n * C);
+    if (s->nseg == 1) {
+        conv_seg(s, 0, xv, xs, C, w, b, Kc, st, y);
+        return FP4MOE_OK;
     }
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t i = 0; i < s->nseg; i++) conv_seg(s, i, xv, xs, C, w, b, Kc, st, y);
     return FP4MOE_OK;
+}
+
+static void scan_seg(const fw_step *s, int64_t i, const fw_ssm *a, const fw_state *st) {
+    const float *dt = a->dt;
+    const fw_seg *g = &s->seg[i];
+    const int64_t r = g->row0;
+    const op_ssm_args o = {
+        .T = g->n, .nh = a->nh, .hd = a->hd, .S = a->S, .G = a->G,
+        .x = a->x + r * a->xs, .xs = a->xs, .B = a->B + r * a->bcs, .C = a->C + r * a->bcs,
+        .bcs = a->bcs, .dt = dt + r * a->dts, .dts = a->dts, .dt_bias = a->dt_bias, .A = a->A,
+        .D = a->D, .dt_lo = a->dt_lo, .dt_hi = a->dt_hi,
+        .state = st->ssm + (int64_t)g->slot * st->ssm_stride, .y = a->y + r * a->nh * a->hd,
+    };
+    op_ssm_scan(&o);
 }
 
 static int cpu_ssm_scan(void *bc, const fw_step *s, const fw_ssm *a, const fw_state *st) {
     (void)bc;
-    const float *dt = a->dt;
-    for (int64_t i = 0; i < s->nseg; i++) {
-        const fw_seg *g = &s->seg[i];
-        const int64_t r = g->row0;
-        const op_ssm_args o = {
-            .T = g->n, .nh = a->nh, .hd = a->hd, .S = a->S, .G = a->G,
-            .x = a->x + r * a->xs, .xs = a->xs, .B = a->B + r * a->bcs, .C = a->C + r * a->bcs,
-            .bcs = a->bcs, .dt = dt + r * a->dts, .dts = a->dts, .dt_bias = a->dt_bias, .A = a->A,
-            .D = a->D, .dt_lo = a->dt_lo, .dt_hi = a->dt_hi,
-            .state = st->ssm + (int64_t)g->slot * st->ssm_stride, .y = a->y + r * a->nh * a->hd,
-        };
-        op_ssm_scan(&o);
+    if (s->nseg == 1) {
+        scan_seg(s, 0, a, st);
+        return FP4MOE_OK;
     }
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t i = 0; i < s->nseg; i++) scan_seg(s, i, a, st);
     return FP4MOE_OK;
 }
 

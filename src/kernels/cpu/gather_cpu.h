@@ -12,7 +12,7 @@
 /* The qmv route lets up to this many adjacent rows of one expert share each weight decode
  * (overridable at compile time for measurements, 1..8). */
 #ifndef GATHER_QMV_ROWS
-#define GATHER_QMV_ROWS 4
+#define GATHER_QMV_ROWS 8
 #endif
 
 typedef struct {
