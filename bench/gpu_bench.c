@@ -7,9 +7,8 @@
  * over the time) and the fraction of the floor (those bytes at the measured device-to-device copy
  * rate, over the time). Then decode: 1 token (6 rows, 6 distinct experts, unsorted), up + down with
  * the automatic route, median latency of single calls.
- * Usage: gpu_bench [--quick | --compare]   (--quick: 512 tokens only, fewer repetitions; --compare:
- * kernel versions 3 and 4 of the batched route at 128-8192 tokens, of qmv at 128 tokens and of
- * decode, interleaved; see compare_versions). */
+ * Usage: gpu_bench [--quick]   (--quick: 512 tokens only, fewer repetitions). The kernel versions
+ * 3 and 4 were compared here in round 4 (docs/GPU-NOTES.md); only version 4 remains. */
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -105,104 +104,6 @@ static double copy_bandwidth(void) {
     return 2.0 * bytes / (median(t, 10) * 1e-3); /* bytes read + written per second */
 }
 
-/* --compare (docs/GPU-NOTES.md, round 4): kernel version 3 against 4, interleaved in the same
- * process (FP4MOE_CUDA_BATCHED_V for the batched route, FP4MOE_CUDA_QMV_V for qmv and decode); each
- * number is the best of ROUNDS medians. */
-#define ROUNDS 3
-static float decode_pair_us(const proj *up, const proj *down, const void *dx, const uint32_t *didx, void *dy,
-                            float *single_us) {
-    cudaEvent_t a, b;
-    GT_CHECK(cudaEventCreate(&a));
-    GT_CHECK(cudaEventCreate(&b));
-    float t[60], tb = 0;
-    for (int i = 0; i < 60; i++) {
-        GT_CHECK(cudaEventRecord(a, NULL));
-        int st = fp4moe_gather_qmm_cuda(&up->w, dx, FP4MOE_BF16, didx, TOPK, 0, dy, NULL);
-        if (st == FP4MOE_OK) st = fp4moe_gather_qmm_cuda(&down->w, dx, FP4MOE_BF16, didx, TOPK, 0, dy, NULL);
-        GT_CHECK(cudaEventRecord(b, NULL));
-        if (st != FP4MOE_OK) {
-            fprintf(stderr, "decode: %s\n", fp4moe_last_error());
-            exit(1);
-        }
-        GT_CHECK(cudaEventSynchronize(b));
-        GT_CHECK(cudaEventElapsedTime(&t[i], a, b));
-    }
-    *single_us = median(t + 10, 50) * 1e3f;
-    GT_CHECK(cudaEventRecord(a, NULL));
-    for (int i = 0; i < 100; i++) {
-        int st = fp4moe_gather_qmm_cuda(&up->w, dx, FP4MOE_BF16, didx, TOPK, 0, dy, NULL);
-        if (st == FP4MOE_OK) st = fp4moe_gather_qmm_cuda(&down->w, dx, FP4MOE_BF16, didx, TOPK, 0, dy, NULL);
-        if (st != FP4MOE_OK) exit(1);
-    }
-    GT_CHECK(cudaEventRecord(b, NULL));
-    GT_CHECK(cudaEventSynchronize(b));
-    GT_CHECK(cudaEventElapsedTime(&tb, a, b));
-    GT_CHECK(cudaEventDestroy(a));
-    GT_CHECK(cudaEventDestroy(b));
-    return tb * 10.0f; /* ms per 100 pairs -> us per pair */
-}
-
-static int compare_versions(double bw) {
-    tu_rng r;
-    tu_rng_seed(&r, 2024);
-    const proj up = make_proj(I, H, &r), down = make_proj(H, I, &r);
-    const int64_t Bmax = (int64_t)TOPK * 8192;
-    void *xh = tu_random_x(FP4MOE_BF16, Bmax, H, &r);
-    void *dx = gt_upload(xh, (size_t)Bmax * H * 2), *dy = gt_upload(NULL, (size_t)Bmax * H * 2);
-    free(xh);
-    printf("\n| tokens | route | kernel | up ms | down ms | up+down ms | of floor |\n|---|---|---|---|---|---|---|\n");
-    const int tokens_all[] = {128, 512, 2048, 8192};
-    for (int ti = 0; ti < 4; ti++) {
-        const int64_t B = (int64_t)TOPK * tokens_all[ti];
-        uint32_t *idx = tu_make_idx(TU_IDX_TOPK_SORTED, B, E, TOPK, &r);
-        int used = 0;
-        for (int64_t b = 0; b < B; b++) used += b == 0 || idx[b] != idx[b - 1];
-        uint32_t *didx = gt_upload(idx, (size_t)B * 4);
-        const double floor_ms = used * (up.bytes_per_expert + down.bytes_per_expert) / bw * 1e3;
-        for (int qi = 0; qi < (tokens_all[ti] == 128 ? 2 : 1); qi++) { /* batched; qmv at 128 tokens */
-            const fp4moe_route route = qi ? FP4MOE_ROUTE_QMV : FP4MOE_ROUTE_BATCHED;
-            const char *var = qi ? "FP4MOE_CUDA_QMV_V" : "FP4MOE_CUDA_BATCHED_V";
-            float best[2][2] = {{1e30f, 1e30f}, {1e30f, 1e30f}};
-            for (int round = 0; round < ROUNDS; round++)
-                for (int v = 0; v < 2; v++) {
-                    setenv(var, v ? "4" : "3", 1);
-                    const float tu = time_call(&up, dx, didx, B, 1, route, dy, 0);
-                    const float td = time_call(&down, dx, didx, B, 1, route, dy, 0);
-                    if (tu < best[v][0]) best[v][0] = tu;
-                    if (td < best[v][1]) best[v][1] = td;
-                }
-            unsetenv(var);
-            for (int v = 0; v < 2; v++) {
-                const float tt = best[v][0] + best[v][1];
-                printf("| %d | %s | v%d | %.4f | %.4f | %.4f | %.0f%% |\n", tokens_all[ti], fp4moe_route_name(route),
-                       v ? 4 : 3, best[v][0], best[v][1], tt, 100.0 * floor_ms / tt);
-            }
-            fflush(stdout);
-        }
-        gt_free(didx);
-        free(idx);
-    }
-    uint32_t idx[TOPK];
-    for (int k = 0; k < TOPK; k++) idx[k] = (uint32_t)(k * 21 + 5) % E; /* 6 distinct experts */
-    uint32_t *didx = gt_upload(idx, sizeof idx);
-    float b2b[2] = {1e30f, 1e30f}, single[2] = {1e30f, 1e30f};
-    for (int round = 0; round < ROUNDS; round++)
-        for (int v = 0; v < 2; v++) {
-            setenv("FP4MOE_CUDA_QMV_V", v ? "4" : "3", 1);
-            float s1;
-            const float tb = decode_pair_us(&up, &down, dx, didx, dy, &s1);
-            if (tb < b2b[v]) b2b[v] = tb;
-            if (s1 < single[v]) single[v] = s1;
-        }
-    unsetenv("FP4MOE_CUDA_QMV_V");
-    for (int v = 0; v < 2; v++)
-        printf("decode qmv v%d: single call %.1f us, back to back %.1f us per up+down\n", v ? 4 : 3, single[v], b2b[v]);
-    gt_free(didx);
-    gt_free(dx);
-    gt_free(dy);
-    return 0;
-}
-
 int main(int argc, char **argv) {
     gt_require_gpu("gpu_bench");
     const int quick = argc > 1 && !strcmp(argv[1], "--quick");
@@ -211,7 +112,6 @@ int main(int argc, char **argv) {
     const double bw = copy_bandwidth();
     printf("device: %s, %d SMs; device-to-device copy: %.2f TB/s (read + write)\n", prop.name,
            prop.multiProcessorCount, bw / 1e12);
-    if (argc > 1 && !strcmp(argv[1], "--compare")) return compare_versions(bw);
 
     tu_rng r;
     tu_rng_seed(&r, 2024);
@@ -237,17 +137,14 @@ int main(int argc, char **argv) {
         uint32_t *didx = gt_upload(idx, (size_t)B * 4);
         const double bytes = used * (up.bytes_per_expert + down.bytes_per_expert);
         const double floor_ms = bytes / bw * 1e3;
-        /* the routes, plus the batched route with its tuning knobs moved (docs/GPU-NOTES.md) */
-        const int big = (int64_t)B > 48ll * E;
+        /* the routes (the tuning variants of rounds 3-5 were measured against these: docs/GPU-NOTES.md) */
         const struct { fp4moe_route route; const char *knob, *value, *label; } v[] = {
             {FP4MOE_ROUTE_BATCHED, NULL, NULL, "batched"},
-            {FP4MOE_ROUTE_BATCHED, "FP4MOE_CUDA_BATCHED_ROWS", big ? "32" : "64", big ? "batched, 32-row tiles" : "batched, 64-row tiles"},
-            {FP4MOE_ROUTE_BATCHED, "FP4MOE_CUDA_BATCHED_BLOCKS", "3", "batched, 3 blocks/SM (32-row tiles only)"},
             {FP4MOE_ROUTE_DEQUANT_GEMM, NULL, NULL, "dequant_gemm"},
             {FP4MOE_ROUTE_QMV, NULL, NULL, "qmv"},
             {FP4MOE_ROUTE_AUTO, NULL, NULL, "auto (the default choice)"},
         };
-        for (int ri = 0; ri < 6; ri++) {
+        for (int ri = 0; ri < (int)(sizeof v / sizeof v[0]); ri++) {
             if (v[ri].knob) setenv(v[ri].knob, v[ri].value, 1);
             const float tu = time_call(&up, dx, didx, B, 1, v[ri].route, dy, quick);
             const float td = time_call(&down, dx2, didx, B, 1, v[ri].route, dy, quick);

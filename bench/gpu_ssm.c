@@ -1,5 +1,5 @@
 /* gpu_ssm: the Mamba-2 prefill scan (cuda_ssm_scan) of one Nemotron-3-Nano-30B-A3B layer on the GPU,
- * old (FP4MOE_SSM_SCAN=seq) against new (tiled, and the tile variants tiled28 / tiled44).
+ * old (the seq kernel) against new (tiled), through cuda_ssm_scan_kernel.
  *
  * Shape: 64 heads x head_dim 64, state 128, 8 groups; operands laid out as in the model
  * (src/model/model_cuda.c mamba_enqueue: x, B, C inside the conv output rows of 6144 floats, raw bf16
@@ -28,8 +28,8 @@
 #define NP (DI + CD + NH)     /* in_proj rows: z, xBC, dt */
 #define LAYERS 23
 
-static const char *const k_modes[] = {"seq", "tiled", "tiled28", "tiled44"};
-#define N_MODES 4
+static const char *const k_modes[] = {"seq", "tiled"};
+#define N_MODES 2
 
 static int cmp_float(const void *a, const void *b) {
     const float x = *(const float *)a, y = *(const float *)b;
@@ -52,9 +52,8 @@ static cuda_ssm_args args_for(const bufs *b, int64_t T) {
 }
 
 static void scan(const bufs *b, int64_t T, const char *mode) {
-    setenv("FP4MOE_SSM_SCAN", mode, 1);
     const cuda_ssm_args a = args_for(b, T);
-    if (cuda_ssm_scan(NULL, &a)) {
+    if (cuda_ssm_scan_kernel(NULL, &a, strcmp(mode, "seq") ? CUDA_SSM_TILED : CUDA_SSM_SEQ)) {
         fprintf(stderr, "cuda_ssm_scan (%s, T=%lld): %s\n", mode, (long long)T, fp4moe_last_error());
         exit(1);
     }
@@ -168,7 +167,6 @@ int main(int argc, char **argv) {
         }
         free(samples);
     }
-    unsetenv("FP4MOE_SSM_SCAN");
     gt_free(b.xbc); gt_free(b.zx); gt_free(b.dt_bias); gt_free(b.A); gt_free(b.D); gt_free(b.state);
     gt_free(b.y);
     free(h_xbc); free(h_zx); free(h_st);

@@ -2,7 +2,7 @@
 # scripts/gpu-ssm-check.sh: the Mamba-2 prefill scan round in ONE command on a machine with an NVIDIA
 # GPU (the H200 machine): the scan's GPU test (every kernel against an fp64 reference and against
 # the old sequential kernel), compute-sanitizer memcheck + racecheck on it, the scan benchmark
-# (bench/gpu_ssm.c: FP4MOE_SSM_SCAN=seq vs tiled and the tile variants at T = 1, 512, 2048, 8192 for
+# (bench/gpu_ssm.c: the seq vs the tiled kernel (cuda_ssm_scan_kernel) at T = 1, 512, 2048, 8192 for
 # the Nemotron-3-Nano-30B-A3B shape), and the end-to-end split by layer kind (fp4moe bench
 # --synthetic nemotron-3-nano-30b-a3b --profile) at 512 and 2048 tokens with the old and the new
 # scan. Logs go to $OUT (default gpu-ssm-out/); a short table is printed last.
@@ -67,12 +67,12 @@ timeout 300 "$BIN/gpu_ssm" $([ "$QUICK" = 1 ] && echo --quick) >"$OUT/gpu_ssm.lo
 rc=$?
 row "gpu_ssm (scan benchmark)" "$(status $rc)" $((SECONDS - t0))
 
-# 4. end to end: the split by layer kind with the old and the new scan
+# 4. end to end: the split by layer kind (the production scan: tiled for prefill, seq for decode)
 if [ "$QUICK" != 1 ]; then
     for T in 512 2048; do
-        for mode in seq tiled; do
+        for mode in default; do
             t0=$SECONDS
-            FP4MOE_SSM_SCAN=$mode timeout 120 "$BIN/fp4moe" bench --synthetic "$CFG" --device cuda \
+            timeout 120 "$BIN/fp4moe" bench --synthetic "$CFG" --device cuda \
                 --prompt-tokens $T --gen-tokens 16 --repeats 3 --profile \
                 >"$OUT/e2e_${T}_$mode.txt" 2>"$OUT/e2e_${T}_$mode.log"
             rc=$?
@@ -87,9 +87,9 @@ echo
 cat "$OUT/gpu_ssm.log"
 if [ "$QUICK" != 1 ]; then
     for T in 512 2048; do
-        for mode in seq tiled; do
+        for mode in default; do
             echo
-            echo "end to end, prefill $T, FP4MOE_SSM_SCAN=$mode:"
+            echo "end to end, prefill $T:"
             grep -i -E 'prefill.*tok/s|tok/s.*prefill' "$OUT/e2e_${T}_$mode.txt" | head -2
             grep -A8 '^split' "$OUT/e2e_${T}_$mode.txt"
         done

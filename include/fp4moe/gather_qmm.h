@@ -91,6 +91,10 @@ int fp4moe_gather_qmm_cuda_route(const fp4moe_nvfp4_weights *w, const void *x, f
 /* 1 when this build has CUDA support and a CUDA device is visible, else 0. */
 int fp4moe_cuda_available(void);
 
+/* The CPU kernel set gather_qmm uses on this machine: "avx2" (AVX2+FMA+F16C found at run time) or
+ * "portable" (FP4MOE_CPU_ISA=portable, or no AVX2). */
+const char *fp4moe_gather_cpu_isa(void);
+
 #ifdef __cplusplus
 }
 #endif

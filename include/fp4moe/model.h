@@ -338,6 +338,10 @@ typedef struct {
  * state and must be removed. */
 int fp4moe_batch_step(fp4moe_batch *b, fp4moe_batch_item *items, int64_t n);
 
+/* Device time by layer kind of the batch's steps (option profile, CUDA): as fp4moe_session_profile.
+ * Errors: FP4MOE_EINVAL (profiling off, or a CPU batch). */
+int fp4moe_batch_profile(fp4moe_batch *b, double ms[FP4MOE_PROF_KINDS], int reset);
+
 /* A copy of a sequence's state at its current position p: the KV rows 0..p-1 of every attention
  * layer and the conv and SSM states of every Mamba layer, in host memory. The primitive of prefix
  * reuse: a hybrid model's SSM state cannot be truncated, so a prefix is reused by restoring the

@@ -46,6 +46,51 @@ const char *fp4moe_last_error(void);
 /* Short name of a status code ("ok", "invalid argument", ...). */
 const char *fp4moe_status_name(int status);
 
+/* Setting the message (for code built on the library, e.g. the CLI, that reports in the same
+ * scheme): formats the message (printf-style) into the thread-local buffer and returns `status`,
+ * so that callers can write `return fp4moe_set_error(FP4MOE_EINVAL, "K=%lld ...", K);`. */
+int fp4moe_set_error(int status, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 2, 3)))
+#endif
+    ;
+
+/* Prepends "prefix: " to the current message (context on the way up); returns status. */
+int fp4moe_error_context(int status, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 2, 3)))
+#endif
+    ;
+
+void fp4moe_clear_error(void);
+
+/* *out = a * b; returns 0 when a, b >= 0 and the product fits in int64, else 1 (no store). */
+int fp4moe_mul_overflow(int64_t a, int64_t b, int64_t *out);
+
+/* ---- environment ---------------------------------------------------------------------------- */
+
+/* The FP4MOE_* environment variables the library reads: one table (src/common/env.c), each read
+ * once, on first use. A value outside `allowed` is ignored by the library (the default applies)
+ * and reported by fp4moe_env_check. */
+typedef struct {
+    const char *name;           /* "FP4MOE_GATHER_ROUTE" */
+    const char *allowed;        /* "auto|qmv|batched|dequant_gemm", or "integer >= 0" */
+    const char *def;            /* the value used when unset */
+    const char *doc;            /* one line */
+} fp4moe_env_var;
+
+/* Number of variables and the i-th (0 <= i < count; NULL outside). */
+int fp4moe_env_count(void);
+const fp4moe_env_var *fp4moe_env_var_at(int i);
+
+/* FP4MOE_OK when every set variable has an allowed value, else FP4MOE_EINVAL with a message that
+ * names the variable, its value and the allowed values. */
+int fp4moe_env_check(void);
+
+/* The value in force of variable `name` (its value when allowed, else the default); NULL for a
+ * name outside the table. */
+const char *fp4moe_env_value(const char *name);
+
 #ifdef __cplusplus
 }
 #endif

@@ -13,7 +13,6 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "common/error.h"
 #include "fp4moe/types.h"
 
 /* ---- options -------------------------------------------------------------------------------------- */

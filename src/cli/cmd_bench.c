@@ -18,7 +18,6 @@
 
 #include "cli/cli_util.h"
 #include "cli/commands.h"
-#include "common/error.h"
 #include "fp4moe/fp4moe.h"
 #include "fp4moe/model.h"
 
@@ -152,7 +151,7 @@ static void report(const bench_args *a, const fp4moe_model *m, fp4moe_device dev
         cJSON_AddStringToObject(o, "device", fp4moe_device_name(dev));
         cJSON_AddStringToObject(o, "dtype", a->dtype);
         cJSON_AddStringToObject(o, "route", a->route);
-        const char *eb = getenv("FP4MOE_GATHER_EXPERT_BATCHED");
+        const char *eb = getenv("FP4MOE_GATHER_EXPERT_BATCHED") ? fp4moe_env_value("FP4MOE_GATHER_EXPERT_BATCHED") : NULL;
         cJSON_AddStringToObject(o, "FP4MOE_GATHER_EXPERT_BATCHED", eb ? eb : "");
         cJSON_AddNumberToObject(o, "threads", omp_get_max_threads());
         cJSON_AddNumberToObject(o, "prompt_tokens", (double)a->prompt_tokens);
@@ -306,7 +305,7 @@ static int load_synthetic(const bench_args *a, fp4moe_device dev, fp4moe_model *
  * (several sequences per step), then every sequence decodes gen_tokens greedily, one step per token
  * for all N together. */
 static int batch_run(fp4moe_batch *b, int32_t *const *prompts, const bench_args *a, double *pf_s, double *dc_s,
-                     uint64_t *hash, int32_t *ids0) {
+                     uint64_t *hash, int32_t *ids0, double *split_pf, double *split_dc) {
     const int64_t N = a->batch, P = a->prompt_tokens, G = a->gen_tokens;
     int64_t *seq = calloc((size_t)N, sizeof *seq), *fed = calloc((size_t)N, sizeof *fed);
     int32_t *next = calloc((size_t)N, sizeof *next);
@@ -316,6 +315,8 @@ static int batch_run(fp4moe_batch *b, int32_t *const *prompts, const bench_args 
         st = fp4moe_batch_add(b, &seq[i]);
         hash[i] = 0xCBF29CE484222325ull;
     }
+    double ms[FP4MOE_PROF_KINDS];
+    if (!st && a->profile) st = fp4moe_batch_profile(b, ms, 1);
     double t0 = cli_now();
     for (int64_t done = 0; !st && done < N;) {
         int64_t k = 0, budget = a->chunk;
@@ -334,6 +335,7 @@ static int batch_run(fp4moe_batch *b, int32_t *const *prompts, const bench_args 
             if (it[j].status) st = fp4moe_set_error(it[j].status, "%s", it[j].error);
     }
     *pf_s = cli_now() - t0;
+    if (!st && a->profile) st = fp4moe_batch_profile(b, split_pf, 1);
     t0 = cli_now();
     for (int64_t g = 0; !st && g < G; g++) {
         for (int64_t i = 0; i < N; i++) {
@@ -346,6 +348,7 @@ static int batch_run(fp4moe_batch *b, int32_t *const *prompts, const bench_args 
             if (it[j].status) st = fp4moe_set_error(it[j].status, "%s", it[j].error);
     }
     *dc_s = cli_now() - t0;
+    if (!st && a->profile) st = fp4moe_batch_profile(b, split_dc, 1);
     for (int64_t i = 0; seq && i < N; i++) fp4moe_batch_remove(b, seq[i]);
     free(seq);
     free(fed);
@@ -365,6 +368,8 @@ static int bench_batch(const bench_args *a, const fp4moe_model *m, fp4moe_dtype 
     o.route = route;
     o.device = dev;
     o.interrupt = cli_install_sigint();
+    o.profile = a->profile;
+    double split_pf[FP4MOE_PROF_KINDS] = {0}, split_dc[FP4MOE_PROF_KINDS] = {0};
     fp4moe_batch *b = NULL;
     int32_t **prompts = calloc((size_t)N, sizeof *prompts);
     uint64_t *hash = calloc((size_t)N, sizeof *hash), *hash0 = calloc((size_t)N, sizeof *hash0);
@@ -376,7 +381,8 @@ static int bench_batch(const bench_args *a, const fp4moe_model *m, fp4moe_dtype 
         else synthetic_prompt_variant(prompts[i], a->prompt_tokens, V, (uint64_t)i);
     }
     for (int64_t r = 0; !st && r < a->warmup + R; r++) {
-        st = batch_run(b, prompts, a, &pf[r], &dc[r], r ? hash : hash0, r == a->warmup ? ids0 : NULL);
+        st = batch_run(b, prompts, a, &pf[r], &dc[r], r ? hash : hash0, r == a->warmup ? ids0 : NULL, split_pf,
+                       split_dc);
         for (int64_t i = 0; !st && r && i < N; i++)
             if (hash[i] != hash0[i])
                 st = fp4moe_set_error(FP4MOE_EFORMAT, "run %lld: sequence %lld generated other tokens than in run "
@@ -404,7 +410,7 @@ static int bench_batch(const bench_args *a, const fp4moe_model *m, fp4moe_dtype 
             cJSON_AddStringToObject(j, "device", fp4moe_device_name(dev));
             cJSON_AddStringToObject(j, "dtype", a->dtype);
             cJSON_AddStringToObject(j, "route", a->route);
-            const char *eb = getenv("FP4MOE_GATHER_EXPERT_BATCHED");
+            const char *eb = getenv("FP4MOE_GATHER_EXPERT_BATCHED") ? fp4moe_env_value("FP4MOE_GATHER_EXPERT_BATCHED") : NULL;
             cJSON_AddStringToObject(j, "FP4MOE_GATHER_EXPERT_BATCHED", eb ? eb : "");
             cJSON_AddNumberToObject(j, "threads", omp_get_max_threads());
             cJSON_AddNumberToObject(j, "batch", (double)N);
@@ -424,6 +430,11 @@ static int bench_batch(const bench_args *a, const fp4moe_model *m, fp4moe_dtype 
             }
             cJSON_AddItemToObject(j, "gen_ids_fnv1a", arr);
             cJSON_AddItemToObject(j, "gen_ids_0", cJSON_CreateIntArray(ids0, (int)a->gen_tokens));
+            if (a->profile) {   /* the last repeat's device time */
+                cJSON_AddItemToObject(j, "prefill_split_ms", split_json(split_pf));
+                for (int k = 0; k < FP4MOE_PROF_KINDS; k++) split_dc[k] /= (double)a->gen_tokens;
+                cJSON_AddItemToObject(j, "decode_split_ms_per_step", split_json(split_dc));
+            }
             char *txt = cJSON_Print(j);
             printf("%s\n", txt);
             free(txt);
@@ -440,6 +451,12 @@ static int bench_batch(const bench_args *a, const fp4moe_model *m, fp4moe_dtype 
             printf("gen ids hash   %016llx over all sequences; sequence 0: %016llx (FNV-1a 64)\n",
                    (unsigned long long)all, (unsigned long long)hash0[0]);
             for (int64_t i = 0; i < N; i++) printf("  seq %-4lld %016llx\n", (long long)i, (unsigned long long)hash0[i]);
+            if (a->profile) {
+                printf("split (device ms, last repeat)   prefill    decode/step\n");
+                for (int k = 0; k < FP4MOE_PROF_KINDS; k++)
+                    printf("  %-24s %10.3f %12.4f\n", fp4moe_prof_kind_name((fp4moe_prof_kind)k), split_pf[k],
+                           split_dc[k] / (double)a->gen_tokens);
+            }
         }
     }
     for (int64_t i = 0; prompts && i < N; i++) free(prompts[i]);
@@ -473,7 +490,6 @@ static int bench(bench_args *a) {
     if (rc) return rc;
     if (a->batch > 0) {
         if (a->chunk <= 0) a->chunk = dev == FP4MOE_DEVICE_CUDA ? CLI_CUDA_CHUNK : 256;
-        if (a->profile) return cli_usage_error(CMD, "--profile times single-sequence runs (no --batch)");
         rc = bench_batch(a, m, dt, route, dev);
         fp4moe_model_free(m);
         return rc;

@@ -17,7 +17,6 @@
 
 #include "cli/commands.h"
 #include "fp4moe/fp4moe.h"
-#include "kernels/cpu/gather_cpu.h"
 
 typedef struct {
     int64_t E, N, K, tokens;
@@ -375,7 +374,7 @@ int cmd_bench_kernel(int argc, char **argv) {
     }
 
     const double read_gbs = measure_read_gbs((size_t)512 << 20), copy_gbs = measure_copy_gbs((size_t)512 << 20);
-    const char *isa = gather_cpu_kernels_select()->name;
+    const char *isa = fp4moe_gather_cpu_isa();
     const int threads = omp_get_max_threads();
     cJSON *root = NULL, *jshapes = NULL;
     if (o.json) {

@@ -15,9 +15,8 @@
 
 #include "cli/cli_util.h"
 #include "cli/commands.h"
-#include "common/error.h"
 #include "fp4moe/fp4moe.h"
-#include "io/nvfp4_ckpt.h"
+#include "fp4moe/checkpoint.h"
 
 #define CMD "dequantize"
 #define CHUNK_ROWS_BYTES (8 << 20) /* output bytes per step */

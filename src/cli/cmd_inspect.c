@@ -13,9 +13,8 @@
 
 #include "cli/cli_util.h"
 #include "cli/commands.h"
-#include "common/error.h"
 #include "fp4moe/fp4moe.h"
-#include "io/nvfp4_ckpt.h"
+#include "fp4moe/checkpoint.h"
 
 #define CMD "inspect"
 #define MAX_REPORTED 20 /* NaN positions listed per tensor (all are counted) */

@@ -25,7 +25,6 @@
 
 #include "cli/cli_util.h"
 #include "cli/commands.h"
-#include "common/error.h"
 #include "fp4moe/fp4moe.h"
 #include "fp4moe/model.h"
 #include "fp4moe/tokenizer.h"

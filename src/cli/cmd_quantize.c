@@ -25,14 +25,13 @@
 
 #include "cli/cli_util.h"
 #include "cli/commands.h"
-#include "common/error.h"
 #include "fp4moe/fp4moe.h"
-#include "io/nvfp4_ckpt.h"
+#include "fp4moe/checkpoint.h"
 
 #define CMD "quantize"
 #define CHUNK_BYTES (8 << 20)           /* source bytes quantized per step */
-#define STASH_CAP_MB 1024               /* scale MiB kept from the codes pass for the scales pass;
-                                         * FP4MOE_QUANTIZE_STASH_MB overrides (0: always recompute) */
+/* scale MiB kept from the codes pass for the scales pass: FP4MOE_QUANTIZE_STASH_MB (default 1024,
+ * src/common/env.c; 0: always recompute) */
 
 typedef struct {
     char *name;                        /* output name ("<m>.weight" or the stacked name) */
@@ -280,7 +279,7 @@ static int fill_copy(void *vctx, fp4moe_st_sink *sink, int64_t nbytes) {
 
 /* Quantizes the item chunk by chunk and emits the codes (what 0) or the scales (what 1). The writer
  * emits a module's codes (U32) before its scales (U8, same or later shard), so the codes pass keeps
- * the scales (up to STASH_CAP_MB in all) and the scales pass just writes them; beyond the cap the
+ * the scales (up to FP4MOE_QUANTIZE_STASH_MB in all) and the scales pass just writes them; beyond the cap the
  * scales pass recomputes the same deterministic quantization. */
 static int fill_quant(void *vctx, fp4moe_st_sink *sink, int64_t nbytes) {
     fill_ctx *c = vctx;
@@ -423,8 +422,7 @@ int cmd_quantize(int argc, char **argv) {
         goto fail;
     }
     if ((st = build_plan(m, inc, exc, &p))) goto fail;
-    const char *cap_env = getenv("FP4MOE_QUANTIZE_STASH_MB");
-    p.stash_cap = (int64_t)(cap_env ? atoll(cap_env) : STASH_CAP_MB) << 20;
+    p.stash_cap = (int64_t)atoll(fp4moe_env_value("FP4MOE_QUANTIZE_STASH_MB")) << 20;
     int64_t nq = 0;
     for (int64_t i = 0; i < p.n; i++) {
         item *it = &p.items[i];

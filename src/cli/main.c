@@ -34,28 +34,12 @@ static void usage(FILE *out) {
     for (int i = 0; i < N_COMMANDS; i++) fprintf(out, "  %-14s %s\n", k_commands[i].name, k_commands[i].summary);
 }
 
-/* The environment switches the library reads (gather_qmm.h, README): a value the library would
- * silently ignore is a usage error here, so that a typo cannot pass for a measurement. */
+/* The environment switches the library reads (fp4moe_env_*: one table): a value the library would
+ * ignore is a usage error here, so that a typo cannot pass for a measurement. */
 static int check_environment(void) {
-    static const struct { const char *name, *allowed[4]; } vars[] = {
-        {"FP4MOE_GATHER_EXPERT_BATCHED", {"0", "1"}},
-        {"FP4MOE_GATHER_ROUTE", {"auto", "qmv", "batched", "dequant_gemm"}},
-        {"FP4MOE_CPU_ISA", {"auto", "portable", "avx2"}},
-        {"FP4MOE_SSM_SCAN", {"seq", "tiled", "tiled28", "tiled44"}},
-    };
-    for (size_t v = 0; v < sizeof vars / sizeof vars[0]; v++) {
-        const char *val = getenv(vars[v].name);
-        if (!val || !*val) continue;
-        int ok = 0;
-        for (int i = 0; i < 4 && vars[v].allowed[i]; i++) ok |= !strcmp(val, vars[v].allowed[i]);
-        if (!ok) {
-            fprintf(stderr, "fp4moe: environment %s='%s' is not one of:", vars[v].name, val);
-            for (int i = 0; i < 4 && vars[v].allowed[i]; i++) fprintf(stderr, " %s", vars[v].allowed[i]);
-            fprintf(stderr, "\n");
-            return FP4MOE_EXIT_USAGE;
-        }
-    }
-    return FP4MOE_EXIT_OK;
+    if (fp4moe_env_check() == FP4MOE_OK) return FP4MOE_EXIT_OK;
+    fprintf(stderr, "fp4moe: %s\n", fp4moe_last_error());
+    return FP4MOE_EXIT_USAGE;
 }
 
 int main(int argc, char **argv) {

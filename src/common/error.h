@@ -1,4 +1,4 @@
-/* Internal: setting the thread-local error message, and checked size arithmetic. */
+/* Internal: the error scheme of fp4moe/types.h, for the library's own files. */
 #ifndef FP4MOE_COMMON_ERROR_H
 #define FP4MOE_COMMON_ERROR_H
 
@@ -9,25 +9,8 @@
 extern "C" {
 #endif
 
-/* Formats the message (printf-style) into the thread-local buffer and returns `status`, so that
- * callers can write `return fp4moe_set_error(FP4MOE_EINVAL, "K=%lld is not a multiple of 16", K);` */
-int fp4moe_set_error(int status, const char *fmt, ...)
-#if defined(__GNUC__)
-    __attribute__((format(printf, 2, 3)))
-#endif
-    ;
-
-/* Prepends "prefix: " to the current message (for adding context on the way up); returns status. */
-int fp4moe_error_context(int status, const char *fmt, ...)
-#if defined(__GNUC__)
-    __attribute__((format(printf, 2, 3)))
-#endif
-    ;
-
-void fp4moe_clear_error(void);
-
-/* *out = a * b; returns 0 when a, b >= 0 and the product fits in int64, else 1 (no store). */
-int fp4moe_mul_overflow(int64_t a, int64_t b, int64_t *out);
+/* fp4moe_set_error, fp4moe_error_context, fp4moe_clear_error, fp4moe_mul_overflow: declared in
+ * fp4moe/types.h (public: the CLI and applications report in the same scheme). */
 
 #ifdef __cplusplus
 }

@@ -1,5 +1,5 @@
 /* NVFP4 modules in checkpoints: which tensors belong together, and their shapes (nvfp4_ckpt.h). */
-#include "io/nvfp4_ckpt.h"
+#include "fp4moe/checkpoint.h"
 
 #include <math.h>
 #include <stdio.h>

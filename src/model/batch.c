@@ -652,6 +652,11 @@ int fp4moe_batch_add_from_snapshot(fp4moe_batch *b, const fp4moe_snapshot *sn, i
 
 /* ---- internal accessors (sessions) ------------------------------------------------------------- */
 
+int fp4moe_batch_profile(fp4moe_batch *b, double ms[FP4MOE_PROF_KINDS], int reset) {
+    if (!b || !ms) return fp4moe_set_error(FP4MOE_EINVAL, "batch profile: NULL argument");
+    return batch_profile(b, ms, reset);
+}
+
 int batch_profile(fp4moe_batch *b, double ms[FP4MOE_PROF_KINDS], int reset) {
     if (!b->cuda) return fp4moe_set_error(FP4MOE_EINVAL, "session profile: only CUDA sessions keep device timers");
     return be_cuda_profile(b->bc, ms, reset);

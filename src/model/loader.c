@@ -12,7 +12,7 @@
 
 #include "common/error.h"
 #include "fp4moe/nvfp4.h"
-#include "io/nvfp4_ckpt.h"
+#include "fp4moe/checkpoint.h"
 #include "backend/cuda/placement.h"
 #include "model/model_internal.h"
 

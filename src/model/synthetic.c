@@ -20,7 +20,7 @@
 #include "fp4moe/nvfp4.h"
 #include "backend/cuda/placement.h"
 #include "model/model_internal.h"
-#include "model/synthetic.h"
+#include "kernels/synthetic.h"
 
 #define DEFAULT_SEED 0x5EEDF4u
 

@@ -1,5 +1,7 @@
 #include "testutil.h"
 
+#include "common/env.h"
+
 #include <float.h>
 #include <math.h>
 #include <stdio.h>
@@ -228,4 +230,10 @@ const char *tu_idx_pattern_name(tu_idx_pattern p) {
     case TU_IDX_DUPLICATES: return "duplicates";
     default: return "unsorted";
     }
+}
+
+void tu_setenv(const char *name, const char *value) {
+    if (value) setenv(name, value, 1);
+    else unsetenv(name);
+    env_reload();
 }

@@ -65,4 +65,8 @@ typedef enum {
 uint32_t *tu_make_idx(tu_idx_pattern p, int64_t B, int64_t E, int topk, tu_rng *r);
 const char *tu_idx_pattern_name(tu_idx_pattern p);
 
+/* setenv(name, value) (unsetenv when value is NULL) for an FP4MOE_* variable, then the library's
+ * environment table is read again (it reads each variable once: src/common/env.h). */
+void tu_setenv(const char *name, const char *value);
+
 #endif

@@ -18,8 +18,7 @@
  *
  * Environment: FP4MOE_TEST_ROUTE=qmv|batched|dequant_gemm|auto runs one route only (fault check);
  * FP4MOE_TEST_QUICK=1 skips the biggest cases; FP4MOE_TEST_SANITIZE=1 runs only the small cases
- * marked for compute-sanitizer. The kernel versions under test follow FP4MOE_CUDA_BATCHED_V and
- * FP4MOE_CUDA_QMV_V (3 or 4, docs/GPU-NOTES.md); scripts/gpu-check.sh runs the suite with both. */
+ * marked for compute-sanitizer (scripts/gpu-check.sh). */
 #include <math.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -171,15 +170,15 @@ static void test_case(void **state) {
     const size_t ybytes = (size_t)(c->B * c->N) * es;
     void *yqmv = malloc(ybytes), *yauto = malloc(ybytes);
     assert_true(yqmv && yauto);
-    unsetenv("FP4MOE_GATHER_ROUTE");
+    tu_setenv("FP4MOE_GATHER_ROUTE", NULL);
     for (int ro = FP4MOE_ROUTE_QMV; ro <= FP4MOE_ROUTE_DEQUANT_GEMM + 2; ro++) {
         /* QMV, BATCHED, DEQUANT_GEMM explicitly, then AUTO with the switch unset and = 0 */
         const fp4moe_route route = ro <= FP4MOE_ROUTE_DEQUANT_GEMM ? (fp4moe_route)ro : FP4MOE_ROUTE_AUTO;
         if (only && strcmp(only, fp4moe_route_name(route))) continue;
         if (!sorted && (route == FP4MOE_ROUTE_BATCHED || route == FP4MOE_ROUTE_DEQUANT_GEMM)) continue;
         const int off = ro == FP4MOE_ROUTE_DEQUANT_GEMM + 2;
-        if (off) setenv("FP4MOE_GATHER_EXPERT_BATCHED", "0", 1);
-        else unsetenv("FP4MOE_GATHER_EXPERT_BATCHED");
+        if (off) tu_setenv("FP4MOE_GATHER_EXPERT_BATCHED", "0");
+        else tu_setenv("FP4MOE_GATHER_EXPERT_BATCHED", NULL);
         char label[160];
         snprintf(label, sizeof label, "E=%lld N=%lld K=%lld B=%lld %s gs=%d %s route=%s%s", (long long)c->E,
                  (long long)c->N, (long long)c->K, (long long)c->B, tu_idx_pattern_name(c->pattern), c->with_gs,
@@ -208,7 +207,7 @@ static void test_case(void **state) {
             failures += diff != 0;
         }
     }
-    unsetenv("FP4MOE_GATHER_EXPERT_BATCHED");
+    tu_setenv("FP4MOE_GATHER_EXPERT_BATCHED", NULL);
     free(yqmv);
     free(yauto);
 

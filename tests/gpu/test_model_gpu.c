@@ -29,6 +29,7 @@
 #include <unistd.h>
 #include <cmocka.h>
 
+#include "../model/batch_test.h"
 #include "../model/model_test.h"
 #include "gpu_testutil.h"
 #include "testutil.h"
@@ -272,9 +273,9 @@ static void test_default_model(void **state) {
     int32_t *on = calloc(n, 4), *off = calloc(n, 4);
     float *lon = malloc((size_t)(n * V) * 4), *loff = malloc((size_t)(n * V) * 4);
     greedy(gs, p, 200, V, n, on, lon);
-    setenv("FP4MOE_GATHER_EXPERT_BATCHED", "0", 1);
+    tu_setenv("FP4MOE_GATHER_EXPERT_BATCHED", "0");
     greedy(gs, p, 200, V, n, off, loff);
-    unsetenv("FP4MOE_GATHER_EXPERT_BATCHED");
+    tu_setenv("FP4MOE_GATHER_EXPERT_BATCHED", NULL);
     int64_t first = -1;
     for (int64_t i = 0; i < n && first < 0; i++)
         if (on[i] != off[i]) first = i;
@@ -368,9 +369,9 @@ static void test_graph_vs_eager(void **state) {
     fp4moe_model *m = load_on(MT_GOLDEN "/tiny-b-mlx", 1, FP4MOE_DEVICE_CUDA);
     const int64_t V = fp4moe_model_config(m)->vocab, n = 40;
     fp4moe_session *graph = gpu_session(m);
-    setenv("FP4MOE_CUDA_GRAPH", "0", 1);
+    tu_setenv("FP4MOE_CUDA_GRAPH", "0");
     fp4moe_session *eager = gpu_session(m);
-    unsetenv("FP4MOE_CUDA_GRAPH");
+    tu_setenv("FP4MOE_CUDA_GRAPH", NULL);
     int32_t *p = make_prompt(70, V, 3), *ia = calloc(n, 4), *ib = calloc(n, 4);
     float *la = malloc((size_t)(n * V) * 4), *lb = malloc((size_t)(n * V) * 4);
     greedy(graph, p, 70, V, n, ia, la);
@@ -444,9 +445,9 @@ static void test_kv_growth(void **state) {
     const int64_t V = fp4moe_model_config(m)->vocab, T = 1010, n = 30;
     fp4moe_session *grown = gpu_session(m);
     fp4moe_session *fixed = open_session(m, (sess_opts){FP4MOE_DEVICE_CUDA, FP4MOE_ROUTE_AUTO, 0, 0, 2048});
-    setenv("FP4MOE_CUDA_GRAPH", "0", 1);
+    tu_setenv("FP4MOE_CUDA_GRAPH", "0");
     fp4moe_session *eager = gpu_session(m);
-    unsetenv("FP4MOE_CUDA_GRAPH");
+    tu_setenv("FP4MOE_CUDA_GRAPH", NULL);
     int32_t *p = make_prompt(T, V, 13), *ids[3];
     float *lg[3];
     fp4moe_session *ses[3] = {fixed, grown, eager};
@@ -536,9 +537,33 @@ static void test_errors(void **state) {
     fp4moe_model_free(host);
 }
 
+/* The batched runtime on CUDA (tests/model/batch_test.h): 1, 3 and 17 sequences joining and leaving,
+ * mixed prefill+decode steps, slot reuse, snapshot round trips: each sequence's greedy ids equal its
+ * solo CUDA session's (bf16). */
+static void test_batch(void **state) {
+    (void)state;
+    const char *dirs[] = {MT_GOLDEN "/tiny-a-mlx", MT_GOLDEN "/tiny-b-mlx", MT_GOLDEN "/tiny-a-modelopt", DEFAULT_MODEL};
+    int bad = 0;
+    for (size_t d = 0; d < sizeof dirs / sizeof dirs[0]; d++) {
+        if (access(dirs[d], R_OK)) continue;
+        fp4moe_model *m = load_on(dirs[d], 1, FP4MOE_DEVICE_CUDA);
+        const struct { int n; int64_t slots; uint64_t seed; int snap; } cases[] = {
+            {1, 1, 1, 0}, {3, 3, 2, 1}, {17, 17, 3, 1}, {17, 5, 4, 1},
+        };
+        for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+            char label[160];
+            snprintf(label, sizeof label, "cuda %s n=%d slots=%lld", dirs[d], cases[i].n, (long long)cases[i].slots);
+            bad += bt_scenario(m, FP4MOE_DEVICE_CUDA, FP4MOE_BF16, cases[i].n, cases[i].slots, cases[i].seed,
+                               cases[i].snap, label);
+        }
+        fp4moe_model_free(m);
+    }
+    assert_int_equal(bad, 0);
+}
+
 int main(void) {
     gt_require_gpu("test_model_gpu");
-    struct CMUnitTest tests[N_GOLDEN + 8];
+    struct CMUnitTest tests[N_GOLDEN + 9];
     static char names[N_GOLDEN][96];
     size_t n = 0;
     for (size_t i = 0; i < N_GOLDEN; i++) {
@@ -553,6 +578,7 @@ int main(void) {
     tests[n++] = (struct CMUnitTest){"kv_growth", test_kv_growth, NULL, NULL, NULL};
     tests[n++] = (struct CMUnitTest){"profile", test_profile, NULL, NULL, NULL};
     tests[n++] = (struct CMUnitTest){"errors", test_errors, NULL, NULL, NULL};
+    tests[n++] = (struct CMUnitTest){"batch", test_batch, NULL, NULL, NULL};
     const int rc = _cmocka_run_group_tests("model_gpu", tests, n, NULL, NULL);
     printf("model_gpu: worst row error gpu vs cpu %.3g; %lld of %lld rows above %.3g (check_rows)\n", g_worst,
            (long long)g_over, (long long)g_rows, MT_RTOL_BF16);

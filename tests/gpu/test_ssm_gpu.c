@@ -2,7 +2,7 @@
  * reference of the recurrence (spec NEMOTRON_H.md "Mamba-2"; src/kernels/cpu/ops_ssm.c):
  *   dt = clamp(softplus(dt_raw + dt_bias), dt_lo, dt_hi); dA = exp(dt * A)
  *   state_h = dA * state_h + dt * x_h (outer) B_g;  y_h = state_h @ C_g + D_h * x_h,  g = h/(nh/G)
- * for each kernel (FP4MOE_SSM_SCAN = seq, tiled and the tile variants tiled28 / tiled44), on random
+ * for each kernel (seq and tiled, cuda_ssm_scan_kernel), on random
  * data (never zeros; a random starting state, as after an earlier prefill chunk; raw dt low enough
  * that the time_step_min clamp is taken) with awkward sizes: T not a multiple of the time tiles,
  * T = 1, several groups, head_dim not a multiple of the block's rows, unaligned strides (the 4-byte
@@ -140,15 +140,13 @@ static void free_dev(dev *d) {
 /* Runs the scan of tokens [t0, t0+T) with the kernel `mode`, from the state already on the device. */
 static int run_scan(const problem *p, const dev *d, int64_t t0, int64_t T, const char *mode) {
     const shape s = p->s;
-    setenv("FP4MOE_SSM_SCAN", mode, 1);
     const cuda_ssm_args a = {
         .T = T, .nh = s.nh, .hd = s.hd, .S = s.S, .G = s.G,
         .x = d->x + t0 * s.xs, .xs = s.xs, .B = d->B + t0 * s.bcs, .C = d->C + t0 * s.bcs, .bcs = s.bcs,
         .dt = d->dt + t0 * s.dts, .dts = s.dts, .dt_bias = d->dt_bias, .A = d->A, .D = d->D,
         .dt_lo = p->dt_lo, .dt_hi = p->dt_hi, .state = d->state, .y = d->y + t0 * s.nh * s.hd,
     };
-    const int rc = cuda_ssm_scan(NULL, &a);
-    unsetenv("FP4MOE_SSM_SCAN");
+    const int rc = cuda_ssm_scan_kernel(NULL, &a, strcmp(mode, "seq") ? CUDA_SSM_TILED : CUDA_SSM_SEQ);
     if (rc) fprintf(stderr, "cuda_ssm_scan (%s): %s\n", mode, fp4moe_last_error());
     GT_CHECK(cudaDeviceSynchronize());
     return rc;
@@ -197,7 +195,7 @@ static result run_mode(const problem *p, const dev *d, const char *mode, int64_t
     return r;
 }
 
-static const char *const k_modes[] = {"seq", "tiled", "tiled28", "tiled44"};
+static const char *const k_modes[] = {"seq", "tiled"};
 #define N_MODES (int)(sizeof k_modes / sizeof k_modes[0])
 
 static void check_shape(shape s, uint64_t seed) {

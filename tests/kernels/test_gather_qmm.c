@@ -128,20 +128,20 @@ static void test_case(void **state) {
     const char *only = getenv("FP4MOE_TEST_ROUTE");
     const int big = (double)c->B * c->N * c->K > 2e9;
     int64_t failures = 0;
-    unsetenv("FP4MOE_GATHER_ROUTE");
+    tu_setenv("FP4MOE_GATHER_ROUTE", NULL);
     for (int isa = 0; isa < 2; isa++) {           /* 0: this machine's kernels, 1: portable C */
         if (isa == 1 && big) continue;            /* the portable kernels are slow; big shapes once */
-        if (isa == 1) setenv("FP4MOE_CPU_ISA", "portable", 1);
-        else unsetenv("FP4MOE_CPU_ISA");
+        if (isa == 1) tu_setenv("FP4MOE_CPU_ISA", "portable");
+        else tu_setenv("FP4MOE_CPU_ISA", NULL);
         for (int ro = FP4MOE_ROUTE_QMV; ro <= FP4MOE_ROUTE_DEQUANT_GEMM + 2; ro++) {
             /* QMV, BATCHED, DEQUANT_GEMM explicitly, then AUTO with the switch on and off */
             const fp4moe_route route = ro <= FP4MOE_ROUTE_DEQUANT_GEMM ? (fp4moe_route)ro : FP4MOE_ROUTE_AUTO;
             if (only && strcmp(only, fp4moe_route_name(route))) continue;
             if (!route_applies(route, c)) continue;
             if (route == FP4MOE_ROUTE_AUTO && ro == FP4MOE_ROUTE_DEQUANT_GEMM + 2)
-                setenv("FP4MOE_GATHER_EXPERT_BATCHED", "0", 1);
+                tu_setenv("FP4MOE_GATHER_EXPERT_BATCHED", "0");
             else
-                unsetenv("FP4MOE_GATHER_EXPERT_BATCHED");
+                tu_setenv("FP4MOE_GATHER_EXPERT_BATCHED", NULL);
             char label[160];
             snprintf(label, sizeof label, "E=%lld N=%lld K=%lld B=%lld %s gs=%d %s route=%s%s isa=%s",
                      (long long)c->E, (long long)c->N, (long long)c->K, (long long)c->B,
@@ -155,8 +155,8 @@ static void test_case(void **state) {
             failures += bad != 0;
         }
     }
-    unsetenv("FP4MOE_CPU_ISA");
-    unsetenv("FP4MOE_GATHER_EXPERT_BATCHED");
+    tu_setenv("FP4MOE_CPU_ISA", NULL);
+    tu_setenv("FP4MOE_GATHER_EXPERT_BATCHED", NULL);
     free(xs); free(idxs); free(ref); free(y); free(ysub); free(rows); free(idx); free(x);
     tu_weights_free(&tw);
     assert_int_equal(failures, 0);

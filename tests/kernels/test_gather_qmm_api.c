@@ -137,28 +137,28 @@ static void test_route_predicate(void **state) {
     float gs[2];
     fp4moe_nvfp4_weights w;
     hand_case(&w, codes, scales, gs);
-    unsetenv("FP4MOE_GATHER_ROUTE");
-    unsetenv("FP4MOE_GATHER_EXPERT_BATCHED");
+    tu_setenv("FP4MOE_GATHER_ROUTE", NULL);
+    tu_setenv("FP4MOE_GATHER_EXPERT_BATCHED", NULL);
     const int64_t min = FP4MOE_BATCHED_MIN_ROWS;
     assert_int_equal(fp4moe_gather_route_choose_cpu(&w, min, 1), FP4MOE_ROUTE_BATCHED);
     assert_int_equal(fp4moe_gather_route_choose_cpu(&w, 40000, 1), FP4MOE_ROUTE_BATCHED);
     assert_int_equal(fp4moe_gather_route_choose_cpu(&w, min - 1, 1), FP4MOE_ROUTE_QMV);
     assert_int_equal(fp4moe_gather_route_choose_cpu(&w, 40000, 0), FP4MOE_ROUTE_QMV);
-    setenv("FP4MOE_GATHER_EXPERT_BATCHED", "0", 1);
+    tu_setenv("FP4MOE_GATHER_EXPERT_BATCHED", "0");
     assert_int_equal(fp4moe_gather_route_choose_cpu(&w, 40000, 1), FP4MOE_ROUTE_QMV);
-    setenv("FP4MOE_GATHER_EXPERT_BATCHED", "1", 1);
+    tu_setenv("FP4MOE_GATHER_EXPERT_BATCHED", "1");
     assert_int_equal(fp4moe_gather_route_choose_cpu(&w, 40000, 1), FP4MOE_ROUTE_BATCHED);
-    unsetenv("FP4MOE_GATHER_EXPERT_BATCHED");
-    setenv("FP4MOE_GATHER_ROUTE", "dequant_gemm", 1);
+    tu_setenv("FP4MOE_GATHER_EXPERT_BATCHED", NULL);
+    tu_setenv("FP4MOE_GATHER_ROUTE", "dequant_gemm");
     assert_int_equal(fp4moe_gather_route_choose_cpu(&w, 6, 1), FP4MOE_ROUTE_DEQUANT_GEMM);
     assert_int_equal(fp4moe_gather_route_choose_cpu(&w, 6, 0), FP4MOE_ROUTE_QMV); /* not legal unsorted */
-    setenv("FP4MOE_GATHER_ROUTE", "qmv", 1);
+    tu_setenv("FP4MOE_GATHER_ROUTE", "qmv");
     assert_int_equal(fp4moe_gather_route_choose_cpu(&w, 40000, 1), FP4MOE_ROUTE_QMV);
-    setenv("FP4MOE_GATHER_ROUTE", "batched", 1);
+    tu_setenv("FP4MOE_GATHER_ROUTE", "batched");
     assert_int_equal(fp4moe_gather_route_choose_cpu(&w, 1, 1), FP4MOE_ROUTE_BATCHED);
-    setenv("FP4MOE_GATHER_ROUTE", "nonsense", 1);
+    tu_setenv("FP4MOE_GATHER_ROUTE", "nonsense");
     assert_int_equal(fp4moe_gather_route_choose_cpu(&w, 40000, 1), FP4MOE_ROUTE_BATCHED);
-    unsetenv("FP4MOE_GATHER_ROUTE");
+    tu_setenv("FP4MOE_GATHER_ROUTE", NULL);
 }
 
 int main(void) {

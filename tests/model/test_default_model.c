@@ -21,6 +21,8 @@
 #include <stddef.h>
 #include <cmocka.h>
 
+#include "testutil.h"
+
 #include <sys/wait.h>
 
 #include <cjson/cJSON.h>
@@ -90,7 +92,7 @@ static void test_tokenizer_prompt(void **state) {
 }
 
 static void test_greedy_matches_transformers(void **state) {
-    unsetenv("FP4MOE_GATHER_EXPERT_BATCHED");
+    tu_setenv("FP4MOE_GATHER_EXPERT_BATCHED", NULL);
     int32_t *out = malloc((size_t)g.n * sizeof *out);
     for (int64_t i = 0; i < g.n; i++) out[i] = -1;
     greedy(FP4MOE_F32, out, NULL);
@@ -104,11 +106,11 @@ static void test_greedy_batched_vs_qmv(void **state) {
     const int64_t V = c->vocab;
     int32_t *on = malloc((size_t)g.n * sizeof *on), *off = malloc((size_t)g.n * sizeof *off);
     float *lg_on = mt_poisoned(g.T * V), *lg_off = mt_poisoned(g.T * V);
-    setenv("FP4MOE_GATHER_EXPERT_BATCHED", "1", 1);
+    tu_setenv("FP4MOE_GATHER_EXPERT_BATCHED", "1");
     greedy(FP4MOE_F32, on, lg_on);
-    setenv("FP4MOE_GATHER_EXPERT_BATCHED", "0", 1);
+    tu_setenv("FP4MOE_GATHER_EXPERT_BATCHED", "0");
     greedy(FP4MOE_F32, off, lg_off);
-    unsetenv("FP4MOE_GATHER_EXPERT_BATCHED");
+    tu_setenv("FP4MOE_GATHER_EXPERT_BATCHED", NULL);
     for (int64_t i = 0; i < g.n; i++)
         if (on[i] != off[i])
             fail_msg("greedy token %lld: %d with the expert-batched route, %d with qmv", (long long)i,

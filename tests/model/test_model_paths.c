@@ -9,6 +9,8 @@
 #include <stddef.h>
 #include <cmocka.h>
 
+#include "testutil.h"
+
 #include "model/model_internal.h"
 #include "model_test.h"
 
@@ -90,14 +92,14 @@ static void routes_agree(const char *dir, const char *ref_name) {
     int64_t l = 0;
     while (m->layers[l].type != FP4MOE_LAYER_MOE) l++;
     assert_true(B >= FP4MOE_BATCHED_MIN_ROWS);
-    setenv("FP4MOE_GATHER_EXPERT_BATCHED", "1", 1);
+    tu_setenv("FP4MOE_GATHER_EXPERT_BATCHED", "1");
     assert_int_equal(fp4moe_gather_route_choose_cpu(&m->layers[l].experts_up.q, B, 1), FP4MOE_ROUTE_BATCHED);
     int32_t *on = calloc((size_t)r.n, 4), *off = calloc((size_t)r.n, 4), *f = calloc((size_t)r.n, 4);
     greedy_with(m, &r, FP4MOE_ROUTE_AUTO, on);
-    setenv("FP4MOE_GATHER_EXPERT_BATCHED", "0", 1);
+    tu_setenv("FP4MOE_GATHER_EXPERT_BATCHED", "0");
     const fp4moe_route off_route = fp4moe_gather_route_choose_cpu(&m->layers[l].experts_up.q, B, 1);
     greedy_with(m, &r, FP4MOE_ROUTE_AUTO, off);
-    unsetenv("FP4MOE_GATHER_EXPERT_BATCHED");
+    tu_setenv("FP4MOE_GATHER_EXPERT_BATCHED", NULL);
     print_message("%-12s prefill rows %lld: route %s with FP4MOE_GATHER_EXPERT_BATCHED=1, %s with =0\n",
                   dir, (long long)B, fp4moe_route_name(FP4MOE_ROUTE_BATCHED), fp4moe_route_name(off_route));
     assert_memory_equal(on, r.gen, (size_t)r.n * 4);

@@ -18,7 +18,7 @@
 #include <cmocka.h>
 
 #include "model_test.h"
-#include "model/synthetic.h"
+#include "kernels/synthetic.h"
 #include "testutil.h"
 
 static const char *k_cfg =

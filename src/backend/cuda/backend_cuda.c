@@ -12,20 +12,16 @@
 
 #include <cuda_runtime_api.h>
 
+#include "common/env.h"
+#include "kernels/cuda/cuda_check.h"
 #include "common/error.h"
 #include "fp4moe/nvfp4.h"
 #include "kernels/cuda/ops_cuda.h"
 #include "backend/backend.h"
 #include "backend/cuda/placement.h"
 #include "model/model_internal.h"
-#include "model/synthetic.h"
+#include "kernels/synthetic.h"
 
-#define CUDA_TRY(call, what)                                                                       \
-    do {                                                                                           \
-        const cudaError_t ct_e_ = (call);                                                          \
-        if (ct_e_ != cudaSuccess)                                                                  \
-            return fp4moe_set_error(FP4MOE_ECUDA, "cuda: %s: %s", (what), cudaGetErrorString(ct_e_)); \
-    } while (0)
 
 #define TRY(expr)                                                                                  \
     do {                                                                                           \
@@ -92,7 +88,7 @@ static int put(placer *p, const void *host, size_t bytes, void **d) {
     if (!p->fill || !bytes) return FP4MOE_OK;
     for (size_t o = 0; o < bytes; o += COPY_PIECE) {
         const size_t n = bytes - o < COPY_PIECE ? bytes - o : COPY_PIECE;
-        CUDA_TRY(cudaMemcpy((char *)*d + o, (const char *)host + o, n, cudaMemcpyHostToDevice),
+        FP4MOE_CUDA_TRY("cuda", cudaMemcpy((char *)*d + o, (const char *)host + o, n, cudaMemcpyHostToDevice),
                  "upload of the weights");
         if (p->progress) p->progress(p->ctx, (int64_t)(p->used - bytes + o + n), p->total);
     }
@@ -389,7 +385,7 @@ static int cu_alloc(void *bc, size_t bytes, void **p) {
         return fp4moe_set_error(FP4MOE_ENOMEM, "cuda: cannot allocate %zu bytes of device memory: %s", bytes,
                                 cudaGetErrorString(ce));
     }
-    CUDA_TRY(cudaMemsetAsync(*p, 0, bytes, S_(bc)), "memset");
+    FP4MOE_CUDA_TRY("cuda", cudaMemsetAsync(*p, 0, bytes, S_(bc)), "memset");
     return FP4MOE_OK;
 }
 static void cu_free(void *bc, void *p) {
@@ -398,22 +394,22 @@ static void cu_free(void *bc, void *p) {
 }
 static int cu_upload(void *bc, void *dst, const void *src, size_t bytes) {
     if (!bytes) return FP4MOE_OK;
-    CUDA_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, S_(bc)), "upload");
+    FP4MOE_CUDA_TRY("cuda", cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, S_(bc)), "upload");
     return FP4MOE_OK;
 }
 static int cu_download(void *bc, void *dst, const void *src, size_t bytes) {
     if (!bytes) return FP4MOE_OK;
-    CUDA_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, S_(bc)), "download");
+    FP4MOE_CUDA_TRY("cuda", cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, S_(bc)), "download");
     return FP4MOE_OK;
 }
 static int cu_copy(void *bc, void *dst, const void *src, size_t bytes) {
     if (!bytes) return FP4MOE_OK;
-    CUDA_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, S_(bc)), "device copy");
+    FP4MOE_CUDA_TRY("cuda", cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, S_(bc)), "device copy");
     return FP4MOE_OK;
 }
 static int cu_zero(void *bc, void *p, size_t bytes) {
     if (!bytes) return FP4MOE_OK;
-    CUDA_TRY(cudaMemsetAsync(p, 0, bytes, S_(bc)), "memset");
+    FP4MOE_CUDA_TRY("cuda", cudaMemsetAsync(p, 0, bytes, S_(bc)), "memset");
     return FP4MOE_OK;
 }
 
@@ -421,7 +417,7 @@ static int cu_zero(void *bc, void *p, size_t bytes) {
 static int prof_collect(cuda_ctx *c) {
     for (int i = 1; i < c->n_ev; i++) {
         float ms = 0.0f;
-        CUDA_TRY(cudaEventElapsedTime(&ms, c->ev[i - 1], c->ev[i]), "profile elapsed time");
+        FP4MOE_CUDA_TRY("cuda", cudaEventElapsedTime(&ms, c->ev[i - 1], c->ev[i]), "profile elapsed time");
         c->prof_ms[c->ev_kind[i]] += ms;
     }
     c->n_ev = 0;
@@ -430,8 +426,8 @@ static int prof_collect(cuda_ctx *c) {
 
 static int cu_sync(void *bcv) {
     cuda_ctx *c = bcv;
-    CUDA_TRY(cudaStreamSynchronize(c->stream), "forward");
-    CUDA_TRY(cudaGetLastError(), "forward");
+    FP4MOE_CUDA_TRY("cuda", cudaStreamSynchronize(c->stream), "forward");
+    FP4MOE_CUDA_TRY("cuda", cudaGetLastError(), "forward");
     return c->prof ? prof_collect(c) : FP4MOE_OK;
 }
 
@@ -439,7 +435,7 @@ static int cu_mark(void *bcv, int kind) {
     cuda_ctx *c = bcv;
     if (!c->prof) return FP4MOE_OK;
     if (c->n_ev >= c->cap_ev) return fp4moe_set_error(FP4MOE_EINVAL, "cuda profile: too many marks");
-    CUDA_TRY(cudaEventRecordWithFlags(c->ev[c->n_ev], c->stream,
+    FP4MOE_CUDA_TRY("cuda", cudaEventRecordWithFlags(c->ev[c->n_ev], c->stream,
                                       c->capturing ? cudaEventRecordExternal : cudaEventRecordDefault),
              "profile event");
     c->ev_kind[c->n_ev++] = kind;
@@ -499,7 +495,7 @@ static int cu_run(void *bcv, const fw_step *st, int (*fn)(void *), void *arg) {
         g->seen = 1;
         return fn(arg);
     }
-    CUDA_TRY(cudaGraphLaunch(g->exec, c->stream), "decode graph launch");
+    FP4MOE_CUDA_TRY("cuda", cudaGraphLaunch(g->exec, c->stream), "decode graph launch");
     c->n_ev = g->n_ev;              /* the replay records the events its capture recorded */
     return FP4MOE_OK;
 }
@@ -655,7 +651,7 @@ static const be_ops CUDA_OPS = {
  * linears; K of the lm_head when NVFP4 or f32 (cuda_linear_forward_f32out widens its input). */
 static int64_t f32_staging(const struct gpu_model *g, const fp4moe_config *c) {
     const cuda_linear *hd = &g->lm_head;
-    int64_t w = hd->nvfp4 || hd->dtype == FP4MOE_F32 ? hd->K : 0;
+    int64_t w = !hd->nvfp4 && hd->dtype == FP4MOE_F32 ? hd->K : 0;
     for (int64_t l = 0; l < c->n_layers; l++) {
         const gpu_layer *d = &g->layers[l];
         const cuda_linear *lins[] = {&d->in_proj, &d->out_proj, &d->q_proj, &d->k_proj, &d->v_proj,
@@ -699,7 +695,7 @@ int be_cuda_new(const fp4moe_model *m, fp4moe_route route, int64_t cap, int prof
     *ops = &CUDA_OPS;
     c->g = m->gpu;
     c->cfg = &m->cfg;
-    CUDA_TRY(cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking), "stream");
+    FP4MOE_CUDA_TRY("cuda", cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking), "stream");
     TRY(cu_alloc(c, BLAS_WORKSPACE, &c->ws));
     TRY(cuda_blas_create(c->stream, c->ws, BLAS_WORKSPACE, &c->blas));
     TRY(cu_alloc(c, (size_t)cap * 4, (void **)&c->zeros));
@@ -717,11 +713,10 @@ int be_cuda_new(const fp4moe_model *m, fp4moe_route route, int64_t cap, int prof
         c->ev = calloc((size_t)c->cap_ev, sizeof *c->ev);
         c->ev_kind = calloc((size_t)c->cap_ev, sizeof *c->ev_kind);
         if (!c->ev || !c->ev_kind) return fp4moe_set_error(FP4MOE_ENOMEM, "cuda backend: out of memory");
-        for (int i = 0; i < c->cap_ev; i++) CUDA_TRY(cudaEventCreate(&c->ev[i]), "profile events");
+        for (int i = 0; i < c->cap_ev; i++) FP4MOE_CUDA_TRY("cuda", cudaEventCreate(&c->ev[i]), "profile events");
     }
-    const char *env = getenv("FP4MOE_CUDA_GRAPH");
-    c->graph_off = (env && !strcmp(env, "0")) || route == FP4MOE_ROUTE_DEQUANT_GEMM;
-    CUDA_TRY(cudaStreamSynchronize(c->stream), "backend setup");
+    c->graph_off = !strcmp(env_get(ENV_CUDA_GRAPH), "0") || route == FP4MOE_ROUTE_DEQUANT_GEMM;
+    FP4MOE_CUDA_TRY("cuda", cudaStreamSynchronize(c->stream), "backend setup");
     return FP4MOE_OK;
 }
 

@@ -5,6 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/env.h"
 #include "common/error.h"
 
 static const char *const k_route_names[] = {"auto", "qmv", "batched", "dequant_gemm"};
@@ -85,15 +86,14 @@ int gather_find_runs(const uint32_t *idx, int64_t B, int require_sorted, gather_
 }
 
 fp4moe_route gather_env_route(void) {
-    const char *s = getenv("FP4MOE_GATHER_ROUTE");
-    for (int r = 1; s && r <= (int)FP4MOE_ROUTE_DEQUANT_GEMM; r++)
+    const char *s = env_get(ENV_GATHER_ROUTE);
+    for (int r = 1; r <= (int)FP4MOE_ROUTE_DEQUANT_GEMM; r++)
         if (!strcmp(s, k_route_names[r])) return (fp4moe_route)r;
     return FP4MOE_ROUTE_AUTO;
 }
 
 int gather_env_batched_off(void) {
-    const char *s = getenv("FP4MOE_GATHER_EXPERT_BATCHED");
-    return s && !strcmp(s, "0");
+    return !strcmp(env_get(ENV_GATHER_EXPERT_BATCHED), "0");
 }
 
 void gather_zero_rows(void *y, int64_t N, int64_t dtype_size, int64_t start, int64_t len) {

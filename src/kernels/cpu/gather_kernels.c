@@ -2,6 +2,7 @@
  * The same computations as gather_kernels_avx2.c, written for clarity; the compiler vectorises
  * what it can for the baseline instruction set. */
 #include "kernels/cpu/gather_cpu.h"
+#include "common/env.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -74,8 +75,7 @@ const gather_cpu_kernels gather_cpu_kernels_portable = {
 };
 
 const gather_cpu_kernels *gather_cpu_kernels_select(void) {
-    const char *isa = getenv("FP4MOE_CPU_ISA");
-    if (isa && !strcmp(isa, "portable")) return &gather_cpu_kernels_portable;
+    if (!strcmp(env_get(ENV_CPU_ISA), "portable")) return &gather_cpu_kernels_portable;
 #if defined(__x86_64__) || defined(__i386__)
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
@@ -84,3 +84,5 @@ const gather_cpu_kernels *gather_cpu_kernels_select(void) {
 #endif
     return &gather_cpu_kernels_portable;
 }
+
+const char *fp4moe_gather_cpu_isa(void) { return gather_cpu_kernels_select()->name; }

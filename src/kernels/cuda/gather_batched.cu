@@ -21,7 +21,7 @@
  *    in shared memory is stored with the same permutation (four byte-permutes per 16-byte piece
  *    when it is written) so that one 16-byte shared load gives the B fragments of two k16 steps;
  *  - fp32 accumulators; global scale and the power of two of the scale trick in the epilogue.
- * Kernel version 4 (the default; FP4MOE_CUDA_BATCHED_V=3 selects v3) decodes with fewer instructions
+ * Kernel version 4 (v3 was measured against it in round 4, docs/GPU-NOTES.md) decodes with fewer instructions
  * (bt_dec4: one integer multiply per bf16 pair, byte permutes for f16 pairs, one paired E4M3
  * convert per row and step); everything else is shared.
  * Rows of a partial last n8 tile read a copy of the run's last row (results discarded); K past the
@@ -326,7 +326,8 @@ template <int MT> struct bt_cfg {
     static constexpr int MINBLOCKS = MT == 32 ? 2 : MT == 64 ? 3 : 4;    /* 128 / 168 / 128 registers */
 };
 
-template <typename T, int MT, bool FAST, int MINB, int V>
+/* TY: the output type, T or float (the lm_head: bf16 x, fp32 logits). */
+template <typename T, typename TY, int MT, bool FAST, int MINB, int V>
 __global__ void __launch_bounds__(bt_cfg<MT>::THREADS, MINB)
 gq_batched_kernel(gq_args a, const int *__restrict__ starts, const int *__restrict__ tile_off) {
     typedef bt_cfg<MT> cfg;
@@ -340,7 +341,7 @@ gq_batched_kernel(gq_args a, const int *__restrict__ starts, const int *__restri
     const int NT = (N + NTILE - 1) / NTILE;
     const int64_t total = (int64_t)tile_off[a.E] * NT;
     const T *x = static_cast<const T *>(a.x);
-    T *y = static_cast<T *>(a.y);
+    TY *y = static_cast<TY *>(a.y);
     const int xoff = g * BT_XROW + t * 64 + (t >> 1) * 16; /* this thread's fragment base in x tile */
 
     for (int64_t item = blockIdx.x; item < total; item += gridDim.x) {
@@ -438,9 +439,9 @@ gq_batched_kernel(gq_args a, const int *__restrict__ starts, const int *__restri
 #pragma unroll
                 for (int h = 0; h < 2; h++) {
                     if (r + h < rows) {
-                        T *yr = y + (row0 + r + h) * N;
-                        if (na < N) yr[na] = cu_from_float<T>(acc[nt][h] * mult);
-                        if (nb < N) yr[nb] = cu_from_float<T>(acc[nt][2 + h] * mult);
+                        TY *yr = y + (row0 + r + h) * N;
+                        if (na < N) yr[na] = cu_from_float<TY>(acc[nt][h] * mult);
+                        if (nb < N) yr[nb] = cu_from_float<TY>(acc[nt][2 + h] * mult);
                     }
                 }
             }
@@ -448,7 +449,7 @@ gq_batched_kernel(gq_args a, const int *__restrict__ starts, const int *__restri
     }
 
     /* rows with idx >= E (the sorted tail [starts[E], B)) are zeros */
-    const T zero = cu_from_float<T>(0.0f);
+    const TY zero = cu_from_float<TY>(0.0f);
     const int64_t end = (int64_t)a.B * N;
     for (int64_t i = (int64_t)starts[a.E] * N + (int64_t)blockIdx.x * THREADS + threadIdx.x; i < end;
          i += (int64_t)gridDim.x * THREADS)
@@ -457,25 +458,22 @@ gq_batched_kernel(gq_args a, const int *__restrict__ starts, const int *__restri
 
 int gq_batched_row_tile(const gq_args *a, fp4moe_dtype dtype) {
     (void)dtype;
-    /* tuning knob for measurements (docs/GPU-NOTES.md): FP4MOE_CUDA_BATCHED_ROWS=32|64 */
-    const char *env = getenv("FP4MOE_CUDA_BATCHED_ROWS");
-    if (env && (!strcmp(env, "32") || !strcmp(env, "64"))) return atoi(env);
     /* 64-row tiles halve the weight re-reads and dequantizations of long runs; 32-row tiles keep
-     * more items (and fewer wasted n8 tiles) when runs are short. */
+     * more items (and fewer wasted n8 tiles) when runs are short (docs/GPU-NOTES.md). */
     return (int64_t)a->B > 48ll * a->E ? 64 : 32;
 }
 
-template <typename T, int MT, bool FAST, int V, int MINB = bt_cfg<MT>::MINBLOCKS>
+template <typename T, typename TY, int MT, bool FAST, int V, int MINB = bt_cfg<MT>::MINBLOCKS>
 static int launch(const gq_args *a, const int *starts, const int *tile_off, cudaStream_t st) {
     typedef bt_cfg<MT> cfg;
     int dev = 0, sms = 0, occ = 0;
-    GQ_CUDA_TRY(cudaGetDevice(&dev), "cudaGetDevice");
-    GQ_CUDA_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), "cudaDeviceGetAttribute");
+    FP4MOE_CUDA_TRY("gather_qmm_cuda", cudaGetDevice(&dev), "cudaGetDevice");
+    FP4MOE_CUDA_TRY("gather_qmm_cuda", cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), "cudaDeviceGetAttribute");
     /* > 48 KB of dynamic shared memory needs the opt-in (idempotent, cheap) */
-    GQ_CUDA_TRY(cudaFuncSetAttribute(gq_batched_kernel<T, MT, FAST, MINB, V>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    FP4MOE_CUDA_TRY("gather_qmm_cuda", cudaFuncSetAttribute(gq_batched_kernel<T, TY, MT, FAST, MINB, V>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                      cfg::SMEM),
                 "cudaFuncSetAttribute (dynamic shared memory)");
-    GQ_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, gq_batched_kernel<T, MT, FAST, MINB, V>, cfg::THREADS,
+    FP4MOE_CUDA_TRY("gather_qmm_cuda", cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, gq_batched_kernel<T, TY, MT, FAST, MINB, V>, cfg::THREADS,
                                                               cfg::SMEM),
                 "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
     /* upper bound on the items: sum over experts of ceil(len/MT) <= B/MT + min(E, B) */
@@ -483,40 +481,41 @@ static int launch(const gq_args *a, const int *starts, const int *tile_off, cuda
     const int64_t bound = ((int64_t)a->B / MT + 1 + (a->E < a->B ? a->E : a->B)) * NT;
     int64_t grid = (int64_t)sms * (occ > 0 ? occ : 1);
     if (grid > bound) grid = bound;
-    gq_batched_kernel<T, MT, FAST, MINB, V><<<(unsigned)grid, cfg::THREADS, cfg::SMEM, st>>>(*a, starts, tile_off);
-    GQ_CUDA_TRY(cudaGetLastError(), "launch of the expert-batched kernel");
+    gq_batched_kernel<T, TY, MT, FAST, MINB, V><<<(unsigned)grid, cfg::THREADS, cfg::SMEM, st>>>(*a, starts, tile_off);
+    FP4MOE_CUDA_TRY("gather_qmm_cuda", cudaGetLastError(), "launch of the expert-batched kernel");
     return FP4MOE_OK;
 }
 
-template <typename T, int V>
+template <typename T, typename TY, int V>
 static int launch_dtype(const gq_args *a, int mt, const int *starts, const int *tile_off, cudaStream_t st) {
     /* fast path: cp.async of 16 code bytes and a 4-byte scale word per row and step */
     const bool fast = (a->K % 64) == 0 && ((uintptr_t)a->codes & 15) == 0 && ((uintptr_t)a->scales & 3) == 0;
-    if (mt == 64) return fast ? launch<T, 64, true, V>(a, starts, tile_off, st) : launch<T, 64, false, V>(a, starts, tile_off, st);
+    if (mt == 64) return fast ? launch<T, TY, 64, true, V>(a, starts, tile_off, st) : launch<T, TY, 64, false, V>(a, starts, tile_off, st);
     if (mt == GQ_QMV_TILE_ROWS)
-        return fast ? launch<T, GQ_QMV_TILE_ROWS, true, V>(a, starts, tile_off, st)
-                    : launch<T, GQ_QMV_TILE_ROWS, false, V>(a, starts, tile_off, st);
-    /* tuning knob for measurements: FP4MOE_CUDA_BATCHED_BLOCKS=3 (3 blocks/SM, 80 registers) */
-    const char *env = getenv("FP4MOE_CUDA_BATCHED_BLOCKS");
-    if (fast && env && !strcmp(env, "3")) return launch<T, 32, true, V, 3>(a, starts, tile_off, st);
-    return fast ? launch<T, 32, true, V>(a, starts, tile_off, st) : launch<T, 32, false, V>(a, starts, tile_off, st);
+        return fast ? launch<T, TY, GQ_QMV_TILE_ROWS, true, V>(a, starts, tile_off, st)
+                    : launch<T, TY, GQ_QMV_TILE_ROWS, false, V>(a, starts, tile_off, st);
+    return fast ? launch<T, TY, 32, true, V>(a, starts, tile_off, st) : launch<T, TY, 32, false, V>(a, starts, tile_off, st);
 }
 
-/* The kernel with row tile mt (8, 32 or 64): the runs on the device, then the tiles. */
-static int launch_tiled(const gq_args *a, fp4moe_dtype dtype, int mt, cudaStream_t st) {
+/* The kernel with row tile mt (8, 32 or 64): the runs on the device, then the tiles. f32out: x is
+ * bf16 and y fp32. */
+static int launch_tiled(const gq_args *a, fp4moe_dtype dtype, int mt, cudaStream_t st, bool f32out = false) {
     int *buf = NULL;
     int rc = gq_scratch_alloc((void **)&buf, 2 * ((size_t)a->E + 1) * sizeof(int), st);
     if (rc != FP4MOE_OK) return rc;
     int *starts = buf, *tile_off = buf + a->E + 1;
     rc = gq_launch_runs(a, mt, starts, tile_off, st);
-    if (rc == FP4MOE_OK)
-        rc = gq_kernel_version("FP4MOE_CUDA_BATCHED_V", GQ_BATCHED_DEFAULT_V) == 4
-                 ? (dtype == FP4MOE_F16 ? launch_dtype<__half, 4>(a, mt, starts, tile_off, st)
-                                        : launch_dtype<__nv_bfloat16, 4>(a, mt, starts, tile_off, st))
-                 : (dtype == FP4MOE_F16 ? launch_dtype<__half, 3>(a, mt, starts, tile_off, st)
-                                        : launch_dtype<__nv_bfloat16, 3>(a, mt, starts, tile_off, st));
+    if (rc == FP4MOE_OK) {
+        if (f32out) rc = launch_dtype<__nv_bfloat16, float, 4>(a, mt, starts, tile_off, st);
+        else if (dtype == FP4MOE_F16) rc = launch_dtype<__half, __half, 4>(a, mt, starts, tile_off, st);
+        else rc = launch_dtype<__nv_bfloat16, __nv_bfloat16, 4>(a, mt, starts, tile_off, st);
+    }
     const int rc2 = gq_scratch_free(buf, st);
     return rc != FP4MOE_OK ? rc : rc2;
+}
+
+int gq_launch_bf16_f32out(const gq_args *a, cudaStream_t st) {
+    return launch_tiled(a, FP4MOE_BF16, gq_batched_row_tile(a, FP4MOE_BF16), st, true);
 }
 
 int gq_launch_batched(const gq_args *a, fp4moe_dtype dtype, cudaStream_t st) {

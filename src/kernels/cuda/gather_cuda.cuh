@@ -22,6 +22,7 @@
 
 #include "common/error.h"
 #include "fp4moe/gather_qmm.h"
+#include "kernels/cuda/cuda_check.h"
 
 /* One gather_qmm call, device pointers; sizes already validated to fit in int. */
 struct gq_args {
@@ -135,17 +136,14 @@ template <> __device__ __forceinline__ __nv_bfloat16 cu_from_float<__nv_bfloat16
 /* ---- host side ----------------------------------------------------------------------------- */
 /* Checks a CUDA runtime status; on failure sets the fp4moe error ("gather_qmm_cuda: <what>: <msg>")
  * and returns FP4MOE_ECUDA from the calling function. */
-#define GQ_CUDA_TRY(call, what)                                                                    \
-    do {                                                                                           \
-        const cudaError_t gq_err_ = (call);                                                        \
-        if (gq_err_ != cudaSuccess)                                                                \
-            return fp4moe_set_error(FP4MOE_ECUDA, "gather_qmm_cuda: %s: %s", (what),               \
-                                    cudaGetErrorString(gq_err_));                                  \
-    } while (0)
 
 /* Rows per row-tile of the expert-batched kernel for this call (32 or 64, see gather_batched.cu);
  * the runs kernel counts tiles with the same value. */
 int gq_batched_row_tile(const gq_args *a, fp4moe_dtype dtype);
+
+/* The expert-batched kernel with bf16 x and fp32 y (a.y: B x N floats): the lm_head, whose logits
+ * stay fp32. Same arithmetic per row as the bf16 route (bf16 products, fp32 accumulation). */
+int gq_launch_bf16_f32out(const gq_args *a, cudaStream_t st);
 
 /* Computes on the device, without host synchronisation:
  *   starts[e] = first row b with idx[b] >= e, for e in [0, E]   (idx sorted: expert e's run is
@@ -154,22 +152,12 @@ int gq_batched_row_tile(const gq_args *a, fp4moe_dtype dtype);
  * A broken "sorted" promise gives wrong runs but never an out-of-bounds access. */
 int gq_launch_runs(const gq_args *a, int row_tile, int *starts, int *tile_off, cudaStream_t st);
 
-/* Kernel version of a route, for measurements (docs/GPU-NOTES.md, round 4): the environment
- * variable `name` = 3 or 4 (FP4MOE_CUDA_BATCHED_V, FP4MOE_CUDA_QMV_V); unset or anything else: `def`. */
-static inline int gq_kernel_version(const char *name, int def) {
-    const char *v = getenv(name);
-    if (v && v[0] == '3' && !v[1]) return 3;
-    if (v && v[0] == '4' && !v[1]) return 4;
-    return def;
-}
-#define GQ_BATCHED_DEFAULT_V 4 /* the routes' default kernel versions (round 4: v4 measured faster) */
-#define GQ_QMV_DEFAULT_V 4
 
 /* Route launchers (arguments already validated; FP4MOE_OK or FP4MOE_ECUDA with a message). */
 int gq_launch_qmv(const gq_args *a, fp4moe_dtype dtype, cudaStream_t st);
 int gq_launch_batched(const gq_args *a, fp4moe_dtype dtype, cudaStream_t st);
 /* "qmv, tiled by 8 rows": the qmv route for sorted f16/bf16 input with B >= FP4MOE_BATCHED_MIN_ROWS.
- * The expert-batched kernel (same version, FP4MOE_CUDA_BATCHED_V) with GQ_QMV_TILE_ROWS-row tiles:
+ * The expert-batched kernel with GQ_QMV_TILE_ROWS-row tiles:
  * an expert's weights are re-read for every 8 rows of its run, and every output element is bitwise
  * equal to gq_launch_batched's (gather_batched.cu says why), so the route switch
  * FP4MOE_GATHER_EXPERT_BATCHED does not change the numbers on this path. */

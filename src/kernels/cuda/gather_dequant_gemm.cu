@@ -64,15 +64,6 @@ static struct {
             goto done;                                                                             \
         }                                                                                          \
     } while (0)
-#define CUDA_TRY_GOTO(call, what)                                                                  \
-    do {                                                                                           \
-        const cudaError_t ce_ = (call);                                                            \
-        if (ce_ != cudaSuccess) {                                                                  \
-            rc = fp4moe_set_error(FP4MOE_ECUDA, "gather_qmm_cuda: %s: %s", (what),                 \
-                                  cudaGetErrorString(ce_));                                        \
-            goto done;                                                                             \
-        }                                                                                          \
-    } while (0)
 
 template <typename T>
 static int dequant_gemm(const gq_args *a, fp4moe_dtype dtype, cudaStream_t st) {
@@ -84,7 +75,7 @@ static int dequant_gemm(const gq_args *a, fp4moe_dtype dtype, cudaStream_t st) {
     float *h_gs = NULL;
     int64_t batch;
 
-    GQ_CUDA_TRY(cudaGetDevice(&dev), "cudaGetDevice");
+    FP4MOE_CUDA_TRY("gather_qmm_cuda", cudaGetDevice(&dev), "cudaGetDevice");
     if (dev < 0 || dev >= DQ_MAX_DEVICES)
         return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "gather_qmm_cuda: device %d >= %d", dev, DQ_MAX_DEVICES);
     if ((uint64_t)per_expert * es > FP4MOE_DQ_SCRATCH_BYTES)
@@ -105,12 +96,12 @@ static int dequant_gemm(const gq_args *a, fp4moe_dtype dtype, cudaStream_t st) {
     if (rc != FP4MOE_OK) goto done;
     rc = gq_launch_runs(a, 1, d_starts, NULL, st);
     if (rc != FP4MOE_OK) goto done;
-    CUDA_TRY_GOTO(cudaMemcpyAsync(h_starts, d_starts, ((size_t)a->E + 1) * sizeof(int), cudaMemcpyDeviceToHost, st),
-                  "copy of the run starts to the host");
+    FP4MOE_CUDA_TRY_GOTO("gather_qmm_cuda", cudaMemcpyAsync(h_starts, d_starts, ((size_t)a->E + 1) * sizeof(int), cudaMemcpyDeviceToHost, st),
+                  "copy of the run starts to the host", rc, done);
     if (a->gs)
-        CUDA_TRY_GOTO(cudaMemcpyAsync(h_gs, a->gs, (size_t)a->E * sizeof(float), cudaMemcpyDeviceToHost, st),
-                      "copy of the global scales to the host");
-    CUDA_TRY_GOTO(cudaStreamSynchronize(st), "cudaStreamSynchronize (run sizes for cuBLAS)");
+        FP4MOE_CUDA_TRY_GOTO("gather_qmm_cuda", cudaMemcpyAsync(h_gs, a->gs, (size_t)a->E * sizeof(float), cudaMemcpyDeviceToHost, st),
+                      "copy of the global scales to the host", rc, done);
+    FP4MOE_CUDA_TRY_GOTO("gather_qmm_cuda", cudaStreamSynchronize(st), "cudaStreamSynchronize (run sizes for cuBLAS)", rc, done);
 
     /* 2. cached scratch and handle */
     if (!g_dq[dev].handle) CUBLAS_TRY(cublasCreate(&g_dq[dev].handle), "cublasCreate");
@@ -120,11 +111,11 @@ static int dequant_gemm(const gq_args *a, fp4moe_dtype dtype, cudaStream_t st) {
     if (batch > a->E) batch = a->E;
     if (batch > 65535) batch = 65535; /* gridDim.y of the dequantize kernel */
     if (g_dq[dev].bytes < (size_t)(batch * per_expert) * es) {
-        if (g_dq[dev].scratch) CUDA_TRY_GOTO(cudaFree(g_dq[dev].scratch), "cudaFree of the dequant scratch");
+        if (g_dq[dev].scratch) FP4MOE_CUDA_TRY_GOTO("gather_qmm_cuda", cudaFree(g_dq[dev].scratch), "cudaFree of the dequant scratch", rc, done);
         g_dq[dev].scratch = NULL;
         g_dq[dev].bytes = 0;
-        CUDA_TRY_GOTO(cudaMalloc(&g_dq[dev].scratch, (size_t)(batch * per_expert) * es),
-                      "cudaMalloc of the dequant scratch");
+        FP4MOE_CUDA_TRY_GOTO("gather_qmm_cuda", cudaMalloc(&g_dq[dev].scratch, (size_t)(batch * per_expert) * es),
+                      "cudaMalloc of the dequant scratch", rc, done);
         g_dq[dev].bytes = (size_t)(batch * per_expert) * es;
     }
 
@@ -136,7 +127,7 @@ static int dequant_gemm(const gq_args *a, fp4moe_dtype dtype, cudaStream_t st) {
         const dim3 grid((unsigned)((nblocks + 255) / 256), (unsigned)ne);
         gq_dequant_kernel<T><<<grid, 256, 0, st>>>(a->codes, a->scales, a->E, a->N, a->K, d_starts, e0,
                                                    (T *)g_dq[dev].scratch);
-        CUDA_TRY_GOTO(cudaGetLastError(), "launch of the dequantize kernel");
+        FP4MOE_CUDA_TRY_GOTO("gather_qmm_cuda", cudaGetLastError(), "launch of the dequantize kernel", rc, done);
         for (int e = e0; e < e0 + ne; e++) {
             const int len = h_starts[e + 1] - h_starts[e];
             if (len <= 0) continue;
@@ -153,11 +144,11 @@ static int dequant_gemm(const gq_args *a, fp4moe_dtype dtype, cudaStream_t st) {
     }
     /* out-of-range rows: [starts[E], B) */
     if (h_starts[a->E] < a->B)
-        CUDA_TRY_GOTO(cudaMemsetAsync((char *)a->y + (size_t)h_starts[a->E] * a->N * es, 0,
+        FP4MOE_CUDA_TRY_GOTO("gather_qmm_cuda", cudaMemsetAsync((char *)a->y + (size_t)h_starts[a->E] * a->N * es, 0,
                                       (size_t)(a->B - h_starts[a->E]) * a->N * es, st),
-                      "cudaMemsetAsync of the out-of-range rows");
+                      "cudaMemsetAsync of the out-of-range rows", rc, done);
     /* the scratch is reused by the next call: wait for this one before releasing the lock */
-    CUDA_TRY_GOTO(cudaStreamSynchronize(st), "cudaStreamSynchronize (end of dequant_gemm)");
+    FP4MOE_CUDA_TRY_GOTO("gather_qmm_cuda", cudaStreamSynchronize(st), "cudaStreamSynchronize (end of dequant_gemm)", rc, done);
 done:
     if (d_starts) {
         const int rc2 = gq_scratch_free(d_starts, st);

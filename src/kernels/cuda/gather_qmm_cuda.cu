@@ -91,7 +91,7 @@ gq_runs_kernel(const uint32_t *__restrict__ idx, int B, int E, int row_tile, int
 
 int gq_launch_runs(const gq_args *a, int row_tile, int *starts, int *tile_off, cudaStream_t st) {
     gq_runs_kernel<<<1, RUNS_THREADS, 0, st>>>(a->idx, a->B, a->E, row_tile, starts, tile_off);
-    GQ_CUDA_TRY(cudaGetLastError(), "launch of the expert-runs kernel");
+    FP4MOE_CUDA_TRY("gather_qmm_cuda", cudaGetLastError(), "launch of the expert-runs kernel");
     return FP4MOE_OK;
 }
 
@@ -101,28 +101,28 @@ static int g_pool_ready[GQ_MAX_DEVICES];
 
 int gq_scratch_alloc(void **p, size_t bytes, cudaStream_t st) {
     int dev = 0;
-    GQ_CUDA_TRY(cudaGetDevice(&dev), "cudaGetDevice");
+    FP4MOE_CUDA_TRY("gather_qmm_cuda", cudaGetDevice(&dev), "cudaGetDevice");
     if (dev >= 0 && dev < GQ_MAX_DEVICES && !__atomic_load_n(&g_pool_ready[dev], __ATOMIC_ACQUIRE)) {
         /* keep up to 64 MiB in the default pool across synchronisations (default: 0, every
          * cudaStreamSynchronize would hand small buffers back and the next call re-map them) */
         cudaMemPool_t pool;
-        GQ_CUDA_TRY(cudaDeviceGetDefaultMemPool(&pool, dev), "cudaDeviceGetDefaultMemPool");
+        FP4MOE_CUDA_TRY("gather_qmm_cuda", cudaDeviceGetDefaultMemPool(&pool, dev), "cudaDeviceGetDefaultMemPool");
         uint64_t thr = 0;
-        GQ_CUDA_TRY(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &thr),
+        FP4MOE_CUDA_TRY("gather_qmm_cuda", cudaMemPoolGetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &thr),
                     "cudaMemPoolGetAttribute");
         if (thr < (64ull << 20)) {
             thr = 64ull << 20;
-            GQ_CUDA_TRY(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &thr),
+            FP4MOE_CUDA_TRY("gather_qmm_cuda", cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &thr),
                         "cudaMemPoolSetAttribute");
         }
         __atomic_store_n(&g_pool_ready[dev], 1, __ATOMIC_RELEASE);
     }
-    GQ_CUDA_TRY(cudaMallocAsync(p, bytes, st), "cudaMallocAsync of the per-call scratch");
+    FP4MOE_CUDA_TRY("gather_qmm_cuda", cudaMallocAsync(p, bytes, st), "cudaMallocAsync of the per-call scratch");
     return FP4MOE_OK;
 }
 
 int gq_scratch_free(void *p, cudaStream_t st) {
-    GQ_CUDA_TRY(cudaFreeAsync(p, st), "cudaFreeAsync of the per-call scratch");
+    FP4MOE_CUDA_TRY("gather_qmm_cuda", cudaFreeAsync(p, st), "cudaFreeAsync of the per-call scratch");
     return FP4MOE_OK;
 }
 
@@ -207,4 +207,23 @@ extern "C" int fp4moe_cuda_available(void) {
         return 0;
     }
     return n > 0;
+}
+
+extern "C" int gather_qmm_cuda_bf16_f32out(const fp4moe_nvfp4_weights *w, const void *x, const uint32_t *idx,
+                                           int64_t B, float *y, void *stream) {
+    int st = fp4moe_gather_qmm_check(w, x, idx, B, y);
+    if (st != FP4MOE_OK) return st;
+    if (B == 0) return FP4MOE_OK;
+    if (B > INT_MAX || w->E > INT_MAX - 1 || w->N > INT_MAX || w->K > INT_MAX)
+        return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "gather_qmm_cuda (f32 out): B=%lld, E=%lld, N=%lld or "
+                                "K=%lld exceeds 2^31-1", (long long)B, (long long)w->E, (long long)w->N,
+                                (long long)w->K);
+    if (misaligned(x, 16) || misaligned(w->codes, 8) || misaligned(y, 4) || misaligned(idx, 4) ||
+        misaligned(w->global_scale, 4))
+        return fp4moe_set_error(FP4MOE_EINVAL, "gather_qmm_cuda (f32 out): misaligned device pointer");
+    const gq_args a = {w->codes, w->scales, w->global_scale, (int)w->E, (int)w->N, (int)w->K, x, y, idx, (int)B};
+    st = gq_launch_bf16_f32out(&a, (cudaStream_t)stream);
+    return st ? fp4moe_error_context(st, "gather_qmm_cuda (bf16 x, f32 y, E=%d N=%d K=%d B=%d)", a.E, a.N,
+                                     a.K, a.B)
+              : FP4MOE_OK;
 }

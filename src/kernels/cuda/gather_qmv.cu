@@ -234,7 +234,7 @@ static int launch_g(const gq_args *a, cudaStream_t st) {
     const bool v16 = (a->K % 32) == 0 && ((uintptr_t)a->codes & 15) == 0;
     if (v16) gq_qmv_kernel<T, 2, G, NF, V><<<grid, QMV_WARPS * 32, 0, st>>>(*a, slots);
     else gq_qmv_kernel<T, 1, G, NF, V><<<grid, QMV_WARPS * 32, 0, st>>>(*a, slots);
-    GQ_CUDA_TRY(cudaGetLastError(), "launch of the qmv kernel");
+    FP4MOE_CUDA_TRY("gather_qmm_cuda", cudaGetLastError(), "launch of the qmv kernel");
     return FP4MOE_OK;
 }
 
@@ -243,9 +243,7 @@ static int launch_g(const gq_args *a, cudaStream_t st) {
  * load, 2 features per warp. */
 template <typename T>
 static int launch(const gq_args *a, cudaStream_t st) {
-    if (gq_kernel_version("FP4MOE_CUDA_QMV_V", GQ_QMV_DEFAULT_V) == 4)
-        return a->B <= QMV_CHUNK ? launch_g<T, 1, 4, 4>(a, st) : launch_g<T, QMV_G, 2, 4>(a, st);
-    return a->B <= QMV_CHUNK ? launch_g<T, 1, 4, 3>(a, st) : launch_g<T, QMV_G, 2, 3>(a, st);
+    return a->B <= QMV_CHUNK ? launch_g<T, 1, 4, 4>(a, st) : launch_g<T, QMV_G, 2, 4>(a, st);
 }
 
 int gq_launch_qmv(const gq_args *a, fp4moe_dtype dtype, cudaStream_t st) {

@@ -64,9 +64,14 @@ void cuda_blas_destroy(void *blas);
 int cuda_linear_forward(const cuda_ops *o, const cuda_linear *w, const uint16_t *x, int64_t T,
                         uint16_t *y);
 
+/* gather_qmm (sorted idx) with bf16 x and fp32 y: the expert-batched tensor-core kernel, whose
+ * per-row arithmetic does not depend on the other rows (src/kernels/cuda/gather_qmm_cuda.cu). */
+int gather_qmm_cuda_bf16_f32out(const fp4moe_nvfp4_weights *w, const void *x, const uint32_t *idx,
+                                int64_t B, float *y, void *stream);
+
 /* As cuda_linear_forward, but y (T x N) is fp32: fp32 accumulation, never rounded to bf16 (the
- * lm_head: logits are fp32, as op_linear_forward_f32out on the CPU). NVFP4: x widened to f32 in
- * o->f32_x (T*K <= o->f32_n), fp4moe_gather_qmm_cuda in f32; dense bf16:
+ * lm_head: logits are fp32, as op_linear_forward_f32out on the CPU). NVFP4: the expert-batched
+ * tensor-core kernel on the bf16 x with an fp32 epilogue (gather_qmm_cuda_bf16_f32out); dense bf16:
  * cublasGemmEx with bf16 inputs and an fp32 output; dense f32: x widened, cublasGemmEx in f32
  * (T*K <= o->f32_n). Bias added in fp32. Errors: as cuda_linear_forward. */
 int cuda_linear_forward_f32out(const cuda_ops *o, const cuda_linear *w, const uint16_t *x, int64_t T,
@@ -123,7 +128,7 @@ int cuda_conv1d_causal(void *stream, const uint16_t *x, int64_t xs, int64_t T, i
                        const float *w, const float *b, int64_t Kc, float *state, float *y);
 
 /* The Mamba-2 selective scan (op_ssm_scan, recurrent form, fp32 state), one function for prefill
- * (T tokens: FP4MOE_SSM_SCAN=tiled (default; register-blocked state, cp.async input tiles) or seq)
+ * (T tokens: tiled, a register-blocked state with cp.async input tiles)
  * and decode (T = 1, seq):
  *   dt = clamp(softplus(dt_raw + dt_bias), dt_lo, dt_hi); dA = exp(dt * A)   (time_step_limit)
  *   state_h = dA * state_h + dt * x_h (outer) B_g;  y_h = state_h @ C_g + D_h * x_h,  g = h/(nh/G)
@@ -143,6 +148,10 @@ typedef struct {
     int64_t state_stride, nb;
 } cuda_ssm_args;
 int cuda_ssm_scan(void *stream, const cuda_ssm_args *a);
+/* The same with the kernel chosen (CUDA_SSM_AUTO: cuda_ssm_scan's choice; SEQ; TILED, which needs S
+ * in {16, 32, 64, 128, 256} and a 16-byte aligned state, else SEQ runs): tests and measurements. */
+enum { CUDA_SSM_AUTO = 0, CUDA_SSM_SEQ = 1, CUDA_SSM_TILED = 2 };
+int cuda_ssm_scan_kernel(void *stream, const cuda_ssm_args *a, int kernel);
 
 /* The conv1d + silu of cuda_conv1d_causal for R single-token sequences at once: row r (x: stride xs,
  * bf16) uses and updates the conv state at state + row_slot[r] * state_stride. y: R x C fp32. */
@@ -227,15 +236,10 @@ int cuda_synth_bf16(void *stream, uint64_t seed, uint64_t tensor_id, int64_t n, 
 #include <cuda_runtime.h>
 
 #include "common/error.h"
+#include "kernels/cuda/cuda_check.h"
 
-/* After a launch: FP4MOE_ECUDA naming the op when the launch failed. */
-#define OPS_LAUNCH_CHECK(what)                                                                     \
-    do {                                                                                           \
-        const cudaError_t ops_e_ = cudaGetLastError();                                             \
-        if (ops_e_ != cudaSuccess)                                                                 \
-            return fp4moe_set_error(FP4MOE_ECUDA, "cuda op %s: %s", (what),                        \
-                                    cudaGetErrorString(ops_e_));                                   \
-    } while (0)
+/* After a launch: FP4MOE_ECUDA naming the op when the launch failed (kernels/cuda/cuda_check.h). */
+#define OPS_LAUNCH_CHECK(what) FP4MOE_CUDA_LAUNCH("cuda op", what)
 
 __device__ __forceinline__ float ops_bf16_to_f32(uint16_t b) {
     return __uint_as_float((uint32_t)b << 16);

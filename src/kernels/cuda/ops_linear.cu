@@ -150,7 +150,7 @@ extern "C" int cuda_linear_forward_f32out(const cuda_ops *o, const cuda_linear *
     if (w->nvfp4 && T > o->zero_n)
         return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "cuda linear (f32 out): %lld rows, idx zeros for %lld",
                                 (long long)T, (long long)o->zero_n);
-    if (w->nvfp4 || w->dtype != FP4MOE_BF16) {          /* both read x as f32 */
+    if (!w->nvfp4 && w->dtype != FP4MOE_BF16) {         /* f32 weights read x as f32 */
         if (T * w->K > o->f32_n)
             return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "cuda linear (f32 out): x of %lld x %lld needs "
                                     "%lld staging floats, have %lld", (long long)T, (long long)w->K,
@@ -159,10 +159,7 @@ extern "C" int cuda_linear_forward_f32out(const cuda_ops *o, const cuda_linear *
         OPS_LAUNCH_CHECK("linear (widen x to f32)");
     }
     if (w->nvfp4) {
-        rc = o->route == FP4MOE_ROUTE_AUTO
-                 ? fp4moe_gather_qmm_cuda(&w->q, o->f32_x, FP4MOE_F32, o->zero_idx, T, 1, y, o->stream)
-                 : fp4moe_gather_qmm_cuda_route(&w->q, o->f32_x, FP4MOE_F32, o->zero_idx, T, 1, o->route, y,
-                                                o->stream);
+        rc = gather_qmm_cuda_bf16_f32out(&w->q, x, o->zero_idx, T, y, o->stream);
     } else if (w->dtype == FP4MOE_BF16) {
         rc = gemm_xwt((cublasHandle_t)o->blas, w->dense, x, y, CUDA_R_16BF, CUDA_R_32F, T, w->N, w->K,
                       "linear (cublasGemmEx bf16, f32 out)");

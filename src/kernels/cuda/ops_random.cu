@@ -3,7 +3,7 @@
  * src/model/synthetic.h (shared with the CPU generator: the same bits on both devices).
  * Contracts: ops_cuda.h. */
 #include "kernels/cuda/ops_cuda.h"
-#include "model/synthetic.h"
+#include "kernels/synthetic.h"
 
 static unsigned fill_blocks(int64_t n) {
     const int64_t b = (n + 255) / 256;

@@ -14,8 +14,8 @@
  *     reduce-scatter: PR*TT values over NL lanes); time tiles of LT tokens are copied with cp.async
  *     one tile ahead (double-buffered), so the global loads overlap the recurrence.
  * Both update the state with the same fp32 operations in the same order (bit-identical states); y
- * differs only in the order of the sum over n. FP4MOE_SSM_SCAN=seq|tiled picks one (measurements;
- * default: tiled for T >= 2, seq for T = 1). */
+ * differs only in the order of the sum over n. cuda_ssm_scan uses tiled for T >= 2 and seq for T = 1;
+ * cuda_ssm_scan_kernel picks one (tests, bench/gpu_ssm.c). */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -464,19 +464,6 @@ static int launch_tiled_s(const cuda_ssm_args *a, cudaStream_t st) {
     }
 }
 
-/* FP4MOE_SSM_SCAN: "seq" -> 0, "tiled" -> 1 (default tile), "tiled24"/"tiled28"/"tiled44" -> the
- * tile PR x W (measurements), unset/other -> -1 (automatic). */
-static int scan_mode(void) {
-    const char *v = getenv("FP4MOE_SSM_SCAN");
-    if (!v) return -1;
-    if (!strcmp(v, "seq")) return 0;
-    if (!strcmp(v, "tiled")) return 1;
-    if (!strcmp(v, "tiled24")) return 24;
-    if (!strcmp(v, "tiled28")) return 28;
-    if (!strcmp(v, "tiled44")) return 44;
-    return -1;
-}
-
 static int launch_seq(const cuda_ssm_args *a, cudaStream_t st) {
     if (a->S <= 16) return launch_scan<4, 4>(a, st);
     if (a->S <= 32) return launch_scan<8, 4>(a, st);
@@ -485,7 +472,7 @@ static int launch_seq(const cuda_ssm_args *a, cudaStream_t st) {
     return launch_scan<32, 8>(a, st);
 }
 
-extern "C" int cuda_ssm_scan(void *stream, const cuda_ssm_args *a) {
+extern "C" int cuda_ssm_scan_kernel(void *stream, const cuda_ssm_args *a, int kernel) {
     if (a->T <= 0) return FP4MOE_OK;
     if (a->S < 1 || a->S > 256 || a->G < 1 || a->nh % a->G || a->nh > 65535 || a->T > (1 << 30) ||
         a->hd > (1 << 20))
@@ -502,12 +489,10 @@ extern "C" int cuda_ssm_scan(void *stream, const cuda_ssm_args *a) {
     const int S = (int)a->S;
     const bool tiled_ok = (S == 16 || S == 32 || S == 64 || S == 128 || S == 256) &&
                           (uintptr_t)a->state % 16 == 0; /* float4 state tiles */
-    int mode = scan_mode();
-    if (mode < 0) mode = a->T >= 2 ? 1 : 0;
-    if (!tiled_ok || mode == 0) return launch_seq(a, st);
-    switch (mode) {
-    case 28: return launch_tiled_s<2, 8>(a, st);
-    case 44: return launch_tiled_s<4, 4>(a, st);
-    default: return launch_tiled_s<2, 4>(a, st);
-    }
+    if (kernel == CUDA_SSM_SEQ || (kernel == CUDA_SSM_AUTO && a->T < 2) || !tiled_ok) return launch_seq(a, st);
+    return launch_tiled_s<2, 4>(a, st);
+}
+
+extern "C" int cuda_ssm_scan(void *stream, const cuda_ssm_args *a) {
+    return cuda_ssm_scan_kernel(stream, a, CUDA_SSM_AUTO);
 }

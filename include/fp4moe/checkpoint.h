@@ -1,4 +1,5 @@
-/* Internal: NVFP4-quantized modules as stored in safetensors checkpoints (spec NVFP4.md section 2).
+/* fp4moe/checkpoint.h: NVFP4-quantized modules as stored in safetensors checkpoints (spec NVFP4.md
+ * section 2).
  * Used by the quantize / dequantize / inspect commands and by the model loader.
  *
  *   MLX nvfp4:      <m>.weight U32 (..., N, K/8)   <m>.scales U8 (..., N, K/16)
@@ -9,8 +10,8 @@
  *                   <m>.weight_scale_2 F32 (1 or one per leading index): the decode multiplier;
  *                   <m>.input_scale F32: activation scale, unused by weight-only inference.
  * Codes: byte b of a row holds element 2b in the low nibble, 2b+1 in the high one (both formats). */
-#ifndef FP4MOE_IO_NVFP4_CKPT_H
-#define FP4MOE_IO_NVFP4_CKPT_H
+#ifndef FP4MOE_CHECKPOINT_H
+#define FP4MOE_CHECKPOINT_H
 
 #include <stdint.h>
 #include "fp4moe/safetensors.h"

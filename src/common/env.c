@@ -1,0 +1,76 @@
+/* The FP4MOE_* environment variables: one table, each read once (src/common/env.h). */
+#include "common/env.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/error.h"
+
+static const fp4moe_env_var k_vars[ENV_COUNT] = {
+    [ENV_GATHER_EXPERT_BATCHED] = {"FP4MOE_GATHER_EXPERT_BATCHED", "0|1", "1",
+                                   "0: no expert-batched gather_qmm route (qmv instead; byte-identical greedy "
+                                   "output on the GPU)"},
+    [ENV_GATHER_ROUTE] = {"FP4MOE_GATHER_ROUTE", "auto|qmv|batched|dequant_gemm", "auto",
+                          "force one gather_qmm route where rows are sorted"},
+    [ENV_CPU_ISA] = {"FP4MOE_CPU_ISA", "auto|portable|avx2", "auto",
+                     "CPU kernels: portable C instead of the AVX2 ones (auto: AVX2+FMA+F16C when present)"},
+    [ENV_CUDA_GRAPH] = {"FP4MOE_CUDA_GRAPH", "0|1", "1",
+                        "0: decode steps launched op by op instead of replaying a CUDA graph"},
+    [ENV_QUANTIZE_STASH_MB] = {"FP4MOE_QUANTIZE_STASH_MB", "integer >= 0", "1024",
+                               "fp4moe quantize: MiB of block scales kept between its two passes (0: recompute)"},
+};
+
+static int allowed(const fp4moe_env_var *v, const char *val) {
+    if (!strcmp(v->allowed, "integer >= 0")) {
+        if (!*val) return 0;
+        for (const char *p = val; *p; p++)
+            if (*p < '0' || *p > '9') return 0;
+        return strlen(val) <= 12;
+    }
+    const size_t n = strlen(val);
+    for (const char *p = v->allowed; *p;) {
+        const char *bar = strchr(p, '|');
+        const size_t len = bar ? (size_t)(bar - p) : strlen(p);
+        if (len == n && !strncmp(p, val, n)) return 1;
+        p += len + (bar ? 1 : 0);
+    }
+    return 0;
+}
+
+static const char *cache[ENV_COUNT];
+static int read[ENV_COUNT];
+
+void env_reload(void) { memset(read, 0, sizeof read); }
+
+const char *env_get(env_id id) {
+    if ((int)id < 0 || id >= ENV_COUNT) return "";
+    if (!read[id]) {                         /* benign race: every thread computes the same value */
+        const char *v = getenv(k_vars[id].name);
+        cache[id] = v && *v && allowed(&k_vars[id], v) ? v : k_vars[id].def;
+        read[id] = 1;
+    }
+    return cache[id];
+}
+
+long long env_get_int(env_id id) { return atoll(env_get(id)); }
+
+int fp4moe_env_count(void) { return ENV_COUNT; }
+
+const fp4moe_env_var *fp4moe_env_var_at(int i) { return i >= 0 && i < ENV_COUNT ? &k_vars[i] : NULL; }
+
+int fp4moe_env_check(void) {
+    for (int i = 0; i < ENV_COUNT; i++) {
+        const char *v = getenv(k_vars[i].name);
+        if (v && *v && !allowed(&k_vars[i], v))
+            return fp4moe_set_error(FP4MOE_EINVAL, "environment %s='%s' is not one of: %s", k_vars[i].name, v,
+                                    k_vars[i].allowed);
+    }
+    return FP4MOE_OK;
+}
+
+const char *fp4moe_env_value(const char *name) {
+    for (int i = 0; name && i < ENV_COUNT; i++)
+        if (!strcmp(name, k_vars[i].name)) return env_get((env_id)i);
+    return NULL;
+}
