@@ -168,9 +168,10 @@ void be_cpu_free(void *bc);
 int be_cpu_weights(const fp4moe_model *m, fw_weights *w);
 
 /* The CUDA backend (src/backend/cuda/backend_cuda.c; a stub without CUDA): ctx for a model whose
- * weights are on the GPU (m->gpu), with room for max_rows rows per step. */
-int be_cuda_new(const fp4moe_model *m, fp4moe_route route, int64_t max_rows, int profile,
-                const be_ops **ops, void **bc);
+ * weights are on the GPU (m->gpu), with room for max_rows rows per step, of which at most
+ * max_decode_rows single-token sequences (the batch's max_seqs). */
+int be_cuda_new(const fp4moe_model *m, fp4moe_route route, int64_t max_rows, int64_t max_decode_rows,
+                int profile, const be_ops **ops, void **bc);
 void be_cuda_free(void *bc);
 /* The model's device placement as fw_weights (owned by m->gpu). */
 const fw_weights *be_cuda_weights(const fp4moe_model *m);

@@ -201,7 +201,7 @@ int fp4moe_batch_new(const fp4moe_model *m, const fp4moe_batch_options *opts, fp
     b->cuda = cuda;
     int st;
     if (cuda) {
-        st = be_cuda_new(m, o.route, o.max_step_tokens, o.profile, &b->be, &b->bc);
+        st = be_cuda_new(m, o.route, o.max_step_tokens, o.max_seqs, o.profile, &b->be, &b->bc);
         if (!st) b->w = be_cuda_weights(m);
     } else {
         st = be_cpu_new(o.act_dtype, o.route, &b->be, &b->bc);

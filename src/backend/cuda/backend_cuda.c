@@ -364,6 +364,7 @@ typedef struct {
     void *blas, *ws;
     cuda_ops ops;
     uint32_t *zeros;
+    float *att_scratch;             /* split-KV decode partials */
     graph_slot graphs[MAX_GRAPHS];
     int n_graphs, graph_off, capturing;
     /* profiling */
@@ -603,8 +604,8 @@ static int cu_attention(void *bc, const fw_step *s, const void *qv, const void *
     const int64_t kvs = nkv * dh, qs = nq * dh;
     TRY(cuda_kv_append(S_(bc), k, v, s->R, kvs, s->d_row_slot, s->d_row_pos, s->d_pages, s->max_pages, st->k,
                        st->v));
-    TRY(cuda_attention_decode(S_(bc), q, st->k, st->v, s->d_row_slot, s->d_row_pos, s->d_pages, s->max_pages,
-                              s->nd, nq, nkv, dh, out));
+    TRY(cuda_attention_decode_split(S_(bc), q, st->k, st->v, s->d_row_slot, s->d_row_pos, s->d_pages,
+                                    s->max_pages, s->nd, nq, nkv, dh, CX(bc)->att_scratch, out));
     for (int64_t i = s->nd; i < s->nseg; i++) {
         const fw_seg *g = &s->seg[i];
         TRY(cuda_attention_prefill(S_(bc), q + g->row0 * qs, st->k, st->v,
@@ -678,14 +679,15 @@ void be_cuda_free(void *bcv) {
     cuda_blas_destroy(c->blas);
     cudaFree(c->ws);
     cudaFree(c->zeros);
+    cudaFree(c->att_scratch);
     cudaFree(c->ops.f32_x);
     cudaFree(c->ops.f32_y);
     if (c->stream) cudaStreamDestroy(c->stream);
     free(c);
 }
 
-int be_cuda_new(const fp4moe_model *m, fp4moe_route route, int64_t cap, int profile, const be_ops **ops,
-                void **out) {
+int be_cuda_new(const fp4moe_model *m, fp4moe_route route, int64_t cap, int64_t max_decode_rows, int profile,
+                const be_ops **ops, void **out) {
     if (!m->gpu)
         return fp4moe_set_error(FP4MOE_EINVAL, "cuda: the model's weights are not on the GPU (load it with "
                                 "device cuda)");
@@ -699,6 +701,11 @@ int be_cuda_new(const fp4moe_model *m, fp4moe_route route, int64_t cap, int prof
     TRY(cu_alloc(c, BLAS_WORKSPACE, &c->ws));
     TRY(cuda_blas_create(c->stream, c->ws, BLAS_WORKSPACE, &c->blas));
     TRY(cu_alloc(c, (size_t)cap * 4, (void **)&c->zeros));
+    if (strchr(m->cfg.layer_types, FP4MOE_LAYER_ATTENTION)) {
+        const int64_t rows = max_decode_rows < cap ? max_decode_rows : cap;
+        TRY(cu_alloc(c, cuda_attention_decode_scratch(rows, m->cfg.attn_heads, m->cfg.head_dim),
+                     (void **)&c->att_scratch));
+    }
     const int64_t f32w = f32_staging(c->g, &m->cfg);
     float *fx = NULL, *fy = NULL;
     if (f32w) {

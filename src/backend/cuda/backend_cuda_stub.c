@@ -24,9 +24,9 @@ int gpu_model_synthetic(fp4moe_model *m, uint64_t seed, fp4moe_progress_fn progr
 
 void gpu_model_free(struct gpu_model *g) { (void)g; }
 
-int be_cuda_new(const fp4moe_model *m, fp4moe_route route, int64_t max_rows, int profile,
-                const be_ops **ops, void **bc) {
-    (void)m; (void)route; (void)max_rows; (void)profile; (void)ops; (void)bc;
+int be_cuda_new(const fp4moe_model *m, fp4moe_route route, int64_t max_rows, int64_t max_decode_rows,
+                int profile, const be_ops **ops, void **bc) {
+    (void)m; (void)route; (void)max_rows; (void)max_decode_rows; (void)profile; (void)ops; (void)bc;
     return no_cuda();
 }
 

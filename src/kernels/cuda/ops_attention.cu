@@ -68,12 +68,21 @@ attn_prefill_kernel(const uint16_t *q, const uint16_t *kc, const uint16_t *vc, c
         qs[i] = t0 + r < T ? ops_bf16_to_f32(q[(int64_t)(t0 + r) * qstride + (int64_t)h * dh + d]) : 0.0f;
     }
     const int nkeys = P + min(t0 + ATT_WARPS, T); /* keys 0 .. P + last token of the block */
+#ifdef FP4MOE_INJECT_FAULT_CAUSAL_MASK /* deliberate fault: the token's own key is masked (not for t = P = 0) */
+    const int last = P + t > 0 ? P + t - 1 : 0;
+#else
     const int last = P + t;                       /* this warp's last visible key */
+#endif
     const float *qw = qs + warp * dh;
     float m = -INFINITY, l = 0.0f, acc[DPL];
 #pragma unroll
     for (int i = 0; i < DPL; i++) acc[i] = 0.0f;
-    for (int j0 = 0; j0 < nkeys; j0 += ATT_TILE) {
+#ifdef FP4MOE_INJECT_FAULT_KV_BLOCK /* deliberate fault: the first page skipped when there are more */
+    const int jstart = nkeys > ATT_TILE && t0 >= ATT_TILE ? ATT_TILE : 0;
+#else
+    const int jstart = 0;
+#endif
+    for (int j0 = jstart; j0 < nkeys; j0 += ATT_TILE) {
         __syncthreads(); /* q loaded / previous tile consumed */
         const int64_t page = (int64_t)pages[j0 / ATT_TILE] * ATT_TILE; /* a tile is one page */
         for (int i = threadIdx.x; i < ATT_TILE * dh; i += blockDim.x) {
@@ -205,6 +214,149 @@ attn_decode_kernel(const uint16_t *q, const uint16_t *kc, const uint16_t *vc, co
     }
 }
 
+/* ---- decode: split-KV, GQA-grouped (flash-decoding) --------------------------------------------- */
+
+/* Block (kv head kh, row r, split sp): the G = nq/nkv query heads of kh against the keys of its
+ * split, one page (ATT_TILE keys) at a time, staged in shared memory as bf16; fp32 online softmax
+ * per query head. The split ranges depend only on the row's length and the fixed split count, so a
+ * row gets the same numbers alone or in a batch. Partials (m, l, o[dh]) go to part, combined by
+ * attn_combine_kernel. Thread t owns output dims of head pairs: dims d = t % DW * 2 .. +1 for heads
+ * (t / DW) + k * (THREADS / DW). */
+#define DEC_THREADS 256
+#define DEC_SPLITS CUDA_ATT_SPLITS /* fixed: a row's split ranges depend on its length only */
+
+template <int DH, int G>
+__global__ void __launch_bounds__(DEC_THREADS)
+attn_decode_split_kernel(const uint16_t *q, const uint16_t *kc, const uint16_t *vc, const int32_t *row_slot,
+                         const int32_t *row_pos, const int32_t *pages_all, int64_t max_pages, int nq, int nkv,
+                         int splits, float scale, float *part) {
+    constexpr int LD = DH + 2;                         /* bf16 row stride: 4-byte words hit distinct banks */
+    __shared__ float qs[G][DH];
+    __shared__ uint16_t Ks[ATT_TILE][LD];
+    __shared__ uint16_t Vs[ATT_TILE][LD];
+    __shared__ float Ps[G][ATT_TILE];
+    __shared__ float corr_s[G], m_s[G], l_s[G];
+    const int kh = blockIdx.x, sp = blockIdx.z, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int64_t r = blockIdx.y;
+#ifdef FP4MOE_INJECT_FAULT_CAUSAL_MASK /* deliberate fault (tests must catch it): the current key masked */
+    const int n = row_pos[r] > 0 ? row_pos[r] : 1;
+#else
+    const int n = row_pos[r] + 1;                      /* keys 0 .. P */
+#endif
+    const int ntiles = (n + ATT_TILE - 1) / ATT_TILE;
+    const int per = (ntiles + splits - 1) / splits;
+#ifdef FP4MOE_INJECT_FAULT_KV_BLOCK /* deliberate fault (tests must catch it): the first page dropped */
+    const int t0 = max(sp * per, ntiles > 1 ? 1 : 0), t1 = min(ntiles, sp * per + per);
+#else
+    const int t0 = sp * per, t1 = min(ntiles, t0 + per);
+#endif
+    const int32_t *pages = pages_all + (int64_t)row_slot[r] * max_pages;
+    const int64_t kvs = (int64_t)nkv * DH;
+    const int h0 = kh * G;                             /* first query head of the group */
+    for (int i = tid; i < G * DH; i += DEC_THREADS)
+        qs[i / DH][i % DH] = ops_bf16_to_f32(q[(r * nq + h0 + i / DH) * (int64_t)DH + i % DH]);
+    for (int i = tid; i < G; i += DEC_THREADS) {
+        m_s[i] = -INFINITY;
+        l_s[i] = 0.0f;
+    }
+    constexpr int OUT = G * DH, OW = (OUT + DEC_THREADS - 1) / DEC_THREADS;
+    float acc[OW];
+#pragma unroll
+    for (int i = 0; i < OW; i++) acc[i] = 0.0f;
+    for (int tile = t0; tile < t1; tile++) {
+        const int j0 = tile * ATT_TILE, nj = min(ATT_TILE, n - j0);
+        const int64_t base = (int64_t)pages[tile] * ATT_TILE;
+        __syncthreads();                               /* previous tile consumed; q, m, l stored */
+        for (int i = tid; i < ATT_TILE * (DH / 8); i += DEC_THREADS) {
+            const int jj = i / (DH / 8), c = (i % (DH / 8)) * 8;
+            uint4 kv = make_uint4(0, 0, 0, 0), vv = make_uint4(0, 0, 0, 0);
+            if (jj < nj) {
+                kv = *(const uint4 *)(kc + (base + jj) * kvs + (int64_t)kh * DH + c);
+                vv = *(const uint4 *)(vc + (base + jj) * kvs + (int64_t)kh * DH + c);
+            }
+            uint32_t *kd = (uint32_t *)&Ks[jj][c], *vd = (uint32_t *)&Vs[jj][c];
+            kd[0] = kv.x; kd[1] = kv.y; kd[2] = kv.z; kd[3] = kv.w;
+            vd[0] = vv.x; vd[1] = vv.y; vd[2] = vv.z; vd[3] = vv.w;
+        }
+        __syncthreads();
+        for (int i = tid; i < G * ATT_TILE; i += DEC_THREADS) { /* scores, one (head, key) a thread */
+            const int g = i / ATT_TILE, jj = i % ATT_TILE;
+            float dot = -INFINITY;
+            if (jj < nj) {
+                dot = 0.0f;
+                const uint32_t *kr = (const uint32_t *)&Ks[jj][0];
+#pragma unroll 8
+                for (int d = 0; d < DH; d += 2) {
+                    const uint32_t u = kr[d / 2];
+                    dot = fmaf(qs[g][d], __uint_as_float(u << 16), dot);
+                    dot = fmaf(qs[g][d + 1], __uint_as_float(u & 0xffff0000u), dot);
+                }
+                dot *= scale;
+            }
+            Ps[g][jj] = dot;
+        }
+        __syncthreads();
+        for (int g = warp; g < G; g += DEC_THREADS / 32) { /* online softmax, a warp per head */
+            const float sv = Ps[g][lane];
+            const float mprev = m_s[g], lprev = l_s[g];
+            const float mnew = fmaxf(mprev, ops_warp_max(sv)); /* finite: key j0 is visible */
+            const float p = expf(sv - mnew), c = expf(mprev - mnew);
+            const float lnew = lprev * c + ops_warp_sum(p);
+            Ps[g][lane] = p;
+            if (lane == 0) {
+                corr_s[g] = c;
+                m_s[g] = mnew;
+                l_s[g] = lnew;
+            }
+        }
+        __syncthreads();
+#pragma unroll
+        for (int i = 0; i < OW; i++) {                 /* o = o * corr + p @ v */
+            const int o = tid + i * DEC_THREADS;
+            if (o < OUT) {
+                const int g = o / DH, d = o % DH;
+                float a = acc[i] * corr_s[g];
+                for (int jj = 0; jj < nj; jj++) a = fmaf(Ps[g][jj], ops_bf16_to_f32(Vs[jj][d]), a);
+                acc[i] = a;
+            }
+        }
+    }
+    __syncthreads();
+    /* partials at [(r * nq + h) * splits + sp] x (dh + 2): o (unnormalised), m, l */
+#pragma unroll
+    for (int i = 0; i < OW; i++) {
+        const int o = tid + i * DEC_THREADS;
+        if (o < OUT) {
+            const int g = o / DH, d = o % DH;
+            float *pp = part + (((r * nq) + h0 + g) * splits + sp) * (int64_t)(DH + 2);
+            pp[d] = acc[i];
+            if (d == 0) {
+                pp[DH] = m_s[g];
+                pp[DH + 1] = l_s[g];
+            }
+        }
+    }
+}
+
+/* out[r][h] = bf16(sum_s o_s e^(m_s - M) / sum_s l_s e^(m_s - M)), one block per (head, row). */
+__global__ void attn_combine_kernel(const float *part, int nq, int dh, int splits, uint16_t *out) {
+    const int h = blockIdx.x;
+    const int64_t r = blockIdx.y;
+    const float *pp = part + (r * nq + h) * (int64_t)splits * (dh + 2);
+    float M = -INFINITY;
+    for (int s = 0; s < splits; s++) M = fmaxf(M, pp[s * (dh + 2) + dh]);
+    for (int d = threadIdx.x; d < dh; d += blockDim.x) {
+        float L = 0.0f, O = 0.0f;
+        for (int s = 0; s < splits; s++) {
+            const float *ps = pp + s * (dh + 2);
+            const float c = ps[dh] == -INFINITY ? 0.0f : expf(ps[dh] - M);
+            L += ps[dh + 1] * c;
+            O += ps[d] * c;
+        }
+        out[(r * nq + h) * (int64_t)dh + d] = ops_f32_to_bf16(O / L);
+    }
+}
+
 /* ---- launch ----------------------------------------------------------------------------------- */
 
 template <int DPL>
@@ -274,4 +426,54 @@ extern "C" int cuda_attention_decode(void *stream, const uint16_t *q, const uint
     if (dh <= 64) return launch_decode<2>(q, k_cache, v_cache, row_slot, row_pos, pages, max_pages, r, a, b, d, out, st);
     if (dh <= 128) return launch_decode<4>(q, k_cache, v_cache, row_slot, row_pos, pages, max_pages, r, a, b, d, out, st);
     return launch_decode<8>(q, k_cache, v_cache, row_slot, row_pos, pages, max_pages, r, a, b, d, out, st);
+}
+
+template <int DH, int G>
+static int launch_split(const uint16_t *q, const uint16_t *kc, const uint16_t *vc, const int32_t *row_slot,
+                        const int32_t *row_pos, const int32_t *pages, int64_t max_pages, int R, int nq, int nkv,
+                        float *part, uint16_t *out, cudaStream_t st) {
+    const float scale = 1.0f / sqrtf((float)DH);
+    attn_decode_split_kernel<DH, G><<<dim3((unsigned)nkv, (unsigned)R, DEC_SPLITS), DEC_THREADS, 0, st>>>(
+        q, kc, vc, row_slot, row_pos, pages, max_pages, nq, nkv, DEC_SPLITS, scale, part);
+    OPS_LAUNCH_CHECK("attention (decode, split keys)");
+    attn_combine_kernel<<<dim3((unsigned)nq, (unsigned)R), 128, 0, st>>>(part, nq, DH, DEC_SPLITS, out);
+    OPS_LAUNCH_CHECK("attention (decode, combine)");
+    return FP4MOE_OK;
+}
+
+template <int DH>
+static int launch_split_g(int G, const uint16_t *q, const uint16_t *kc, const uint16_t *vc, const int32_t *rs,
+                          const int32_t *rp, const int32_t *pages, int64_t mp, int R, int nq, int nkv, float *part,
+                          uint16_t *out, cudaStream_t st) {
+    switch (G) {
+    case 1: return launch_split<DH, 1>(q, kc, vc, rs, rp, pages, mp, R, nq, nkv, part, out, st);
+    case 2: return launch_split<DH, 2>(q, kc, vc, rs, rp, pages, mp, R, nq, nkv, part, out, st);
+    case 4: return launch_split<DH, 4>(q, kc, vc, rs, rp, pages, mp, R, nq, nkv, part, out, st);
+    case 8: return launch_split<DH, 8>(q, kc, vc, rs, rp, pages, mp, R, nq, nkv, part, out, st);
+    case 16: return launch_split<DH, 16>(q, kc, vc, rs, rp, pages, mp, R, nq, nkv, part, out, st);
+    default: return 1;              /* not instantiated */
+    }
+}
+
+extern "C" size_t cuda_attention_decode_scratch(int64_t R, int64_t nq, int64_t dh) {
+    return (size_t)(R * nq * DEC_SPLITS * (dh + 2)) * sizeof(float);
+}
+
+extern "C" int cuda_attention_decode_split(void *stream, const uint16_t *q, const uint16_t *k_cache,
+                                           const uint16_t *v_cache, const int32_t *row_slot,
+                                           const int32_t *row_pos, const int32_t *pages, int64_t max_pages,
+                                           int64_t R, int64_t nq, int64_t nkv, int64_t dh, float *scratch,
+                                           uint16_t *out) {
+    if (R <= 0) return FP4MOE_OK;
+    const int e = check_shape(1, nq, nkv, dh);
+    if (e) return e;
+    if (R > 65535) return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "cuda op attention: %lld decode rows", (long long)R);
+    const int G = (int)(nq / nkv);
+    cudaStream_t st = (cudaStream_t)stream;
+    int rc = 1;
+    if (dh == 64) rc = launch_split_g<64>(G, q, k_cache, v_cache, row_slot, row_pos, pages, max_pages, (int)R, (int)nq, (int)nkv, scratch, out, st);
+    else if (dh == 128) rc = launch_split_g<128>(G, q, k_cache, v_cache, row_slot, row_pos, pages, max_pages, (int)R, (int)nq, (int)nkv, scratch, out, st);
+    if (rc != 1) return rc;
+    /* other head sizes and group sizes: the per-head kernel */
+    return cuda_attention_decode(stream, q, k_cache, v_cache, row_slot, row_pos, pages, max_pages, R, nq, nkv, dh, out);
 }

@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# scripts/gpu-attention-check.sh: attention on the GPU (issue 11) in ONE command on the H200
+# machine: the attention kernels against the fp64 reference (test_attention_gpu), the same test
+# built with each deliberate attention fault (it must FAIL), compute-sanitizer memcheck of the test,
+# then end to end on the synthetic Nemotron-3-Nano-30B-A3B shape: a 32,768-token prompt and decode
+# at that context, with this build and (when given) an older fp4moe binary in the same run.
+# Usage: scripts/gpu-attention-check.sh BIN [OLD_FP4MOE [FAULT_DIR]]
+#   BIN        packed programs (scripts/gpu-batch-check.sh --package BIN)
+#   OLD_FP4MOE an fp4moe binary of an earlier commit, for the same-run comparison (optional)
+#   FAULT_DIR  test_attention_gpu-causal_mask / -kv_block binaries (FP4MOE_INJECT_FAULT builds)
+set -u
+cd "$(dirname "$0")/.."
+GP_NAME=batch
+GP_BUILD=build-gpum
+GP_PROGS="fp4moe test_model_gpu test_ssm_gpu test_gather_qmm_gpu test_attention_gpu"
+GP_TARGETS="fp4moe_cli"
+. scripts/gpu-pack.sh
+OUT=${OUT:-gpu-attention-out}
+mkdir -p "$OUT"
+gp_main "$1"
+BIN=$GP_BIN
+OLD=${2:-}
+FAULTS=${3:-}
+CFG=nemotron-3-nano-30b-a3b
+declare -a ROWS
+row() { ROWS+=("$(printf '%-40s %-10s %5ss  %s' "$1" "$2" "$3" "${4:-}")"); }
+
+t0=$SECONDS
+timeout 200 "$BIN/test_attention_gpu" >"$OUT/attention.log" 2>&1
+rc=$?
+row "attention tests" "$([ $rc = 0 ] && echo PASS || echo "FAIL($rc)")" $((SECONDS - t0)) "$(grep -m1 'worst' "$OUT/attention.log")"
+for f in causal_mask kv_block; do
+    [ -n "$FAULTS" ] && [ -x "$FAULTS/test_attention_gpu-$f" ] || continue
+    t0=$SECONDS
+    timeout 200 "$FAULTS/test_attention_gpu-$f" >"$OUT/fault-$f.log" 2>&1
+    rc=$?
+    row "fault $f" "$([ $rc != 0 ] && echo "CAUGHT" || echo "MISSED")" $((SECONDS - t0)) "$(grep -m1 'error' "$OUT/fault-$f.log" | cut -c1-60)"
+done
+CS=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null)
+if [ -n "$CS" ]; then
+    t0=$SECONDS
+    timeout 300 "$CS" --tool memcheck --error-exitcode 9 "$BIN/test_attention_gpu" >"$OUT/memcheck.log" 2>&1
+    rc=$?
+    row "memcheck test_attention_gpu" "$([ $rc = 0 ] && echo CLEAN || echo "FAIL($rc)")" $((SECONDS - t0)) "$(grep -m1 'ERROR SUMMARY' "$OUT/memcheck.log")"
+fi
+e2e() { # NAME BINARY ARGS...
+    local name=$1 fp=$2; shift 2
+    local t0=$SECONDS
+    timeout 200 "$fp" bench --synthetic "$CFG" --device cuda "$@" --json >"$OUT/$name.json" 2>"$OUT/$name.log"
+    local rc=$?
+    row "bench $name" "$([ $rc = 0 ] && echo DONE || echo "FAIL($rc)")" $((SECONDS - t0))
+}
+e2e ctx32k "$BIN/fp4moe" --prompt-tokens 32768 --gen-tokens 32 --repeats 1 --warmup 0
+e2e ctx32k_profile "$BIN/fp4moe" --prompt-tokens 32768 --gen-tokens 32 --repeats 1 --warmup 0 --profile
+e2e short "$BIN/fp4moe" --prompt-tokens 512 --gen-tokens 128 --repeats 3
+[ -n "$OLD" ] && e2e ctx32k_old "$OLD" --prompt-tokens 32768 --gen-tokens 32 --repeats 1 --warmup 0
+[ -n "$OLD" ] && e2e short_old "$OLD" --prompt-tokens 512 --gen-tokens 128 --repeats 3
+python3 - "$OUT" <<'PY'
+import json, os, sys
+out = sys.argv[1]
+def load(n):
+    try: return json.load(open(os.path.join(out, n + ".json")))
+    except Exception: return None
+print("| run | prefill tok/s | decode tok/s | hash |")
+print("|---|---|---|---|")
+for n in ("ctx32k", "ctx32k_old", "short", "short_old"):
+    j = load(n)
+    if j: print(f"| {n} ({j['prompt_tokens']}+{j['gen_tokens']}) | {j['prefill_tok_s_median']:.0f} | {j['decode_tok_s_median']:.1f} | {j['gen_ids_fnv1a']} |")
+p = load("ctx32k_profile")
+if p:
+    print("32k split, prefill ms: " + ", ".join(f"{k} {v:.1f}" for k, v in p["prefill_split_ms"].items()))
+    print("32k split, decode ms/token: " + ", ".join(f"{k} {v:.3f}" for k, v in p["decode_split_ms_per_token"].items()))
+PY
+printf '%s\n' "${ROWS[@]}"
