@@ -539,11 +539,12 @@ static void test_errors(void **state) {
 
 /* The batched runtime on CUDA (tests/model/batch_test.h): 1, 3 and 17 sequences joining and leaving,
  * mixed prefill+decode steps, slot reuse, snapshot round trips: each sequence's greedy ids equal its
- * solo CUDA session's (bf16). */
+ * solo CUDA session's (bf16), except where it departs at a near tie of the solo logits (the two
+ * logits within two bf16 steps, counted and printed; see bt_scenario_tol for why). */
 static void test_batch(void **state) {
     (void)state;
     const char *dirs[] = {MT_GOLDEN "/tiny-a-mlx", MT_GOLDEN "/tiny-b-mlx", MT_GOLDEN "/tiny-a-modelopt", DEFAULT_MODEL};
-    int bad = 0;
+    int bad = 0, ties = 0;
     for (size_t d = 0; d < sizeof dirs / sizeof dirs[0]; d++) {
         if (access(dirs[d], R_OK)) continue;
         fp4moe_model *m = load_on(dirs[d], 1, FP4MOE_DEVICE_CUDA);
@@ -553,11 +554,12 @@ static void test_batch(void **state) {
         for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
             char label[160];
             snprintf(label, sizeof label, "cuda %s n=%d slots=%lld", dirs[d], cases[i].n, (long long)cases[i].slots);
-            bad += bt_scenario(m, FP4MOE_DEVICE_CUDA, FP4MOE_BF16, cases[i].n, cases[i].slots, cases[i].seed,
-                               cases[i].snap, label);
+            bad += bt_scenario_tol(m, FP4MOE_DEVICE_CUDA, FP4MOE_BF16, cases[i].n, cases[i].slots, cases[i].seed,
+                                   cases[i].snap, label, 0x1p-7, &ties);
         }
         fp4moe_model_free(m);
     }
+    printf("batched vs solo on CUDA: %d sequences differ, %d departures at near ties (within two bf16 steps)\n", bad, ties);
     assert_int_equal(bad, 0);
 }
 

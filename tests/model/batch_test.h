@@ -5,6 +5,7 @@
 #ifndef FP4MOE_TESTS_BATCH_TEST_H
 #define FP4MOE_TESTS_BATCH_TEST_H
 
+#include <math.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -69,10 +70,37 @@ static inline void bt_snapshot_roundtrip(fp4moe_batch *b, bt_seq *q) {
     fp4moe_snapshot_free(sn);
 }
 
+/* Where the batched ids of q first differ from its solo ids (step i): the solo logits at that step,
+ * (logit[solo id] - logit[batched id]) / |logit[solo id]|: a near tie when small (two bf16 steps:
+ * 2^-7, the near_tie rule of tests/gpu/test_model_gpu.c). */
+static inline double bt_tie_gap(const fp4moe_model *m, fp4moe_device dev, fp4moe_dtype act, const bt_seq *q,
+                                int64_t i, int32_t other) {
+    const int64_t V = fp4moe_model_config(m)->vocab;
+    fp4moe_session_options o;
+    fp4moe_session_options_default(&o);
+    o.act_dtype = act;
+    o.device = dev;
+    fp4moe_session *s;
+    bt_check(fp4moe_session_new(m, &o, &s), "solo session");
+    float *lg = malloc((size_t)V * sizeof(float));
+    bt_check(fp4moe_session_forward(s, q->prompt, q->L, lg, 0), "solo prefill");
+    for (int64_t j = 0; j < i; j++) bt_check(fp4moe_session_forward(s, &q->solo[j], 1, lg, 0), "solo decode");
+    const double top = fabs((double)lg[q->solo[i]]);
+    const double gap = ((double)lg[q->solo[i]] - (double)lg[other]) / (top > 0 ? top : 1);
+    free(lg);
+    fp4moe_session_free(s);
+    return gap;
+}
+
 /* n sequences through one batch of max_seqs slots (fewer than n: slots are reused). Returns the
- * number of sequences whose ids differ from their solo ids (and prints the first difference). */
-static inline int bt_scenario(const fp4moe_model *m, fp4moe_device dev, fp4moe_dtype act, int n,
-                              int64_t max_seqs, uint64_t seed, int snapshots, const char *label) {
+ * number of sequences whose ids differ from their solo ids (and prints the first difference).
+ * tie_tol > 0 (CUDA): a sequence that departs from its solo ids where the solo logits of the two ids
+ * are within tie_tol (relative) of each other counts as a near tie, not as a difference (printed and
+ * counted): the gather routes' arithmetic differs between row counts below and above 64
+ * (fp32 FMA qmv vs tensor cores), so a row's bits can depend on the batch it runs in. */
+static inline int bt_scenario_tol(const fp4moe_model *m, fp4moe_device dev, fp4moe_dtype act, int n,
+                                  int64_t max_seqs, uint64_t seed, int snapshots, const char *label, double tie_tol,
+                                  int *near_ties) {
     const int64_t V = fp4moe_model_config(m)->vocab;
     uint64_t r = seed * 0x9E3779B97F4A7C15ull + 1;
     bt_seq *q = calloc((size_t)n, sizeof *q);
@@ -149,10 +177,20 @@ static inline int bt_scenario(const fp4moe_model *m, fp4moe_device dev, fp4moe_d
             }
         }
     }
-    int bad = 0;
+    int bad = 0, ties = 0;
     for (int i = 0; i < n; i++) {
         int64_t same = 0;
         while (same < q[i].G && q[i].got[same] == q[i].solo[same]) same++;
+        if (same < q[i].G && tie_tol > 0) {
+            const double gap = bt_tie_gap(m, dev, act, &q[i], same, q[i].got[same]);
+            printf("%s: sequence %d departs at token %lld (%d batched, %d alone): logit gap %.3g of max |logit| "
+                   "(%s)\n", label, i, (long long)same, q[i].got[same], q[i].solo[same], gap,
+                   gap <= tie_tol ? "near tie, accepted" : "NOT a near tie");
+            if (gap <= tie_tol) {
+                ties++;
+                same = q[i].G;
+            }
+        }
         if (same < q[i].G) {
             if (!bad)
                 fprintf(stderr, "%s: sequence %d (prompt %lld, chunk %lld): token %lld is %d batched, %d alone\n",
@@ -164,13 +202,19 @@ static inline int bt_scenario(const fp4moe_model *m, fp4moe_device dev, fp4moe_d
         free(q[i].solo);
         free(q[i].got);
     }
-    printf("%-34s %2d sequences, %lld slots, %d mixed prefill+decode steps: %d differ from solo\n", label, n,
-           (long long)max_seqs, mixed, bad);
+    printf("%-34s %2d sequences, %lld slots, %d mixed prefill+decode steps: %d differ from solo%s\n", label, n,
+           (long long)max_seqs, mixed, bad, ties ? " (near ties accepted, see above)" : "");
+    if (near_ties) *near_ties += ties;
     free(q);
     free(it);
     free(who);
     fp4moe_batch_free(b);
     return bad;
+}
+
+static inline int bt_scenario(const fp4moe_model *m, fp4moe_device dev, fp4moe_dtype act, int n, int64_t max_seqs,
+                              uint64_t seed, int snapshots, const char *label) {
+    return bt_scenario_tol(m, dev, act, n, max_seqs, seed, snapshots, label, 0.0, NULL);
 }
 
 #endif

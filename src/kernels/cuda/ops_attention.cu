@@ -14,6 +14,8 @@
  * partial (max, sum, output) in shared memory. */
 #include <math.h>
 
+#include <cuda_fp16.h>
+
 #include "kernels/cuda/ops_cuda.h"
 
 #define ATT_WARPS 8
@@ -357,6 +359,192 @@ __global__ void attn_combine_kernel(const float *part, int nq, int dh, int split
     }
 }
 
+/* ---- prefill on tensor cores (flash attention) -------------------------------------------------- */
+
+/* Block (query head h, FA_ROWS = 64 consecutive tokens of one sequence), 4 warps of 16 query rows.
+ * Per key page (ATT_TILE = 32 keys): K (row-major) and V (transposed) staged in shared memory as
+ * bf16; S = Q K^T with mma.sync m16n8k16 (bf16 in, fp32 accumulate), causal mask, online softmax
+ * in fp32 (base-2 exponent, scale folded in), then O += P V on tensor cores in fp16 (P rounded to
+ * fp16, V converted from bf16: FlashAttention-2's scheme with a finer P). Fragment layouts: PTX ISA "mma.m16n8k16" (g = lane / 4, t = lane % 4). */
+#define FA_ROWS 64
+#define FA_WARPS 4
+
+__device__ __forceinline__ void fa_mma(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                       uint32_t b0, uint32_t b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+                 "{%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t fa_pack(float lo, float hi) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t *>(&v);
+}
+
+/* O += P V in fp16 (P in [0, 1] keeps 11 significant bits instead of bf16's 8; V is bf16, exact in
+ * fp16 inside +-65504 and saturated there). */
+__device__ __forceinline__ void fa_mma_f16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                           uint32_t b0, uint32_t b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+                 "{%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t fa_pack_f16(float lo, float hi) {
+    const __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t *>(&v);
+}
+
+__device__ __forceinline__ uint16_t fa_bf16_to_f16(uint16_t b) {
+    const float f = fminf(fmaxf(ops_bf16_to_f32(b), -65504.0f), 65504.0f);
+    return __half_as_ushort(__float2half_rn(f));
+}
+
+template <int DH>
+__global__ void __launch_bounds__(FA_WARPS * 32)
+attn_prefill_mma_kernel(const uint16_t *q, const uint16_t *kc, const uint16_t *vc, const int32_t *pages, int P,
+                        int T, int nq, int nkv, float scale_log2, uint16_t *out) {
+    constexpr int KLD = DH + 8, VLD = ATT_TILE + 8, KS = DH / 16, NT = DH / 8;
+    __shared__ __align__(16) uint16_t Ks[ATT_TILE * KLD];
+    __shared__ __align__(16) uint16_t Vt[DH * VLD];
+    const int h = blockIdx.x, t0 = blockIdx.y * FA_ROWS, tid = threadIdx.x;
+    const int lane = tid & 31, warp = tid >> 5, g = lane >> 2, tq = lane & 3;
+    const int kh = h / (nq / nkv);
+    const int64_t kvs = (int64_t)nkv * DH, qstride = (int64_t)nq * DH;
+    const int wr0 = t0 + warp * 16;                    /* this warp's first token */
+    const int ra = wr0 + g, rb = wr0 + g + 8;          /* the two rows this thread holds */
+    uint32_t qa[KS][4];                                /* Q fragments (A operand), zero beyond T */
+#pragma unroll
+    for (int kk = 0; kk < KS; kk++) {
+        const int d = kk * 16 + 2 * tq;
+        const uint16_t *qra = q + (int64_t)ra * qstride + (int64_t)h * DH, *qrb = q + (int64_t)rb * qstride + (int64_t)h * DH;
+        qa[kk][0] = ra < T ? *(const uint32_t *)(qra + d) : 0u;
+        qa[kk][1] = rb < T ? *(const uint32_t *)(qrb + d) : 0u;
+        qa[kk][2] = ra < T ? *(const uint32_t *)(qra + d + 8) : 0u;
+        qa[kk][3] = rb < T ? *(const uint32_t *)(qrb + d + 8) : 0u;
+    }
+    float o[NT][4];
+#pragma unroll
+    for (int i = 0; i < NT; i++) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
+    float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;
+    const int pa = P + ra, pb = P + rb;                /* the rows' positions: keys <= pos are visible */
+    const int nkeys = P + min(t0 + FA_ROWS, T);
+#ifdef FP4MOE_INJECT_FAULT_KV_BLOCK /* deliberate fault (tests must catch it): the first page skipped */
+    const int jstart = nkeys > ATT_TILE && t0 >= ATT_TILE ? ATT_TILE : 0;
+#else
+    const int jstart = 0;
+#endif
+    for (int j0 = jstart; j0 < nkeys; j0 += ATT_TILE) {
+        const int64_t base = (int64_t)pages[j0 / ATT_TILE] * ATT_TILE;
+        __syncthreads();                               /* the previous tile is consumed */
+        for (int i = tid; i < ATT_TILE * (DH / 8); i += FA_WARPS * 32) {
+            const int jj = i / (DH / 8), c = (i % (DH / 8)) * 8;
+            uint4 kv = make_uint4(0, 0, 0, 0), vv = make_uint4(0, 0, 0, 0);
+            if (j0 + jj < nkeys) {
+                kv = *(const uint4 *)(kc + (base + jj) * kvs + (int64_t)kh * DH + c);
+                vv = *(const uint4 *)(vc + (base + jj) * kvs + (int64_t)kh * DH + c);
+            }
+            *(uint4 *)(Ks + jj * KLD + c) = kv;
+            const uint16_t *ve = reinterpret_cast<const uint16_t *>(&vv);
+#pragma unroll
+            for (int e = 0; e < 8; e++) Vt[(c + e) * VLD + jj] = fa_bf16_to_f16(ve[e]);
+        }
+        __syncthreads();
+        if (j0 > P + wr0 + 15) continue;               /* every row of this warp is before the tile */
+        float sc[4][4];
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.0f;
+#pragma unroll
+            for (int kk = 0; kk < KS; kk++) {
+                const uint16_t *kr = Ks + (j * 8 + g) * KLD + kk * 16 + 2 * tq;
+                fa_mma(sc[j], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], *(const uint32_t *)kr,
+                       *(const uint32_t *)(kr + 8));
+            }
+        }
+        /* mask, scale, row maxima (a row's 32 keys are spread over the 4 threads of a quad) */
+        float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                const int key = j0 + j * 8 + 2 * tq + e;
+#ifdef FP4MOE_INJECT_FAULT_CAUSAL_MASK /* deliberate fault: a row's own key is masked (not key 0) */
+                const bool va = key <= pa && (key < pa || key == 0), vb = key <= pb && (key < pb || key == 0);
+#else
+                const bool va = key <= pa, vb = key <= pb;
+#endif
+                sc[j][e] = va ? sc[j][e] * scale_log2 : -INFINITY;
+                sc[j][2 + e] = vb ? sc[j][2 + e] * scale_log2 : -INFINITY;
+                mx0 = fmaxf(mx0, sc[j][e]);
+                mx1 = fmaxf(mx1, sc[j][2 + e]);
+            }
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+        const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
+        const float b0 = n0 == -INFINITY ? 0.0f : n0, b1 = n1 == -INFINITY ? 0.0f : n1;
+        const float c0 = exp2f(m0 - b0), c1 = exp2f(m1 - b1);
+        m0 = n0;
+        m1 = n1;
+        float s0 = 0.0f, s1 = 0.0f;
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            sc[j][0] = exp2f(sc[j][0] - b0);
+            sc[j][1] = exp2f(sc[j][1] - b0);
+            sc[j][2] = exp2f(sc[j][2] - b1);
+            sc[j][3] = exp2f(sc[j][3] - b1);
+            s0 += sc[j][0] + sc[j][1];
+            s1 += sc[j][2] + sc[j][3];
+        }
+        l0 = l0 * c0 + s0;
+        l1 = l1 * c1 + s1;
+#pragma unroll
+        for (int i = 0; i < NT; i++) {
+            o[i][0] *= c0;
+            o[i][1] *= c0;
+            o[i][2] *= c1;
+            o[i][3] *= c1;
+        }
+#pragma unroll
+        for (int k2 = 0; k2 < 2; k2++) {               /* keys 16*k2 .. 16*k2+15 */
+            const uint32_t a0 = fa_pack_f16(sc[2 * k2][0], sc[2 * k2][1]);
+            const uint32_t a1 = fa_pack_f16(sc[2 * k2][2], sc[2 * k2][3]);
+            const uint32_t a2 = fa_pack_f16(sc[2 * k2 + 1][0], sc[2 * k2 + 1][1]);
+            const uint32_t a3 = fa_pack_f16(sc[2 * k2 + 1][2], sc[2 * k2 + 1][3]);
+#pragma unroll
+            for (int i = 0; i < NT; i++) {
+                const uint16_t *vr = Vt + (i * 8 + g) * VLD + k2 * 16 + 2 * tq;
+                fa_mma_f16(o[i], a0, a1, a2, a3, *(const uint32_t *)vr, *(const uint32_t *)(vr + 8));
+            }
+        }
+    }
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+    const float i0 = l0 > 0.0f ? 1.0f / l0 : 0.0f, i1 = l1 > 0.0f ? 1.0f / l1 : 0.0f;
+#pragma unroll
+    for (int i = 0; i < NT; i++) {
+        const int d = i * 8 + 2 * tq;
+        if (ra < T) *(uint32_t *)(out + (int64_t)ra * qstride + (int64_t)h * DH + d) = fa_pack(o[i][0] * i0, o[i][1] * i0);
+        if (rb < T) *(uint32_t *)(out + (int64_t)rb * qstride + (int64_t)h * DH + d) = fa_pack(o[i][2] * i1, o[i][3] * i1);
+    }
+}
+
+template <int DH>
+static int launch_prefill_mma(const uint16_t *q, const uint16_t *kc, const uint16_t *vc, const int32_t *pages,
+                              int P, int T, int nq, int nkv, uint16_t *out, cudaStream_t st) {
+    const float scale_log2 = 1.4426950408889634f / sqrtf((float)DH);
+    const dim3 grid((unsigned)nq, ops_blocks(T, FA_ROWS));
+    attn_prefill_mma_kernel<DH><<<grid, FA_WARPS * 32, 0, st>>>(q, kc, vc, pages, P, T, nq, nkv, scale_log2, out);
+    OPS_LAUNCH_CHECK("attention (prefill, tensor cores)");
+    return FP4MOE_OK;
+}
+
 /* ---- launch ----------------------------------------------------------------------------------- */
 
 template <int DPL>
@@ -406,6 +594,10 @@ extern "C" int cuda_attention_prefill(void *stream, const uint16_t *q, const uin
     if (e) return e;
     cudaStream_t st = (cudaStream_t)stream;
     const int p = (int)P, t = (int)T, a = (int)nq, b = (int)nkv, d = (int)dh;
+    if (T <= (int64_t)65535 * FA_ROWS) {               /* tensor cores for the head sizes of the family */
+        if (dh == 128) return launch_prefill_mma<128>(q, k_cache, v_cache, pages, p, t, a, b, out, st);
+        if (dh == 64) return launch_prefill_mma<64>(q, k_cache, v_cache, pages, p, t, a, b, out, st);
+    }
     if (dh <= 32) return launch_prefill<1>(q, k_cache, v_cache, pages, p, t, a, b, d, out, st);
     if (dh <= 64) return launch_prefill<2>(q, k_cache, v_cache, pages, p, t, a, b, d, out, st);
     if (dh <= 128) return launch_prefill<4>(q, k_cache, v_cache, pages, p, t, a, b, d, out, st);
