@@ -247,6 +247,7 @@ attn_decode_split_kernel(const uint16_t *q, const uint16_t *kc, const uint16_t *
 #endif
     const int ntiles = (n + ATT_TILE - 1) / ATT_TILE;
     const int per = (ntiles + splits - 1) / splits;
+    if (sp * per >= ntiles) return;                   /* no page for this split (short contexts) */
 #ifdef FP4MOE_INJECT_FAULT_KV_BLOCK /* deliberate fault (tests must catch it): the first page dropped */
     const int t0 = max(sp * per, ntiles > 1 ? 1 : 0), t1 = min(ntiles, sp * per + per);
 #else
@@ -340,24 +341,52 @@ attn_decode_split_kernel(const uint16_t *q, const uint16_t *kc, const uint16_t *
     }
 }
 
-/* out[r][h] = bf16(sum_s o_s e^(m_s - M) / sum_s l_s e^(m_s - M)), one block per (head, row). */
-__global__ void attn_combine_kernel(const float *part, int nq, int dh, int splits, uint16_t *out) {
-    const int h = blockIdx.x;
+/* out[r][h] = bf16(sum_s o_s e^(m_s - M) / sum_s l_s e^(m_s - M)) over the splits that hold keys,
+ * one block per (head, row): COMB_WARPS warps take interleaved splits, each lane dims lane + 32i,
+ * then the warps' sums are added in shared memory (in a fixed order). */
+#define COMB_WARPS 8
+__global__ void __launch_bounds__(COMB_WARPS * 32)
+attn_combine_kernel(const float *part, const int32_t *row_pos, int nq, int dh, int splits, uint16_t *out) {
+    __shared__ float sO[COMB_WARPS][256 + 1];
+    __shared__ float sM[COMB_WARPS];
+    const int h = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int64_t r = blockIdx.y;
     const float *pp = part + (r * nq + h) * (int64_t)splits * (dh + 2);
+    const int ntiles = (row_pos[r] + ATT_TILE) / ATT_TILE, per = (ntiles + splits - 1) / splits;
+    const int used = (ntiles + per - 1) / per;         /* splits with at least one page */
     float M = -INFINITY;
-    for (int s = 0; s < splits; s++) M = fmaxf(M, pp[s * (dh + 2) + dh]);
+    for (int s = threadIdx.x; s < used; s += blockDim.x) M = fmaxf(M, pp[s * (dh + 2) + dh]);
+    M = ops_warp_max(M);
+    if (lane == 0) sM[warp] = M;
+    __syncthreads();
+    M = sM[0];
+    for (int w = 1; w < COMB_WARPS; w++) M = fmaxf(M, sM[w]);
+    float L = 0.0f, O[8];
+#pragma unroll
+    for (int i = 0; i < 8; i++) O[i] = 0.0f;
+    for (int s = warp; s < used; s += COMB_WARPS) {
+        const float *ps = pp + s * (dh + 2);
+        const float c = expf(ps[dh] - M);              /* used splits hold keys: m finite */
+        L += ps[dh + 1] * c;
+#pragma unroll
+        for (int i = 0; i < 8; i++)
+            if (lane + 32 * i < dh) O[i] += ps[lane + 32 * i] * c;
+    }
+#pragma unroll
+    for (int i = 0; i < 8; i++)
+        if (lane + 32 * i < dh) sO[warp][lane + 32 * i] = O[i];
+    if (lane == 0) sO[warp][256] = L;
+    __syncthreads();
     for (int d = threadIdx.x; d < dh; d += blockDim.x) {
-        float L = 0.0f, O = 0.0f;
-        for (int s = 0; s < splits; s++) {
-            const float *ps = pp + s * (dh + 2);
-            const float c = ps[dh] == -INFINITY ? 0.0f : expf(ps[dh] - M);
-            L += ps[dh + 1] * c;
-            O += ps[d] * c;
+        float Ls = 0.0f, Os = 0.0f;
+        for (int w = 0; w < COMB_WARPS; w++) {
+            Ls += sO[w][256];
+            Os += sO[w][d];
         }
-        out[(r * nq + h) * (int64_t)dh + d] = ops_f32_to_bf16(O / L);
+        out[(r * nq + h) * (int64_t)dh + d] = ops_f32_to_bf16(Os / Ls);
     }
 }
+
 
 /* ---- prefill on tensor cores (flash attention) -------------------------------------------------- */
 
@@ -628,7 +657,8 @@ static int launch_split(const uint16_t *q, const uint16_t *kc, const uint16_t *v
     attn_decode_split_kernel<DH, G><<<dim3((unsigned)nkv, (unsigned)R, DEC_SPLITS), DEC_THREADS, 0, st>>>(
         q, kc, vc, row_slot, row_pos, pages, max_pages, nq, nkv, DEC_SPLITS, scale, part);
     OPS_LAUNCH_CHECK("attention (decode, split keys)");
-    attn_combine_kernel<<<dim3((unsigned)nq, (unsigned)R), 128, 0, st>>>(part, nq, DH, DEC_SPLITS, out);
+    attn_combine_kernel<<<dim3((unsigned)nq, (unsigned)R), COMB_WARPS * 32, 0, st>>>(part, row_pos, nq, DH,
+                                                                                   DEC_SPLITS, out);
     OPS_LAUNCH_CHECK("attention (decode, combine)");
     return FP4MOE_OK;
 }
