@@ -276,7 +276,10 @@ int fp4moe_session_profile(fp4moe_session *s, double ms[FP4MOE_PROF_KINDS], int 
  * prefill chunks of some sequences and single decode tokens of others together. Results per
  * sequence are those the sequence gets alone (bitwise on the CPU; on CUDA the same up to the
  * gather route's row grouping, which the tests check on greedy ids). A session
- * (fp4moe_session_*) is a batch of one. Threading: one thread per batch. */
+ * (fp4moe_session_*) is a batch of one. Sampling is per sequence: greedy sequences take out_token
+ * (the argmax on the device, only 4 bytes back), the others their logits (FP4MOE_LOGITS_LAST) and
+ * their own fp4moe_sampler (temperature, top-p, top-k, min-p, seed, stop ids). Threading: one
+ * thread per batch. */
 typedef struct {
     int64_t max_seqs;           /* sequences alive at once (pool slots); default 16 */
     int64_t max_kv_tokens;      /* KV tokens over all sequences (the page pool); <= 0: grown on
@@ -364,23 +367,52 @@ typedef struct {
     int32_t id;
 } fp4moe_prob_id;
 
+#define FP4MOE_MAX_STOP_IDS 16
+
+/* One sequence's sampling settings (each sequence of a batch has its own sampler). */
+typedef struct {
+    float temperature;          /* <= 0: greedy (argmax, ties -> lowest id) */
+    float top_p;                /* nucleus mass in (0, 1]; 1 = no cut */
+    int64_t top_k;              /* keep the k most likely tokens; 0 = no cut */
+    float min_p;                /* keep tokens with p >= min_p * p_max, in [0, 1]; 0 = no cut */
+    uint64_t seed;              /* 0: a fixed default */
+    int32_t stop_ids[FP4MOE_MAX_STOP_IDS]; /* token ids that end the sequence (e.g. every EOS id) */
+    int n_stop;
+} fp4moe_sampler_params;
+
+/* temperature 0 (greedy), top_p 1, top_k 0, min_p 0, seed 0, no stop ids. */
+void fp4moe_sampler_params_default(fp4moe_sampler_params *p);
+
 typedef struct {
     int64_t vocab;
-    float temperature;          /* <= 0: greedy (argmax, ties -> lowest id) */
-    float top_p;                /* nucleus mass in (0, 1]; 1 = the whole distribution */
+    float temperature;
+    float top_p;
+    int64_t top_k;
+    float min_p;
+    int32_t stop_ids[FP4MOE_MAX_STOP_IDS];
+    int n_stop;
     uint64_t rng;               /* xorshift64* state */
     float *probs;               /* vocab scratch (owned) */
     fp4moe_prob_id *cand;       /* vocab scratch (owned) */
 } fp4moe_sampler;
 
-/* Errors: FP4MOE_EINVAL (vocab < 1, top_p outside (0, 1], NaN temperature), FP4MOE_ENOMEM. */
+/* Errors: FP4MOE_EINVAL (vocab < 1, top_p outside (0, 1], min_p outside [0, 1], top_k < 0, NaN or
+ * infinite temperature, n_stop outside [0, FP4MOE_MAX_STOP_IDS], a stop id outside [0, vocab)),
+ * FP4MOE_ENOMEM. */
+int fp4moe_sampler_init_params(fp4moe_sampler *s, int64_t vocab, const fp4moe_sampler_params *p);
+/* fp4moe_sampler_init_params with only temperature, top_p and seed set. */
 int fp4moe_sampler_init(fp4moe_sampler *s, int64_t vocab, float temperature, float top_p,
                         uint64_t seed);
 void fp4moe_sampler_free(fp4moe_sampler *s);
 
-/* The next token id from V logits: greedy, or a draw from softmax(logits / T) restricted to the
- * smallest set of most likely tokens whose mass reaches top_p (ties in probability: lower id first). */
+/* The next token id from V logits: greedy when temperature <= 0; else probs = softmax(logits / T),
+ * candidates by probability (descending; ties: lower id first), cut to the top_k first, then to
+ * those with p >= min_p * p_max, then to the smallest prefix whose mass reaches top_p (the order of
+ * vLLM's and llama.cpp's samplers), and one draw from the renormalised rest. */
 int32_t fp4moe_sample(fp4moe_sampler *s, const float *logits);
+
+/* 1 when id is one of the sampler's stop ids. */
+int fp4moe_sampler_is_stop(const fp4moe_sampler *s, int32_t id);
 
 /* argmax over n logits, lowest index on ties; NaN never wins. */
 int32_t fp4moe_argmax(const float *logits, int64_t n);

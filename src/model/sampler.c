@@ -15,20 +15,37 @@ int32_t fp4moe_argmax(const float *logits, int64_t n) {
     return (int32_t)best;
 }
 
-int fp4moe_sampler_init(fp4moe_sampler *s, int64_t vocab, float temperature, float top_p,
-                        uint64_t seed) {
-    if (!s) return fp4moe_set_error(FP4MOE_EINVAL, "sampler: NULL argument");
+void fp4moe_sampler_params_default(fp4moe_sampler_params *p) {
+    memset(p, 0, sizeof *p);
+    p->top_p = 1.0f;
+}
+
+int fp4moe_sampler_init_params(fp4moe_sampler *s, int64_t vocab, const fp4moe_sampler_params *p) {
+    if (!s || !p) return fp4moe_set_error(FP4MOE_EINVAL, "sampler: NULL argument");
     memset(s, 0, sizeof *s);
     if (vocab < 1 || vocab > INT32_MAX)
         return fp4moe_set_error(FP4MOE_EINVAL, "sampler: vocab=%lld", (long long)vocab);
-    if (!(top_p > 0.0f && top_p <= 1.0f))
-        return fp4moe_set_error(FP4MOE_EINVAL, "sampler: top_p=%g is not in (0, 1]", top_p);
-    if (isnan(temperature) || isinf(temperature))
-        return fp4moe_set_error(FP4MOE_EINVAL, "sampler: temperature=%g", temperature);
+    if (!(p->top_p > 0.0f && p->top_p <= 1.0f))
+        return fp4moe_set_error(FP4MOE_EINVAL, "sampler: top_p=%g is not in (0, 1]", p->top_p);
+    if (!(p->min_p >= 0.0f && p->min_p <= 1.0f))
+        return fp4moe_set_error(FP4MOE_EINVAL, "sampler: min_p=%g is not in [0, 1]", p->min_p);
+    if (p->top_k < 0) return fp4moe_set_error(FP4MOE_EINVAL, "sampler: top_k=%lld < 0", (long long)p->top_k);
+    if (isnan(p->temperature) || isinf(p->temperature))
+        return fp4moe_set_error(FP4MOE_EINVAL, "sampler: temperature=%g", p->temperature);
+    if (p->n_stop < 0 || p->n_stop > FP4MOE_MAX_STOP_IDS)
+        return fp4moe_set_error(FP4MOE_EINVAL, "sampler: %d stop ids (at most %d)", p->n_stop, FP4MOE_MAX_STOP_IDS);
+    for (int i = 0; i < p->n_stop; i++)
+        if (p->stop_ids[i] < 0 || p->stop_ids[i] >= vocab)
+            return fp4moe_set_error(FP4MOE_EINVAL, "sampler: stop id %d outside [0, %lld)", p->stop_ids[i],
+                                    (long long)vocab);
     s->vocab = vocab;
-    s->temperature = temperature;
-    s->top_p = top_p;
-    s->rng = seed ? seed : 0x9E3779B97F4A7C15ull;
+    s->temperature = p->temperature;
+    s->top_p = p->top_p;
+    s->top_k = p->top_k;
+    s->min_p = p->min_p;
+    s->n_stop = p->n_stop;
+    memcpy(s->stop_ids, p->stop_ids, sizeof s->stop_ids);
+    s->rng = p->seed ? p->seed : 0x9E3779B97F4A7C15ull;
     s->probs = malloc((size_t)vocab * sizeof(float));
     s->cand = malloc((size_t)vocab * sizeof *s->cand);
     if (!s->probs || !s->cand) {
@@ -36,6 +53,22 @@ int fp4moe_sampler_init(fp4moe_sampler *s, int64_t vocab, float temperature, flo
         return fp4moe_set_error(FP4MOE_ENOMEM, "sampler: out of memory");
     }
     return FP4MOE_OK;
+}
+
+int fp4moe_sampler_init(fp4moe_sampler *s, int64_t vocab, float temperature, float top_p,
+                        uint64_t seed) {
+    fp4moe_sampler_params p;
+    fp4moe_sampler_params_default(&p);
+    p.temperature = temperature;
+    p.top_p = top_p;
+    p.seed = seed;
+    return fp4moe_sampler_init_params(s, vocab, &p);
+}
+
+int fp4moe_sampler_is_stop(const fp4moe_sampler *s, int32_t id) {
+    for (int i = 0; s && i < s->n_stop; i++)
+        if (s->stop_ids[i] == id) return 1;
+    return 0;
 }
 
 void fp4moe_sampler_free(fp4moe_sampler *s) {
@@ -73,20 +106,35 @@ static int by_prob_desc(const void *a, const void *b) {
     return x->id < y->id ? -1 : 1;
 }
 
-/* Draw from the smallest prefix (by probability, descending) whose mass reaches top_p. */
-static int32_t sample_top_p(fp4moe_sampler *s) {
+/* Candidates by probability (descending, ties: lower id), cut by top_k, min_p, then top_p; one draw
+ * from the renormalised rest. */
+static int32_t sample_cut(fp4moe_sampler *s) {
     const int64_t n = s->vocab;
-    /* tokens below (1 - top_p) / (n - 1) can never be in the nucleus (llama2.c's cut) */
-    const float cut = s->top_p < 1.0f ? (1.0f - s->top_p) / (float)(n > 1 ? n - 1 : 1) : 0.0f;
+    /* tokens below (1 - top_p) / (n - 1) can never be in the nucleus (llama2.c's cut); with top_k or
+     * min_p the full order is needed */
+    const float cut = s->top_p < 1.0f && !s->top_k && s->min_p <= 0.0f ? (1.0f - s->top_p) / (float)(n > 1 ? n - 1 : 1)
+                                                                     : 0.0f;
     int64_t m = 0;
     for (int64_t i = 0; i < n; i++)
         if (s->probs[i] >= cut) s->cand[m++] = (fp4moe_prob_id){s->probs[i], (int32_t)i};
     qsort(s->cand, (size_t)m, sizeof *s->cand, by_prob_desc);
+    if (s->top_k > 0 && m > s->top_k) m = s->top_k;
+    if (s->min_p > 0.0f) {
+        const float floor_p = s->min_p * s->cand[0].p;
+        int64_t keep = 1;
+        while (keep < m && s->cand[keep].p >= floor_p) keep++;
+        m = keep;
+    }
+    double total = 1.0;                                /* top_p alone: of the whole distribution */
+    if (s->top_k > 0 || s->min_p > 0.0f) {             /* after a cut: of what is left */
+        total = 0.0;
+        for (int64_t i = 0; i < m; i++) total += s->cand[i].p;
+    }
     double mass = 0.0;
     int64_t last = m - 1;
     for (int64_t i = 0; i < m; i++) {
         mass += s->cand[i].p;
-        if (mass >= s->top_p) { last = i; break; }
+        if (mass >= s->top_p * total) { last = i; break; }
     }
     const double r = (double)next_uniform(s) * mass;
     double acc = 0.0;
@@ -100,5 +148,5 @@ static int32_t sample_top_p(fp4moe_sampler *s) {
 int32_t fp4moe_sample(fp4moe_sampler *s, const float *logits) {
     if (s->temperature <= 0.0f) return fp4moe_argmax(logits, s->vocab);
     softmax_t(logits, s->vocab, s->temperature, s->probs);
-    return sample_top_p(s);
+    return sample_cut(s);
 }

@@ -388,6 +388,47 @@ static void test_sampler(void **state) {
     for (int i = 0; i < 100; i++) assert_int_equal(fp4moe_sample(&a, l4), fp4moe_sample(&b, l4));
     fp4moe_sampler_free(&a);
     fp4moe_sampler_free(&b);
+    /* top_k 2 keeps ids 2 and 1 (frequencies renormalised over them); min_p 0.5 keeps p >= p_max/2
+     * (only id 2: p1/p2 = e^-1); top_k and min_p together; stop ids */
+    fp4moe_sampler_params sp;
+    fp4moe_sampler_params_default(&sp);
+    sp.temperature = 1.0f;
+    sp.top_k = 2;
+    sp.seed = 9;
+    int c2[4] = {0};
+    assert_int_equal(fp4moe_sampler_init_params(&s, 4, &sp), FP4MOE_OK);
+    for (int i = 0; i < n; i++) c2[fp4moe_sample(&s, l4)]++;
+    fp4moe_sampler_free(&s);
+    assert_int_equal(c2[0] + c2[3], 0);
+    assert_true(fabs(c2[2] / (double)n - p[2] / (p[1] + p[2])) < 0.02);
+    sp.top_k = 0;
+    sp.min_p = 0.5f;
+    assert_int_equal(fp4moe_sampler_init_params(&s, 4, &sp), FP4MOE_OK);
+    for (int i = 0; i < 200; i++) assert_int_equal(fp4moe_sample(&s, l4), 2);
+    fp4moe_sampler_free(&s);
+    sp.min_p = 0.3f;                                   /* keeps ids 2 and 1 (e^-1 = 0.37 >= 0.3) */
+    sp.top_k = 3;
+    memset(c2, 0, sizeof c2);
+    assert_int_equal(fp4moe_sampler_init_params(&s, 4, &sp), FP4MOE_OK);
+    for (int i = 0; i < 2000; i++) c2[fp4moe_sample(&s, l4)]++;
+    assert_int_equal(c2[0] + c2[3], 0);
+    assert_true(c2[1] > 0 && c2[2] > 0);
+    assert_false(fp4moe_sampler_is_stop(&s, 2));
+    fp4moe_sampler_free(&s);
+    sp.stop_ids[0] = 2;
+    sp.stop_ids[1] = 3;
+    sp.n_stop = 2;
+    assert_int_equal(fp4moe_sampler_init_params(&s, 4, &sp), FP4MOE_OK);
+    assert_true(fp4moe_sampler_is_stop(&s, 3) && fp4moe_sampler_is_stop(&s, 2) && !fp4moe_sampler_is_stop(&s, 1));
+    fp4moe_sampler_free(&s);
+    sp.stop_ids[1] = 4;                                /* outside the vocabulary */
+    assert_int_equal(fp4moe_sampler_init_params(&s, 4, &sp), FP4MOE_EINVAL);
+    sp.n_stop = 0;
+    sp.min_p = 1.5f;
+    assert_int_equal(fp4moe_sampler_init_params(&s, 4, &sp), FP4MOE_EINVAL);
+    sp.min_p = 0.0f;
+    sp.top_k = -1;
+    assert_int_equal(fp4moe_sampler_init_params(&s, 4, &sp), FP4MOE_EINVAL);
 }
 
 int main(void) {
