@@ -133,8 +133,8 @@ int cli_parse_dtype(const char *cmd, const char *s, fp4moe_dtype *dt) {
 
 typedef struct {
     const char *model, *prompt, *prompt_ids, *dtype, *device;
-    int64_t n, seed, chunk;
-    double temp, top_p;
+    int64_t n, seed, chunk, top_k;
+    double temp, top_p, min_p;
     int no_quantize, ignore_eos;
 } gen_args;
 
@@ -290,7 +290,14 @@ static int generate(const gen_args *a) {
     if (a->chunk > 0) so.max_chunk = a->chunk;
     const int64_t V = fp4moe_model_config(g.m)->vocab;
     int st = fp4moe_session_new(g.m, &so, &g.s);
-    if (!st) st = fp4moe_sampler_init(&g.smp, V, (float)a->temp, (float)a->top_p, (uint64_t)a->seed);
+    fp4moe_sampler_params sp;
+    fp4moe_sampler_params_default(&sp);
+    sp.temperature = (float)a->temp;
+    sp.top_p = (float)a->top_p;
+    sp.top_k = a->top_k;
+    sp.min_p = (float)a->min_p;
+    sp.seed = (uint64_t)a->seed;
+    if (!st) st = fp4moe_sampler_init_params(&g.smp, V, &sp);
     if (!st && !(g.logits = malloc((size_t)V * sizeof(float)))) st = FP4MOE_ENOMEM;
     rc = st ? cli_fail(CMD, st) : run_generation(a, &g, stop);
     gen_free(&g);
@@ -306,6 +313,8 @@ int cmd_generate(int argc, char **argv) {
         {"--tokens", "-n", CLI_INT, &a.n, "N", "tokens to generate (default 128)"},
         {"--temp", NULL, CLI_DOUBLE, &a.temp, "T", "sampling temperature; 0 = greedy (default 0)"},
         {"--top-p", NULL, CLI_DOUBLE, &a.top_p, "P", "nucleus sampling mass in (0, 1] (default 1)"},
+        {"--top-k", NULL, CLI_INT, &a.top_k, "K", "sample among the K most likely tokens; 0 = all (default 0)"},
+        {"--min-p", NULL, CLI_DOUBLE, &a.min_p, "P", "drop tokens below P x the top probability, in [0, 1] (default 0)"},
         {"--seed", NULL, CLI_INT, &a.seed, "S", "sampling seed (default 0)"},
         {"--device", NULL, CLI_STRING, &a.device, "DEV", "cpu, cuda or auto (default auto: cuda when a GPU is visible)"},
         {"--dtype", NULL, CLI_STRING, &a.dtype, "DT", "matmul activations: f32 or bf16 (default f32 on cpu; cuda: bf16 only)"},
@@ -325,6 +334,8 @@ int cmd_generate(int argc, char **argv) {
     if (!a.prompt == !a.prompt_ids) return cli_usage_error(CMD, "give exactly one of -p TEXT and --prompt-ids IDS");
     if (a.n < 1) return cli_usage_error(CMD, "-n must be >= 1");
     if (!(a.top_p > 0.0 && a.top_p <= 1.0)) return cli_usage_error(CMD, "--top-p must be in (0, 1]");
+    if (a.top_k < 0) return cli_usage_error(CMD, "--top-k must be >= 0");
+    if (!(a.min_p >= 0.0 && a.min_p <= 1.0)) return cli_usage_error(CMD, "--min-p must be in [0, 1]");
     if (a.temp < 0.0) return cli_usage_error(CMD, "--temp must be >= 0");
     return generate(&a);
 }
