@@ -45,8 +45,8 @@ fp4moe_qformat fp4moe_qformat_detect(const fp4moe_st_model *m);
 /* Whether the tensor `weight` (named "<m>.weight") is the codes of an NVFP4 module of m.
  * Returns 1 and fills *q when it is, 0 when it is a plain tensor (or not named *.weight), or a
  * negative status when the module is inconsistent: wrong dtypes, scales shape not (..., N, K/16),
- * a global scale that is not F32 with 1 or E elements, MLX ".biases" (affine, not nvfp4:
- * FP4MOE_EUNSUPPORTED). Messages name the tensors. */
+ * a global scale that is not F32 with 1 or E elements, a ModelOpt module without its
+ * weight_scale_2, MLX ".biases" (affine, not nvfp4: FP4MOE_EUNSUPPORTED). Messages name the tensors. */
 int fp4moe_qtensor_of(const fp4moe_st_model *m, const fp4moe_st_tensor *weight, fp4moe_qtensor *q);
 
 /* Decode multiplier of leading index e (0 <= e < E): 1 without a global scale, a/2688 for MLX,

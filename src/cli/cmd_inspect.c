@@ -51,6 +51,13 @@ static void problem(report *r, const char *text) {
 
 /* Scans every scale byte of q; reports NaN bytes (the first MAX_REPORTED of the tensor by index). */
 static void check_scales(report *r, const fp4moe_qtensor *q) {
+    for (int64_t e = 0; q->gs && e < q->E; e++) {      /* global scales: finite and >= 0, as load requires */
+        float gs;
+        if (fp4moe_qtensor_gs(q, e, &gs)) {
+            problem(r, fp4moe_last_error());
+            break;
+        }
+    }
     const uint8_t *s = q->scales->data;
     const int64_t n = q->scales->numel, per_row = q->K / 16;
     int64_t count = 0;

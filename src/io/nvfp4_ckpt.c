@@ -108,6 +108,10 @@ int fp4moe_qtensor_of(const fp4moe_st_model *m, const fp4moe_st_tensor *w, fp4mo
         q->scales = s;
         q->gs = sibling(m, w->name, ".weight", ".weight_scale_2");
         q->input_scale = sibling(m, w->name, ".weight", ".input_scale");
+        if (!q->gs) /* ModelOpt always writes it; a silent 1.0 would decode weights ~1000x too large */
+            return fp4moe_set_error(FP4MOE_EFORMAT, "%s: ModelOpt NVFP4 tensor '%s' has no global scale "
+                                    "'%.*s.weight_scale_2' (the decode multiplier of its block scales)",
+                                    w->file, w->name, (int)(strlen(w->name) - strlen(".weight")), w->name);
         return check_shapes(q, 2);
     }
     return 0;

@@ -6,6 +6,7 @@
 #include "io_helpers.h"
 
 #include <limits.h>
+#include <math.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -653,6 +654,24 @@ static void test_modelopt_dequantize(void **state) {
     assert_memory_equal(t->data, ref, sizeof(float) * N * K);
     assert_memory_equal(fp4moe_st_find(f, "m.kept.weight")->data, keep, sizeof keep);
     fp4moe_st_close(f);
+    /* the global scale missing, or NaN / negative: inspect reports it, dequantize refuses */
+    const float bad_gs[2] = {NAN, -1.0f};
+    for (int k = 0; k < 3; k++) {
+        assert_int_equal(fp4moe_st_writer_new(&w), FP4MOE_OK);
+        assert_int_equal(fp4moe_st_writer_add(w, "m.o_proj.weight", FP4MOE_ST_U8, 2, cs, codes), FP4MOE_OK);
+        assert_int_equal(fp4moe_st_writer_add(w, "m.o_proj.weight_scale", FP4MOE_ST_F8_E4M3, 2, ss, scales), FP4MOE_OK);
+        if (k > 0)
+            assert_int_equal(fp4moe_st_writer_add(w, "m.o_proj.weight_scale_2", FP4MOE_ST_F32, 0, NULL, &bad_gs[k - 1]),
+                             FP4MOE_OK);
+        char bad[512];
+        snprintf(bad, sizeof bad, "%s", io_path(k == 0 ? "modelopt-nogs.safetensors" : "modelopt-badgs.safetensors"));
+        assert_int_equal(fp4moe_st_writer_write(w, bad), FP4MOE_OK);
+        fp4moe_st_writer_free(w);
+        EXPECT_RC(1, "inspect", bad);
+        expect_in(g_out, k == 0 ? "m.o_proj.weight_scale_2" : "not a finite value >= 0");
+        EXPECT_RC(1, "dequantize", "-i", bad, "-o", io_path("never.safetensors"));
+        expect_in(g_err, k == 0 ? "no global scale" : "not a finite value >= 0");
+    }
     free(ref);
     free(wf);
     free(codes);
