@@ -198,6 +198,16 @@ def conversations(rng):
         {"role": "system", "content": "Système: \"quotes\", \\backslashes\\, tabs\t, newlines\n, emoji 😀, 中文"},
         {"role": "user", "content": USER_TEXTS[3]}, {"role": "assistant", "content": ASSISTANT_TEXTS[5]},
         {"role": "user", "content": USER_TEXTS[7]}]))
+    convs.append(("other_roles_and_list_content", [
+        {"role": "developer", "content": "dev note"},
+        {"role": "user", "content": [{"type": "text", "text": "look at this"}, {"type": "image", "url": "x.png"}]}]))
+    # jinja2 raises on these (the engine must fail too)
+    convs.append(("empty_messages", []))
+    convs.append(("string_tool_arguments", [
+        {"role": "user", "content": "call it"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "function": {"name": "search", "arguments": "{\"q\": \"x\"}"}}]},
+        {"role": "user", "content": "again"}]))
     # random conversations
     for i in range(40):
         msgs = []
@@ -312,6 +322,12 @@ LANG = [
     ("bool_arith", "{{ true + 1 }} {{ true * 3 }} {{ 10 - true }}", {}),
     ("string_compare_unicode", "{{ 'é' > 'z' }} {{ 'abc' < 'abd' }} {{ 'ab' < 'abc' }}", {}),
     ("content_is_list", "{% for part in m.content %}{{ part.type }}:{{ part.text | default('-') }};{% endfor %}{{ m.content is string }}", {"m": {"content": [{"type": "text", "text": "hi"}, {"type": "image"}]}}),
+    ("title_filter_vs_method", "{{ 'x,y z-w (a) it\'s' | title }}|{{ 'x,y z-w (a) it\'s'.title() }}", {}),
+    ("select_on_falsy", "{{ n | select('odd') | list }}{{ z | map(attribute='a') | list }}{{ fa | selectattr('x') | list }}", {"n": None, "z": 0, "fa": False}),
+    ("odd_even_float", "{{ 2.5 is odd }}{{ 3.0 is odd }}{{ 4.0 is even }}{{ 7.5 is divisibleby 2.5 }}", {}),
+    ("err_slice_int", "{% set x = n[1:] %}", {"n": 3}),
+    ("err_unhashable_in", "{{ [1] in {'a': 1} }}", {}),
+    ("err_indent_int", "{{ n | indent(2) }}", {"n": 3}),
     # errors (jinja2 fails; so must the engine)
     ("err_syntax_unclosed", "line1\n{% if x %}\nnever closed", {}),
     ("err_syntax_bad_expr", "ok\nok\n{{ 1 + }}", {}),

@@ -95,7 +95,8 @@ static int strip(rctx *r, tv s, const tv *chars, int left, int right, tv *out) {
     return new_str(r, p + a, b - a, out);
 }
 
-static int case_map(rctx *r, tv s, int mode, tv *out) {   /* 0 lower, 1 upper, 2 capitalize, 3 title */
+/* 0 lower, 1 upper, 2 capitalize, 3 str.title(), 4 the title filter (words start after - space ( { [ <) */
+static int case_map(rctx *r, tv s, int mode, tv *out) {
     sbuf b = {0};
     int prev_cased = 0;
     if (sb_put(&b, s.u.s->data, s.u.s->len)) { sb_free(&b); return tmpl_fail(&r->err, FP4MOE_ENOMEM, 0, "out of memory"); }
@@ -108,7 +109,8 @@ static int case_map(rctx *r, tv s, int mode, tv *out) {   /* 0 lower, 1 upper, 2
         else if (mode == 2) up = i == 0;
         else up = !prev_cased;
         if (isalpha(c)) b.p[i] = (char)(up ? toupper(c) : tolower(c));
-        prev_cased = isalpha(c) != 0;
+        if (mode == 4) prev_cased = !(isspace(c) || c == '-' || c == '(' || c == '{' || c == '[' || c == '<');
+        else prev_cased = isalpha(c) != 0;
     }
     return sbuf_to_str(r, 0, &b, out);
 }
@@ -491,8 +493,14 @@ int tmpl_test(rctx *r, int line, const char *t, tv v, const argv_t *a, int *out)
         *out = ok && cased;
         return 0;
     }
-    if (!strcmp(t, "odd") || !strcmp(t, "even")) {
-        if (v.kind != TV_INT && v.kind != TV_BOOL) return FAIL(line, "test '%s' expects an integer, got %s", t, tv_type_name(v));
+    if (!strcmp(t, "odd") || !strcmp(t, "even")) {   /* value % 2 == 1 / == 0, Python's float % too */
+        if (!tv_is_num(v)) return FAIL(line, "test '%s' expects a number, got %s", t, tv_type_name(v));
+        if (v.kind == TV_FLOAT) {
+            double m = fmod(v.u.f, 2.0);
+            if (m < 0) m += 2.0;
+            *out = t[0] == 'o' ? m == 1.0 : m == 0.0;
+            return 0;
+        }
         int64_t i = v.kind == TV_INT ? v.u.i : v.u.b;
         *out = (i % 2 != 0) == (t[0] == 'o');
         return 0;
@@ -520,8 +528,15 @@ int tmpl_test(rctx *r, int line, const char *t, tv v, const argv_t *a, int *out)
         return 0;
     }
     if (!strcmp(t, "divisibleby")) {
-        if ((v.kind != TV_INT && v.kind != TV_BOOL) || (x->kind != TV_INT && x->kind != TV_BOOL))
-            return FAIL(line, "test 'divisibleby' expects integers");
+        if (!tv_is_num(v) || !tv_is_num(*x)) return FAIL(line, "test 'divisibleby' expects numbers");
+        if (v.kind == TV_FLOAT || x->kind == TV_FLOAT) {
+            double y = tv_num(*x);
+            if (y == 0) return FAIL(line, "float modulo by zero");
+            double m = fmod(tv_num(v), y);
+            if (m != 0 && ((m < 0) != (y < 0))) m += y;
+            *out = m == 0.0;
+            return 0;
+        }
         int64_t i = v.kind == TV_INT ? v.u.i : v.u.b, j = x->kind == TV_INT ? x->u.i : x->u.b;
         if (j == 0) return FAIL(line, "integer division or modulo by zero");
         *out = j == -1 || i % j == 0;
@@ -660,7 +675,7 @@ static int f_capitalize(rctx *r, int line, tv v, const argv_t *a, tv *out) {
 static int f_title(rctx *r, int line, tv v, const argv_t *a, tv *out) {
     tv s;
     if (f_string(r, line, v, a, &s)) return -1;
-    int rc = case_map(r, s, 3, out);
+    int rc = case_map(r, s, 4, out);
     tv_unref(s);
     return rc;
 }
@@ -804,6 +819,7 @@ static int sub_args(const argv_t *a, size_t from, argv_t *sub) {
 
 static int sel(rctx *r, int line, tv v, const argv_t *a, tv *out, int attr_mode, int keep) {
     tv items;
+    if (!tv_truthy(v)) return tv_list_new(&r->err, out);    /* jinja2: `if seq: for item in seq` */
     if (tmpl_iter_list(r, line, v, &items)) return -1;
     const tv *attr = NULL;
     size_t tpos = 0;
@@ -843,6 +859,7 @@ static int f_rejectattr(rctx *r, int line, tv v, const argv_t *a, tv *out) { ret
 
 static int f_map(rctx *r, int line, tv v, const argv_t *a, tv *out) {
     tv items;
+    if (!tv_truthy(v)) return tv_list_new(&r->err, out);    /* jinja2: `if value: for item in value` */
     if (tmpl_iter_list(r, line, v, &items)) return -1;
     const tv *attr = arg(a, 999, "attribute"), *def = arg(a, 999, "default");
     const tv *fname = attr ? NULL : arg(a, 0, NULL);
@@ -1078,7 +1095,11 @@ static int f_indent(rctx *r, int line, tv v, const argv_t *a, tv *out) {
         for (int64_t i = 0; i < n && i < 1024; i++) sb_putc(&ind, ' ');
     }
     tv s;
-    if (f_string(r, line, v, a, &s)) { sb_free(&ind); return -1; }
+    if (v.kind != TV_STR) {   /* jinja2 does `s += "\n"` first: a TypeError for anything but a string */
+        sb_free(&ind);
+        return FAIL(line, "indent expects a string, got %s", tv_type_name(v));
+    }
+    s = tv_ref(v);
     /* lines = (s + "\n").splitlines() */
     sbuf src = {0};
     if (sb_put(&src, s.u.s->data, s.u.s->len) || sb_putc(&src, '\n')) { tv_unref(s); sb_free(&ind); sb_free(&src); return too_big(r, line); }

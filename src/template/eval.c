@@ -205,10 +205,8 @@ static int do_slice(rctx *r, frame *f, const tnode *n, tv obj, tv *out) {
     if (step == 0) return tmpl_fail(&r->err, FP4MOE_EFORMAT, n->line, "slice step cannot be zero");
     if (step == INT64_MIN) step = -INT64_MAX;
     if (obj.kind == TV_UNDEF) return undefined_error(r, n->a);
-    if (obj.kind != TV_LIST && obj.kind != TV_STR) {
-        *out = tv_undef();
-        return 0;
-    }
+    if (obj.kind != TV_LIST && obj.kind != TV_STR)   /* Jinja compiles slices to a raw Python subscript */
+        return tmpl_fail(&r->err, FP4MOE_EFORMAT, n->line, "'%s' object is not subscriptable (slice)", tv_type_name(obj));
     int64_t len = obj.kind == TV_LIST ? (int64_t)obj.u.l->n : (int64_t)u8_len(obj.u.s->data, obj.u.s->len);
     int64_t a, b;
     slice_idx(hs, s, step, len, 1, &a);
@@ -399,6 +397,8 @@ static int contains(rctx *r, int line, tv needle, tv hay, int *res) {
         return 0;
     case TV_DICT: case TV_NS: {
         int found;
+        if (needle.kind == TV_LIST || needle.kind == TV_DICT)
+            return tmpl_fail(&r->err, FP4MOE_EFORMAT, line, "unhashable type: '%s'", tv_type_name(needle));
         (void)tv_dict_get(hay.u.d, needle, &found);
         *res = found;
         return 0;
