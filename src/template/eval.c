@@ -51,10 +51,16 @@ static int undefined_error(rctx *r, const tnode *n) {
 }
 
 /* ---- variables ------------------------------------------------------------------------------- */
-static tv lookup(const frame *f, const char *name, int *found) {
+static tv lookup(const rctx *r, const frame *f, const char *name, int *found) {
+    const frame *start = f;
+    (void)r;
     for (; f; f = f->parent) {
         tv v = tv_dict_gets(f->vars.u.d, name, found);
         if (*found) return v;
+        if (f != start && f->undef_first) {   /* stored later in that scope: undefined until then */
+            (void)tv_dict_gets(f->undef_first, name, found);
+            if (*found) return tv_undef();
+        }
     }
     int fn = tmpl_global_fn(name);
     if (fn && fn != FN_LOOP_CYCLE) {
@@ -74,8 +80,13 @@ static int set_var(rctx *r, frame *f, const char *name, tv val) {   /* takes val
     return tv_dict_set(&r->err, f->vars.u.d, k, val);
 }
 
+static void frame_scope(frame *fr, const tnode *body) {
+    fr->undef_first = body && body->scope.kind == TV_DICT ? body->scope.u.d : NULL;
+}
+
 static int frame_init(rctx *r, frame *fr, frame *parent) {
     fr->parent = parent;
+    fr->undef_first = NULL;
     return tv_dict_new(&r->err, &fr->vars);
 }
 
@@ -467,6 +478,7 @@ static int call_macro(rctx *r, int line, const tnode *m, const argv_t *a, tv *ou
     if (tmpl_step(r, line)) return -1;
     frame fr;
     if (frame_init(r, &fr, r->root)) return -1;
+    frame_scope(&fr, m->b);
     size_t npos = 0;
     for (size_t i = 0; i < a->n; i++) if (!a->names[i]) npos++;
     if (npos > m->list.n) {
@@ -573,7 +585,7 @@ static int eval(rctx *r, frame *f, const tnode *n, tv *out) {
     tv a, b;
     switch (n->kind) {
     case N_CONST: *out = tv_ref(n->lit); return 0;
-    case N_NAME: *out = tv_ref(lookup(f, n->name, &found)); return 0;
+    case N_NAME: *out = tv_ref(lookup(r, f, n->name, &found)); return 0;
     case N_LIST: case N_TUPLE:
         if (tv_list_new(&r->err, out)) return -1;
         out->u.l->is_tuple = n->kind == N_TUPLE;
@@ -688,15 +700,23 @@ static int assign(rctx *r, frame *f, const tnode *target, tv val) {   /* takes v
     if (target->kind == N_NAME) return set_var(r, f, target->name, val);
     if (target->kind == N_GETATTR) {
         int found;
-        tv ns = lookup(f, target->a->name, &found);
+        tv ns = lookup(r, f, target->a->name, &found);
         if (ns.kind != TV_NS) {
             tv_unref(val);
             return tmpl_fail(&r->err, FP4MOE_EFORMAT, target->line, "cannot assign attribute on non-namespace object '%s'",
                              target->a->name);
         }
+        if (tv_holds(val, ns.u.d)) {
+            tv_unref(val);
+            return tmpl_fail(&r->err, FP4MOE_EUNSUPPORTED, target->line, "a namespace cannot hold itself (ns.%s)", target->name);
+        }
         tv k;
         if (tv_str_new(&r->err, target->name, strlen(target->name), &k)) { tv_unref(val); return -1; }
-        return tv_dict_set(&r->err, ns.u.d, k, val);
+        if (tv_dict_set(&r->err, ns.u.d, k, val)) {
+            if (!r->err.line) r->err.line = target->line;
+            return -1;
+        }
+        return 0;
     }
     /* tuple unpacking */
     tv items;
@@ -750,6 +770,7 @@ static int exec_for(rctx *r, frame *f, const tnode *n, sbuf *out) {
         frame fr;
         tv loop;
         if (tmpl_step(r, n->line) || frame_init(r, &fr, f)) { rc = -1; break; }
+        frame_scope(&fr, n->d);
         if (tv_dict_new(&r->err, &loop)) { tv_unref(fr.vars); rc = -1; break; }
         tv_dict *d = loop.u.d;
         d->is_loop = 1;
@@ -769,8 +790,12 @@ static int exec_for(rctx *r, frame *f, const tnode *n, sbuf *out) {
         else if (x == EX_BREAK) break;
     }
     tv_unref(items);
-    if (!rc && len == 0 && n->list2.n) {
-        int x = tmpl_eval_body(r, n->list2.v[0], f, out);
+    if (!rc && len == 0 && n->list2.n) {   /* the else body: a scope of its own, like the loop body */
+        frame fr;
+        if (frame_init(r, &fr, f)) return -1;
+        frame_scope(&fr, n->list2.v[0]);
+        int x = tmpl_eval_body(r, n->list2.v[0], &fr, out);
+        tv_unref(fr.vars);
         return x < 0 ? -1 : x;
     }
     return rc ? -1 : 0;
@@ -807,7 +832,11 @@ static int exec_stmt(rctx *r, frame *f, const tnode *n, sbuf *out) {
     case N_SETBLOCK: case N_FILTERBLOCK: {
         sbuf b = {0};
         b.limit = r->max_output;
-        int x = tmpl_eval_body(r, n->b, f, &b);
+        frame fr;                      /* the body is a scope of its own (its sets do not leak) */
+        if (frame_init(r, &fr, f)) return -1;
+        frame_scope(&fr, n->b);
+        int x = tmpl_eval_body(r, n->b, &fr, &b);
+        tv_unref(fr.vars);
         if (x < 0) { sb_free(&b); return -1; }
         tv text, res;
         int rc = tv_str_new(&r->err, b.p ? b.p : "", b.n, &text);
@@ -844,3 +873,124 @@ int tmpl_eval_body(rctx *r, const tnode *body, frame *f, sbuf *out) {
     }
     return 0;
 }
+
+/* ---- scope analysis (jinja2/idtracking.py) ---------------------------------------------------- */
+typedef struct chain { const tv_dict *refs; const struct chain *up; } chain;
+
+static int chain_has(const chain *c, const char *name) {
+    int found = 0;
+    for (; c && !found; c = c->up) (void)tv_dict_gets(c->refs, name, &found);
+    return found;
+}
+
+/* d: name -> true (starts undefined) / false (resolved or aliased); the first reference decides */
+static int note(tmpl_err *e, tv_dict *d, const chain *up, const char *name, int undefined_first) {
+    int found;
+    (void)tv_dict_gets(d, name, &found);
+    if (found) return 0;
+    tv k;
+    if (tv_str_new(e, name, strlen(name), &k)) return -1;
+    return tv_dict_set(e, d, k, tv_bool(undefined_first && !chain_has(up, name)));
+}
+
+static int note_loads(tmpl_err *e, tv_dict *d, const chain *up, const tnode *n) {
+    if (!n) return 0;
+    if (n->kind == N_NAME && note(e, d, up, n->name, 0)) return -1;
+    if (note_loads(e, d, up, n->a) || note_loads(e, d, up, n->b) || note_loads(e, d, up, n->c) ||
+        note_loads(e, d, up, n->d))
+        return -1;
+    for (size_t i = 0; i < n->list.n; i++) if (note_loads(e, d, up, n->list.v[i])) return -1;
+    for (size_t i = 0; i < n->list2.n; i++) if (note_loads(e, d, up, n->list2.v[i])) return -1;
+    return 0;
+}
+
+static int note_store(tmpl_err *e, tv_dict *d, const chain *up, const tnode *t, int in_branch) {
+    if (t->kind == N_NAME) return note(e, d, up, t->name, !in_branch);
+    if (t->kind == N_GETATTR) return note(e, d, up, t->a->name, 0);     /* ns.attr: a load of ns */
+    for (size_t i = 0; i < t->list.n; i++)
+        if (note_store(e, d, up, t->list.v[i], in_branch)) return -1;
+    return 0;
+}
+
+/* One scope's statements in order; if branches belong to the scope (in_branch: stores resolve). */
+static int walk_scope(tmpl_err *e, tv_dict *d, const chain *up, const tnode *body, int in_branch) {
+    if (!body) return 0;
+    for (size_t i = 0; i < body->list.n; i++) {
+        const tnode *s = body->list.v[i];
+        int rc = 0;
+        switch (s->kind) {
+        case N_OUTPUT: rc = note_loads(e, d, up, s->a); break;
+        case N_SET: rc = note_loads(e, d, up, s->b) || note_store(e, d, up, s->a, in_branch); break;
+        case N_SETBLOCK: rc = note_store(e, d, up, s->a, in_branch); break;
+        case N_MACRO: rc = note(e, d, up, s->name, !in_branch); break;
+        case N_FOR: rc = note_loads(e, d, up, s->b); break;
+        case N_FILTERBLOCK: rc = note_loads(e, d, up, s->c); break;
+        case N_BODY: rc = walk_scope(e, d, up, s, in_branch); break;
+        case N_IF:
+            for (const tnode *b = s; b && !rc; b = b->c && b->c->kind == N_IF ? b->c : NULL) {
+                rc = note_loads(e, d, up, b->a) || walk_scope(e, d, up, b->b, 1);
+                if (!rc && b->c && b->c->kind != N_IF) rc = walk_scope(e, d, up, b->c, 1);
+            }
+            break;
+        default: break;
+        }
+        if (rc) return -1;
+    }
+    return 0;
+}
+
+static int analyze(tmpl_err *e, tnode *body, const chain *up, const tnode *owner);
+
+/* The scopes nested directly in this scope's statements (inside its if branches too). */
+static int analyze_nested(tmpl_err *e, tnode *body, const chain *here) {
+    if (!body) return 0;
+    for (size_t i = 0; i < body->list.n; i++) {
+        tnode *s = body->list.v[i];
+        int rc = 0;
+        switch (s->kind) {
+        case N_FOR:
+            rc = analyze(e, s->d, here, s);
+            if (!rc && s->list2.n) rc = analyze(e, s->list2.v[0], here, NULL);
+            break;
+        case N_MACRO: rc = analyze(e, s->b, here, s); break;
+        case N_SETBLOCK: case N_FILTERBLOCK: rc = analyze(e, s->b, here, NULL); break;
+        case N_BODY: rc = analyze_nested(e, s, here); break;
+        case N_IF:
+            for (tnode *b = s; b && !rc; b = b->c && b->c->kind == N_IF ? b->c : NULL) {
+                rc = analyze_nested(e, b->b, here);
+                if (!rc && b->c && b->c->kind != N_IF) rc = analyze_nested(e, b->c, here);
+            }
+            break;
+        default: break;
+        }
+        if (rc) return -1;
+    }
+    return 0;
+}
+
+static int analyze(tmpl_err *e, tnode *body, const chain *up, const tnode *owner) {
+    tv refs;
+    if (!body || tv_dict_new(e, &refs)) return body ? -1 : 0;
+    int rc = 0;
+    if (owner && owner->kind == N_FOR) {           /* loop variables are parameters */
+        rc = note(e, refs.u.d, up, "loop", 0) || note_store(e, refs.u.d, up, owner->a, 1) ||
+             note_loads(e, refs.u.d, up, owner->c);
+    } else if (owner && owner->kind == N_MACRO) {
+        for (size_t i = 0; i < owner->list.n && !rc; i++) rc = note(e, refs.u.d, up, owner->list.v[i]->name, 0);
+        for (size_t i = 0; i < owner->list.n && !rc; i++) rc = note_loads(e, refs.u.d, up, owner->list.v[i]->a);
+    }
+    if (!rc) rc = walk_scope(e, refs.u.d, up, body, 0);
+    chain here = {refs.u.d, up};
+    if (!rc) rc = analyze_nested(e, body, &here);
+    tv undef;
+    if (!rc) rc = tv_dict_new(e, &undef);
+    for (size_t i = 0; i < refs.u.d->n && !rc; i++)
+        if (refs.u.d->vals[i].u.b) rc = tv_dict_set(e, undef.u.d, tv_ref(refs.u.d->keys[i]), tv_bool(1));
+    tv_unref(refs);
+    if (rc) return -1;
+    tv_unref(body->scope);
+    body->scope = undef;
+    return 0;
+}
+
+int tmpl_analyze_scopes(tmpl_err *e, tnode *body) { return analyze(e, body, NULL, NULL); }

@@ -93,6 +93,7 @@ void tmpl_node_free(tnode *n) {
     if (!n) return;
     free(n->name);
     tv_unref(n->lit);
+    tv_unref(n->scope);
     tmpl_node_free(n->a);
     tmpl_node_free(n->b);
     tmpl_node_free(n->c);
@@ -119,6 +120,22 @@ static int enter(parser *P) {
     }
     return 0;
 }
+
+/* One more link of a left-nested chain (a + b + c, x|f|g, a.b[c]): counted as a nesting level so
+ * that evaluating and freeing the tree stays within MAX_NEST recursion. On failure frees *n,
+ * sets it NULL and returns -1; the caller restores P->depth. */
+static int chain_step(parser *P, tnode **n) {
+    if (P->depth + 1 > MAX_NEST) {
+        tmpl_fail(P->e, FP4MOE_EFORMAT, cur(P)->line, "expression nested too deeply (more than %d levels)", MAX_NEST);
+        tmpl_node_free(*n);
+        *n = NULL;
+        return -1;
+    }
+    P->depth++;
+    return 0;
+}
+static tnode *p_postfix_loop(parser *P, tnode *n);
+static tnode *p_filter_chain_loop(parser *P, tnode *n);
 
 /* `a, b, c` (a tuple) or a single expression; condexpr=0 parses `or` level items (for/if heads). */
 static tnode *p_tuple(parser *P, int condexpr) {
@@ -173,21 +190,25 @@ static tnode *binop(parser *P, node_kind k, int op, int line, tnode *a, tnode *b
 static tnode *p_not(parser *P);
 static tnode *p_and(parser *P) {
     tnode *a = p_not(P);
-    while (a && is_name(cur(P), "and")) {
+    int d0 = P->depth;
+    while (a && is_name(cur(P), "and") && !chain_step(P, &a)) {
         int line = cur(P)->line;
         adv(P);
         a = binop(P, N_AND, 0, line, a, p_not(P));
     }
+    P->depth = d0;
     return a;
 }
 
 static tnode *p_or(parser *P) {
     tnode *a = p_and(P);
-    while (a && is_name(cur(P), "or")) {
+    int d0 = P->depth;
+    while (a && is_name(cur(P), "or") && !chain_step(P, &a)) {
         int line = cur(P)->line;
         adv(P);
         a = binop(P, N_OR, 0, line, a, p_and(P));
     }
+    P->depth = d0;
     return a;
 }
 
@@ -244,28 +265,33 @@ static tnode *p_not(parser *P) {
 static tnode *p_concat(parser *P);
 static tnode *p_math1(parser *P) {
     tnode *a = p_concat(P);
-    while (a && (is_op(cur(P), "+") || is_op(cur(P), "-"))) {
+    int d0 = P->depth;
+    while (a && (is_op(cur(P), "+") || is_op(cur(P), "-")) && !chain_step(P, &a)) {
         int op = cur(P)->text[0] == '+' ? OP_ADD : OP_SUB, line = cur(P)->line;
         adv(P);
         a = binop(P, N_BIN, op, line, a, p_concat(P));
     }
+    P->depth = d0;
     return a;
 }
 
 static tnode *p_math2(parser *P);
 static tnode *p_concat(parser *P) {
     tnode *a = p_math2(P);
-    while (a && is_op(cur(P), "~")) {
+    int d0 = P->depth;
+    while (a && is_op(cur(P), "~") && !chain_step(P, &a)) {
         int line = cur(P)->line;
         adv(P);
         a = binop(P, N_BIN, OP_CONCAT, line, a, p_math2(P));
     }
+    P->depth = d0;
     return a;
 }
 
 static tnode *p_pow(parser *P);
 static tnode *p_math2(parser *P) {
     tnode *a = p_pow(P);
+    int d0 = P->depth;
     for (;;) {
         const token *t = cur(P);
         int op = -1;
@@ -273,7 +299,7 @@ static tnode *p_math2(parser *P) {
         else if (is_op(t, "/")) op = OP_DIV;
         else if (is_op(t, "//")) op = OP_FLOORDIV;
         else if (is_op(t, "%")) op = OP_MOD;
-        if (!a || op < 0) return a;
+        if (!a || op < 0 || chain_step(P, &a)) { P->depth = d0; return a; }
         adv(P);
         a = binop(P, N_BIN, op, t->line, a, p_pow(P));
     }
@@ -281,11 +307,13 @@ static tnode *p_math2(parser *P) {
 
 static tnode *p_pow(parser *P) {
     tnode *a = p_unary(P, 1);
-    while (a && is_op(cur(P), "**")) {
+    int d0 = P->depth;
+    while (a && is_op(cur(P), "**") && !chain_step(P, &a)) {
         int line = cur(P)->line;
         adv(P);
         a = binop(P, N_BIN, OP_POW, line, a, p_unary(P, 1));
     }
+    P->depth = d0;
     return a;
 }
 
@@ -377,7 +405,15 @@ fail:
 }
 
 static tnode *p_postfix(parser *P, tnode *n) {
+    int d0 = P->depth;
+    tnode *r = p_postfix_loop(P, n);
+    P->depth = d0;
+    return r;
+}
+
+static tnode *p_postfix_loop(parser *P, tnode *n) {
     for (;;) {
+        if (chain_step(P, &n)) return n;
         const token *t = cur(P);
         if (is_op(t, ".")) {
             adv(P);
@@ -450,7 +486,15 @@ static tnode *p_filter(parser *P, tnode *operand) {
 }
 
 static tnode *p_filter_chain(parser *P, tnode *n) {
+    int d0 = P->depth;
+    tnode *r = p_filter_chain_loop(P, n);
+    P->depth = d0;
+    return r;
+}
+
+static tnode *p_filter_chain_loop(parser *P, tnode *n) {
     for (;;) {
+        if (chain_step(P, &n)) return n;
         const token *t = cur(P);
         if (is_op(t, "|")) {
             n = p_filter(P, n);

@@ -27,6 +27,10 @@ int fp4moe_template_compile(const char *src, size_t len, fp4moe_template **out) 
     int rc = tmpl_parse(&e, &toks, &body);
     tmpl_tokens_free(&toks);
     if (rc) return report(&e);
+    if (tmpl_analyze_scopes(&e, body)) {
+        tmpl_node_free(body);
+        return report(&e);
+    }
     fp4moe_template *t = calloc(1, sizeof *t);
     if (!t) {
         tmpl_node_free(body);
@@ -50,7 +54,7 @@ int fp4moe_template_render(const fp4moe_template *tmpl, const cJSON *context,
     r.max_output = limits && limits->max_output_bytes ? limits->max_output_bytes : (size_t)64 << 20;
     r.max_depth = limits && limits->max_macro_depth > 0 ? limits->max_macro_depth : 64;
     r.max_steps = limits && limits->max_steps ? limits->max_steps : 50000000ull;
-    frame globals = {tv_undef(), NULL}, root = {tv_undef(), &globals};
+    frame globals = {tv_undef(), NULL, NULL}, root = {tv_undef(), &globals, NULL};
     int rc = 0;
     if (context) rc = tv_from_json(&r.err, context, &globals.vars);
     else rc = tv_dict_new(&r.err, &globals.vars);
@@ -59,6 +63,7 @@ int fp4moe_template_render(const fp4moe_template *tmpl, const cJSON *context,
     b.limit = r.max_output;
     if (!rc) {
         r.root = &root;
+        root.undef_first = tmpl->body->scope.kind == TV_DICT ? tmpl->body->scope.u.d : NULL;
         rc = tmpl_eval_body(&r, tmpl->body, &root, &b) < 0 ? -1 : 0;
     }
     tv_unref(root.vars);

@@ -71,8 +71,11 @@ typedef struct {
 } tv;
 
 struct tv_str { int refs; size_t len; char data[]; };
-struct tv_list { int refs; int is_tuple; size_t n, cap; tv *items; };   /* a tuple prints as (a, b) */
-struct tv_dict { int refs; int is_loop; size_t n, cap; tv *keys, *vals; };
+/* depth: 1 + the deepest list/dict inside (bounded by TV_MAX_DEPTH, so that printing, comparing
+ * and freeing values cannot recurse without limit) */
+#define TV_MAX_DEPTH 256
+struct tv_list { int refs; int is_tuple; int depth; size_t n, cap; tv *items; };   /* a tuple prints as (a, b) */
+struct tv_dict { int refs; int is_loop; int depth; size_t n, cap; tv *keys, *vals; };
 
 static inline tv tv_undef(void) { tv v; v.kind = TV_UNDEF; v.u.i = 0; return v; }
 static inline tv tv_none(void) { tv v; v.kind = TV_NONE; v.u.i = 0; return v; }
@@ -92,6 +95,9 @@ int tv_dict_set(tmpl_err *e, tv_dict *d, tv key, tv val);   /* takes both refere
 tv tv_dict_get(const tv_dict *d, tv key, int *found);       /* borrowed */
 tv tv_dict_gets(const tv_dict *d, const char *key, int *found);
 int tv_from_json(tmpl_err *e, const cJSON *j, tv *out);     /* integral numbers become ints */
+int tv_depth(tv v);                                          /* 0 for scalars */
+/* Does v (transitively) hold the container d? (a namespace must not come to contain itself) */
+int tv_holds(tv v, const tv_dict *d);
 
 int tv_truthy(tv v);
 int tv_eq(tv a, tv b);
@@ -163,6 +169,8 @@ struct tnode {
     int op;                 /* N_BIN / N_CMPOP: op_kind; N_OUTPUT etc.: unused */
     char *name;             /* N_NAME, N_GETATTR, N_FILTER, N_TEST, N_KW, N_MACRO, N_PARAM */
     tv lit;                 /* N_CONST, N_TEXT */
+    tv scope;               /* N_BODY of a scope (template, loop, macro, block set): a dict of the
+                               names that start undefined there (see tmpl_analyze_scopes) */
     tnode *a, *b, *c, *d;   /* operands / target / iterable / condition */
     node_vec list;          /* body / args / items / dict keys / chained comparison ops */
     node_vec list2;         /* else body / dict values / macro body */
@@ -177,6 +185,7 @@ typedef struct frame frame;
 struct frame {
     tv vars;               /* TV_DICT */
     frame *parent;
+    const tv_dict *undef_first;   /* the scope's names that start undefined (NULL: none) */
 };
 
 typedef struct {
@@ -188,6 +197,13 @@ typedef struct {
     uint64_t steps;
     frame *root;            /* template-level variables (parent: globals) */
 } rctx;
+
+/* Jinja's compile-time scoping (jinja2/idtracking.py), computed once after parsing: in every
+ * scope (template, loop body, macro body, block set), a name whose first reference there is a
+ * direct store (set / block set / macro, not inside an if) and which no enclosing scope references
+ * starts undefined: a nested scope reading it before the store sees undefined, not the value of an
+ * outer scope or of the context. Fills tnode.scope of each scope body. */
+int tmpl_analyze_scopes(tmpl_err *e, tnode *body);
 
 int tmpl_eval_body(rctx *r, const tnode *body, frame *f, sbuf *out);
 

@@ -103,6 +103,7 @@ int tv_list_new(tmpl_err *e, tv *out) {
     tv_list *l = calloc(1, sizeof *l);
     if (!l) return tmpl_fail(e, FP4MOE_ENOMEM, 0, "out of memory (list)");
     l->refs = 1;
+    l->depth = 1;
     out->kind = TV_LIST;
     out->u.l = l;
     return 0;
@@ -112,12 +113,37 @@ int tv_dict_new(tmpl_err *e, tv *out) {
     tv_dict *d = calloc(1, sizeof *d);
     if (!d) return tmpl_fail(e, FP4MOE_ENOMEM, 0, "out of memory (dict)");
     d->refs = 1;
+    d->depth = 1;
     out->kind = TV_DICT;
     out->u.d = d;
     return 0;
 }
 
+int tv_depth(tv v) {
+    if (v.kind == TV_LIST) return v.u.l->depth;
+    if (v.kind == TV_DICT || v.kind == TV_NS) return v.u.d->depth;
+    return 0;
+}
+
+int tv_holds(tv v, const tv_dict *d) {
+    if ((v.kind == TV_DICT || v.kind == TV_NS) && v.u.d == d) return 1;
+    if (v.kind == TV_LIST) {
+        for (size_t i = 0; i < v.u.l->n; i++) if (tv_holds(v.u.l->items[i], d)) return 1;
+    } else if (v.kind == TV_DICT || v.kind == TV_NS) {
+        for (size_t i = 0; i < v.u.d->n; i++) if (tv_holds(v.u.d->vals[i], d)) return 1;
+    }
+    return 0;
+}
+
+static int too_deep(tmpl_err *e, tv v) {
+    tv_unref(v);
+    return tmpl_fail(e, FP4MOE_EOVERFLOW, 0, "value nested deeper than %d lists / dicts", TV_MAX_DEPTH);
+}
+
 int tv_list_push(tmpl_err *e, tv_list *l, tv v) {
+    int dv = tv_depth(v);
+    if (dv + 1 > TV_MAX_DEPTH) return too_deep(e, v);
+    if (dv + 1 > l->depth) l->depth = dv + 1;
     if (l->n == l->cap) {
         size_t cap = l->cap ? l->cap * 2 : 8;
         tv *p = cap < SIZE_MAX / sizeof(tv) ? realloc(l->items, cap * sizeof(tv)) : NULL;
@@ -140,6 +166,9 @@ static long dict_find(const tv_dict *d, tv key) {
 }
 
 int tv_dict_set(tmpl_err *e, tv_dict *d, tv key, tv val) {
+    int dv = tv_depth(val) > tv_depth(key) ? tv_depth(val) : tv_depth(key);
+    if (dv + 1 > TV_MAX_DEPTH) { tv_unref(key); return too_deep(e, val); }
+    if (dv + 1 > d->depth) d->depth = dv + 1;   /* an upper bound (a replaced value may have been deeper) */
     long i = dict_find(d, key);
     if (i >= 0) {
         tv_unref(key);

@@ -307,6 +307,17 @@ static void test_limits(void **state) {
     for (int i = 0; i < 250 && k < sizeof deep - 8; i++) deep[k++] = ')';
     snprintf(deep + k, sizeof deep - k, " }}");
     expect_error(deep, NULL, FP4MOE_EFORMAT, "nested too deeply");
+    /* long left-nested chains are bounded like nesting (evaluation and freeing recurse on them) */
+    char chain[8192];
+    k = (size_t)snprintf(chain, sizeof chain, "{{ 1");
+    for (int i = 0; i < 1000; i++) k += (size_t)snprintf(chain + k, sizeof chain - k, " + 1");
+    snprintf(chain + k, sizeof chain - k, " }}");
+    expect_error(chain, NULL, FP4MOE_EFORMAT, "nested too deeply");
+    /* values nested without bound, and a namespace holding itself */
+    expect_error("{% set ns = namespace(v=[]) %}{% for i in range(1000) %}{% set ns.v = [ns.v] %}{% endfor %}", NULL,
+                 FP4MOE_EOVERFLOW, "nested deeper than");
+    expect_error("{% set ns = namespace(v=1) %}{% set ns.v = [1, {'a': ns}] %}", NULL, FP4MOE_EUNSUPPORTED,
+                 "cannot hold itself");
     /* and the same template within the limits renders */
     expect_render("{% macro f(n) %}{% if n < 30 %}{{ f(n + 1) }}{% else %}{{ n }}{% endif %}{% endmacro %}{{ f(0) }}", NULL, "30");
 }
