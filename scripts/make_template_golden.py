@@ -340,6 +340,7 @@ LANG = [
     ("scope_nested_loop_sees_later_store", "{% for x in [1,2] %}{% for z in [0] %}[{{ s }}]{% endfor %}{% set s = x %}{% endfor %}", {"s": "ctx"}),
     ("scope_blockset_no_leak", "{% set b %}{% set z = 1 %}{% endset %}[{{ z }}]{% filter upper %}{% set w = 1 %}{% endfilter %}[{{ w }}]", {}),
     ("scope_set_self", "{% for x in [1] %}[{{ n }}]{% endfor %}{% set n = n %}", {"n": 2}),
+    ("unicode_case", "{{ s.upper() }}|{{ s.lower() }}|{{ s.title() }}|{{ s | title }}|{{ s | capitalize }}|{{ s | wordcount }}", {"s": "straße ÉCOLE élan ŉ ΟΔΟΣ Σ'α привет МИР 東京 abc😀def it's"}),
     ("safe_makes_string", "{{ not [] | safe }} {{ 5 | safe ~ 1 }}", {}),
     ("err_test_extra_arg", "{{ 1 is false not in [] }}", {}),
     # errors (jinja2 fails; so must the engine)

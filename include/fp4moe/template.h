@@ -21,8 +21,10 @@
  * printf-style '%' on strings, str.format, filters batch/slice/format/truncate/wordwrap/groupby/...
  * Known differences from CPython: integers are 64-bit (overflow is an error, not a bigint); JSON
  * numbers with an integral value become ints (cJSON does not keep "1.0" apart from "1"), so
- * tojson prints 1 where Python would print 1.0; upper/lower/title/capitalize change ASCII letters
- * only; wordcount treats every non-ASCII character as a word character.
+ * tojson prints 1 where Python would print 1.0; upper/lower/title/capitalize know the cases of
+ * ASCII, Latin-1, Latin Extended-A, Greek, Cyrillic and fullwidth Latin only (other scripts are left
+ * as they are); wordcount's \w and str.isalpha/isdigit are approximations outside ASCII;
+ * printf-style '%' and str.format are not implemented.
  *
  * Errors follow include/fp4moe/types.h: a status code plus fp4moe_last_error(), whose message
  * starts with "template line N: " when a line is known. */

@@ -95,23 +95,125 @@ static int strip(rctx *r, tv s, const tv *chars, int left, int right, tv *out) {
     return new_str(r, p + a, b - a, out);
 }
 
+/* Simple case mappings of Python's str methods for ASCII, Latin-1, Latin Extended-A, Greek, Cyrillic
+ * and fullwidth Latin; other characters have no case here. */
+static uint32_t cp_upper(uint32_t c) {
+    if (c >= 'a' && c <= 'z') return c - 32;
+    if (c < 0x80) return c;
+    if (c == 0xB5) return 0x39C;
+    if (c >= 0xE0 && c <= 0xFE && c != 0xF7) return c - 0x20;
+    if (c == 0xFF) return 0x178;
+    if (((c >= 0x100 && c <= 0x12F) || (c >= 0x132 && c <= 0x137) || (c >= 0x14A && c <= 0x177)) && (c & 1)) return c - 1;
+    if (((c >= 0x139 && c <= 0x148) || (c >= 0x179 && c <= 0x17E)) && !(c & 1)) return c - 1;
+    if (c == 0x131) return 'I';
+    if (c == 0x17F) return 'S';
+    if ((c >= 0x3B1 && c <= 0x3C1) || (c >= 0x3C3 && c <= 0x3CB)) return c - 0x20;
+    if (c == 0x3C2) return 0x3A3;
+    if (c == 0x3AC) return 0x386;
+    if (c >= 0x3AD && c <= 0x3AF) return c - 0x25;
+    if (c == 0x3CC) return 0x38C;
+    if (c == 0x3CD || c == 0x3CE) return c - 0x3F;
+    if (c >= 0x430 && c <= 0x44F) return c - 0x20;
+    if (c >= 0x450 && c <= 0x45F) return c - 0x50;
+    if (((c >= 0x460 && c <= 0x481) || (c >= 0x48A && c <= 0x4BF)) && (c & 1)) return c - 1;
+    if (c >= 0xFF41 && c <= 0xFF5A) return c - 0x20;
+    return c;
+}
+
+static uint32_t cp_lower(uint32_t c) {
+    if (c >= 'A' && c <= 'Z') return c + 32;
+    if (c < 0x80) return c;
+    if (c >= 0xC0 && c <= 0xDE && c != 0xD7) return c + 0x20;
+    if (c == 0x178) return 0xFF;
+    if (((c >= 0x100 && c <= 0x12F) || (c >= 0x132 && c <= 0x137) || (c >= 0x14A && c <= 0x177)) && !(c & 1)) return c + 1;
+    if (((c >= 0x139 && c <= 0x148) || (c >= 0x179 && c <= 0x17E)) && (c & 1)) return c + 1;
+    if ((c >= 0x391 && c <= 0x3A1) || (c >= 0x3A3 && c <= 0x3AB)) return c + 0x20;
+    if (c == 0x386) return 0x3AC;
+    if (c >= 0x388 && c <= 0x38A) return c + 0x25;
+    if (c == 0x38C) return 0x3CC;
+    if (c == 0x38E || c == 0x38F) return c + 0x3F;
+    if (c >= 0x410 && c <= 0x42F) return c + 0x20;
+    if (c >= 0x400 && c <= 0x40F) return c + 0x50;
+    if (((c >= 0x460 && c <= 0x481) || (c >= 0x48A && c <= 0x4BF)) && !(c & 1)) return c + 1;
+    if (c >= 0xFF21 && c <= 0xFF3A) return c + 0x20;
+    return c;
+}
+
+static int cp_cased(uint32_t c) {
+    return c == 0xDF || c == 0x130 || c == 0x138 || c == 0x149 || cp_upper(c) != c || cp_lower(c) != c;
+}
+
+/* Case_Ignorable characters that matter for the final sigma (a subset of Unicode's) */
+static int cp_case_ignorable(uint32_t c) {
+    return c == '\'' || c == '.' || c == ':' || c == '^' || c == '`' || c == 0xA8 || c == 0xAD || c == 0xAF ||
+           c == 0xB4 || c == 0xB7 || c == 0xB8 || (c >= 0x2B0 && c <= 0x36F) || c == 0x2019;
+}
+
+static int put_cp(sbuf *b, uint32_t c) {
+    char u[4];
+    size_t n;
+    if (c < 0x80) { u[0] = (char)c; n = 1; }
+    else if (c < 0x800) { u[0] = (char)(0xC0 | (c >> 6)); u[1] = (char)(0x80 | (c & 0x3F)); n = 2; }
+    else if (c < 0x10000) {
+        u[0] = (char)(0xE0 | (c >> 12)); u[1] = (char)(0x80 | ((c >> 6) & 0x3F)); u[2] = (char)(0x80 | (c & 0x3F)); n = 3;
+    } else {
+        u[0] = (char)(0xF0 | (c >> 18)); u[1] = (char)(0x80 | ((c >> 12) & 0x3F));
+        u[2] = (char)(0x80 | ((c >> 6) & 0x3F)); u[3] = (char)(0x80 | (c & 0x3F)); n = 4;
+    }
+    return sb_put(b, u, n);
+}
+
+/* c upper-cased (title: 1 for the title case of a word start) or lower-cased, with Python's
+ * multi-character results for U+00DF (SS / Ss), U+0149 and U+0130 (i + combining dot); a capital sigma at
+ * the end of a word lowers to the final form, as str.lower() does. */
+static int put_case(sbuf *b, uint32_t c, int up, int title, int final_sigma) {
+    if (up) {
+        if (c == 0xDF) return sb_puts(b, title ? "Ss" : "SS");
+        if (c == 0x149) return sb_puts(b, "\xca\xbcN");   /* U+02BC + N */
+        return put_cp(b, cp_upper(c));
+    }
+    if (c == 0x130) return sb_puts(b, "i\xcc\x87");
+    if (c == 0x3A3 && final_sigma) return put_cp(b, 0x3C2);
+    return put_cp(b, cp_lower(c));
+}
+
 /* 0 lower, 1 upper, 2 capitalize, 3 str.title(), 4 the title filter (words start after - space ( { [ <) */
 static int case_map(rctx *r, tv s, int mode, tv *out) {
     sbuf b = {0};
-    int prev_cased = 0;
-    if (sb_put(&b, s.u.s->data, s.u.s->len)) { sb_free(&b); return tmpl_fail(&r->err, FP4MOE_ENOMEM, 0, "out of memory"); }
-    for (size_t i = 0; i < b.n; i++) {
-        unsigned char c = (unsigned char)b.p[i];
-        if (c >= 0x80) { prev_cased = 1; continue; }     /* non-ASCII left as is */
+    b.limit = r->max_output;
+    const char *p = s.u.s->data;
+    size_t n = s.u.s->len;
+    int prev_cased = 0, last_cased = 0, last_cased_tail = 0, rc = 0;
+    for (size_t i = 0; i < n && !rc;) {
+        uint32_t c;
+        size_t j = u8_next(p, n, i, &c);
         int up;
         if (mode == 0) up = 0;
         else if (mode == 1) up = 1;
         else if (mode == 2) up = i == 0;
         else up = !prev_cased;
-        if (isalpha(c)) b.p[i] = (char)(up ? toupper(c) : tolower(c));
-        if (mode == 4) prev_cased = !(isspace(c) || c == '-' || c == '(' || c == '{' || c == '[' || c == '<');
-        else prev_cased = isalpha(c) != 0;
+        int final_sigma = 0;
+        /* Final_Sigma: a cased letter before (for the title filter: within the lower-cased rest of
+         * the word, item[1:].lower()), none after */
+        if (c == 0x3A3 && !up && (mode == 4 ? last_cased_tail : last_cased)) {
+            uint32_t nx = 0;
+            size_t k = j;
+            while (k < n && (k = u8_next(p, n, k, &nx), cp_case_ignorable(nx))) nx = 0;
+            final_sigma = !cp_cased(nx);
+        }
+        /* the title filter upper-cases word starts (item[0].upper()); the methods title-case them */
+        if (up || cp_cased(c)) rc = put_case(&b, c, up, mode == 2 || mode == 3, final_sigma);
+        else rc = sb_put(&b, p + i, j - i);
+        if (!cp_case_ignorable(c)) {
+            last_cased = cp_cased(c);
+            last_cased_tail = last_cased && !up;   /* not the (upper-cased) first letter of a word */
+        }
+        if (up) last_cased_tail = 0;
+        if (mode == 4) prev_cased = !(py_isspace(c) || c == '-' || c == '(' || c == '{' || c == '[' || c == '<');
+        else prev_cased = cp_cased(c);
+        i = j;
     }
+    if (rc) { sb_free(&b); return too_big(r, 0); }
     return sbuf_to_str(r, 0, &b, out);
 }
 
@@ -1138,9 +1240,20 @@ static int f_wordcount(rctx *r, int line, tv v, const argv_t *a, tv *out) {
     if (f_string(r, line, v, a, &s)) return -1;
     int64_t c = 0;
     int in = 0;
-    for (size_t i = 0; i < s.u.s->len; i++) {
-        unsigned char ch = (unsigned char)s.u.s->data[i];
-        int w = isalnum(ch) || ch == '_' || ch >= 0x80;   /* \w; non-ASCII counted as word characters */
+    const char *p = s.u.s->data;
+    size_t n = s.u.s->len;
+    for (size_t i = 0; i < n;) {
+        uint32_t ch;
+        i = u8_next(p, n, i, &ch);
+        /* \w: ASCII letters, digits, _; non-ASCII counts unless space, punctuation or symbol
+         * (Latin-1 signs, general punctuation .. dingbats, CJK punctuation, emoji, fullwidth signs) */
+        int w;
+        if (ch < 0x80) w = isalnum((int)ch) || ch == '_';
+        else w = !(py_isspace(ch) || (ch >= 0x80 && ch <= 0xBF && ch != 0xAA && ch != 0xB2 && ch != 0xB3 &&
+                                      ch != 0xB5 && ch != 0xB9 && ch != 0xBA && ch != 0xBC && ch != 0xBD && ch != 0xBE) ||
+                   ch == 0xD7 || ch == 0xF7 || (ch >= 0x2000 && ch <= 0x2BFF) || (ch >= 0x3000 && ch <= 0x3003) ||
+                   (ch >= 0x3008 && ch <= 0x3020) || (ch >= 0xFE30 && ch <= 0xFE4F) || (ch >= 0xFF01 && ch <= 0xFF0F) ||
+                   (ch >= 0x1F000 && ch <= 0x1FAFF) || (ch >= 0xE000 && ch <= 0xF8FF));
         if (w && !in) c++;
         in = w;
     }
