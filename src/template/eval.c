@@ -51,9 +51,8 @@ static int undefined_error(rctx *r, const tnode *n) {
 }
 
 /* ---- variables ------------------------------------------------------------------------------- */
-static tv lookup(const rctx *r, const frame *f, const char *name, int *found) {
+static tv lookup(const frame *f, const char *name, int *found) {
     const frame *start = f;
-    (void)r;
     for (; f; f = f->parent) {
         tv v = tv_dict_gets(f->vars.u.d, name, found);
         if (*found) return v;
@@ -94,7 +93,7 @@ int tmpl_iter_list(rctx *r, int line, tv v, tv *out) {
     switch (v.kind) {
     case TV_LIST: *out = tv_ref(v); return 0;
     case TV_UNDEF: return tv_list_new(&r->err, out);
-    case TV_DICT: case TV_NS:
+    case TV_DICT:
         if (tv_list_new(&r->err, out)) return -1;
         for (size_t i = 0; i < v.u.d->n; i++)
             if (tv_list_push(&r->err, out->u.l, tv_ref(v.u.d->keys[i]))) { tv_unref(*out); return -1; }
@@ -585,7 +584,7 @@ static int eval(rctx *r, frame *f, const tnode *n, tv *out) {
     tv a, b;
     switch (n->kind) {
     case N_CONST: *out = tv_ref(n->lit); return 0;
-    case N_NAME: *out = tv_ref(lookup(r, f, n->name, &found)); return 0;
+    case N_NAME: *out = tv_ref(lookup(f, n->name, &found)); return 0;
     case N_LIST: case N_TUPLE:
         if (tv_list_new(&r->err, out)) return -1;
         out->u.l->is_tuple = n->kind == N_TUPLE;
@@ -700,7 +699,7 @@ static int assign(rctx *r, frame *f, const tnode *target, tv val) {   /* takes v
     if (target->kind == N_NAME) return set_var(r, f, target->name, val);
     if (target->kind == N_GETATTR) {
         int found;
-        tv ns = lookup(r, f, target->a->name, &found);
+        tv ns = lookup(f, target->a->name, &found);
         if (ns.kind != TV_NS) {
             tv_unref(val);
             return tmpl_fail(&r->err, FP4MOE_EFORMAT, target->line, "cannot assign attribute on non-namespace object '%s'",
@@ -810,10 +809,8 @@ static int exec_stmt(rctx *r, frame *f, const tnode *n, sbuf *out) {
     case N_OUTPUT:
         if (eval(r, f, n->a, &v)) return -1;
         {
-            size_t before = out->n;
             int rc = tv_str_append(&r->err, n->line, out, v);
             tv_unref(v);
-            if (rc && r->err.status == FP4MOE_EOVERFLOW) { r->err.line = n->line; (void)before; }
             return rc;
         }
     case N_IF: {
