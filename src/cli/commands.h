@@ -16,6 +16,7 @@ int cmd_bench_kernel(int argc, char **argv);
 int cmd_generate(int argc, char **argv);
 int cmd_bench(int argc, char **argv);
 int cmd_perplexity(int argc, char **argv);
+int cmd_chat(int argc, char **argv);
 
 /* Shared by generate and bench (cmd_generate.c). */
 #include <signal.h>

@@ -21,6 +21,7 @@ static const command k_commands[] = {
     {"generate", cmd_generate, "generate text with a nemotron_h model (streamed, tok/s on stderr)"},
     {"bench", cmd_bench, "prefill / decode tok/s of a nemotron_h model, hash of the greedy ids"},
     {"perplexity", cmd_perplexity, "perplexity of a nemotron_h model over a text file (llama.cpp rule)"},
+    {"chat", cmd_chat, "multi-turn chat in the terminal with the model's chat template"},
 };
 #define N_COMMANDS (int)(sizeof k_commands / sizeof k_commands[0])
 

@@ -36,6 +36,8 @@ static void slurp(const char *path, char *buf, size_t cap) {
     if (fp) fclose(fp);
 }
 
+static const char *g_stdin_path; /* when set: the child's standard input */
+
 /* Runs `fp4moe args...` (NULL-terminated); stdout/stderr into g_out/g_err; returns the exit code. */
 static int run(const char *first, ...) {
     const char *argv[32] = {g_cli};
@@ -54,9 +56,11 @@ static int run(const char *first, ...) {
     assert_true(pid >= 0);
     if (pid == 0) {
         if (!freopen(out_path, "w", stdout) || !freopen(err_path, "w", stderr)) _exit(127);
+        if (g_stdin_path && !freopen(g_stdin_path, "r", stdin)) _exit(127);
         execv(g_cli, (char *const *)argv);
         _exit(127);
     }
+    g_stdin_path = NULL;                /* one run only */
     int status;
     assert_int_equal(waitpid(pid, &status, 0), pid);
     slurp(out_path, g_out, sizeof g_out);
@@ -744,8 +748,32 @@ static int teardown(void **state) {
     return 0;
 }
 
+/* fp4moe chat: the model's chat template (here a real one given with --chat-template), /reset
+ * forgets the conversation (the same message then gets the same greedy answer), /exit; a model
+ * without a template is a clear error. */
+static void test_chat(void **state) {
+    char in[512];
+    snprintf(in, sizeof in, "%s", io_path("chat-input.txt"));
+    const char *script = "Tell me about the sea.\n/reset\nTell me about the sea.\n/exit\n";
+    io_write_bytes(in, script, strlen(script));
+    g_stdin_path = in;
+    EXPECT_RC(0, "chat", "-m", "models/nemotron-h-tiny-moe", "--chat-template",
+              "tests/golden/templates/nemotron-3-nano-30b-a3b.jinja", "-n", "12", "--think", "off");
+    expect_in(g_err, "conversation reset");
+    const size_t n = strlen(g_out);                                /* two answers, each ending in \n */
+    assert_true(n > 2 && n % 2 == 0);
+    assert_memory_equal(g_out, g_out + n / 2, n / 2);             /* the same answer after /reset */
+    g_stdin_path = in;
+    EXPECT_RC(1, "chat", "-m", "models/nemotron-h-tiny-moe");
+    expect_in(g_err, "no chat template");
+    EXPECT_RC(2, "chat", "-m", "models/nemotron-h-tiny-moe", "--think", "maybe");
+    EXPECT_RC(0, "chat", "--help");
+    expect_in(g_out, "/reset");
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_chat),
         cmocka_unit_test(test_usage_and_exit_codes),
         cmocka_unit_test(test_quantize_then_dequantize_dir),
         cmocka_unit_test(test_global_scale_single_file),

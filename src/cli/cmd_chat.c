@@ -1,0 +1,278 @@
+/* fp4moe chat -m DIR: multi-turn chat in the terminal. Each turn renders the conversation with the
+ * model's own chat template (fp4moe/template.h: Jinja with transformers' settings), tokenizes it
+ * (the template writes the special tokens), runs it through a session and streams the answer until
+ * an end-of-sequence token or -n tokens. Ctrl-C stops the current answer (the conversation keeps what
+ * was said); /reset forgets the conversation (the system prompt stays); /exit or end of input quits.
+ * The template comes from --chat-template FILE, else DIR/chat_template.jinja, else the
+ * "chat_template" of DIR/tokenizer_config.json (a string, or a list of {name, template}: "default"). */
+#include <cjson/cJSON.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "cli/cli_util.h"
+#include "cli/commands.h"
+#include "fp4moe/fp4moe.h"
+#include "fp4moe/model.h"
+#include "fp4moe/template.h"
+#include "fp4moe/tokenizer.h"
+
+#define CMD "chat"
+
+typedef struct {
+    const char *model, *chat_template, *system, *think, *device, *dtype;
+    int64_t n, seed, top_k, chunk;
+    double temp, top_p, min_p;
+    int no_quantize;
+} chat_args;
+
+/* The template text (malloc'd) from the sources above; NULL with a message when there is none. */
+static char *load_template(const chat_args *a) {
+    char *text = NULL;
+    if (a->chat_template) {
+        if (cli_read_text(a->chat_template, 16 << 20, &text)) return NULL;
+        return text;
+    }
+    char *p = cli_join(a->model, "chat_template.jinja");
+    if (p && access(p, R_OK) == 0 && !cli_read_text(p, 16 << 20, &text)) {
+        free(p);
+        return text;
+    }
+    free(p);
+    p = cli_join(a->model, "tokenizer_config.json");
+    char *cfg = NULL;
+    cJSON *j = p && access(p, R_OK) == 0 && !cli_read_text(p, 64 << 20, &cfg) ? cJSON_Parse(cfg) : NULL;
+    const cJSON *t = cJSON_GetObjectItemCaseSensitive(j, "chat_template");
+    if (cJSON_IsString(t)) {
+        text = strdup(t->valuestring);
+    } else if (cJSON_IsArray(t)) {
+        const cJSON *e;
+        cJSON_ArrayForEach(e, t) {
+            const cJSON *name = cJSON_GetObjectItemCaseSensitive(e, "name");
+            const cJSON *tt = cJSON_GetObjectItemCaseSensitive(e, "template");
+            if (cJSON_IsString(name) && !strcmp(name->valuestring, "default") && cJSON_IsString(tt))
+                text = strdup(tt->valuestring);
+        }
+    }
+    if (!text)
+        fp4moe_set_error(FP4MOE_EINVAL, "model %s has no chat template (no chat_template.jinja, no "
+                         "\"chat_template\" in tokenizer_config.json): give one with --chat-template FILE",
+                         a->model);
+    cJSON_Delete(j);
+    free(cfg);
+    free(p);
+    return text;
+}
+
+/* bos_token / eos_token of tokenizer_config.json (a string or {"content": ...}) into the context. */
+static void add_special_tokens(const char *dir, cJSON *ctx) {
+    char *p = cli_join(dir, "tokenizer_config.json"), *cfg = NULL;
+    cJSON *j = p && access(p, R_OK) == 0 && !cli_read_text(p, 64 << 20, &cfg) ? cJSON_Parse(cfg) : NULL;
+    const char *keys[] = {"bos_token", "eos_token"};
+    for (int i = 0; i < 2; i++) {
+        const cJSON *v = cJSON_GetObjectItemCaseSensitive(j, keys[i]);
+        if (cJSON_IsObject(v)) v = cJSON_GetObjectItemCaseSensitive(v, "content");
+        cJSON_AddStringToObject(ctx, keys[i], cJSON_IsString(v) ? v->valuestring : "");
+    }
+    cJSON_Delete(j);
+    free(cfg);
+    free(p);
+}
+
+static void add_message(cJSON *msgs, const char *role, const char *content) {
+    cJSON *m = cJSON_CreateObject();
+    cJSON_AddStringToObject(m, "role", role);
+    cJSON_AddStringToObject(m, "content", content);
+    cJSON_AddItemToArray(msgs, m);
+}
+
+typedef struct {
+    char *s;
+    size_t n, cap;
+} sbuf;
+
+static void sb_add(sbuf *b, const char *t, size_t n) {
+    if (b->n + n + 1 > b->cap) {
+        size_t cap = b->cap ? b->cap * 2 : 256;
+        while (cap < b->n + n + 1) cap *= 2;
+        char *p = realloc(b->s, cap);
+        if (!p) return;
+        b->s = p;
+        b->cap = cap;
+    }
+    memcpy(b->s + b->n, t, n);
+    b->n += n;
+    b->s[b->n] = 0;
+}
+
+/* One answer: the rendered conversation through a fresh session, streamed; the text in *answer. */
+static int answer(const chat_args *a, fp4moe_session *s, int64_t V, fp4moe_tokenizer *tok, fp4moe_sampler *smp,
+                  const fp4moe_template *tmpl, cJSON *ctx, sbuf *answer) {
+    char *prompt = NULL;
+    int st = fp4moe_template_render(tmpl, ctx, NULL, &prompt, NULL);
+    if (st) return st;
+    int32_t *ids = NULL;
+    int64_t T = 0;
+    st = fp4moe_tokenizer_encode(tok, prompt, (int64_t)strlen(prompt), 0, &ids, &T);
+    free(prompt);
+    if (!st && T == 0) st = fp4moe_set_error(FP4MOE_EINVAL, "the rendered conversation encodes to no tokens");
+    float *lg = st ? NULL : malloc((size_t)V * sizeof(float));
+    if (!st && !lg) st = fp4moe_set_error(FP4MOE_ENOMEM, "chat: out of memory");
+    const volatile sig_atomic_t *stop = cli_install_sigint();
+    fp4moe_tokenizer_stream ts;
+    fp4moe_tokenizer_stream_init(&ts, tok, 1);
+    fp4moe_session_reset(s);
+    if (!st) st = fp4moe_session_forward(s, ids, T, lg, 0);
+    for (int64_t i = 0; !st && i < a->n && !*stop; i++) {
+        const int32_t id = fp4moe_sample(smp, lg);
+        if (fp4moe_sampler_is_stop(smp, id)) break;
+        const char *text;
+        int64_t len;
+        if ((st = fp4moe_tokenizer_stream_push(&ts, id, &text, &len))) break;
+        fwrite(text, 1, (size_t)len, stdout);
+        fflush(stdout);
+        sb_add(answer, text, (size_t)len);
+        if (i + 1 < a->n) st = fp4moe_session_forward(s, &id, 1, lg, 0);
+    }
+    const char *text;
+    int64_t len;
+    if (!fp4moe_tokenizer_stream_flush(&ts, &text, &len)) {
+        fwrite(text, 1, (size_t)len, stdout);
+        sb_add(answer, text, (size_t)len);
+    }
+    fp4moe_tokenizer_stream_free(&ts);
+    printf("\n");
+    fflush(stdout);
+    if (st == FP4MOE_EINTERRUPTED || *stop) {
+        fprintf(stderr, "%s: answer stopped (Ctrl-C)\n", CMD);
+        st = FP4MOE_OK;
+    }
+    free(ids);
+    free(lg);
+    return st;
+}
+
+static int chat(const chat_args *a) {
+    fp4moe_device dev;
+    fp4moe_dtype dt;
+    int rc = cli_parse_device(CMD, a->device, &dev);
+    if (rc) return rc;
+    if ((rc = cli_parse_dtype(CMD, a->dtype ? a->dtype : (dev == FP4MOE_DEVICE_CUDA ? "bf16" : "f32"), &dt)))
+        return rc;
+    char *src = load_template(a);
+    if (!src) return cli_fail(CMD, FP4MOE_EINVAL);
+    fp4moe_template *tmpl = NULL;
+    int st = fp4moe_template_compile(src, strlen(src), &tmpl);
+    free(src);
+    if (st) return cli_fail(CMD, st);
+    fp4moe_tokenizer *tok = NULL;
+    fp4moe_model *m = NULL;
+    fp4moe_session *s = NULL;
+    fp4moe_sampler smp;
+    memset(&smp, 0, sizeof smp);
+    if ((st = fp4moe_tokenizer_load(a->model, &tok))) {
+        fp4moe_template_free(tmpl);
+        return cli_fail(CMD, st);
+    }
+    if ((rc = cli_load_model_on(CMD, a->model, !a->no_quantize, dev, &m))) {
+        fp4moe_tokenizer_free(tok);
+        fp4moe_template_free(tmpl);
+        return rc;
+    }
+    fp4moe_session_options so;
+    fp4moe_session_options_default(&so);
+    so.act_dtype = dt;
+    so.device = dev;
+    so.interrupt = cli_install_sigint();
+    if (dev == FP4MOE_DEVICE_CUDA) so.max_chunk = CLI_CUDA_CHUNK;
+    if (a->chunk > 0) so.max_chunk = a->chunk;
+    st = fp4moe_session_new(m, &so, &s);
+    fp4moe_sampler_params sp;
+    fp4moe_sampler_params_default(&sp);
+    sp.temperature = (float)a->temp;
+    sp.top_p = (float)a->top_p;
+    sp.top_k = a->top_k;
+    sp.min_p = (float)a->min_p;
+    sp.seed = (uint64_t)a->seed;
+    const int32_t eos = fp4moe_tokenizer_eos_id(tok);
+    if (eos >= 0) sp.stop_ids[sp.n_stop++] = eos;
+    const char *ends[] = {"<|im_end|>", "<|end_of_text|>", "</s>"};
+    for (int i = 0; i < 3; i++) {
+        const int32_t id = fp4moe_tokenizer_token_to_id(tok, ends[i]);
+        if (id >= 0 && id != eos && sp.n_stop < FP4MOE_MAX_STOP_IDS) sp.stop_ids[sp.n_stop++] = id;
+    }
+    if (!st) st = fp4moe_sampler_init_params(&smp, fp4moe_model_config(m)->vocab, &sp);
+    cJSON *ctx = cJSON_CreateObject(), *msgs = cJSON_AddArrayToObject(ctx, "messages");
+    cJSON_AddNullToObject(ctx, "tools");
+    cJSON_AddNullToObject(ctx, "documents");
+    cJSON_AddTrueToObject(ctx, "add_generation_prompt");
+    if (a->think) cJSON_AddBoolToObject(ctx, "enable_thinking", !strcmp(a->think, "on"));
+    add_special_tokens(a->model, ctx);
+    if (a->system) add_message(msgs, "system", a->system);
+    const int tty = isatty(0);
+    char *line = NULL;
+    size_t cap = 0;
+    while (!st) {
+        if (tty) fprintf(stderr, "> ");
+        const ssize_t n = getline(&line, &cap, stdin);
+        if (n < 0) break;
+        size_t len = (size_t)n;
+        while (len && (line[len - 1] == '\n' || line[len - 1] == '\r')) line[--len] = 0;
+        if (!strcmp(line, "/exit") || !strcmp(line, "/quit")) break;
+        if (!strcmp(line, "/reset")) {
+            while (cJSON_GetArraySize(msgs) > (a->system ? 1 : 0))
+                cJSON_DeleteItemFromArray(msgs, cJSON_GetArraySize(msgs) - 1);
+            fprintf(stderr, "%s: conversation reset\n", CMD);
+            continue;
+        }
+        if (!len) continue;
+        add_message(msgs, "user", line);
+        sbuf ans = {0};
+        st = answer(a, s, fp4moe_model_config(m)->vocab, tok, &smp, tmpl, ctx, &ans);
+        add_message(msgs, "assistant", ans.s ? ans.s : "");
+        free(ans.s);
+    }
+    free(line);
+    cJSON_Delete(ctx);
+    fp4moe_sampler_free(&smp);
+    fp4moe_session_free(s);
+    fp4moe_model_free(m);
+    fp4moe_tokenizer_free(tok);
+    fp4moe_template_free(tmpl);
+    return st ? cli_fail(CMD, st) : FP4MOE_EXIT_OK;
+}
+
+int cmd_chat(int argc, char **argv) {
+    chat_args a = {.n = 512, .top_p = 1.0, .device = "auto"};
+    const cli_opt opts[] = {
+        {"--model", "-m", CLI_STRING, &a.model, "DIR", "model directory (config.json, *.safetensors, tokenizer.json)"},
+        {"--chat-template", NULL, CLI_STRING, &a.chat_template, "FILE", "Jinja chat template (default: the model's)"},
+        {"--system", NULL, CLI_STRING, &a.system, "TEXT", "system prompt"},
+        {"--think", NULL, CLI_STRING, &a.think, "on|off", "enable_thinking for reasoning templates (default: the template's)"},
+        {"--tokens", "-n", CLI_INT, &a.n, "N", "most tokens per answer (default 512)"},
+        {"--temp", NULL, CLI_DOUBLE, &a.temp, "T", "sampling temperature; 0 = greedy (default 0)"},
+        {"--top-p", NULL, CLI_DOUBLE, &a.top_p, "P", "nucleus sampling mass in (0, 1] (default 1)"},
+        {"--top-k", NULL, CLI_INT, &a.top_k, "K", "sample among the K most likely tokens; 0 = all (default 0)"},
+        {"--min-p", NULL, CLI_DOUBLE, &a.min_p, "P", "drop tokens below P x the top probability (default 0)"},
+        {"--seed", NULL, CLI_INT, &a.seed, "S", "sampling seed (default 0)"},
+        {"--device", NULL, CLI_STRING, &a.device, "DEV", "cpu, cuda or auto (default auto)"},
+        {"--dtype", NULL, CLI_STRING, &a.dtype, "DT", "matmul activations: f32 or bf16 (default f32 on cpu; cuda: bf16)"},
+        {"--chunk", NULL, CLI_INT, &a.chunk, "N", "prefill chunk in tokens"},
+        {"--no-quantize", NULL, CLI_FLAG, &a.no_quantize, NULL, "keep dense checkpoints dense"},
+    };
+    const cli_spec spec = {CMD, "fp4moe chat -m DIR [options]",
+                           "Multi-turn chat with the model's chat template. Type a message and Enter; /reset\n"
+                           "forgets the conversation, /exit (or end of input) quits, Ctrl-C stops an answer.",
+                           opts, (int)(sizeof opts / sizeof opts[0]), NULL, 0, NULL};
+    int rc = cli_parse(&spec, argc, argv);
+    if (rc == CLI_HELP) return FP4MOE_EXIT_OK;
+    if (rc) return FP4MOE_EXIT_USAGE;
+    if (!a.model) return cli_usage_error(CMD, "-m DIR is required");
+    if (a.n < 1) return cli_usage_error(CMD, "--tokens must be >= 1");
+    if (a.think && strcmp(a.think, "on") && strcmp(a.think, "off")) return cli_usage_error(CMD, "--think must be on or off");
+    if (!(a.top_p > 0.0 && a.top_p <= 1.0) || a.top_k < 0 || !(a.min_p >= 0.0 && a.min_p <= 1.0) || a.temp < 0.0)
+        return cli_usage_error(CMD, "--temp >= 0, --top-p in (0, 1], --top-k >= 0, --min-p in [0, 1]");
+    return chat(&a);
+}
