@@ -42,6 +42,10 @@ if [ -n "$CS" ]; then
     timeout 300 "$CS" --tool memcheck --error-exitcode 9 "$BIN/test_attention_gpu" >"$OUT/memcheck.log" 2>&1
     rc=$?
     row "memcheck test_attention_gpu" "$([ $rc = 0 ] && echo CLEAN || echo "FAIL($rc)")" $((SECONDS - t0)) "$(grep -m1 'ERROR SUMMARY' "$OUT/memcheck.log")"
+    t0=$SECONDS
+    timeout 400 "$CS" --tool racecheck --error-exitcode 9 "$BIN/test_attention_gpu" >"$OUT/racecheck.log" 2>&1
+    rc=$?
+    row "racecheck test_attention_gpu" "$([ $rc = 0 ] && echo CLEAN || echo "FAIL($rc)")" $((SECONDS - t0)) "$(grep -m1 'RACECHECK SUMMARY' "$OUT/racecheck.log")"
 fi
 e2e() { # NAME BINARY ARGS...
     local name=$1 fp=$2; shift 2

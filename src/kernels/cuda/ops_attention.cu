@@ -306,6 +306,7 @@ attn_decode_split_kernel(const uint16_t *q, const uint16_t *kc, const uint16_t *
             const float p = expf(sv - mnew), c = expf(mprev - mnew);
             const float lnew = lprev * c + ops_warp_sum(p);
             Ps[g][lane] = p;
+            __syncwarp();                              /* every lane has read m_s[g], l_s[g] */
             if (lane == 0) {
                 corr_s[g] = c;
                 m_s[g] = mnew;
