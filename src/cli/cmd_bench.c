@@ -565,6 +565,8 @@ int cmd_bench(int argc, char **argv) {
     int rc = cli_parse(&spec, argc, argv);
     if (rc == CLI_HELP) return FP4MOE_EXIT_OK;
     if (rc) return FP4MOE_EXIT_USAGE;
+    if (a.chunk < 0) return cli_usage_error(CMD, "--chunk must be >= 1");
+    if (a.seed < 0) return cli_usage_error(CMD, "--seed must be >= 0");
     if (!a.model == !a.synthetic) return cli_usage_error(CMD, "give exactly one of -m DIR and --synthetic CONFIG");
     if (a.batch < 0 || a.batch > 65535) return cli_usage_error(CMD, "--batch must be in 0 .. 65535");
     if (a.prompt_tokens < 1 || a.gen_tokens < 1 || a.repeats < 1)

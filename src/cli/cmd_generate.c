@@ -330,6 +330,8 @@ int cmd_generate(int argc, char **argv) {
     int rc = cli_parse(&spec, argc, argv);
     if (rc == CLI_HELP) return FP4MOE_EXIT_OK;
     if (rc) return FP4MOE_EXIT_USAGE;
+    if (a.chunk < 0) return cli_usage_error(CMD, "--chunk must be >= 1");
+    if (a.seed < 0) return cli_usage_error(CMD, "--seed must be >= 0");
     if (!a.model) return cli_usage_error(CMD, "-m DIR is required");
     if (!a.prompt == !a.prompt_ids) return cli_usage_error(CMD, "give exactly one of -p TEXT and --prompt-ids IDS");
     if (a.n < 1) return cli_usage_error(CMD, "-n must be >= 1");

@@ -346,8 +346,27 @@ static int parse_special_tokens(const cfg_src *c, fp4moe_config *cfg) {
     for (int i = 0; i < 3; i++) {
         const cJSON *it = field(c, names[i]);
         if (cJSON_IsArray(it)) it = cJSON_GetArrayItem(it, 0);   /* eos may be a list */
-        *dst[i] = cJSON_IsNumber(it) && it->valuedouble >= 0 ? (int64_t)it->valuedouble : -1;
+        *dst[i] = -1;
+        if (!cJSON_IsNumber(it) || it->valuedouble < 0) continue;  /* absent, null, negative: none */
+        const double v = it->valuedouble;                        /* range first: no overflowing cast */
+        if (!(v < 2147483648.0) || v != (double)(int64_t)v)
+            return fp4moe_set_error(FP4MOE_EFORMAT, "%s: %s = %g is not a token id (an integer below 2^31)",
+                                    c->label, names[i], v);
+        *dst[i] = (int64_t)v;
     }
+    /* fields that would change the math, which this forward does not implement */
+    const char *acts[2][2] = {{"mlp_hidden_act", "relu2"}, {"mamba_hidden_act", "silu"}};
+    for (int i = 0; i < 2; i++) {
+        const cJSON *a = field(c, acts[i][0]);
+        if (a && !cJSON_IsNull(a) && (!cJSON_IsString(a) || strcmp(a->valuestring, acts[i][1])))
+            return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "%s: %s = %s: nemotron_h here supports only \"%s\"",
+                                    c->label, acts[i][0], cJSON_IsString(a) ? a->valuestring : "(not a string)",
+                                    acts[i][1]);
+    }
+    const cJSON *sw = field(c, "sliding_window");
+    if (sw && !cJSON_IsNull(sw))
+        return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "%s: sliding_window is set: nemotron_h attention here is "
+                                "full causal attention (sliding_window must be null)", c->label);
     return FP4MOE_OK;
 }
 

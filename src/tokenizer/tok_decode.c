@@ -138,6 +138,7 @@ static const char REPLACEMENT[3] = {(char)0xEF, (char)0xBF, (char)0xBD};   /* U+
 static int64_t utf8_lossy(const uint8_t *p, int64_t n, int final, tok_buf *out, int *rc) {
     int64_t i = 0, run = 0;   /* p[run..i) is valid text not yet copied */
     *rc = FP4MOE_OK;
+    if (n <= 0) return 0;     /* p may be NULL: no pointer arithmetic on it */
     while (i < n) {
         uint8_t c = p[i];
         if (c < 0x80) {

@@ -123,6 +123,24 @@ static void test_float_spellings(void **state) {
     j = small("\"hybrid_override_pattern\": \"M\"", ", \"time_step_limit\": [0.5, 0.1]");
     expect_error(j, FP4MOE_EFORMAT, "lo <= hi");
     free(j);
+    /* values that change the math are refused, not ignored; token ids are range-checked */
+    const struct { const char *extra; int st; const char *needle; } bad[] = {
+        {", \"mlp_hidden_act\": \"gelu\"", FP4MOE_EUNSUPPORTED, "mlp_hidden_act = gelu"},
+        {", \"mamba_hidden_act\": \"relu\"", FP4MOE_EUNSUPPORTED, "mamba_hidden_act"},
+        {", \"sliding_window\": 4", FP4MOE_EUNSUPPORTED, "sliding_window"},
+        {", \"bos_token_id\": 1e19", FP4MOE_EFORMAT, "bos_token_id = 1e+19"},
+        {", \"eos_token_id\": [2.5]", FP4MOE_EFORMAT, "eos_token_id"},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        j = small("\"hybrid_override_pattern\": \"M\"", bad[i].extra);
+        expect_error(j, bad[i].st, bad[i].needle);
+        free(j);
+    }
+    j = small("\"hybrid_override_pattern\": \"M\"", ", \"mlp_hidden_act\": \"relu2\", \"sliding_window\": null");
+    fp4moe_config ok;
+    assert_int_equal(fp4moe_config_parse(j, "config.json", &ok), FP4MOE_OK);
+    fp4moe_config_free(&ok);
+    free(j);
 }
 
 static void test_quantization_modes(void **state) {

@@ -74,13 +74,28 @@ const gather_cpu_kernels gather_cpu_kernels_portable = {
     "portable", x_to_f32_portable, y_from_f32_portable, qmv_portable, decode_portable, panel_gemm_portable,
 };
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+/* AVX2, FMA and F16C from CPUID (Intel SDM vol. 2A, CPUID leaves 1 and 7) and the OS saving the
+ * AVX state (XGETBV XCR0 bits 1-2): works with gcc and clang alike (clang 14 lacks
+ * __builtin_cpu_supports("f16c")). */
+static int cpu_has_avx2_fma_f16c(void) {
+    unsigned a, b, c, d;
+    if (!__get_cpuid(1, &a, &b, &c, &d)) return 0;
+    const int fma = (c >> 12) & 1, osxsave = (c >> 27) & 1, avx = (c >> 28) & 1, f16c = (c >> 29) & 1;
+    if (!fma || !osxsave || !avx || !f16c) return 0;
+    unsigned lo, hi;
+    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    if ((lo & 6u) != 6u) return 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return 0;
+    return (b >> 5) & 1;                                /* AVX2 */
+}
+#endif
+
 const gather_cpu_kernels *gather_cpu_kernels_select(void) {
     if (!strcmp(env_get(ENV_CPU_ISA), "portable")) return &gather_cpu_kernels_portable;
 #if defined(__x86_64__) || defined(__i386__)
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-        __builtin_cpu_supports("f16c"))
-        return &gather_cpu_kernels_avx2;
+    if (cpu_has_avx2_fma_f16c()) return &gather_cpu_kernels_avx2;
 #endif
     return &gather_cpu_kernels_portable;
 }
