@@ -95,6 +95,7 @@ typedef struct {
     /* quantization as config.json declares it (hf_quant_config.json is read by the loader) */
     fp4moe_quant_mode quant;
     int64_t quant_group_size;   /* 16 for NVFP4 */
+    int64_t max_position;       /* max_position_embeddings: the trained context (0 when absent) */
 } fp4moe_config;
 
 /* Parses the text of a config.json. `label` names it in messages (e.g. the path; NULL -> "config").

@@ -235,6 +235,37 @@ int cli_copy_file(const char *src, const char *dst) {
     return st;
 }
 
+int cli_read_stream(FILE *f, char **out) {
+    size_t cap = 4096, n = 0;
+    char *b = malloc(cap);
+    while (b) {
+        const size_t got = fread(b + n, 1, cap - n - 1, f);
+        n += got;
+        if (got == 0) break;
+        if (n + 1 == cap) {
+            if (cap >= ((size_t)1 << 30)) {
+                free(b);
+                return fp4moe_set_error(FP4MOE_EIO, "standard input: more than 1 GiB");
+            }
+            char *p = realloc(b, cap *= 2);
+            if (!p) {
+                free(b);
+                b = NULL;
+                break;
+            }
+            b = p;
+        }
+    }
+    if (!b) return fp4moe_set_error(FP4MOE_ENOMEM, "standard input: out of memory");
+    if (ferror(f)) {
+        free(b);
+        return fp4moe_set_error(FP4MOE_EIO, "standard input: read error");
+    }
+    b[n] = 0;
+    *out = b;
+    return FP4MOE_OK;
+}
+
 int cli_read_text(const char *path, int64_t max_bytes, char **out) {
     *out = NULL;
     FILE *fp = fopen(path, "rb");

@@ -108,6 +108,8 @@ int cli_same_file(const char *a, const char *b);
 
 /* Reads a whole text file (<= max_bytes) into a NUL-terminated buffer (caller frees). */
 int cli_read_text(const char *path, int64_t max_bytes, char **out);
+/* All of stream f as a NUL-terminated malloc'd string (at most 1 GiB). Errors: FP4MOE_EIO, ENOMEM. */
+int cli_read_stream(FILE *f, char **out);
 /* Writes text to path (temp file + rename). */
 int cli_write_text(const char *path, const char *text);
 

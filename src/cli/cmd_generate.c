@@ -133,7 +133,8 @@ int cli_parse_dtype(const char *cmd, const char *s, fp4moe_dtype *dt) {
 
 typedef struct {
     const char *model, *prompt, *prompt_ids, *dtype, *device;
-    int64_t n, seed, chunk, top_k;
+    int64_t n, seed, chunk, top_k, ctx;
+    const char *file;
     double temp, top_p, min_p;
     int no_quantize, ignore_eos;
 } gen_args;
@@ -192,6 +193,7 @@ typedef struct {
     fp4moe_sampler smp;
     int32_t *prompt;
     int64_t T;
+    int64_t ctx;                    /* context limit in tokens, 0: none */
     float *logits;
 } gen_state;
 
@@ -246,6 +248,10 @@ static int run_generation(const gen_args *a, gen_state *g, const volatile sig_at
             if (id == eos && !a->ignore_eos) break;
             if ((st = emit(&ts, g->tok, id))) break;
             if (produced == a->n) break;
+            if (g->ctx > 0 && g->T + produced >= g->ctx) {
+                fprintf(stderr, "\n%s: stopped at the context limit of %lld tokens (--ctx)\n", CMD, (long long)g->ctx);
+                break;
+            }
             if ((st = fp4moe_session_forward(g->s, &id, 1, g->logits, 0))) break;
         }
         t_decode = cli_now() - t0;
@@ -276,11 +282,31 @@ static int generate(const gen_args *a) {
     if ((rc = cli_parse_dtype(CMD, a->dtype ? a->dtype : (dev == FP4MOE_DEVICE_CUDA ? "bf16" : "f32"), &dt)))
         return rc;
     const volatile sig_atomic_t *stop = cli_install_sigint();
+    char *text = NULL;                      /* -f FILE / -p -: the prompt text */
+    gen_args ta = *a;
+    if (a->file || (a->prompt && !strcmp(a->prompt, "-"))) {
+        const int st = a->file ? cli_read_text(a->file, (int64_t)1 << 30, &text) : cli_read_stream(stdin, &text);
+        if (st) return cli_fail(CMD, st);
+        ta.prompt = text;
+        ta.file = NULL;
+        a = &ta;
+    }
     if ((rc = load_tokenizer(a, &g)) || (rc = encode_prompt(a, &g)) ||
         (rc = cli_load_model_on(CMD, a->model, !a->no_quantize, dev, &g.m))) {
         gen_free(&g);
+        free(text);
         return rc;
     }
+    free(text);
+    const int64_t ctx = a->ctx > 0 ? a->ctx : fp4moe_model_config(g.m)->max_position;
+    if (ctx > 0 && g.T > ctx) {
+        fprintf(stderr, "fp4moe %s: the prompt has %lld tokens, more than the context limit of %lld tokens "
+                "(--ctx; the model's max_position_embeddings is %lld)\n", CMD, (long long)g.T, (long long)ctx,
+                (long long)fp4moe_model_config(g.m)->max_position);
+        gen_free(&g);
+        return FP4MOE_EXIT_FAIL;
+    }
+    g.ctx = ctx;
     fp4moe_session_options so;
     fp4moe_session_options_default(&so);
     so.act_dtype = dt;
@@ -308,7 +334,9 @@ int cmd_generate(int argc, char **argv) {
     gen_args a = {.n = 128, .temp = 0.0, .top_p = 1.0, .dtype = NULL, .device = "auto", .seed = 0};
     const cli_opt opts[] = {
         {"--model", "-m", CLI_STRING, &a.model, "DIR", "model directory (config.json, *.safetensors, tokenizer.json)"},
-        {"--prompt", "-p", CLI_STRING, &a.prompt, "TEXT", "prompt text"},
+        {"--prompt", "-p", CLI_STRING, &a.prompt, "TEXT", "prompt text (- reads it from standard input)"},
+        {"--file", "-f", CLI_STRING, &a.file, "FILE", "read the prompt from FILE"},
+        {"--ctx", NULL, CLI_INT, &a.ctx, "N", "context limit in tokens (default: the model's max_position_embeddings)"},
         {"--prompt-ids", NULL, CLI_STRING, &a.prompt_ids, "IDS", "prompt as token ids, e.g. 1,2,3 (no tokenizer needed)"},
         {"--tokens", "-n", CLI_INT, &a.n, "N", "tokens to generate (default 128)"},
         {"--temp", NULL, CLI_DOUBLE, &a.temp, "T", "sampling temperature; 0 = greedy (default 0)"},
@@ -333,7 +361,9 @@ int cmd_generate(int argc, char **argv) {
     if (a.chunk < 0) return cli_usage_error(CMD, "--chunk must be >= 1");
     if (a.seed < 0) return cli_usage_error(CMD, "--seed must be >= 0");
     if (!a.model) return cli_usage_error(CMD, "-m DIR is required");
-    if (!a.prompt == !a.prompt_ids) return cli_usage_error(CMD, "give exactly one of -p TEXT and --prompt-ids IDS");
+    if ((a.prompt != NULL) + (a.prompt_ids != NULL) + (a.file != NULL) != 1)
+        return cli_usage_error(CMD, "give exactly one of -p TEXT, -f FILE and --prompt-ids IDS");
+    if (a.ctx < 0) return cli_usage_error(CMD, "--ctx must be >= 1");
     if (a.n < 1) return cli_usage_error(CMD, "-n must be >= 1");
     if (!(a.top_p > 0.0 && a.top_p <= 1.0)) return cli_usage_error(CMD, "--top-p must be in (0, 1]");
     if (a.top_k < 0) return cli_usage_error(CMD, "--top-k must be >= 0");

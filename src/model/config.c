@@ -341,6 +341,15 @@ static int parse_mlp(const cfg_src *c, fp4moe_config *cfg) {
 }
 
 static int parse_special_tokens(const cfg_src *c, fp4moe_config *cfg) {
+    const cJSON *mp = field(c, "max_position_embeddings");
+    cfg->max_position = 0;
+    if (mp && !cJSON_IsNull(mp)) {
+        if (!cJSON_IsNumber(mp) || !(mp->valuedouble >= 1 && mp->valuedouble < 4294967296.0) ||
+            mp->valuedouble != (double)(int64_t)mp->valuedouble)
+            return fp4moe_set_error(FP4MOE_EFORMAT, "%s: max_position_embeddings must be an integer in [1, 2^32)",
+                                    c->label);
+        cfg->max_position = (int64_t)mp->valuedouble;
+    }
     int64_t *dst[3] = {&cfg->bos_id, &cfg->eos_id, &cfg->pad_id};
     const char *names[3] = {"bos_token_id", "eos_token_id", "pad_token_id"};
     for (int i = 0; i < 3; i++) {

@@ -748,6 +748,32 @@ static int teardown(void **state) {
     return 0;
 }
 
+/* generate: the prompt from a file (-f) and from standard input (-p -) gives the same continuation
+ * as -p TEXT; the context limit (--ctx, default max_position_embeddings) refuses a longer prompt
+ * with both numbers and stops generation at the limit with a message. */
+static void test_generate_inputs_and_context(void **state) {
+    const char *M = "models/nemotron-h-tiny-moe", *P = "The little girl opened the door";
+    EXPECT_RC(0, "generate", "-m", M, "-p", P, "-n", "8");
+    static char ref[sizeof g_out];
+    memcpy(ref, g_out, sizeof ref);
+    char path[512];
+    snprintf(path, sizeof path, "%s", io_path("prompt.txt"));
+    io_write_bytes(path, P, strlen(P));
+    EXPECT_RC(0, "generate", "-m", M, "-f", path, "-n", "8");
+    assert_string_equal(g_out, ref);
+    g_stdin_path = path;
+    EXPECT_RC(0, "generate", "-m", M, "-p", "-", "-n", "8");
+    assert_string_equal(g_out, ref);
+    EXPECT_RC(1, "generate", "-m", M, "-p", P, "--ctx", "3");
+    expect_in(g_err, "more than the context limit of 3 tokens");
+    expect_in(g_err, "max_position_embeddings is 4096");
+    EXPECT_RC(0, "generate", "-m", M, "-p", P, "-n", "50", "--ctx", "12");
+    expect_in(g_err, "stopped at the context limit of 12 tokens");
+    EXPECT_RC(2, "generate", "-m", M, "-p", P, "-f", path);
+    EXPECT_RC(2, "generate", "-m", M, "-p", P, "--seed", "-1");
+    EXPECT_RC(2, "generate", "-m", M, "-p", P, "--chunk", "-3");
+}
+
 /* fp4moe chat: the model's chat template (here a real one given with --chat-template), /reset
  * forgets the conversation (the same message then gets the same greedy answer), /exit; a model
  * without a template is a clear error. */
@@ -774,6 +800,7 @@ static void test_chat(void **state) {
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_chat),
+        cmocka_unit_test(test_generate_inputs_and_context),
         cmocka_unit_test(test_usage_and_exit_codes),
         cmocka_unit_test(test_quantize_then_dequantize_dir),
         cmocka_unit_test(test_global_scale_single_file),
