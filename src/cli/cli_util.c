@@ -364,6 +364,26 @@ int cli_copy_model_files(const char *in_dir, const char *out_dir, const char *co
     return cli_for_each_file(in_dir, copy_one, &c);
 }
 
+int cli_output_overwrites_input(const fp4moe_st_model *m, const char *input, const char *output) {
+    const int out_dir = cli_is_dir(output);
+    for (int64_t i = 0; i < fp4moe_st_model_nfiles(m); i++) {
+        const char *f = fp4moe_st_path(fp4moe_st_model_file(m, i));
+        if (cli_same_file(f, output))
+            return fp4moe_set_error(FP4MOE_EINVAL, "--output %s is the input file %s: it would be overwritten",
+                                    output, f);
+        if (!out_dir) continue;
+        char *dir = strdup(f), *slash = dir ? strrchr(dir, '/') : NULL;
+        if (slash) *slash = 0;
+        const int same = dir && cli_same_file(slash ? dir : ".", output);
+        free(dir);
+        if (same)
+            return fp4moe_set_error(FP4MOE_EINVAL, "--output directory %s holds the input file %s, which the "
+                                    "output would overwrite: write to another directory", output, f);
+    }
+    (void)input;
+    return FP4MOE_OK;
+}
+
 int cli_write_file(fp4moe_st_writer *w, const char *input, const char *output) {
     char *path = NULL;
     if (cli_is_dir(output)) {

@@ -108,6 +108,9 @@ int cli_same_file(const char *a, const char *b);
 
 /* Reads a whole text file (<= max_bytes) into a NUL-terminated buffer (caller frees). */
 int cli_read_text(const char *path, int64_t max_bytes, char **out);
+/* FP4MOE_EINVAL (message naming both) when writing to `output` (a file, or a directory that gets
+ * the model's files) would overwrite one of the files of input model m. */
+int cli_output_overwrites_input(const fp4moe_st_model *m, const char *input, const char *output);
 /* All of stream f as a NUL-terminated malloc'd string (at most 1 GiB). Errors: FP4MOE_EIO, ENOMEM. */
 int cli_read_stream(FILE *f, char **out);
 /* Writes text to path (temp file + rename). */

@@ -481,7 +481,17 @@ static void test_global_scale_single_file(void **state) {
     snprintf(q, sizeof q, "%s", io_path("gs-nvfp4.safetensors"));
     snprintf(d, sizeof d, "%s", io_path("gs-deq.safetensors"));
     write_model(in, 0);
+    /* never over the input: the same file, or a directory that would receive a file of its name */
+    EXPECT_RC(2, "quantize", "-i", in, "-o", in);
+    expect_in(g_err, "would be overwritten");
+    char dir[512];
+    snprintf(dir, sizeof dir, "%s", in);
+    *strrchr(dir, '/') = 0;
+    EXPECT_RC(2, "quantize", "-i", in, "-o", dir);
+    expect_in(g_err, "holds the input file");
     EXPECT_RC(0, "quantize", "-i", in, "-o", q, "--global-scale");
+    EXPECT_RC(2, "dequantize", "-i", q, "-o", q);
+    expect_in(g_err, "would be overwritten");
     fp4moe_st_model *m;
     if (fp4moe_st_model_open(q, &m)) fail_msg("%s", fp4moe_last_error());
     const fp4moe_st_tensor *g = need(m, L1 "switch_mlp.fc1.global_scale", FP4MOE_ST_F32, 1, E, 0, 0);
