@@ -2,8 +2,11 @@
  * Tokens are streamed to stdout as they come (whole UTF-8 characters only); load time, prefill and
  * decode speeds go to stderr. Ctrl-C stops cleanly (between tokens, or between prefill chunks and
  * layers). Also holds the model loading shared with `fp4moe bench` (cli_load_model). */
+#include <cjson/cJSON.h>
 #include <signal.h>
 #include <stdio.h>
+#include <stdint.h>
+#include <time.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -136,7 +139,7 @@ typedef struct {
     int64_t n, seed, chunk, top_k, ctx;
     const char *file;
     double temp, top_p, min_p;
-    int no_quantize, ignore_eos;
+    int no_quantize, ignore_eos, json;
 } gen_args;
 
 /* "1,2,3" -> ids (malloc'd). */
@@ -166,27 +169,16 @@ static int parse_ids(const char *s, int32_t **ids, int64_t *n) {
     return 0;
 }
 
-/* Prints a token: text through the streaming decoder, or "[id]" without a tokenizer. */
-static int emit(fp4moe_tokenizer_stream *ts, const fp4moe_tokenizer *tok, int32_t id) {
-    if (!tok) {
-        printf(" %d", id);
-    } else {
-        const char *text;
-        int64_t len;
-        int st = fp4moe_tokenizer_stream_push(ts, id, &text, &len);
-        if (st) return st;
-        fwrite(text, 1, (size_t)len, stdout);
-    }
-    fflush(stdout);
-    return FP4MOE_OK;
-}
+typedef struct gen_state gen_state;
+static void keep_text(gen_state *g, const char *t, size_t n);
+static int emit(fp4moe_tokenizer_stream *ts, gen_state *g, int32_t id);
 
 static void print_speed(const char *what, int64_t n, double dt) {
     fprintf(stderr, "%s: %s: %lld tokens in %.3f s, %.2f tok/s\n", CMD, what, (long long)n, dt,
             dt > 0 ? (double)n / dt : 0.0);
 }
 
-typedef struct {
+struct gen_state {
     fp4moe_model *m;
     fp4moe_tokenizer *tok;
     fp4moe_session *s;
@@ -195,7 +187,30 @@ typedef struct {
     int64_t T;
     int64_t ctx;                    /* context limit in tokens, 0: none */
     float *logits;
-} gen_state;
+    int json;                       /* --json: collect instead of streaming */
+    char *text;                     /* --json: the generated text */
+    size_t text_n, text_cap;
+    int32_t *ids;                   /* --json: the generated ids */
+    int64_t n_ids;
+};
+
+/* A token: text through the streaming decoder (printed, or kept with --json), or " id" without a
+ * tokenizer. */
+static int emit(fp4moe_tokenizer_stream *ts, gen_state *g, int32_t id) {
+    if (g->ids) g->ids[g->n_ids++] = id;
+    if (!g->tok) {
+        if (!g->json) printf(" %d", id);
+    } else {
+        const char *text;
+        int64_t len;
+        int st = fp4moe_tokenizer_stream_push(ts, id, &text, &len);
+        if (st) return st;
+        if (g->json) keep_text(g, text, (size_t)len);
+        else fwrite(text, 1, (size_t)len, stdout);
+    }
+    fflush(stdout);
+    return FP4MOE_OK;
+}
 
 static void gen_free(gen_state *g) {
     fp4moe_sampler_free(&g->smp);
@@ -204,6 +219,22 @@ static void gen_free(gen_state *g) {
     fp4moe_model_free(g->m);
     free(g->prompt);
     free(g->logits);
+    free(g->text);
+    free(g->ids);
+}
+
+static void keep_text(gen_state *g, const char *t, size_t n) {
+    if (g->text_n + n + 1 > g->text_cap) {
+        size_t cap = g->text_cap ? g->text_cap * 2 : 1024;
+        while (cap < g->text_n + n + 1) cap *= 2;
+        char *p = realloc(g->text, cap);
+        if (!p) return;
+        g->text = p;
+        g->text_cap = cap;
+    }
+    memcpy(g->text + g->text_n, t, n);
+    g->text_n += n;
+    g->text[g->text_n] = 0;
 }
 
 /* Tokenizer from the model directory (NULL when it has none and ids are given). */
@@ -239,17 +270,22 @@ static int run_generation(const gen_args *a, gen_state *g, const volatile sig_at
     const double t_prefill = cli_now() - t0;
     int64_t produced = 0;
     double t_decode = 0.0;
+    const char *reason = "length";
     if (!st) {
         print_speed("prefill", g->T, t_prefill);
         t0 = cli_now();
         while (produced < a->n && !*stop) {
             int32_t id = fp4moe_sample(&g->smp, g->logits);
             produced++;
-            if (id == eos && !a->ignore_eos) break;
-            if ((st = emit(&ts, g->tok, id))) break;
+            if (id == eos && !a->ignore_eos) {
+                reason = "eos";
+                break;
+            }
+            if ((st = emit(&ts, g, id))) break;
             if (produced == a->n) break;
             if (g->ctx > 0 && g->T + produced >= g->ctx) {
                 fprintf(stderr, "\n%s: stopped at the context limit of %lld tokens (--ctx)\n", CMD, (long long)g->ctx);
+                reason = "context";
                 break;
             }
             if ((st = fp4moe_session_forward(g->s, &id, 1, g->logits, 0))) break;
@@ -259,15 +295,37 @@ static int run_generation(const gen_args *a, gen_state *g, const volatile sig_at
     if (g->tok) {
         const char *text;
         int64_t len;
-        if (!fp4moe_tokenizer_stream_flush(&ts, &text, &len)) fwrite(text, 1, (size_t)len, stdout);
+        if (!fp4moe_tokenizer_stream_flush(&ts, &text, &len)) {
+            if (g->json) keep_text(g, text, (size_t)len);
+            else fwrite(text, 1, (size_t)len, stdout);
+        }
         fp4moe_tokenizer_stream_free(&ts);
     }
-    printf("\n");
-    fflush(stdout);
     if (st == FP4MOE_EINTERRUPTED || *stop) {
         fprintf(stderr, "%s: stopped (Ctrl-C)\n", CMD);
         st = FP4MOE_OK;
+        reason = "interrupted";
     }
+    if (!g->json) {
+        printf("\n");
+    } else if (!st) {
+        cJSON *o = cJSON_CreateObject();
+        cJSON_AddStringToObject(o, "text", g->text ? g->text : "");
+        cJSON_AddItemToObject(o, "ids", cJSON_CreateIntArray(g->ids, (int)g->n_ids));
+        cJSON_AddNumberToObject(o, "prompt_tokens", (double)g->T);
+        cJSON_AddNumberToObject(o, "generated_tokens", (double)g->n_ids);
+        cJSON_AddStringToObject(o, "finish_reason", reason);
+        cJSON_AddNumberToObject(o, "seed", (double)a->seed);
+        cJSON_AddNumberToObject(o, "prefill_seconds", t_prefill);
+        cJSON_AddNumberToObject(o, "decode_seconds", t_decode);
+        cJSON_AddNumberToObject(o, "prefill_tok_s", t_prefill > 0 ? (double)g->T / t_prefill : 0.0);
+        cJSON_AddNumberToObject(o, "decode_tok_s", t_decode > 0 && produced > 1 ? (double)(produced - 1) / t_decode : 0.0);
+        char *js = cJSON_Print(o);
+        if (js) printf("%s\n", js);
+        free(js);
+        cJSON_Delete(o);
+    }
+    fflush(stdout);
     if (produced > 1) print_speed("decode", produced - 1, t_decode);
     return st ? cli_fail(CMD, st) : FP4MOE_EXIT_OK;
 }
@@ -325,13 +383,15 @@ static int generate(const gen_args *a) {
     sp.seed = (uint64_t)a->seed;
     if (!st) st = fp4moe_sampler_init_params(&g.smp, V, &sp);
     if (!st && !(g.logits = malloc((size_t)V * sizeof(float)))) st = FP4MOE_ENOMEM;
+    g.json = a->json;
+    if (!st && a->json && !(g.ids = malloc((size_t)a->n * sizeof(int32_t)))) st = FP4MOE_ENOMEM;
     rc = st ? cli_fail(CMD, st) : run_generation(a, &g, stop);
     gen_free(&g);
     return rc;
 }
 
 int cmd_generate(int argc, char **argv) {
-    gen_args a = {.n = 128, .temp = 0.0, .top_p = 1.0, .dtype = NULL, .device = "auto", .seed = 0};
+    gen_args a = {.n = 128, .temp = 0.0, .top_p = 1.0, .dtype = NULL, .device = "auto", .seed = INT64_MIN};
     const cli_opt opts[] = {
         {"--model", "-m", CLI_STRING, &a.model, "DIR", "model directory (config.json, *.safetensors, tokenizer.json)"},
         {"--prompt", "-p", CLI_STRING, &a.prompt, "TEXT", "prompt text (- reads it from standard input)"},
@@ -343,12 +403,13 @@ int cmd_generate(int argc, char **argv) {
         {"--top-p", NULL, CLI_DOUBLE, &a.top_p, "P", "nucleus sampling mass in (0, 1] (default 1)"},
         {"--top-k", NULL, CLI_INT, &a.top_k, "K", "sample among the K most likely tokens; 0 = all (default 0)"},
         {"--min-p", NULL, CLI_DOUBLE, &a.min_p, "P", "drop tokens below P x the top probability, in [0, 1] (default 0)"},
-        {"--seed", NULL, CLI_INT, &a.seed, "S", "sampling seed (default 0)"},
+        {"--seed", NULL, CLI_INT, &a.seed, "S", "sampling seed (default: random, printed on stderr to repeat the run)"},
         {"--device", NULL, CLI_STRING, &a.device, "DEV", "cpu, cuda or auto (default auto: cuda when a GPU is visible)"},
         {"--dtype", NULL, CLI_STRING, &a.dtype, "DT", "matmul activations: f32 or bf16 (default f32 on cpu; cuda: bf16 only)"},
         {"--no-quantize", NULL, CLI_FLAG, &a.no_quantize, NULL, "keep dense checkpoints dense (default: NVFP4 on load)"},
         {"--chunk", NULL, CLI_INT, &a.chunk, "N", "prefill chunk in tokens (default 256 on cpu, 8192 on cuda)"},
         {"--ignore-eos", NULL, CLI_FLAG, &a.ignore_eos, NULL, "do not stop at the end-of-sequence token"},
+        {"--json", NULL, CLI_FLAG, &a.json, NULL, "print one JSON object (text, ids, finish_reason, seed, timings) at the end"},
     };
     const cli_spec spec = {CMD, "fp4moe generate -m DIR -p TEXT [options]",
                            "Generates text with a nemotron_h model (MLX nvfp4, ModelOpt NVFP4 or dense\n"
@@ -359,7 +420,18 @@ int cmd_generate(int argc, char **argv) {
     if (rc == CLI_HELP) return FP4MOE_EXIT_OK;
     if (rc) return FP4MOE_EXIT_USAGE;
     if (a.chunk < 0) return cli_usage_error(CMD, "--chunk must be >= 1");
-    if (a.seed < 0) return cli_usage_error(CMD, "--seed must be >= 0");
+    if (a.seed == INT64_MIN) {                     /* a random seed, printed so that the run can be repeated */
+        FILE *ur = fopen("/dev/urandom", "rb");
+        uint64_t r = (uint64_t)time(NULL) ^ ((uint64_t)getpid() << 32);
+        if (ur) {
+            if (fread(&r, sizeof r, 1, ur) != 1) r ^= 0x9E3779B97F4A7C15ull;
+            fclose(ur);
+        }
+        a.seed = (int64_t)(r >> 11) + 1;          /* < 2^53: exact in JSON */
+        if (a.temp > 0.0) fprintf(stderr, "%s: seed %lld (repeat with --seed %lld)\n", CMD, (long long)a.seed, (long long)a.seed);
+    } else if (a.seed < 0) {
+        return cli_usage_error(CMD, "--seed must be >= 0");
+    }
     if (!a.model) return cli_usage_error(CMD, "-m DIR is required");
     if ((a.prompt != NULL) + (a.prompt_ids != NULL) + (a.file != NULL) != 1)
         return cli_usage_error(CMD, "give exactly one of -p TEXT, -f FILE and --prompt-ids IDS");

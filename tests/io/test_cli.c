@@ -779,6 +779,19 @@ static void test_generate_inputs_and_context(void **state) {
     expect_in(g_err, "max_position_embeddings is 4096");
     EXPECT_RC(0, "generate", "-m", M, "-p", P, "-n", "50", "--ctx", "12");
     expect_in(g_err, "stopped at the context limit of 12 tokens");
+    EXPECT_RC(0, "generate", "-m", M, "-p", P, "-n", "8", "--json");   /* the same text, as JSON */
+    cJSON *j = cJSON_Parse(g_out);
+    assert_non_null(j);
+    char want[4096];
+    snprintf(want, sizeof want, "%s", ref);
+    size_t wl = strlen(want);
+    while (wl && want[wl - 1] == '\n') want[--wl] = 0;             /* streaming mode ends with a newline */
+    assert_string_equal(cJSON_GetObjectItem(j, "text")->valuestring, want);
+    assert_int_equal(cJSON_GetArraySize(cJSON_GetObjectItem(j, "ids")), 8);
+    assert_string_equal(cJSON_GetObjectItem(j, "finish_reason")->valuestring, "length");
+    cJSON_Delete(j);
+    EXPECT_RC(0, "generate", "-m", M, "-p", P, "-n", "4", "--temp", "0.8");  /* a random seed, printed */
+    expect_in(g_err, "repeat with --seed");
     EXPECT_RC(2, "generate", "-m", M, "-p", P, "-f", path);
     EXPECT_RC(2, "generate", "-m", M, "-p", P, "--seed", "-1");
     EXPECT_RC(2, "generate", "-m", M, "-p", P, "--chunk", "-3");
