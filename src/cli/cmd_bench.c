@@ -489,7 +489,13 @@ static int bench(bench_args *a) {
     rc = a->synthetic ? load_synthetic(a, dev, &m) : cli_load_model_on(CMD, a->model, !a->no_quantize, dev, &m);
     if (rc) return rc;
     if (a->batch > 0) {
+        if (a->chunk > 0 && a->chunk < a->batch) {
+            fp4moe_model_free(m);
+            return cli_usage_error(CMD, "--chunk (tokens per step) must be at least --batch: every sequence "
+                                   "decodes one token per step");
+        }
         if (a->chunk <= 0) a->chunk = dev == FP4MOE_DEVICE_CUDA ? CLI_CUDA_CHUNK : 256;
+        if (a->chunk < a->batch) a->chunk = a->batch;
         rc = bench_batch(a, m, dt, route, dev);
         fp4moe_model_free(m);
         return rc;
@@ -565,7 +571,7 @@ int cmd_bench(int argc, char **argv) {
     int rc = cli_parse(&spec, argc, argv);
     if (rc == CLI_HELP) return FP4MOE_EXIT_OK;
     if (rc) return FP4MOE_EXIT_USAGE;
-    if (a.chunk < 0) return cli_usage_error(CMD, "--chunk must be >= 1");
+    if (a.chunk < 0) return cli_usage_error(CMD, "--chunk must be >= 1 (0: the default)");
     if (a.seed < 0) return cli_usage_error(CMD, "--seed must be >= 0");
     if (!a.model == !a.synthetic) return cli_usage_error(CMD, "give exactly one of -m DIR and --synthetic CONFIG");
     if (a.batch < 0 || a.batch > 65535) return cli_usage_error(CMD, "--batch must be in 0 .. 65535");

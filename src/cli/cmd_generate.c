@@ -419,7 +419,7 @@ int cmd_generate(int argc, char **argv) {
     int rc = cli_parse(&spec, argc, argv);
     if (rc == CLI_HELP) return FP4MOE_EXIT_OK;
     if (rc) return FP4MOE_EXIT_USAGE;
-    if (a.chunk < 0) return cli_usage_error(CMD, "--chunk must be >= 1");
+    if (a.chunk < 0) return cli_usage_error(CMD, "--chunk must be >= 1 (0: the default)");
     if (a.seed == INT64_MIN) {                     /* a random seed, printed so that the run can be repeated */
         FILE *ur = fopen("/dev/urandom", "rb");
         uint64_t r = (uint64_t)time(NULL) ^ ((uint64_t)getpid() << 32);
@@ -435,7 +435,7 @@ int cmd_generate(int argc, char **argv) {
     if (!a.model) return cli_usage_error(CMD, "-m DIR is required");
     if ((a.prompt != NULL) + (a.prompt_ids != NULL) + (a.file != NULL) != 1)
         return cli_usage_error(CMD, "give exactly one of -p TEXT, -f FILE and --prompt-ids IDS");
-    if (a.ctx < 0) return cli_usage_error(CMD, "--ctx must be >= 1");
+    if (a.ctx < 0) return cli_usage_error(CMD, "--ctx must be >= 1 (0: the model's max_position_embeddings)");
     if (a.n < 1) return cli_usage_error(CMD, "-n must be >= 1");
     if (!(a.top_p > 0.0 && a.top_p <= 1.0)) return cli_usage_error(CMD, "--top-p must be in (0, 1]");
     if (a.top_k < 0) return cli_usage_error(CMD, "--top-k must be >= 0");

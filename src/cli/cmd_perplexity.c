@@ -269,6 +269,6 @@ int cmd_perplexity(int argc, char **argv) {
     if (!a.file) return cli_usage_error(CMD, "--file TEXT is required");
     if (a.ctx < 4) return cli_usage_error(CMD, "--ctx must be >= 4");
     if (a.max_tokens < 0) return cli_usage_error(CMD, "--max-tokens must be >= 0");
-    if (a.chunk < 0) return cli_usage_error(CMD, "--chunk must be >= 1");
+    if (a.chunk < 0) return cli_usage_error(CMD, "--chunk must be >= 1 (0: the default)");
     return perplexity(&a);
 }
