@@ -235,6 +235,21 @@ int cli_copy_file(const char *src, const char *dst) {
     return st;
 }
 
+int cli_text_add(cli_text *b, const char *t, size_t n) {
+    if (b->n + n + 1 > b->cap) {
+        size_t cap = b->cap ? b->cap * 2 : 256;
+        while (cap < b->n + n + 1) cap *= 2;
+        char *p = realloc(b->s, cap);
+        if (!p) return fp4moe_set_error(FP4MOE_ENOMEM, "out of memory for %zu bytes of text", cap);
+        b->s = p;
+        b->cap = cap;
+    }
+    memcpy(b->s + b->n, t, n);
+    b->n += n;
+    b->s[b->n] = 0;
+    return FP4MOE_OK;
+}
+
 int cli_read_stream(FILE *f, char **out) {
     size_t cap = 4096, n = 0;
     char *b = malloc(cap);

@@ -111,6 +111,14 @@ int cli_read_text(const char *path, int64_t max_bytes, char **out);
 /* FP4MOE_EINVAL (message naming both) when writing to `output` (a file, or a directory that gets
  * the model's files) would overwrite one of the files of input model m. */
 int cli_output_overwrites_input(const fp4moe_st_model *m, const char *input, const char *output);
+/* A growable NUL-terminated text buffer (zero-initialise; free(s) when done). */
+typedef struct {
+    char *s;
+    size_t n, cap;
+} cli_text;
+/* Appends n bytes of t. Errors: FP4MOE_ENOMEM (the buffer keeps what it had). */
+int cli_text_add(cli_text *b, const char *t, size_t n);
+
 /* All of stream f as a NUL-terminated malloc'd string (at most 1 GiB). Errors: FP4MOE_EIO, ENOMEM. */
 int cli_read_stream(FILE *f, char **out);
 /* Writes text to path (temp file + rename). */

@@ -88,28 +88,9 @@ static void add_message(cJSON *msgs, const char *role, const char *content) {
     cJSON_AddItemToArray(msgs, m);
 }
 
-typedef struct {
-    char *s;
-    size_t n, cap;
-} sbuf;
-
-static void sb_add(sbuf *b, const char *t, size_t n) {
-    if (b->n + n + 1 > b->cap) {
-        size_t cap = b->cap ? b->cap * 2 : 256;
-        while (cap < b->n + n + 1) cap *= 2;
-        char *p = realloc(b->s, cap);
-        if (!p) return;
-        b->s = p;
-        b->cap = cap;
-    }
-    memcpy(b->s + b->n, t, n);
-    b->n += n;
-    b->s[b->n] = 0;
-}
-
 /* One answer: the rendered conversation through a fresh session, streamed; the text in *answer. */
 static int answer(const chat_args *a, fp4moe_session *s, int64_t V, fp4moe_tokenizer *tok, fp4moe_sampler *smp,
-                  const fp4moe_template *tmpl, cJSON *ctx, sbuf *answer) {
+                  const fp4moe_template *tmpl, cJSON *ctx, cli_text *answer) {
     char *prompt = NULL;
     int st = fp4moe_template_render(tmpl, ctx, NULL, &prompt, NULL);
     if (st) return st;
@@ -133,14 +114,14 @@ static int answer(const chat_args *a, fp4moe_session *s, int64_t V, fp4moe_token
         if ((st = fp4moe_tokenizer_stream_push(&ts, id, &text, &len))) break;
         fwrite(text, 1, (size_t)len, stdout);
         fflush(stdout);
-        sb_add(answer, text, (size_t)len);
+        cli_text_add(answer, text, (size_t)len);
         if (i + 1 < a->n) st = fp4moe_session_forward(s, &id, 1, lg, 0);
     }
     const char *text;
     int64_t len;
     if (!fp4moe_tokenizer_stream_flush(&ts, &text, &len)) {
         fwrite(text, 1, (size_t)len, stdout);
-        sb_add(answer, text, (size_t)len);
+        cli_text_add(answer, text, (size_t)len);
     }
     fp4moe_tokenizer_stream_free(&ts);
     printf("\n");
@@ -229,7 +210,7 @@ static int chat(const chat_args *a) {
         }
         if (!len) continue;
         add_message(msgs, "user", line);
-        sbuf ans = {0};
+        cli_text ans = {0};
         st = answer(a, s, fp4moe_model_config(m)->vocab, tok, &smp, tmpl, ctx, &ans);
         add_message(msgs, "assistant", ans.s ? ans.s : "");
         free(ans.s);

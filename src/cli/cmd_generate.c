@@ -170,7 +170,6 @@ static int parse_ids(const char *s, int32_t **ids, int64_t *n) {
 }
 
 typedef struct gen_state gen_state;
-static void keep_text(gen_state *g, const char *t, size_t n);
 static int emit(fp4moe_tokenizer_stream *ts, gen_state *g, int32_t id);
 
 static void print_speed(const char *what, int64_t n, double dt) {
@@ -188,8 +187,7 @@ struct gen_state {
     int64_t ctx;                    /* context limit in tokens, 0: none */
     float *logits;
     int json;                       /* --json: collect instead of streaming */
-    char *text;                     /* --json: the generated text */
-    size_t text_n, text_cap;
+    cli_text text;                  /* --json: the generated text */
     int32_t *ids;                   /* --json: the generated ids */
     int64_t n_ids;
 };
@@ -205,7 +203,7 @@ static int emit(fp4moe_tokenizer_stream *ts, gen_state *g, int32_t id) {
         int64_t len;
         int st = fp4moe_tokenizer_stream_push(ts, id, &text, &len);
         if (st) return st;
-        if (g->json) keep_text(g, text, (size_t)len);
+        if (g->json) cli_text_add(&g->text, text, (size_t)len);
         else fwrite(text, 1, (size_t)len, stdout);
     }
     fflush(stdout);
@@ -219,22 +217,8 @@ static void gen_free(gen_state *g) {
     fp4moe_model_free(g->m);
     free(g->prompt);
     free(g->logits);
-    free(g->text);
+    free(g->text.s);
     free(g->ids);
-}
-
-static void keep_text(gen_state *g, const char *t, size_t n) {
-    if (g->text_n + n + 1 > g->text_cap) {
-        size_t cap = g->text_cap ? g->text_cap * 2 : 1024;
-        while (cap < g->text_n + n + 1) cap *= 2;
-        char *p = realloc(g->text, cap);
-        if (!p) return;
-        g->text = p;
-        g->text_cap = cap;
-    }
-    memcpy(g->text + g->text_n, t, n);
-    g->text_n += n;
-    g->text[g->text_n] = 0;
 }
 
 /* Tokenizer from the model directory (NULL when it has none and ids are given). */
@@ -296,7 +280,7 @@ static int run_generation(const gen_args *a, gen_state *g, const volatile sig_at
         const char *text;
         int64_t len;
         if (!fp4moe_tokenizer_stream_flush(&ts, &text, &len)) {
-            if (g->json) keep_text(g, text, (size_t)len);
+            if (g->json) cli_text_add(&g->text, text, (size_t)len);
             else fwrite(text, 1, (size_t)len, stdout);
         }
         fp4moe_tokenizer_stream_free(&ts);
@@ -310,7 +294,7 @@ static int run_generation(const gen_args *a, gen_state *g, const volatile sig_at
         printf("\n");
     } else if (!st) {
         cJSON *o = cJSON_CreateObject();
-        cJSON_AddStringToObject(o, "text", g->text ? g->text : "");
+        cJSON_AddStringToObject(o, "text", g->text.s ? g->text.s : "");
         cJSON_AddItemToObject(o, "ids", cJSON_CreateIntArray(g->ids, (int)g->n_ids));
         cJSON_AddNumberToObject(o, "prompt_tokens", (double)g->T);
         cJSON_AddNumberToObject(o, "generated_tokens", (double)g->n_ids);
