@@ -213,91 +213,6 @@ static void report(const bench_args *a, const fp4moe_model *m, fp4moe_device dev
     }
 }
 
-/* ---- synthetic models ------------------------------------------------------------------------ */
-
-/* The directory of the running executable (malloc'd), or NULL. */
-static char *exe_dir(void) {
-    char buf[4096];
-    const ssize_t n = readlink("/proc/self/exe", buf, sizeof buf - 1);
-    if (n <= 0) return NULL;
-    buf[n] = '\0';
-    char *slash = strrchr(buf, '/');
-    if (!slash) return NULL;
-    *slash = '\0';
-    return strdup(buf);
-}
-
-/* CONFIG: a config.json path, a directory holding one, or the name of a config shipped under
- * configs/ (looked up from the working directory and from the executable's directory, its
- * parent and grandparent). */
-static int load_config(const char *name, fp4moe_config *cfg, char **used) {
-    char *cands[8] = {0};
-    int n = 0;
-    char rel[1024];
-    cands[n++] = strdup(name);
-    snprintf(rel, sizeof rel, "configs/%s.json", name);
-    cands[n++] = strdup(rel);
-    char *ed = exe_dir();
-    if (ed) {
-        const char *ups[] = {"", "/..", "/../.."};
-        for (int i = 0; i < 3; i++) {
-            snprintf(rel, sizeof rel, "%s%s/configs/%s.json", ed, ups[i], name);
-            cands[n++] = strdup(rel);
-        }
-        free(ed);
-    }
-    int st = fp4moe_set_error(FP4MOE_EIO, "synthetic: no config '%s' (a config.json path, a model directory, "
-                              "or a name under configs/)", name);
-    for (int i = 0; i < n && st == FP4MOE_EIO; i++) {
-        if (!cands[i] || access(cands[i], R_OK)) continue;
-        if (cli_is_dir(cands[i])) {
-            st = fp4moe_config_load(cands[i], cfg);
-        } else {
-            char *text = NULL;
-            st = cli_read_text(cands[i], 1 << 24, &text);
-            if (!st) st = fp4moe_config_parse(text, cands[i], cfg);
-            free(text);
-        }
-        if (!st) *used = strdup(cands[i]);
-    }
-    for (int i = 0; i < n; i++) free(cands[i]);
-    return st;
-}
-
-static void on_gen_progress(void *ctx, int64_t done, int64_t total) {
-    cli_progress *p = ctx;
-    p->total = total;
-    cli_progress_update(p, done, NULL);
-}
-
-static int load_synthetic(const bench_args *a, fp4moe_device dev, fp4moe_model **out) {
-    fp4moe_config cfg;
-    char *path = NULL;
-    int st = load_config(a->synthetic, &cfg, &path);
-    if (st) return cli_fail(CMD, st);
-    fp4moe_synthetic_options o = {.device = dev, .seed = (uint64_t)a->seed};
-    cli_progress bar;
-    cli_progress_start(&bar, dev == FP4MOE_DEVICE_CUDA ? "generating weights on the GPU" : "generating weights", 0);
-    o.progress = on_gen_progress;
-    o.progress_ctx = &bar;
-    const double t0 = cli_now();
-    st = fp4moe_model_synthetic(&cfg, &o, out);
-    cli_progress_finish(&bar);
-    fp4moe_config_free(&cfg);
-    if (st) {
-        free(path);
-        return cli_fail(CMD, st);
-    }
-    fp4moe_model_stats s;
-    fp4moe_model_get_stats(*out, &s);
-    const fp4moe_config *c = fp4moe_model_config(*out);
-    fprintf(stderr, "%s: synthetic %s (%s) on %s in %.2f s: %lld layers (%s), %.3g B params (%.3g B active), "
-            "%lld NVFP4 linears\n", CMD, a->synthetic, path, fp4moe_device_name(dev), cli_now() - t0,
-            (long long)c->n_layers, c->layer_types, (double)s.params_total * 1e-9,
-            (double)s.params_active * 1e-9, (long long)s.n_nvfp4_linears);
-    free(path);
-    return FP4MOE_EXIT_OK;
-}
 
 /* ---- --batch N: N concurrent sequences ------------------------------------------------------- */
 
@@ -486,7 +401,7 @@ static int bench(bench_args *a) {
     if (a->profile && dev != FP4MOE_DEVICE_CUDA)
         return cli_usage_error(CMD, "--profile times device events: it needs --device cuda");
     fp4moe_model *m = NULL;
-    rc = a->synthetic ? load_synthetic(a, dev, &m) : cli_load_model_on(CMD, a->model, !a->no_quantize, dev, &m);
+    rc = a->synthetic ? cli_load_synthetic(CMD, a->synthetic, (uint64_t)a->seed, dev, &m) : cli_load_model_on(CMD, a->model, !a->no_quantize, dev, &m);
     if (rc) return rc;
     if (a->batch > 0) {
         if (a->chunk > 0 && a->chunk < a->batch) {

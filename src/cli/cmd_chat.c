@@ -28,59 +28,6 @@ typedef struct {
     int no_quantize;
 } chat_args;
 
-/* The template text (malloc'd) from the sources above; NULL with a message when there is none. */
-static char *load_template(const chat_args *a) {
-    char *text = NULL;
-    if (a->chat_template) {
-        if (cli_read_text(a->chat_template, 16 << 20, &text)) return NULL;
-        return text;
-    }
-    char *p = cli_join(a->model, "chat_template.jinja");
-    if (p && access(p, R_OK) == 0 && !cli_read_text(p, 16 << 20, &text)) {
-        free(p);
-        return text;
-    }
-    free(p);
-    p = cli_join(a->model, "tokenizer_config.json");
-    char *cfg = NULL;
-    cJSON *j = p && access(p, R_OK) == 0 && !cli_read_text(p, 64 << 20, &cfg) ? cJSON_Parse(cfg) : NULL;
-    const cJSON *t = cJSON_GetObjectItemCaseSensitive(j, "chat_template");
-    if (cJSON_IsString(t)) {
-        text = strdup(t->valuestring);
-    } else if (cJSON_IsArray(t)) {
-        const cJSON *e;
-        cJSON_ArrayForEach(e, t) {
-            const cJSON *name = cJSON_GetObjectItemCaseSensitive(e, "name");
-            const cJSON *tt = cJSON_GetObjectItemCaseSensitive(e, "template");
-            if (cJSON_IsString(name) && !strcmp(name->valuestring, "default") && cJSON_IsString(tt))
-                text = strdup(tt->valuestring);
-        }
-    }
-    if (!text)
-        fp4moe_set_error(FP4MOE_EINVAL, "model %s has no chat template (no chat_template.jinja, no "
-                         "\"chat_template\" in tokenizer_config.json): give one with --chat-template FILE",
-                         a->model);
-    cJSON_Delete(j);
-    free(cfg);
-    free(p);
-    return text;
-}
-
-/* bos_token / eos_token of tokenizer_config.json (a string or {"content": ...}) into the context. */
-static void add_special_tokens(const char *dir, cJSON *ctx) {
-    char *p = cli_join(dir, "tokenizer_config.json"), *cfg = NULL;
-    cJSON *j = p && access(p, R_OK) == 0 && !cli_read_text(p, 64 << 20, &cfg) ? cJSON_Parse(cfg) : NULL;
-    const char *keys[] = {"bos_token", "eos_token"};
-    for (int i = 0; i < 2; i++) {
-        const cJSON *v = cJSON_GetObjectItemCaseSensitive(j, keys[i]);
-        if (cJSON_IsObject(v)) v = cJSON_GetObjectItemCaseSensitive(v, "content");
-        cJSON_AddStringToObject(ctx, keys[i], cJSON_IsString(v) ? v->valuestring : "");
-    }
-    cJSON_Delete(j);
-    free(cfg);
-    free(p);
-}
-
 static void add_message(cJSON *msgs, const char *role, const char *content) {
     cJSON *m = cJSON_CreateObject();
     cJSON_AddStringToObject(m, "role", role);
@@ -142,7 +89,7 @@ static int chat(const chat_args *a) {
     if (rc) return rc;
     if ((rc = cli_parse_dtype(CMD, a->dtype ? a->dtype : (dev == FP4MOE_DEVICE_CUDA ? "bf16" : "f32"), &dt)))
         return rc;
-    char *src = load_template(a);
+    char *src = cli_load_chat_template(a->model, a->chat_template);
     if (!src) return cli_fail(CMD, FP4MOE_EINVAL);
     fp4moe_template *tmpl = NULL;
     int st = fp4moe_template_compile(src, strlen(src), &tmpl);
@@ -177,12 +124,12 @@ static int chat(const chat_args *a) {
     sp.top_k = a->top_k;
     sp.min_p = (float)a->min_p;
     sp.seed = (uint64_t)a->seed;
-    const int32_t eos = fp4moe_tokenizer_eos_id(tok);
-    if (eos >= 0) sp.stop_ids[sp.n_stop++] = eos;
-    const char *ends[] = {"<|im_end|>", "<|end_of_text|>", "</s>"};
-    for (int i = 0; i < 3; i++) {
-        const int32_t id = fp4moe_tokenizer_token_to_id(tok, ends[i]);
-        if (id >= 0 && id != eos && sp.n_stop < FP4MOE_MAX_STOP_IDS) sp.stop_ids[sp.n_stop++] = id;
+    {   /* stop ids only: the sampling settings are the command line's */
+        fp4moe_sampler_params g;
+        fp4moe_sampler_params_default(&g);
+        cli_generation_defaults(a->model, tok, fp4moe_model_config(m)->vocab, &g);
+        memcpy(sp.stop_ids, g.stop_ids, sizeof g.stop_ids);
+        sp.n_stop = g.n_stop;
     }
     if (!st) st = fp4moe_sampler_init_params(&smp, fp4moe_model_config(m)->vocab, &sp);
     cJSON *ctx = cJSON_CreateObject(), *msgs = cJSON_AddArrayToObject(ctx, "messages");
@@ -190,7 +137,7 @@ static int chat(const chat_args *a) {
     cJSON_AddNullToObject(ctx, "documents");
     cJSON_AddTrueToObject(ctx, "add_generation_prompt");
     if (a->think) cJSON_AddBoolToObject(ctx, "enable_thinking", !strcmp(a->think, "on"));
-    add_special_tokens(a->model, ctx);
+    cli_template_special_tokens(a->model, ctx);
     if (a->system) add_message(msgs, "system", a->system);
     const int tty = isatty(0);
     char *line = NULL;

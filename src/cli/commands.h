@@ -17,6 +17,7 @@ int cmd_generate(int argc, char **argv);
 int cmd_bench(int argc, char **argv);
 int cmd_perplexity(int argc, char **argv);
 int cmd_chat(int argc, char **argv);
+int cmd_serve(int argc, char **argv);
 
 /* Shared by generate and bench (cmd_generate.c). */
 #include <signal.h>
@@ -39,5 +40,22 @@ int cli_model_summary(const char *cmd, const char *dir, FILE *out);
 int cli_parse_dtype(const char *cmd, const char *s, fp4moe_dtype *dt);
 /* Installs a SIGINT handler; the returned flag becomes 1 on Ctrl-C. */
 const volatile sig_atomic_t *cli_install_sigint(void);
+
+/* ---- cli_model.c -------------------------------------------------------------------------------- */
+#include <cjson/cJSON.h>
+#include "fp4moe/tokenizer.h"
+/* A model with random NVFP4 weights of config NAME (a config.json path, a model directory, or a
+ * name under configs/), with a progress bar and a summary on stderr. Returns an exit code. */
+int cli_load_synthetic(const char *cmd, const char *name, uint64_t seed, fp4moe_device dev, fp4moe_model **out);
+/* The chat template text (malloc'd): file `override` when given, else DIR/chat_template.jinja, else
+ * the "chat_template" of DIR/tokenizer_config.json (a string, or the "default" of a list). NULL with
+ * fp4moe_last_error() set when there is none. */
+char *cli_load_chat_template(const char *dir, const char *override);
+/* bos_token / eos_token of DIR/tokenizer_config.json (strings, "" when absent) into ctx. */
+void cli_template_special_tokens(const char *dir, cJSON *ctx);
+/* Stop ids (the tokenizer's EOS, the chat end tokens it has, every eos_token_id of
+ * DIR/generation_config.json) added to sp, and its sampling defaults (do_sample false: greedy;
+ * temperature, top_p, top_k, min_p) when the file exists. Returns 1 when the file was read. */
+int cli_generation_defaults(const char *dir, const fp4moe_tokenizer *tok, int64_t vocab, fp4moe_sampler_params *sp);
 
 #endif

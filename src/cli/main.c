@@ -22,6 +22,7 @@ static const command k_commands[] = {
     {"bench", cmd_bench, "prefill / decode tok/s of a nemotron_h model, hash of the greedy ids"},
     {"perplexity", cmd_perplexity, "perplexity of a nemotron_h model over a text file (llama.cpp rule)"},
     {"chat", cmd_chat, "multi-turn chat in the terminal with the model's chat template"},
+    {"serve", cmd_serve, "OpenAI-compatible HTTP server (continuous batching, prefix reuse)"},
 };
 #define N_COMMANDS (int)(sizeof k_commands / sizeof k_commands[0])
 

@@ -1,0 +1,203 @@
+/* Model-side helpers shared by several commands: synthetic models (bench, serve), the chat
+ * template of a model directory and its special tokens (chat, serve), sampling defaults and stop
+ * ids from generation_config.json (chat, serve). */
+#include <cjson/cJSON.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "cli/cli_util.h"
+#include "cli/commands.h"
+#include "fp4moe/fp4moe.h"
+#include "fp4moe/model.h"
+#include "fp4moe/tokenizer.h"
+
+/* ---- synthetic models ------------------------------------------------------------------------ */
+
+/* The directory of the running executable (malloc'd), or NULL. */
+static char *exe_dir(void) {
+    char buf[4096];
+    const ssize_t n = readlink("/proc/self/exe", buf, sizeof buf - 1);
+    if (n <= 0) return NULL;
+    buf[n] = '\0';
+    char *slash = strrchr(buf, '/');
+    if (!slash) return NULL;
+    *slash = '\0';
+    return strdup(buf);
+}
+
+/* CONFIG: a config.json path, a directory holding one, or the name of a config shipped under
+ * configs/ (looked up from the working directory and from the executable's directory, its
+ * parent and grandparent). */
+static int load_config(const char *name, fp4moe_config *cfg, char **used) {
+    char *cands[8] = {0};
+    int n = 0;
+    char rel[1024];
+    cands[n++] = strdup(name);
+    snprintf(rel, sizeof rel, "configs/%s.json", name);
+    cands[n++] = strdup(rel);
+    char *ed = exe_dir();
+    if (ed) {
+        const char *ups[] = {"", "/..", "/../.."};
+        for (int i = 0; i < 3; i++) {
+            snprintf(rel, sizeof rel, "%s%s/configs/%s.json", ed, ups[i], name);
+            cands[n++] = strdup(rel);
+        }
+        free(ed);
+    }
+    int st = fp4moe_set_error(FP4MOE_EIO, "synthetic: no config '%s' (a config.json path, a model directory, "
+                              "or a name under configs/)", name);
+    for (int i = 0; i < n && st == FP4MOE_EIO; i++) {
+        if (!cands[i] || access(cands[i], R_OK)) continue;
+        if (cli_is_dir(cands[i])) {
+            st = fp4moe_config_load(cands[i], cfg);
+        } else {
+            char *text = NULL;
+            st = cli_read_text(cands[i], 1 << 24, &text);
+            if (!st) st = fp4moe_config_parse(text, cands[i], cfg);
+            free(text);
+        }
+        if (!st) *used = strdup(cands[i]);
+    }
+    for (int i = 0; i < n; i++) free(cands[i]);
+    return st;
+}
+
+static void on_gen_progress(void *ctx, int64_t done, int64_t total) {
+    cli_progress *p = ctx;
+    p->total = total;
+    cli_progress_update(p, done, NULL);
+}
+
+int cli_load_synthetic(const char *cmd, const char *name, uint64_t seed, fp4moe_device dev, fp4moe_model **out) {
+    fp4moe_config cfg;
+    char *path = NULL;
+    int st = load_config(name, &cfg, &path);
+    if (st) return cli_fail(cmd, st);
+    fp4moe_synthetic_options o = {.device = dev, .seed = seed};
+    cli_progress bar;
+    cli_progress_start(&bar, dev == FP4MOE_DEVICE_CUDA ? "generating weights on the GPU" : "generating weights", 0);
+    o.progress = on_gen_progress;
+    o.progress_ctx = &bar;
+    const double t0 = cli_now();
+    st = fp4moe_model_synthetic(&cfg, &o, out);
+    cli_progress_finish(&bar);
+    fp4moe_config_free(&cfg);
+    if (st) {
+        free(path);
+        return cli_fail(cmd, st);
+    }
+    fp4moe_model_stats s;
+    fp4moe_model_get_stats(*out, &s);
+    const fp4moe_config *c = fp4moe_model_config(*out);
+    fprintf(stderr, "%s: synthetic %s (%s) on %s in %.2f s: %lld layers (%s), %.3g B params (%.3g B active), "
+            "%lld NVFP4 linears\n", cmd, name, path, fp4moe_device_name(dev), cli_now() - t0,
+            (long long)c->n_layers, c->layer_types, (double)s.params_total * 1e-9,
+            (double)s.params_active * 1e-9, (long long)s.n_nvfp4_linears);
+    free(path);
+    return FP4MOE_EXIT_OK;
+}
+
+/* ---- chat templates ---------------------------------------------------------------------------- */
+
+/* The template text (malloc'd) from the sources above; NULL with a message when there is none. */
+char *cli_load_chat_template(const char *model, const char *override) {
+    char *text = NULL;
+    if (override) {
+        if (cli_read_text(override, 16 << 20, &text)) return NULL;
+        return text;
+    }
+    char *p = cli_join(model, "chat_template.jinja");
+    if (p && access(p, R_OK) == 0 && !cli_read_text(p, 16 << 20, &text)) {
+        free(p);
+        return text;
+    }
+    free(p);
+    p = cli_join(model, "tokenizer_config.json");
+    char *cfg = NULL;
+    cJSON *j = p && access(p, R_OK) == 0 && !cli_read_text(p, 64 << 20, &cfg) ? cJSON_Parse(cfg) : NULL;
+    const cJSON *t = cJSON_GetObjectItemCaseSensitive(j, "chat_template");
+    if (cJSON_IsString(t)) {
+        text = strdup(t->valuestring);
+    } else if (cJSON_IsArray(t)) {
+        const cJSON *e;
+        cJSON_ArrayForEach(e, t) {
+            const cJSON *name = cJSON_GetObjectItemCaseSensitive(e, "name");
+            const cJSON *tt = cJSON_GetObjectItemCaseSensitive(e, "template");
+            if (cJSON_IsString(name) && !strcmp(name->valuestring, "default") && cJSON_IsString(tt))
+                text = strdup(tt->valuestring);
+        }
+    }
+    if (!text)
+        fp4moe_set_error(FP4MOE_EINVAL, "model %s has no chat template (no chat_template.jinja, no "
+                         "\"chat_template\" in tokenizer_config.json): give one with --chat-template FILE",
+                         model);
+    cJSON_Delete(j);
+    free(cfg);
+    free(p);
+    return text;
+}
+
+/* bos_token / eos_token of tokenizer_config.json (a string or {"content": ...}) into the context. */
+void cli_template_special_tokens(const char *dir, cJSON *ctx) {
+    char *p = cli_join(dir, "tokenizer_config.json"), *cfg = NULL;
+    cJSON *j = p && access(p, R_OK) == 0 && !cli_read_text(p, 64 << 20, &cfg) ? cJSON_Parse(cfg) : NULL;
+    const char *keys[] = {"bos_token", "eos_token"};
+    for (int i = 0; i < 2; i++) {
+        const cJSON *v = cJSON_GetObjectItemCaseSensitive(j, keys[i]);
+        if (cJSON_IsObject(v)) v = cJSON_GetObjectItemCaseSensitive(v, "content");
+        cJSON_AddStringToObject(ctx, keys[i], cJSON_IsString(v) ? v->valuestring : "");
+    }
+    cJSON_Delete(j);
+    free(cfg);
+    free(p);
+}
+
+
+/* ---- generation_config.json ------------------------------------------------------------------------ */
+
+static void add_stop(fp4moe_sampler_params *sp, int64_t vocab, int64_t id) {
+    if (id < 0 || id >= vocab) return;
+    for (int i = 0; i < sp->n_stop; i++)
+        if (sp->stop_ids[i] == id) return;
+    if (sp->n_stop < FP4MOE_MAX_STOP_IDS) sp->stop_ids[sp->n_stop++] = (int32_t)id;
+}
+
+int cli_generation_defaults(const char *dir, const fp4moe_tokenizer *tok, int64_t vocab, fp4moe_sampler_params *sp) {
+    add_stop(sp, vocab, fp4moe_tokenizer_eos_id(tok));
+    const char *ends[] = {"<|im_end|>", "<|end_of_text|>", "<|endoftext|>", "</s>"};
+    for (int i = 0; i < 4; i++) add_stop(sp, vocab, fp4moe_tokenizer_token_to_id(tok, ends[i]));
+    char *p = dir ? cli_join(dir, "generation_config.json") : NULL, *text = NULL;
+    int found = 0;
+    if (p && access(p, R_OK) == 0 && !cli_read_text(p, 1 << 20, &text)) {
+        cJSON *j = cJSON_Parse(text);
+        if (!cJSON_IsObject(j)) {
+            fprintf(stderr, "fp4moe: warning: %s is not a JSON object; its sampling defaults are ignored\n", p);
+        } else {
+            found = 1;
+            const cJSON *v = cJSON_GetObjectItemCaseSensitive(j, "eos_token_id"), *it;
+            if (cJSON_IsNumber(v)) add_stop(sp, vocab, (int64_t)v->valuedouble);
+            else if (cJSON_IsArray(v)) cJSON_ArrayForEach(it, v) if (cJSON_IsNumber(it)) add_stop(sp, vocab, (int64_t)it->valuedouble);
+            v = cJSON_GetObjectItemCaseSensitive(j, "do_sample");
+            if (cJSON_IsFalse(v)) {
+                sp->temperature = 0.0f;
+            } else {
+                if (cJSON_IsNumber(v = cJSON_GetObjectItemCaseSensitive(j, "temperature")) && v->valuedouble >= 0)
+                    sp->temperature = (float)v->valuedouble;
+                if (cJSON_IsNumber(v = cJSON_GetObjectItemCaseSensitive(j, "top_p")) && v->valuedouble > 0 &&
+                    v->valuedouble <= 1)
+                    sp->top_p = (float)v->valuedouble;
+                if (cJSON_IsNumber(v = cJSON_GetObjectItemCaseSensitive(j, "top_k")) && v->valuedouble >= 0)
+                    sp->top_k = (int64_t)v->valuedouble;
+                if (cJSON_IsNumber(v = cJSON_GetObjectItemCaseSensitive(j, "min_p")) && v->valuedouble >= 0 &&
+                    v->valuedouble <= 1)
+                    sp->min_p = (float)v->valuedouble;
+            }
+        }
+        cJSON_Delete(j);
+    }
+    free(text);
+    free(p);
+    return found;
+}

@@ -1,0 +1,193 @@
+/* fp4moe serve -m DIR: an OpenAI-compatible HTTP server (POST /v1/chat/completions,
+ * POST /v1/completions, GET /v1/models, GET /health, GET /metrics) with continuous batching and
+ * prefix reuse over the batch API (src/server/). --synthetic CONFIG --tokenizer DIR serves random
+ * weights of a config's exact shape, for load tests without the checkpoint. SIGINT / SIGTERM stop
+ * it: running requests end with a 503 error, then the process exits (0 for SIGTERM, 130 for
+ * Ctrl-C, by the shell convention). */
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "cli/cli_util.h"
+#include "cli/commands.h"
+#include "fp4moe/fp4moe.h"
+#include "fp4moe/model.h"
+#include "fp4moe/template.h"
+#include "fp4moe/tokenizer.h"
+#include "server/srv.h"
+
+#define CMD "serve"
+
+typedef struct {
+    const char *model, *synthetic, *tokenizer, *chat_template, *host, *api_key, *name, *device, *dtype, *reasoning;
+    int64_t port, ctx, max_seqs, max_step_tokens, max_queue, max_body, prefix_cache_mb, prefix_min_tokens,
+        http_threads, seed;
+    int no_quantize;
+} serve_args;
+
+static volatile int g_stop;
+static volatile int g_signal;
+static void on_signal(int sig) {
+    g_signal = sig;
+    g_stop = 1;
+}
+
+static const char *base_name(const char *path) {
+    size_t n = strlen(path);
+    while (n > 1 && path[n - 1] == '/') n--;
+    static char buf[256];
+    size_t s = n;
+    while (s > 0 && path[s - 1] != '/') s--;
+    snprintf(buf, sizeof buf, "%.*s", (int)(n - s), path + s);
+    return buf;
+}
+
+static int serve(const serve_args *a) {
+    fp4moe_device dev;
+    fp4moe_dtype dt;
+    int rc = cli_parse_device(CMD, a->device, &dev);
+    if (rc) return rc;
+    if (dev == FP4MOE_DEVICE_DEFAULT) dev = fp4moe_cuda_available() ? FP4MOE_DEVICE_CUDA : FP4MOE_DEVICE_CPU;
+    if ((rc = cli_parse_dtype(CMD, a->dtype ? a->dtype : (dev == FP4MOE_DEVICE_CUDA ? "bf16" : "f32"), &dt))) return rc;
+    const char *tok_dir = a->tokenizer ? a->tokenizer : a->model;
+    fp4moe_tokenizer *tok = NULL;
+    int st = fp4moe_tokenizer_load(tok_dir, &tok);
+    if (st) return cli_fail(CMD, st);
+    /* the chat template: optional (completions work without one; chat requests then get a 400) */
+    fp4moe_template *tmpl = NULL;
+    char *src = cli_load_chat_template(tok_dir, a->chat_template);
+    if (!src && a->chat_template) {
+        fp4moe_tokenizer_free(tok);
+        return cli_fail(CMD, FP4MOE_EIO);
+    }
+    if (src && (st = fp4moe_template_compile(src, strlen(src), &tmpl))) {
+        free(src);
+        fp4moe_tokenizer_free(tok);
+        return cli_fail(CMD, st);
+    }
+    if (!src) fprintf(stderr, "%s: %s has no chat template: /v1/chat/completions will answer 400 (give one with "
+                      "--chat-template FILE)\n", CMD, tok_dir);
+    free(src);
+    fp4moe_model *m = NULL;
+    rc = a->synthetic ? cli_load_synthetic(CMD, a->synthetic, (uint64_t)a->seed, dev, &m)
+                      : cli_load_model_on(CMD, a->model, !a->no_quantize, dev, &m);
+    if (rc) {
+        fp4moe_template_free(tmpl);
+        fp4moe_tokenizer_free(tok);
+        return rc;
+    }
+    const fp4moe_config *cfg = fp4moe_model_config(m);
+    int64_t ctx = cfg->max_position > 0 ? cfg->max_position : 4096;
+    if (a->ctx > 0) {
+        if (cfg->max_position > 0 && a->ctx > cfg->max_position)
+            fprintf(stderr, "%s: warning: --ctx %lld is above the model's max_position_embeddings %lld\n", CMD,
+                    (long long)a->ctx, (long long)cfg->max_position);
+        ctx = a->ctx;
+    }
+    if (fp4moe_tokenizer_vocab_size(tok) > cfg->vocab)
+        fprintf(stderr, "%s: warning: the tokenizer has %lld ids, the model %lld: prompts with larger ids are refused\n",
+                CMD, (long long)fp4moe_tokenizer_vocab_size(tok), (long long)cfg->vocab);
+    cJSON *special = cJSON_CreateObject();
+    cli_template_special_tokens(tok_dir, special);
+    srv_parse_ctx pc = {0};
+    pc.model_name = a->name ? a->name : base_name(a->synthetic ? a->synthetic : a->model);
+    pc.tok = tok;
+    pc.tmpl = tmpl;
+    pc.bos_token = cJSON_GetStringValue(cJSON_GetObjectItem(special, "bos_token"));
+    pc.eos_token = cJSON_GetStringValue(cJSON_GetObjectItem(special, "eos_token"));
+    pc.vocab = cfg->vocab;
+    pc.context = ctx;
+    pc.reasoning = !a->reasoning || !strcmp(a->reasoning, "on");
+    fp4moe_sampler_params_default(&pc.defaults);
+    pc.defaults.temperature = 1.0f;   /* OpenAI's default, unless generation_config.json says otherwise */
+    cli_generation_defaults(tok_dir, tok, cfg->vocab, &pc.defaults);
+    srv_engine_options eo = {
+        .max_seqs = a->max_seqs > 0 ? a->max_seqs : (dev == FP4MOE_DEVICE_CUDA ? 64 : 16),
+        .max_step_tokens = a->max_step_tokens > 0 ? a->max_step_tokens : (dev == FP4MOE_DEVICE_CUDA ? 2048 : 256),
+        .max_queue = a->max_queue,
+        .context = ctx,
+        .prefix_cache_bytes = a->prefix_cache_mb << 20,
+        .prefix_min_tokens = a->prefix_min_tokens,
+        .device = dev,
+        .act_dtype = dt,
+    };
+    if (eo.max_step_tokens < eo.max_seqs) eo.max_step_tokens = eo.max_seqs;
+    srv_engine *e = NULL;
+    if ((st = srv_engine_new(m, tok, pc.model_name, &eo, &e))) {
+        cJSON_Delete(special);
+        fp4moe_model_free(m);
+        fp4moe_template_free(tmpl);
+        fp4moe_tokenizer_free(tok);
+        return cli_fail(CMD, st);
+    }
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = on_signal;
+    sigaction(SIGINT, &sa, NULL);
+    sigaction(SIGTERM, &sa, NULL);
+    signal(SIGPIPE, SIG_IGN);
+    fprintf(stderr, "%s: model '%s' on %s, context %lld, %lld sequences x %lld tokens per step, prefix cache %lld MiB%s\n",
+            CMD, pc.model_name, fp4moe_device_name(dev), (long long)ctx, (long long)eo.max_seqs,
+            (long long)eo.max_step_tokens, (long long)a->prefix_cache_mb, a->api_key ? ", API key required" : "");
+    srv_http_options ho = {.host = a->host, .port = (int)a->port, .api_key = a->api_key, .max_body = a->max_body,
+                           .http_threads = (int)a->http_threads, .stop = &g_stop};
+    st = srv_http_run(&ho, e, &pc);
+    if (st) fprintf(stderr, "fp4moe %s: error: %s\n", CMD, fp4moe_last_error());
+    else fprintf(stderr, "%s: stopped (%s)\n", CMD, g_signal == SIGTERM ? "SIGTERM" : "Ctrl-C");
+    srv_engine_free(e);
+    cJSON_Delete(special);
+    fp4moe_model_free(m);
+    fp4moe_template_free(tmpl);
+    fp4moe_tokenizer_free(tok);
+    if (st) return FP4MOE_EXIT_FAIL;
+    return g_signal == SIGINT ? 130 : FP4MOE_EXIT_OK;
+}
+
+int cmd_serve(int argc, char **argv) {
+    serve_args a = {.host = "127.0.0.1", .port = 8080, .device = "auto", .max_queue = 256, .max_body = 8 << 20,
+                    .prefix_cache_mb = 1024, .prefix_min_tokens = 32, .http_threads = 4};
+    const cli_opt opts[] = {
+        {"--model", "-m", CLI_STRING, &a.model, "DIR", "model directory (config.json, *.safetensors, tokenizer.json)"},
+        {"--synthetic", NULL, CLI_STRING, &a.synthetic, "CONFIG", "random weights of a config's shape (with --tokenizer)"},
+        {"--tokenizer", NULL, CLI_STRING, &a.tokenizer, "DIR", "tokenizer directory (default: the model's)"},
+        {"--chat-template", NULL, CLI_STRING, &a.chat_template, "FILE", "Jinja chat template (default: the model's)"},
+        {"--host", NULL, CLI_STRING, &a.host, "ADDR", "address to listen on (default 127.0.0.1)"},
+        {"--port", NULL, CLI_INT, &a.port, "N", "TCP port; 0 = any free port, printed (default 8080)"},
+        {"--api-key", NULL, CLI_STRING, &a.api_key, "KEY", "require 'Authorization: Bearer KEY' on /v1/*"},
+        {"--served-model-name", NULL, CLI_STRING, &a.name, "NAME", "model id of the API (default: the directory name)"},
+        {"--ctx", NULL, CLI_INT, &a.ctx, "N", "tokens per request, prompt + output (default: max_position_embeddings)"},
+        {"--max-seqs", NULL, CLI_INT, &a.max_seqs, "N", "requests computed at once (default 16 cpu, 64 cuda)"},
+        {"--max-step-tokens", NULL, CLI_INT, &a.max_step_tokens, "N", "tokens per batch step (default 256 cpu, 2048 cuda)"},
+        {"--max-queue", NULL, CLI_INT, &a.max_queue, "N", "requests waiting beyond --max-seqs before 429 (default 256)"},
+        {"--max-body", NULL, CLI_INT, &a.max_body, "BYTES", "largest request body (default 8388608)"},
+        {"--prefix-cache-mb", NULL, CLI_INT, &a.prefix_cache_mb, "MB", "memory for kept conversation states; 0 = off (default 1024)"},
+        {"--prefix-min-tokens", NULL, CLI_INT, &a.prefix_min_tokens, "N", "shortest prefix worth keeping (default 32)"},
+        {"--reasoning", NULL, CLI_STRING, &a.reasoning, "on|off", "return <think> text as reasoning_content (default on)"},
+        {"--http-threads", NULL, CLI_INT, &a.http_threads, "N", "HTTP worker threads (default 4)"},
+        {"--device", NULL, CLI_STRING, &a.device, "DEV", "cpu, cuda or auto (default auto)"},
+        {"--dtype", NULL, CLI_STRING, &a.dtype, "DT", "matmul activations: f32 or bf16 (default f32 on cpu; cuda: bf16)"},
+        {"--no-quantize", NULL, CLI_FLAG, &a.no_quantize, NULL, "keep dense checkpoints dense"},
+        {"--seed", NULL, CLI_INT, &a.seed, "S", "seed of --synthetic weights (default 0)"},
+    };
+    const cli_spec spec = {CMD, "fp4moe serve -m DIR [options] | fp4moe serve --synthetic CONFIG --tokenizer DIR",
+                           "OpenAI-compatible HTTP server with continuous batching: POST /v1/chat/completions,\n"
+                           "POST /v1/completions (stream or not), GET /v1/models, GET /health, GET /metrics.\n"
+                           "Prints 'listening on http://HOST:PORT' when ready; SIGINT/SIGTERM stop it.",
+                           opts, (int)(sizeof opts / sizeof opts[0]), NULL, 0, NULL};
+    const int rc = cli_parse(&spec, argc, argv);
+    if (rc == CLI_HELP) return FP4MOE_EXIT_OK;
+    if (rc) return FP4MOE_EXIT_USAGE;
+    if (!a.model == !a.synthetic) return cli_usage_error(CMD, "give one of -m DIR or --synthetic CONFIG");
+    if (a.synthetic && !a.tokenizer) return cli_usage_error(CMD, "--synthetic needs --tokenizer DIR");
+    if (a.port < 0 || a.port > 65535) return cli_usage_error(CMD, "--port must be in [0, 65535]");
+    if (a.ctx < 0 || a.max_seqs < 0 || a.max_step_tokens < 0 || a.max_queue < 0 || a.prefix_cache_mb < 0 ||
+        a.prefix_min_tokens < 1 || a.http_threads < 1 || a.http_threads > 64 || a.max_body < 1024)
+        return cli_usage_error(CMD, "--ctx, --max-seqs, --max-step-tokens, --max-queue and --prefix-cache-mb must be "
+                               ">= 0, --prefix-min-tokens >= 1, --http-threads in [1, 64], --max-body >= 1024");
+    if (a.reasoning && strcmp(a.reasoning, "on") && strcmp(a.reasoning, "off"))
+        return cli_usage_error(CMD, "--reasoning must be on or off");
+    if (a.api_key && !a.api_key[0]) return cli_usage_error(CMD, "--api-key must not be empty");
+    return serve(&a);
+}

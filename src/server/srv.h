@@ -1,0 +1,188 @@
+/* Internal: fp4moe serve, the OpenAI-compatible HTTP server. Built on the public API only
+ * (fp4moe/model.h batch + sampler, fp4moe/tokenizer.h, fp4moe/template.h); HTTP by libmicrohttpd.
+ *
+ *   srv_request.c  request JSON -> validated srv_request (pure: no model, no I/O; fuzzed)
+ *   srv_text.c     generated text -> stop strings + reasoning/content split (pure)
+ *   srv_engine.c   the engine thread: continuous batching over one fp4moe_batch, prefix cache
+ *   srv_http.c     libmicrohttpd daemon: routes, auth, body limit, SSE, metrics
+ *
+ * Error bodies follow OpenAI: {"error": {"message", "type", "param", "code"}}. */
+#ifndef FP4MOE_SRV_H
+#define FP4MOE_SRV_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include <cjson/cJSON.h>
+
+#include "fp4moe/model.h"
+#include "fp4moe/template.h"
+#include "fp4moe/tokenizer.h"
+
+#define SRV_MAX_STOP 16          /* stop strings per request (OpenAI allows 4; vLLM more) */
+#define SRV_MAX_STOP_LEN 256     /* bytes per stop string */
+
+/* ---- errors --------------------------------------------------------------------------------- */
+
+typedef struct {
+    int http;                    /* 400, 401, 404, 413, 429, 500, 503 */
+    const char *type;            /* "invalid_request_error", "authentication_error", ... (static) */
+    char param[64];              /* the request field, "" when none */
+    const char *code;            /* OpenAI "code" (static) or NULL */
+    char message[512];
+} srv_error;
+
+/* Fills e and returns -1 (so parsers can `return srv_fail(...)`). */
+int srv_fail(srv_error *e, int http, const char *param, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 4, 5)))
+#endif
+    ;
+/* The OpenAI error body of e, malloc'd JSON text. */
+char *srv_error_json(const srv_error *e);
+
+/* ---- requests ------------------------------------------------------------------------------- */
+
+typedef enum { SRV_CHAT = 0, SRV_COMPLETION = 1 } srv_kind;
+
+/* What the parser needs from the server (all borrowed). */
+typedef struct {
+    const char *model_name;            /* the served name (/v1/models) */
+    const fp4moe_tokenizer *tok;
+    const fp4moe_template *tmpl;       /* NULL: chat requests are refused with a clear error */
+    const char *bos_token, *eos_token; /* strings for the template context ("" when unknown) */
+    int64_t vocab;                     /* the model's vocabulary (ids of completion prompts) */
+    int64_t context;                   /* tokens per sequence: prompt + output */
+    fp4moe_sampler_params defaults;    /* sampling when the request says nothing (+ stop ids) */
+    int reasoning;                     /* split <think>...</think> into reasoning_content */
+} srv_parse_ctx;
+
+typedef struct {
+    srv_kind kind;
+    int stream, include_usage, ignore_eos;
+    int has_seed;                      /* the request gave a seed (else the engine draws one) */
+    int64_t max_tokens;                /* after defaults: >= 1, prompt + max_tokens <= context */
+    fp4moe_sampler_params sp;
+    char *stop[SRV_MAX_STOP];          /* stop strings (malloc'd) */
+    int n_stop;
+    int32_t *ids;                      /* prompt token ids (malloc'd) */
+    int64_t n_ids;
+    int64_t history;                   /* chat: prompt tokens before the generation prompt (a
+                                          prefix-cache point), else 0 */
+    int reasoning_start;               /* 1: the output starts inside <think> (the prompt opened
+                                          it); 0: in content */
+    int reasoning;                     /* split reasoning at all (chat and ctx->reasoning) */
+} srv_request;
+
+/* Parses and validates one request body (len bytes of JSON) of kind `kind`. Chat: renders the
+ * messages with the template (tools, chat_template_kwargs, add_generation_prompt true) and
+ * tokenizes without adding special tokens (the template writes them, as transformers'
+ * apply_chat_template); completion: `prompt` is a string (encoded with the tokenizer's special
+ * tokens, as vLLM does), a list of token ids, or a list holding one of those.
+ * Returns 0 with *out filled (free with srv_request_free) or -1 with *err (4xx). */
+int srv_parse_request(const srv_parse_ctx *ctx, srv_kind kind, const char *body, size_t len,
+                      srv_request *out, srv_error *err);
+void srv_request_free(srv_request *r);
+
+/* ---- generated text: stop strings and the reasoning split ------------------------------------ */
+
+/* Feeds the detokenized output of one request through (1) the stop strings (matched anywhere in
+ * the whole generated text, as vLLM/OpenAI: the text from the match on is dropped and the request
+ * ends), holding back the bytes that could start a stop string; (2) the reasoning split (text
+ * before "</think>" is reasoning when the request starts inside <think>, or when the output
+ * itself opens with "<think>"; the tags are not returned), holding back a possible partial tag. */
+typedef struct {
+    char *stop[SRV_MAX_STOP];          /* borrowed */
+    int n_stop;
+    size_t max_stop;                   /* longest stop string */
+    char *all;                         /* every byte generated so far (stop matching) */
+    size_t n_all, cap_all, released;   /* released: bytes passed on to the split */
+    int stopped;                       /* a stop string matched: nothing more is accepted */
+    int split;                         /* reasoning split on */
+    int in_reasoning, content_started;
+    char *pend;                        /* released bytes the split still holds back */
+    size_t n_pend, cap_pend;
+    char *out_r, *out_c;               /* the output of the last call (reasoning, content) */
+    size_t n_out_r, n_out_c, cap_out_r, cap_out_c;
+} srv_text;
+
+/* The output of one feed: views valid until the next call. */
+typedef struct {
+    const char *reasoning, *content;
+    size_t n_reasoning, n_content;
+} srv_delta;
+
+void srv_text_init(srv_text *t, char *const *stop, int n_stop, int split, int reasoning_start);
+void srv_text_free(srv_text *t);
+/* Accepts n bytes of generated text; *d receives what became final. Returns 1 when a stop string
+ * matched (the request is done; *d holds the text before the match), else 0, -1 on ENOMEM. */
+int srv_text_feed(srv_text *t, const char *s, size_t n, srv_delta *d);
+/* The end of the output: everything still held back. */
+int srv_text_finish(srv_text *t, srv_delta *d);
+
+/* ---- the engine ----------------------------------------------------------------------------- */
+
+typedef struct srv_engine srv_engine;
+typedef struct srv_job srv_job;
+
+typedef struct {
+    int64_t max_seqs, max_step_tokens, max_queue, context;
+    int64_t prefix_cache_bytes;        /* 0: no prefix cache */
+    int64_t prefix_min_tokens;         /* shortest prefix worth a snapshot */
+    fp4moe_device device;
+    fp4moe_dtype act_dtype;
+} srv_engine_options;
+
+/* Output sink of a job: called by the engine thread with the job's lock held semantics handled
+ * inside srv_engine.c; the HTTP layer reads through srv_job_read. */
+int srv_engine_new(const fp4moe_model *m, const fp4moe_tokenizer *tok, const char *model_name,
+                   const srv_engine_options *o, srv_engine **out);
+/* Stops the engine thread (pending jobs end with an error) and frees it. */
+void srv_engine_free(srv_engine *e);
+/* Asks the engine to stop: new submissions get 503, every job ends with a 503 error. */
+void srv_engine_shutdown(srv_engine *e);
+
+/* Hands a parsed request to the engine (ownership of *r moves into the job; r is zeroed).
+ * `wake(ctx)` is called (engine thread, no lock held by the caller's side) whenever the job has
+ * new output or is done. Returns the job (a reference owned by the caller: srv_job_release) or
+ * NULL with *err (429 queue full, 503 shutting down). */
+srv_job *srv_engine_submit(srv_engine *e, srv_request *r, void (*wake)(void *ctx), void *ctx,
+                           srv_error *err);
+/* Copies up to max bytes of the job's pending output (SSE bytes for a stream, the JSON body when
+ * done otherwise) to buf; *done = 1 when the job has finished and everything was read. Returns the
+ * bytes copied. *waiting = 1 when nothing is available yet (the caller should wait for wake). */
+size_t srv_job_read(srv_job *j, char *buf, size_t max, int *done, int *waiting);
+/* 1 when the job has finished (non-stream: the body is complete); *http the status to send. */
+int srv_job_done(srv_job *j, int *http);
+/* The client went away: the engine drops the job at its next step (freeing its sequence). */
+void srv_job_cancel(srv_job *j);
+/* Arms the wake-up: returns 1 when output is already available (do not wait); else calls
+ * suspend(ctx) (MHD_suspend_connection) under the engine lock, so that the engine's next output
+ * (or the end, for a non-stream job) calls wake only after it, and returns 0. */
+int srv_job_arm(srv_job *j, void (*suspend)(void *), void *ctx);
+void srv_job_release(srv_job *j);
+
+/* Prometheus text of the engine's metrics (malloc'd); `http_codes` counters are appended by the
+ * HTTP layer's own lines. */
+char *srv_engine_metrics(srv_engine *e);
+/* Counts one HTTP response by status code (for /metrics). */
+void srv_engine_count_http(srv_engine *e, int http);
+/* Queue depth and running sequences (for /health). */
+void srv_engine_load(srv_engine *e, int64_t *queued, int64_t *running);
+
+/* ---- the HTTP server ------------------------------------------------------------------------ */
+
+typedef struct {
+    const char *host;                  /* "127.0.0.1" */
+    int port;                          /* 0: an ephemeral port (printed) */
+    const char *api_key;               /* NULL: no auth */
+    int64_t max_body;                  /* bytes */
+    int http_threads;
+    const volatile int *stop;          /* set by a signal handler: shut down */
+} srv_http_options;
+
+/* Serves until *o->stop. Prints "listening on http://HOST:PORT" on stdout when ready.
+ * Returns 0, or -1 with fp4moe_last_error() set (bind failure). */
+int srv_http_run(const srv_http_options *o, srv_engine *e, const srv_parse_ctx *pc);
+
+#endif

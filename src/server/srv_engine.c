@@ -1,0 +1,927 @@
+/* The engine thread of fp4moe serve: continuous batching over one fp4moe_batch (srv.h).
+ *
+ * Each loop: admit queued jobs while sequences are free (a job whose prompt extends a kept
+ * snapshot starts from it: prefix reuse), drop jobs whose client went away (their sequence is
+ * removed at once), then one fp4moe_batch_step: a decode token for every job in its answer, then
+ * prefill chunks of the others within max_step_tokens (a chunk ends at the chat history's end so
+ * that a snapshot of it can be kept for the next turn). Tokens are sampled per job (greedy on the
+ * device, else fp4moe_sample on the logits), detokenized with a streaming decoder, passed through
+ * srv_text (stop strings, reasoning split) and appended to the job's output (SSE chunks, or the
+ * final JSON body) under the engine lock; the HTTP side is woken through the job's wake callback.
+ * One step failing in the forward fails the jobs of that step only. */
+#include <math.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "server/srv.h"
+
+enum { PH_QUEUED = 0, PH_PREFILL = 1, PH_DECODE = 2, PH_DONE = 3 };
+
+struct srv_job {
+    srv_engine *e;
+    int refs;                                 /* under e->lock */
+    srv_request r;
+    srv_job *next;                            /* queue link */
+    /* engine thread only */
+    int phase;
+    int64_t seq, fed, cached;
+    int32_t next_tok;
+    fp4moe_sampler smp;
+    int smp_ok;
+    fp4moe_tokenizer_stream ts;
+    int ts_ok;
+    srv_text text;
+    int32_t *gen;
+    int64_t n_gen, cap_gen;
+    float *logits;
+    double t_submit, t_first, t_last;
+    char *acc[2];                             /* non-stream: reasoning, content */
+    size_t n_acc[2], cap_acc[2];
+    int role_sent;
+    /* shared with the HTTP side (e->lock) */
+    char *out;
+    size_t n_out, cap_out, n_read;
+    int done, cancelled, http, armed;
+    void (*wake)(void *);
+    void *wake_ctx;
+    char id[48];
+    int64_t created;
+};
+
+typedef struct {
+    int32_t *tok;
+    int64_t n;
+    fp4moe_snapshot *s;
+    size_t bytes;
+    uint64_t used;
+} cache_entry;
+
+#define N_ROW_BUCKETS 11
+#define N_TIME_BUCKETS 12
+static const double k_row_b[N_ROW_BUCKETS] = {1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024};
+static const double k_ttft_b[N_TIME_BUCKETS] = {0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30};
+static const double k_itl_b[N_TIME_BUCKETS] = {0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 5};
+
+typedef struct {
+    double b[N_TIME_BUCKETS > N_ROW_BUCKETS ? N_TIME_BUCKETS : N_ROW_BUCKETS];
+    int nb;
+    uint64_t count[16];
+    uint64_t n;
+    double sum;
+} histo;
+
+static void histo_init(histo *h, const double *b, int nb) {
+    memset(h, 0, sizeof *h);
+    memcpy(h->b, b, (size_t)nb * sizeof(double));
+    h->nb = nb;
+}
+static void histo_add(histo *h, double v) {
+    for (int i = 0; i < h->nb; i++)
+        if (v <= h->b[i]) h->count[i]++;
+    h->n++;
+    h->sum += v;
+}
+
+struct srv_engine {
+    const fp4moe_model *m;
+    const fp4moe_tokenizer *tok;
+    char *model_name;
+    srv_engine_options o;
+    fp4moe_batch *b;
+    int64_t V, tok_vocab;
+    int32_t think_open, think_close;
+    pthread_t th;
+    int th_ok;
+    pthread_mutex_t lock;
+    pthread_cond_t cv;
+    int stopping;
+    srv_job *qhead, *qtail;
+    int64_t n_queued, n_running;
+    uint64_t counter;
+    /* engine thread only */
+    srv_job **act;
+    int64_t n_act;
+    fp4moe_batch_item *items;
+    srv_job **item_job;
+    cache_entry *cache;
+    int64_t n_cache;
+    size_t cache_bytes;
+    uint64_t tick;
+    /* metrics (e->lock) */
+    int http_code[16];
+    uint64_t http_count[16];
+    int n_codes;
+    uint64_t prompt_tokens, gen_tokens, cached_tokens, steps, finish[4];
+    histo rows, ttft, itl;
+};
+
+static double now_s(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+/* ---- output (engine thread, e->lock held) ------------------------------------------------------ */
+
+static int out_add(srv_job *j, const char *s, size_t n) {
+    if (j->n_out + n + 1 > j->cap_out) {
+        size_t c = j->cap_out ? j->cap_out : 1024;
+        while (c < j->n_out + n + 1) c *= 2;
+        char *q = realloc(j->out, c);
+        if (!q) return -1;
+        j->out = q;
+        j->cap_out = c;
+    }
+    memcpy(j->out + j->n_out, s, n);
+    j->n_out += n;
+    j->out[j->n_out] = 0;
+    return 0;
+}
+
+static void out_event(srv_job *j, cJSON *o) {
+    char *s = cJSON_PrintUnformatted(o);
+    cJSON_Delete(o);
+    if (!s) return;
+    out_add(j, "data: ", 6);
+    out_add(j, s, strlen(s));
+    out_add(j, "\n\n", 2);
+    free(s);
+}
+
+static cJSON *chunk_base(const srv_job *j) {
+    cJSON *o = cJSON_CreateObject();
+    cJSON_AddStringToObject(o, "id", j->id);
+    cJSON_AddStringToObject(o, "object", j->r.kind == SRV_CHAT ? "chat.completion.chunk" : "text_completion");
+    cJSON_AddNumberToObject(o, "created", (double)j->created);
+    cJSON_AddStringToObject(o, "model", j->e->model_name);
+    return o;
+}
+
+static cJSON *usage_json(const srv_job *j) {
+    cJSON *u = cJSON_CreateObject();
+    cJSON_AddNumberToObject(u, "prompt_tokens", (double)j->r.n_ids);
+    cJSON_AddNumberToObject(u, "completion_tokens", (double)j->n_gen);
+    cJSON_AddNumberToObject(u, "total_tokens", (double)(j->r.n_ids + j->n_gen));
+    if (j->cached) {
+        cJSON *d = cJSON_AddObjectToObject(u, "prompt_tokens_details");
+        cJSON_AddNumberToObject(d, "cached_tokens", (double)j->cached);
+    }
+    return u;
+}
+
+/* One SSE chunk with a delta (stream), or the text kept for the final body (non-stream). */
+static void emit(srv_job *j, const srv_delta *d, const char *finish) {
+    if (!j->r.stream) {
+        const char *part[2] = {d->reasoning, d->content};
+        const size_t n[2] = {d->n_reasoning, d->n_content};
+        for (int k = 0; k < 2; k++) {
+            if (!n[k]) continue;
+            if (j->n_acc[k] + n[k] + 1 > j->cap_acc[k]) {
+                size_t c = (j->n_acc[k] + n[k] + 1) * 2;
+                char *q = realloc(j->acc[k], c);
+                if (!q) continue;
+                j->acc[k] = q;
+                j->cap_acc[k] = c;
+            }
+            memcpy(j->acc[k] + j->n_acc[k], part[k], n[k]);
+            j->n_acc[k] += n[k];
+            j->acc[k][j->n_acc[k]] = 0;
+        }
+        return;
+    }
+    if (!d->n_reasoning && !d->n_content && !finish && j->role_sent) return;
+    cJSON *o = chunk_base(j), *ch = cJSON_AddArrayToObject(o, "choices"), *c = cJSON_CreateObject();
+    cJSON_AddItemToArray(ch, c);
+    cJSON_AddNumberToObject(c, "index", 0);
+    if (j->r.kind == SRV_CHAT) {
+        cJSON *delta = cJSON_AddObjectToObject(c, "delta");
+        if (!j->role_sent) cJSON_AddStringToObject(delta, "role", "assistant");
+        if (d->n_reasoning) cJSON_AddStringToObject(delta, "reasoning_content", d->reasoning);
+        if (d->n_content || (!j->role_sent && !d->n_reasoning)) cJSON_AddStringToObject(delta, "content", d->content);
+        j->role_sent = 1;
+    } else {
+        cJSON_AddStringToObject(c, "text", d->content);
+        j->role_sent = 1;
+    }
+    cJSON_AddNullToObject(c, "logprobs");
+    if (finish) cJSON_AddStringToObject(c, "finish_reason", finish);
+    else cJSON_AddNullToObject(c, "finish_reason");
+    out_event(j, o);
+}
+
+static void final_body(srv_job *j, const char *finish) {
+    cJSON *o = cJSON_CreateObject();
+    cJSON_AddStringToObject(o, "id", j->id);
+    cJSON_AddStringToObject(o, "object", j->r.kind == SRV_CHAT ? "chat.completion" : "text_completion");
+    cJSON_AddNumberToObject(o, "created", (double)j->created);
+    cJSON_AddStringToObject(o, "model", j->e->model_name);
+    cJSON *ch = cJSON_AddArrayToObject(o, "choices"), *c = cJSON_CreateObject();
+    cJSON_AddItemToArray(ch, c);
+    cJSON_AddNumberToObject(c, "index", 0);
+    if (j->r.kind == SRV_CHAT) {
+        cJSON *msg = cJSON_AddObjectToObject(c, "message");
+        cJSON_AddStringToObject(msg, "role", "assistant");
+        cJSON_AddStringToObject(msg, "content", j->acc[1] ? j->acc[1] : "");
+        if (j->r.reasoning && j->acc[0]) cJSON_AddStringToObject(msg, "reasoning_content", j->acc[0]);
+        else cJSON_AddNullToObject(msg, "reasoning_content");
+    } else {
+        cJSON_AddStringToObject(c, "text", j->acc[1] ? j->acc[1] : "");
+    }
+    cJSON_AddNullToObject(c, "logprobs");
+    cJSON_AddStringToObject(c, "finish_reason", finish);
+    cJSON_AddItemToObject(o, "usage", usage_json(j));
+    char *s = cJSON_PrintUnformatted(o);
+    cJSON_Delete(o);
+    if (s) out_add(j, s, strlen(s));
+    free(s);
+}
+
+/* Wakes the HTTP side if it waits (lock held; MHD_resume_connection only sets flags). */
+static void notify(srv_job *j) {
+    if (j->armed && (j->r.stream || j->done)) {
+        j->armed = 0;
+        if (j->wake) j->wake(j->wake_ctx);
+    }
+}
+
+static void job_unref_locked(srv_job *j);
+
+/* ---- prefix cache (engine thread) ---------------------------------------------------------------- */
+
+static void cache_drop(srv_engine *e, int64_t i) {
+    cache_entry *c = &e->cache[i];
+    fp4moe_snapshot_free(c->s);
+    free(c->tok);
+    pthread_mutex_lock(&e->lock);
+    e->cache_bytes -= c->bytes;
+    e->cache[i] = e->cache[--e->n_cache];
+    pthread_mutex_unlock(&e->lock);
+}
+
+/* Keeps a snapshot of sequence `seq` whose first n tokens are tok (copied). */
+static void cache_put(srv_engine *e, int64_t seq, const int32_t *a, int64_t na, const int32_t *b, int64_t n) {
+    if (e->o.prefix_cache_bytes <= 0 || n < e->o.prefix_min_tokens || n < 1) return;
+    for (int64_t i = 0; i < e->n_cache; i++) {
+        cache_entry *c = &e->cache[i];
+        if (c->n != n) continue;
+        const int64_t k = n < na ? n : na;
+        if (!memcmp(c->tok, a, (size_t)k * sizeof(int32_t)) &&
+            (n <= na || !memcmp(c->tok + na, b, (size_t)(n - na) * sizeof(int32_t)))) {
+            c->used = ++e->tick;
+            return;
+        }
+    }
+    fp4moe_snapshot *s = NULL;
+    if (fp4moe_batch_snapshot(e->b, seq, &s)) return;
+    const size_t bytes = fp4moe_snapshot_bytes(s) + (size_t)n * sizeof(int32_t);
+    if ((int64_t)bytes > e->o.prefix_cache_bytes) {
+        fp4moe_snapshot_free(s);
+        return;
+    }
+    while (e->n_cache && (int64_t)(e->cache_bytes + bytes) > e->o.prefix_cache_bytes) {
+        int64_t lru = 0;
+        for (int64_t i = 1; i < e->n_cache; i++)
+            if (e->cache[i].used < e->cache[lru].used) lru = i;
+        cache_drop(e, lru);
+    }
+    cache_entry *grown = realloc(e->cache, (size_t)(e->n_cache + 1) * sizeof *grown);
+    int32_t *t = malloc((size_t)n * sizeof(int32_t));
+    if (!grown || !t) {
+        if (grown) e->cache = grown;
+        free(t);
+        fp4moe_snapshot_free(s);
+        return;
+    }
+    e->cache = grown;
+    const int64_t k = n < na ? n : na;
+    memcpy(t, a, (size_t)k * sizeof(int32_t));
+    if (n > na) memcpy(t + na, b, (size_t)(n - na) * sizeof(int32_t));
+    pthread_mutex_lock(&e->lock);
+    e->cache[e->n_cache++] = (cache_entry){t, n, s, bytes, ++e->tick};
+    e->cache_bytes += bytes;
+    pthread_mutex_unlock(&e->lock);
+}
+
+/* The longest kept prefix of ids[0..n) that leaves at least one token to run, or -1. */
+static int64_t cache_find(srv_engine *e, const int32_t *ids, int64_t n) {
+    int64_t best = -1;
+    for (int64_t i = 0; i < e->n_cache; i++) {
+        const cache_entry *c = &e->cache[i];
+        if (c->n < n && (best < 0 || c->n > e->cache[best].n) && !memcmp(c->tok, ids, (size_t)c->n * sizeof(int32_t)))
+            best = i;
+    }
+    return best;
+}
+
+/* ---- job life (engine thread) --------------------------------------------------------------------- */
+
+static void release_seq(srv_engine *e, srv_job *j) {
+    if (j->seq >= 0) fp4moe_batch_remove(e->b, j->seq);
+    j->seq = -1;
+}
+
+/* Ends a job that failed: its HTTP status, an OpenAI error body (or an SSE error event). */
+static void finish_error(srv_engine *e, srv_job *j, int http, const char *msg) {
+    release_seq(e, j);
+    pthread_mutex_lock(&e->lock);
+    srv_error er;
+    srv_fail(&er, http, NULL, "%s", msg);
+    char *body = srv_error_json(&er);
+    if (j->r.stream && j->n_out) {
+        out_add(j, "data: ", 6);
+        if (body) out_add(j, body, strlen(body));
+        out_add(j, "\n\ndata: [DONE]\n\n", 16);
+    } else {
+        j->n_out = 0;
+        j->http = http;
+        if (j->r.stream) {       /* nothing sent yet: headers are still to go */
+            out_add(j, "data: ", 6);
+            if (body) out_add(j, body, strlen(body));
+            out_add(j, "\n\ndata: [DONE]\n\n", 16);
+        } else if (body) {
+            out_add(j, body, strlen(body));
+        }
+    }
+    free(body);
+    j->done = 1;
+    j->phase = PH_DONE;
+    e->finish[3]++;
+    e->n_running--;
+    notify(j);
+    pthread_mutex_unlock(&e->lock);
+}
+
+static const char *const k_finish_name[] = {"stop", "length"};
+
+static void finish_ok(srv_engine *e, srv_job *j, int reason /* 0 stop, 1 length */) {
+    srv_delta d;
+    const char *t;
+    int64_t n = 0;
+    if (j->ts_ok && !fp4moe_tokenizer_stream_flush(&j->ts, &t, &n) && n) {
+        srv_delta d2;
+        if (srv_text_feed(&j->text, t, (size_t)n, &d2) == 1) reason = 0;
+        pthread_mutex_lock(&e->lock);
+        emit(j, &d2, NULL);
+        pthread_mutex_unlock(&e->lock);
+    }
+    srv_text_finish(&j->text, &d);
+    /* a snapshot of the whole conversation so far: the next turn may extend it */
+    if (j->seq >= 0) {
+        const int64_t pos = fp4moe_batch_pos(e->b, j->seq);
+        if (pos > j->r.n_ids) cache_put(e, j->seq, j->r.ids, j->r.n_ids, j->gen, pos);
+    }
+    release_seq(e, j);
+    pthread_mutex_lock(&e->lock);
+    emit(j, &d, j->r.stream ? k_finish_name[reason] : NULL);
+    if (j->r.stream) {
+        if (j->r.include_usage) {
+            cJSON *o = chunk_base(j);
+            cJSON_AddArrayToObject(o, "choices");
+            cJSON_AddItemToObject(o, "usage", usage_json(j));
+            out_event(j, o);
+        }
+        out_add(j, "data: [DONE]\n\n", 14);
+    } else {
+        final_body(j, k_finish_name[reason]);
+    }
+    j->http = 200;
+    j->done = 1;
+    j->phase = PH_DONE;
+    e->finish[reason]++;
+    e->n_running--;
+    notify(j);
+    pthread_mutex_unlock(&e->lock);
+}
+
+static uint64_t mix64(uint64_t x) {
+    x ^= x >> 30;
+    x *= 0xBF58476D1CE4E5B9ull;
+    x ^= x >> 27;
+    x *= 0x94D049BB133111EBull;
+    return x ^ (x >> 31);
+}
+
+/* Sets a job up for its first step; 0, or -1 when it already failed. */
+static int admit(srv_engine *e, srv_job *j) {
+    j->seq = -1;
+    if (!j->r.has_seed) j->r.sp.seed = mix64((uint64_t)time(NULL) ^ mix64(++e->counter)) | 1;
+    if (fp4moe_sampler_init_params(&j->smp, e->V, &j->r.sp)) {
+        finish_error(e, j, 400, fp4moe_last_error());
+        return -1;
+    }
+    j->smp_ok = 1;
+    if (j->r.sp.temperature > 0.0f && !(j->logits = malloc((size_t)e->V * sizeof(float)))) {
+        finish_error(e, j, 500, "out of memory");
+        return -1;
+    }
+    fp4moe_tokenizer_stream_init(&j->ts, e->tok, 1);
+    j->ts_ok = 1;
+    srv_text_init(&j->text, j->r.stop, j->r.n_stop, j->r.reasoning, j->r.reasoning_start);
+    const int64_t hit = cache_find(e, j->r.ids, j->r.n_ids);
+    int st;
+    if (hit >= 0) {
+        st = fp4moe_batch_add_from_snapshot(e->b, e->cache[hit].s, &j->seq);
+        if (!st) {
+            j->fed = j->cached = e->cache[hit].n;
+            e->cache[hit].used = ++e->tick;
+        }
+    } else {
+        st = fp4moe_batch_add(e->b, &j->seq);
+    }
+    if (st) {
+        j->seq = -1;
+        char msg[256];
+        snprintf(msg, sizeof msg, "no room for the request's sequence: %s", fp4moe_last_error());
+        finish_error(e, j, 503, msg);
+        return -1;
+    }
+    j->phase = PH_PREFILL;
+    pthread_mutex_lock(&e->lock);
+    e->prompt_tokens += (uint64_t)j->r.n_ids;
+    e->cached_tokens += (uint64_t)j->cached;
+    pthread_mutex_unlock(&e->lock);
+    return 0;
+}
+
+/* A sampled token: stop checks, text, output; 1 when the job ended. */
+static int take_token(srv_engine *e, srv_job *j, int32_t id) {
+    const double t = now_s();
+    if (j->n_gen == j->cap_gen) {
+        const int64_t c = j->cap_gen ? j->cap_gen * 2 : 64;
+        int32_t *g = realloc(j->gen, (size_t)c * sizeof(int32_t));
+        if (!g) {
+            finish_error(e, j, 500, "out of memory");
+            return 1;
+        }
+        j->gen = g;
+        j->cap_gen = c;
+    }
+    j->gen[j->n_gen++] = id;
+    pthread_mutex_lock(&e->lock);
+    e->gen_tokens++;
+    if (j->n_gen == 1) histo_add(&e->ttft, t - j->t_submit);
+    else histo_add(&e->itl, t - j->t_last);
+    pthread_mutex_unlock(&e->lock);
+    if (j->n_gen == 1) j->t_first = t;
+    j->t_last = t;
+    if (fp4moe_sampler_is_stop(&j->smp, id)) {
+        finish_ok(e, j, 0);
+        return 1;
+    }
+    const char *text;
+    int64_t n = 0;
+    char unknown[4] = "\xEF\xBF\xBD";
+    if (id == e->think_open && e->think_open >= 0) text = "<think>", n = 7;
+    else if (id == e->think_close && e->think_close >= 0) text = "</think>", n = 8;
+    else if ((int64_t)id >= e->tok_vocab || !fp4moe_tokenizer_id_to_token(e->tok, id)) text = unknown, n = 3;
+    else if (fp4moe_tokenizer_stream_push(&j->ts, id, &text, &n)) text = unknown, n = 3;
+    srv_delta d;
+    const int stopped = srv_text_feed(&j->text, text, (size_t)n, &d);
+    if (stopped < 0) {
+        finish_error(e, j, 500, "out of memory");
+        return 1;
+    }
+    pthread_mutex_lock(&e->lock);
+    emit(j, &d, NULL);
+    notify(j);
+    pthread_mutex_unlock(&e->lock);
+    if (stopped) {
+        finish_ok(e, j, 0);
+        return 1;
+    }
+    if (j->n_gen >= j->r.max_tokens || j->fed + 1 > e->o.context) {
+        finish_ok(e, j, 1);
+        return 1;
+    }
+    j->next_tok = id;
+    j->phase = PH_DECODE;
+    return 0;
+}
+
+static void job_free(srv_job *j) {
+    srv_request_free(&j->r);
+    if (j->smp_ok) fp4moe_sampler_free(&j->smp);
+    if (j->ts_ok) fp4moe_tokenizer_stream_free(&j->ts);
+    srv_text_free(&j->text);
+    free(j->gen);
+    free(j->logits);
+    free(j->acc[0]);
+    free(j->acc[1]);
+    free(j->out);
+    free(j);
+}
+
+static void job_unref_locked(srv_job *j) {
+    if (--j->refs == 0) job_free(j);
+}
+
+/* ---- the loop -------------------------------------------------------------------------------------- */
+
+static void step_once(srv_engine *e) {
+    /* 1. cancellations and admissions */
+    srv_job *adm[256];
+    int n_adm = 0;
+    pthread_mutex_lock(&e->lock);
+    for (int64_t i = 0; i < e->n_act;) {
+        srv_job *j = e->act[i];
+        if (j->cancelled && !j->done) {
+            pthread_mutex_unlock(&e->lock);
+            release_seq(e, j);
+            pthread_mutex_lock(&e->lock);
+            j->done = 1;
+            j->phase = PH_DONE;
+            e->n_running--;
+            e->finish[2]++;
+        }
+        if (j->done) {
+            e->act[i] = e->act[--e->n_act];
+            job_unref_locked(j);
+            continue;
+        }
+        i++;
+    }
+    while (e->qhead && e->n_act + n_adm < e->o.max_seqs && n_adm < 256) {
+        srv_job *j = e->qhead;
+        e->qhead = j->next;
+        if (!e->qhead) e->qtail = NULL;
+        e->n_queued--;
+        if (j->cancelled) {
+            j->done = 1;
+            e->finish[2]++;
+            job_unref_locked(j);
+            continue;
+        }
+        e->n_running++;
+        adm[n_adm++] = j;
+    }
+    pthread_mutex_unlock(&e->lock);
+    for (int i = 0; i < n_adm; i++) {
+        srv_job *j = adm[i];
+        e->act[e->n_act++] = j;
+        admit(e, j);
+    }
+    /* 2. the step: decode rows first, then prefill chunks */
+    int64_t n_items = 0, rows = 0;
+    const int64_t budget = e->o.max_step_tokens;
+    for (int pass = 0; pass < 2; pass++) {
+        for (int64_t i = 0; i < e->n_act && rows < budget; i++) {
+            srv_job *j = e->act[i];
+            if (j->done) continue;
+            fp4moe_batch_item *it = &e->items[n_items];
+            memset(it, 0, sizeof *it);
+            it->seq = j->seq;
+            if (pass == 0 && j->phase == PH_DECODE) {
+                it->tokens = &j->next_tok;
+                it->n = 1;
+            } else if (pass == 1 && j->phase == PH_PREFILL) {
+                int64_t n = j->r.n_ids - j->fed;
+                if (n > budget - rows) n = budget - rows;
+                if (j->r.history > j->fed && j->fed + n > j->r.history && j->r.history >= e->o.prefix_min_tokens &&
+                    e->o.prefix_cache_bytes > 0)
+                    n = j->r.history - j->fed;   /* end a chunk at the history: keep its snapshot */
+                it->tokens = j->r.ids + j->fed;
+                it->n = n;
+            } else {
+                continue;
+            }
+            const int last = pass == 0 || j->fed + it->n == j->r.n_ids;
+            if (last) {
+                if (j->logits) {
+                    it->logits = FP4MOE_LOGITS_LAST;
+                    it->out_logits = j->logits;
+                } else {
+                    it->out_token = &j->next_tok;
+                }
+            }
+            e->item_job[n_items++] = j;
+            rows += it->n;
+        }
+    }
+    if (n_items == 0) {
+        pthread_mutex_lock(&e->lock);
+        if (!e->stopping && !e->qhead) {
+            int cancel = 0;
+            for (int64_t i = 0; i < e->n_act; i++) cancel |= e->act[i]->cancelled;
+            if (!cancel) {
+                struct timespec ts;
+                clock_gettime(CLOCK_REALTIME, &ts);
+                ts.tv_nsec += 200 * 1000000L;
+                if (ts.tv_nsec >= 1000000000L) ts.tv_sec++, ts.tv_nsec -= 1000000000L;
+                pthread_cond_timedwait(&e->cv, &e->lock, &ts);
+            }
+        }
+        pthread_mutex_unlock(&e->lock);
+        return;
+    }
+    const int st = fp4moe_batch_step(e->b, e->items, n_items);
+    pthread_mutex_lock(&e->lock);
+    e->steps++;
+    histo_add(&e->rows, (double)rows);
+    pthread_mutex_unlock(&e->lock);
+    char msg[320];
+    if (st) snprintf(msg, sizeof msg, "the forward failed: %s", fp4moe_last_error());
+    for (int64_t k = 0; k < n_items; k++) {
+        srv_job *j = e->item_job[k];
+        fp4moe_batch_item *it = &e->items[k];
+        if (st || it->status) {
+            if (!st) snprintf(msg, sizeof msg, "%s", it->error);
+            finish_error(e, j, st ? 500 : (it->status == FP4MOE_EOVERFLOW ? 503 : 500), msg);
+            continue;
+        }
+        j->fed += it->n;
+        if (j->phase == PH_PREFILL && j->fed == j->r.history && j->r.history > j->cached)
+            cache_put(e, j->seq, j->r.ids, j->r.history, NULL, j->r.history);
+        if (!it->out_token && !it->out_logits) continue;
+        const int32_t id = j->logits ? fp4moe_sample(&j->smp, j->logits) : j->next_tok;
+        take_token(e, j, id);
+    }
+}
+
+static void *engine_main(void *arg) {
+    srv_engine *e = arg;
+    for (;;) {
+        pthread_mutex_lock(&e->lock);
+        const int stop = e->stopping;
+        pthread_mutex_unlock(&e->lock);
+        if (stop) break;
+        step_once(e);
+    }
+    /* shutting down: every job still here ends with 503 */
+    pthread_mutex_lock(&e->lock);
+    while (e->qhead) {
+        srv_job *j = e->qhead;
+        e->qhead = j->next;
+        e->n_queued--;
+        e->act[e->n_act++] = j;   /* act has room: queue entries are bounded by max_queue */
+        j->phase = PH_PREFILL;
+        e->n_running++;
+    }
+    pthread_mutex_unlock(&e->lock);
+    for (int64_t i = 0; i < e->n_act; i++) {
+        srv_job *j = e->act[i];
+        if (!j->done) finish_error(e, j, 503, "the server is shutting down");
+        pthread_mutex_lock(&e->lock);
+        job_unref_locked(j);
+        pthread_mutex_unlock(&e->lock);
+    }
+    e->n_act = 0;
+    return NULL;
+}
+
+/* ---- public (server) side ---------------------------------------------------------------------------- */
+
+int srv_engine_new(const fp4moe_model *m, const fp4moe_tokenizer *tok, const char *model_name,
+                   const srv_engine_options *o, srv_engine **out) {
+    *out = NULL;
+    srv_engine *e = calloc(1, sizeof *e);
+    if (!e) return fp4moe_set_error(FP4MOE_ENOMEM, "serve: out of memory");
+    e->m = m;
+    e->tok = tok;
+    e->o = *o;
+    e->model_name = strdup(model_name);
+    e->V = fp4moe_model_config(m)->vocab;
+    e->tok_vocab = fp4moe_tokenizer_vocab_size(tok);
+    e->think_open = fp4moe_tokenizer_token_to_id(tok, "<think>");
+    e->think_close = fp4moe_tokenizer_token_to_id(tok, "</think>");
+    histo_init(&e->rows, k_row_b, N_ROW_BUCKETS);
+    histo_init(&e->ttft, k_ttft_b, N_TIME_BUCKETS);
+    histo_init(&e->itl, k_itl_b, N_TIME_BUCKETS);
+    const int64_t cap = o->max_seqs + o->max_queue + 1;
+    e->act = calloc((size_t)cap, sizeof *e->act);
+    e->items = calloc((size_t)o->max_seqs, sizeof *e->items);
+    e->item_job = calloc((size_t)o->max_seqs, sizeof *e->item_job);
+    fp4moe_batch_options bo;
+    fp4moe_batch_options_default(&bo);
+    bo.max_seqs = o->max_seqs;
+    bo.max_step_tokens = o->max_step_tokens;
+    bo.max_context = o->context;
+    bo.device = o->device;
+    bo.act_dtype = o->act_dtype;
+    int st = !e->model_name || !e->act || !e->items || !e->item_job
+                 ? fp4moe_set_error(FP4MOE_ENOMEM, "serve: out of memory")
+                 : fp4moe_batch_new(m, &bo, &e->b);
+    if (!st) {
+        pthread_mutex_init(&e->lock, NULL);
+        pthread_cond_init(&e->cv, NULL);
+        if (pthread_create(&e->th, NULL, engine_main, e)) st = fp4moe_set_error(FP4MOE_ENOMEM, "serve: no thread");
+        else e->th_ok = 1;
+    }
+    if (st) {
+        srv_engine_free(e);
+        return st;
+    }
+    *out = e;
+    return FP4MOE_OK;
+}
+
+void srv_engine_free(srv_engine *e) {
+    if (!e) return;
+    if (e->th_ok) {
+        pthread_mutex_lock(&e->lock);
+        e->stopping = 1;
+        pthread_cond_signal(&e->cv);
+        pthread_mutex_unlock(&e->lock);
+        pthread_join(e->th, NULL);
+        pthread_mutex_destroy(&e->lock);
+        pthread_cond_destroy(&e->cv);
+    }
+    while (e->n_cache) cache_drop(e, e->n_cache - 1);
+    free(e->cache);
+    fp4moe_batch_free(e->b);
+    free(e->act);
+    free(e->items);
+    free(e->item_job);
+    free(e->model_name);
+    free(e);
+}
+
+void srv_engine_shutdown(srv_engine *e) {
+    pthread_mutex_lock(&e->lock);
+    e->stopping = 1;
+    pthread_cond_signal(&e->cv);
+    pthread_mutex_unlock(&e->lock);
+}
+
+srv_job *srv_engine_submit(srv_engine *e, srv_request *r, void (*wake)(void *), void *ctx, srv_error *err) {
+    srv_job *j = calloc(1, sizeof *j);
+    if (!j) {
+        srv_fail(err, 500, NULL, "out of memory");
+        return NULL;
+    }
+    j->e = e;
+    j->r = *r;
+    memset(r, 0, sizeof *r);
+    j->seq = -1;
+    j->wake = wake;
+    j->wake_ctx = ctx;
+    j->t_submit = now_s();
+    j->created = (int64_t)time(NULL);
+    j->refs = 2;
+    pthread_mutex_lock(&e->lock);
+    if (e->stopping) {
+        pthread_mutex_unlock(&e->lock);
+        srv_fail(err, 503, NULL, "the server is shutting down");
+        job_free(j);
+        return NULL;
+    }
+    if (e->n_queued >= e->o.max_queue) {
+        const long long q = (long long)e->n_queued;
+        pthread_mutex_unlock(&e->lock);
+        srv_fail(err, 429, NULL, "the server is busy: %lld requests are waiting (--max-queue); retry later", q);
+        job_free(j);
+        return NULL;
+    }
+    ++e->counter;
+    if (j->r.kind == SRV_CHAT)
+        snprintf(j->id, sizeof j->id, "chatcmpl-%016llx", (unsigned long long)mix64(e->counter ^ (uint64_t)j->created));
+    else
+        snprintf(j->id, sizeof j->id, "cmpl-%016llx", (unsigned long long)mix64(e->counter ^ (uint64_t)j->created));
+    if (e->qtail) e->qtail->next = j;
+    else e->qhead = j;
+    e->qtail = j;
+    e->n_queued++;
+    pthread_cond_signal(&e->cv);
+    pthread_mutex_unlock(&e->lock);
+    return j;
+}
+
+size_t srv_job_read(srv_job *j, char *buf, size_t max, int *done, int *waiting) {
+    srv_engine *e = j->e;
+    pthread_mutex_lock(&e->lock);
+    size_t n = j->n_out - j->n_read;
+    if (n > max) n = max;
+    memcpy(buf, j->out + j->n_read, n);
+    j->n_read += n;
+    *done = j->done && j->n_read == j->n_out;
+    *waiting = n == 0 && !*done;
+    pthread_mutex_unlock(&e->lock);
+    return n;
+}
+
+int srv_job_done(srv_job *j, int *http) {
+    pthread_mutex_lock(&j->e->lock);
+    const int d = j->done;
+    *http = j->http ? j->http : 200;
+    pthread_mutex_unlock(&j->e->lock);
+    return d;
+}
+
+int srv_job_arm(srv_job *j, void (*suspend)(void *), void *ctx) {
+    pthread_mutex_lock(&j->e->lock);
+    const int ready = j->r.stream ? (j->n_read < j->n_out || j->done) : j->done;
+    if (!ready) {
+        j->armed = 1;
+        suspend(ctx);
+    }
+    pthread_mutex_unlock(&j->e->lock);
+    return ready;
+}
+
+void srv_job_cancel(srv_job *j) {
+    pthread_mutex_lock(&j->e->lock);
+    if (!j->done) {
+        j->cancelled = 1;
+        j->armed = 0;
+        pthread_cond_signal(&j->e->cv);
+    }
+    pthread_mutex_unlock(&j->e->lock);
+}
+
+void srv_job_release(srv_job *j) {
+    if (!j) return;
+    srv_engine *e = j->e;
+    pthread_mutex_lock(&e->lock);
+    if (!j->done) {
+        j->cancelled = 1;
+        j->armed = 0;
+        pthread_cond_signal(&e->cv);
+    }
+    j->wake = NULL;
+    job_unref_locked(j);
+    pthread_mutex_unlock(&e->lock);
+}
+
+void srv_engine_count_http(srv_engine *e, int http) {
+    pthread_mutex_lock(&e->lock);
+    int i = 0;
+    while (i < e->n_codes && e->http_code[i] != http) i++;
+    if (i == e->n_codes && e->n_codes < 16) e->http_code[e->n_codes++] = http;
+    if (i < 16) e->http_count[i]++;
+    pthread_mutex_unlock(&e->lock);
+}
+
+void srv_engine_load(srv_engine *e, int64_t *queued, int64_t *running) {
+    pthread_mutex_lock(&e->lock);
+    *queued = e->n_queued;
+    *running = e->n_running;
+    pthread_mutex_unlock(&e->lock);
+}
+
+static void put(char **s, size_t *n, size_t *cap, const char *fmt, ...) __attribute__((format(printf, 4, 5)));
+#include <stdarg.h>
+static void put(char **s, size_t *n, size_t *cap, const char *fmt, ...) {
+    for (;;) {
+        va_list ap;
+        va_start(ap, fmt);
+        const int k = vsnprintf(*s ? *s + *n : NULL, *s ? *cap - *n : 0, fmt, ap);
+        va_end(ap);
+        if (k < 0) return;
+        if (*s && *n + (size_t)k < *cap) {
+            *n += (size_t)k;
+            return;
+        }
+        size_t c = *cap ? *cap * 2 : 4096;
+        while (c < *n + (size_t)k + 1) c *= 2;
+        char *q = realloc(*s, c);
+        if (!q) return;
+        *s = q;
+        *cap = c;
+    }
+}
+
+static void put_histo(char **s, size_t *n, size_t *cap, const char *name, const char *help, const histo *h) {
+    put(s, n, cap, "# HELP %s %s\n# TYPE %s histogram\n", name, help, name);
+    for (int i = 0; i < h->nb; i++) put(s, n, cap, "%s_bucket{le=\"%g\"} %llu\n", name, h->b[i], (unsigned long long)h->count[i]);
+    put(s, n, cap, "%s_bucket{le=\"+Inf\"} %llu\n%s_sum %.6f\n%s_count %llu\n", name, (unsigned long long)h->n, name,
+        h->sum, name, (unsigned long long)h->n);
+}
+
+char *srv_engine_metrics(srv_engine *e) {
+    char *s = NULL;
+    size_t n = 0, cap = 0;
+    pthread_mutex_lock(&e->lock);
+    put(&s, &n, &cap, "# HELP fp4moe_requests_total HTTP responses by status code.\n# TYPE fp4moe_requests_total counter\n");
+    for (int i = 0; i < e->n_codes; i++)
+        put(&s, &n, &cap, "fp4moe_requests_total{code=\"%d\"} %llu\n", e->http_code[i], (unsigned long long)e->http_count[i]);
+    static const char *const fin[] = {"stop", "length", "cancelled", "error"};
+    put(&s, &n, &cap, "# HELP fp4moe_generations_total Generations ended, by reason.\n# TYPE fp4moe_generations_total counter\n");
+    for (int i = 0; i < 4; i++)
+        put(&s, &n, &cap, "fp4moe_generations_total{reason=\"%s\"} %llu\n", fin[i], (unsigned long long)e->finish[i]);
+    put(&s, &n, &cap,
+        "# HELP fp4moe_prompt_tokens_total Prompt tokens of admitted requests.\n# TYPE fp4moe_prompt_tokens_total counter\n"
+        "fp4moe_prompt_tokens_total %llu\n"
+        "# HELP fp4moe_prompt_tokens_cached_total Prompt tokens restored from the prefix cache instead of computed.\n"
+        "# TYPE fp4moe_prompt_tokens_cached_total counter\nfp4moe_prompt_tokens_cached_total %llu\n"
+        "# HELP fp4moe_generation_tokens_total Tokens generated.\n# TYPE fp4moe_generation_tokens_total counter\n"
+        "fp4moe_generation_tokens_total %llu\n"
+        "# HELP fp4moe_steps_total Batch steps run.\n# TYPE fp4moe_steps_total counter\nfp4moe_steps_total %llu\n"
+        "# HELP fp4moe_queue_depth Requests waiting for a sequence slot.\n# TYPE fp4moe_queue_depth gauge\n"
+        "fp4moe_queue_depth %lld\n"
+        "# HELP fp4moe_running_sequences Requests being computed.\n# TYPE fp4moe_running_sequences gauge\n"
+        "fp4moe_running_sequences %lld\n"
+        "# HELP fp4moe_prefix_cache_bytes Bytes held by kept snapshots.\n# TYPE fp4moe_prefix_cache_bytes gauge\n"
+        "fp4moe_prefix_cache_bytes %zu\n"
+        "# HELP fp4moe_prefix_cache_entries Kept snapshots.\n# TYPE fp4moe_prefix_cache_entries gauge\n"
+        "fp4moe_prefix_cache_entries %lld\n",
+        (unsigned long long)e->prompt_tokens, (unsigned long long)e->cached_tokens, (unsigned long long)e->gen_tokens,
+        (unsigned long long)e->steps, (long long)e->n_queued, (long long)e->n_running, e->cache_bytes,
+        (long long)e->n_cache);
+    put_histo(&s, &n, &cap, "fp4moe_batch_rows", "Token rows per batch step.", &e->rows);
+    put_histo(&s, &n, &cap, "fp4moe_time_to_first_token_seconds", "Time from request to its first token.", &e->ttft);
+    put_histo(&s, &n, &cap, "fp4moe_inter_token_latency_seconds", "Time between consecutive tokens of a request.", &e->itl);
+    pthread_mutex_unlock(&e->lock);
+    return s;
+}

@@ -1,0 +1,326 @@
+/* The HTTP side of fp4moe serve over libmicrohttpd (srv.h): routes, API key, body limit, SSE.
+ *
+ * A daemon with an internal polling thread pool and suspend/resume: a request waiting for the
+ * engine (a non-stream answer, or the next chunk of a stream) suspends its connection inside the
+ * engine lock (srv_job_arm), and the engine resumes it when output arrives. A stream's response
+ * is a content-reader callback; when the client goes away MHD frees the response and the job is
+ * cancelled (its sequence is freed at the engine's next step). Suspended connections are not
+ * watched by MHD, so a disconnect is seen at the next write (within one engine step). */
+#include <arpa/inet.h>
+#include <microhttpd.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "server/srv.h"
+
+typedef struct {
+    srv_engine *e;
+    const srv_parse_ctx *pc;
+    const srv_http_options *o;
+    atomic_int suspended;
+    atomic_int stopping;
+} srv_http;
+
+/* Both per-connection contexts start with these, so one wake function serves them. */
+typedef struct {
+    srv_http *h;
+    struct MHD_Connection *c;
+} wake_ctx;
+
+typedef struct {
+    wake_ctx w;
+    char *body;
+    size_t n, cap;
+    int too_big, answered;
+    srv_job *job;                 /* non-stream job waiting for its body */
+} conn_ctx;
+
+typedef struct {
+    wake_ctx w;
+    srv_job *job;
+} stream_ctx;
+
+static void do_suspend(void *ctx) {
+    wake_ctx *w = ctx;
+    atomic_fetch_add(&w->h->suspended, 1);
+    MHD_suspend_connection(w->c);
+}
+
+static void do_wake(void *ctx) {
+    wake_ctx *w = ctx;
+    atomic_fetch_sub(&w->h->suspended, 1);
+    MHD_resume_connection(w->c);
+}
+
+static enum MHD_Result respond(srv_http *h, struct MHD_Connection *c, int status, const char *type, char *body,
+                               size_t len) {
+    struct MHD_Response *r = MHD_create_response_from_buffer(len, body, MHD_RESPMEM_MUST_FREE);
+    if (!r) {
+        free(body);
+        return MHD_NO;
+    }
+    MHD_add_response_header(r, "Content-Type", type);
+    if (status == 401) MHD_add_response_header(r, "WWW-Authenticate", "Bearer");
+    const enum MHD_Result ok = MHD_queue_response(c, (unsigned)status, r);
+    MHD_destroy_response(r);
+    srv_engine_count_http(h->e, status);
+    return ok;
+}
+
+static enum MHD_Result respond_error(srv_http *h, struct MHD_Connection *c, const srv_error *er) {
+    char *s = srv_error_json(er);
+    if (!s) return MHD_NO;
+    return respond(h, c, er->http, "application/json", s, strlen(s));
+}
+
+static enum MHD_Result fail(srv_http *h, struct MHD_Connection *c, int http, const char *fmt, const char *arg) {
+    srv_error er;
+    srv_fail(&er, http, NULL, fmt, arg);
+    return respond_error(h, c, &er);
+}
+
+/* ---- SSE ---------------------------------------------------------------------------------------- */
+
+static ssize_t sse_read(void *cls, uint64_t pos, char *buf, size_t max) {
+    stream_ctx *s = cls;
+    int done = 0, waiting = 0;
+    const size_t n = srv_job_read(s->job, buf, max, &done, &waiting);
+    if (n) return (ssize_t)n;
+    if (done) return MHD_CONTENT_READER_END_OF_STREAM;
+    srv_job_arm(s->job, do_suspend, &s->w);   /* suspended unless output arrived meanwhile */
+    return 0;
+}
+
+static void sse_free(void *cls) {
+    stream_ctx *s = cls;
+    srv_job_release(s->job);   /* cancels the job when it has not finished (client gone) */
+    free(s);
+}
+
+/* ---- routes ------------------------------------------------------------------------------------- */
+
+static int authorized(srv_http *h, struct MHD_Connection *c) {
+    if (!h->o->api_key) return 1;
+    const char *v = MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_AUTHORIZATION);
+    if (!v || strncmp(v, "Bearer ", 7)) return 0;
+    const char *k = v + 7, *want = h->o->api_key;
+    const size_t lk = strlen(k), lw = strlen(want);
+    unsigned diff = (unsigned)(lk != lw);
+    for (size_t i = 0; i < lk && i < lw; i++) diff |= (unsigned)(k[i] ^ want[i]);
+    return diff == 0;
+}
+
+static enum MHD_Result get_models(srv_http *h, struct MHD_Connection *c) {
+    cJSON *o = cJSON_CreateObject(), *d = cJSON_AddArrayToObject(o, "data"), *m = cJSON_CreateObject();
+    cJSON_AddStringToObject(o, "object", "list");
+    cJSON_AddStringToObject(m, "id", h->pc->model_name);
+    cJSON_AddStringToObject(m, "object", "model");
+    cJSON_AddNumberToObject(m, "created", (double)time(NULL));
+    cJSON_AddStringToObject(m, "owned_by", "fp4moe");
+    cJSON_AddNumberToObject(m, "max_model_len", (double)h->pc->context);
+    cJSON_AddItemToArray(d, m);
+    char *s = cJSON_PrintUnformatted(o);
+    cJSON_Delete(o);
+    return respond(h, c, 200, "application/json", s, strlen(s));
+}
+
+static enum MHD_Result get_health(srv_http *h, struct MHD_Connection *c) {
+    int64_t q = 0, r = 0;
+    srv_engine_load(h->e, &q, &r);
+    char *s = malloc(128);
+    if (!s) return MHD_NO;
+    const int stopping = atomic_load(&h->stopping);
+    snprintf(s, 128, "{\"status\":\"%s\",\"running\":%lld,\"queued\":%lld}", stopping ? "shutting down" : "ok",
+             (long long)r, (long long)q);
+    return respond(h, c, stopping ? 503 : 200, "application/json", s, strlen(s));
+}
+
+static enum MHD_Result body_of_job(srv_http *h, conn_ctx *cc) {
+    int http = 200;
+    srv_job_done(cc->job, &http);
+    char *s = NULL;
+    size_t n = 0, cap = 0;
+    for (;;) {
+        if (n + 65536 + 1 > cap) {
+            cap = (n + 65536 + 1) * 2;
+            char *q = realloc(s, cap);
+            if (!q) {
+                free(s);
+                return MHD_NO;
+            }
+            s = q;
+        }
+        int done = 0, waiting = 0;
+        const size_t k = srv_job_read(cc->job, s + n, 65536, &done, &waiting);
+        n += k;
+        if (!k) break;
+    }
+    srv_job_release(cc->job);
+    cc->job = NULL;
+    cc->answered = 1;
+    return respond(h, cc->w.c, http, "application/json", s, n);
+}
+
+static enum MHD_Result post_generate(srv_http *h, conn_ctx *cc, srv_kind kind) {
+    struct MHD_Connection *c = cc->w.c;
+    srv_request r;
+    srv_error er;
+    if (srv_parse_request(h->pc, kind, cc->body ? cc->body : "", cc->n, &r, &er)) return respond_error(h, c, &er);
+    const int stream = r.stream;
+    if (stream) {
+        stream_ctx *s = calloc(1, sizeof *s);
+        if (!s) {
+            srv_request_free(&r);
+            return MHD_NO;
+        }
+        s->w = cc->w;
+        s->job = srv_engine_submit(h->e, &r, do_wake, &s->w, &er);
+        if (!s->job) {
+            srv_request_free(&r);
+            free(s);
+            return respond_error(h, c, &er);
+        }
+        struct MHD_Response *resp = MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, 16384, sse_read, s, sse_free);
+        if (!resp) {
+            srv_job_release(s->job);
+            free(s);
+            return MHD_NO;
+        }
+        MHD_add_response_header(resp, "Content-Type", "text/event-stream");
+        MHD_add_response_header(resp, "Cache-Control", "no-cache");
+        const enum MHD_Result ok = MHD_queue_response(c, 200, resp);
+        MHD_destroy_response(resp);
+        srv_engine_count_http(h->e, 200);
+        cc->answered = 1;
+        return ok;
+    }
+    cc->job = srv_engine_submit(h->e, &r, do_wake, &cc->w, &er);
+    if (!cc->job) {
+        srv_request_free(&r);
+        return respond_error(h, c, &er);
+    }
+    if (srv_job_arm(cc->job, do_suspend, &cc->w)) return body_of_job(h, cc);
+    return MHD_YES;   /* suspended until the engine is done */
+}
+
+static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const char *url, const char *method,
+                                  const char *version, const char *upload, size_t *upload_size, void **req_cls) {
+    srv_http *h = cls;
+    conn_ctx *cc = *req_cls;
+    if (!cc) {
+        if (!(cc = calloc(1, sizeof *cc))) return MHD_NO;
+        cc->w.h = h;
+        cc->w.c = c;
+        *req_cls = cc;
+        const char *cl = MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_LENGTH);
+        if (cl && strtoll(cl, NULL, 10) > h->o->max_body) cc->too_big = 1;
+        return MHD_YES;
+    }
+    if (cc->answered) return MHD_YES;
+    if (*upload_size) {
+        if (!cc->too_big && cc->n + *upload_size > (size_t)h->o->max_body) cc->too_big = 1;
+        if (!cc->too_big) {
+            if (cc->n + *upload_size + 1 > cc->cap) {
+                size_t cap = cc->cap ? cc->cap : 4096;
+                while (cap < cc->n + *upload_size + 1) cap *= 2;
+                char *q = realloc(cc->body, cap);
+                if (!q) return MHD_NO;
+                cc->body = q;
+                cc->cap = cap;
+            }
+            memcpy(cc->body + cc->n, upload, *upload_size);
+            cc->n += *upload_size;
+            cc->body[cc->n] = 0;
+        }
+        *upload_size = 0;
+        return MHD_YES;
+    }
+    if (cc->job) {   /* resumed: the non-stream answer is ready */
+        int http;
+        if (srv_job_done(cc->job, &http)) return body_of_job(h, cc);
+        if (srv_job_arm(cc->job, do_suspend, &cc->w)) return body_of_job(h, cc);
+        return MHD_YES;
+    }
+    cc->answered = 1;
+    const int is_get = !strcmp(method, "GET"), is_post = !strcmp(method, "POST");
+    const int v1 = !strncmp(url, "/v1/", 4);
+    if (!strcmp(url, "/health")) return is_get ? get_health(h, c) : fail(h, c, 405, "%s /health: use GET", method);
+    if (!strcmp(url, "/metrics")) {
+        if (!is_get) return fail(h, c, 405, "%s /metrics: use GET", method);
+        char *s = srv_engine_metrics(h->e);
+        return s ? respond(h, c, 200, "text/plain; version=0.0.4", s, strlen(s)) : MHD_NO;
+    }
+    if (v1 && !authorized(h, c)) return fail(h, c, 401, "%s", "missing or wrong API key (Authorization: Bearer KEY)");
+    if (!strcmp(url, "/v1/models")) return is_get ? get_models(h, c) : fail(h, c, 405, "%s /v1/models: use GET", method);
+    const int chat = !strcmp(url, "/v1/chat/completions"), comp = !strcmp(url, "/v1/completions");
+    if (!chat && !comp) return fail(h, c, 404, "no route %s", url);
+    if (!is_post) return fail(h, c, 405, "%s: use POST", url);
+    if (cc->too_big) {
+        char lim[64];
+        snprintf(lim, sizeof lim, "%lld", (long long)h->o->max_body);
+        return fail(h, c, 413, "the request body is larger than %s bytes (--max-body)", lim);
+    }
+    if (atomic_load(&h->stopping)) return fail(h, c, 503, "%s", "the server is shutting down");
+    cc->answered = 0;
+    const enum MHD_Result r = post_generate(h, cc, chat ? SRV_CHAT : SRV_COMPLETION);
+    if (!cc->job) cc->answered = 1;
+    return r;
+}
+
+static void on_completed(void *cls, struct MHD_Connection *c, void **req_cls, enum MHD_RequestTerminationCode code) {
+    conn_ctx *cc = *req_cls;
+    if (!cc) return;
+    if (cc->job) srv_job_release(cc->job);   /* cancels an unfinished job */
+    free(cc->body);
+    free(cc);
+    *req_cls = NULL;
+}
+
+int srv_http_run(const srv_http_options *o, srv_engine *e, const srv_parse_ctx *pc) {
+    srv_http h = {.e = e, .pc = pc, .o = o};
+    atomic_init(&h.suspended, 0);
+    atomic_init(&h.stopping, 0);
+    struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM, .ai_flags = AI_NUMERICSERV}, *ai = NULL;
+    char port[16];
+    snprintf(port, sizeof port, "%d", o->port);
+    const int gai = getaddrinfo(o->host, port, &hints, &ai);
+    if (gai || !ai) return fp4moe_set_error(FP4MOE_EINVAL, "serve: cannot resolve --host '%s': %s", o->host, gai_strerror(gai));
+    unsigned flags = MHD_USE_AUTO_INTERNAL_THREAD | MHD_ALLOW_SUSPEND_RESUME;
+    if (ai->ai_family == AF_INET6) flags |= MHD_USE_IPv6;
+    struct MHD_Daemon *d = MHD_start_daemon(
+        flags, (uint16_t)o->port, NULL, NULL, on_request, &h, MHD_OPTION_SOCK_ADDR, ai->ai_addr,
+        MHD_OPTION_NOTIFY_COMPLETED, on_completed, NULL, MHD_OPTION_THREAD_POOL_SIZE,
+        (unsigned)(o->http_threads > 0 ? o->http_threads : 4), MHD_OPTION_CONNECTION_LIMIT, 1024u,
+        MHD_OPTION_CONNECTION_TIMEOUT, 600u, MHD_OPTION_LISTEN_BACKLOG_SIZE, 512u, MHD_OPTION_END);
+    if (!d) {
+        freeaddrinfo(ai);
+        return fp4moe_set_error(FP4MOE_EIO, "serve: cannot listen on %s:%d (address in use, or not this host's?)",
+                                o->host, o->port);
+    }
+    const union MHD_DaemonInfo *info = MHD_get_daemon_info(d, MHD_DAEMON_INFO_BIND_PORT);
+    const int bound = info ? (int)info->port : o->port;
+    freeaddrinfo(ai);
+    const int v6 = strchr(o->host, ':') != NULL;
+    printf("fp4moe serve: listening on http://%s%s%s:%d\n", v6 ? "[" : "", o->host, v6 ? "]" : "", bound);
+    fflush(stdout);
+    while (!*o->stop) usleep(50 * 1000);
+    /* shutdown: refuse new work, end every job (503), let the woken connections send, then stop */
+    atomic_store(&h.stopping, 1);
+    srv_engine_shutdown(e);
+    for (int i = 0; i < 100; i++) {
+        int64_t q = 0, r = 0;
+        srv_engine_load(e, &q, &r);
+        if (q == 0 && r == 0 && atomic_load(&h.suspended) == 0) break;
+        usleep(20 * 1000);
+    }
+    usleep(100 * 1000);
+    MHD_stop_daemon(d);
+    return 0;
+}

@@ -1,0 +1,431 @@
+/* Request JSON -> srv_request (see srv.h). Field rules follow OpenAI's API reference for
+ * /v1/chat/completions and /v1/completions, with vLLM's extensions top_k, min_p, ignore_eos,
+ * stop_token_ids and chat_template_kwargs. What fp4moe cannot do (n > 1, logprobs, echo,
+ * penalties, response formats other than text, forced tool choice) is a 400 naming the field,
+ * never silently ignored. */
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "server/srv.h"
+
+int srv_fail(srv_error *e, int http, const char *param, const char *fmt, ...) {
+    memset(e, 0, sizeof *e);
+    e->http = http;
+    e->type = http == 401 ? "authentication_error"
+              : http == 404 ? "not_found_error"
+              : http == 429 ? "rate_limit_error"
+              : http >= 500 ? "server_error"
+                            : "invalid_request_error";
+    if (param) snprintf(e->param, sizeof e->param, "%s", param);
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(e->message, sizeof e->message, fmt, ap);
+    va_end(ap);
+    return -1;
+}
+
+char *srv_error_json(const srv_error *e) {
+    cJSON *o = cJSON_CreateObject(), *er = cJSON_AddObjectToObject(o, "error");
+    cJSON_AddStringToObject(er, "message", e->message);
+    cJSON_AddStringToObject(er, "type", e->type ? e->type : "invalid_request_error");
+    if (e->param[0]) cJSON_AddStringToObject(er, "param", e->param);
+    else cJSON_AddNullToObject(er, "param");
+    if (e->code) cJSON_AddStringToObject(er, "code", e->code);
+    else cJSON_AddNullToObject(er, "code");
+    char *s = cJSON_PrintUnformatted(o);
+    cJSON_Delete(o);
+    return s;
+}
+
+void srv_request_free(srv_request *r) {
+    if (!r) return;
+    for (int i = 0; i < r->n_stop; i++) free(r->stop[i]);
+    free(r->ids);
+    memset(r, 0, sizeof *r);
+}
+
+/* ---- typed field access ----------------------------------------------------------------------- */
+
+static const cJSON *field(const cJSON *o, const char *name) {
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, name);
+    return v && !cJSON_IsNull(v) ? v : NULL;
+}
+
+static int get_number(const cJSON *o, const char *name, double lo, double hi, double *out, srv_error *e) {
+    const cJSON *v = field(o, name);
+    if (!v) return 0;
+    if (!cJSON_IsNumber(v) || !isfinite(v->valuedouble))
+        return srv_fail(e, 400, name, "'%s' must be a number", name);
+    if (v->valuedouble < lo || v->valuedouble > hi)
+        return srv_fail(e, 400, name, "'%s' is %g; it must be in [%g, %g]", name, v->valuedouble, lo, hi);
+    *out = v->valuedouble;
+    return 1;
+}
+
+static int get_int(const cJSON *o, const char *name, int64_t lo, int64_t hi, int64_t *out, srv_error *e) {
+    const cJSON *v = field(o, name);
+    if (!v) return 0;
+    const double d = cJSON_IsNumber(v) ? v->valuedouble : NAN;
+    if (!(d == floor(d)) || !(d >= -9.2e18 && d <= 9.2e18))
+        return srv_fail(e, 400, name, "'%s' must be an integer", name);
+    if (d < (double)lo || d > (double)hi)
+        return srv_fail(e, 400, name, "'%s' is %.0f; it must be in [%lld, %lld]", name, d, (long long)lo,
+                        (long long)hi);
+    *out = (int64_t)d;
+    return 1;
+}
+
+static int get_bool(const cJSON *o, const char *name, int *out, srv_error *e) {
+    const cJSON *v = field(o, name);
+    if (!v) return 0;
+    if (!cJSON_IsBool(v)) return srv_fail(e, 400, name, "'%s' must be true or false", name);
+    *out = cJSON_IsTrue(v);
+    return 1;
+}
+
+/* A field fp4moe does not implement: accepted only with its neutral value. */
+static int refuse_unless_neutral(const cJSON *o, srv_error *e) {
+    const cJSON *v;
+    static const char *const zero_num[] = {"presence_penalty", "frequency_penalty"};
+    for (int i = 0; i < 2; i++)
+        if ((v = field(o, zero_num[i])) && !(cJSON_IsNumber(v) && v->valuedouble == 0.0))
+            return srv_fail(e, 400, zero_num[i], "'%s' is not supported by fp4moe (only 0)", zero_num[i]);
+    if ((v = field(o, "repetition_penalty")) && !(cJSON_IsNumber(v) && v->valuedouble == 1.0))
+        return srv_fail(e, 400, "repetition_penalty", "'repetition_penalty' is not supported by fp4moe (only 1)");
+    if ((v = field(o, "n")) && !(cJSON_IsNumber(v) && v->valuedouble == 1.0))
+        return srv_fail(e, 400, "n", "'n' must be 1 (one choice per request)");
+    if ((v = field(o, "best_of")) && !(cJSON_IsNumber(v) && v->valuedouble == 1.0))
+        return srv_fail(e, 400, "best_of", "'best_of' must be 1");
+    if ((v = field(o, "logprobs")) && !cJSON_IsFalse(v))
+        return srv_fail(e, 400, "logprobs", "'logprobs' is not supported by fp4moe");
+    if ((v = field(o, "top_logprobs")))
+        return srv_fail(e, 400, "top_logprobs", "'top_logprobs' is not supported by fp4moe");
+    if ((v = field(o, "echo")) && !cJSON_IsFalse(v))
+        return srv_fail(e, 400, "echo", "'echo' is not supported by fp4moe");
+    if ((v = field(o, "suffix")))
+        return srv_fail(e, 400, "suffix", "'suffix' is not supported by fp4moe");
+    if ((v = field(o, "response_format"))) {
+        const cJSON *t = cJSON_GetObjectItemCaseSensitive(v, "type");
+        if (!cJSON_IsObject(v) || !cJSON_IsString(t) || strcmp(t->valuestring, "text"))
+            return srv_fail(e, 400, "response_format", "'response_format' other than {\"type\": \"text\"} is not "
+                            "supported by fp4moe");
+    }
+    if ((v = field(o, "tool_choice")) && !(cJSON_IsString(v) && (!strcmp(v->valuestring, "auto") ||
+                                                                !strcmp(v->valuestring, "none"))))
+        return srv_fail(e, 400, "tool_choice", "'tool_choice' must be \"auto\" or \"none\" (fp4moe does not force "
+                        "tool calls)");
+    return 0;
+}
+
+static int parse_stop(const cJSON *o, srv_request *r, srv_error *e) {
+    const cJSON *v = field(o, "stop");
+    if (v) {
+        const cJSON *one = cJSON_IsString(v) ? v : NULL, *it;
+        if (!one && !cJSON_IsArray(v)) return srv_fail(e, 400, "stop", "'stop' must be a string or a list of strings");
+        if (!one && cJSON_GetArraySize(v) > SRV_MAX_STOP)
+            return srv_fail(e, 400, "stop", "'stop' holds %d strings; at most %d", cJSON_GetArraySize(v), SRV_MAX_STOP);
+        for (it = one ? one : v->child; it; it = one ? NULL : it->next) {
+            if (!cJSON_IsString(it)) return srv_fail(e, 400, "stop", "'stop' must be a string or a list of strings");
+            const size_t l = strlen(it->valuestring);
+            if (l == 0 || l > SRV_MAX_STOP_LEN)
+                return srv_fail(e, 400, "stop", "each stop string must have 1 to %d bytes", SRV_MAX_STOP_LEN);
+            if (!(r->stop[r->n_stop++] = strdup(it->valuestring))) return srv_fail(e, 500, NULL, "out of memory");
+        }
+    }
+    if ((v = field(o, "stop_token_ids"))) {
+        if (!cJSON_IsArray(v)) return srv_fail(e, 400, "stop_token_ids", "'stop_token_ids' must be a list of token ids");
+        const cJSON *it;
+        cJSON_ArrayForEach(it, v) {
+            if (!cJSON_IsNumber(it) || it->valuedouble != floor(it->valuedouble) || it->valuedouble < 0 ||
+                it->valuedouble > 2147483647.0)
+                return srv_fail(e, 400, "stop_token_ids", "'stop_token_ids' must be a list of token ids");
+            if (r->sp.n_stop >= FP4MOE_MAX_STOP_IDS)
+                return srv_fail(e, 400, "stop_token_ids", "at most %d stop token ids (the model's EOS ids included)",
+                                FP4MOE_MAX_STOP_IDS);
+            r->sp.stop_ids[r->sp.n_stop++] = (int32_t)it->valuedouble;
+        }
+    }
+    return 0;
+}
+
+/* ---- sampling and limits (common to both endpoints) ------------------------------------------ */
+
+static int parse_common(const srv_parse_ctx *c, const cJSON *o, srv_request *r, int *has_max, srv_error *e) {
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, "model");
+    if (v && !cJSON_IsNull(v)) {
+        if (!cJSON_IsString(v)) return srv_fail(e, 400, "model", "'model' must be a string");
+        if (strcmp(v->valuestring, c->model_name)) {
+            srv_fail(e, 404, "model", "The model '%.200s' does not exist (this server serves '%.200s')",
+                     v->valuestring, c->model_name);
+            e->code = "model_not_found";
+            return -1;
+        }
+    }
+    if (refuse_unless_neutral(o, e)) return -1;
+    r->sp = c->defaults;
+    double d;
+    int64_t i;
+    int b = 0, st;
+    if ((st = get_number(o, "temperature", 0.0, 100.0, &d, e)) < 0) return -1;
+    if (st) r->sp.temperature = (float)d;
+    if ((st = get_number(o, "top_p", 0.0, 1.0, &d, e)) < 0) return -1;
+    if (st) {
+        if (d <= 0.0) return srv_fail(e, 400, "top_p", "'top_p' must be in (0, 1]");
+        r->sp.top_p = (float)d;
+    }
+    if ((st = get_int(o, "top_k", -1, 1 << 30, &i, e)) < 0) return -1;
+    if (st) r->sp.top_k = i <= 0 ? 0 : i;
+    if ((st = get_number(o, "min_p", 0.0, 1.0, &d, e)) < 0) return -1;
+    if (st) r->sp.min_p = (float)d;
+    if ((st = get_int(o, "seed", INT64_MIN + 1, INT64_MAX, &i, e)) < 0) return -1;
+    if (st) {
+        r->sp.seed = (uint64_t)i;
+        if (!r->sp.seed) r->sp.seed = 0x9E3779B97F4A7C15ull;   /* 0 means "default" to the sampler */
+    }
+    r->has_seed = st;
+    if ((st = get_bool(o, "stream", &b, e)) < 0) return -1;
+    if (st) r->stream = b;
+    if ((v = field(o, "stream_options"))) {
+        if (!cJSON_IsObject(v)) return srv_fail(e, 400, "stream_options", "'stream_options' must be an object");
+        if (get_bool(v, "include_usage", &r->include_usage, e) < 0) return -1;
+    }
+    if ((st = get_bool(o, "ignore_eos", &b, e)) < 0) return -1;
+    if (st) r->ignore_eos = b;
+    if (r->ignore_eos) r->sp.n_stop = 0;
+    if (parse_stop(o, r, e)) return -1;
+    const char *mt = field(o, "max_completion_tokens") ? "max_completion_tokens" : "max_tokens";
+    if ((st = get_int(o, mt, 1, INT64_MAX, &r->max_tokens, e)) < 0) return -1;
+    *has_max = st;
+    return 0;
+}
+
+static int check_length(const srv_parse_ctx *c, srv_request *r, int has_max, srv_error *e) {
+    if (r->n_ids == 0) return srv_fail(e, 400, r->kind == SRV_CHAT ? "messages" : "prompt", "the prompt encodes to no tokens");
+    if (r->n_ids >= c->context)
+        return srv_fail(e, 400, r->kind == SRV_CHAT ? "messages" : "prompt",
+                        "This model's maximum context length is %lld tokens. However, your prompt has %lld tokens "
+                        "(at least one must remain for the output).", (long long)c->context, (long long)r->n_ids);
+    if (!has_max) {
+        r->max_tokens = c->context - r->n_ids;
+    } else if (r->max_tokens > c->context - r->n_ids) {
+        return srv_fail(e, 400, "max_tokens",
+                        "This model's maximum context length is %lld tokens. However, you requested %lld tokens "
+                        "(%lld in the prompt, %lld for the completion).", (long long)c->context,
+                        (long long)(r->n_ids + r->max_tokens), (long long)r->n_ids, (long long)r->max_tokens);
+    }
+    return 0;
+}
+
+/* ---- /v1/completions -------------------------------------------------------------------------- */
+
+static int ids_from_array(const srv_parse_ctx *c, const cJSON *a, srv_request *r, srv_error *e) {
+    const int n = cJSON_GetArraySize(a);
+    r->ids = malloc((size_t)(n > 0 ? n : 1) * sizeof(int32_t));
+    if (!r->ids) return srv_fail(e, 500, NULL, "out of memory");
+    const cJSON *it;
+    cJSON_ArrayForEach(it, a) {
+        const double d = cJSON_IsNumber(it) ? it->valuedouble : -1.0;
+        if (!(d == floor(d)) || d < 0 || d >= (double)c->vocab)
+            return srv_fail(e, 400, "prompt", "prompt token %lld is not an id in [0, %lld)", (long long)r->n_ids,
+                            (long long)c->vocab);
+        r->ids[r->n_ids++] = (int32_t)d;
+    }
+    return 0;
+}
+
+static int encode(const srv_parse_ctx *c, const char *text, size_t len, int add_special, int32_t **ids, int64_t *n,
+                  const char *param, srv_error *e) {
+    if (fp4moe_tokenizer_encode(c->tok, text, (int64_t)len, add_special, ids, n))
+        return srv_fail(e, 400, param, "cannot tokenize the %s: %s", param, fp4moe_last_error());
+    return 0;
+}
+
+static int parse_completion(const srv_parse_ctx *c, const cJSON *o, srv_request *r, srv_error *e) {
+    const cJSON *p = cJSON_GetObjectItemCaseSensitive(o, "prompt");
+    if (!p || cJSON_IsNull(p)) return srv_fail(e, 400, "prompt", "'prompt' is required");
+    if (cJSON_IsArray(p) && cJSON_GetArraySize(p) == 1 && (cJSON_IsString(p->child) || cJSON_IsArray(p->child)))
+        p = p->child;   /* a batch of one prompt */
+    if (cJSON_IsString(p)) return encode(c, p->valuestring, strlen(p->valuestring), 1, &r->ids, &r->n_ids, "prompt", e);
+    if (cJSON_IsArray(p) && (cJSON_GetArraySize(p) == 0 || cJSON_IsNumber(p->child))) return ids_from_array(c, p, r, e);
+    if (cJSON_IsArray(p)) return srv_fail(e, 400, "prompt", "'prompt' must be one string or one list of token ids "
+                                          "(one prompt per request)");
+    return srv_fail(e, 400, "prompt", "'prompt' must be a string or a list of token ids");
+}
+
+/* ---- /v1/chat/completions --------------------------------------------------------------------- */
+
+/* A message as the template sees it: keys with null values dropped, text parts joined, tool-call
+ * arguments given as JSON text parsed into objects (as vLLM does before rendering). */
+static cJSON *clean_message(const cJSON *m, int index, srv_error *e) {
+    if (!cJSON_IsObject(m)) {
+        srv_fail(e, 400, "messages", "messages[%d] must be an object", index);
+        return NULL;
+    }
+    const cJSON *role = cJSON_GetObjectItemCaseSensitive(m, "role");
+    if (!cJSON_IsString(role) || !role->valuestring[0]) {
+        srv_fail(e, 400, "messages", "messages[%d].role must be a non-empty string", index);
+        return NULL;
+    }
+    cJSON *out = cJSON_CreateObject();
+    const cJSON *kv;
+    cJSON_ArrayForEach(kv, m) {
+        if (cJSON_IsNull(kv) || !kv->string) continue;
+        if (!strcmp(kv->string, "content") && cJSON_IsArray(kv)) {
+            size_t len = 0, cap = 0;
+            char *text = NULL;
+            const cJSON *part;
+            cJSON_ArrayForEach(part, kv) {
+                const cJSON *type = cJSON_GetObjectItemCaseSensitive(part, "type");
+                const cJSON *t = cJSON_GetObjectItemCaseSensitive(part, "text");
+                if (!cJSON_IsString(type) || strcmp(type->valuestring, "text") || !cJSON_IsString(t)) {
+                    free(text);
+                    cJSON_Delete(out);
+                    srv_fail(e, 400, "messages", "messages[%d].content: only parts of type \"text\" are supported",
+                             index);
+                    return NULL;
+                }
+                const size_t l = strlen(t->valuestring);
+                if (len + l + 1 > cap) {
+                    cap = (len + l + 1) * 2;
+                    char *q = realloc(text, cap);
+                    if (!q) {
+                        free(text);
+                        cJSON_Delete(out);
+                        srv_fail(e, 500, NULL, "out of memory");
+                        return NULL;
+                    }
+                    text = q;
+                }
+                memcpy(text + len, t->valuestring, l + 1);
+                len += l;
+            }
+            cJSON_AddStringToObject(out, "content", text ? text : "");
+            free(text);
+            continue;
+        }
+        if (!strcmp(kv->string, "content") && !cJSON_IsString(kv)) {
+            cJSON_Delete(out);
+            srv_fail(e, 400, "messages", "messages[%d].content must be a string, a list of text parts or null", index);
+            return NULL;
+        }
+        cJSON *copy = cJSON_Duplicate(kv, 1);
+        if (!strcmp(kv->string, "tool_calls") && cJSON_IsArray(copy)) {
+            cJSON *call;
+            cJSON_ArrayForEach(call, copy) {
+                cJSON *fn = cJSON_GetObjectItemCaseSensitive(call, "function");
+                cJSON *args = cJSON_GetObjectItemCaseSensitive(fn, "arguments");
+                if (cJSON_IsString(args)) {
+                    cJSON *parsed = cJSON_Parse(args->valuestring);
+                    if (cJSON_IsObject(parsed)) cJSON_ReplaceItemInObjectCaseSensitive(fn, "arguments", parsed);
+                    else cJSON_Delete(parsed);
+                }
+            }
+        }
+        cJSON_AddItemToObject(out, kv->string, copy);
+    }
+    return out;
+}
+
+static int render(const srv_parse_ctx *c, cJSON *ctx, int gen_prompt, char **text, size_t *len, srv_error *e) {
+    cJSON_ReplaceItemInObjectCaseSensitive(ctx, "add_generation_prompt", cJSON_CreateBool(gen_prompt));
+    const int st = fp4moe_template_render(c->tmpl, ctx, NULL, text, len);
+    if (st) return srv_fail(e, 400, "messages", "the chat template failed: %s", fp4moe_last_error());
+    return 0;
+}
+
+static int parse_chat(const srv_parse_ctx *c, const cJSON *o, srv_request *r, srv_error *e) {
+    if (!c->tmpl)
+        return srv_fail(e, 400, "messages", "model '%s' has no chat template: start the server with --chat-template "
+                        "FILE, or use /v1/completions", c->model_name);
+    const cJSON *msgs = cJSON_GetObjectItemCaseSensitive(o, "messages");
+    if (!cJSON_IsArray(msgs)) return srv_fail(e, 400, "messages", "'messages' is required and must be a list");
+    if (cJSON_GetArraySize(msgs) == 0) return srv_fail(e, 400, "messages", "'messages' must not be empty");
+    cJSON *ctx = cJSON_CreateObject(), *list = cJSON_AddArrayToObject(ctx, "messages");
+    int idx = 0, rc = 0;
+    const cJSON *m;
+    cJSON_ArrayForEach(m, msgs) {
+        cJSON *cm = clean_message(m, idx++, e);
+        if (!cm) {
+            cJSON_Delete(ctx);
+            return -1;
+        }
+        cJSON_AddItemToArray(list, cm);
+    }
+    const cJSON *tools = field(o, "tools");
+    if (tools && !cJSON_IsArray(tools)) {
+        cJSON_Delete(ctx);
+        return srv_fail(e, 400, "tools", "'tools' must be a list");
+    }
+    cJSON_AddItemToObject(ctx, "tools", tools && cJSON_GetArraySize(tools) ? cJSON_Duplicate(tools, 1) : cJSON_CreateNull());
+    cJSON_AddNullToObject(ctx, "documents");
+    cJSON_AddTrueToObject(ctx, "add_generation_prompt");
+    cJSON_AddStringToObject(ctx, "bos_token", c->bos_token ? c->bos_token : "");
+    cJSON_AddStringToObject(ctx, "eos_token", c->eos_token ? c->eos_token : "");
+    const cJSON *kw = field(o, "chat_template_kwargs");
+    if (kw) {
+        if (!cJSON_IsObject(kw)) {
+            cJSON_Delete(ctx);
+            return srv_fail(e, 400, "chat_template_kwargs", "'chat_template_kwargs' must be an object");
+        }
+        const cJSON *kv;
+        cJSON_ArrayForEach(kv, kw) {
+            if (!strcmp(kv->string, "messages") || !strcmp(kv->string, "add_generation_prompt")) continue;
+            cJSON_DeleteItemFromObjectCaseSensitive(ctx, kv->string);
+            cJSON_AddItemToObject(ctx, kv->string, cJSON_Duplicate(kv, 1));
+        }
+    }
+    char *text = NULL, *hist = NULL;
+    size_t len = 0, hlen = 0;
+    if (render(c, ctx, 1, &text, &len, e) || encode(c, text, len, 0, &r->ids, &r->n_ids, "messages", e)) {
+        rc = -1;
+    } else {
+        /* does the output start inside <think>? (the last <think> of the prompt is not closed) */
+        const char *open = NULL, *close = NULL;
+        for (const char *p = text; (p = strstr(p, "<think>")); p++) open = p;
+        for (const char *p = text; (p = strstr(p, "</think>")); p++) close = p;
+        r->reasoning_start = open && (!close || close < open);
+        /* the history (no generation prompt): a prefix-cache point when its tokens start the prompt */
+        int32_t *hids = NULL;
+        int64_t nh = 0;
+        srv_error ignored;
+        if (!render(c, ctx, 0, &hist, &hlen, &ignored) && !encode(c, hist, hlen, 0, &hids, &nh, "messages", &ignored) &&
+            nh < r->n_ids && !memcmp(hids, r->ids, (size_t)nh * sizeof(int32_t)))
+            r->history = nh;
+        free(hids);
+    }
+    free(text);
+    free(hist);
+    cJSON_Delete(ctx);
+    return rc;
+}
+
+int srv_parse_request(const srv_parse_ctx *c, srv_kind kind, const char *body, size_t len, srv_request *r,
+                      srv_error *e) {
+    memset(r, 0, sizeof *r);
+    memset(e, 0, sizeof *e);
+    r->kind = kind;
+    const char *end = NULL;
+    cJSON *o = cJSON_ParseWithLengthOpts(body, len, &end, 0);
+    if (!o) {
+        const size_t at = end && end >= body ? (size_t)(end - body) : 0;
+        return srv_fail(e, 400, NULL, "the request body is not valid JSON (at byte %zu of %zu)", at, len);
+    }
+    while (end && (size_t)(end - body) < len && (*end == ' ' || *end == '\n' || *end == '\r' || *end == '\t')) end++;
+    if (end && (size_t)(end - body) < len) {
+        const size_t at = (size_t)(end - body);
+        cJSON_Delete(o);
+        return srv_fail(e, 400, NULL, "the request body has data after its JSON value (at byte %zu of %zu)", at, len);
+    }
+    int rc = 0, has_max = 0;
+    if (!cJSON_IsObject(o)) rc = srv_fail(e, 400, NULL, "the request body must be a JSON object");
+    else if (parse_common(c, o, r, &has_max, e)) rc = -1;
+    else if (kind == SRV_CHAT ? parse_chat(c, o, r, e) : parse_completion(c, o, r, e)) rc = -1;
+    else if (check_length(c, r, has_max, e)) rc = -1;
+    r->reasoning = kind == SRV_CHAT && c->reasoning;
+    cJSON_Delete(o);
+    if (rc) srv_request_free(r);
+    return rc;
+}
