@@ -570,13 +570,14 @@ static void step_once(srv_engine *e) {
         for (int64_t i = 0; i < e->n_act && rows < budget; i++) {
             srv_job *j = e->act[i];
             if (j->done) continue;
+            if (j->phase != (pass == 0 ? PH_DECODE : PH_PREFILL)) continue;
             fp4moe_batch_item *it = &e->items[n_items];
             memset(it, 0, sizeof *it);
             it->seq = j->seq;
-            if (pass == 0 && j->phase == PH_DECODE) {
+            if (pass == 0) {
                 it->tokens = &j->next_tok;
                 it->n = 1;
-            } else if (pass == 1 && j->phase == PH_PREFILL) {
+            } else {
                 int64_t n = j->r.n_ids - j->fed;
                 if (n > budget - rows) n = budget - rows;
                 if (j->r.history > j->fed && j->fed + n > j->r.history && j->r.history >= e->o.prefix_min_tokens &&
@@ -584,8 +585,6 @@ static void step_once(srv_engine *e) {
                     n = j->r.history - j->fed;   /* end a chunk at the history: keep its snapshot */
                 it->tokens = j->r.ids + j->fed;
                 it->n = n;
-            } else {
-                continue;
             }
             const int last = pass == 0 || j->fed + it->n == j->r.n_ids;
             if (last) {
@@ -767,7 +766,7 @@ srv_job *srv_engine_submit(srv_engine *e, srv_request *r, void (*wake)(void *), 
         job_free(j);
         return NULL;
     }
-    if (e->n_queued >= e->o.max_queue) {
+    if (e->n_running + e->n_queued >= e->o.max_seqs + e->o.max_queue) {   /* no free sequence, queue full */
         const long long q = (long long)e->n_queued;
         pthread_mutex_unlock(&e->lock);
         srv_fail(err, 429, NULL, "the server is busy: %lld requests are waiting (--max-queue); retry later", q);

@@ -1,0 +1,321 @@
+#!/usr/bin/env python3
+"""fp4moe serve end to end (issue 10), run by ctest as python/server with the project venv's
+python (it has the `openai` client from PyPI, scripts/requirements-mlx.txt).
+
+Starts `fp4moe serve` on the default model (CPU, ephemeral localhost ports) and checks, with the
+real openai client and with curl: models, completions and chat (stream and not, usage, reasoning
+split, stop strings), greedy answers equal to `fp4moe generate`, 32 concurrent clients x 4
+requests each equal to the same request sent alone, a client that disconnects mid-stream frees its
+sequence, malformed requests get their 4xx and the server goes on, the API key, the bounded queue
+(429), prefix reuse across chat turns (same answer as without the cache), and shutdown exit codes.
+
+usage: test_server.py FP4MOE_BINARY
+"""
+import concurrent.futures as cf
+import http.client
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import openai
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+MODEL = os.path.join(ROOT, "models", "nemotron-h-tiny-moe")
+TEMPLATE = os.path.join(ROOT, "tests", "golden", "templates", "nemotron-3-nano-30b-a3b.jinja")
+TEXT = open(os.path.join(ROOT, "tests", "golden", "default", "heldout_short.txt"), encoding="utf-8").read()
+BIN = sys.argv[1]
+FAILS = []
+
+
+def check(cond, what):
+    print(("ok   " if cond else "FAIL ") + what, flush=True)
+    if not cond:
+        FAILS.append(what)
+
+
+class Server:
+    def __init__(self, *extra):
+        self.p = subprocess.Popen([BIN, "serve", "-m", MODEL, "--port", "0", *extra], stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True)
+        line = self.p.stdout.readline()
+        m = re.search(r"listening on http://127\.0\.0\.1:(\d+)", line)
+        if not m:
+            self.p.kill()
+            raise SystemExit("server did not start: %r %s" % (line, self.p.stderr.read()))
+        self.port = int(m.group(1))
+        self.url = "http://127.0.0.1:%d" % self.port
+
+    def client(self, key="none"):
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, timeout=120)
+
+    def raw(self, method, path, body=None, headers=None):
+        c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
+        data = body if isinstance(body, (bytes, type(None))) else body.encode()
+        c.request(method, path, body=data, headers=headers or {})
+        r = c.getresponse()
+        out = r.status, r.read().decode("utf-8", "replace")
+        c.close()
+        return out
+
+    def metric(self, name):
+        _, text = self.raw("GET", "/metrics")
+        m = re.search(r"^%s (\S+)$" % re.escape(name), text, re.M)
+        return float(m.group(1)) if m else None
+
+    def stop(self, sig=signal.SIGTERM):
+        self.p.send_signal(sig)
+        try:
+            rc = self.p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.p.kill()
+            rc = None
+        self.err = self.p.stderr.read()
+        return rc
+
+
+def prompt(i, words=24):
+    w = TEXT.split()
+    s = (i * 37) % (len(w) - words)
+    return " ".join(w[s:s + words])
+
+
+def generate_cli(p, n):
+    out = subprocess.run([BIN, "generate", "-m", MODEL, "-p", p, "-n", str(n), "--json"], capture_output=True,
+                         text=True, check=True)
+    return json.loads(out.stdout)["text"]
+
+
+def complete(c, p, n, stream):
+    if not stream:
+        r = c.completions.create(model="nemotron-h-tiny-moe", prompt=p, max_tokens=n, temperature=0)
+        return r.choices[0].text, r.choices[0].finish_reason, r.usage.completion_tokens
+    text, finish, usage = "", None, None
+    for ch in c.completions.create(model="nemotron-h-tiny-moe", prompt=p, max_tokens=n, temperature=0, stream=True,
+                                   stream_options={"include_usage": True}):
+        if ch.choices:
+            text += ch.choices[0].text
+            finish = ch.choices[0].finish_reason or finish
+        if ch.usage:
+            usage = ch.usage.completion_tokens
+    return text, finish, usage
+
+
+def chat(c, msgs, n, stream, **kw):
+    if not stream:
+        r = c.chat.completions.create(model="nemotron-h-tiny-moe", messages=msgs, max_tokens=n, temperature=0, **kw)
+        m = r.choices[0].message
+        return (m.content or ""), (getattr(m, "reasoning_content", None) or ""), r.choices[0].finish_reason, r.usage
+    content, reasoning, finish = "", "", None
+    for ch in c.chat.completions.create(model="nemotron-h-tiny-moe", messages=msgs, max_tokens=n, temperature=0,
+                                        stream=True, **kw):
+        if not ch.choices:
+            continue
+        d = ch.choices[0].delta
+        content += d.content or ""
+        reasoning += getattr(d, "reasoning_content", None) or ""
+        finish = ch.choices[0].finish_reason or finish
+    return content, reasoning, finish, None
+
+
+def main():
+    s = Server("--chat-template", TEMPLATE, "--max-body", "1048576")
+    c = s.client()
+    try:
+        # --- basics ------------------------------------------------------------------------------
+        models = [m.id for m in c.models.list().data]
+        check(models == ["nemotron-h-tiny-moe"], "GET /v1/models lists the served model: %s" % models)
+        st, body = s.raw("GET", "/health")
+        check(st == 200 and json.loads(body)["status"] == "ok", "GET /health: %d %s" % (st, body))
+        p0 = "The little girl opened the door and saw"
+        ref = generate_cli(p0, 24)
+        t, fin, n = complete(c, p0, 24, False)
+        check(t == ref and fin == "length" and n == 24, "completion (greedy) equals fp4moe generate: %r" % t[:60])
+        t2, fin2, n2 = complete(c, p0, 24, True)
+        check(t2 == ref and fin2 == "length" and n2 == 24, "streamed completion equals it, usage chunk %s" % n2)
+        r = c.completions.create(model="nemotron-h-tiny-moe", prompt=p0, max_tokens=24, temperature=0, stop=["girl"])
+        check(r.choices[0].finish_reason == "stop" and "girl" not in r.choices[0].text and
+              ref.startswith(r.choices[0].text), "stop string ends the completion before it: %r" % r.choices[0].text)
+        # chat: the Nemotron template opens <think> (reasoning) unless enable_thinking is false
+        msgs = [{"role": "system", "content": "You tell stories."}, {"role": "user", "content": prompt(3)}]
+        a = chat(c, msgs, 16, False)
+        b = chat(c, msgs, 16, True)
+        check(a[0] == "" and a[1] != "" and (a[0], a[1]) == (b[0], b[1]),
+              "chat: thinking output is reasoning_content, stream equals non-stream (%r)" % a[1][:40])
+        off = chat(c, msgs, 16, False, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+        check(off[0] != "" and off[1] == "", "chat with enable_thinking false: content %r" % off[0][:40])
+        # curl, as a user would
+        out = subprocess.run(["curl", "-sS", s.url + "/v1/completions", "-H", "Content-Type: application/json",
+                              "-d", json.dumps({"prompt": p0, "max_tokens": 24, "temperature": 0})],
+                             capture_output=True, text=True, timeout=60)
+        check(json.loads(out.stdout)["choices"][0]["text"] == ref, "curl completion equals it")
+        out = subprocess.run(["curl", "-sSN", s.url + "/v1/chat/completions", "-d",
+                              json.dumps({"messages": msgs, "max_tokens": 8, "stream": True})],
+                             capture_output=True, text=True, timeout=60)
+        ev = [l for l in out.stdout.split("\n") if l.startswith("data: ")]
+        check(len(ev) >= 3 and ev[-1] == "data: [DONE]" and
+              json.loads(ev[0][6:])["choices"][0]["delta"]["role"] == "assistant",
+              "curl SSE stream: %d events ending with [DONE]" % len(ev))
+
+        # --- 32 concurrent clients x 4 requests == each request alone ------------------------------
+        reqs = []
+        for i in range(128):
+            kind, stream = ("chat" if i % 3 == 0 else "comp"), bool(i % 2)
+            reqs.append((i, kind, stream, prompt(i, 12 + i % 20), 8 + i % 13))
+
+        def run(rq, cl):
+            i, kind, stream, p, n = rq
+            if kind == "chat":
+                return chat(cl, [{"role": "user", "content": p}], n, stream)[:3]
+            return complete(cl, p, n, stream)[:2]
+
+        def client_job(k):
+            cl = s.client()
+            return [(rq[0], run(rq, cl)) for rq in reqs[k::32]]
+
+        t0 = time.time()
+        with cf.ThreadPoolExecutor(32) as ex:
+            together = dict(x for lst in ex.map(client_job, range(32)) for x in lst)
+        t_conc = time.time() - t0
+        t0 = time.time()
+        alone = {rq[0]: run(rq, c) for rq in reqs}
+        t_alone = time.time() - t0
+        diff = [i for i in alone if alone[i] != together.get(i)]
+        check(len(together) == 128 and not diff,
+              "32 clients x 4 requests equal the same requests alone (%d differ; %.1f s concurrent, %.1f s alone)"
+              % (len(diff), t_conc, t_alone))
+        for i in diff[:3]:
+            print("   request %d: alone %r / concurrent %r" % (i, alone[i], together.get(i)))
+
+        # --- a client that disconnects mid-stream frees its sequence -------------------------------
+        cancelled0 = s.metric('fp4moe_generations_total{reason="cancelled"}') or 0
+        sock = socket.create_connection(("127.0.0.1", s.port))
+        body = json.dumps({"prompt": p0, "max_tokens": 3000, "stream": True, "ignore_eos": True})
+        sock.sendall(("POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      "Content-Length: %d\r\n\r\n%s" % (len(body), body)).encode())
+        got = b""
+        while got.count(b"data: ") < 3:
+            got += sock.recv(4096)
+        running = s.metric("fp4moe_running_sequences")
+        sock.close()
+        ok = False
+        for _ in range(100):
+            if s.metric("fp4moe_running_sequences") == 0 and \
+               (s.metric('fp4moe_generations_total{reason="cancelled"}') or 0) == cancelled0 + 1:
+                ok = True
+                break
+            time.sleep(0.05)
+        check(running == 1 and ok, "a client gone mid-stream: its sequence is freed (running %s -> 0)" % running)
+
+        # --- bad requests: 4xx with an OpenAI error body, and the server goes on -------------------
+        long_prompt = "word " * 5000
+        bad = [
+            ("POST", "/v1/completions", "{bad json", 400),
+            ("POST", "/v1/completions", "[1, 2]", 400),
+            ("POST", "/v1/completions", '{"prompt": "x"} trailing', 400),
+            ("POST", "/v1/completions", '{"prompt": 5}', 400),
+            ("POST", "/v1/completions", '{"prompt": "x", "temperature": "hot"}', 400),
+            ("POST", "/v1/completions", '{"prompt": "x", "max_tokens": -1}', 400),
+            ("POST", "/v1/completions", '{"prompt": "x", "max_tokens": 100000}', 400),
+            ("POST", "/v1/completions", '{"prompt": "x", "n": 3}', 400),
+            ("POST", "/v1/completions", '{"prompt": "x", "logprobs": 2}', 400),
+            ("POST", "/v1/completions", '{"prompt": [1, 2, 99999999]}', 400),
+            ("POST", "/v1/completions", '{"prompt": ""}', 400),
+            ("POST", "/v1/completions", json.dumps({"prompt": long_prompt}), 400),
+            ("POST", "/v1/completions", '{"prompt": "x", "model": "gpt-4"}', 404),
+            ("POST", "/v1/chat/completions", '{"messages": []}', 400),
+            ("POST", "/v1/chat/completions", '{"messages": [{"content": "no role"}]}', 400),
+            ("POST", "/v1/chat/completions", '{"messages": "hi"}', 400),
+            ("POST", "/v1/chat/completions", '{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}', 400),
+            ("POST", "/v1/chat/completions", '{"messages": [{"role": "user", "content": "x"}], "stop": [1]}', 400),
+            ("POST", "/v1/completions", json.dumps({"prompt": "x" * 2000000}), 413),
+            ("GET", "/v1/chat/completions", None, 405),
+            ("GET", "/v2/nothing", None, 404),
+        ]
+        results = []
+        for method, path, b, want in bad:
+            st, text = s.raw(method, path, b, {"Content-Type": "application/json"})
+            try:
+                err = json.loads(text)["error"]
+                good = st == want and isinstance(err["message"], str) and err["message"]
+            except Exception:
+                good = False
+            results.append(good)
+            if not good:
+                print("   %s %s %r -> %d %s (want %d)" % (method, path, (b or "")[:60], st, text[:200], want))
+        # raw garbage on a socket, and a connection closed halfway through its headers
+        for junk in (b"GARBAGE\r\n\r\n", b"POST /v1/completions HTTP/1.1\r\nContent-Len"):
+            g = socket.create_connection(("127.0.0.1", s.port))
+            g.sendall(junk)
+            g.close()
+        t, _, _ = complete(c, p0, 24, False)
+        check(all(results) and t == ref, "%d malformed requests get their 4xx + error body; the server still "
+              "answers the same afterwards" % len(bad))
+        try:
+            c.completions.create(model="nemotron-h-tiny-moe", prompt=long_prompt, max_tokens=4)
+            check(False, "openai client sees a 400 for a prompt longer than the context")
+        except openai.BadRequestError as ex:
+            check("maximum context length" in str(ex), "openai client: BadRequestError for a too-long prompt")
+
+        # --- prefix reuse across chat turns -------------------------------------------------------
+        sys_msg = {"role": "system", "content": " ".join(TEXT.split()[:220])}
+        turn1 = [sys_msg, {"role": "user", "content": prompt(11)}]
+        off_kw = {"extra_body": {"chat_template_kwargs": {"enable_thinking": False}}}
+        a1 = chat(c, turn1, 24, False, **off_kw)
+        turn2 = turn1 + [{"role": "assistant", "content": a1[0]}, {"role": "user", "content": prompt(12)}]
+        a2 = chat(c, turn2, 24, False, **off_kw)
+        cached = a2[3].prompt_tokens_details.cached_tokens if a2[3].prompt_tokens_details else 0
+    finally:
+        rc = s.stop(signal.SIGTERM)
+    check(rc == 0, "SIGTERM: exit 0 (got %s)" % rc)
+
+    # reference for turn 2 without any cache; API key on this one
+    s2 = Server("--chat-template", TEMPLATE, "--prefix-cache-mb", "0", "--api-key", "sekret")
+    try:
+        try:
+            s2.client("wrong").models.list()
+            check(False, "a wrong API key is refused")
+        except openai.AuthenticationError:
+            check(True, "a wrong API key gets 401")
+        st, _ = s2.raw("POST", "/v1/completions", '{"prompt": "x"}')
+        check(st == 401, "no API key: 401 (%d)" % st)
+        ref2 = chat(s2.client("sekret"), turn2, 24, False, **off_kw)
+        check(cached > 0 and a2[:3] == ref2[:3] and ref2[3].prompt_tokens_details is None,
+              "turn 2 reuses %d of %d prompt tokens and answers as without the cache" % (cached, a2[3].prompt_tokens))
+    finally:
+        rc = s2.stop(signal.SIGINT)
+    check(rc == 130, "Ctrl-C: exit 130 (got %s)" % rc)
+
+    # bounded queue: one sequence, no queue -> the second concurrent request gets 429
+    s3 = Server("--max-seqs", "1", "--max-queue", "0")
+    try:
+        first = s3.client().completions.create(model="nemotron-h-tiny-moe", prompt=p0, max_tokens=2000,
+                                               ignore_eos=True, stream=True) if False else None
+        sock = socket.create_connection(("127.0.0.1", s3.port))
+        body = json.dumps({"prompt": p0, "max_tokens": 3000, "stream": True, "ignore_eos": True})
+        sock.sendall(("POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s"
+                      % (len(body), body)).encode())
+        got = b""
+        while b"data: " not in got:
+            got += sock.recv(4096)
+        try:
+            s3.client().completions.create(model="nemotron-h-tiny-moe", prompt="x", max_tokens=2)
+            check(False, "a request beyond --max-seqs + --max-queue gets 429")
+        except openai.RateLimitError:
+            check(True, "a request beyond --max-seqs + --max-queue gets 429")
+        sock.close()
+        time.sleep(0.3)
+        t, _, _ = complete(s3.client(), p0, 24, False)
+        check(t == ref, "after the 429 and the disconnect the server answers again")
+    finally:
+        s3.stop()
+    print("%d failure(s)" % len(FAILS))
+    return 1 if FAILS else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,375 @@
+/* The pure parts of fp4moe serve: srv_text (stop strings + reasoning split, against a direct
+ * reference on random splits) and srv_parse_request (every field rule, with the default model's
+ * tokenizer and the real Nemotron-3 chat template). */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include "server/srv.h"
+
+/* ---- srv_text ---------------------------------------------------------------------------------- */
+
+typedef struct {
+    char r[4096], c[4096];
+    size_t nr, nc;
+    int stopped;
+} collected;
+
+static void take(collected *o, const srv_delta *d) {
+    memcpy(o->r + o->nr, d->reasoning, d->n_reasoning);
+    o->nr += d->n_reasoning;
+    memcpy(o->c + o->nc, d->content, d->n_content);
+    o->nc += d->n_content;
+    o->r[o->nr] = o->c[o->nc] = 0;
+}
+
+static void feed_all(srv_text *t, const char *s, const size_t *cuts, int ncut, collected *o) {
+    memset(o, 0, sizeof *o);
+    size_t at = 0;
+    srv_delta d;
+    for (int i = 0; i <= ncut && !o->stopped; i++) {
+        const size_t end = i < ncut ? cuts[i] : strlen(s);
+        const int st = srv_text_feed(t, s + at, end - at, &d);
+        assert_true(st >= 0);
+        take(o, &d);
+        o->stopped = st == 1;
+        at = end;
+    }
+    assert_int_equal(srv_text_finish(t, &d), 0);
+    take(o, &d);
+}
+
+static void test_stop_across_chunks(void **state) {
+    (void)state;
+    char *stop[] = {"o w", "END"};
+    srv_text t;
+    srv_text_init(&t, stop, 2, 0, 0);
+    srv_delta d;
+    assert_int_equal(srv_text_feed(&t, "Hel", 3, &d), 0);
+    assert_int_equal(d.n_content, 3);
+    assert_int_equal(srv_text_feed(&t, "lo", 2, &d), 0);
+    assert_int_equal(d.n_content, 1);            /* "o" held: it may start "o w" */
+    assert_memory_equal(d.content, "l", 1);
+    assert_int_equal(srv_text_feed(&t, " world", 6, &d), 1);
+    assert_int_equal(d.n_content, 0);
+    srv_text_free(&t);
+    /* a partial stop string that does not complete is released */
+    srv_text_init(&t, stop, 2, 0, 0);
+    assert_int_equal(srv_text_feed(&t, "abcE", 4, &d), 0);
+    assert_int_equal(d.n_content, 3);
+    assert_int_equal(srv_text_feed(&t, "Nx", 2, &d), 0);
+    assert_int_equal(d.n_content, 3);
+    assert_memory_equal(d.content, "ENx", 3);
+    srv_text_free(&t);
+}
+
+static void test_reasoning_split(void **state) {
+    (void)state;
+    collected o;
+    srv_text t;
+    const size_t cuts[] = {5, 11};
+    srv_text_init(&t, NULL, 0, 1, 1);
+    feed_all(&t, "I think</think>Answer", cuts, 2, &o);   /* "</th" | "ink>" across feeds */
+    assert_string_equal(o.r, "I think");
+    assert_string_equal(o.c, "Answer");
+    srv_text_free(&t);
+    srv_text_init(&t, NULL, 0, 1, 0);
+    const size_t cuts2[] = {3, 6};
+    feed_all(&t, "  <think>abc</think>def", cuts2, 2, &o);   /* the output opens <think> itself */
+    assert_string_equal(o.r, "abc");
+    assert_string_equal(o.c, "def");
+    srv_text_free(&t);
+    srv_text_init(&t, NULL, 0, 1, 0);
+    feed_all(&t, "Hello <think>x</think>", NULL, 0, &o);   /* not at the start: content */
+    assert_string_equal(o.c, "Hello <think>x</think>");
+    assert_int_equal(o.nr, 0);
+    srv_text_free(&t);
+    srv_text_init(&t, NULL, 0, 1, 1);
+    feed_all(&t, "abc</thi", NULL, 0, &o);                 /* cut off: the held bytes come out */
+    assert_string_equal(o.r, "abc</thi");
+    srv_text_free(&t);
+    srv_text_init(&t, NULL, 0, 0, 1);                       /* split off: all content */
+    feed_all(&t, "a</think>b", NULL, 0, &o);
+    assert_string_equal(o.c, "a</think>b");
+    srv_text_free(&t);
+}
+
+static void test_utf8_never_split(void **state) {
+    (void)state;
+    char *stop[] = {"\xC3\xA9!"};                           /* "é!" */
+    srv_text t;
+    srv_text_init(&t, stop, 1, 0, 0);
+    srv_delta d;
+    assert_int_equal(srv_text_feed(&t, "a\xC3\xA9", 3, &d), 0);
+    assert_int_equal(d.n_content, 1);                       /* "é" held whole */
+    assert_int_equal(srv_text_feed(&t, "?", 1, &d), 0);
+    assert_int_equal(d.n_content, 3);
+    assert_memory_equal(d.content, "\xC3\xA9?", 3);
+    srv_text_free(&t);
+}
+
+/* The reference: cut at the earliest stop string, then split at the first </think>. */
+static void reference(const char *s, char *const *stop, int ns, int rstart, collected *o) {
+    memset(o, 0, sizeof *o);
+    size_t n = strlen(s);
+    for (int i = 0; i < ns; i++) {
+        const char *m = strstr(s, stop[i]);
+        if (m && (size_t)(m - s) < n) n = (size_t)(m - s);
+    }
+    char buf[4096];
+    memcpy(buf, s, n);
+    buf[n] = 0;
+    const char *close = rstart ? strstr(buf, "</think>") : NULL;
+    if (rstart && !close) {
+        memcpy(o->r, buf, n + 1);
+        o->nr = n;
+    } else if (rstart) {
+        o->nr = (size_t)(close - buf);
+        memcpy(o->r, buf, o->nr);
+        strcpy(o->c, close + 8);
+        o->nc = strlen(o->c);
+    } else {
+        memcpy(o->c, buf, n + 1);
+        o->nc = n;
+    }
+}
+
+static void test_random_splits(void **state) {
+    (void)state;
+    const char *texts[] = {"alpha beta </think> gamma STOP delta", "x</think>y</think>z", "no tags here, ST",
+                           "</think>STOPSTOP", "ab\xE2\x82\xAC" "cd</thi" "nk>e\xF0\x9F\x98\x80STOP"};
+    char *stop[] = {"STOP", "\xE2\x82\xAC" "c"};
+    uint64_t rng = 12345;
+    for (int ti = 0; ti < 5; ti++)
+        for (int ns = 0; ns <= 2; ns++)
+            for (int rs = 0; rs <= 1; rs++)
+                for (int trial = 0; trial < 200; trial++) {
+                    const char *s = texts[ti];
+                    size_t cuts[64];
+                    int nc = 0;
+                    for (size_t at = 0;;) {
+                        rng = rng * 6364136223846793005ull + 1442695040888963407ull;
+                        at += 1 + (rng >> 33) % 5;
+                        if (at >= strlen(s)) break;
+                        cuts[nc++] = at;
+                    }
+                    srv_text t;
+                    srv_text_init(&t, stop, ns, 1, rs);
+                    collected got, want;
+                    feed_all(&t, s, cuts, nc, &got);
+                    reference(s, stop, ns, rs, &want);
+                    srv_text_free(&t);
+                    if (strcmp(got.r, want.r) || strcmp(got.c, want.c))
+                        fail_msg("text %d stops %d rstart %d trial %d: got [%s|%s] want [%s|%s]", ti, ns, rs, trial,
+                                 got.r, got.c, want.r, want.c);
+                }
+}
+
+/* ---- srv_parse_request ------------------------------------------------------------------------- */
+
+static fp4moe_tokenizer *g_tok;
+static fp4moe_template *g_tmpl;
+static srv_parse_ctx g_ctx;
+
+static int setup(void **state) {
+    (void)state;
+    if (fp4moe_tokenizer_load("models/nemotron-h-tiny-moe", &g_tok)) return -1;
+    FILE *f = fopen("tests/golden/templates/nemotron-3-nano-30b-a3b.jinja", "rb");
+    if (!f) return -1;
+    static char src[1 << 16];
+    const size_t n = fread(src, 1, sizeof src, f);
+    fclose(f);
+    if (fp4moe_template_compile(src, n, &g_tmpl)) return -1;
+    g_ctx = (srv_parse_ctx){.model_name = "tiny", .tok = g_tok, .tmpl = g_tmpl, .bos_token = "<s>",
+                            .eos_token = "</s>", .vocab = 8192, .context = 512, .reasoning = 1};
+    fp4moe_sampler_params_default(&g_ctx.defaults);
+    g_ctx.defaults.temperature = 0.7f;
+    g_ctx.defaults.stop_ids[g_ctx.defaults.n_stop++] = 2;
+    return 0;
+}
+
+static int teardown(void **state) {
+    (void)state;
+    fp4moe_template_free(g_tmpl);
+    fp4moe_tokenizer_free(g_tok);
+    return 0;
+}
+
+static int parse(srv_kind k, const char *body, srv_request *r, srv_error *e) {
+    return srv_parse_request(&g_ctx, k, body, strlen(body), r, e);
+}
+
+static void test_request_errors(void **state) {
+    (void)state;
+    static const struct {
+        srv_kind k;
+        const char *body;
+        int http;
+        const char *param;
+    } cases[] = {
+        {SRV_COMPLETION, "", 400, ""},
+        {SRV_COMPLETION, "{\"prompt\": \"x\"", 400, ""},
+        {SRV_COMPLETION, "{\"prompt\": \"x\"} {}", 400, ""},
+        {SRV_COMPLETION, "\"x\"", 400, ""},
+        {SRV_COMPLETION, "{}", 400, "prompt"},
+        {SRV_COMPLETION, "{\"prompt\": null}", 400, "prompt"},
+        {SRV_COMPLETION, "{\"prompt\": {\"a\": 1}}", 400, "prompt"},
+        {SRV_COMPLETION, "{\"prompt\": [\"a\", \"b\"]}", 400, "prompt"},
+        {SRV_COMPLETION, "{\"prompt\": [1, 8192]}", 400, "prompt"},
+        {SRV_COMPLETION, "{\"prompt\": [1, -1]}", 400, "prompt"},
+        {SRV_COMPLETION, "{\"prompt\": [1.5]}", 400, "prompt"},
+        {SRV_COMPLETION, "{\"prompt\": []}", 400, "prompt"},
+        {SRV_COMPLETION, "{\"prompt\": \"\"}", 400, "prompt"},
+        {SRV_COMPLETION, "{\"prompt\": \"x\", \"model\": 3}", 400, "model"},
+        {SRV_COMPLETION, "{\"prompt\": \"x\", \"model\": \"other\"}", 404, "model"},
+        {SRV_COMPLETION, "{\"prompt\": \"x\", \"temperature\": -0.1}", 400, "temperature"},
+        {SRV_COMPLETION, "{\"prompt\": \"x\", \"temperature\": \"1\"}", 400, "temperature"},
+        {SRV_COMPLETION, "{\"prompt\": \"x\", \"top_p\": 0}", 400, "top_p"},
+        {SRV_COMPLETION, "{\"prompt\": \"x\", \"top_p\": 1.5}", 400, "top_p"},
+        {SRV_COMPLETION, "{\"prompt\": \"x\", \"top_k\": 2.5}", 400, "top_k"},
+        {SRV_COMPLETION, "{\"prompt\": \"x\", \"min_p\": 2}", 400, "min_p"},
+        {SRV_COMPLETION, "{\"prompt\": \"x\", \"seed\": 1e30}", 400, "seed"},
+        {SRV_COMPLETION, "{\"prompt\": \"x\", \"max_tokens\": 0}", 400, "max_tokens"},
+        {SRV_COMPLETION, "{\"prompt\": \"x\", \"max_tokens\": 512}", 400, "max_tokens"},
+        {SRV_COMPLETION, "{\"prompt\": \"x\", \"max_completion_tokens\": \"5\"}", 400, "max_completion_tokens"},
+        {SRV_COMPLETION, "{\"prompt\": \"x\", \"stream\": 1}", 400, "stream"},
+        {SRV_COMPLETION, "{\"prompt\": \"x\", \"stream_options\": 1}", 400, "stream_options"},
+        {SRV_COMPLETION, "{\"prompt\": \"x\", \"stop\": 5}", 400, "stop"},
+        {SRV_COMPLETION, "{\"prompt\": \"x\", \"stop\": [\"\"]}", 400, "stop"},
+        {SRV_COMPLETION, "{\"prompt\": \"x\", \"stop\": [\"a\",\"a\",\"a\",\"a\",\"a\",\"a\",\"a\",\"a\",\"a\",\"a\","
+                         "\"a\",\"a\",\"a\",\"a\",\"a\",\"a\",\"a\"]}", 400, "stop"},
+        {SRV_COMPLETION, "{\"prompt\": \"x\", \"stop_token_ids\": [\"a\"]}", 400, "stop_token_ids"},
+        {SRV_COMPLETION, "{\"prompt\": \"x\", \"n\": 2}", 400, "n"},
+        {SRV_COMPLETION, "{\"prompt\": \"x\", \"best_of\": 2}", 400, "best_of"},
+        {SRV_COMPLETION, "{\"prompt\": \"x\", \"logprobs\": 1}", 400, "logprobs"},
+        {SRV_COMPLETION, "{\"prompt\": \"x\", \"echo\": true}", 400, "echo"},
+        {SRV_COMPLETION, "{\"prompt\": \"x\", \"suffix\": \"y\"}", 400, "suffix"},
+        {SRV_COMPLETION, "{\"prompt\": \"x\", \"presence_penalty\": 0.5}", 400, "presence_penalty"},
+        {SRV_COMPLETION, "{\"prompt\": \"x\", \"frequency_penalty\": 1}", 400, "frequency_penalty"},
+        {SRV_COMPLETION, "{\"prompt\": \"x\", \"repetition_penalty\": 1.1}", 400, "repetition_penalty"},
+        {SRV_COMPLETION, "{\"prompt\": \"x\", \"response_format\": {\"type\": \"json_object\"}}", 400, "response_format"},
+        {SRV_COMPLETION, "{\"prompt\": \"\\ud800\"}", 400, ""},          /* cJSON: a lone surrogate */
+        {SRV_COMPLETION, "{\"prompt\": \"a\xff\"}", 400, "prompt"},        /* invalid UTF-8: the tokenizer */
+        {SRV_CHAT, "{}", 400, "messages"},
+        {SRV_CHAT, "{\"messages\": []}", 400, "messages"},
+        {SRV_CHAT, "{\"messages\": {}}", 400, "messages"},
+        {SRV_CHAT, "{\"messages\": [5]}", 400, "messages"},
+        {SRV_CHAT, "{\"messages\": [{\"content\": \"x\"}]}", 400, "messages"},
+        {SRV_CHAT, "{\"messages\": [{\"role\": \"\", \"content\": \"x\"}]}", 400, "messages"},
+        {SRV_CHAT, "{\"messages\": [{\"role\": \"user\", \"content\": 5}]}", 400, "messages"},
+        {SRV_CHAT, "{\"messages\": [{\"role\": \"user\", \"content\": [{\"type\": \"image_url\"}]}]}", 400, "messages"},
+        {SRV_CHAT, "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"tools\": {}}", 400, "tools"},
+        {SRV_CHAT, "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"tool_choice\": \"required\"}", 400,
+         "tool_choice"},
+        {SRV_CHAT, "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"chat_template_kwargs\": 1}", 400,
+         "chat_template_kwargs"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        srv_request r;
+        srv_error e;
+        const int rc = parse(cases[i].k, cases[i].body, &r, &e);
+        if (rc != -1 || e.http != cases[i].http || strcmp(e.param, cases[i].param) || !e.message[0])
+            fail_msg("case %zu %s: rc %d http %d param '%s' message '%s'", i, cases[i].body, rc, e.http, e.param,
+                     e.message);
+        char *j = srv_error_json(&e);
+        assert_non_null(strstr(j, "\"error\":{\"message\":"));
+        free(j);
+    }
+    /* a long prompt: the message gives both numbers */
+    char body[8192];
+    strcpy(body, "{\"prompt\": \"");
+    for (int i = 0; i < 600; i++) strcat(body, "a b ");
+    strcat(body, "\"}");
+    srv_request r;
+    srv_error e;
+    assert_int_equal(parse(SRV_COMPLETION, body, &r, &e), -1);
+    assert_non_null(strstr(e.message, "maximum context length is 512"));
+    /* the template refuses (raise_exception): its message in a 400 */
+    fp4moe_template *t = NULL;
+    const char *src = "{% if messages[0].role != 'user' %}{{ raise_exception('roles must start with user') }}{% endif %}x";
+    assert_int_equal(fp4moe_template_compile(src, strlen(src), &t), 0);
+    g_ctx.tmpl = t;
+    assert_int_equal(parse(SRV_CHAT, "{\"messages\": [{\"role\": \"wizard\", \"content\": \"x\"}]}", &r, &e), -1);
+    assert_int_equal(e.http, 400);
+    assert_non_null(strstr(e.message, "roles must start with user"));
+    fp4moe_template_free(t);
+    /* no template: a clear chat error */
+    g_ctx.tmpl = NULL;
+    assert_int_equal(parse(SRV_CHAT, "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}]}", &r, &e), -1);
+    assert_non_null(strstr(e.message, "no chat template"));
+    g_ctx.tmpl = g_tmpl;
+}
+
+static void test_request_fields(void **state) {
+    (void)state;
+    srv_request r;
+    srv_error e;
+    assert_int_equal(parse(SRV_COMPLETION, "{\"prompt\": \"Once upon a time\"}", &r, &e), 0);
+    assert_true(r.n_ids > 0);
+    assert_int_equal(r.max_tokens, 512 - r.n_ids);             /* default: the rest of the context */
+    assert_float_equal(r.sp.temperature, 0.7f, 0);             /* the server's default */
+    assert_int_equal(r.sp.n_stop, 1);
+    assert_int_equal(r.stream, 0);
+    assert_int_equal(r.history, 0);
+    srv_request_free(&r);
+    assert_int_equal(parse(SRV_COMPLETION, "{\"prompt\": [[5, 6, 7]], \"max_tokens\": 3, \"temperature\": 0, "
+                           "\"top_k\": -1, \"seed\": 0, \"stop\": \"xy\", \"stream\": true, \"stream_options\": "
+                           "{\"include_usage\": true}, \"ignore_eos\": true, \"stop_token_ids\": [9], "
+                           "\"n\": 1, \"logprobs\": null, \"user\": \"u\"}", &r, &e), 0);
+    assert_int_equal(r.n_ids, 3);
+    assert_int_equal(r.ids[2], 7);
+    assert_int_equal(r.max_tokens, 3);
+    assert_int_equal(r.sp.top_k, 0);
+    assert_true(r.has_seed && r.sp.seed != 0);
+    assert_int_equal(r.n_stop, 1);
+    assert_string_equal(r.stop[0], "xy");
+    assert_true(r.stream && r.include_usage && r.ignore_eos);
+    assert_int_equal(r.sp.n_stop, 1);                          /* ignore_eos drops EOS; 9 is added */
+    assert_int_equal(r.sp.stop_ids[0], 9);
+    srv_request_free(&r);
+    /* chat: thinking by default (the prompt opens <think>), history = the conversation before the
+       generation prompt, a prefix of the prompt */
+    const char *chat = "{\"messages\": [{\"role\": \"system\", \"content\": \"Be brief.\"}, {\"role\": \"user\", "
+                       "\"content\": [{\"type\": \"text\", \"text\": \"Hi \"}, {\"type\": \"text\", \"text\": "
+                       "\"there\"}]}, {\"role\": \"assistant\", \"content\": null, \"tool_calls\": [{\"type\": "
+                       "\"function\", \"function\": {\"name\": \"f\", \"arguments\": \"{\\\"a\\\": 1}\"}}]}, "
+                       "{\"role\": \"tool\", \"content\": \"42\"}]%s}";
+    char body[2048];
+    snprintf(body, sizeof body, chat, "");
+    assert_int_equal(parse(SRV_CHAT, body, &r, &e), 0);
+    assert_true(r.reasoning && r.reasoning_start);
+    assert_true(r.history > 0 && r.history < r.n_ids);
+    char *text = NULL;
+    int64_t n = 0;
+    assert_int_equal(fp4moe_tokenizer_decode(g_tok, r.ids, r.n_ids, 0, &text, &n), 0);
+    assert_non_null(strstr(text, "Hi there"));                 /* text parts joined */
+    assert_non_null(strstr(text, "<parameter=a>"));            /* arguments parsed into an object */
+    assert_true(n > 8 && !strcmp(text + n - 8, "<think>\n"));
+    free(text);
+    srv_request_free(&r);
+    snprintf(body, sizeof body, chat, ", \"chat_template_kwargs\": {\"enable_thinking\": false}");
+    assert_int_equal(parse(SRV_CHAT, body, &r, &e), 0);
+    assert_int_equal(r.reasoning_start, 0);
+    srv_request_free(&r);
+}
+
+int main(void) {
+    const struct CMUnitTest text_tests[] = {
+        cmocka_unit_test(test_stop_across_chunks),
+        cmocka_unit_test(test_reasoning_split),
+        cmocka_unit_test(test_utf8_never_split),
+        cmocka_unit_test(test_random_splits),
+    };
+    const struct CMUnitTest request_tests[] = {
+        cmocka_unit_test(test_request_errors),
+        cmocka_unit_test(test_request_fields),
+    };
+    const int a = cmocka_run_group_tests_name("srv_text", text_tests, NULL, NULL);
+    return a | cmocka_run_group_tests_name("srv_request", request_tests, setup, teardown);
+}
