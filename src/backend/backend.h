@@ -107,6 +107,7 @@ typedef struct be_ops {
     /* ---- memory (sizes in bytes) ---- */
     int (*alloc)(void *bc, size_t bytes, void **p);           /* zeroed */
     void (*free)(void *bc, void *p);
+    void (*free_detached)(void *p); /* frees alloc'd memory without bc (memory that outlives it) */
     int (*upload)(void *bc, void *dst, const void *src, size_t bytes);   /* host -> backend, in order */
     int (*download)(void *bc, void *dst, const void *src, size_t bytes); /* backend -> host, in order */
     int (*copy)(void *bc, void *dst, const void *src, size_t bytes);     /* backend -> backend */

@@ -23,8 +23,8 @@
 typedef struct {
     const char *model, *synthetic, *tokenizer, *chat_template, *host, *api_key, *name, *device, *dtype, *reasoning;
     int64_t port, ctx, max_seqs, max_step_tokens, max_queue, max_body, prefix_cache_mb, prefix_min_tokens,
-        http_threads, seed;
-    int no_quantize;
+        http_threads, seed, kv_tokens;
+    int no_quantize, quiet, no_warmup;
 } serve_args;
 
 static volatile int g_stop;
@@ -108,13 +108,18 @@ static int serve(const serve_args *a) {
         .max_step_tokens = a->max_step_tokens > 0 ? a->max_step_tokens : (dev == FP4MOE_DEVICE_CUDA ? 2048 : 256),
         .max_queue = a->max_queue,
         .context = ctx,
-        .prefix_cache_bytes = a->prefix_cache_mb << 20,
+        .prefix_cache_bytes = (a->prefix_cache_mb >= 0 ? a->prefix_cache_mb : dev == FP4MOE_DEVICE_CUDA ? 8192 : 1024) << 20,
         .prefix_min_tokens = a->prefix_min_tokens,
+        .kv_tokens = a->kv_tokens,
+        .warmup = dev == FP4MOE_DEVICE_CUDA && a->kv_tokens > 0 && !a->no_warmup,
+        .log = !a->quiet,
         .device = dev,
         .act_dtype = dt,
     };
     if (eo.max_step_tokens < eo.max_seqs) eo.max_step_tokens = eo.max_seqs;
     srv_engine *e = NULL;
+    const double tw = cli_now();
+    if (eo.warmup) fprintf(stderr, "%s: warming up CUDA graphs for 1..%lld decode rows ...\n", CMD, (long long)eo.max_seqs);
     if ((st = srv_engine_new(m, tok, pc.model_name, &eo, &e))) {
         cJSON_Delete(special);
         fp4moe_model_free(m);
@@ -122,6 +127,7 @@ static int serve(const serve_args *a) {
         fp4moe_tokenizer_free(tok);
         return cli_fail(CMD, st);
     }
+    if (eo.warmup) fprintf(stderr, "%s: warm-up done in %.1f s\n", CMD, cli_now() - tw);
     struct sigaction sa;
     memset(&sa, 0, sizeof sa);
     sa.sa_handler = on_signal;
@@ -130,7 +136,7 @@ static int serve(const serve_args *a) {
     signal(SIGPIPE, SIG_IGN);
     fprintf(stderr, "%s: model '%s' on %s, context %lld, %lld sequences x %lld tokens per step, prefix cache %lld MiB%s\n",
             CMD, pc.model_name, fp4moe_device_name(dev), (long long)ctx, (long long)eo.max_seqs,
-            (long long)eo.max_step_tokens, (long long)a->prefix_cache_mb, a->api_key ? ", API key required" : "");
+            (long long)eo.max_step_tokens, (long long)(eo.prefix_cache_bytes >> 20), a->api_key ? ", API key required" : "");
     srv_http_options ho = {.host = a->host, .port = (int)a->port, .api_key = a->api_key, .max_body = a->max_body,
                            .http_threads = (int)a->http_threads, .stop = &g_stop};
     st = srv_http_run(&ho, e, &pc);
@@ -147,7 +153,7 @@ static int serve(const serve_args *a) {
 
 int cmd_serve(int argc, char **argv) {
     serve_args a = {.host = "127.0.0.1", .port = 8080, .device = "auto", .max_queue = 256, .max_body = 8 << 20,
-                    .prefix_cache_mb = 1024, .prefix_min_tokens = 32, .http_threads = 4};
+                    .prefix_cache_mb = -1, .prefix_min_tokens = 32, .http_threads = 4};
     const cli_opt opts[] = {
         {"--model", "-m", CLI_STRING, &a.model, "DIR", "model directory (config.json, *.safetensors, tokenizer.json)"},
         {"--synthetic", NULL, CLI_STRING, &a.synthetic, "CONFIG", "random weights of a config's shape (with --tokenizer)"},
@@ -162,7 +168,11 @@ int cmd_serve(int argc, char **argv) {
         {"--max-step-tokens", NULL, CLI_INT, &a.max_step_tokens, "N", "tokens per batch step (default 256 cpu, 2048 cuda)"},
         {"--max-queue", NULL, CLI_INT, &a.max_queue, "N", "requests waiting beyond --max-seqs before 429 (default 256)"},
         {"--max-body", NULL, CLI_INT, &a.max_body, "BYTES", "largest request body (default 8388608)"},
-        {"--prefix-cache-mb", NULL, CLI_INT, &a.prefix_cache_mb, "MB", "memory for kept conversation states; 0 = off (default 1024)"},
+        {"--prefix-cache-mb", NULL, CLI_INT, &a.prefix_cache_mb, "MB", "memory for kept conversation states (GPU memory on cuda); 0 = off (default 1024 cpu, 8192 cuda)"},
+        {"--kv-cache-tokens", NULL, CLI_INT, &a.kv_tokens, "N", "KV cache pool over all requests, fixed (CUDA: graphs "
+         "warmed up at start); 0 = grown on demand (default)"},
+        {"--no-warmup", NULL, CLI_FLAG, &a.no_warmup, NULL, "skip the CUDA graph warm-up"},
+        {"--quiet", "-q", CLI_FLAG, &a.quiet, NULL, "no line per finished request on stderr"},
         {"--prefix-min-tokens", NULL, CLI_INT, &a.prefix_min_tokens, "N", "shortest prefix worth keeping (default 32)"},
         {"--reasoning", NULL, CLI_STRING, &a.reasoning, "on|off", "return <think> text as reasoning_content (default on)"},
         {"--http-threads", NULL, CLI_INT, &a.http_threads, "N", "HTTP worker threads (default 4)"},
@@ -182,7 +192,7 @@ int cmd_serve(int argc, char **argv) {
     if (!a.model == !a.synthetic) return cli_usage_error(CMD, "give one of -m DIR or --synthetic CONFIG");
     if (a.synthetic && !a.tokenizer) return cli_usage_error(CMD, "--synthetic needs --tokenizer DIR");
     if (a.port < 0 || a.port > 65535) return cli_usage_error(CMD, "--port must be in [0, 65535]");
-    if (a.ctx < 0 || a.max_seqs < 0 || a.max_step_tokens < 0 || a.max_queue < 0 || a.prefix_cache_mb < 0 ||
+    if (a.ctx < 0 || a.kv_tokens < 0 || a.max_seqs < 0 || a.max_step_tokens < 0 || a.max_queue < 0 || a.prefix_cache_mb < -1 ||
         a.prefix_min_tokens < 1 || a.http_threads < 1 || a.http_threads > 64 || a.max_body < 1024)
         return cli_usage_error(CMD, "--ctx, --max-seqs, --max-step-tokens, --max-queue and --prefix-cache-mb must be "
                                ">= 0, --prefix-min-tokens >= 1, --http-threads in [1, 64], --max-body >= 1024");

@@ -557,14 +557,16 @@ struct fp4moe_snapshot {
     size_t act_size;
     int64_t pos;
     size_t bytes;
-    unsigned char *data;            /* per Mamba layer conv + ssm floats; per attention layer K rows, V rows */
+    unsigned char *data;            /* backend memory (GPU memory for CUDA batches): per Mamba layer
+                                       conv + ssm floats; per attention layer K rows, V rows */
+    void (*free_data)(void *p);
 };
 
 int64_t fp4moe_snapshot_pos(const fp4moe_snapshot *s) { return s ? s->pos : -1; }
 size_t fp4moe_snapshot_bytes(const fp4moe_snapshot *s) { return s ? s->bytes : 0; }
 void fp4moe_snapshot_free(fp4moe_snapshot *s) {
     if (!s) return;
-    free(s->data);
+    if (s->data) s->free_data(s->data);
     free(s);
 }
 
@@ -573,10 +575,11 @@ static size_t snapshot_size(const fp4moe_batch *b, int64_t pos) {
            (size_t)(2 * b->n_attn * pos * b->kvs) * b->be->act_size;
 }
 
-/* Copies the state of slot `slot` (positions [0, pos)) to or from host memory `data`. */
+/* Copies the state of slot `slot` (positions [0, pos)) to (out != 0) or from backend memory `data`:
+ * device-to-device copies on CUDA, in stream order. */
 static int transfer(fp4moe_batch *b, int32_t slot, int64_t pos, unsigned char *data, int to_host) {
     const fp4moe_config *c = &b->m->cfg;
-    int (*xfer)(void *, void *, const void *, size_t) = to_host ? b->be->download : b->be->upload;
+    int (*xfer)(void *, void *, const void *, size_t) = b->be->copy;
     const size_t row = (size_t)b->kvs * b->be->act_size;
     size_t off = 0;
     for (int64_t l = 0; l < c->n_layers; l++) {
@@ -612,11 +615,14 @@ int fp4moe_batch_snapshot(fp4moe_batch *b, int64_t seq, fp4moe_snapshot **out) {
     if (!s) return fp4moe_set_error(FP4MOE_EINVAL, "snapshot: no sequence %lld", (long long)seq);
     fp4moe_snapshot *sn = calloc(1, sizeof *sn);
     const size_t bytes = snapshot_size(b, s->pos);
-    if (sn) sn->data = malloc(bytes ? bytes : 1);
-    if (!sn || !sn->data) {
-        fp4moe_snapshot_free(sn);
-        return fp4moe_set_error(FP4MOE_ENOMEM, "snapshot: cannot allocate %zu bytes", bytes);
+    if (!sn) return fp4moe_set_error(FP4MOE_ENOMEM, "snapshot: out of memory");
+    sn->free_data = b->be->free_detached;
+    void *data = NULL;
+    if (b->be->alloc(b->bc, bytes ? bytes : 1, &data)) {
+        free(sn);
+        return fp4moe_error_context(FP4MOE_ENOMEM, "snapshot of %zu bytes", bytes);
     }
+    sn->data = data;
     sn->m = b->m;
     sn->act_size = b->be->act_size;
     sn->pos = s->pos;

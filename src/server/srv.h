@@ -129,6 +129,9 @@ typedef struct {
     int64_t max_seqs, max_step_tokens, max_queue, context;
     int64_t prefix_cache_bytes;        /* 0: no prefix cache */
     int64_t prefix_min_tokens;         /* shortest prefix worth a snapshot */
+    int64_t kv_tokens;                 /* KV pool tokens over all sequences; 0: grown on demand */
+    int warmup;                        /* CUDA: run decode steps of 1..max_seqs rows first (graphs) */
+    int log;                           /* one line per finished request on stderr */
     fp4moe_device device;
     fp4moe_dtype act_dtype;
 } srv_engine_options;

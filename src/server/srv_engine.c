@@ -37,7 +37,9 @@ struct srv_job {
     int32_t *gen;
     int64_t n_gen, cap_gen;
     float *logits;
-    double t_submit, t_first, t_last;
+    double t_submit, t_admit, t_first, t_last;
+    double ms_restore, ms_snapshot;           /* prefix cache copies of this job */
+    int n_steps_prefill;
     char *acc[2];                             /* non-stream: reasoning, content */
     size_t n_acc[2], cap_acc[2];
     int role_sent;
@@ -115,7 +117,7 @@ struct srv_engine {
     uint64_t http_count[16];
     int n_codes;
     uint64_t prompt_tokens, gen_tokens, cached_tokens, steps, finish[4];
-    histo rows, ttft, itl;
+    histo rows, ttft, itl, step_s;
 };
 
 static double now_s(void) {
@@ -323,6 +325,20 @@ static void release_seq(srv_engine *e, srv_job *j) {
     j->seq = -1;
 }
 
+static const char *const k_finish_name[] = {"stop", "length"};
+
+/* One line per finished request on stderr (option log), as llama-server prints its timings. */
+static void log_job(const srv_engine *e, const srv_job *j, int http, const char *finish) {
+    if (!e->o.log) return;
+    const double now = now_s(), ttft = j->n_gen ? j->t_first - j->t_submit : now - j->t_submit;
+    const double dec = j->n_gen > 1 ? (double)(j->n_gen - 1) / (j->t_last - j->t_first) : 0.0;
+    fprintf(stderr, "serve: %s %d prompt %lld (cached %lld) output %lld (%s) queue %.1f ms ttft %.1f ms "
+            "decode %.1f tok/s total %.1f ms (prefill steps %d, restore %.1f ms, snapshot %.1f ms)\n", j->id, http,
+            (long long)j->r.n_ids, (long long)j->cached, (long long)j->n_gen, finish,
+            1e3 * ((j->t_admit > 0 ? j->t_admit : now) - j->t_submit), 1e3 * ttft, dec, 1e3 * (now - j->t_submit),
+            j->n_steps_prefill, j->ms_restore, j->ms_snapshot);
+}
+
 /* Ends a job that failed: its HTTP status, an OpenAI error body (or an SSE error event). */
 static void finish_error(srv_engine *e, srv_job *j, int http, const char *msg) {
     release_seq(e, j);
@@ -349,12 +365,11 @@ static void finish_error(srv_engine *e, srv_job *j, int http, const char *msg) {
     j->done = 1;
     j->phase = PH_DONE;
     e->finish[3]++;
+    log_job(e, j, http, msg);
     e->n_running--;
     notify(j);
     pthread_mutex_unlock(&e->lock);
 }
-
-static const char *const k_finish_name[] = {"stop", "length"};
 
 static void finish_ok(srv_engine *e, srv_job *j, int reason /* 0 stop, 1 length */) {
     srv_delta d;
@@ -369,7 +384,7 @@ static void finish_ok(srv_engine *e, srv_job *j, int reason /* 0 stop, 1 length 
     }
     srv_text_finish(&j->text, &d);
     /* a snapshot of the whole conversation so far: the next turn may extend it */
-    if (j->seq >= 0) {
+    if (j->seq >= 0 && j->r.kind == SRV_CHAT) {   /* chats continue; completions are not kept (the copy costs) */
         const int64_t pos = fp4moe_batch_pos(e->b, j->seq);
         if (pos > j->r.n_ids) cache_put(e, j->seq, j->r.ids, j->r.n_ids, j->gen, pos);
     }
@@ -391,6 +406,7 @@ static void finish_ok(srv_engine *e, srv_job *j, int reason /* 0 stop, 1 length 
     j->done = 1;
     j->phase = PH_DONE;
     e->finish[reason]++;
+    log_job(e, j, 200, k_finish_name[reason]);
     e->n_running--;
     notify(j);
     pthread_mutex_unlock(&e->lock);
@@ -423,7 +439,9 @@ static int admit(srv_engine *e, srv_job *j) {
     const int64_t hit = cache_find(e, j->r.ids, j->r.n_ids);
     int st;
     if (hit >= 0) {
+        const double t = now_s();
         st = fp4moe_batch_add_from_snapshot(e->b, e->cache[hit].s, &j->seq);
+        j->ms_restore = 1e3 * (now_s() - t);
         if (!st) {
             j->fed = j->cached = e->cache[hit].n;
             e->cache[hit].used = ++e->tick;
@@ -439,6 +457,7 @@ static int admit(srv_engine *e, srv_job *j) {
         return -1;
     }
     j->phase = PH_PREFILL;
+    j->t_admit = now_s();
     pthread_mutex_lock(&e->lock);
     e->prompt_tokens += (uint64_t)j->r.n_ids;
     e->cached_tokens += (uint64_t)j->cached;
@@ -615,10 +634,13 @@ static void step_once(srv_engine *e) {
         pthread_mutex_unlock(&e->lock);
         return;
     }
+    const double t0 = now_s();
     const int st = fp4moe_batch_step(e->b, e->items, n_items);
+    const double dt = now_s() - t0;
     pthread_mutex_lock(&e->lock);
     e->steps++;
     histo_add(&e->rows, (double)rows);
+    histo_add(&e->step_s, dt);
     pthread_mutex_unlock(&e->lock);
     char msg[320];
     if (st) snprintf(msg, sizeof msg, "the forward failed: %s", fp4moe_last_error());
@@ -631,8 +653,12 @@ static void step_once(srv_engine *e) {
             continue;
         }
         j->fed += it->n;
-        if (j->phase == PH_PREFILL && j->fed == j->r.history && j->r.history > j->cached)
+        if (j->phase == PH_PREFILL) j->n_steps_prefill++;
+        if (j->phase == PH_PREFILL && j->fed == j->r.history && j->r.history > j->cached) {
+            const double t = now_s();
             cache_put(e, j->seq, j->r.ids, j->r.history, NULL, j->r.history);
+            j->ms_snapshot += 1e3 * (now_s() - t);
+        }
         if (!it->out_token && !it->out_logits) continue;
         const int32_t id = j->logits ? fp4moe_sample(&j->smp, j->logits) : j->next_tok;
         take_token(e, j, id);
@@ -670,6 +696,38 @@ static void *engine_main(void *arg) {
     return NULL;
 }
 
+/* Decode steps of every row count 1..max_seqs, twice each: the CUDA backend captures a graph per
+ * row count on its second sight, so serving never waits for a capture (with a fixed KV pool, which
+ * is never regrown: a regrow drops the graphs). */
+static int warmup(srv_engine *e) {
+    const int64_t n = e->o.max_seqs;
+    int64_t *seq = malloc((size_t)n * sizeof *seq);
+    int32_t *tok = malloc((size_t)n * sizeof *tok);
+    int st = seq && tok ? FP4MOE_OK : fp4moe_set_error(FP4MOE_ENOMEM, "serve: out of memory");
+    int64_t added = 0;
+    for (; !st && added < n; added++) st = fp4moe_batch_add(e->b, &seq[added]);
+    if (st) added--;
+    for (int64_t i = 0; !st && i < n; i++) tok[i] = 1;
+    for (int64_t r = 1; !st && r <= n; r++)
+        for (int rep = 0; !st && rep < 2; rep++) {
+            for (int64_t i = 0; i < r; i++) {
+                memset(&e->items[i], 0, sizeof e->items[i]);
+                e->items[i].seq = seq[i];
+                e->items[i].tokens = &tok[i];
+                e->items[i].n = 1;
+                e->items[i].out_token = &tok[i];
+            }
+            st = fp4moe_batch_step(e->b, e->items, r);
+            for (int64_t i = 0; !st && i < r; i++)
+                if (e->items[i].status) st = fp4moe_set_error(e->items[i].status, "warm-up: %s", e->items[i].error);
+            for (int64_t i = 0; i < r; i++) tok[i] = 1;
+        }
+    for (int64_t i = 0; i < added; i++) fp4moe_batch_remove(e->b, seq[i]);
+    free(seq);
+    free(tok);
+    return st;
+}
+
 /* ---- public (server) side ---------------------------------------------------------------------------- */
 
 int srv_engine_new(const fp4moe_model *m, const fp4moe_tokenizer *tok, const char *model_name,
@@ -688,6 +746,7 @@ int srv_engine_new(const fp4moe_model *m, const fp4moe_tokenizer *tok, const cha
     histo_init(&e->rows, k_row_b, N_ROW_BUCKETS);
     histo_init(&e->ttft, k_ttft_b, N_TIME_BUCKETS);
     histo_init(&e->itl, k_itl_b, N_TIME_BUCKETS);
+    histo_init(&e->step_s, k_itl_b, N_TIME_BUCKETS);
     const int64_t cap = o->max_seqs + o->max_queue + 1;
     e->act = calloc((size_t)cap, sizeof *e->act);
     e->items = calloc((size_t)o->max_seqs, sizeof *e->items);
@@ -697,11 +756,13 @@ int srv_engine_new(const fp4moe_model *m, const fp4moe_tokenizer *tok, const cha
     bo.max_seqs = o->max_seqs;
     bo.max_step_tokens = o->max_step_tokens;
     bo.max_context = o->context;
+    bo.max_kv_tokens = o->kv_tokens;
     bo.device = o->device;
     bo.act_dtype = o->act_dtype;
     int st = !e->model_name || !e->act || !e->items || !e->item_job
                  ? fp4moe_set_error(FP4MOE_ENOMEM, "serve: out of memory")
                  : fp4moe_batch_new(m, &bo, &e->b);
+    if (!st && o->warmup) st = warmup(e);
     if (!st) {
         pthread_mutex_init(&e->lock, NULL);
         pthread_cond_init(&e->cv, NULL);
@@ -919,6 +980,7 @@ char *srv_engine_metrics(srv_engine *e) {
         (unsigned long long)e->steps, (long long)e->n_queued, (long long)e->n_running, e->cache_bytes,
         (long long)e->n_cache);
     put_histo(&s, &n, &cap, "fp4moe_batch_rows", "Token rows per batch step.", &e->rows);
+    put_histo(&s, &n, &cap, "fp4moe_step_seconds", "Wall time of one batch step (forward + outputs).", &e->step_s);
     put_histo(&s, &n, &cap, "fp4moe_time_to_first_token_seconds", "Time from request to its first token.", &e->ttft);
     put_histo(&s, &n, &cap, "fp4moe_inter_token_latency_seconds", "Time between consecutive tokens of a request.", &e->itl);
     pthread_mutex_unlock(&e->lock);

@@ -359,6 +359,34 @@ static void test_request_fields(void **state) {
     srv_request_free(&r);
 }
 
+/* Every input kept by fuzz/run_request.sh: parses to a request or a 4xx, never a crash. */
+#include <dirent.h>
+static void test_regressions(void **state) {
+    (void)state;
+    DIR *d = opendir("tests/server/regressions");
+    assert_non_null(d);
+    int n = 0;
+    for (struct dirent *de; (de = readdir(d));) {
+        if (de->d_name[0] == '.') continue;
+        char path[512];
+        snprintf(path, sizeof path, "tests/server/regressions/%s", de->d_name);
+        FILE *f = fopen(path, "rb");
+        assert_non_null(f);
+        static char buf[1 << 16];
+        const size_t len = fread(buf, 1, sizeof buf, f);
+        fclose(f);
+        if (!len) continue;
+        srv_request r;
+        srv_error e;
+        const srv_kind k = (buf[0] & 1) ? SRV_COMPLETION : SRV_CHAT;
+        if (srv_parse_request(&g_ctx, k, buf + 1, len - 1, &r, &e) == 0) srv_request_free(&r);
+        else assert_true(e.http >= 400 && e.http < 600 && e.message[0]);
+        n++;
+    }
+    closedir(d);
+    assert_true(n >= 4);
+}
+
 int main(void) {
     const struct CMUnitTest text_tests[] = {
         cmocka_unit_test(test_stop_across_chunks),
@@ -369,6 +397,7 @@ int main(void) {
     const struct CMUnitTest request_tests[] = {
         cmocka_unit_test(test_request_errors),
         cmocka_unit_test(test_request_fields),
+        cmocka_unit_test(test_regressions),
     };
     const int a = cmocka_run_group_tests_name("srv_text", text_tests, NULL, NULL);
     return a | cmocka_run_group_tests_name("srv_request", request_tests, setup, teardown);

@@ -35,6 +35,7 @@ static int cpu_alloc(void *bc, size_t bytes, void **p) {
     return FP4MOE_OK;
 }
 static void cpu_free(void *bc, void *p) { (void)bc; free(p); }
+static void cpu_free_detached(void *p) { free(p); }
 static int cpu_copy(void *bc, void *dst, const void *src, size_t bytes) {
     (void)bc;
     if (bytes) memmove(dst, src, bytes);
@@ -256,6 +257,7 @@ static const be_ops CPU_OPS = {
     .act_size = sizeof(float),
     .alloc = cpu_alloc,
     .free = cpu_free,
+    .free_detached = cpu_free_detached,
     .upload = cpu_copy,
     .download = cpu_copy,
     .copy = cpu_copy,

@@ -393,6 +393,7 @@ static void cu_free(void *bc, void *p) {
     cudaStreamSynchronize(S_(bc));
     cudaFree(p);
 }
+static void cu_free_detached(void *p) { cudaFree(p); }
 static int cu_upload(void *bc, void *dst, const void *src, size_t bytes) {
     if (!bytes) return FP4MOE_OK;
     FP4MOE_CUDA_TRY("cuda", cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, S_(bc)), "upload");
@@ -620,6 +621,7 @@ static const be_ops CUDA_OPS = {
     .act_size = 2,
     .alloc = cu_alloc,
     .free = cu_free,
+    .free_detached = cu_free_detached,
     .upload = cu_upload,
     .download = cu_download,
     .copy = cu_copy,

@@ -1,0 +1,47 @@
+/* libFuzzer harness: fp4moe serve's request parsing (srv_parse_request: JSON, every field rule,
+ * chat rendering with the real Nemotron-3 template, tokenization with the default model's
+ * tokenizer) and its error bodies. The first input byte picks the endpoint (even: chat, odd:
+ * completions); the rest is the request body. Run by fuzz/run_request.sh from the repository root. */
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "server/srv.h"
+
+static srv_parse_ctx g_ctx;
+
+int LLVMFuzzerInitialize(int *argc, char ***argv) {
+    (void)argc;
+    (void)argv;
+    static fp4moe_tokenizer *tok;
+    static fp4moe_template *tmpl;
+    if (fp4moe_tokenizer_load("models/nemotron-h-tiny-moe", &tok)) abort();
+    FILE *f = fopen("tests/golden/templates/nemotron-3-nano-30b-a3b.jinja", "rb");
+    static char src[1 << 16];
+    const size_t n = f ? fread(src, 1, sizeof src, f) : 0;
+    if (f) fclose(f);
+    if (!n || fp4moe_template_compile(src, n, &tmpl)) abort();
+    g_ctx = (srv_parse_ctx){.model_name = "tiny", .tok = tok, .tmpl = tmpl, .bos_token = "<s>", .eos_token = "</s>",
+                            .vocab = 8192, .context = 4096, .reasoning = 1};
+    fp4moe_sampler_params_default(&g_ctx.defaults);
+    g_ctx.defaults.stop_ids[g_ctx.defaults.n_stop++] = 2;
+    return 0;
+}
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
+    if (size < 1) return 0;
+    srv_request r;
+    srv_error e;
+    const srv_kind k = (data[0] & 1) ? SRV_COMPLETION : SRV_CHAT;
+    if (srv_parse_request(&g_ctx, k, (const char *)data + 1, size - 1, &r, &e) == 0) {
+        if (r.n_ids < 1 || r.max_tokens < 1 || r.n_ids + r.max_tokens > g_ctx.context || r.history >= r.n_ids) abort();
+        for (int64_t i = 0; i < r.n_ids; i++)
+            if (r.ids[i] < 0 || r.ids[i] >= g_ctx.vocab) abort();
+        srv_request_free(&r);
+    } else {
+        if (e.http < 400 || e.http > 599 || !e.message[0]) abort();
+        free(srv_error_json(&e));
+    }
+    return 0;
+}
