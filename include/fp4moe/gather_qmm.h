@@ -95,6 +95,11 @@ int fp4moe_cuda_available(void);
  * "portable" (FP4MOE_CPU_ISA=portable, or no AVX2). */
 const char *fp4moe_gather_cpu_isa(void);
 
+/* Threads of the CPU kernels (OpenMP) and of OpenBLAS, for every later call of this process
+ * (llama.cpp's --threads). n >= 1; n = 0 restores the default (one per core, or OMP_NUM_THREADS).
+ * Errors: FP4MOE_EINVAL (n < 0). */
+int fp4moe_set_threads(int n);
+
 #ifdef __cplusplus
 }
 #endif

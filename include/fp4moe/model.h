@@ -382,6 +382,10 @@ typedef struct {
     uint64_t seed;              /* 0: a fixed default */
     int32_t stop_ids[FP4MOE_MAX_STOP_IDS]; /* token ids that end the sequence (e.g. every EOS id) */
     int n_stop;
+    float repeat_penalty;       /* > 0; 1 (or 0) = off: the logit of every token among the last
+                                   repeat_last_n accepted ids becomes l / p if l > 0, else l * p
+                                   (CTRL / HF RepetitionPenaltyLogitsProcessor, llama.cpp) */
+    int64_t repeat_last_n;      /* window of fp4moe_sampler_accept'ed ids; 0: 64 */
 } fp4moe_sampler_params;
 
 /* temperature 0 (greedy), top_p 1, top_k 0, min_p 0, seed 0, no stop ids. */
@@ -395,6 +399,10 @@ typedef struct {
     float min_p;
     int32_t stop_ids[FP4MOE_MAX_STOP_IDS];
     int n_stop;
+    float repeat_penalty;
+    int64_t repeat_last_n, n_recent, recent_head;
+    int32_t *recent;            /* ring of the last repeat_last_n accepted ids (owned; NULL: off) */
+    float *pen;                 /* vocab scratch: penalized logits (owned) */
     uint64_t rng;               /* xorshift64* state */
     float *probs;               /* vocab scratch (owned) */
     fp4moe_prob_id *cand;       /* vocab scratch (owned) */
@@ -402,14 +410,19 @@ typedef struct {
 
 /* Errors: FP4MOE_EINVAL (vocab < 1, top_p outside (0, 1], min_p outside [0, 1], top_k < 0, NaN or
  * infinite temperature, n_stop outside [0, FP4MOE_MAX_STOP_IDS], a stop id outside [0, vocab)),
- * FP4MOE_ENOMEM. */
+ * repeat_penalty negative, NaN or infinite, repeat_last_n < 0), FP4MOE_ENOMEM. */
 int fp4moe_sampler_init_params(fp4moe_sampler *s, int64_t vocab, const fp4moe_sampler_params *p);
 /* fp4moe_sampler_init_params with only temperature, top_p and seed set. */
 int fp4moe_sampler_init(fp4moe_sampler *s, int64_t vocab, float temperature, float top_p,
                         uint64_t seed);
 void fp4moe_sampler_free(fp4moe_sampler *s);
 
-/* The next token id from V logits: greedy when temperature <= 0; else probs = softmax(logits / T),
+/* Records a token of the sequence (prompt or generated) for the repetition penalty; a no-op when
+ * the penalty is off. */
+void fp4moe_sampler_accept(fp4moe_sampler *s, int32_t id);
+
+/* The next token id from V logits (after the repetition penalty, if on): greedy when temperature
+ * <= 0; else probs = softmax(logits / T),
  * candidates by probability (descending; ties: lower id first), cut to the top_k first, then to
  * those with p >= min_p * p_max, then to the smallest prefix whose mass reaches top_p (the order of
  * vLLM's and llama.cpp's samplers), and one draw from the renormalised rest. */

@@ -1,5 +1,6 @@
 /* Helpers shared by the fp4moe subcommands (cli_util.h). */
 #include "cli/cli_util.h"
+#include "fp4moe/gather_qmm.h"
 
 #include <cjson/cJSON.h>
 
@@ -64,6 +65,13 @@ static int set_value(const cli_spec *spec, const cli_opt *o, const char *v) {
     case CLI_STRING:
         *(const char **)o->dst = v;
         return CLI_OK;
+    case CLI_STRINGS: {
+        cli_strings *l = o->dst;
+        if (l->n == CLI_MAX_STRINGS)
+            return cli_usage_error(spec->command, "%s is given more than %d times", o->name, CLI_MAX_STRINGS);
+        l->v[l->n++] = v;
+        return CLI_OK;
+    }
     case CLI_INT: {
         long long x = strtoll(v, &end, 10);
         if (errno || end == v || *end)
@@ -119,6 +127,12 @@ int cli_parse(const cli_spec *spec, int argc, char **argv) {
         spec->positional[npos++] = a;
     }
     if (spec->npositional) *spec->npositional = npos;
+    return CLI_OK;
+}
+
+int cli_set_threads(const char *command, int64_t n) {
+    if (n < 0 || n > 4096) return cli_usage_error(command, "--threads must be in [1, 4096] (0: one per core)");
+    if (n > 0) fp4moe_set_threads((int)n);
     return CLI_OK;
 }
 

@@ -15,8 +15,15 @@ typedef enum {
     CLI_FLAG,    /* no value: *(int *)dst = 1 */
     CLI_STRING,  /* *(const char **)dst = value (points into argv) */
     CLI_INT,     /* *(int64_t *)dst = value (decimal) */
-    CLI_DOUBLE   /* *(double *)dst = value */
+    CLI_DOUBLE,  /* *(double *)dst = value */
+    CLI_STRINGS  /* repeatable: appended to *(cli_strings *)dst (at most CLI_MAX_STRINGS) */
 } cli_kind;
+
+#define CLI_MAX_STRINGS 16
+typedef struct {
+    const char *v[CLI_MAX_STRINGS];
+    int n;
+} cli_strings;
 
 typedef struct {
     const char *name;     /* long form, "--input" */
@@ -56,6 +63,10 @@ int cli_usage_error(const char *command, const char *fmt, ...)
     __attribute__((format(printf, 2, 3)))
 #endif
     ;
+
+/* --threads N of the model commands: 0 keeps the default; else fp4moe_set_threads (a usage error
+ * for N < 0). Returns an exit code. */
+int cli_set_threads(const char *command, int64_t n);
 
 /* Prints "fp4moe CMD: error: <fp4moe_last_error()>" on stderr; returns 1 (failure exit). */
 int cli_fail(const char *command, int status);

@@ -28,6 +28,7 @@ typedef struct {
     int64_t prompt_tokens, gen_tokens, repeats, chunk, seed, warmup, batch;
     double floor_bw;
     int json, no_quantize, profile;
+    int64_t threads;
 } bench_args;
 
 typedef struct {
@@ -460,6 +461,7 @@ int cmd_bench(int argc, char **argv) {
         {"--model", "-m", CLI_STRING, &a.model, "DIR", "model directory"},
         {"--synthetic", NULL, CLI_STRING, &a.synthetic, "CONFIG",
          "random NVFP4 weights with the shapes of CONFIG (config.json path or a name under configs/)"},
+        {"--threads", "-t", CLI_INT, &a.threads, "N", "CPU threads (default: one per core)"},
         {"--device", NULL, CLI_STRING, &a.device, "DEV", "cpu, cuda or auto (default auto: cuda when a GPU is visible)"},
         {"--prompt-tokens", NULL, CLI_INT, &a.prompt_tokens, "N", "prompt length (default 512)"},
         {"--gen-tokens", NULL, CLI_INT, &a.gen_tokens, "N", "tokens decoded after the prompt (default 128)"},
@@ -493,5 +495,6 @@ int cmd_bench(int argc, char **argv) {
     if (a.prompt_tokens < 1 || a.gen_tokens < 1 || a.repeats < 1)
         return cli_usage_error(CMD, "--prompt-tokens, --gen-tokens and --repeats must be >= 1");
     if (!(a.floor_bw > 0.0)) return cli_usage_error(CMD, "--floor-bw must be > 0");
+    if ((rc = cli_set_threads(CMD, a.threads))) return rc;
     return bench(&a);
 }

@@ -26,6 +26,7 @@ typedef struct {
     int64_t n, seed, top_k, chunk;
     double temp, top_p, min_p;
     int no_quantize;
+    int64_t threads;
 } chat_args;
 
 static void add_message(cJSON *msgs, const char *role, const char *content) {
@@ -185,6 +186,7 @@ int cmd_chat(int argc, char **argv) {
         {"--top-k", NULL, CLI_INT, &a.top_k, "K", "sample among the K most likely tokens; 0 = all (default 0)"},
         {"--min-p", NULL, CLI_DOUBLE, &a.min_p, "P", "drop tokens below P x the top probability (default 0)"},
         {"--seed", NULL, CLI_INT, &a.seed, "S", "sampling seed (default 0)"},
+        {"--threads", "-t", CLI_INT, &a.threads, "N", "CPU threads (default: one per core)"},
         {"--device", NULL, CLI_STRING, &a.device, "DEV", "cpu, cuda or auto (default auto)"},
         {"--dtype", NULL, CLI_STRING, &a.dtype, "DT", "matmul activations: f32 or bf16 (default f32 on cpu; cuda: bf16)"},
         {"--chunk", NULL, CLI_INT, &a.chunk, "N", "prefill chunk in tokens"},
@@ -202,5 +204,6 @@ int cmd_chat(int argc, char **argv) {
     if (a.think && strcmp(a.think, "on") && strcmp(a.think, "off")) return cli_usage_error(CMD, "--think must be on or off");
     if (!(a.top_p > 0.0 && a.top_p <= 1.0) || a.top_k < 0 || !(a.min_p >= 0.0 && a.min_p <= 1.0) || a.temp < 0.0)
         return cli_usage_error(CMD, "--temp >= 0, --top-p in (0, 1], --top-k >= 0, --min-p in [0, 1]");
+    if ((rc = cli_set_threads(CMD, a.threads))) return rc;
     return chat(&a);
 }

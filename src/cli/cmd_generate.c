@@ -4,6 +4,7 @@
  * layers). Also holds the model loading shared with `fp4moe bench` (cli_load_model). */
 #include <cjson/cJSON.h>
 #include <signal.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdint.h>
 #include <time.h>
@@ -13,6 +14,7 @@
 
 #include "cli/cli_util.h"
 #include "cli/commands.h"
+#include "server/srv.h"
 #include "fp4moe/fp4moe.h"
 #include "fp4moe/model.h"
 #include "fp4moe/tokenizer.h"
@@ -136,10 +138,11 @@ int cli_parse_dtype(const char *cmd, const char *s, fp4moe_dtype *dt) {
 
 typedef struct {
     const char *model, *prompt, *prompt_ids, *dtype, *device;
-    int64_t n, seed, chunk, top_k, ctx;
+    int64_t n, seed, chunk, top_k, ctx, repeat_last_n, threads;
     const char *file;
-    double temp, top_p, min_p;
+    double temp, top_p, min_p, repeat_penalty;
     int no_quantize, ignore_eos, json;
+    cli_strings stop;
 } gen_args;
 
 /* "1,2,3" -> ids (malloc'd). */
@@ -190,10 +193,21 @@ struct gen_state {
     cli_text text;                  /* --json: the generated text */
     int32_t *ids;                   /* --json: the generated ids */
     int64_t n_ids;
+    srv_text stop;                  /* --stop strings (none: passes text through) */
+    int stopped;                    /* a stop string matched */
 };
 
 /* A token: text through the streaming decoder (printed, or kept with --json), or " id" without a
  * tokenizer. */
+/* Text that passed the stop strings: printed, or kept with --json. */
+static void put_text(gen_state *g, const char *text, size_t len, int final) {
+    srv_delta d;
+    const int r = final ? srv_text_finish(&g->stop, &d) : srv_text_feed(&g->stop, text, len, &d);
+    if (r == 1) g->stopped = 1;
+    if (g->json) cli_text_add(&g->text, d.content, d.n_content);
+    else fwrite(d.content, 1, d.n_content, stdout);
+}
+
 static int emit(fp4moe_tokenizer_stream *ts, gen_state *g, int32_t id) {
     if (g->ids) g->ids[g->n_ids++] = id;
     if (!g->tok) {
@@ -203,11 +217,17 @@ static int emit(fp4moe_tokenizer_stream *ts, gen_state *g, int32_t id) {
         int64_t len;
         int st = fp4moe_tokenizer_stream_push(ts, id, &text, &len);
         if (st) return st;
-        if (g->json) cli_text_add(&g->text, text, (size_t)len);
-        else fwrite(text, 1, (size_t)len, stdout);
+        put_text(g, text, (size_t)len, 0);
     }
     fflush(stdout);
     return FP4MOE_OK;
+}
+
+/* 1 when the logits hold a NaN or an infinity (broken weights: a clear error instead of garbage). */
+static int bad_logits(const float *lg, int64_t V) {
+    for (int64_t i = 0; i < V; i++)
+        if (!isfinite(lg[i])) return 1;
+    return 0;
 }
 
 static void gen_free(gen_state *g) {
@@ -215,6 +235,7 @@ static void gen_free(gen_state *g) {
     fp4moe_session_free(g->s);
     fp4moe_tokenizer_free(g->tok);
     fp4moe_model_free(g->m);
+    srv_text_free(&g->stop);
     free(g->prompt);
     free(g->logits);
     free(g->text.s);
@@ -249,8 +270,12 @@ static int run_generation(const gen_args *a, gen_state *g, const volatile sig_at
     fp4moe_tokenizer_stream ts;
     if (g->tok) fp4moe_tokenizer_stream_init(&ts, g->tok, 1);
     const int32_t eos = g->tok ? fp4moe_tokenizer_eos_id(g->tok) : (int32_t)c->eos_id;
+    for (int64_t i = 0; i < g->T; i++) fp4moe_sampler_accept(&g->smp, g->prompt[i]);
     double t0 = cli_now();
     int st = fp4moe_session_forward(g->s, g->prompt, g->T, g->logits, 0);
+    if (!st && bad_logits(g->logits, c->vocab))
+        st = fp4moe_set_error(FP4MOE_EFORMAT, "the forward produced NaN or infinite logits: the model's weights hold "
+                              "NaN/Inf values (check the checkpoint, e.g. with fp4moe inspect)");
     const double t_prefill = cli_now() - t0;
     int64_t produced = 0;
     double t_decode = 0.0;
@@ -260,12 +285,17 @@ static int run_generation(const gen_args *a, gen_state *g, const volatile sig_at
         t0 = cli_now();
         while (produced < a->n && !*stop) {
             int32_t id = fp4moe_sample(&g->smp, g->logits);
+            fp4moe_sampler_accept(&g->smp, id);
             produced++;
-            if (id == eos && !a->ignore_eos) {
+            if (!a->ignore_eos && (id == eos || fp4moe_sampler_is_stop(&g->smp, id))) {
                 reason = "eos";
                 break;
             }
             if ((st = emit(&ts, g, id))) break;
+            if (g->stopped) {
+                reason = "stop";
+                break;
+            }
             if (produced == a->n) break;
             if (g->ctx > 0 && g->T + produced >= g->ctx) {
                 fprintf(stderr, "\n%s: stopped at the context limit of %lld tokens (--ctx)\n", CMD, (long long)g->ctx);
@@ -273,22 +303,27 @@ static int run_generation(const gen_args *a, gen_state *g, const volatile sig_at
                 break;
             }
             if ((st = fp4moe_session_forward(g->s, &id, 1, g->logits, 0))) break;
+            if (bad_logits(g->logits, c->vocab)) {
+                st = fp4moe_set_error(FP4MOE_EFORMAT, "the forward produced NaN or infinite logits at token %lld",
+                                      (long long)produced);
+                break;
+            }
         }
         t_decode = cli_now() - t0;
     }
     if (g->tok) {
         const char *text;
         int64_t len;
-        if (!fp4moe_tokenizer_stream_flush(&ts, &text, &len)) {
-            if (g->json) cli_text_add(&g->text, text, (size_t)len);
-            else fwrite(text, 1, (size_t)len, stdout);
-        }
+        if (!g->stopped && !fp4moe_tokenizer_stream_flush(&ts, &text, &len)) put_text(g, text, (size_t)len, 0);
+        if (!g->stopped) put_text(g, NULL, 0, 1);
         fp4moe_tokenizer_stream_free(&ts);
     }
+    int interrupted = 0;
     if (st == FP4MOE_EINTERRUPTED || *stop) {
         fprintf(stderr, "%s: stopped (Ctrl-C)\n", CMD);
         st = FP4MOE_OK;
         reason = "interrupted";
+        interrupted = 1;
     }
     if (!g->json) {
         printf("\n");
@@ -311,7 +346,8 @@ static int run_generation(const gen_args *a, gen_state *g, const volatile sig_at
     }
     fflush(stdout);
     if (produced > 1) print_speed("decode", produced - 1, t_decode);
-    return st ? cli_fail(CMD, st) : FP4MOE_EXIT_OK;
+    if (st) return cli_fail(CMD, st);
+    return interrupted ? FP4MOE_EXIT_INTERRUPTED : FP4MOE_EXIT_OK;
 }
 
 static int generate(const gen_args *a) {
@@ -365,6 +401,16 @@ static int generate(const gen_args *a) {
     sp.top_k = a->top_k;
     sp.min_p = (float)a->min_p;
     sp.seed = (uint64_t)a->seed;
+    sp.repeat_penalty = (float)a->repeat_penalty;
+    sp.repeat_last_n = a->repeat_last_n;
+    if (g.tok && !a->ignore_eos) {   /* every EOS id: the tokenizer's, generation_config.json's */
+        fp4moe_sampler_params gd;
+        fp4moe_sampler_params_default(&gd);
+        cli_generation_defaults(a->model, g.tok, V, &gd);
+        memcpy(sp.stop_ids, gd.stop_ids, sizeof gd.stop_ids);
+        sp.n_stop = gd.n_stop;
+    }
+    srv_text_init(&g.stop, (char *const *)a->stop.v, a->stop.n, 0, 0);
     if (!st) st = fp4moe_sampler_init_params(&g.smp, V, &sp);
     if (!st && !(g.logits = malloc((size_t)V * sizeof(float)))) st = FP4MOE_ENOMEM;
     g.json = a->json;
@@ -375,7 +421,8 @@ static int generate(const gen_args *a) {
 }
 
 int cmd_generate(int argc, char **argv) {
-    gen_args a = {.n = 128, .temp = 0.0, .top_p = 1.0, .dtype = NULL, .device = "auto", .seed = INT64_MIN};
+    gen_args a = {.n = 128, .temp = 0.0, .top_p = 1.0, .dtype = NULL, .device = "auto", .seed = INT64_MIN,
+                  .repeat_penalty = 1.0, .repeat_last_n = 64};
     const cli_opt opts[] = {
         {"--model", "-m", CLI_STRING, &a.model, "DIR", "model directory (config.json, *.safetensors, tokenizer.json)"},
         {"--prompt", "-p", CLI_STRING, &a.prompt, "TEXT", "prompt text (- reads it from standard input)"},
@@ -392,7 +439,12 @@ int cmd_generate(int argc, char **argv) {
         {"--dtype", NULL, CLI_STRING, &a.dtype, "DT", "matmul activations: f32 or bf16 (default f32 on cpu; cuda: bf16 only)"},
         {"--no-quantize", NULL, CLI_FLAG, &a.no_quantize, NULL, "keep dense checkpoints dense (default: NVFP4 on load)"},
         {"--chunk", NULL, CLI_INT, &a.chunk, "N", "prefill chunk in tokens (default 256 on cpu, 8192 on cuda)"},
-        {"--ignore-eos", NULL, CLI_FLAG, &a.ignore_eos, NULL, "do not stop at the end-of-sequence token"},
+        {"--ignore-eos", NULL, CLI_FLAG, &a.ignore_eos, NULL, "do not stop at the end-of-sequence tokens"},
+        {"--stop", NULL, CLI_STRINGS, &a.stop, "TEXT", "stop before this text (repeatable, up to 16)"},
+        {"--repeat-penalty", NULL, CLI_DOUBLE, &a.repeat_penalty, "P", "divide positive / multiply negative logits of "
+         "recent tokens by P; 1 = off (default 1)"},
+        {"--repeat-last-n", NULL, CLI_INT, &a.repeat_last_n, "N", "tokens the repeat penalty looks back (default 64)"},
+        {"--threads", "-t", CLI_INT, &a.threads, "N", "CPU threads (default: one per core)"},
         {"--json", NULL, CLI_FLAG, &a.json, NULL, "print one JSON object (text, ids, finish_reason, seed, timings) at the end"},
     };
     const cli_spec spec = {CMD, "fp4moe generate -m DIR -p TEXT [options]",
@@ -425,5 +477,10 @@ int cmd_generate(int argc, char **argv) {
     if (a.top_k < 0) return cli_usage_error(CMD, "--top-k must be >= 0");
     if (!(a.min_p >= 0.0 && a.min_p <= 1.0)) return cli_usage_error(CMD, "--min-p must be in [0, 1]");
     if (a.temp < 0.0) return cli_usage_error(CMD, "--temp must be >= 0");
+    if (!(a.repeat_penalty > 0.0 && a.repeat_penalty < 1e6)) return cli_usage_error(CMD, "--repeat-penalty must be > 0");
+    if (a.repeat_last_n < 1) return cli_usage_error(CMD, "--repeat-last-n must be >= 1");
+    for (int i = 0; i < a.stop.n; i++)
+        if (!a.stop.v[i][0]) return cli_usage_error(CMD, "--stop must not be empty");
+    if ((rc = cli_set_threads(CMD, a.threads))) return rc;
     return generate(&a);
 }

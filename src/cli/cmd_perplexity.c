@@ -25,6 +25,7 @@
 
 #include "cli/cli_util.h"
 #include "cli/commands.h"
+#include "fp4moe/gather_qmm.h"
 #include "fp4moe/fp4moe.h"
 #include "fp4moe/model.h"
 #include "fp4moe/tokenizer.h"
@@ -36,6 +37,8 @@ typedef struct {
     const char *model, *file, *dtype;
     int64_t ctx, max_tokens, chunk;
     int json, no_quantize;
+    const char *device;
+    int64_t threads;
 } ppl_args;
 
 /* Running sums of the negative log-likelihoods (natural log) of scored predictions. */
@@ -176,8 +179,14 @@ static int perplexity(const ppl_args *a) {
     ppl_state p;
     memset(&p, 0, sizeof p);
     fp4moe_dtype dt;
-    int rc = cli_parse_dtype(CMD, a->dtype, &dt);
+    fp4moe_device dev;
+    int rc = cli_parse_device(CMD, a->device, &dev);
     if (rc) return rc;
+    if (dev == FP4MOE_DEVICE_DEFAULT) dev = fp4moe_cuda_available() ? FP4MOE_DEVICE_CUDA : FP4MOE_DEVICE_CPU;
+    if ((rc = cli_parse_dtype(CMD, a->dtype ? a->dtype : (dev == FP4MOE_DEVICE_CUDA ? "bf16" : "f32"), &dt))) return rc;
+    ppl_args resolved = *a;                  /* the dtype in force, for the report */
+    resolved.dtype = fp4moe_dtype_name(dt);
+    a = &resolved;
     if ((rc = tokenize_file(a, &p))) {
         ppl_free(&p);
         return rc;
@@ -190,7 +199,7 @@ static int perplexity(const ppl_args *a) {
                                (long long)p.n_ids, used < p.n_ids ? " (after --max-tokens)" : "",
                                (long long)a->ctx);
     }
-    if ((rc = cli_load_model(CMD, a->model, !a->no_quantize, &p.m))) {
+    if ((rc = cli_load_model_on(CMD, a->model, !a->no_quantize, dev, &p.m))) {
         ppl_free(&p);
         return rc;
     }
@@ -199,6 +208,8 @@ static int perplexity(const ppl_args *a) {
     fp4moe_session_options_default(&so);
     so.act_dtype = dt;
     so.interrupt = stop;
+    so.device = dev;
+    if (dev == FP4MOE_DEVICE_CUDA) so.max_chunk = a->ctx < 2048 ? a->ctx : 2048;
     if (a->chunk > 0) so.max_chunk = a->chunk;
     const int64_t chunk = so.max_chunk < a->ctx ? so.max_chunk : a->ctx;
     const int64_t V = fp4moe_model_config(p.m)->vocab;
@@ -233,22 +244,28 @@ static int perplexity(const ppl_args *a) {
     } else if (done == 0) {
         fprintf(stderr, "%s: stopped (Ctrl-C) before the first window finished\n", CMD);
         rc = FP4MOE_EXIT_FAIL;
+    } else if (!isfinite(nll_mean(&all))) {
+        fprintf(stderr, "fp4moe %s: error: the forward produced NaN or infinite logits: the model's weights hold "
+                "NaN/Inf values (check the checkpoint, e.g. with fp4moe inspect)\n", CMD);
+        rc = FP4MOE_EXIT_FAIL;
     } else {
         report(a, &p, windows, done, &half, &all, seconds, interrupted);
-        rc = interrupted ? FP4MOE_EXIT_FAIL : FP4MOE_EXIT_OK;
+        rc = interrupted ? FP4MOE_EXIT_INTERRUPTED : FP4MOE_EXIT_OK;
     }
     ppl_free(&p);
     return rc;
 }
 
 int cmd_perplexity(int argc, char **argv) {
-    ppl_args a = {.ctx = 512, .dtype = "f32"};
+    ppl_args a = {.ctx = 512, .device = "cpu"};
     const cli_opt opts[] = {
         {"--model", "-m", CLI_STRING, &a.model, "DIR", "model directory (config.json, *.safetensors, tokenizer.json)"},
         {"--file", "-f", CLI_STRING, &a.file, "TEXT", "UTF-8 text file to score"},
         {"--ctx", "-c", CLI_INT, &a.ctx, "N", "window length in tokens (default 512)"},
         {"--max-tokens", NULL, CLI_INT, &a.max_tokens, "N", "use only the first N tokens of the text (default: all)"},
-        {"--dtype", NULL, CLI_STRING, &a.dtype, "DT", "matmul activations: f32 or bf16 (default f32)"},
+        {"--dtype", NULL, CLI_STRING, &a.dtype, "DT", "matmul activations: f32 or bf16 (default f32 on cpu; cuda: bf16)"},
+        {"--device", NULL, CLI_STRING, &a.device, "DEV", "cpu, cuda or auto (default cpu: the fp32 reference)"},
+        {"--threads", "-t", CLI_INT, &a.threads, "N", "CPU threads (default: one per core)"},
         {"--no-quantize", NULL, CLI_FLAG, &a.no_quantize, NULL, "keep dense checkpoints dense (default: NVFP4 on load)"},
         {"--chunk", NULL, CLI_INT, &a.chunk, "N", "tokens per forward call (default 256)"},
         {"--json", NULL, CLI_FLAG, &a.json, NULL, "print one JSON object on stdout"},
@@ -270,5 +287,6 @@ int cmd_perplexity(int argc, char **argv) {
     if (a.ctx < 4) return cli_usage_error(CMD, "--ctx must be >= 4");
     if (a.max_tokens < 0) return cli_usage_error(CMD, "--max-tokens must be >= 0");
     if (a.chunk < 0) return cli_usage_error(CMD, "--chunk must be >= 1 (0: the default)");
+    if ((rc = cli_set_threads(CMD, a.threads))) return rc;
     return perplexity(&a);
 }

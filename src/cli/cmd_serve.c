@@ -25,6 +25,7 @@ typedef struct {
     int64_t port, ctx, max_seqs, max_step_tokens, max_queue, max_body, prefix_cache_mb, prefix_min_tokens,
         http_threads, seed, kv_tokens;
     int no_quantize, quiet, no_warmup;
+    int64_t threads;
 } serve_args;
 
 static volatile int g_stop;
@@ -176,6 +177,7 @@ int cmd_serve(int argc, char **argv) {
         {"--prefix-min-tokens", NULL, CLI_INT, &a.prefix_min_tokens, "N", "shortest prefix worth keeping (default 32)"},
         {"--reasoning", NULL, CLI_STRING, &a.reasoning, "on|off", "return <think> text as reasoning_content (default on)"},
         {"--http-threads", NULL, CLI_INT, &a.http_threads, "N", "HTTP worker threads (default 4)"},
+        {"--threads", "-t", CLI_INT, &a.threads, "N", "CPU threads (default: one per core)"},
         {"--device", NULL, CLI_STRING, &a.device, "DEV", "cpu, cuda or auto (default auto)"},
         {"--dtype", NULL, CLI_STRING, &a.dtype, "DT", "matmul activations: f32 or bf16 (default f32 on cpu; cuda: bf16)"},
         {"--no-quantize", NULL, CLI_FLAG, &a.no_quantize, NULL, "keep dense checkpoints dense"},
@@ -186,7 +188,7 @@ int cmd_serve(int argc, char **argv) {
                            "POST /v1/completions (stream or not), GET /v1/models, GET /health, GET /metrics.\n"
                            "Prints 'listening on http://HOST:PORT' when ready; SIGINT/SIGTERM stop it.",
                            opts, (int)(sizeof opts / sizeof opts[0]), NULL, 0, NULL};
-    const int rc = cli_parse(&spec, argc, argv);
+    int rc = cli_parse(&spec, argc, argv);
     if (rc == CLI_HELP) return FP4MOE_EXIT_OK;
     if (rc) return FP4MOE_EXIT_USAGE;
     if (!a.model == !a.synthetic) return cli_usage_error(CMD, "give one of -m DIR or --synthetic CONFIG");
@@ -199,5 +201,6 @@ int cmd_serve(int argc, char **argv) {
     if (a.reasoning && strcmp(a.reasoning, "on") && strcmp(a.reasoning, "off"))
         return cli_usage_error(CMD, "--reasoning must be on or off");
     if (a.api_key && !a.api_key[0]) return cli_usage_error(CMD, "--api-key must not be empty");
+    if ((rc = cli_set_threads(CMD, a.threads))) return rc;
     return serve(&a);
 }

@@ -8,6 +8,7 @@
 #define FP4MOE_EXIT_OK 0
 #define FP4MOE_EXIT_FAIL 1
 #define FP4MOE_EXIT_USAGE 2
+#define FP4MOE_EXIT_INTERRUPTED 130   /* stopped by Ctrl-C (the shell convention, 128 + SIGINT) */
 
 int cmd_quantize(int argc, char **argv);
 int cmd_dequantize(int argc, char **argv);

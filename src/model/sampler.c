@@ -45,10 +45,21 @@ int fp4moe_sampler_init_params(fp4moe_sampler *s, int64_t vocab, const fp4moe_sa
     s->min_p = p->min_p;
     s->n_stop = p->n_stop;
     memcpy(s->stop_ids, p->stop_ids, sizeof s->stop_ids);
+    if (!(p->repeat_penalty >= 0.0f) || isinf(p->repeat_penalty) || p->repeat_last_n < 0)
+        return fp4moe_set_error(FP4MOE_EINVAL, "sampler: repeat_penalty=%g / repeat_last_n=%lld", p->repeat_penalty,
+                                (long long)p->repeat_last_n);
     s->rng = p->seed ? p->seed : 0x9E3779B97F4A7C15ull;
     s->probs = malloc((size_t)vocab * sizeof(float));
     s->cand = malloc((size_t)vocab * sizeof *s->cand);
-    if (!s->probs || !s->cand) {
+    int pen_ok = 1;
+    if (p->repeat_penalty > 0.0f && p->repeat_penalty != 1.0f) {
+        s->repeat_penalty = p->repeat_penalty;
+        s->repeat_last_n = p->repeat_last_n ? p->repeat_last_n : 64;
+        s->recent = malloc((size_t)s->repeat_last_n * sizeof(int32_t));
+        s->pen = malloc((size_t)vocab * sizeof(float));
+        pen_ok = s->recent && s->pen;
+    }
+    if (!s->probs || !s->cand || !pen_ok) {
         fp4moe_sampler_free(s);
         return fp4moe_set_error(FP4MOE_ENOMEM, "sampler: out of memory");
     }
@@ -75,8 +86,12 @@ void fp4moe_sampler_free(fp4moe_sampler *s) {
     if (!s) return;
     free(s->probs);
     free(s->cand);
+    free(s->recent);
+    free(s->pen);
     s->probs = NULL;
     s->cand = NULL;
+    s->recent = NULL;
+    s->pen = NULL;
 }
 
 /* Uniform in [0, 1) from xorshift64*. */
@@ -145,7 +160,30 @@ static int32_t sample_cut(fp4moe_sampler *s) {
     return s->cand[last].id;
 }
 
+void fp4moe_sampler_accept(fp4moe_sampler *s, int32_t id) {
+    if (!s || !s->recent || id < 0 || id >= s->vocab) return;
+    s->recent[s->recent_head] = id;
+    s->recent_head = (s->recent_head + 1) % s->repeat_last_n;
+    if (s->n_recent < s->repeat_last_n) s->n_recent++;
+}
+
+/* logits with the repetition penalty applied once per distinct recent id (into s->pen). */
+static const float *penalize(fp4moe_sampler *s, const float *logits) {
+    if (!s->recent || !s->n_recent) return logits;
+    memcpy(s->pen, logits, (size_t)s->vocab * sizeof(float));
+    for (int64_t i = 0; i < s->n_recent; i++) {
+        const int32_t id = s->recent[i];
+        int dup = 0;
+        for (int64_t j = 0; j < i && !dup; j++) dup = s->recent[j] == id;
+        if (dup) continue;
+        const float l = logits[id];
+        s->pen[id] = l > 0.0f ? l / s->repeat_penalty : l * s->repeat_penalty;
+    }
+    return s->pen;
+}
+
 int32_t fp4moe_sample(fp4moe_sampler *s, const float *logits) {
+    logits = penalize(s, logits);
     if (s->temperature <= 0.0f) return fp4moe_argmax(logits, s->vocab);
     softmax_t(logits, s->vocab, s->temperature, s->probs);
     return sample_cut(s);

@@ -795,6 +795,55 @@ static void test_generate_inputs_and_context(void **state) {
     EXPECT_RC(2, "generate", "-m", M, "-p", P, "-f", path);
     EXPECT_RC(2, "generate", "-m", M, "-p", P, "--seed", "-1");
     EXPECT_RC(2, "generate", "-m", M, "-p", P, "--chunk", "-3");
+    /* --stop: the text up to the stop string, which is not printed; finish_reason "stop" */
+    EXPECT_RC(0, "generate", "-m", M, "-p", P, "-n", "8", "--stop", "girl", "--stop", "never-there", "--json");
+    j = cJSON_Parse(g_out);
+    assert_non_null(j);
+    const char *stopped = cJSON_GetObjectItem(j, "text")->valuestring;
+    assert_null(strstr(stopped, "girl"));
+    assert_true(strstr(want, "girl") && !strncmp(want, stopped, strlen(stopped)) &&
+                strstr(want, "girl") == want + strlen(stopped));
+    assert_string_equal(cJSON_GetObjectItem(j, "finish_reason")->valuestring, "stop");
+    cJSON_Delete(j);
+    EXPECT_RC(2, "generate", "-m", M, "-p", P, "--stop", "");
+    /* --repeat-penalty changes the greedy text (the default model repeats itself); 1 is off */
+    EXPECT_RC(0, "generate", "-m", M, "-p", P, "-n", "24", "--repeat-penalty", "1.0");
+    static char plain[sizeof g_out];
+    memcpy(plain, g_out, sizeof plain);
+    EXPECT_RC(0, "generate", "-m", M, "-p", P, "-n", "24", "--repeat-penalty", "1.5");
+    assert_true(strcmp(g_out, plain) != 0);
+    EXPECT_RC(2, "generate", "-m", M, "-p", P, "--repeat-penalty", "0");
+    /* --threads */
+    EXPECT_RC(0, "generate", "-m", M, "-p", P, "-n", "8", "--threads", "1");
+    assert_string_equal(g_out, ref);
+    EXPECT_RC(2, "generate", "-m", M, "-p", P, "--threads", "-2");
+}
+
+/* NaN weights (here: the whole bf16 embedding table) are a clear error in generate and perplexity,
+ * not an empty output or "ppl nan" with exit 0. */
+static void test_nan_weights_are_an_error(void **state) {
+    char dir[512], cmd[1400];
+    snprintf(dir, sizeof dir, "%s", io_path("nan-model"));
+    snprintf(cmd, sizeof cmd, "rm -rf '%s' && cp -r models/nemotron-h-tiny-moe '%s'", dir, dir);
+    assert_int_equal(system(cmd), 0);
+    char file[600];
+    snprintf(file, sizeof file, "%s/model.safetensors", dir);
+    fp4moe_st_file *f = NULL;
+    assert_int_equal(fp4moe_st_open(file, &f), FP4MOE_OK);
+    const fp4moe_st_tensor *t = fp4moe_st_find(f, "backbone.embeddings.weight");
+    assert_non_null(t);
+    FILE *fp = fopen(file, "r+b");
+    assert_non_null(fp);
+    fseek(fp, 0, SEEK_END);
+    const long data0 = ftell(fp) - (long)fp4moe_st_data_size(f);
+    assert_int_equal(fseek(fp, data0 + (long)t->offset, SEEK_SET), 0);
+    for (int64_t i = 0; i < t->nbytes; i++) fputc(0xFF, fp);   /* bf16 0xFFFF: NaN */
+    fclose(fp);
+    fp4moe_st_close(f);
+    EXPECT_RC(1, "generate", "-m", dir, "-p", "The little girl", "-n", "4");
+    expect_in(g_err, "NaN");
+    EXPECT_RC(1, "perplexity", "-m", dir, "--file", "tests/golden/default/heldout_short.txt", "--ctx", "64");
+    expect_in(g_err, "NaN");
 }
 
 /* fp4moe chat: the model's chat template (here a real one given with --chat-template), /reset
@@ -823,6 +872,7 @@ static void test_chat(void **state) {
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_chat),
+        cmocka_unit_test(test_nan_weights_are_an_error),
         cmocka_unit_test(test_generate_inputs_and_context),
         cmocka_unit_test(test_usage_and_exit_codes),
         cmocka_unit_test(test_quantize_then_dequantize_dir),

@@ -429,6 +429,36 @@ static void test_sampler(void **state) {
     sp.min_p = 0.0f;
     sp.top_k = -1;
     assert_int_equal(fp4moe_sampler_init_params(&s, 4, &sp), FP4MOE_EINVAL);
+    sp.top_k = 0;
+    /* repetition penalty (greedy): logits {2.0, 1.5, -1, -1.2}; penalty 2 on id 0 -> 1.0 < 1.5 */
+    const float lr[4] = {2.0f, 1.5f, -1.0f, -1.2f};
+    sp.temperature = 0.0f;
+    sp.repeat_penalty = 2.0f;
+    sp.repeat_last_n = 2;
+    assert_int_equal(fp4moe_sampler_init_params(&s, 4, &sp), FP4MOE_OK);
+    assert_int_equal(fp4moe_sample(&s, lr), 0);         /* nothing accepted yet */
+    fp4moe_sampler_accept(&s, 0);
+    fp4moe_sampler_accept(&s, 0);                       /* twice: penalized once (1.0, not 0.5) */
+    assert_int_equal(fp4moe_sample(&s, lr), 1);
+    fp4moe_sampler_accept(&s, 1);                       /* window 2: {0, 1}: 1.0 vs 0.75 -> id 0 */
+    assert_int_equal(fp4moe_sample(&s, lr), 0);
+    fp4moe_sampler_accept(&s, 3);
+    fp4moe_sampler_accept(&s, 1);                       /* window {3, 1}: id 0 is free again */
+    assert_int_equal(fp4moe_sample(&s, lr), 0);
+    fp4moe_sampler_free(&s);
+    const float ln[4] = {-1.0f, -1.5f, -3.0f, -4.0f};   /* negative logits are multiplied */
+    assert_int_equal(fp4moe_sampler_init_params(&s, 4, &sp), FP4MOE_OK);
+    fp4moe_sampler_accept(&s, 0);                       /* -2.0 < -1.5 */
+    assert_int_equal(fp4moe_sample(&s, ln), 1);
+    fp4moe_sampler_free(&s);
+    sp.repeat_penalty = -1.0f;
+    assert_int_equal(fp4moe_sampler_init_params(&s, 4, &sp), FP4MOE_EINVAL);
+    sp.repeat_penalty = 1.0f;                           /* off: accept is a no-op */
+    assert_int_equal(fp4moe_sampler_init_params(&s, 4, &sp), FP4MOE_OK);
+    assert_null(s.recent);
+    fp4moe_sampler_accept(&s, 0);
+    assert_int_equal(fp4moe_sample(&s, lr), 0);
+    fp4moe_sampler_free(&s);
 }
 
 int main(void) {

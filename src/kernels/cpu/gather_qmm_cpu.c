@@ -389,7 +389,7 @@ static int route_dequant_gemm(const gather_ctx *c, const uint32_t *idx, int64_t 
         return st;
     }
     const int64_t nitems = s.first[nruns];
-    const int blas_threads = openblas_get_num_threads();
+    const int blas_threads = openblas_get_num_threads();   /* restored after: fp4moe_set_threads's value */
     int failed = 0;
     openblas_set_num_threads(1);
 
@@ -481,4 +481,14 @@ int fp4moe_gather_qmm_cpu_route(const fp4moe_nvfp4_weights *w, const void *x, fp
 int fp4moe_gather_qmm_cpu(const fp4moe_nvfp4_weights *w, const void *x, fp4moe_dtype dtype,
                           const uint32_t *idx, int64_t B, int sorted, void *y) {
     return fp4moe_gather_qmm_cpu_route(w, x, dtype, idx, B, sorted, FP4MOE_ROUTE_AUTO, y);
+}
+
+int fp4moe_set_threads(int n) {
+    static int default_threads;
+    if (n < 0) return fp4moe_set_error(FP4MOE_EINVAL, "threads: %d < 0", n);
+    if (!default_threads) default_threads = omp_get_max_threads();
+    const int t = n ? n : default_threads;
+    omp_set_num_threads(t);
+    openblas_set_num_threads(t);
+    return FP4MOE_OK;
 }
