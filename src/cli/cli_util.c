@@ -1,5 +1,6 @@
 /* Helpers shared by the fp4moe subcommands (cli_util.h). */
 #include "cli/cli_util.h"
+#include "cli/commands.h"
 #include "fp4moe/gather_qmm.h"
 
 #include <cjson/cJSON.h>
@@ -514,4 +515,26 @@ int cli_copy_config(const char *in_dir, const char *out_dir, int nvfp4) {
     free(in);
     free(out);
     return st;
+}
+
+int cli_convert_failed(const char *cmd, int status, const char *output, int created_dir) {
+    if (created_dir) {
+        DIR *d = opendir(output);
+        for (struct dirent *e; d && (e = readdir(d));) {
+            if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..")) continue;
+            char *p = cli_join(output, e->d_name);
+            if (p) unlink(p);
+            free(p);
+        }
+        if (d) closedir(d);
+        rmdir(output);
+    }
+    if (status == FP4MOE_EINTERRUPTED) {
+        fprintf(stderr, "fp4moe %s: interrupted (Ctrl-C): %s was not written%s\n", cmd, output,
+                created_dir ? " (the directory this run created is removed)" : " (partial files removed)");
+        return 130;
+    }
+    const int rc = cli_fail(cmd, status);
+    if (created_dir) fprintf(stderr, "fp4moe %s: removed the directory %s that this run created\n", cmd, output);
+    return rc;
 }

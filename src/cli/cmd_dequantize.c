@@ -49,6 +49,7 @@ static int fill_deq(void *vctx, fp4moe_st_sink *sink, int64_t nbytes) {
         float gs;
         if ((st = fp4moe_qtensor_gs(q, e, &gs))) break;
         for (int64_t r0 = 0; r0 < q->N && !st; r0 += rows_per) {
+            if ((st = cli_check_interrupt())) break;
             const int64_t r = q->N - r0 < rows_per ? q->N - r0 : rows_per, row = e * q->N + r0;
             const uint8_t *codes = (const uint8_t *)q->weight->data + row * (K / 2);
             const uint8_t *scales = (const uint8_t *)q->scales->data + row * (K / 16);
@@ -108,6 +109,7 @@ int cmd_dequantize(int argc, char **argv) {
     const double t0 = cli_now();
     fp4moe_st_model *m = NULL;
     fp4moe_st_writer *w = NULL;
+    int created_dir = 0;
     deq_ctx *ctx = NULL;
     int64_t nctx = 0, done = 0, total = 0, ndeq = 0;
     cli_progress progress;
@@ -163,6 +165,8 @@ int cmd_dequantize(int argc, char **argv) {
     }
     progress.total = total;
     if ((st = fp4moe_st_writer_set_metadata(w, "format", "pt"))) goto fail;
+    cli_install_sigint();
+    created_dir = is_dir && !cli_is_dir(output);
     if (is_dir) {
         const char *skip[] = {"config.json", "hf_quant_config.json", NULL};
         if ((st = cli_mkdirs(output)) || (st = fp4moe_st_writer_write_model(w, output, (int64_t)(shard_gb * 1e9))) ||
@@ -180,7 +184,7 @@ int cmd_dequantize(int argc, char **argv) {
     rc = FP4MOE_EXIT_OK;
     goto done;
 fail:
-    rc = cli_fail(CMD, st);
+    rc = cli_convert_failed(CMD, st, output, created_dir);
 done:
     fp4moe_st_writer_free(w);
     free(ctx);

@@ -39,6 +39,10 @@ const volatile sig_atomic_t *cli_install_sigint(void) {
     return &g_stop;
 }
 
+int cli_check_interrupt(void) {
+    return g_stop ? fp4moe_set_error(FP4MOE_EINTERRUPTED, "interrupted (Ctrl-C)") : FP4MOE_OK;
+}
+
 /* ---- loading (shared with bench) ------------------------------------------------------------- */
 
 typedef struct {

@@ -264,11 +264,26 @@ static int expert_amax(const item *it, int64_t e, float *out) {
     return FP4MOE_OK;
 }
 
+/* Index of the first NaN / infinity among n values of dtype dt (by exponent bits), or -1. */
+static int64_t first_non_finite(const void *v, fp4moe_dtype dt, int64_t n) {
+    if (dt == FP4MOE_F32) {
+        const uint32_t *u = v;
+        for (int64_t i = 0; i < n; i++)
+            if ((u[i] & 0x7F800000u) == 0x7F800000u) return i;
+    } else {
+        const uint16_t *u = v, mask = dt == FP4MOE_BF16 ? 0x7F80 : 0x7C00;
+        for (int64_t i = 0; i < n; i++)
+            if ((u[i] & mask) == mask) return i;
+    }
+    return -1;
+}
+
 static int fill_copy(void *vctx, fp4moe_st_sink *sink, int64_t nbytes) {
     fill_ctx *c = vctx;
     for (int64_t e = 0; e < c->it->nsrc; e++) {
         const fp4moe_st_tensor *t = c->it->src[e];
-        int st = fp4moe_st_sink_write(sink, t->data, t->nbytes);
+        int st = cli_check_interrupt();
+        if (!st) st = fp4moe_st_sink_write(sink, t->data, t->nbytes);
         if (st) return st;
         c->p->done += t->nbytes;
         cli_progress_update(&c->p->progress, c->p->done, c->it->name);
@@ -311,6 +326,15 @@ static int fill_quant(void *vctx, fp4moe_st_sink *sink, int64_t nbytes) {
             const int64_t r = it->N - r0 < rows_per ? it->N - r0 : rows_per;
             const uint8_t *p = src + (size_t)r0 * (size_t)K * es;
             if ((uintptr_t)p % es) p = memcpy(aligned, p, (size_t)(r * K) * es);
+            if ((st = cli_check_interrupt())) break;
+            const int64_t bad = first_non_finite(p, dt, r * K);
+            if (bad >= 0) {
+                st = fp4moe_set_error(FP4MOE_EFORMAT, "tensor '%s' holds a NaN or infinite value at expert %lld, row "
+                                      "%lld, column %lld: refusing to quantize it (NVFP4 has no NaN; the codes "
+                                      "would be silently finite)", it->name, (long long)e,
+                                      (long long)(r0 + bad / K), (long long)(bad % K));
+                break;
+            }
             st = fp4moe_nvfp4_quantize(p, dt, r, K, amax, codes, scales, NULL);
             if (st) {
                 fp4moe_error_context(st, "tensor '%s'", it->name);
@@ -407,6 +431,7 @@ int cmd_quantize(int argc, char **argv) {
     fp4moe_st_writer *w = NULL;
     plan p = {0};
     fill_ctx *ctx = NULL;
+    int created_dir = 0;
     int st = fp4moe_st_model_open(input, &m);
     rc = FP4MOE_EXIT_FAIL;
     if (st) goto fail;
@@ -445,7 +470,11 @@ int cmd_quantize(int argc, char **argv) {
     int64_t total = 0;
     if ((st = add_outputs(&p, w, ctx, &total))) goto fail;
     if ((st = fp4moe_st_writer_set_metadata(w, "format", "mlx"))) goto fail;
+    cli_install_sigint();
     cli_progress_start(&p.progress, "quantize", total);
+    created_dir = is_dir && !cli_is_dir(output);
+    if (is_dir && !created_dir) fprintf(stderr, "quantize: writing into the existing directory %s (its model files "
+                                        "are replaced)\n", output);
     if (is_dir) {
         const char *skip[] = {"config.json", NULL};
         if ((st = cli_mkdirs(output)) || (st = fp4moe_st_writer_write_model(w, output, (int64_t)(shard_gb * 1e9))) ||
@@ -466,7 +495,8 @@ int cmd_quantize(int argc, char **argv) {
     rc = FP4MOE_EXIT_OK;
     goto done;
 fail:
-    rc = cli_fail(CMD, st);
+    if (p.progress.shown && p.progress.tty) fprintf(stderr, "\r\033[K");
+    rc = cli_convert_failed(CMD, st, output, created_dir);
 done:
     fp4moe_st_writer_free(w);
     free(ctx);

@@ -520,6 +520,40 @@ static void test_global_scale_single_file(void **state) {
     fp4moe_st_model_close(m);
 }
 
+/* NaN / Inf in a tensor to be quantized is an error naming the tensor and the element (NVFP4 has no
+ * NaN, the codes would be silently finite); a failed directory output that this run created is
+ * removed, an existing directory is kept (with a note that its files are replaced). */
+static void test_quantize_refuses_nan(void **state) {
+    make_tensors(24, -1);
+    uint16_t *w = src_find("backbone.layers.0.mixer.in_proj.weight")->data;
+    w[3 * H + 5] = 0x7FC0;                                      /* bf16 NaN at row 3, column 5 */
+    char in[512], out[512], outdir[512];
+    snprintf(in, sizeof in, "%s", io_path("nan-in.safetensors"));
+    snprintf(out, sizeof out, "%s", io_path("nan-out.safetensors"));
+    snprintf(outdir, sizeof outdir, "%s", io_path("nan-out-dir"));
+    write_model(in, 0);
+    EXPECT_RC(1, "quantize", "-i", in, "-o", out);
+    expect_in(g_err, "in_proj.weight' holds a NaN or infinite value at expert 0, row 3, column 5");
+    struct stat sb;
+    assert_int_equal(stat(out, &sb), -1);                       /* nothing written */
+    char dir_in[512];
+    snprintf(dir_in, sizeof dir_in, "%s", io_path("nan-in-dir"));
+    write_model(dir_in, 1);
+    EXPECT_RC(1, "quantize", "-i", dir_in, "-o", outdir);
+    expect_in(g_err, "removed the directory");
+    assert_int_equal(stat(outdir, &sb), -1);
+    w[3 * H + 5] = 0x7F80;                                      /* +Inf */
+    write_model(in, 0);
+    EXPECT_RC(1, "quantize", "-i", in, "-o", out);
+    expect_in(g_err, "NaN or infinite");
+    w[3 * H + 5] = 0x3F80;                                      /* 1.0: fine again */
+    snprintf(dir_in, sizeof dir_in, "%s", io_path("nan-in-dir2"));
+    write_model(dir_in, 1);
+    assert_int_equal(mkdir(outdir, 0755), 0);                   /* an existing output directory: kept */
+    EXPECT_RC(0, "quantize", "-i", dir_in, "-o", outdir);
+    expect_in(g_err, "existing directory");
+}
+
 static void test_include_exclude(void **state) {
     make_tensors(23, -1);
     char in[512], q1[512], q2[512];
@@ -873,6 +907,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_chat),
         cmocka_unit_test(test_nan_weights_are_an_error),
+        cmocka_unit_test(test_quantize_refuses_nan),
         cmocka_unit_test(test_generate_inputs_and_context),
         cmocka_unit_test(test_usage_and_exit_codes),
         cmocka_unit_test(test_quantize_then_dequantize_dir),
