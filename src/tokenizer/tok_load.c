@@ -174,6 +174,24 @@ static int load_model(loader *L, const cJSON *model) {
         if ((rc = tok_strmap_put(&tok->vocab, key, (int32_t)n, id))) return rc;
         if (id >= tok->n_ids) tok->n_ids = (int64_t)id + 1;
     }
+    /* tables are indexed by id: ids must stay near the number of entries (a file of a few bytes
+       must not make the loader allocate gigabytes) */
+    const int64_t n_vocab = cJSON_GetArraySize(vocab);
+    if (tok->byte_fallback) {   /* byte_fallback needs the <0xXX> tokens, else characters are lost */
+        int have = 0;
+        for (int b = 0; b < 256; b++) {
+            char name[8];
+            snprintf(name, sizeof name, "<0x%02X>", b);
+            have += tok_strmap_get(&tok->vocab, name, 6) >= 0;
+        }
+        if (!have)
+            return fp4moe_set_error(FP4MOE_EFORMAT, "%s: model.byte_fallback is true but model.vocab has none of "
+                                    "the byte tokens <0x00>..<0xFF> (unknown characters would be dropped)", L->file);
+    }
+    if (tok->n_ids > 2 * n_vocab + 1024)
+        return fp4moe_set_error(FP4MOE_EFORMAT, "%s: model.vocab has %lld entries but an id of %lld: ids must run "
+                                "from 0 to about the number of entries", L->file, (long long)n_vocab,
+                                (long long)(tok->n_ids - 1));
 
     const char *unk;
     if ((rc = get_str(L, model, "unk_token", "model", 1, &unk))) return rc;
@@ -294,6 +312,12 @@ static int load_added(loader *L, const cJSON *arr) {
             tok->added[slot].id = id;
             if ((rc = tok_strmap_put(&tok->added_map, c, (int32_t)len, id))) return rc;
         }
+        if (id != json_id_v)
+            return fp4moe_set_error(FP4MOE_EFORMAT, "%s: %s (\"%s\") declares id %d, but it gets id %d (%s): the "
+                                    "file is inconsistent", L->file, where, content, json_id_v, id,
+                                    tok_strmap_get(&tok->vocab, content, (int64_t)len) == id
+                                        ? "its content is that vocab entry"
+                                        : "the next free id after the vocab and the earlier added tokens");
         tok_added *a = &tok->added[slot];
         a->special = (uint8_t)(a->special | special);
         a->normalized = (uint8_t)normalized;
@@ -315,7 +339,9 @@ static int add_norm(loader *L, const cJSON *obj, const char *where, int depth) {
     if ((rc = get_str(L, obj, "type", where, 0, &type))) return rc;
     if (strcmp(type, "Sequence") == 0) {
         const cJSON *list = cJSON_GetObjectItemCaseSensitive(obj, "normalizers");
-        if (!cJSON_IsArray(list) || depth >= MAX_NESTING)
+        if (depth >= MAX_NESTING)
+            return fp4moe_set_error(FP4MOE_EFORMAT, "%s: field %s.normalizers is nested deeper than %d levels", L->file, where, MAX_NESTING);
+        if (!cJSON_IsArray(list))
             return fp4moe_set_error(FP4MOE_EFORMAT, "%s: field %s.normalizers must be a list", L->file, where);
         int i = 0;
         for (const cJSON *n = list->child; n; n = n->next, i++) {
@@ -385,7 +411,9 @@ static int add_pre(loader *L, const cJSON *obj, const char *where, int depth) {
     memset(&p, 0, sizeof p);
     if (strcmp(type, "Sequence") == 0) {
         const cJSON *list = cJSON_GetObjectItemCaseSensitive(obj, "pretokenizers");
-        if (!cJSON_IsArray(list) || depth >= MAX_NESTING)
+        if (depth >= MAX_NESTING)
+            return fp4moe_set_error(FP4MOE_EFORMAT, "%s: field %s.pretokenizers is nested deeper than %d levels", L->file, where, MAX_NESTING);
+        if (!cJSON_IsArray(list))
             return fp4moe_set_error(FP4MOE_EFORMAT, "%s: field %s.pretokenizers must be a list", L->file, where);
         int i = 0;
         for (const cJSON *n = list->child; n; n = n->next, i++) {
@@ -475,7 +503,9 @@ static int load_post(loader *L, const cJSON *obj, const char *where, int depth) 
     if (strcmp(type, "ByteLevel") == 0) return FP4MOE_OK;   /* offsets only */
     if (strcmp(type, "Sequence") == 0) {
         const cJSON *list = cJSON_GetObjectItemCaseSensitive(obj, "processors");
-        if (!cJSON_IsArray(list) || depth >= MAX_NESTING)
+        if (depth >= MAX_NESTING)
+            return fp4moe_set_error(FP4MOE_EFORMAT, "%s: field %s.processors is nested deeper than %d levels", L->file, where, MAX_NESTING);
+        if (!cJSON_IsArray(list))
             return fp4moe_set_error(FP4MOE_EFORMAT, "%s: field %s.processors must be a list", L->file, where);
         int i = 0;
         for (const cJSON *n = list->child; n; n = n->next, i++) {
@@ -546,7 +576,9 @@ static int flatten_dec(loader *L, const cJSON *obj, const char *where, int depth
         return FP4MOE_OK;
     }
     const cJSON *list = cJSON_GetObjectItemCaseSensitive(obj, "decoders");
-    if (!cJSON_IsArray(list) || depth >= MAX_NESTING)
+    if (depth >= MAX_NESTING)
+        return fp4moe_set_error(FP4MOE_EFORMAT, "%s: field %s.decoders is nested deeper than %d levels", L->file, where, MAX_NESTING);
+    if (!cJSON_IsArray(list))
         return fp4moe_set_error(FP4MOE_EFORMAT, "%s: field %s.decoders must be a list", L->file, where);
     int i = 0;
     for (const cJSON *d = list->child; d; d = d->next, i++) {

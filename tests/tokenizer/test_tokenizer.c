@@ -424,6 +424,24 @@ static void test_errors(void **state) {
                       FP4MOE_EFORMAT, "post_processor.single[0]", NULL);
     expect_load_error("{" MODEL_OK ",\"added_tokens\":[{\"content\":\"<s>\"}]}", FP4MOE_EFORMAT, "added_tokens[0].id",
                       NULL);
+    /* issue 15: ids bounded by what the file holds; an added token's declared id must be the one it
+       gets; byte_fallback needs byte tokens; nesting beyond 8 levels says so */
+    expect_load_error("{\"model\":{\"type\":\"BPE\",\"vocab\":{\"a\":0,\"b\":2147483646},\"merges\":[]}}",
+                      FP4MOE_EFORMAT, "an id of 2147483646", "2 entries");
+    expect_load_error("{" MODEL_OK ",\"added_tokens\":[{\"id\":7,\"content\":\"<x>\",\"special\":true}]}",
+                      FP4MOE_EFORMAT, "declares id 7", "gets id 3");
+    expect_load_error("{" MODEL_OK ",\"added_tokens\":[{\"id\":5,\"content\":\"a\",\"special\":true}]}",
+                      FP4MOE_EFORMAT, "declares id 5", "vocab entry");
+    expect_load_error("{\"model\":{\"type\":\"BPE\",\"vocab\":{\"a\":0},\"merges\":[],\"byte_fallback\":true}}",
+                      FP4MOE_EFORMAT, "byte_fallback", "<0x00>");
+    {
+        char deep[2048] = "{" MODEL_OK ",\"pre_tokenizer\":";
+        for (int i = 0; i < 10; i++) strcat(deep, "{\"type\":\"Sequence\",\"pretokenizers\":[");
+        strcat(deep, "{\"type\":\"Digits\",\"individual_digits\":false}");
+        for (int i = 0; i < 10; i++) strcat(deep, "]}");
+        strcat(deep, "}");
+        expect_load_error(deep, FP4MOE_EFORMAT, "nested deeper than 8", NULL);
+    }
 
     /* a minimal valid file loads, and encode/decode reject bad input with a message */
     char path[512];
