@@ -17,8 +17,13 @@ $(BUILD)/CMakeCache.txt: | deps
 build: deps $(BUILD)/CMakeCache.txt
 	cmake --build $(BUILD) -j $(JOBS)
 
-demo: build
-	scripts/demo.sh $(BUILD)
+# demo: the build's output goes to a log (shown only when the build fails); then the demo's own lines
+demo: deps
+	@mkdir -p $(BUILD)
+	@echo "demo: building into $(BUILD) (a few minutes the first time; log: $(BUILD)/make-build.log)"
+	@$(MAKE) --no-print-directory build > $(BUILD)/make-build.log 2>&1 || \
+	  { tail -40 $(BUILD)/make-build.log; echo "demo: the build failed (log: $(BUILD)/make-build.log)"; exit 1; }
+	@scripts/demo.sh $(BUILD)
 
 test: build
 	cd $(BUILD) && ctest --output-on-failure -j $(JOBS)

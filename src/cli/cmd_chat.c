@@ -157,7 +157,12 @@ static int chat(const chat_args *a) {
             continue;
         }
         if (!len) continue;
-        add_message(msgs, "user", line);
+        if (line[0] == '/' && line[1] != '/' && line[1] != ' ' && line[1]) {   /* "//text" sends "/text" */
+            fprintf(stderr, "%s: unknown command %s (commands: /reset, /exit; start a message with // to send a "
+                    "leading /)\n", CMD, line);
+            continue;
+        }
+        add_message(msgs, "user", line[0] == '/' && line[1] == '/' ? line + 1 : line);
         cli_text ans = {0};
         st = answer(a, s, fp4moe_model_config(m)->vocab, tok, &smp, tmpl, ctx, &ans);
         add_message(msgs, "assistant", ans.s ? ans.s : "");

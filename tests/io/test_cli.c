@@ -886,12 +886,13 @@ static void test_nan_weights_are_an_error(void **state) {
 static void test_chat(void **state) {
     char in[512];
     snprintf(in, sizeof in, "%s", io_path("chat-input.txt"));
-    const char *script = "Tell me about the sea.\n/reset\nTell me about the sea.\n/exit\n";
+    const char *script = "Tell me about the sea.\n/reset\n/typo\nTell me about the sea.\n/exit\n";
     io_write_bytes(in, script, strlen(script));
     g_stdin_path = in;
     EXPECT_RC(0, "chat", "-m", "models/nemotron-h-tiny-moe", "--chat-template",
               "tests/golden/templates/nemotron-3-nano-30b-a3b.jinja", "-n", "12", "--think", "off");
     expect_in(g_err, "conversation reset");
+    expect_in(g_err, "unknown command /typo");                     /* not sent to the model */
     const size_t n = strlen(g_out);                                /* two answers, each ending in \n */
     assert_true(n > 2 && n % 2 == 0);
     assert_memory_equal(g_out, g_out + n / 2, n / 2);             /* the same answer after /reset */
