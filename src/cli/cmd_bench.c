@@ -404,6 +404,13 @@ static int bench(bench_args *a) {
     fp4moe_model *m = NULL;
     rc = a->synthetic ? cli_load_synthetic(CMD, a->synthetic, (uint64_t)a->seed, dev, &m) : cli_load_model_on(CMD, a->model, !a->no_quantize, dev, &m);
     if (rc) return rc;
+    {
+        const int64_t maxp = fp4moe_model_config(m)->max_position;
+        if (maxp > 0 && a->prompt_tokens + a->gen_tokens > maxp)
+            fprintf(stderr, "%s: warning: %lld prompt + %lld generated tokens go past the model's "
+                    "max_position_embeddings %lld (speed is measured all the same)\n", CMD, (long long)a->prompt_tokens,
+                    (long long)a->gen_tokens, (long long)maxp);
+    }
     if (a->batch > 0) {
         if (a->chunk > 0 && a->chunk < a->batch) {
             fp4moe_model_free(m);

@@ -381,6 +381,9 @@ static int generate(const gen_args *a) {
     }
     free(text);
     const int64_t ctx = a->ctx > 0 ? a->ctx : fp4moe_model_config(g.m)->max_position;
+    if (a->ctx > 0 && fp4moe_model_config(g.m)->max_position > 0 && a->ctx > fp4moe_model_config(g.m)->max_position)
+        fprintf(stderr, "%s: warning: --ctx %lld is above the model's max_position_embeddings %lld (it was not "
+                "trained that long)\n", CMD, (long long)a->ctx, (long long)fp4moe_model_config(g.m)->max_position);
     if (ctx > 0 && g.T > ctx) {
         fprintf(stderr, "fp4moe %s: the prompt has %lld tokens, more than the context limit of %lld tokens "
                 "(--ctx; the model's max_position_embeddings is %lld)\n", CMD, (long long)g.T, (long long)ctx,

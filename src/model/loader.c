@@ -8,6 +8,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <time.h>
 
 #include "common/error.h"
@@ -620,6 +621,11 @@ static int load_all(loader *L) {
 int fp4moe_model_load(const char *dir, const fp4moe_load_options *opts, fp4moe_model **out) {
     if (!dir || !out) return fp4moe_set_error(FP4MOE_EINVAL, "model_load: NULL argument");
     *out = NULL;
+    struct stat sb;
+    if (stat(dir, &sb) == 0 && !S_ISDIR(sb.st_mode))
+        return fp4moe_set_error(FP4MOE_EINVAL, "%s is a file; a model is a directory (config.json, *.safetensors, "
+                                "tokenizer.json): give its directory%s", dir,
+                                strstr(dir, ".safetensors") ? " (fp4moe inspect FILE lists one safetensors file)" : "");
     const double t0 = now_seconds();
     fp4moe_model *m = calloc(1, sizeof *m);
     if (!m) return fp4moe_set_error(FP4MOE_ENOMEM, "model_load: out of memory");

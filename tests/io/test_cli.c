@@ -878,6 +878,11 @@ static void test_nan_weights_are_an_error(void **state) {
     expect_in(g_err, "NaN");
     EXPECT_RC(1, "perplexity", "-m", dir, "--file", "tests/golden/default/heldout_short.txt", "--ctx", "64");
     expect_in(g_err, "NaN");
+    /* a model file where a model directory is expected: said so */
+    EXPECT_RC(1, "inspect", "-m", "models/nemotron-h-tiny-moe/model.safetensors");
+    expect_in(g_err, "is a file; a model is a directory");
+    EXPECT_RC(1, "generate", "-m", "models/nemotron-h-tiny-moe/config.json", "-p", "x");
+    expect_in(g_err, "is a file");
 }
 
 /* fp4moe chat: the model's chat template (here a real one given with --chat-template), /reset

@@ -247,8 +247,36 @@ static void test_layer_fields_only_when_used(void **state) {
                  FP4MOE_EFORMAT, "missing field 'n_routed_experts'");
 }
 
+/* Every input kept by fuzz/run_parsers.sh (the .json files of tests/model/regressions/) parses or fails with a
+ * message naming the file. */
+#include <dirent.h>
+static void test_regressions(void **state) {
+    (void)state;
+    DIR *d = opendir("tests/model/regressions");
+    assert_non_null(d);
+    int n = 0;
+    for (struct dirent *e; (e = readdir(d));) {
+        if (!strstr(e->d_name, ".json")) continue;
+        char path[600];
+        snprintf(path, sizeof path, "tests/model/regressions/%s", e->d_name);
+        FILE *f = fopen(path, "rb");
+        assert_non_null(f);
+        static char buf[1 << 20];
+        const size_t len = fread(buf, 1, sizeof buf - 1, f);
+        fclose(f);
+        buf[len] = 0;
+        fp4moe_config c;
+        if (fp4moe_config_parse(buf, path, &c) == FP4MOE_OK) fp4moe_config_free(&c);
+        else assert_non_null(strstr(fp4moe_last_error(), "regressions"));
+        n++;
+    }
+    closedir(d);
+    assert_true(n >= 1);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_regressions),
         cmocka_unit_test(test_target_config),
         cmocka_unit_test(test_pattern_spellings),
         cmocka_unit_test(test_float_spellings),

@@ -589,8 +589,41 @@ static void test_speed(void **state) {
     free(eng);
 }
 
+/* Every input kept by fuzz/run_parsers.sh (the .json files of tests/tokenizer/regressions/) loads or fails with a
+ * message, and a loaded one encodes and decodes without crashing. */
+#include <dirent.h>
+static void test_regressions(void **state) {
+    (void)state;
+    DIR *d = opendir("tests/tokenizer/regressions");
+    assert_non_null(d);
+    int n = 0;
+    for (struct dirent *e; (e = readdir(d));) {
+        if (!strstr(e->d_name, ".json")) continue;
+        char path[600];
+        snprintf(path, sizeof path, "tests/tokenizer/regressions/%s", e->d_name);
+        fp4moe_tokenizer *tok = NULL;
+        if (fp4moe_tokenizer_load(path, &tok) == FP4MOE_OK) {
+            int32_t *ids = NULL;
+            int64_t k = 0;
+            if (!fp4moe_tokenizer_encode(tok, "Hello world 123", 15, 1, &ids, &k)) {
+                char *t = NULL;
+                int64_t tl;
+                if (!fp4moe_tokenizer_decode(tok, ids, k, 0, &t, &tl)) free(t);
+                free(ids);
+            }
+            fp4moe_tokenizer_free(tok);
+        } else {
+            assert_non_null(strstr(fp4moe_last_error(), "regressions"));
+        }
+        n++;
+    }
+    closedir(d);
+    assert_true(n >= 1);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_regressions),
         cmocka_unit_test(test_goldens),
         cmocka_unit_test(test_stream_holds_partial_chars),
         cmocka_unit_test(test_errors),
