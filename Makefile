@@ -28,6 +28,7 @@ demo: deps
 test: build
 	cd $(BUILD) && ctest --output-on-failure -j $(JOBS)
 	scripts/fault-check.sh
+	scripts/sanitize-check.sh
 
 clean:
-	rm -rf $(BUILD) build-fault-*
+	rm -rf $(BUILD) build-fault-* build-asan build-asan.*.log
