@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# fp4moe's CUDA attention (bench/gpu_attention) against torch's scaled_dot_product_attention
+# (scripts/attention_peer.py) on the same shapes, in one run on the GPU machine (issue 11): prefill
+# T = 512 .. 32,768 (causal, one sequence), decode at contexts 512 .. 131,072 (1 row) and up to
+# 32,768 (64 rows). One attention layer; ratio = fp4moe ms / torch ms (<= 1: fp4moe no slower).
+# Usage: scripts/gpu-attention-peer.sh [BIN]  (BIN holds gpu_attention, e.g. from --package)
+#        scripts/gpu-attention-peer.sh --package BIN
+set -u
+cd "$(dirname "$0")/.."
+GP_NAME=attpeer
+GP_BUILD=build-gpum
+GP_PROGS="gpu_attention"
+GP_TARGETS="gpu_attention"
+. scripts/gpu-pack.sh
+gp_main "$@"
+OUT=${OUT:-gpu-attpeer-out}
+mkdir -p "$OUT"
+"$GP_BIN/gpu_attention" > "$OUT/fp4moe.txt" 2>&1 || { cat "$OUT/fp4moe.txt"; exit 1; }
+python3 scripts/attention_peer.py > "$OUT/torch.txt" 2>&1 || { cat "$OUT/torch.txt"; exit 1; }
+head -1 "$OUT/fp4moe.txt"; head -1 "$OUT/torch.txt"
+python3 - "$OUT/fp4moe.txt" "$OUT/torch.txt" <<'PY'
+import sys
+def load(p):
+    d = {}
+    for l in open(p):
+        f = l.split()
+        if not f or f[0].startswith("#"): continue
+        if f[0] == "prefill": d[("prefill", int(f[1]), 1)] = (float(f[2]), f[3] if len(f) > 3 else "")
+        else: d[("decode", int(f[1]), int(f[2]))] = (float(f[3]), f[4] if len(f) > 4 else "")
+    return d
+a, b = load(sys.argv[1]), load(sys.argv[2])
+print("| case | tokens / context | rows | fp4moe ms | torch SDPA ms (backend) | fp4moe / torch |")
+print("|---|---:|---:|---:|---:|---:|")
+for key in sorted(a, key=lambda k: (k[0] != "prefill", k[2], k[1])):
+    if key in b:
+        print("| %s | %d | %d | %.4f | %.4f (%s) | %.2f |" % (key[0], key[1], key[2], a[key][0], b[key][0], b[key][1], a[key][0] / b[key][0]))
+PY
