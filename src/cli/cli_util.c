@@ -131,6 +131,18 @@ int cli_parse(const cli_spec *spec, int argc, char **argv) {
     return CLI_OK;
 }
 
+int cli_require_model_dir(const char *command, const char *dir) {
+    if (!dir || cli_is_dir(dir)) return CLI_OK;
+    struct stat sb;
+    if (stat(dir, &sb) != 0) {
+        fprintf(stderr, "fp4moe %s: error: model directory %s does not exist\n", command, dir);
+        return 1;
+    }
+    fprintf(stderr, "fp4moe %s: error: %s is a file; a model is a directory (config.json, *.safetensors, "
+            "tokenizer.json): give its directory\n", command, dir);
+    return 1;
+}
+
 int cli_set_threads(const char *command, int64_t n) {
     if (n < 0 || n > 4096) return cli_usage_error(command, "--threads must be in [1, 4096] (0: one per core)");
     if (n > 0) fp4moe_set_threads((int)n);
@@ -170,8 +182,12 @@ void cli_progress_update(cli_progress *p, int64_t done, const char *item) {
     const double now = cli_now();
     if (now - p->t0 < 1.0 || now - p->last < (p->tty ? 0.1 : 10.0)) return;
     p->last = now;
-    char pct[16] = "";
-    if (p->total > 0) snprintf(pct, sizeof pct, "%5.1f%% ", 100.0 * (double)done / (double)p->total);
+    char pct[48] = "";
+    if (p->total > 0 && done > 0 && done < p->total)   /* percentage and the time left at this rate */
+        snprintf(pct, sizeof pct, "%5.1f%% (ETA %.0f s) ", 100.0 * (double)done / (double)p->total,
+                 (now - p->t0) * (double)(p->total - done) / (double)done);
+    else if (p->total > 0)
+        snprintf(pct, sizeof pct, "%5.1f%% ", 100.0 * (double)done / (double)p->total);
     if (p->tty)
         fprintf(stderr, "\r\033[K%s: %s%6.1f s  %.60s", p->label, pct, now - p->t0, item ? item : "");
     else

@@ -64,6 +64,10 @@ int cli_usage_error(const char *command, const char *fmt, ...)
 #endif
     ;
 
+/* -m DIR of the model commands: a missing path or a file (not a directory) is an error said so
+ * before anything is loaded. Returns an exit code (0 or 1). */
+int cli_require_model_dir(const char *command, const char *dir);
+
 /* --threads N of the model commands: 0 keeps the default; else fp4moe_set_threads (a usage error
  * for N < 0). Returns an exit code. */
 int cli_set_threads(const char *command, int64_t n);

@@ -503,5 +503,6 @@ int cmd_bench(int argc, char **argv) {
         return cli_usage_error(CMD, "--prompt-tokens, --gen-tokens and --repeats must be >= 1");
     if (!(a.floor_bw > 0.0)) return cli_usage_error(CMD, "--floor-bw must be > 0");
     if ((rc = cli_set_threads(CMD, a.threads))) return rc;
+    if ((rc = cli_require_model_dir(CMD, a.model))) return rc;
     return bench(&a);
 }

@@ -210,5 +210,6 @@ int cmd_chat(int argc, char **argv) {
     if (!(a.top_p > 0.0 && a.top_p <= 1.0) || a.top_k < 0 || !(a.min_p >= 0.0 && a.min_p <= 1.0) || a.temp < 0.0)
         return cli_usage_error(CMD, "--temp >= 0, --top-p in (0, 1], --top-k >= 0, --min-p in [0, 1]");
     if ((rc = cli_set_threads(CMD, a.threads))) return rc;
+    if ((rc = cli_require_model_dir(CMD, a.model))) return rc;
     return chat(&a);
 }

@@ -489,5 +489,6 @@ int cmd_generate(int argc, char **argv) {
     for (int i = 0; i < a.stop.n; i++)
         if (!a.stop.v[i][0]) return cli_usage_error(CMD, "--stop must not be empty");
     if ((rc = cli_set_threads(CMD, a.threads))) return rc;
+    if ((rc = cli_require_model_dir(CMD, a.model))) return rc;
     return generate(&a);
 }

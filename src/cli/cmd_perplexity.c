@@ -288,5 +288,6 @@ int cmd_perplexity(int argc, char **argv) {
     if (a.max_tokens < 0) return cli_usage_error(CMD, "--max-tokens must be >= 0");
     if (a.chunk < 0) return cli_usage_error(CMD, "--chunk must be >= 1 (0: the default)");
     if ((rc = cli_set_threads(CMD, a.threads))) return rc;
+    if ((rc = cli_require_model_dir(CMD, a.model))) return rc;
     return perplexity(&a);
 }

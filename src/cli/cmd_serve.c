@@ -202,5 +202,6 @@ int cmd_serve(int argc, char **argv) {
         return cli_usage_error(CMD, "--reasoning must be on or off");
     if (a.api_key && !a.api_key[0]) return cli_usage_error(CMD, "--api-key must not be empty");
     if ((rc = cli_set_threads(CMD, a.threads))) return rc;
+    if ((rc = cli_require_model_dir(CMD, a.model))) return rc;
     return serve(&a);
 }

@@ -251,6 +251,19 @@ static int want_quantize(const loader *L, int64_t K) {
 
 /* ---- linear modules ----------------------------------------------------------------------- */
 
+/* A packed NVFP4 tensor whose scales are missing would otherwise be blamed on its dtype/shape. */
+static int packed_without_scales(const fp4moe_st_tensor *t) {
+    const int n = (int)strlen(t->name) - (int)strlen(".weight");
+    if (t->dtype == FP4MOE_ST_U32)
+        return fp4moe_set_error(FP4MOE_EFORMAT, "%s: tensor '%s' holds packed MLX nvfp4 codes (U32) but its block "
+                                "scales '%.*s.scales' are missing", t->file, t->name, n, t->name);
+    if (t->dtype == FP4MOE_ST_U8)
+        return fp4moe_set_error(FP4MOE_EFORMAT, "%s: tensor '%s' holds packed NVFP4 codes (U8) but its block scales "
+                                "'%.*s.weight_scale' (ModelOpt) or '%.*s.scales' (MLX) are missing", t->file, t->name,
+                                n, t->name, n, t->name);
+    return FP4MOE_OK;
+}
+
 static int load_bias(loader *L, const char *module, int64_t N, op_linear *lin) {
     char name[512];
     snprintf(name, sizeof name, "%s.bias", module);
@@ -274,7 +287,7 @@ static int load_linear(loader *L, const char *module, int64_t N, int64_t K, int 
         st = nvfp4_in_place(L, &q, lin);
     } else {
         fp4moe_dtype dt;
-        if ((st = check_shape(t, 2, dims)) || (st = float_dtype(t, &dt))) return st;
+        if ((st = packed_without_scales(t)) || (st = check_shape(t, 2, dims)) || (st = float_dtype(t, &dt))) return st;
         if (want_quantize(L, K)) st = nvfp4_alloc(L, 1, N, K, 0, lin);
         else st = dense_alloc(L, 1, N, K, dt, lin);
         if (!st) st = dense_expert(L, t, dt, lin, 0);
@@ -299,7 +312,7 @@ static int load_experts_stacked(loader *L, const fp4moe_st_tensor *t, int64_t E,
     }
     fp4moe_dtype dt;
     int st;
-    if ((st = check_shape(t, 3, dims)) || (st = float_dtype(t, &dt))) return st;
+    if ((st = packed_without_scales(t)) || (st = check_shape(t, 3, dims)) || (st = float_dtype(t, &dt))) return st;
     if (want_quantize(L, K)) {
         if ((st = nvfp4_alloc(L, E, N, K, 0, lin))) return st;
         return quantize_into(t, dt, lin, 0);             /* all E x N rows at once */

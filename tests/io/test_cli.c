@@ -878,6 +878,29 @@ static void test_nan_weights_are_an_error(void **state) {
     expect_in(g_err, "NaN");
     EXPECT_RC(1, "perplexity", "-m", dir, "--file", "tests/golden/default/heldout_short.txt", "--ctx", "64");
     expect_in(g_err, "NaN");
+    /* an MLX checkpoint with one .scales tensor missing: the message names the missing scales (not
+       the U32 codes' dtype or shape) */
+    char dir2[512], cmd2[2048], file2[600];
+    snprintf(dir2, sizeof dir2, "%s", io_path("no-scales-model"));
+    snprintf(cmd2, sizeof cmd2, "rm -rf '%s' && mkdir -p '%s' && cp models/nemotron-h-tiny-moe/*.json '%s'/", dir2,
+             dir2, dir2);
+    assert_int_equal(system(cmd2), 0);
+    snprintf(file2, sizeof file2, "%s/model.safetensors", dir2);
+    fp4moe_st_file *src = NULL;
+    assert_int_equal(fp4moe_st_open("models/nemotron-h-tiny-moe/model.safetensors", &src), FP4MOE_OK);
+    fp4moe_st_writer *wr = NULL;
+    assert_int_equal(fp4moe_st_writer_new(&wr), FP4MOE_OK);
+    for (int64_t i = 0; i < fp4moe_st_count(src); i++) {
+        const fp4moe_st_tensor *x = fp4moe_st_at(src, i);
+        if (!strcmp(x->name, "backbone.layers.0.mixer.out_proj.scales")) continue;
+        assert_int_equal(fp4moe_st_writer_add(wr, x->name, x->dtype, x->ndim, x->shape, x->data), FP4MOE_OK);
+    }
+    assert_int_equal(fp4moe_st_writer_write(wr, file2), FP4MOE_OK);
+    fp4moe_st_writer_free(wr);
+    fp4moe_st_close(src);
+    EXPECT_RC(1, "generate", "-m", dir2, "-p", "The little girl", "-n", "2");
+    expect_in(g_err, "'backbone.layers.0.mixer.out_proj.weight' holds packed MLX nvfp4 codes (U32) but its block "
+                     "scales 'backbone.layers.0.mixer.out_proj.scales' are missing");
     /* a model file where a model directory is expected: said so */
     EXPECT_RC(1, "inspect", "-m", "models/nemotron-h-tiny-moe/model.safetensors");
     expect_in(g_err, "is a file; a model is a directory");
