@@ -438,7 +438,7 @@ int cmd_quantize(int argc, char **argv) {
     const int is_dir = fp4moe_st_model_is_dir(m);
     if ((is_dir && cli_is_dir(output) && cli_same_file(input, output)) ||
         cli_output_overwrites_input(m, input, output)) {
-        rc = cli_usage_error(CMD, is_dir && cli_same_file(input, output) ? "--output must differ from --input"
+        rc = cli_usage_error(CMD, "%s", is_dir && cli_same_file(input, output) ? "--output must differ from --input"
                                                                           : fp4moe_last_error());
         goto done;
     }
