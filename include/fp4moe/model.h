@@ -194,6 +194,9 @@ typedef struct {
         bytes_moe_shared, bytes_moe_router, bytes_mlp, bytes_norms;
     int64_t n_nvfp4_linears, n_dense_linears; /* linear modules (a stacked expert set counts once) */
     double load_seconds;        /* wall time of fp4moe_model_load */
+    int64_t n_dense_unlisted;   /* ModelOpt: dense linear modules that its exclude_modules (config.json
+                                   quantization_config, or hf_quant_config.json) does not list */
+    char first_dense_unlisted[160]; /* the first such module's name ("" when none) */
 } fp4moe_model_stats;
 void fp4moe_model_get_stats(const fp4moe_model *m, fp4moe_model_stats *st);
 

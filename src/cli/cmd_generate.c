@@ -94,6 +94,10 @@ int cli_load_model_on(const char *cmd, const char *dir, int quantize, fp4moe_dev
             c->layer_types, (double)s.params_total * 1e-9, (double)s.params_active * 1e-9,
             cli_format_bytes(bytes, b), (long long)s.n_nvfp4_linears, (long long)s.n_dense_linears,
             fp4moe_model_on_gpu(*out) ? ", weights on the GPU" : "");
+    if (s.n_dense_unlisted)
+        fprintf(stderr, "%s: warning: %lld linear module(s) of this NVFP4 checkpoint are stored dense but its "
+                "exclude_modules does not list them (first: %s): quantized weights lost in the export?\n", cmd,
+                (long long)s.n_dense_unlisted, s.first_dense_unlisted);
     return FP4MOE_EXIT_OK;
 }
 

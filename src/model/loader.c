@@ -4,12 +4,15 @@
  * the options say otherwise. Tensor names and shapes: spec NEMOTRON_H.md "Tensor names". */
 #include "fp4moe/model.h"
 
+#include <fnmatch.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
 #include <time.h>
+
+#include <cjson/cJSON.h>
 
 #include "common/error.h"
 #include "fp4moe/nvfp4.h"
@@ -21,6 +24,7 @@ typedef struct {
     fp4moe_model *m;
     fp4moe_load_options opt;
     int quantized_ckpt;             /* the checkpoint is NVFP4: its dense modules stay dense */
+    cJSON *exclude;                 /* ModelOpt exclude_modules (a list of fnmatch patterns) or NULL */
     int64_t done, total;            /* progress, in tensor bytes */
 } loader;
 
@@ -251,6 +255,37 @@ static int want_quantize(const loader *L, int64_t K) {
 
 /* ---- linear modules ----------------------------------------------------------------------- */
 
+/* A dense module of a ModelOpt checkpoint that its exclude_modules does not list (kept dense on
+ * purpose, or quantized and lost?): counted for the caller's warning. */
+static void note_unlisted(loader *L, const char *module) {
+    if (!L->exclude) return;
+    const cJSON *p;
+    cJSON_ArrayForEach(p, L->exclude)
+        if (cJSON_IsString(p) && fnmatch(p->valuestring, module, 0) == 0) return;
+    fp4moe_model_stats *s = &L->m->stats;
+    if (!s->n_dense_unlisted++) snprintf(s->first_dense_unlisted, sizeof s->first_dense_unlisted, "%s", module);
+}
+
+/* exclude_modules of a ModelOpt checkpoint in dir: config.json's quantization_config, else
+ * hf_quant_config.json's quantization (NULL when neither lists it). */
+static cJSON *modelopt_exclude(const char *dir) {
+    const char *files[2] = {"config.json", "hf_quant_config.json"}, *keys[2] = {"quantization_config", "quantization"};
+    for (int i = 0; i < 2; i++) {
+        char path[4096];
+        snprintf(path, sizeof path, "%s/%s", dir, files[i]);
+        int status = 0;
+        char *text = fp4moe_read_text_file(path, &status);
+        cJSON *j = text ? cJSON_Parse(text) : NULL;
+        free(text);
+        cJSON *q = cJSON_GetObjectItemCaseSensitive(j, keys[i]);
+        cJSON *ex = cJSON_DetachItemFromObjectCaseSensitive(q, "exclude_modules");
+        cJSON_Delete(j);
+        if (cJSON_IsArray(ex)) return ex;
+        cJSON_Delete(ex);
+    }
+    return NULL;
+}
+
 /* A packed NVFP4 tensor whose scales are missing would otherwise be blamed on its dtype/shape. */
 static int packed_without_scales(const fp4moe_st_tensor *t) {
     const int n = (int)strlen(t->name) - (int)strlen(".weight");
@@ -288,6 +323,7 @@ static int load_linear(loader *L, const char *module, int64_t N, int64_t K, int 
     } else {
         fp4moe_dtype dt;
         if ((st = packed_without_scales(t)) || (st = check_shape(t, 2, dims)) || (st = float_dtype(t, &dt))) return st;
+        note_unlisted(L, module);
         if (want_quantize(L, K)) st = nvfp4_alloc(L, 1, N, K, 0, lin);
         else st = dense_alloc(L, 1, N, K, dt, lin);
         if (!st) st = dense_expert(L, t, dt, lin, 0);
@@ -649,15 +685,20 @@ int fp4moe_model_load(const char *dir, const fp4moe_load_options *opts, fp4moe_m
     if (!st) st = fp4moe_st_model_open(dir, &m->st);
     if (!st) {
         m->format = m->cfg.quant;
+        if (m->format == FP4MOE_QUANT_MODELOPT_NVFP4) L.exclude = modelopt_exclude(dir);
         L.quantized_ckpt = m->format != FP4MOE_QUANT_NONE ||
                            fp4moe_qformat_detect(m->st) != FP4MOE_QFMT_PLAIN;
         st = load_all(&L);
     }
+    cJSON_Delete(L.exclude);
     if (st) {
         fp4moe_model_free(m);
         return st;
     }
+    const fp4moe_model_stats unlisted = m->stats;   /* compute_stats starts from zero */
     compute_stats(m);
+    m->stats.n_dense_unlisted = unlisted.n_dense_unlisted;
+    memcpy(m->stats.first_dense_unlisted, unlisted.first_dense_unlisted, sizeof unlisted.first_dense_unlisted);
     if (L.opt.device == FP4MOE_DEVICE_CUDA &&
         (st = gpu_model_upload(m, L.opt.progress, L.opt.progress_ctx))) {
         fp4moe_model_free(m);

@@ -901,6 +901,20 @@ static void test_nan_weights_are_an_error(void **state) {
     EXPECT_RC(1, "generate", "-m", dir2, "-p", "The little girl", "-n", "2");
     expect_in(g_err, "'backbone.layers.0.mixer.out_proj.weight' holds packed MLX nvfp4 codes (U32) but its block "
                      "scales 'backbone.layers.0.mixer.out_proj.scales' are missing");
+    /* a dense module of a ModelOpt checkpoint that exclude_modules does not list: a warning naming it */
+    const char *mo = "tests/golden/models/tiny-a-modelopt";
+    EXPECT_RC(0, "generate", "-m", mo, "--prompt-ids", "1,2,3", "-n", "2");
+    assert_null(strstr(g_err, "exclude_modules does not list"));
+    char dir3[512], cmd3[2048];
+    snprintf(dir3, sizeof dir3, "%s", io_path("modelopt-unlisted"));
+    snprintf(cmd3, sizeof cmd3, "rm -rf '%s' && cp -r %s '%s' && python3 -c \"import json,sys\n"
+             "for f,k in (('config.json','quantization_config'),('hf_quant_config.json','quantization')):\n"
+             "  p=sys.argv[1]+'/'+f; j=json.load(open(p)); q=j[k]\n"
+             "  q['exclude_modules']=[x for x in q['exclude_modules'] if x!='backbone.layers.0.mixer.in_proj']\n"
+             "  json.dump(j,open(p,'w'))\" '%s'", dir3, mo, dir3, dir3);
+    assert_int_equal(system(cmd3), 0);
+    EXPECT_RC(0, "generate", "-m", dir3, "--prompt-ids", "1,2,3", "-n", "2");
+    expect_in(g_err, "exclude_modules does not list them (first: backbone.layers.0.mixer.in_proj)");
     /* a model file where a model directory is expected: said so */
     EXPECT_RC(1, "inspect", "-m", "models/nemotron-h-tiny-moe/model.safetensors");
     expect_in(g_err, "is a file; a model is a directory");
