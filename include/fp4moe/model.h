@@ -423,6 +423,8 @@ void fp4moe_sampler_free(fp4moe_sampler *s);
 /* Records a token of the sequence (prompt or generated) for the repetition penalty; a no-op when
  * the penalty is off. */
 void fp4moe_sampler_accept(fp4moe_sampler *s, int32_t id);
+/* Empties that window (a new sequence with the same sampler). */
+void fp4moe_sampler_forget(fp4moe_sampler *s);
 
 /* The next token id from V logits (after the repetition penalty, if on): greedy when temperature
  * <= 0; else probs = softmax(logits / T),

@@ -5,6 +5,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "cli/cli_util.h"
@@ -200,4 +201,42 @@ int cli_generation_defaults(const char *dir, const fp4moe_tokenizer *tok, int64_
     free(text);
     free(p);
     return found;
+}
+
+/* ---- sampling options ------------------------------------------------------------------------------ */
+
+int cli_sampling_check(const char *cmd, cli_sampling *s) {
+    if (!(s->top_p > 0.0 && s->top_p <= 1.0)) return cli_usage_error(cmd, "--top-p must be in (0, 1]");
+    if (s->top_k < 0) return cli_usage_error(cmd, "--top-k must be >= 0");
+    if (!(s->min_p >= 0.0 && s->min_p <= 1.0)) return cli_usage_error(cmd, "--min-p must be in [0, 1]");
+    if (!(s->temp >= 0.0)) return cli_usage_error(cmd, "--temp must be >= 0");
+    if (!(s->repeat_penalty > 0.0 && s->repeat_penalty < 1e6)) return cli_usage_error(cmd, "--repeat-penalty must be > 0");
+    if (s->repeat_last_n < 1) return cli_usage_error(cmd, "--repeat-last-n must be >= 1");
+    if (s->seed == INT64_MIN) {   /* a random seed, printed so that the run can be repeated */
+        FILE *ur = fopen("/dev/urandom", "rb");
+        uint64_t r = (uint64_t)time(NULL) ^ ((uint64_t)getpid() << 32);
+        if (ur) {
+            if (fread(&r, sizeof r, 1, ur) != 1) r ^= 0x9E3779B97F4A7C15ull;
+            fclose(ur);
+        }
+        s->seed = (int64_t)(r >> 11) + 1;          /* < 2^53: exact in JSON */
+        if (s->temp > 0.0) fprintf(stderr, "%s: seed %lld (repeat with --seed %lld)\n", cmd, (long long)s->seed,
+                                   (long long)s->seed);
+    } else if (s->seed < 0) {
+        return cli_usage_error(cmd, "--seed must be >= 0");
+    }
+    return FP4MOE_EXIT_OK;
+}
+
+void cli_sampling_params(const cli_sampling *s, const char *dir, const fp4moe_tokenizer *tok, int64_t vocab,
+                         int no_stop, fp4moe_sampler_params *sp) {
+    fp4moe_sampler_params_default(sp);
+    if (tok && !no_stop) cli_generation_defaults(dir, tok, vocab, sp);   /* its sampling fields are reset below */
+    sp->temperature = (float)s->temp;
+    sp->top_p = (float)s->top_p;
+    sp->top_k = s->top_k;
+    sp->min_p = (float)s->min_p;
+    sp->seed = (uint64_t)s->seed;
+    sp->repeat_penalty = (float)s->repeat_penalty;
+    sp->repeat_last_n = s->repeat_last_n;
 }

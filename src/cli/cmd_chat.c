@@ -23,8 +23,8 @@
 
 typedef struct {
     const char *model, *chat_template, *system, *think, *device, *dtype;
-    int64_t n, seed, top_k, chunk;
-    double temp, top_p, min_p;
+    int64_t n, chunk;
+    cli_sampling smp;
     int no_quantize;
     int64_t threads;
 } chat_args;
@@ -53,10 +53,13 @@ static int answer(const chat_args *a, fp4moe_session *s, int64_t V, fp4moe_token
     fp4moe_tokenizer_stream ts;
     fp4moe_tokenizer_stream_init(&ts, tok, 1);
     fp4moe_session_reset(s);
+    fp4moe_sampler_forget(smp);                  /* the repeat penalty sees this conversation's tokens */
+    for (int64_t i = 0; !st && i < T; i++) fp4moe_sampler_accept(smp, ids[i]);
     if (!st) st = fp4moe_session_forward(s, ids, T, lg, 0);
     for (int64_t i = 0; !st && i < a->n && !*stop; i++) {
         const int32_t id = fp4moe_sample(smp, lg);
         if (fp4moe_sampler_is_stop(smp, id)) break;
+        fp4moe_sampler_accept(smp, id);
         const char *text;
         int64_t len;
         if ((st = fp4moe_tokenizer_stream_push(&ts, id, &text, &len))) break;
@@ -119,19 +122,7 @@ static int chat(const chat_args *a) {
     if (a->chunk > 0) so.max_chunk = a->chunk;
     st = fp4moe_session_new(m, &so, &s);
     fp4moe_sampler_params sp;
-    fp4moe_sampler_params_default(&sp);
-    sp.temperature = (float)a->temp;
-    sp.top_p = (float)a->top_p;
-    sp.top_k = a->top_k;
-    sp.min_p = (float)a->min_p;
-    sp.seed = (uint64_t)a->seed;
-    {   /* stop ids only: the sampling settings are the command line's */
-        fp4moe_sampler_params g;
-        fp4moe_sampler_params_default(&g);
-        cli_generation_defaults(a->model, tok, fp4moe_model_config(m)->vocab, &g);
-        memcpy(sp.stop_ids, g.stop_ids, sizeof g.stop_ids);
-        sp.n_stop = g.n_stop;
-    }
+    cli_sampling_params(&a->smp, a->model, tok, fp4moe_model_config(m)->vocab, 0, &sp);
     if (!st) st = fp4moe_sampler_init_params(&smp, fp4moe_model_config(m)->vocab, &sp);
     cJSON *ctx = cJSON_CreateObject(), *msgs = cJSON_AddArrayToObject(ctx, "messages");
     cJSON_AddNullToObject(ctx, "tools");
@@ -179,18 +170,14 @@ static int chat(const chat_args *a) {
 }
 
 int cmd_chat(int argc, char **argv) {
-    chat_args a = {.n = 512, .top_p = 1.0, .device = "auto"};
+    chat_args a = {.n = 512, .device = "auto", .smp = CLI_SAMPLING_INIT};
     const cli_opt opts[] = {
         {"--model", "-m", CLI_STRING, &a.model, "DIR", "model directory (config.json, *.safetensors, tokenizer.json)"},
         {"--chat-template", NULL, CLI_STRING, &a.chat_template, "FILE", "Jinja chat template (default: the model's)"},
         {"--system", NULL, CLI_STRING, &a.system, "TEXT", "system prompt"},
         {"--think", NULL, CLI_STRING, &a.think, "on|off", "enable_thinking for reasoning templates (default: the template's)"},
         {"--tokens", "-n", CLI_INT, &a.n, "N", "most tokens per answer (default 512)"},
-        {"--temp", NULL, CLI_DOUBLE, &a.temp, "T", "sampling temperature; 0 = greedy (default 0)"},
-        {"--top-p", NULL, CLI_DOUBLE, &a.top_p, "P", "nucleus sampling mass in (0, 1] (default 1)"},
-        {"--top-k", NULL, CLI_INT, &a.top_k, "K", "sample among the K most likely tokens; 0 = all (default 0)"},
-        {"--min-p", NULL, CLI_DOUBLE, &a.min_p, "P", "drop tokens below P x the top probability (default 0)"},
-        {"--seed", NULL, CLI_INT, &a.seed, "S", "sampling seed (default 0)"},
+        CLI_SAMPLING_OPTS(a.smp),
         {"--threads", "-t", CLI_INT, &a.threads, "N", "CPU threads (default: one per core)"},
         {"--device", NULL, CLI_STRING, &a.device, "DEV", "cpu, cuda or auto (default auto)"},
         {"--dtype", NULL, CLI_STRING, &a.dtype, "DT", "matmul activations: f32 or bf16 (default f32 on cpu; cuda: bf16)"},
@@ -207,8 +194,7 @@ int cmd_chat(int argc, char **argv) {
     if (!a.model) return cli_usage_error(CMD, "-m DIR is required");
     if (a.n < 1) return cli_usage_error(CMD, "--tokens must be >= 1");
     if (a.think && strcmp(a.think, "on") && strcmp(a.think, "off")) return cli_usage_error(CMD, "--think must be on or off");
-    if (!(a.top_p > 0.0 && a.top_p <= 1.0) || a.top_k < 0 || !(a.min_p >= 0.0 && a.min_p <= 1.0) || a.temp < 0.0)
-        return cli_usage_error(CMD, "--temp >= 0, --top-p in (0, 1], --top-k >= 0, --min-p in [0, 1]");
+    if ((rc = cli_sampling_check(CMD, &a.smp))) return rc;
     if ((rc = cli_set_threads(CMD, a.threads))) return rc;
     if ((rc = cli_require_model_dir(CMD, a.model))) return rc;
     return chat(&a);

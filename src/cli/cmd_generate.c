@@ -146,9 +146,9 @@ int cli_parse_dtype(const char *cmd, const char *s, fp4moe_dtype *dt) {
 
 typedef struct {
     const char *model, *prompt, *prompt_ids, *dtype, *device;
-    int64_t n, seed, chunk, top_k, ctx, repeat_last_n, threads;
+    int64_t n, chunk, ctx, threads;
     const char *file;
-    double temp, top_p, min_p, repeat_penalty;
+    cli_sampling smp;
     int no_quantize, ignore_eos, json;
     cli_strings stop;
 } gen_args;
@@ -342,7 +342,7 @@ static int run_generation(const gen_args *a, gen_state *g, const volatile sig_at
         cJSON_AddNumberToObject(o, "prompt_tokens", (double)g->T);
         cJSON_AddNumberToObject(o, "generated_tokens", (double)g->n_ids);
         cJSON_AddStringToObject(o, "finish_reason", reason);
-        cJSON_AddNumberToObject(o, "seed", (double)a->seed);
+        cJSON_AddNumberToObject(o, "seed", (double)a->smp.seed);
         cJSON_AddNumberToObject(o, "prefill_seconds", t_prefill);
         cJSON_AddNumberToObject(o, "decode_seconds", t_decode);
         cJSON_AddNumberToObject(o, "prefill_tok_s", t_prefill > 0 ? (double)g->T / t_prefill : 0.0);
@@ -405,22 +405,8 @@ static int generate(const gen_args *a) {
     if (a->chunk > 0) so.max_chunk = a->chunk;
     const int64_t V = fp4moe_model_config(g.m)->vocab;
     int st = fp4moe_session_new(g.m, &so, &g.s);
-    fp4moe_sampler_params sp;
-    fp4moe_sampler_params_default(&sp);
-    sp.temperature = (float)a->temp;
-    sp.top_p = (float)a->top_p;
-    sp.top_k = a->top_k;
-    sp.min_p = (float)a->min_p;
-    sp.seed = (uint64_t)a->seed;
-    sp.repeat_penalty = (float)a->repeat_penalty;
-    sp.repeat_last_n = a->repeat_last_n;
-    if (g.tok && !a->ignore_eos) {   /* every EOS id: the tokenizer's, generation_config.json's */
-        fp4moe_sampler_params gd;
-        fp4moe_sampler_params_default(&gd);
-        cli_generation_defaults(a->model, g.tok, V, &gd);
-        memcpy(sp.stop_ids, gd.stop_ids, sizeof gd.stop_ids);
-        sp.n_stop = gd.n_stop;
-    }
+    fp4moe_sampler_params sp;   /* stop ids: the tokenizer's EOS and every one of generation_config.json */
+    cli_sampling_params(&a->smp, a->model, g.tok, V, a->ignore_eos, &sp);
     srv_text_init(&g.stop, (char *const *)a->stop.v, a->stop.n, 0, 0);
     if (!st) st = fp4moe_sampler_init_params(&g.smp, V, &sp);
     if (!st && !(g.logits = malloc((size_t)V * sizeof(float)))) st = FP4MOE_ENOMEM;
@@ -432,8 +418,7 @@ static int generate(const gen_args *a) {
 }
 
 int cmd_generate(int argc, char **argv) {
-    gen_args a = {.n = 128, .temp = 0.0, .top_p = 1.0, .dtype = NULL, .device = "auto", .seed = INT64_MIN,
-                  .repeat_penalty = 1.0, .repeat_last_n = 64};
+    gen_args a = {.n = 128, .dtype = NULL, .device = "auto", .smp = CLI_SAMPLING_INIT};
     const cli_opt opts[] = {
         {"--model", "-m", CLI_STRING, &a.model, "DIR", "model directory (config.json, *.safetensors, tokenizer.json)"},
         {"--prompt", "-p", CLI_STRING, &a.prompt, "TEXT", "prompt text (- reads it from standard input)"},
@@ -441,20 +426,13 @@ int cmd_generate(int argc, char **argv) {
         {"--ctx", NULL, CLI_INT, &a.ctx, "N", "context limit in tokens (default: the model's max_position_embeddings)"},
         {"--prompt-ids", NULL, CLI_STRING, &a.prompt_ids, "IDS", "prompt as token ids, e.g. 1,2,3 (no tokenizer needed)"},
         {"--tokens", "-n", CLI_INT, &a.n, "N", "tokens to generate (default 128)"},
-        {"--temp", NULL, CLI_DOUBLE, &a.temp, "T", "sampling temperature; 0 = greedy (default 0)"},
-        {"--top-p", NULL, CLI_DOUBLE, &a.top_p, "P", "nucleus sampling mass in (0, 1] (default 1)"},
-        {"--top-k", NULL, CLI_INT, &a.top_k, "K", "sample among the K most likely tokens; 0 = all (default 0)"},
-        {"--min-p", NULL, CLI_DOUBLE, &a.min_p, "P", "drop tokens below P x the top probability, in [0, 1] (default 0)"},
-        {"--seed", NULL, CLI_INT, &a.seed, "S", "sampling seed (default: random, printed on stderr to repeat the run)"},
+        CLI_SAMPLING_OPTS(a.smp),
         {"--device", NULL, CLI_STRING, &a.device, "DEV", "cpu, cuda or auto (default auto: cuda when a GPU is visible)"},
         {"--dtype", NULL, CLI_STRING, &a.dtype, "DT", "matmul activations: f32 or bf16 (default f32 on cpu; cuda: bf16 only)"},
         {"--no-quantize", NULL, CLI_FLAG, &a.no_quantize, NULL, "keep dense checkpoints dense (default: NVFP4 on load)"},
         {"--chunk", NULL, CLI_INT, &a.chunk, "N", "prefill chunk in tokens (default 256 on cpu, 8192 on cuda)"},
         {"--ignore-eos", NULL, CLI_FLAG, &a.ignore_eos, NULL, "do not stop at the end-of-sequence tokens"},
         {"--stop", NULL, CLI_STRINGS, &a.stop, "TEXT", "stop before this text (repeatable, up to 16)"},
-        {"--repeat-penalty", NULL, CLI_DOUBLE, &a.repeat_penalty, "P", "divide positive / multiply negative logits of "
-         "recent tokens by P; 1 = off (default 1)"},
-        {"--repeat-last-n", NULL, CLI_INT, &a.repeat_last_n, "N", "tokens the repeat penalty looks back (default 64)"},
         {"--threads", "-t", CLI_INT, &a.threads, "N", "CPU threads (default: one per core)"},
         {"--json", NULL, CLI_FLAG, &a.json, NULL, "print one JSON object (text, ids, finish_reason, seed, timings) at the end"},
     };
@@ -467,29 +445,12 @@ int cmd_generate(int argc, char **argv) {
     if (rc == CLI_HELP) return FP4MOE_EXIT_OK;
     if (rc) return FP4MOE_EXIT_USAGE;
     if (a.chunk < 0) return cli_usage_error(CMD, "--chunk must be >= 1 (0: the default)");
-    if (a.seed == INT64_MIN) {                     /* a random seed, printed so that the run can be repeated */
-        FILE *ur = fopen("/dev/urandom", "rb");
-        uint64_t r = (uint64_t)time(NULL) ^ ((uint64_t)getpid() << 32);
-        if (ur) {
-            if (fread(&r, sizeof r, 1, ur) != 1) r ^= 0x9E3779B97F4A7C15ull;
-            fclose(ur);
-        }
-        a.seed = (int64_t)(r >> 11) + 1;          /* < 2^53: exact in JSON */
-        if (a.temp > 0.0) fprintf(stderr, "%s: seed %lld (repeat with --seed %lld)\n", CMD, (long long)a.seed, (long long)a.seed);
-    } else if (a.seed < 0) {
-        return cli_usage_error(CMD, "--seed must be >= 0");
-    }
     if (!a.model) return cli_usage_error(CMD, "-m DIR is required");
     if ((a.prompt != NULL) + (a.prompt_ids != NULL) + (a.file != NULL) != 1)
         return cli_usage_error(CMD, "give exactly one of -p TEXT, -f FILE and --prompt-ids IDS");
     if (a.ctx < 0) return cli_usage_error(CMD, "--ctx must be >= 1 (0: the model's max_position_embeddings)");
     if (a.n < 1) return cli_usage_error(CMD, "-n must be >= 1");
-    if (!(a.top_p > 0.0 && a.top_p <= 1.0)) return cli_usage_error(CMD, "--top-p must be in (0, 1]");
-    if (a.top_k < 0) return cli_usage_error(CMD, "--top-k must be >= 0");
-    if (!(a.min_p >= 0.0 && a.min_p <= 1.0)) return cli_usage_error(CMD, "--min-p must be in [0, 1]");
-    if (a.temp < 0.0) return cli_usage_error(CMD, "--temp must be >= 0");
-    if (!(a.repeat_penalty > 0.0 && a.repeat_penalty < 1e6)) return cli_usage_error(CMD, "--repeat-penalty must be > 0");
-    if (a.repeat_last_n < 1) return cli_usage_error(CMD, "--repeat-last-n must be >= 1");
+    if ((rc = cli_sampling_check(CMD, &a.smp))) return rc;
     for (int i = 0; i < a.stop.n; i++)
         if (!a.stop.v[i][0]) return cli_usage_error(CMD, "--stop must not be empty");
     if ((rc = cli_set_threads(CMD, a.threads))) return rc;

@@ -22,6 +22,7 @@ int cmd_serve(int argc, char **argv);
 
 /* Shared by generate and bench (cmd_generate.c). */
 #include <signal.h>
+#include <stdint.h>
 #include <stdio.h>
 #include "fp4moe/model.h"
 /* Loads model dir `dir` (quantize: NVFP4-quantize dense checkpoints on load), a progress bar on a
@@ -61,6 +62,32 @@ int cli_load_synthetic(const char *cmd, const char *name, uint64_t seed, fp4moe_
 char *cli_load_chat_template(const char *dir, const char *override);
 /* bos_token / eos_token of DIR/tokenizer_config.json (strings, "" when absent) into ctx. */
 void cli_template_special_tokens(const char *dir, cJSON *ctx);
+/* The sampling options of the commands that generate (generate, chat): one group, one check. */
+typedef struct {
+    double temp, top_p, min_p, repeat_penalty;
+    int64_t top_k, seed, repeat_last_n;
+} cli_sampling;
+#define CLI_SAMPLING_INIT {.top_p = 1.0, .repeat_penalty = 1.0, .repeat_last_n = 64, .seed = INT64_MIN}
+/* Its cli_opt entries (cli/cli_util.h), for an options array. */
+#define CLI_SAMPLING_OPTS(s)                                                                                   \
+    {"--temp", NULL, CLI_DOUBLE, &(s).temp, "T", "sampling temperature; 0 = greedy (default 0)"},            \
+    {"--top-p", NULL, CLI_DOUBLE, &(s).top_p, "P", "nucleus sampling mass in (0, 1] (default 1)"},           \
+    {"--top-k", NULL, CLI_INT, &(s).top_k, "K", "sample among the K most likely tokens; 0 = all (default 0)"}, \
+    {"--min-p", NULL, CLI_DOUBLE, &(s).min_p, "P", "drop tokens below P x the top probability, in [0, 1] "     \
+     "(default 0)"},                                                                                           \
+    {"--seed", NULL, CLI_INT, &(s).seed, "S", "sampling seed (default: random, printed on stderr to repeat "   \
+     "the run)"},                                                                                              \
+    {"--repeat-penalty", NULL, CLI_DOUBLE, &(s).repeat_penalty, "P", "divide positive / multiply negative "    \
+     "logits of recent tokens by P; 1 = off (default 1)"},                                                     \
+    {"--repeat-last-n", NULL, CLI_INT, &(s).repeat_last_n, "N", "tokens the repeat penalty looks back "        \
+     "(default 64)"}
+/* Usage errors for out-of-range values; draws the random seed when none was given (printed on
+ * stderr when sampling, so that the run can be repeated). Returns an exit code. */
+int cli_sampling_check(const char *cmd, cli_sampling *s);
+/* The sampler settings of s, with every stop id of dir (cli_generation_defaults) unless no_stop. */
+void cli_sampling_params(const cli_sampling *s, const char *dir, const fp4moe_tokenizer *tok, int64_t vocab,
+                         int no_stop, fp4moe_sampler_params *sp);
+
 /* Stop ids (the tokenizer's EOS, the chat end tokens it has, every eos_token_id of
  * DIR/generation_config.json) added to sp, and its sampling defaults (do_sample false: greedy;
  * temperature, top_p, top_k, min_p) when the file exists. Returns 1 when the file was read. */

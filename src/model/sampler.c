@@ -167,6 +167,10 @@ void fp4moe_sampler_accept(fp4moe_sampler *s, int32_t id) {
     if (s->n_recent < s->repeat_last_n) s->n_recent++;
 }
 
+void fp4moe_sampler_forget(fp4moe_sampler *s) {
+    if (s) s->n_recent = s->recent_head = 0;
+}
+
 /* logits with the repetition penalty applied once per distinct recent id (into s->pen). */
 static const float *penalize(fp4moe_sampler *s, const float *logits) {
     if (!s->recent || !s->n_recent) return logits;
