@@ -22,6 +22,25 @@
 #define SRV_MAX_STOP 16          /* stop strings per request (OpenAI allows 4; vLLM more) */
 #define SRV_MAX_STOP_LEN 256     /* bytes per stop string */
 
+/* ---- growable byte buffers (every text the server builds) ------------------------------------ */
+
+typedef struct {
+    char *p;                     /* NUL-terminated when non-NULL */
+    size_t n, cap;
+} srv_buf;
+
+/* Appends n bytes (keeps a NUL after them). Returns 0, or -1 when out of memory (b unchanged). */
+int srv_buf_add(srv_buf *b, const void *s, size_t n);
+/* Room for `extra` more bytes (+ the NUL) without moving. Returns 0 or -1. */
+int srv_buf_reserve(srv_buf *b, size_t extra);
+/* Appends printf output. Returns 0 or -1. */
+int srv_buf_printf(srv_buf *b, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 2, 3)))
+#endif
+    ;
+void srv_buf_free(srv_buf *b);
+
 /* ---- errors --------------------------------------------------------------------------------- */
 
 typedef struct {
@@ -95,15 +114,13 @@ typedef struct {
     char *stop[SRV_MAX_STOP];          /* borrowed */
     int n_stop;
     size_t max_stop;                   /* longest stop string */
-    char *all;                         /* every byte generated so far (stop matching) */
-    size_t n_all, cap_all, released;   /* released: bytes passed on to the split */
+    srv_buf all;                       /* every byte generated so far (stop matching) */
+    size_t released;                   /* bytes of all passed on to the split */
     int stopped;                       /* a stop string matched: nothing more is accepted */
     int split;                         /* reasoning split on */
     int in_reasoning, content_started;
-    char *pend;                        /* released bytes the split still holds back */
-    size_t n_pend, cap_pend;
-    char *out_r, *out_c;               /* the output of the last call (reasoning, content) */
-    size_t n_out_r, n_out_c, cap_out_r, cap_out_c;
+    srv_buf pend;                      /* released bytes the split still holds back */
+    srv_buf out_r, out_c;              /* the output of the last call (reasoning, content) */
 } srv_text;
 
 /* The output of one feed: views valid until the next call. */

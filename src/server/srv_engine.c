@@ -40,12 +40,11 @@ struct srv_job {
     double t_submit, t_admit, t_first, t_last;
     double ms_restore, ms_snapshot;           /* prefix cache copies of this job */
     int n_steps_prefill;
-    char *acc[2];                             /* non-stream: reasoning, content */
-    size_t n_acc[2], cap_acc[2];
+    srv_buf acc[2];                           /* non-stream: reasoning, content */
     int role_sent;
     /* shared with the HTTP side (e->lock) */
-    char *out;
-    size_t n_out, cap_out, n_read;
+    srv_buf out;                              /* SSE bytes, or the final body */
+    size_t n_read;
     int done, cancelled, http, armed;
     void (*wake)(void *);
     void *wake_ctx;
@@ -128,28 +127,11 @@ static double now_s(void) {
 
 /* ---- output (engine thread, e->lock held) ------------------------------------------------------ */
 
-static int out_add(srv_job *j, const char *s, size_t n) {
-    if (j->n_out + n + 1 > j->cap_out) {
-        size_t c = j->cap_out ? j->cap_out : 1024;
-        while (c < j->n_out + n + 1) c *= 2;
-        char *q = realloc(j->out, c);
-        if (!q) return -1;
-        j->out = q;
-        j->cap_out = c;
-    }
-    memcpy(j->out + j->n_out, s, n);
-    j->n_out += n;
-    j->out[j->n_out] = 0;
-    return 0;
-}
-
 static void out_event(srv_job *j, cJSON *o) {
     char *s = cJSON_PrintUnformatted(o);
     cJSON_Delete(o);
     if (!s) return;
-    out_add(j, "data: ", 6);
-    out_add(j, s, strlen(s));
-    out_add(j, "\n\n", 2);
+    srv_buf_printf(&j->out, "data: %s\n\n", s);
     free(s);
 }
 
@@ -179,19 +161,7 @@ static void emit(srv_job *j, const srv_delta *d, const char *finish) {
     if (!j->r.stream) {
         const char *part[2] = {d->reasoning, d->content};
         const size_t n[2] = {d->n_reasoning, d->n_content};
-        for (int k = 0; k < 2; k++) {
-            if (!n[k]) continue;
-            if (j->n_acc[k] + n[k] + 1 > j->cap_acc[k]) {
-                size_t c = (j->n_acc[k] + n[k] + 1) * 2;
-                char *q = realloc(j->acc[k], c);
-                if (!q) continue;
-                j->acc[k] = q;
-                j->cap_acc[k] = c;
-            }
-            memcpy(j->acc[k] + j->n_acc[k], part[k], n[k]);
-            j->n_acc[k] += n[k];
-            j->acc[k][j->n_acc[k]] = 0;
-        }
+        for (int k = 0; k < 2; k++) srv_buf_add(&j->acc[k], part[k], n[k]);
         return;
     }
     if (!d->n_reasoning && !d->n_content && !finish && j->role_sent) return;
@@ -226,18 +196,18 @@ static void final_body(srv_job *j, const char *finish) {
     if (j->r.kind == SRV_CHAT) {
         cJSON *msg = cJSON_AddObjectToObject(c, "message");
         cJSON_AddStringToObject(msg, "role", "assistant");
-        cJSON_AddStringToObject(msg, "content", j->acc[1] ? j->acc[1] : "");
-        if (j->r.reasoning && j->acc[0]) cJSON_AddStringToObject(msg, "reasoning_content", j->acc[0]);
+        cJSON_AddStringToObject(msg, "content", j->acc[1].n ? j->acc[1].p : "");
+        if (j->r.reasoning && j->acc[0].n) cJSON_AddStringToObject(msg, "reasoning_content", j->acc[0].p);
         else cJSON_AddNullToObject(msg, "reasoning_content");
     } else {
-        cJSON_AddStringToObject(c, "text", j->acc[1] ? j->acc[1] : "");
+        cJSON_AddStringToObject(c, "text", j->acc[1].n ? j->acc[1].p : "");
     }
     cJSON_AddNullToObject(c, "logprobs");
     cJSON_AddStringToObject(c, "finish_reason", finish);
     cJSON_AddItemToObject(o, "usage", usage_json(j));
     char *s = cJSON_PrintUnformatted(o);
     cJSON_Delete(o);
-    if (s) out_add(j, s, strlen(s));
+    if (s) srv_buf_add(&j->out, s, strlen(s));
     free(s);
 }
 
@@ -346,21 +316,12 @@ static void finish_error(srv_engine *e, srv_job *j, int http, const char *msg) {
     srv_error er;
     srv_fail(&er, http, NULL, "%s", msg);
     char *body = srv_error_json(&er);
-    if (j->r.stream && j->n_out) {
-        out_add(j, "data: ", 6);
-        if (body) out_add(j, body, strlen(body));
-        out_add(j, "\n\ndata: [DONE]\n\n", 16);
-    } else {
-        j->n_out = 0;
-        j->http = http;
-        if (j->r.stream) {       /* nothing sent yet: headers are still to go */
-            out_add(j, "data: ", 6);
-            if (body) out_add(j, body, strlen(body));
-            out_add(j, "\n\ndata: [DONE]\n\n", 16);
-        } else if (body) {
-            out_add(j, body, strlen(body));
-        }
-    }
+    /* a stream (headers sent or not) ends with an SSE error event; a whole answer is replaced by
+       the error body with its status */
+    if (!j->r.stream) j->out.n = 0;
+    j->http = http;                  /* read for whole answers only (a stream sent its 200) */
+    if (j->r.stream) srv_buf_printf(&j->out, "data: %s\n\ndata: [DONE]\n\n", body ? body : "{}");
+    else if (body) srv_buf_add(&j->out, body, strlen(body));
     free(body);
     j->done = 1;
     j->phase = PH_DONE;
@@ -398,7 +359,7 @@ static void finish_ok(srv_engine *e, srv_job *j, int reason /* 0 stop, 1 length 
             cJSON_AddItemToObject(o, "usage", usage_json(j));
             out_event(j, o);
         }
-        out_add(j, "data: [DONE]\n\n", 14);
+        srv_buf_add(&j->out, "data: [DONE]\n\n", 14);
     } else {
         final_body(j, k_finish_name[reason]);
     }
@@ -527,9 +488,9 @@ static void job_free(srv_job *j) {
     srv_text_free(&j->text);
     free(j->gen);
     free(j->logits);
-    free(j->acc[0]);
-    free(j->acc[1]);
-    free(j->out);
+    srv_buf_free(&j->acc[0]);
+    srv_buf_free(&j->acc[1]);
+    srv_buf_free(&j->out);
     free(j);
 }
 
@@ -851,11 +812,11 @@ srv_job *srv_engine_submit(srv_engine *e, srv_request *r, void (*wake)(void *), 
 size_t srv_job_read(srv_job *j, char *buf, size_t max, int *done, int *waiting) {
     srv_engine *e = j->e;
     pthread_mutex_lock(&e->lock);
-    size_t n = j->n_out - j->n_read;
+    size_t n = j->out.n - j->n_read;
     if (n > max) n = max;
-    memcpy(buf, j->out + j->n_read, n);
+    if (n) memcpy(buf, j->out.p + j->n_read, n);
     j->n_read += n;
-    *done = j->done && j->n_read == j->n_out;
+    *done = j->done && j->n_read == j->out.n;
     *waiting = n == 0 && !*done;
     pthread_mutex_unlock(&e->lock);
     return n;
@@ -871,7 +832,7 @@ int srv_job_done(srv_job *j, int *http) {
 
 int srv_job_arm(srv_job *j, void (*suspend)(void *), void *ctx) {
     pthread_mutex_lock(&j->e->lock);
-    const int ready = j->r.stream ? (j->n_read < j->n_out || j->done) : j->done;
+    const int ready = j->r.stream ? (j->n_read < j->out.n || j->done) : j->done;
     if (!ready) {
         j->armed = 1;
         suspend(ctx);
@@ -920,47 +881,24 @@ void srv_engine_load(srv_engine *e, int64_t *queued, int64_t *running) {
     pthread_mutex_unlock(&e->lock);
 }
 
-static void put(char **s, size_t *n, size_t *cap, const char *fmt, ...) __attribute__((format(printf, 4, 5)));
-#include <stdarg.h>
-static void put(char **s, size_t *n, size_t *cap, const char *fmt, ...) {
-    for (;;) {
-        va_list ap;
-        va_start(ap, fmt);
-        const int k = vsnprintf(*s ? *s + *n : NULL, *s ? *cap - *n : 0, fmt, ap);
-        va_end(ap);
-        if (k < 0) return;
-        if (*s && *n + (size_t)k < *cap) {
-            *n += (size_t)k;
-            return;
-        }
-        size_t c = *cap ? *cap * 2 : 4096;
-        while (c < *n + (size_t)k + 1) c *= 2;
-        char *q = realloc(*s, c);
-        if (!q) return;
-        *s = q;
-        *cap = c;
-    }
-}
-
-static void put_histo(char **s, size_t *n, size_t *cap, const char *name, const char *help, const histo *h) {
-    put(s, n, cap, "# HELP %s %s\n# TYPE %s histogram\n", name, help, name);
-    for (int i = 0; i < h->nb; i++) put(s, n, cap, "%s_bucket{le=\"%g\"} %llu\n", name, h->b[i], (unsigned long long)h->count[i]);
-    put(s, n, cap, "%s_bucket{le=\"+Inf\"} %llu\n%s_sum %.6f\n%s_count %llu\n", name, (unsigned long long)h->n, name,
+static void put_histo(srv_buf *b, const char *name, const char *help, const histo *h) {
+    srv_buf_printf(b, "# HELP %s %s\n# TYPE %s histogram\n", name, help, name);
+    for (int i = 0; i < h->nb; i++) srv_buf_printf(b, "%s_bucket{le=\"%g\"} %llu\n", name, h->b[i], (unsigned long long)h->count[i]);
+    srv_buf_printf(b, "%s_bucket{le=\"+Inf\"} %llu\n%s_sum %.6f\n%s_count %llu\n", name, (unsigned long long)h->n, name,
         h->sum, name, (unsigned long long)h->n);
 }
 
 char *srv_engine_metrics(srv_engine *e) {
-    char *s = NULL;
-    size_t n = 0, cap = 0;
+    srv_buf b = {0};
     pthread_mutex_lock(&e->lock);
-    put(&s, &n, &cap, "# HELP fp4moe_requests_total HTTP responses by status code.\n# TYPE fp4moe_requests_total counter\n");
+    srv_buf_printf(&b, "# HELP fp4moe_requests_total HTTP responses by status code.\n# TYPE fp4moe_requests_total counter\n");
     for (int i = 0; i < e->n_codes; i++)
-        put(&s, &n, &cap, "fp4moe_requests_total{code=\"%d\"} %llu\n", e->http_code[i], (unsigned long long)e->http_count[i]);
+        srv_buf_printf(&b, "fp4moe_requests_total{code=\"%d\"} %llu\n", e->http_code[i], (unsigned long long)e->http_count[i]);
     static const char *const fin[] = {"stop", "length", "cancelled", "error"};
-    put(&s, &n, &cap, "# HELP fp4moe_generations_total Generations ended, by reason.\n# TYPE fp4moe_generations_total counter\n");
+    srv_buf_printf(&b, "# HELP fp4moe_generations_total Generations ended, by reason.\n# TYPE fp4moe_generations_total counter\n");
     for (int i = 0; i < 4; i++)
-        put(&s, &n, &cap, "fp4moe_generations_total{reason=\"%s\"} %llu\n", fin[i], (unsigned long long)e->finish[i]);
-    put(&s, &n, &cap,
+        srv_buf_printf(&b, "fp4moe_generations_total{reason=\"%s\"} %llu\n", fin[i], (unsigned long long)e->finish[i]);
+    srv_buf_printf(&b,
         "# HELP fp4moe_prompt_tokens_total Prompt tokens of admitted requests.\n# TYPE fp4moe_prompt_tokens_total counter\n"
         "fp4moe_prompt_tokens_total %llu\n"
         "# HELP fp4moe_prompt_tokens_cached_total Prompt tokens restored from the prefix cache instead of computed.\n"
@@ -979,10 +917,10 @@ char *srv_engine_metrics(srv_engine *e) {
         (unsigned long long)e->prompt_tokens, (unsigned long long)e->cached_tokens, (unsigned long long)e->gen_tokens,
         (unsigned long long)e->steps, (long long)e->n_queued, (long long)e->n_running, e->cache_bytes,
         (long long)e->n_cache);
-    put_histo(&s, &n, &cap, "fp4moe_batch_rows", "Token rows per batch step.", &e->rows);
-    put_histo(&s, &n, &cap, "fp4moe_step_seconds", "Wall time of one batch step (forward + outputs).", &e->step_s);
-    put_histo(&s, &n, &cap, "fp4moe_time_to_first_token_seconds", "Time from request to its first token.", &e->ttft);
-    put_histo(&s, &n, &cap, "fp4moe_inter_token_latency_seconds", "Time between consecutive tokens of a request.", &e->itl);
+    put_histo(&b, "fp4moe_batch_rows", "Token rows per batch step.", &e->rows);
+    put_histo(&b, "fp4moe_step_seconds", "Wall time of one batch step (forward + outputs).", &e->step_s);
+    put_histo(&b, "fp4moe_time_to_first_token_seconds", "Time from request to its first token.", &e->ttft);
+    put_histo(&b, "fp4moe_inter_token_latency_seconds", "Time between consecutive tokens of a request.", &e->itl);
     pthread_mutex_unlock(&e->lock);
-    return s;
+    return b.p;
 }

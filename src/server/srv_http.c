@@ -36,8 +36,7 @@ typedef struct {
 
 typedef struct {
     wake_ctx w;
-    char *body;
-    size_t n, cap;
+    srv_buf body;
     int too_big, answered;
     srv_job *job;                 /* non-stream job waiting for its body */
 } conn_ctx;
@@ -143,36 +142,30 @@ static enum MHD_Result get_health(srv_http *h, struct MHD_Connection *c) {
 }
 
 static enum MHD_Result body_of_job(srv_http *h, conn_ctx *cc) {
-    int http = 200;
+    int http = 200, done = 0, waiting = 0;
     srv_job_done(cc->job, &http);
-    char *s = NULL;
-    size_t n = 0, cap = 0;
+    srv_buf b = {0};
     for (;;) {
-        if (n + 65536 + 1 > cap) {
-            cap = (n + 65536 + 1) * 2;
-            char *q = realloc(s, cap);
-            if (!q) {
-                free(s);
-                return MHD_NO;
-            }
-            s = q;
+        if (srv_buf_reserve(&b, 65536)) {
+            srv_buf_free(&b);
+            return MHD_NO;
         }
-        int done = 0, waiting = 0;
-        const size_t k = srv_job_read(cc->job, s + n, 65536, &done, &waiting);
-        n += k;
+        const size_t k = srv_job_read(cc->job, b.p + b.n, 65536, &done, &waiting);
         if (!k) break;
+        b.n += k;
     }
     srv_job_release(cc->job);
     cc->job = NULL;
     cc->answered = 1;
-    return respond(h, cc->w.c, http, "application/json", s, n);
+    return respond(h, cc->w.c, http, "application/json", b.p ? b.p : strdup(""), b.n);
 }
 
 static enum MHD_Result post_generate(srv_http *h, conn_ctx *cc, srv_kind kind) {
     struct MHD_Connection *c = cc->w.c;
     srv_request r;
     srv_error er;
-    if (srv_parse_request(h->pc, kind, cc->body ? cc->body : "", cc->n, &r, &er)) return respond_error(h, c, &er);
+    if (srv_parse_request(h->pc, kind, cc->body.p ? cc->body.p : "", cc->body.n, &r, &er))
+        return respond_error(h, c, &er);
     const int stream = r.stream;
     if (stream) {
         stream_ctx *s = calloc(1, sizeof *s);
@@ -225,20 +218,8 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
     }
     if (cc->answered) return MHD_YES;
     if (*upload_size) {
-        if (!cc->too_big && cc->n + *upload_size > (size_t)h->o->max_body) cc->too_big = 1;
-        if (!cc->too_big) {
-            if (cc->n + *upload_size + 1 > cc->cap) {
-                size_t cap = cc->cap ? cc->cap : 4096;
-                while (cap < cc->n + *upload_size + 1) cap *= 2;
-                char *q = realloc(cc->body, cap);
-                if (!q) return MHD_NO;
-                cc->body = q;
-                cc->cap = cap;
-            }
-            memcpy(cc->body + cc->n, upload, *upload_size);
-            cc->n += *upload_size;
-            cc->body[cc->n] = 0;
-        }
+        if (!cc->too_big && cc->body.n + *upload_size > (size_t)h->o->max_body) cc->too_big = 1;
+        if (!cc->too_big && srv_buf_add(&cc->body, upload, *upload_size)) return MHD_NO;
         *upload_size = 0;
         return MHD_YES;
     }
@@ -278,7 +259,7 @@ static void on_completed(void *cls, struct MHD_Connection *c, void **req_cls, en
     conn_ctx *cc = *req_cls;
     if (!cc) return;
     if (cc->job) srv_job_release(cc->job);   /* cancels an unfinished job */
-    free(cc->body);
+    srv_buf_free(&cc->body);
     free(cc);
     *req_cls = NULL;
 }

@@ -274,36 +274,23 @@ static cJSON *clean_message(const cJSON *m, int index, srv_error *e) {
     cJSON_ArrayForEach(kv, m) {
         if (cJSON_IsNull(kv) || !kv->string) continue;
         if (!strcmp(kv->string, "content") && cJSON_IsArray(kv)) {
-            size_t len = 0, cap = 0;
-            char *text = NULL;
+            srv_buf text = {0};
             const cJSON *part;
             cJSON_ArrayForEach(part, kv) {
                 const cJSON *type = cJSON_GetObjectItemCaseSensitive(part, "type");
                 const cJSON *t = cJSON_GetObjectItemCaseSensitive(part, "text");
-                if (!cJSON_IsString(type) || strcmp(type->valuestring, "text") || !cJSON_IsString(t)) {
-                    free(text);
+                const int bad = !cJSON_IsString(type) || strcmp(type->valuestring, "text") || !cJSON_IsString(t);
+                if (bad || srv_buf_add(&text, t->valuestring, strlen(t->valuestring))) {
+                    srv_buf_free(&text);
                     cJSON_Delete(out);
-                    srv_fail(e, 400, "messages", "messages[%d].content: only parts of type \"text\" are supported",
-                             index);
+                    if (bad) srv_fail(e, 400, "messages", "messages[%d].content: only parts of type \"text\" are "
+                                      "supported", index);
+                    else srv_fail(e, 500, NULL, "out of memory");
                     return NULL;
                 }
-                const size_t l = strlen(t->valuestring);
-                if (len + l + 1 > cap) {
-                    cap = (len + l + 1) * 2;
-                    char *q = realloc(text, cap);
-                    if (!q) {
-                        free(text);
-                        cJSON_Delete(out);
-                        srv_fail(e, 500, NULL, "out of memory");
-                        return NULL;
-                    }
-                    text = q;
-                }
-                memcpy(text + len, t->valuestring, l + 1);
-                len += l;
             }
-            cJSON_AddStringToObject(out, "content", text ? text : "");
-            free(text);
+            cJSON_AddStringToObject(out, "content", text.p ? text.p : "");
+            srv_buf_free(&text);
             continue;
         }
         if (!strcmp(kv->string, "content") && !cJSON_IsString(kv)) {

@@ -1,21 +1,54 @@
-/* Generated text -> stop strings, then the reasoning / content split (see srv.h). */
+/* Growable buffers, and generated text -> stop strings, then the reasoning / content split (see
+ * srv.h). */
+#include <stdarg.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "server/srv.h"
 
-static const char k_open[] = "<think>", k_close[] = "</think>";
+/* ---- srv_buf -------------------------------------------------------------------------------------- */
 
-static int grow(char **p, size_t *cap, size_t need) {
-    if (need <= *cap) return 0;
-    size_t c = *cap ? *cap : 256;
-    while (c < need) c *= 2;
-    char *q = realloc(*p, c);
+int srv_buf_reserve(srv_buf *b, size_t extra) {
+    if (b->n + extra + 1 <= b->cap) return 0;
+    size_t c = b->cap ? b->cap : 256;
+    while (c < b->n + extra + 1) c *= 2;
+    char *q = realloc(b->p, c);
     if (!q) return -1;
-    *p = q;
-    *cap = c;
+    b->p = q;
+    b->cap = c;
     return 0;
 }
+
+int srv_buf_add(srv_buf *b, const void *s, size_t n) {
+    if (srv_buf_reserve(b, n)) return -1;
+    if (n) memcpy(b->p + b->n, s, n);
+    b->n += n;
+    b->p[b->n] = 0;
+    return 0;
+}
+
+int srv_buf_printf(srv_buf *b, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    const int k = vsnprintf(NULL, 0, fmt, ap);
+    va_end(ap);
+    if (k < 0 || srv_buf_reserve(b, (size_t)k)) return -1;
+    va_start(ap, fmt);
+    vsnprintf(b->p + b->n, (size_t)k + 1, fmt, ap);
+    va_end(ap);
+    b->n += (size_t)k;
+    return 0;
+}
+
+void srv_buf_free(srv_buf *b) {
+    free(b->p);
+    memset(b, 0, sizeof *b);
+}
+
+/* ---- stop strings and the reasoning split ------------------------------------------------------------ */
+
+static const char k_open[] = "<think>", k_close[] = "</think>";
 
 void srv_text_init(srv_text *t, char *const *stop, int n_stop, int split, int reasoning_start) {
     memset(t, 0, sizeof *t);
@@ -29,23 +62,11 @@ void srv_text_init(srv_text *t, char *const *stop, int n_stop, int split, int re
 }
 
 void srv_text_free(srv_text *t) {
-    free(t->all);
-    free(t->pend);
-    free(t->out_r);
-    free(t->out_c);
+    srv_buf_free(&t->all);
+    srv_buf_free(&t->pend);
+    srv_buf_free(&t->out_r);
+    srv_buf_free(&t->out_c);
     memset(t, 0, sizeof *t);
-}
-
-/* The output of one call: reasoning and content bytes in two scratch buffers of t. */
-static int out_add(srv_text *t, int reasoning, const char *s, size_t n) {
-    if (!n) return 0;
-    char **p = reasoning ? &t->out_r : &t->out_c;
-    size_t *len = reasoning ? &t->n_out_r : &t->n_out_c, *cap = reasoning ? &t->cap_out_r : &t->cap_out_c;
-    if (grow(p, cap, *len + n + 1)) return -1;
-    memcpy(*p + *len, s, n);
-    *len += n;
-    (*p)[*len] = 0;
-    return 0;
 }
 
 /* Longest suffix of s[0..n) that is a proper prefix of tag. */
@@ -64,15 +85,19 @@ static const char *memfind(const char *h, size_t n, const char *needle) {
     return NULL;
 }
 
+/* Drops the first k held bytes. */
+static void pend_drop(srv_text *t, size_t k) {
+    memmove(t->pend.p, t->pend.p + k, t->pend.n - k);
+    t->pend.n -= k;
+}
+
 /* The split over released bytes; `final` releases everything held. */
 static int split_feed(srv_text *t, const char *s, size_t n, int final) {
-    if (!t->split) return out_add(t, 0, s, n);
-    if (grow(&t->pend, &t->cap_pend, t->n_pend + n + 1)) return -1;
-    memcpy(t->pend + t->n_pend, s, n);
-    t->n_pend += n;
+    if (!t->split) return srv_buf_add(&t->out_c, s, n);
+    if (srv_buf_add(&t->pend, s, n)) return -1;
     for (;;) {
-        char *p = t->pend;
-        size_t m = t->n_pend;
+        const char *p = t->pend.p ? t->pend.p : "";
+        const size_t m = t->pend.n;
         if (!t->in_reasoning && !t->content_started) {
             /* an output that opens with <think> (after whitespace) starts reasoning */
             size_t ws = 0;
@@ -81,8 +106,7 @@ static int split_feed(srv_text *t, const char *s, size_t n, int final) {
             if (rest >= ol && !memcmp(p + ws, k_open, ol)) {
                 t->in_reasoning = 1;
                 t->content_started = 1;
-                memmove(p, p + ws + ol, m - ws - ol);
-                t->n_pend = m - ws - ol;
+                pend_drop(t, ws + ol);
                 continue;
             }
             if (!final && (rest == 0 || (rest < ol && !memcmp(p + ws, k_open, rest)))) return 0;
@@ -91,41 +115,38 @@ static int split_feed(srv_text *t, const char *s, size_t n, int final) {
         if (t->in_reasoning) {
             const char *c = memfind(p, m, k_close);
             if (c) {
-                if (out_add(t, 1, p, (size_t)(c - p))) return -1;
-                const size_t used = (size_t)(c - p) + sizeof k_close - 1;
-                memmove(p, p + used, m - used);
-                t->n_pend = m - used;
+                if (srv_buf_add(&t->out_r, p, (size_t)(c - p))) return -1;
+                pend_drop(t, (size_t)(c - p) + sizeof k_close - 1);
                 t->in_reasoning = 0;
                 continue;
             }
             const size_t hold = final ? 0 : partial_tag(p, m, k_close);
-            if (out_add(t, 1, p, m - hold)) return -1;
-            memmove(p, p + m - hold, hold);
-            t->n_pend = hold;
+            if (srv_buf_add(&t->out_r, p, m - hold)) return -1;
+            pend_drop(t, m - hold);
             return 0;
         }
-        if (out_add(t, 0, p, m)) return -1;
-        t->n_pend = 0;
+        if (srv_buf_add(&t->out_c, p, m)) return -1;
+        t->pend.n = 0;
         return 0;
     }
 }
 
-/* Bytes of all[0..n) that may be released: not inside a UTF-8 character's continuation. */
+/* Bytes of s[0..n) that may be released: not inside a UTF-8 character's continuation. */
 static size_t char_boundary(const char *s, size_t n, size_t at) {
     while (at > 0 && at < n && ((unsigned char)s[at] & 0xC0) == 0x80) at--;
     return at;
 }
 
 static void out_reset(srv_text *t, srv_delta *d) {
-    t->n_out_r = t->n_out_c = 0;
+    t->out_r.n = t->out_c.n = 0;
     memset(d, 0, sizeof *d);
 }
 
 static void out_view(const srv_text *t, srv_delta *d) {
-    d->reasoning = t->n_out_r ? t->out_r : "";
-    d->n_reasoning = t->n_out_r;
-    d->content = t->n_out_c ? t->out_c : "";
-    d->n_content = t->n_out_c;
+    d->reasoning = t->out_r.n ? t->out_r.p : "";
+    d->n_reasoning = t->out_r.n;
+    d->content = t->out_c.n ? t->out_c.p : "";
+    d->n_content = t->out_c.n;
 }
 
 int srv_text_feed(srv_text *t, const char *s, size_t n, srv_delta *d) {
@@ -134,35 +155,33 @@ int srv_text_feed(srv_text *t, const char *s, size_t n, srv_delta *d) {
         out_view(t, d);
         return 1;
     }
-    if (grow(&t->all, &t->cap_all, t->n_all + n + 1)) return -1;
-    memcpy(t->all + t->n_all, s, n);
-    t->n_all += n;
-    t->all[t->n_all] = 0;
+    if (srv_buf_add(&t->all, s, n)) return -1;
+    const char *all = t->all.p;
     /* earliest stop match that ends in the new bytes (matches before were found earlier) */
-    size_t from = t->released, best = (size_t)-1;
+    size_t best = (size_t)-1;
     for (int i = 0; i < t->n_stop; i++) {
-        const char *m = memfind(t->all + from, t->n_all - from, t->stop[i]);
-        if (m && (size_t)(m - t->all) < best) best = (size_t)(m - t->all);
+        const char *m = memfind(all + t->released, t->all.n - t->released, t->stop[i]);
+        if (m && (size_t)(m - all) < best) best = (size_t)(m - all);
     }
     if (best != (size_t)-1) {
-        if (split_feed(t, t->all + t->released, best - t->released, 1)) return -1;
+        if (split_feed(t, all + t->released, best - t->released, 1)) return -1;
         t->released = best;
         t->stopped = 1;
         out_view(t, d);
         return 1;
     }
-    size_t safe = t->n_all;
+    size_t safe = t->all.n;
     if (t->max_stop > 1) {
         /* hold back the longest tail that is a prefix of some stop string */
         size_t hold = 0;
         for (int i = 0; i < t->n_stop; i++) {
-            const size_t k = partial_tag(t->all + t->released, t->n_all - t->released, t->stop[i]);
+            const size_t k = partial_tag(all + t->released, t->all.n - t->released, t->stop[i]);
             if (k > hold) hold = k;
         }
-        safe = char_boundary(t->all, t->n_all, t->n_all - hold);
+        safe = char_boundary(all, t->all.n, t->all.n - hold);
         if (safe < t->released) safe = t->released;
     }
-    if (split_feed(t, t->all + t->released, safe - t->released, 0)) return -1;
+    if (split_feed(t, all + t->released, safe - t->released, 0)) return -1;
     t->released = safe;
     out_view(t, d);
     return 0;
@@ -170,12 +189,9 @@ int srv_text_feed(srv_text *t, const char *s, size_t n, srv_delta *d) {
 
 int srv_text_finish(srv_text *t, srv_delta *d) {
     out_reset(t, d);
-    if (!t->stopped && t->released < t->n_all) {
-        if (split_feed(t, t->all + t->released, t->n_all - t->released, 1)) return -1;
-        t->released = t->n_all;
-    } else if (split_feed(t, "", 0, 1)) {
-        return -1;
-    }
+    const char *all = t->all.p ? t->all.p : "";
+    if (split_feed(t, all + t->released, t->stopped ? 0 : t->all.n - t->released, 1)) return -1;
+    if (!t->stopped) t->released = t->all.n;
     out_view(t, d);
     return 0;
 }
