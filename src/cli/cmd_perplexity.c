@@ -209,6 +209,7 @@ static int perplexity(const ppl_args *a) {
     so.act_dtype = dt;
     so.interrupt = stop;
     so.device = dev;
+    /* every row's logits come back (chunk x vocab fp32): CUDA chunks of 2048, not generate's 8192 */
     if (dev == FP4MOE_DEVICE_CUDA) so.max_chunk = a->ctx < 2048 ? a->ctx : 2048;
     if (a->chunk > 0) so.max_chunk = a->chunk;
     const int64_t chunk = so.max_chunk < a->ctx ? so.max_chunk : a->ctx;

@@ -78,6 +78,18 @@ class Server:
         return rc
 
 
+def open_stream(port, prompt_text, events):
+    """A raw socket streaming a long completion, returned once `events` SSE events arrived."""
+    sock = socket.create_connection(("127.0.0.1", port))
+    body = json.dumps({"prompt": prompt_text, "max_tokens": 3000, "stream": True, "ignore_eos": True})
+    sock.sendall(("POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  "Content-Length: %d\r\n\r\n%s" % (len(body), body)).encode())
+    got = b""
+    while got.count(b"data: ") < events:
+        got += sock.recv(4096)
+    return sock
+
+
 def prompt(i, words=24):
     w = TEXT.split()
     s = (i * 37) % (len(w) - words)
@@ -193,13 +205,7 @@ def main():
 
         # --- a client that disconnects mid-stream frees its sequence -------------------------------
         cancelled0 = s.metric('fp4moe_generations_total{reason="cancelled"}') or 0
-        sock = socket.create_connection(("127.0.0.1", s.port))
-        body = json.dumps({"prompt": p0, "max_tokens": 3000, "stream": True, "ignore_eos": True})
-        sock.sendall(("POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                      "Content-Length: %d\r\n\r\n%s" % (len(body), body)).encode())
-        got = b""
-        while got.count(b"data: ") < 3:
-            got += sock.recv(4096)
+        sock = open_stream(s.port, p0, 3)
         running = s.metric("fp4moe_running_sequences")
         sock.close()
         ok = False
@@ -293,15 +299,7 @@ def main():
     # bounded queue: one sequence, no queue -> the second concurrent request gets 429
     s3 = Server("--max-seqs", "1", "--max-queue", "0")
     try:
-        first = s3.client().completions.create(model="nemotron-h-tiny-moe", prompt=p0, max_tokens=2000,
-                                               ignore_eos=True, stream=True) if False else None
-        sock = socket.create_connection(("127.0.0.1", s3.port))
-        body = json.dumps({"prompt": p0, "max_tokens": 3000, "stream": True, "ignore_eos": True})
-        sock.sendall(("POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s"
-                      % (len(body), body)).encode())
-        got = b""
-        while b"data: " not in got:
-            got += sock.recv(4096)
+        sock = open_stream(s3.port, p0, 1)
         try:
             s3.client().completions.create(model="nemotron-h-tiny-moe", prompt="x", max_tokens=2)
             check(False, "a request beyond --max-seqs + --max-queue gets 429")
