@@ -4,9 +4,11 @@
 # Builds the library twice with a fault injected into every CPU gather_qmm route
 #   -DFP4MOE_INJECT_FAULT=global_scale   every route ignores the per-expert global scale
 #   -DFP4MOE_INJECT_FAULT=expert_offset  every route reads expert e's weights at expert e+1 (e-1 for the last)
-# and runs tests/kernels/test_gather_qmm once per route (FP4MOE_TEST_ROUTE=qmv|batched|dequant_gemm|auto),
+#   -DFP4MOE_INJECT_FAULT=q8_offset      the W4A8 kernels drop the correction of their unsigned weights
+# and runs tests/kernels/test_gather_qmm once per route and activation mode (FP4MOE_TEST_ROUTE=
+# qmv|batched|dequant_gemm|auto with FP4MOE_TEST_ACT=float, qmv|batched|auto with FP4MOE_TEST_ACT=q8),
 # so that one failing route cannot hide another that passes. Passes only if EVERY route's tests FAIL in
-# EVERY fault build (a crash does not count as a detection).
+# EVERY fault build that touches it (q8_offset: the q8 ones; a crash does not count as a detection).
 #
 # Environment: JOBS (default 2), FAULT_CMAKE_FLAGS (default -DFP4MOE_CUDA=OFF: the CPU routes are
 # checked here), FAULT_CHECK_FULL=1 to run the Nemotron-sized cases too (default: the quick set).
@@ -15,8 +17,8 @@ cd "$(dirname "$0")/.."
 
 JOBS=${JOBS:-2}
 FAULT_CMAKE_FLAGS=${FAULT_CMAKE_FLAGS:--DFP4MOE_CUDA=OFF}
-FAULTS=(global_scale expert_offset)
-ROUTES=(qmv batched dequant_gemm auto)
+FAULTS=(global_scale expert_offset q8_offset)
+ROUTES=(qmv:float batched:float dequant_gemm:float auto:float qmv:q8 batched:q8 auto:q8)
 quick=1
 [[ "${FAULT_CHECK_FULL:-0}" == 1 ]] && quick=0
 
@@ -38,9 +40,11 @@ done
 status=0
 printf '\n%-15s %-14s %-10s %s\n' "fault" "route" "tests" "verdict"
 for fault in "${FAULTS[@]}"; do
-  for route in "${ROUTES[@]}"; do
-    log=build-fault-$fault/fault-$route.log
-    FP4MOE_TEST_ROUTE=$route FP4MOE_TEST_QUICK=$quick build-fault-$fault/test_gather_qmm > "$log" 2>&1
+  for combo in "${ROUTES[@]}"; do
+    route=${combo%%:*} act=${combo##*:}
+    [[ $fault == q8_offset && $act != q8 ]] && continue
+    log=build-fault-$fault/fault-$route-$act.log
+    FP4MOE_TEST_ROUTE=$route FP4MOE_TEST_ACT=$act FP4MOE_TEST_QUICK=$quick build-fault-$fault/test_gather_qmm > "$log" 2>&1
     rc=$?
     nfail=$(grep '^\[  FAILED  \] [^0-9]' "$log" | sort -u | wc -l)
     if (( rc > 128 )); then
@@ -50,7 +54,7 @@ for fault in "${FAULTS[@]}"; do
     else
       verdict="BAD: tests pass with the fault (rc $rc), see $log"; status=1
     fi
-    printf '%-15s %-14s %-10s %s\n' "$fault" "$route" "$nfail failed" "$verdict"
+    printf '%-15s %-14s %-10s %s\n' "$fault" "$route $act" "$nfail failed" "$verdict"
   done
 done
 if (( status == 0 )); then

@@ -73,6 +73,26 @@ int fp4moe_gather_qmm_cpu_route(const fp4moe_nvfp4_weights *w, const void *x, fp
 int fp4moe_gather_qmm_ref_f64(const fp4moe_nvfp4_weights *w, const void *x, fp4moe_dtype dtype,
                               const uint32_t *idx, int64_t B, double *y64);
 
+/* W4A8 on the CPU (the "q8" CPU activation mode; llama.cpp's Q8_0 activations, with NVFP4's
+ * 16-element block): each activation row is quantized per block of 16 elements to
+ *   d = max|x| / 127 (fp32),  q = round_half_even(x / d) clamped to [-127, 127]  (q = 0 if d = 0),
+ * and y[b][n] = gs * sum over blocks of (d * e4m3(scale)) * sum_k q_k * e2m1(code_k): the inner
+ * sums exact in int32 (u8 x s8 dot products: AVX-512 VNNI vpdpbusd, AVX2 vpmaddubsw), the outer
+ * in fp32. Blocks of 16 rather than Q8_0's 32: the weights change scale every 16 elements anyway,
+ * so the finer activation scale costs nothing. x, y, dtype, idx, sorted and out-of-range rows as
+ * in fp4moe_gather_qmm_cpu_route. route: AUTO (the same predicate, fp4moe_gather_route_choose_cpu),
+ * QMV (groups of <= 8 rows of an expert), BATCHED (expert-batched: runs in chunks of <= 96 rows,
+ * each weight tile decoded once for all rows of the chunk); DEQUANT_GEMM has no W4A8 form and runs
+ * BATCHED. Errors as fp4moe_gather_qmm_cpu_route. Accuracy against fp4moe_gather_qmm_ref_f64: the
+ * activation rounding, |error| per block <= d/2 per element (measured in docs/PERFORMANCE.md). */
+int fp4moe_gather_qmm_cpu_w4a8(const fp4moe_nvfp4_weights *w, const void *x, fp4moe_dtype dtype,
+                               const uint32_t *idx, int64_t B, int sorted, fp4moe_route route, void *y);
+
+/* Reference in fp64 of the W4A8 formula above (the quantization done as specified there, the sums
+ * in fp64): what fp4moe_gather_qmm_cpu_w4a8 computes up to fp32 rounding. For tests. */
+int fp4moe_gather_qmm_ref_w4a8_f64(const fp4moe_nvfp4_weights *w, const void *x, fp4moe_dtype dtype,
+                                   const uint32_t *idx, int64_t B, double *y64);
+
 /* GPU (CUDA) version: same contract; w's codes/scales/global_scale, x, idx, y are DEVICE pointers;
  * stream is a cudaStream_t (NULL = default stream). Asynchronous: returns after enqueueing; launch
  * errors are checked and returned. No host synchronisation (except the dequant_gemm route, which
@@ -91,8 +111,9 @@ int fp4moe_gather_qmm_cuda_route(const fp4moe_nvfp4_weights *w, const void *x, f
 /* 1 when this build has CUDA support and a CUDA device is visible, else 0. */
 int fp4moe_cuda_available(void);
 
-/* The CPU kernel set gather_qmm uses on this machine: "avx2" (AVX2+FMA+F16C found at run time) or
- * "portable" (FP4MOE_CPU_ISA=portable, or no AVX2). */
+/* The CPU kernel set gather_qmm uses on this machine: "avx512" (AVX-512 F/BW/VL/DQ/VNNI found at
+ * run time), "avx2" (AVX2+FMA+F16C) or "portable" (no AVX2, or FP4MOE_CPU_ISA=portable);
+ * FP4MOE_CPU_ISA=avx2 keeps an AVX-512 machine on the AVX2 set. */
 const char *fp4moe_gather_cpu_isa(void);
 
 /* Threads of the CPU kernels (OpenMP) and of OpenBLAS, for every later call of this process

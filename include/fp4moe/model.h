@@ -202,6 +202,18 @@ void fp4moe_model_get_stats(const fp4moe_model *m, fp4moe_model_stats *st);
 
 /* ---- session: caches + forward -------------------------------------------------------------- */
 
+/* How the CPU computes the NVFP4 matmuls (dense bf16 weights, norms, the router and the SSM are
+ * not affected). FLOAT: activations at act_dtype, the f32/bf16 contract of gather_qmm.h. Q8:
+ * W4A8 -- each activation row quantized to int8 per 16-element block (fp4moe_gather_qmm_cpu_w4a8),
+ * integer dot products; other numerics than FLOAT (its perplexity cost is measured in
+ * docs/PERFORMANCE.md). CPU only: a CUDA session or batch with Q8 is FP4MOE_EINVAL. */
+typedef enum { FP4MOE_CPU_ACT_FLOAT = 0, FP4MOE_CPU_ACT_Q8 = 1 } fp4moe_cpu_act;
+
+/* "float", "q8". */
+const char *fp4moe_cpu_act_name(fp4moe_cpu_act a);
+/* Parses the names above. Returns FP4MOE_OK or FP4MOE_EINVAL (message names the accepted ones). */
+int fp4moe_cpu_act_parse(const char *s, fp4moe_cpu_act *out);
+
 typedef struct {
     fp4moe_dtype act_dtype;     /* FP4MOE_F32 or FP4MOE_BF16: matmul inputs/outputs (default F32) */
     fp4moe_route route;         /* NVFP4 matmuls: FP4MOE_ROUTE_AUTO (default) or a forced route;
@@ -219,6 +231,7 @@ typedef struct {
                                    (FP4MOE_CUDA_GRAPH=0: launched op by op) */
     int profile;                /* CUDA: time each layer kind with device events (see
                                    fp4moe_session_profile); off by default: it adds event records */
+    fp4moe_cpu_act cpu_act;     /* CPU: FLOAT (default) or Q8 (W4A8 NVFP4 matmuls) */
 } fp4moe_session_options;
 
 void fp4moe_session_options_default(fp4moe_session_options *o);
@@ -295,6 +308,7 @@ typedef struct {
     fp4moe_device device;
     int profile;
     const volatile sig_atomic_t *interrupt;
+    fp4moe_cpu_act cpu_act;     /* as fp4moe_session_options */
 } fp4moe_batch_options;
 
 /* max_seqs 16, max_step_tokens 256, act f32 (CPU) / bf16 (CUDA) by device, route auto. */

@@ -163,7 +163,7 @@ typedef struct be_ops {
 #define BE_ACT(be, p, n) ((void *)((char *)(p) + (size_t)(n) * (be)->act_size))
 
 /* The CPU backend: ctx for act dtype `act` (f32 or bf16) and gather route `route`. */
-int be_cpu_new(fp4moe_dtype act, fp4moe_route route, const be_ops **ops, void **bc);
+int be_cpu_new(fp4moe_dtype act, fp4moe_route route, fp4moe_cpu_act cpu_act, const be_ops **ops, void **bc);
 void be_cpu_free(void *bc);
 /* The CPU placement of a loaded model's weights (pointers into the model; nothing copied). */
 int be_cpu_weights(const fp4moe_model *m, fw_weights *w);

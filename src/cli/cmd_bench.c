@@ -24,7 +24,7 @@
 #define CMD "bench"
 
 typedef struct {
-    const char *model, *synthetic, *dtype, *route, *device;
+    const char *model, *synthetic, *dtype, *route, *device, *cpu_act;
     int64_t prompt_tokens, gen_tokens, repeats, chunk, seed, warmup, batch;
     double floor_bw;
     int json, no_quantize, profile;
@@ -151,6 +151,7 @@ static void report(const bench_args *a, const fp4moe_model *m, fp4moe_device dev
         cJSON_AddStringToObject(o, "format", fp4moe_quant_mode_name(fp4moe_model_format(m)));
         cJSON_AddStringToObject(o, "device", fp4moe_device_name(dev));
         cJSON_AddStringToObject(o, "dtype", a->dtype);
+        cJSON_AddStringToObject(o, "cpu_act", a->cpu_act ? a->cpu_act : "float");
         cJSON_AddStringToObject(o, "route", a->route);
         const char *eb = getenv("FP4MOE_GATHER_EXPERT_BATCHED") ? fp4moe_env_value("FP4MOE_GATHER_EXPERT_BATCHED") : NULL;
         cJSON_AddStringToObject(o, "FP4MOE_GATHER_EXPERT_BATCHED", eb ? eb : "");
@@ -193,9 +194,10 @@ static void report(const bench_args *a, const fp4moe_model *m, fp4moe_device dev
     }
     printf("model          %s (%s%s)\n", what, fp4moe_quant_mode_name(fp4moe_model_format(m)),
            a->synthetic ? ", synthetic weights" : "");
-    printf("setup          %lld prompt tokens, %lld generated, %lld repeats, %s activations, "
-           "route %s, device %s, %d threads\n", (long long)a->prompt_tokens, (long long)a->gen_tokens,
-           (long long)R, a->dtype, a->route, fp4moe_device_name(dev), omp_get_max_threads());
+    printf("setup          %lld prompt tokens, %lld generated, %lld repeats, %s activations%s, "
+           "route %s, device %s, %d threads, %s kernels\n", (long long)a->prompt_tokens, (long long)a->gen_tokens,
+           (long long)R, a->dtype, a->cpu_act && !strcmp(a->cpu_act, "q8") ? " (NVFP4 matmuls W4A8)" : "",
+           a->route, fp4moe_device_name(dev), omp_get_max_threads(), fp4moe_gather_cpu_isa());
     if (gpu) {
         printf("prefill        %.2f tok/s (median); floor %.0f tok/s (%.2f GB at %.2f TB/s): %.3f of it\n",
                sm.pf, sm.pf_floor, sm.wb_prefill * 1e-9, a->floor_bw * 1e-12, sm.pf / sm.pf_floor);
@@ -282,6 +284,7 @@ static int bench_batch(const bench_args *a, const fp4moe_model *m, fp4moe_dtype 
     o.max_step_tokens = a->chunk;
     o.act_dtype = dt;
     o.route = route;
+    cli_parse_cpu_act(CMD, a->cpu_act, &o.cpu_act); /* checked in bench() */
     o.device = dev;
     o.interrupt = cli_install_sigint();
     o.profile = a->profile;
@@ -325,6 +328,7 @@ static int bench_batch(const bench_args *a, const fp4moe_model *m, fp4moe_dtype 
             cJSON_AddBoolToObject(j, "synthetic", a->synthetic != NULL);
             cJSON_AddStringToObject(j, "device", fp4moe_device_name(dev));
             cJSON_AddStringToObject(j, "dtype", a->dtype);
+            cJSON_AddStringToObject(j, "cpu_act", a->cpu_act ? a->cpu_act : "float");
             cJSON_AddStringToObject(j, "route", a->route);
             const char *eb = getenv("FP4MOE_GATHER_EXPERT_BATCHED") ? fp4moe_env_value("FP4MOE_GATHER_EXPERT_BATCHED") : NULL;
             cJSON_AddStringToObject(j, "FP4MOE_GATHER_EXPERT_BATCHED", eb ? eb : "");
@@ -396,6 +400,8 @@ static int bench(bench_args *a) {
     if (rc) return rc;
     if (!a->dtype) a->dtype = dev == FP4MOE_DEVICE_CUDA ? "bf16" : "f32";
     if ((rc = cli_parse_dtype(CMD, a->dtype, &dt))) return rc;
+    fp4moe_cpu_act ca;
+    if ((rc = cli_parse_cpu_act(CMD, a->cpu_act, &ca))) return rc;
     if (fp4moe_route_parse(a->route, &route))
         return cli_usage_error(CMD, "--route must be auto, qmv, batched or dequant_gemm");
     if (a->warmup < 0) a->warmup = dev == FP4MOE_DEVICE_CUDA ? 1 : 0;
@@ -426,6 +432,7 @@ static int bench(bench_args *a) {
     fp4moe_session_options so;
     fp4moe_session_options_default(&so);
     so.act_dtype = dt;
+    so.cpu_act = ca;
     so.route = route;
     so.interrupt = cli_install_sigint();
     so.device = dev;
@@ -475,6 +482,7 @@ int cmd_bench(int argc, char **argv) {
         {"--repeats", NULL, CLI_INT, &a.repeats, "N", "runs; speeds are medians (default 3)"},
         {"--warmup", NULL, CLI_INT, &a.warmup, "N", "uncounted runs first (default 1 on cuda, 0 on cpu)"},
         {"--dtype", NULL, CLI_STRING, &a.dtype, "DT", "matmul activations: f32 or bf16 (default f32 on cpu; cuda: bf16 only)"},
+        {"--cpu-act", NULL, CLI_STRING, &a.cpu_act, "MODE", CLI_CPU_ACT_HELP},
         {"--route", NULL, CLI_STRING, &a.route, "R", "gather_qmm route: auto, qmv, batched, dequant_gemm (default auto)"},
         {"--chunk", NULL, CLI_INT, &a.chunk, "N", "prefill chunk in tokens (default 256 on cpu, 8192 on cuda)"},
         {"--seed", NULL, CLI_INT, &a.seed, "S", "seed of the synthetic weights (default: fixed)"},

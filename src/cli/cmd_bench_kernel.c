@@ -20,7 +20,7 @@
 
 typedef struct {
     int64_t E, N, K, tokens;
-    int topk, repeats, both, json;
+    int topk, repeats, both, json, w4a8, cold;
     fp4moe_dtype dtype;
     int routes[4]; /* routes[r] != 0: time route r (fp4moe_route) */
     uint64_t seed;
@@ -30,7 +30,7 @@ static void usage(FILE *f) {
     fprintf(f,
             "usage: fp4moe bench-kernel [--E 128] [--N 1856] [--K 2688] [--tokens 512] [--topk 6]\n"
             "                           [--dtype bf16|f16|f32] [--route all|qmv|batched|dequant_gemm|auto]\n"
-            "                           [--repeats 5] [--seed 1] [--both] [--json] [--help]\n"
+            "                           [--repeats 5] [--seed 1] [--both] [--w4a8] [--cold] [--json] [--help]\n"
             "Times the CPU gather_qmm routes on random NVFP4 weights (E experts of N x K) and random\n"
             "sorted top-k indices (tokens * topk rows). --both runs the Nemotron MoE up (K=2688 -> N=1856)\n"
             "and down (K=1856 -> N=2688) shapes. Prints ms (median of repeats after a warm-up), effective\n"
@@ -47,6 +47,10 @@ static void usage(FILE *f) {
             "  --repeats N                  timed rounds after one warm-up; medians reported (default 5)\n"
             "  --seed S                     random seed (default 1)\n"
             "  --both                       also the transposed shape: up (N x K) then down (K x N)\n"
+            "  --w4a8                       also time the W4A8 form (int8 activations, --cpu-act q8) of\n"
+            "                               the qmv and batched routes\n"
+            "  --cold                       every call draws other experts (16 index sets), so that the\n"
+            "                               weights come from memory rather than the caches\n"
             "  --json                       one JSON object on stdout\n"
             "  -h, --help                   show this help and exit\n");
 }
@@ -200,11 +204,14 @@ static double median(double *t, int n) {
  * so that on a shared machine every route samples the same background load. t[r][i] = seconds of
  * route r in round i. Returns 0, or -1 on a failed call (message printed). */
 static int time_routes(const fp4moe_nvfp4_weights *w, const void *x, fp4moe_dtype dtype, const uint32_t *idx,
-                       int64_t B, const fp4moe_route *routes, int nr, void *y, int repeats, double t[][64]) {
-    for (int i = -1; i < repeats; i++)
-        for (int r = 0; r < nr; r++) {
+                       int nsets, int64_t B, const fp4moe_route *routes, const int *w4a8, int nr, void *y,
+                       int repeats, double t[][64]) {
+    for (int i = -1, call = 0; i < repeats; i++)
+        for (int r = 0; r < nr; r++, call++) {
+            const uint32_t *ix = idx + (int64_t)(call % nsets) * B;
             const double t0 = omp_get_wtime();
-            const int st = fp4moe_gather_qmm_cpu_route(w, x, dtype, idx, B, 1, routes[r], y);
+            const int st = w4a8[r] ? fp4moe_gather_qmm_cpu_w4a8(w, x, dtype, ix, B, 1, routes[r], y)
+                                   : fp4moe_gather_qmm_cpu_route(w, x, dtype, ix, B, 1, routes[r], y);
             const double dt = omp_get_wtime() - t0;
             if (st) {
                 fprintf(stderr, "fp4moe bench-kernel: route %s: %s\n", fp4moe_route_name(routes[r]),
@@ -225,7 +232,8 @@ static int bench_shape(const bench_opts *o, const char *label, int64_t N, int64_
                 (long long)o->E, (long long)N, (long long)K);
         return FP4MOE_EXIT_FAIL;
     }
-    uint32_t *idx = malloc((size_t)(B ? B : 1) * sizeof *idx);
+    const int nsets = o->cold ? 16 : 1;
+    uint32_t *idx = malloc((size_t)(B ? B * nsets : 1) * sizeof *idx);
     void *x = make_x(B, K, o->dtype, o->seed);
     void *y = malloc((size_t)(B * N) * fp4moe_dtype_size(o->dtype) + 1);
     if (!idx || !x || !y) {
@@ -233,7 +241,7 @@ static int bench_shape(const bench_opts *o, const char *label, int64_t N, int64_
         free(idx); free(x); free(y); free_weights(&w);
         return FP4MOE_EXIT_FAIL;
     }
-    make_idx(o->tokens, o->topk, o->E, o->seed, idx);
+    for (int i = 0; i < nsets; i++) make_idx(o->tokens, o->topk, o->E, o->seed + (uint64_t)i, idx + (int64_t)i * B);
     int64_t touched = 0;
     for (int64_t b = 0; b < B; b++) touched += b == 0 || idx[b] != idx[b - 1];
     const double wbytes = (double)touched * (double)N * (double)(K / 2 + K / 16);
@@ -260,23 +268,29 @@ static int bench_shape(const bench_opts *o, const char *label, int64_t N, int64_
                (long long)touched, wbytes / 1e6, fp4moe_route_name(chosen));
         printf("  %-13s %10s %10s %12s %10s %8s\n", "route", "ms", "best ms", "weight GB/s", "GFLOP/s", "vs qmv");
     }
-    fp4moe_route routes[4];
-    int nr = 0;
-    for (int r = FP4MOE_ROUTE_QMV; r <= FP4MOE_ROUTE_DEQUANT_GEMM + 1; r++) {
-        const fp4moe_route route = r <= FP4MOE_ROUTE_DEQUANT_GEMM ? (fp4moe_route)r : FP4MOE_ROUTE_AUTO;
-        if (o->routes[route]) routes[nr++] = route;
-    }
-    double t[4][64];
-    const int rc = time_routes(&w, x, o->dtype, idx, B, routes, nr, y, o->repeats, t) ? FP4MOE_EXIT_FAIL
-                                                                                       : FP4MOE_EXIT_OK;
+    fp4moe_route routes[8];
+    int w4a8[8], nr = 0;
+    for (int q = 0; q <= o->w4a8; q++)
+        for (int r = FP4MOE_ROUTE_QMV; r <= FP4MOE_ROUTE_DEQUANT_GEMM + 1; r++) {
+            const fp4moe_route route = r <= FP4MOE_ROUTE_DEQUANT_GEMM ? (fp4moe_route)r : FP4MOE_ROUTE_AUTO;
+            if (!o->routes[route] || (q && route == FP4MOE_ROUTE_DEQUANT_GEMM)) continue;
+            w4a8[nr] = q;
+            routes[nr++] = route;
+        }
+    double t[8][64];
+    const int rc = time_routes(&w, x, o->dtype, idx, nsets, B, routes, w4a8, nr, y, o->repeats, t)
+                       ? FP4MOE_EXIT_FAIL : FP4MOE_EXIT_OK;
     double t_qmv = 0;
     for (int r = 0; r < nr && rc == FP4MOE_EXIT_OK; r++) {
         const double med = median(t[r], o->repeats), best = t[r][0]; /* t[r] is sorted now */
-        if (routes[r] == FP4MOE_ROUTE_QMV) t_qmv = med;
+        if (routes[r] == FP4MOE_ROUTE_QMV && !w4a8[r]) t_qmv = med;
         const double speedup = t_qmv > 0 ? t_qmv / med : 0;
+        char name[32];
+        snprintf(name, sizeof name, "%s%s", fp4moe_route_name(routes[r]), w4a8[r] ? " w4a8" : "");
         if (jr) {
             cJSON *e = cJSON_CreateObject();
             cJSON_AddStringToObject(e, "route", fp4moe_route_name(routes[r]));
+            cJSON_AddStringToObject(e, "activations", w4a8[r] ? "q8" : "float");
             cJSON_AddNumberToObject(e, "ms", med * 1e3);
             cJSON_AddNumberToObject(e, "best_ms", best * 1e3);
             cJSON_AddNumberToObject(e, "weight_gbs", wbytes / med / 1e9);
@@ -286,7 +300,7 @@ static int bench_shape(const bench_opts *o, const char *label, int64_t N, int64_
         } else {
             char sp[32] = "-";
             if (speedup > 0) snprintf(sp, sizeof sp, "%.2fx", speedup);
-            printf("  %-13s %10.2f %10.2f %12.2f %10.1f %8s\n", fp4moe_route_name(routes[r]), med * 1e3,
+            printf("  %-13s %10.2f %10.2f %12.2f %10.1f %8s\n", name, med * 1e3,
                    best * 1e3, wbytes / med / 1e9, flops / med / 1e9, sp);
         }
     }
@@ -309,7 +323,8 @@ static int parse_i64(const char *name, const char *s, int64_t lo, int64_t hi, in
 }
 
 int cmd_bench_kernel(int argc, char **argv) {
-    bench_opts o = {128, 1856, 2688, 512, 6, 5, 0, 0, FP4MOE_BF16, {0, 1, 1, 1}, 1};
+    bench_opts o = {.E = 128, .N = 1856, .K = 2688, .tokens = 512, .topk = 6, .repeats = 5,
+                    .dtype = FP4MOE_BF16, .routes = {0, 1, 1, 1}, .seed = 1};
     static const struct option longopts[] = {
         {"E", required_argument, 0, 'E'},      {"N", required_argument, 0, 'N'},
         {"K", required_argument, 0, 'K'},      {"tokens", required_argument, 0, 't'},
@@ -317,6 +332,7 @@ int cmd_bench_kernel(int argc, char **argv) {
         {"route", required_argument, 0, 'r'},  {"repeats", required_argument, 0, 'n'},
         {"seed", required_argument, 0, 's'},   {"both", no_argument, 0, 'b'},
         {"json", no_argument, 0, 'j'},         {"help", no_argument, 0, 'h'},
+        {"w4a8", no_argument, 0, 'q'},         {"cold", no_argument, 0, 'c'},
         {0, 0, 0, 0}};
     int c;
     int64_t v;
@@ -351,6 +367,8 @@ int cmd_bench_kernel(int argc, char **argv) {
             break;
         }
         case 'b': o.both = 1; break;
+        case 'q': o.w4a8 = 1; break;
+        case 'c': o.cold = 1; break;
         case 'j': o.json = 1; break;
         case 'h': usage(stdout); return FP4MOE_EXIT_OK;
         default:

@@ -22,7 +22,7 @@
 #define CMD "chat"
 
 typedef struct {
-    const char *model, *chat_template, *system, *think, *device, *dtype;
+    const char *model, *chat_template, *system, *think, *device, *dtype, *cpu_act;
     int64_t n, chunk;
     cli_sampling smp;
     int no_quantize;
@@ -91,6 +91,8 @@ static int chat(const chat_args *a) {
     fp4moe_dtype dt;
     int rc = cli_parse_device(CMD, a->device, &dev);
     if (rc) return rc;
+    fp4moe_cpu_act ca;
+    if ((rc = cli_parse_cpu_act(CMD, a->cpu_act, &ca))) return rc;
     if ((rc = cli_parse_dtype(CMD, a->dtype ? a->dtype : (dev == FP4MOE_DEVICE_CUDA ? "bf16" : "f32"), &dt)))
         return rc;
     char *src = cli_load_chat_template(a->model, a->chat_template);
@@ -116,6 +118,7 @@ static int chat(const chat_args *a) {
     fp4moe_session_options so;
     fp4moe_session_options_default(&so);
     so.act_dtype = dt;
+    so.cpu_act = ca;
     so.device = dev;
     so.interrupt = cli_install_sigint();
     if (dev == FP4MOE_DEVICE_CUDA) so.max_chunk = CLI_CUDA_CHUNK;
@@ -181,6 +184,7 @@ int cmd_chat(int argc, char **argv) {
         {"--threads", "-t", CLI_INT, &a.threads, "N", "CPU threads (default: one per core)"},
         {"--device", NULL, CLI_STRING, &a.device, "DEV", "cpu, cuda or auto (default auto)"},
         {"--dtype", NULL, CLI_STRING, &a.dtype, "DT", "matmul activations: f32 or bf16 (default f32 on cpu; cuda: bf16)"},
+        {"--cpu-act", NULL, CLI_STRING, &a.cpu_act, "MODE", CLI_CPU_ACT_HELP},
         {"--chunk", NULL, CLI_INT, &a.chunk, "N", "prefill chunk in tokens"},
         {"--no-quantize", NULL, CLI_FLAG, &a.no_quantize, NULL, "keep dense checkpoints dense"},
     };

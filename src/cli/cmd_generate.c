@@ -136,6 +136,15 @@ int cli_model_summary(const char *cmd, const char *dir, FILE *out) {
     return FP4MOE_EXIT_OK;
 }
 
+int cli_parse_cpu_act(const char *cmd, const char *s, fp4moe_cpu_act *ca) {
+    if (!s) {
+        *ca = FP4MOE_CPU_ACT_FLOAT;
+        return FP4MOE_EXIT_OK;
+    }
+    if (fp4moe_cpu_act_parse(s, ca)) return cli_usage_error(cmd, "--cpu-act must be float or q8 (got '%s')", s);
+    return FP4MOE_EXIT_OK;
+}
+
 int cli_parse_dtype(const char *cmd, const char *s, fp4moe_dtype *dt) {
     if (fp4moe_dtype_parse(s, dt) || (*dt != FP4MOE_F32 && *dt != FP4MOE_BF16))
         return cli_usage_error(cmd, "--dtype must be bf16 or f32 (got '%s')", s);
@@ -145,7 +154,7 @@ int cli_parse_dtype(const char *cmd, const char *s, fp4moe_dtype *dt) {
 /* ---- generate -------------------------------------------------------------------------------- */
 
 typedef struct {
-    const char *model, *prompt, *prompt_ids, *dtype, *device;
+    const char *model, *prompt, *prompt_ids, *dtype, *device, *cpu_act;
     int64_t n, chunk, ctx, threads;
     const char *file;
     cli_sampling smp;
@@ -365,6 +374,8 @@ static int generate(const gen_args *a) {
     fp4moe_device dev;
     int rc = cli_parse_device(CMD, a->device, &dev);
     if (rc) return rc;
+    fp4moe_cpu_act ca;
+    if ((rc = cli_parse_cpu_act(CMD, a->cpu_act, &ca))) return rc;
     if ((rc = cli_parse_dtype(CMD, a->dtype ? a->dtype : (dev == FP4MOE_DEVICE_CUDA ? "bf16" : "f32"), &dt)))
         return rc;
     const volatile sig_atomic_t *stop = cli_install_sigint();
@@ -399,6 +410,7 @@ static int generate(const gen_args *a) {
     fp4moe_session_options so;
     fp4moe_session_options_default(&so);
     so.act_dtype = dt;
+    so.cpu_act = ca;
     so.interrupt = stop;
     so.device = dev;
     if (dev == FP4MOE_DEVICE_CUDA) so.max_chunk = CLI_CUDA_CHUNK;
@@ -429,6 +441,7 @@ int cmd_generate(int argc, char **argv) {
         CLI_SAMPLING_OPTS(a.smp),
         {"--device", NULL, CLI_STRING, &a.device, "DEV", "cpu, cuda or auto (default auto: cuda when a GPU is visible)"},
         {"--dtype", NULL, CLI_STRING, &a.dtype, "DT", "matmul activations: f32 or bf16 (default f32 on cpu; cuda: bf16 only)"},
+        {"--cpu-act", NULL, CLI_STRING, &a.cpu_act, "MODE", CLI_CPU_ACT_HELP},
         {"--no-quantize", NULL, CLI_FLAG, &a.no_quantize, NULL, "keep dense checkpoints dense (default: NVFP4 on load)"},
         {"--chunk", NULL, CLI_INT, &a.chunk, "N", "prefill chunk in tokens (default 256 on cpu, 8192 on cuda)"},
         {"--ignore-eos", NULL, CLI_FLAG, &a.ignore_eos, NULL, "do not stop at the end-of-sequence tokens"},

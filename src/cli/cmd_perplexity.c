@@ -34,7 +34,7 @@
 #define MAX_TEXT_BYTES ((int64_t)1 << 30)
 
 typedef struct {
-    const char *model, *file, *dtype;
+    const char *model, *file, *dtype, *cpu_act;
     int64_t ctx, max_tokens, chunk;
     int json, no_quantize;
     const char *device;
@@ -142,6 +142,7 @@ static void report(const ppl_args *a, const ppl_state *p, int64_t windows, int64
                               fp4moe_model_format(p->m) == FP4MOE_QUANT_NONE && !a->no_quantize);
         cJSON_AddStringToObject(o, "file", a->file);
         cJSON_AddStringToObject(o, "dtype", a->dtype);
+        cJSON_AddStringToObject(o, "cpu_act", a->cpu_act ? a->cpu_act : "float");
         cJSON_AddNumberToObject(o, "threads", omp_get_max_threads());
         cJSON_AddNumberToObject(o, "ctx", (double)a->ctx);
         cJSON_AddNumberToObject(o, "text_tokens", (double)p->n_ids);
@@ -184,6 +185,8 @@ static int perplexity(const ppl_args *a) {
     if (rc) return rc;
     if (dev == FP4MOE_DEVICE_DEFAULT) dev = fp4moe_cuda_available() ? FP4MOE_DEVICE_CUDA : FP4MOE_DEVICE_CPU;
     if ((rc = cli_parse_dtype(CMD, a->dtype ? a->dtype : (dev == FP4MOE_DEVICE_CUDA ? "bf16" : "f32"), &dt))) return rc;
+    fp4moe_cpu_act ca;
+    if ((rc = cli_parse_cpu_act(CMD, a->cpu_act, &ca))) return rc;
     ppl_args resolved = *a;                  /* the dtype in force, for the report */
     resolved.dtype = fp4moe_dtype_name(dt);
     a = &resolved;
@@ -207,6 +210,7 @@ static int perplexity(const ppl_args *a) {
     fp4moe_session_options so;
     fp4moe_session_options_default(&so);
     so.act_dtype = dt;
+    so.cpu_act = ca;
     so.interrupt = stop;
     so.device = dev;
     /* every row's logits come back (chunk x vocab fp32): CUDA chunks of 2048, not generate's 8192 */
@@ -265,6 +269,7 @@ int cmd_perplexity(int argc, char **argv) {
         {"--ctx", "-c", CLI_INT, &a.ctx, "N", "window length in tokens (default 512)"},
         {"--max-tokens", NULL, CLI_INT, &a.max_tokens, "N", "use only the first N tokens of the text (default: all)"},
         {"--dtype", NULL, CLI_STRING, &a.dtype, "DT", "matmul activations: f32 or bf16 (default f32 on cpu; cuda: bf16)"},
+        {"--cpu-act", NULL, CLI_STRING, &a.cpu_act, "MODE", CLI_CPU_ACT_HELP},
         {"--device", NULL, CLI_STRING, &a.device, "DEV", "cpu, cuda or auto (default cpu: the fp32 reference)"},
         {"--threads", "-t", CLI_INT, &a.threads, "N", "CPU threads (default: one per core)"},
         {"--no-quantize", NULL, CLI_FLAG, &a.no_quantize, NULL, "keep dense checkpoints dense (default: NVFP4 on load)"},

@@ -21,7 +21,7 @@
 #define CMD "serve"
 
 typedef struct {
-    const char *model, *synthetic, *tokenizer, *chat_template, *host, *api_key, *name, *device, *dtype, *reasoning;
+    const char *model, *synthetic, *tokenizer, *chat_template, *host, *api_key, *name, *device, *dtype, *reasoning, *cpu_act;
     int64_t port, ctx, max_seqs, max_step_tokens, max_queue, max_body, prefix_cache_mb, prefix_min_tokens,
         http_threads, seed, kv_tokens;
     int no_quantize, quiet, no_warmup;
@@ -52,6 +52,8 @@ static int serve(const serve_args *a) {
     if (rc) return rc;
     if (dev == FP4MOE_DEVICE_DEFAULT) dev = fp4moe_cuda_available() ? FP4MOE_DEVICE_CUDA : FP4MOE_DEVICE_CPU;
     if ((rc = cli_parse_dtype(CMD, a->dtype ? a->dtype : (dev == FP4MOE_DEVICE_CUDA ? "bf16" : "f32"), &dt))) return rc;
+    fp4moe_cpu_act ca;
+    if ((rc = cli_parse_cpu_act(CMD, a->cpu_act, &ca))) return rc;
     const char *tok_dir = a->tokenizer ? a->tokenizer : a->model;
     fp4moe_tokenizer *tok = NULL;
     int st = fp4moe_tokenizer_load(tok_dir, &tok);
@@ -116,6 +118,7 @@ static int serve(const serve_args *a) {
         .log = !a->quiet,
         .device = dev,
         .act_dtype = dt,
+        .cpu_act = ca,
     };
     if (eo.max_step_tokens < eo.max_seqs) eo.max_step_tokens = eo.max_seqs;
     srv_engine *e = NULL;
@@ -180,6 +183,7 @@ int cmd_serve(int argc, char **argv) {
         {"--threads", "-t", CLI_INT, &a.threads, "N", "CPU threads (default: one per core)"},
         {"--device", NULL, CLI_STRING, &a.device, "DEV", "cpu, cuda or auto (default auto)"},
         {"--dtype", NULL, CLI_STRING, &a.dtype, "DT", "matmul activations: f32 or bf16 (default f32 on cpu; cuda: bf16)"},
+        {"--cpu-act", NULL, CLI_STRING, &a.cpu_act, "MODE", CLI_CPU_ACT_HELP},
         {"--no-quantize", NULL, CLI_FLAG, &a.no_quantize, NULL, "keep dense checkpoints dense"},
         {"--seed", NULL, CLI_INT, &a.seed, "S", "seed of --synthetic weights (default 0)"},
     };

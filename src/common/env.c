@@ -13,8 +13,9 @@ static const fp4moe_env_var k_vars[ENV_COUNT] = {
                                    "output on the GPU)"},
     [ENV_GATHER_ROUTE] = {"FP4MOE_GATHER_ROUTE", "auto|qmv|batched|dequant_gemm", "auto",
                           "force one gather_qmm route where rows are sorted"},
-    [ENV_CPU_ISA] = {"FP4MOE_CPU_ISA", "auto|portable|avx2", "auto",
-                     "CPU kernels: portable C instead of the AVX2 ones (auto: AVX2+FMA+F16C when present)"},
+    [ENV_CPU_ISA] = {"FP4MOE_CPU_ISA", "auto|portable|avx2|avx512", "auto",
+                     "CPU kernels: the widest set the CPU has (auto), or portable C, AVX2 or AVX-512 "
+                     "(a set the CPU lacks falls back to the widest it has)"},
     [ENV_CUDA_GRAPH] = {"FP4MOE_CUDA_GRAPH", "0|1", "1",
                         "0: decode steps launched op by op instead of replaying a CUDA graph"},
     [ENV_QUANTIZE_STASH_MB] = {"FP4MOE_QUANTIZE_STASH_MB", "integer >= 0", "1024",

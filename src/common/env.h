@@ -11,7 +11,7 @@ extern "C" {
 typedef enum {
     ENV_GATHER_EXPERT_BATCHED = 0, /* "0" | "1" */
     ENV_GATHER_ROUTE,              /* "auto" | "qmv" | "batched" | "dequant_gemm" */
-    ENV_CPU_ISA,                   /* "auto" | "portable" | "avx2" */
+    ENV_CPU_ISA,                   /* "auto" | "portable" | "avx2" | "avx512" */
     ENV_CUDA_GRAPH,                /* "0" | "1" */
     ENV_QUANTIZE_STASH_MB,         /* integer >= 0 */
     ENV_COUNT

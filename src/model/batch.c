@@ -63,6 +63,17 @@ struct fp4moe_batch {
     int32_t *h_next;                /* cap */
 };
 
+const char *fp4moe_cpu_act_name(fp4moe_cpu_act a) {
+    return a == FP4MOE_CPU_ACT_Q8 ? "q8" : a == FP4MOE_CPU_ACT_FLOAT ? "float" : "?";
+}
+
+int fp4moe_cpu_act_parse(const char *s, fp4moe_cpu_act *out) {
+    if (s && !strcmp(s, "float")) *out = FP4MOE_CPU_ACT_FLOAT;
+    else if (s && !strcmp(s, "q8")) *out = FP4MOE_CPU_ACT_Q8;
+    else return fp4moe_set_error(FP4MOE_EINVAL, "CPU activation mode '%s' (float or q8)", s ? s : "(null)");
+    return FP4MOE_OK;
+}
+
 void fp4moe_batch_options_default(fp4moe_batch_options *o) {
     memset(o, 0, sizeof *o);
     o->max_seqs = 16;
@@ -186,6 +197,11 @@ int fp4moe_batch_new(const fp4moe_model *m, const fp4moe_batch_options *opts, fp
     if (o.act_dtype != FP4MOE_F32 && o.act_dtype != FP4MOE_BF16)
         return fp4moe_set_error(FP4MOE_EINVAL, "activation dtype %s (supported: f32, bf16)",
                                 fp4moe_dtype_name(o.act_dtype));
+    if (o.cpu_act != FP4MOE_CPU_ACT_FLOAT && o.cpu_act != FP4MOE_CPU_ACT_Q8)
+        return fp4moe_set_error(FP4MOE_EINVAL, "cpu_act %d (float or q8)", (int)o.cpu_act);
+    if (cuda && o.cpu_act == FP4MOE_CPU_ACT_Q8)
+        return fp4moe_set_error(FP4MOE_EINVAL, "the q8 activation mode (--cpu-act q8) is a CPU mode; "
+                                "this batch runs on CUDA");
     if (cuda && o.act_dtype != FP4MOE_BF16)
         return fp4moe_set_error(FP4MOE_EINVAL, "CUDA computes with bf16 activations (act_dtype bf16, "
                                 "--dtype bf16); %s asked", fp4moe_dtype_name(o.act_dtype));
@@ -204,7 +220,7 @@ int fp4moe_batch_new(const fp4moe_model *m, const fp4moe_batch_options *opts, fp
         st = be_cuda_new(m, o.route, o.max_step_tokens, o.max_seqs, o.profile, &b->be, &b->bc);
         if (!st) b->w = be_cuda_weights(m);
     } else {
-        st = be_cpu_new(o.act_dtype, o.route, &b->be, &b->bc);
+        st = be_cpu_new(o.act_dtype, o.route, o.cpu_act, &b->be, &b->bc);
         if (!st) st = be_cpu_weights(m, &b->wcpu);
         b->w = &b->wcpu;
     }

@@ -42,6 +42,7 @@ int fp4moe_session_new(const fp4moe_model *m, const fp4moe_session_options *opts
     bo.max_step_tokens = o.max_chunk;
     bo.act_dtype = o.act_dtype;
     bo.route = o.route;
+    bo.cpu_act = o.cpu_act;
     bo.device = o.device;
     bo.profile = o.profile;
     bo.interrupt = o.interrupt;

@@ -151,6 +151,7 @@ typedef struct {
     int log;                           /* one line per finished request on stderr */
     fp4moe_device device;
     fp4moe_dtype act_dtype;
+    fp4moe_cpu_act cpu_act;     /* CPU: float or q8 (W4A8) */
 } srv_engine_options;
 
 /* Output sink of a job: called by the engine thread with the job's lock held semantics handled

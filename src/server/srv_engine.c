@@ -720,6 +720,7 @@ int srv_engine_new(const fp4moe_model *m, const fp4moe_tokenizer *tok, const cha
     bo.max_kv_tokens = o->kv_tokens;
     bo.device = o->device;
     bo.act_dtype = o->act_dtype;
+    bo.cpu_act = o->cpu_act;
     int st = !e->model_name || !e->act || !e->items || !e->item_job
                  ? fp4moe_set_error(FP4MOE_ENOMEM, "serve: out of memory")
                  : fp4moe_batch_new(m, &bo, &e->b);

@@ -55,7 +55,7 @@ double tu_atol(fp4moe_dtype dtype) {
     }
 }
 
-static double load_elem(const void *y, fp4moe_dtype dtype, int64_t i) {
+double tu_load_elem(const void *y, fp4moe_dtype dtype, int64_t i) {
     switch (dtype) {
     case FP4MOE_F32: return ((const float *)y)[i];
     case FP4MOE_F16: return fp4moe_f16_to_f32(((const uint16_t *)y)[i]);
@@ -72,7 +72,7 @@ int64_t tu_check_close(const void *y, fp4moe_dtype dtype, const double *ref, int
         for (int64_t n = 0; n < N; n++) rowmax = fmax(rowmax, fabs(ref[b * N + n]));
         const double lim = atol + rtol * rowmax;
         for (int64_t n = 0; n < N; n++) {
-            const double v = load_elem(y, dtype, b * N + n), d = fabs(v - ref[b * N + n]);
+            const double v = tu_load_elem(y, dtype, b * N + n), d = fabs(v - ref[b * N + n]);
             if (!(d <= lim)) {
                 if (bad < 5)
                     fprintf(stderr, "  %s: y[%lld][%lld] = %.9g, ref %.9g, |diff| %.3g > %.3g\n", what,
@@ -94,7 +94,7 @@ int64_t tu_check_gather_output(const void *y, fp4moe_dtype dtype, const uint32_t
     for (int64_t b = 0; b < B; b++) {           /* every row: no NaN left, OOR rows exactly 0 */
         const int oor = idx[b] >= (uint64_t)E;
         for (int64_t n = 0; n < N; n++) {
-            const double v = load_elem(y, dtype, b * N + n);
+            const double v = tu_load_elem(y, dtype, b * N + n);
             if (isnan(v) || (oor && v != 0.0)) {
                 if (bad < 3) fprintf(stderr, "  %s: y[%lld][%lld] = %g (idx %u)\n", label, (long long)b,
                                      (long long)n, v, idx[b]);

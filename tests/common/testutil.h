@@ -21,6 +21,8 @@ double tu_rng_normal(tu_rng *r);                       /* standard normal */
 /* The tolerance (one definition for the whole suite). */
 double tu_rtol(fp4moe_dtype dtype);   /* f32 1e-5, f16 2e-3, bf16 1.6e-2 */
 double tu_atol(fp4moe_dtype dtype);   /* 4 x the smallest normal of dtype */
+/* Element i of an array of dtype (f32, f16 or bf16), as fp64. */
+double tu_load_elem(const void *y, fp4moe_dtype dtype, int64_t i);
 
 /* Compares y (B x N of dtype) with ref (fp64). Returns the number of elements out of tolerance
  * (NaN counts); prints the first few with `what` as a label. */

@@ -319,6 +319,16 @@ static void test_usage_and_exit_codes(void **state) {
     EXPECT_RC(2, "inspect", "--help");
     expect_in(g_err, "FP4MOE_CPU_ISA");
     unsetenv("FP4MOE_CPU_ISA");
+    /* --cpu-act takes float or q8, on every command that runs the model */
+    const char *model_cmds[] = {"generate", "chat", "perplexity", "bench", "serve"};
+    for (int i = 0; i < 5; i++) {
+        EXPECT_RC(0, model_cmds[i], "--help");
+        expect_in(g_out, "--cpu-act");
+        /* with each command's other required arguments, so that --cpu-act is what is wrong */
+        const char *a1 = i == 0 ? "-p" : i == 2 ? "--file" : "--dtype", *a2 = i == 0 ? "x" : i == 2 ? "README.md" : "f32";
+        EXPECT_RC(2, model_cmds[i], "-m", "models/nemotron-h-tiny-moe", a1, a2, "--cpu-act", "q4");
+        expect_in(g_err, "--cpu-act must be float or q8");
+    }
     const char *cmds[] = {"quantize", "dequantize", "inspect", "bench-kernel"};
     for (int i = 0; i < 4; i++) {
         EXPECT_RC(0, cmds[i], "--help");

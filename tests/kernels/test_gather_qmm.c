@@ -7,8 +7,9 @@
  * NaN/poison and out-of-range rows for exact zeros; the reference is computed for every row, or
  * for a random subset of rows (always including the first and the last) on the big shapes.
  *
- * Environment: FP4MOE_TEST_ROUTE=qmv|batched|dequant_gemm|auto runs one route only (used by
- * scripts/fault-check.sh, so that one failing route cannot hide another that passes);
+ * Environment: FP4MOE_TEST_ROUTE=qmv|batched|dequant_gemm|auto runs one route only and
+ * FP4MOE_TEST_ACT=float|q8 one activation mode only (used by scripts/fault-check.sh, so that one
+ * failing route cannot hide another that passes);
  * FP4MOE_TEST_QUICK=1 skips the Nemotron-sized cases. */
 #include <math.h>
 #include <setjmp.h>
@@ -76,21 +77,45 @@ typedef struct {
     const int64_t *rows;
     int64_t nrows;
     const double *ref;  /* nrows x N */
+    const double *ref8; /* nrows x N: the W4A8 formula */
+    const double *bound8; /* nrows x N: the bound of its activation rounding */
     void *y, *ysub;     /* B x N, nrows x N */
 } gq_run;
 
-/* One call: poison, run, check. Returns the number of bad elements (or 1 for a failed call). */
-static int64_t run_route(const gq_run *g, fp4moe_route route, const char *label) {
+/* The W4A8 mode against the unquantized fp64 reference, with the bound of the activation rounding
+ * (|q*d - x| <= d/2 = max|x over the 16-block| / 254 per element):
+ *   |y - ref| <= sum_k |w_k| * max|x|_block(k) / 254  (+ the usual tolerance of the output dtype).
+ * bound8 holds that sum, computed by the fp64 reference on |w| and the per-block max|x| / 254. */
+/* One call: poison, run, check. w4a8: the W4A8 entry point, checked against its own fp64 formula
+ * (ref8, the usual tolerance) and against the plain reference (bound8). Returns the number of
+ * bad elements (or 1 for a failed call). */
+static int64_t run_route(const gq_run *g, fp4moe_route route, int w4a8, const char *label) {
     const gq_case *c = g->c;
     const int sorted = c->pattern != TU_IDX_UNSORTED;
     tu_poison(g->y, c->dtype, c->B * c->N);
-    const int st = fp4moe_gather_qmm_cpu_route(&g->tw->w, g->x, c->dtype, g->idx, c->B, sorted, route, g->y);
+    const int st = w4a8 ? fp4moe_gather_qmm_cpu_w4a8(&g->tw->w, g->x, c->dtype, g->idx, c->B, sorted, route, g->y)
+                        : fp4moe_gather_qmm_cpu_route(&g->tw->w, g->x, c->dtype, g->idx, c->B, sorted, route, g->y);
     if (st != FP4MOE_OK) {
         fprintf(stderr, "  %s: status %d: %s\n", label, st, fp4moe_last_error());
         return 1;
     }
-    return tu_check_gather_output(g->y, c->dtype, g->idx, c->B, c->N, c->E, g->rows, g->nrows, g->ref,
-                                  g->ysub, label);
+    int64_t bad = tu_check_gather_output(g->y, c->dtype, g->idx, c->B, c->N, c->E, g->rows, g->nrows,
+                                         w4a8 ? g->ref8 : g->ref, g->ysub, label);
+    if (!w4a8) return bad;
+    for (int64_t i = 0; i < g->nrows; i++) {
+        double m = 0.0;
+        for (int64_t n = 0; n < c->N; n++) m = fmax(m, fabs(g->ref[i * c->N + n]));
+        for (int64_t n = 0; n < c->N; n++) {
+            const double e = fabs(tu_load_elem(g->ysub, c->dtype, i * c->N + n) - g->ref[i * c->N + n]);
+            const double lim = g->bound8[i * c->N + n] + tu_rtol(c->dtype) * m + tu_atol(c->dtype);
+            if (e > lim) {
+                if (bad < 3) fprintf(stderr, "  %s: y[%lld][%lld]: W4A8 error %g > bound %g\n", label,
+                                     (long long)g->rows[i], (long long)n, e, lim);
+                bad++;
+            }
+        }
+    }
+    return bad;
 }
 
 static void test_case(void **state) {
@@ -123,41 +148,73 @@ static void test_case(void **state) {
         idxs[i] = idx[rows[i]];
     }
     assert_int_equal(fp4moe_gather_qmm_ref_f64(&tw.w, xs, c->dtype, idxs, nrows, ref), FP4MOE_OK);
+    double *ref8 = malloc((size_t)(nrows * c->N) * sizeof *ref8);
+    assert_non_null(ref8);
+    assert_int_equal(fp4moe_gather_qmm_ref_w4a8_f64(&tw.w, xs, c->dtype, idxs, nrows, ref8), FP4MOE_OK);
 
-    const gq_run g = {c, &tw, x, idx, rows, nrows, ref, y, ysub};
-    const char *only = getenv("FP4MOE_TEST_ROUTE");
+    /* bound8 = ref(|w|, max|x| per block / 254): codes without their sign bit, scales and gs > 0 */
+    double *bound8 = malloc((size_t)(nrows * c->N) * sizeof *bound8);
+    float *xmax = malloc((size_t)(nrows * c->K) * sizeof *xmax);
+    uint8_t *abs_codes = malloc((size_t)(c->E * c->N * c->K / 2));
+    assert_true(bound8 && xmax && abs_codes);
+    for (int64_t i = 0; i < c->E * c->N * c->K / 2; i++) abs_codes[i] = tw.codes[i] & 0x77;
+    for (int64_t i = 0; i < nrows * c->K; i += 16) {
+        double m = 0.0;
+        for (int k = 0; k < 16; k++) m = fmax(m, fabs(tu_load_elem(xs, c->dtype, i + k)));
+        for (int k = 0; k < 16; k++) xmax[i + k] = (float)(m / 254.0 * (1.0 + 1e-6));
+    }
+    fp4moe_nvfp4_weights wabs = tw.w;
+    wabs.codes = abs_codes;
+    assert_int_equal(fp4moe_gather_qmm_ref_f64(&wabs, xmax, FP4MOE_F32, idxs, nrows, bound8), FP4MOE_OK);
+    free(xmax);
+    free(abs_codes);
+
+    const gq_run g = {c, &tw, x, idx, rows, nrows, ref, ref8, bound8, y, ysub};
+    const char *only = getenv("FP4MOE_TEST_ROUTE"), *act = getenv("FP4MOE_TEST_ACT");
     const int big = (double)c->B * c->N * c->K > 2e9;
     int64_t failures = 0;
     tu_setenv("FP4MOE_GATHER_ROUTE", NULL);
-    for (int isa = 0; isa < 2; isa++) {           /* 0: this machine's kernels, 1: portable C */
-        if (isa == 1 && big) continue;            /* the portable kernels are slow; big shapes once */
-        if (isa == 1) tu_setenv("FP4MOE_CPU_ISA", "portable");
-        else tu_setenv("FP4MOE_CPU_ISA", NULL);
-        for (int ro = FP4MOE_ROUTE_QMV; ro <= FP4MOE_ROUTE_DEQUANT_GEMM + 2; ro++) {
-            /* QMV, BATCHED, DEQUANT_GEMM explicitly, then AUTO with the switch on and off */
-            const fp4moe_route route = ro <= FP4MOE_ROUTE_DEQUANT_GEMM ? (fp4moe_route)ro : FP4MOE_ROUTE_AUTO;
-            if (only && strcmp(only, fp4moe_route_name(route))) continue;
-            if (!route_applies(route, c)) continue;
-            if (route == FP4MOE_ROUTE_AUTO && ro == FP4MOE_ROUTE_DEQUANT_GEMM + 2)
-                tu_setenv("FP4MOE_GATHER_EXPERT_BATCHED", "0");
-            else
-                tu_setenv("FP4MOE_GATHER_EXPERT_BATCHED", NULL);
-            char label[160];
-            snprintf(label, sizeof label, "E=%lld N=%lld K=%lld B=%lld %s gs=%d %s route=%s%s isa=%s",
-                     (long long)c->E, (long long)c->N, (long long)c->K, (long long)c->B,
-                     tu_idx_pattern_name(c->pattern), c->with_gs, fp4moe_dtype_name(c->dtype),
-                     fp4moe_route_name(route),
-                     route != FP4MOE_ROUTE_AUTO ? ""
-                     : ro == FP4MOE_ROUTE_DEQUANT_GEMM + 2 ? "(EXPERT_BATCHED=0)" : "(default)",
-                     isa ? "portable" : "native");
-            const int64_t bad = run_route(&g, route, label);
-            if (bad) fprintf(stderr, "FAIL %s\n", label);
-            failures += bad != 0;
-        }
+    /* every kernel table this machine has (avx512, avx2, portable), each once */
+    static const char *const isas[] = {"avx512", "avx2", "portable"};
+    char done[3][16] = {{0}};
+    for (int isa = 0; isa < 3; isa++) {
+        if (isa == 2 && big) continue;            /* the portable kernels are slow; big shapes once */
+        tu_setenv("FP4MOE_CPU_ISA", isas[isa]);
+        const char *name = fp4moe_gather_cpu_isa(); /* a table the CPU lacks falls back */
+        int seen = 0;
+        for (int i = 0; i < isa; i++) seen |= !strcmp(done[i], name);
+        snprintf(done[isa], sizeof done[isa], "%s", name);
+        if (seen) continue;
+        if (big && isa == 1 && strcmp(done[0], "avx512")) continue; /* big shapes: the best table */
+        for (int w4a8 = 0; w4a8 < 2; w4a8++)
+            for (int ro = FP4MOE_ROUTE_QMV; ro <= FP4MOE_ROUTE_DEQUANT_GEMM + 2; ro++) {
+                /* QMV, BATCHED, DEQUANT_GEMM explicitly, then AUTO with the switch on and off;
+                 * W4A8: QMV, BATCHED and AUTO */
+                const fp4moe_route route = ro <= FP4MOE_ROUTE_DEQUANT_GEMM ? (fp4moe_route)ro : FP4MOE_ROUTE_AUTO;
+                if (only && strcmp(only, fp4moe_route_name(route))) continue;
+                if (act && strcmp(act, w4a8 ? "q8" : "float")) continue;
+                if (!route_applies(route, c)) continue;
+                if (w4a8 && (route == FP4MOE_ROUTE_DEQUANT_GEMM || ro == FP4MOE_ROUTE_DEQUANT_GEMM + 2)) continue;
+                if (route == FP4MOE_ROUTE_AUTO && ro == FP4MOE_ROUTE_DEQUANT_GEMM + 2)
+                    tu_setenv("FP4MOE_GATHER_EXPERT_BATCHED", "0");
+                else
+                    tu_setenv("FP4MOE_GATHER_EXPERT_BATCHED", NULL);
+                char label[192];
+                snprintf(label, sizeof label, "E=%lld N=%lld K=%lld B=%lld %s gs=%d %s route=%s%s%s isa=%s",
+                         (long long)c->E, (long long)c->N, (long long)c->K, (long long)c->B,
+                         tu_idx_pattern_name(c->pattern), c->with_gs, fp4moe_dtype_name(c->dtype),
+                         fp4moe_route_name(route),
+                         route != FP4MOE_ROUTE_AUTO ? ""
+                         : ro == FP4MOE_ROUTE_DEQUANT_GEMM + 2 ? "(EXPERT_BATCHED=0)" : "(default)",
+                         w4a8 ? " w4a8" : "", name);
+                const int64_t bad = run_route(&g, route, w4a8, label);
+                if (bad) fprintf(stderr, "FAIL %s\n", label);
+                failures += bad != 0;
+            }
     }
     tu_setenv("FP4MOE_CPU_ISA", NULL);
     tu_setenv("FP4MOE_GATHER_EXPERT_BATCHED", NULL);
-    free(xs); free(idxs); free(ref); free(y); free(ysub); free(rows); free(idx); free(x);
+    free(xs); free(idxs); free(ref); free(ref8); free(bound8); free(y); free(ysub); free(rows); free(idx); free(x);
     tu_weights_free(&tw);
     assert_int_equal(failures, 0);
 }

@@ -47,6 +47,17 @@ static void test_default_model(void **state) {
     fp4moe_model_free(m);
 }
 
+/* W4A8 (cpu_act q8): rows are quantized one by one and both q8 routes add the same integer sums in
+ * the same order, so batched ids equal solo ids here too. */
+static void test_default_model_q8(void **state) {
+    (void)state;
+    fp4moe_model *m = load_default();
+    bt_cpu_act = FP4MOE_CPU_ACT_Q8;
+    scenarios(m, "default model q8");
+    bt_cpu_act = FP4MOE_CPU_ACT_FLOAT;
+    fp4moe_model_free(m);
+}
+
 /* A snapshot restored into a second sequence continues exactly like the first (bitwise logits). */
 static void test_snapshot_bitwise(void **state) {
     fp4moe_model *m = load_default();
@@ -191,7 +202,8 @@ static void test_pool_growth(void **state) {
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_golden_a),       cmocka_unit_test(test_golden_b),
-        cmocka_unit_test(test_default_model),  cmocka_unit_test(test_snapshot_bitwise),
+        cmocka_unit_test(test_default_model),  cmocka_unit_test(test_default_model_q8),
+        cmocka_unit_test(test_snapshot_bitwise),
         cmocka_unit_test(test_errors_isolated), cmocka_unit_test(test_pool_growth),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

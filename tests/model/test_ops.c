@@ -304,7 +304,7 @@ static void test_linear_dense_and_nvfp4(void **state) {
     fp4moe_from_f32(wf, N * K, FP4MOE_BF16, wb);
     const void *ptr[1] = {wb};
     op_linear dense = {1, N, K, 0, {0}, FP4MOE_BF16, ptr, bias};
-    ops_ctx c = {FP4MOE_F32, FP4MOE_ROUTE_AUTO, NULL, 0};
+    ops_ctx c = {.act = FP4MOE_F32, .route = FP4MOE_ROUTE_AUTO};
     double *ref = malloc((size_t)(T * N) * 8);
     for (int64_t t = 0; t < T; t++)
         for (int64_t n = 0; n < N; n++) {

@@ -286,11 +286,12 @@ static const be_ops CPU_OPS = {
     .mark = NULL,
 };
 
-int be_cpu_new(fp4moe_dtype act, fp4moe_route route, const be_ops **ops, void **bc) {
+int be_cpu_new(fp4moe_dtype act, fp4moe_route route, fp4moe_cpu_act cpu_act, const be_ops **ops, void **bc) {
     cpu_ctx *c = calloc(1, sizeof *c);
     if (!c) return fp4moe_set_error(FP4MOE_ENOMEM, "cpu backend: out of memory");
     c->ops.act = act;
     c->ops.route = route;
+    c->ops.q8 = cpu_act == FP4MOE_CPU_ACT_Q8;
     *ops = &CPU_OPS;
     *bc = c;
     return FP4MOE_OK;

@@ -2,6 +2,7 @@
  * The same computations as gather_kernels_avx2.c, written for clarity; the compiler vectorises
  * what it can for the baseline instruction set. */
 #include "kernels/cpu/gather_cpu.h"
+#include "kernels/cpu/gather_q8.h"
 #include "common/env.h"
 
 #include <stdlib.h>
@@ -70,16 +71,64 @@ static void panel_gemm_portable(int mv, int64_t n, int64_t kc, const float *xp, 
         }
 }
 
+/* ---- W4A8 (gather_q8.h), group size 16 ------------------------------------------------------ */
+
+#define Q8_G 16
+
+static void q8_x_portable(const float *x, int64_t n, int64_t K, int8_t *xq, float *xs, int32_t *xc) {
+    const int64_t Kp = q8_padded_k(K, Q8_G);
+    for (int64_t r = 0; r < n; r++) q8_quantize_row(x + r * K, K, Q8_G, xq + r * Kp, xs + r * Kp / 8, xc + r * Kp / 8);
+}
+
+/* u = 2 * e2m1(code) + 12 */
+static const uint8_t k_e2m1_u[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
+
+static void q8_decode_portable(const uint8_t *codes, const uint8_t *scales, const float *stab, int64_t K,
+                               int64_t nn, uint8_t *wq, float *ws) {
+    const int64_t Kp = q8_padded_k(K, Q8_G), nb = K / 16;
+    for (int64_t j = 0; j < nn; j++)
+        for (int64_t b = 0; b < nb; b++) { /* G = 16: one group per block */
+            const uint8_t *c = codes + j * (K / 2) + 8 * b;
+            uint8_t *u = wq + j * Kp + 16 * b;
+            for (int m = 0; m < 8; m++) {
+                u[m] = k_e2m1_u[c[m] & 15];
+                u[8 + m] = k_e2m1_u[c[m] >> 4];
+            }
+            ws[j * Kp / 8 + 2 * b] = ws[j * Kp / 8 + 2 * b + 1] = 0.5f * stab[scales[j * nb + b]];
+        }
+}
+
+static void q8_dot_portable(const uint8_t *wq, const float *ws, int64_t K, int64_t nn, const int8_t *xq,
+                            const float *xs, const int32_t *xc, int R, float *y, int64_t ldy) {
+    const int64_t Kp = q8_padded_k(K, Q8_G), nl = Kp / 8;
+    for (int64_t j = 0; j < nn; j++)
+        for (int r = 0; r < R; r++) {
+            const uint8_t *u = wq + j * Kp;
+            const int8_t *q = xq + r * Kp;
+            float acc = 0.0f;
+            for (int64_t l = 0; l < nl; l++) {
+                const int64_t g0 = l / 2 * Q8_G, o = 4 * (l % 2); /* lane l: bytes [o, o+4) of each half */
+                int32_t s = xc[r * nl + l];
+                for (int i = 0; i < 4; i++)
+                    s += u[g0 + o + i] * q[g0 + o + i] + u[g0 + Q8_G / 2 + o + i] * q[g0 + Q8_G / 2 + o + i];
+                acc += (float)s * (ws[j * nl + l] * xs[r * nl + l]);
+            }
+            y[r * ldy + j] = acc;
+        }
+}
+
 const gather_cpu_kernels gather_cpu_kernels_portable = {
     "portable", x_to_f32_portable, y_from_f32_portable, qmv_portable, decode_portable, panel_gemm_portable,
+    NULL, NULL, Q8_G, q8_x_portable, q8_decode_portable, q8_dot_portable, NULL,
 };
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <cpuid.h>
-/* AVX2, FMA and F16C from CPUID (Intel SDM vol. 2A, CPUID leaves 1 and 7) and the OS saving the
- * AVX state (XGETBV XCR0 bits 1-2): works with gcc and clang alike (clang 14 lacks
- * __builtin_cpu_supports("f16c")). */
-static int cpu_has_avx2_fma_f16c(void) {
+/* From CPUID (Intel SDM vol. 2A, leaves 1 and 7) and the state the OS saves (XGETBV XCR0, SDM vol.
+ * 1 section 13.3): works with gcc and clang alike (clang 14 lacks __builtin_cpu_supports("f16c")).
+ * 2: AVX-512 F, BW, VL, DQ, VNNI with opmask/ZMM state (XCR0 bits 5-7); 1: AVX2, FMA, F16C with
+ * YMM state (bits 1-2); 0: neither. */
+static int cpu_x86_level(void) {
     unsigned a, b, c, d;
     if (!__get_cpuid(1, &a, &b, &c, &d)) return 0;
     const int fma = (c >> 12) & 1, osxsave = (c >> 27) & 1, avx = (c >> 28) & 1, f16c = (c >> 29) & 1;
@@ -88,14 +137,22 @@ static int cpu_has_avx2_fma_f16c(void) {
     __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
     if ((lo & 6u) != 6u) return 0;
     if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return 0;
-    return (b >> 5) & 1;                                /* AVX2 */
+    if (!((b >> 5) & 1)) return 0;                      /* AVX2 */
+    const int avx512 = ((b >> 16) & 1) && ((b >> 17) & 1) && ((b >> 30) & 1) && ((b >> 31) & 1) /* F DQ BW VL */
+                       && ((c >> 11) & 1)                                                        /* VNNI */
+                       && (lo & 0xE0u) == 0xE0u;
+    return avx512 ? 2 : 1;
 }
 #endif
 
 const gather_cpu_kernels *gather_cpu_kernels_select(void) {
-    if (!strcmp(env_get(ENV_CPU_ISA), "portable")) return &gather_cpu_kernels_portable;
+    const char *want = env_get(ENV_CPU_ISA);
+    if (!strcmp(want, "portable")) return &gather_cpu_kernels_portable;
 #if defined(__x86_64__) || defined(__i386__)
-    if (cpu_has_avx2_fma_f16c()) return &gather_cpu_kernels_avx2;
+    static int level = -1;
+    if (level < 0) level = cpu_x86_level();
+    if (level >= 2 && strcmp(want, "avx2")) return &gather_cpu_kernels_avx512;
+    if (level >= 1) return &gather_cpu_kernels_avx2;
 #endif
     return &gather_cpu_kernels_portable;
 }

@@ -8,6 +8,7 @@
  * by e4m3(scale)/2. Every step is exact: w = e2m1 * e4m3 as in the spec. */
 #if defined(__x86_64__) || defined(__i386__)
 #include "kernels/cpu/gather_cpu.h"
+#include "kernels/cpu/gather_q8.h"
 
 #include <immintrin.h>
 #include <string.h>
@@ -38,7 +39,7 @@ ALWAYS_INLINE float hsum8(__m256 v) {
 
 /* ---- conversions -------------------------------------------------------------------------- */
 
-static void x_to_f32_avx2(const void *src, fp4moe_dtype dtype, int64_t n, float *dst) {
+void gather_avx2_x_to_f32(const void *src, fp4moe_dtype dtype, int64_t n, float *dst) {
     int64_t i = 0;
     if (dtype == FP4MOE_F32) {
         memcpy(dst, src, (size_t)n * sizeof(float));
@@ -68,7 +69,7 @@ ALWAYS_INLINE __m128i f32_to_bf16_x8(__m256 v) {
     return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
 }
 
-static void y_from_f32_avx2(const float *src, int64_t n, float gs, fp4moe_dtype dtype, void *dst) {
+void gather_avx2_y_from_f32(const float *src, int64_t n, float gs, fp4moe_dtype dtype, void *dst) {
     const __m256 g = _mm256_set1_ps(gs);
     int64_t i = 0;
     if (dtype == FP4MOE_F32) {
@@ -166,7 +167,7 @@ ALWAYS_INLINE void micro(const int MV, const int NR, int64_t kc, const float *xp
         for (int j = 0; j < NR; j++) _mm256_storeu_ps(c + j * ldc + 8 * v, acc[v][j]);
 }
 
-static void panel_gemm_avx2(int mv, int64_t n, int64_t kc, const float *xp, const float *w, int64_t ldw,
+void gather_avx2_panel_gemm(int mv, int64_t n, int64_t kc, const float *xp, const float *w, int64_t ldw,
                             float *c, int64_t ldc, int first) {
     if (mv == 2) {
         for (int64_t j = 0; j < n; j += 6) micro(2, 6, kc, xp, w + j * ldw, ldw, c + j * ldc, ldc, first);
@@ -175,7 +176,94 @@ static void panel_gemm_avx2(int mv, int64_t n, int64_t kc, const float *xp, cons
     }
 }
 
+/* ---- W4A8 (gather_q8.h), group size 64: one 32-byte vector of code bytes per group ------------ */
+
+#define Q8_G 64
+
+static void q8_x_avx2(const float *x, int64_t n, int64_t K, int8_t *xq, float *xs, int32_t *xc) {
+    const int64_t Kp = q8_padded_k(K, Q8_G);
+    for (int64_t r = 0; r < n; r++) q8_quantize_row(x + r * K, K, Q8_G, xq + r * Kp, xs + r * Kp / 8, xc + r * Kp / 8);
+}
+
+/* u = 2 * e2m1(code) + 12, in both 128-bit lanes */
+#define E2M1_U_LUT _mm256_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0, \
+                                    12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0)
+
+static void q8_decode_avx2(const uint8_t *codes, const uint8_t *scales, const float *stab, int64_t K,
+                           int64_t nn, uint8_t *wq, float *ws) {
+    const int64_t Kp = q8_padded_k(K, Q8_G), nb = K / 16, ng = Kp / Q8_G, full = K / Q8_G;
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    for (int64_t j = 0; j < nn; j++) {
+        const uint8_t *cj = codes + j * (K / 2), *sj = scales + j * nb;
+        uint8_t *u = wq + j * Kp;
+        float *wsj = ws + j * (Kp / 8);
+        for (int64_t g = 0; g < ng; g++) {
+            __m256i c;
+            _mm_prefetch((const char *)(cj + 32 * g + 2048), _MM_HINT_T0); /* rows are contiguous */
+            if (g < full) {
+                c = _mm256_loadu_si256((const __m256i *)(cj + 32 * g));
+            } else { /* the last, partial group: zero codes (u = 12) past K */
+                uint8_t tmp[32] = {0};
+                memcpy(tmp, cj + 32 * g, (size_t)(K / 2 - 32 * g));
+                c = _mm256_loadu_si256((const __m256i *)tmp);
+            }
+            const __m256i lo = _mm256_and_si256(c, m4), hi = _mm256_and_si256(_mm256_srli_epi16(c, 4), m4);
+            _mm256_storeu_si256((__m256i *)(u + Q8_G * g), _mm256_shuffle_epi8(E2M1_U_LUT, lo));
+            _mm256_storeu_si256((__m256i *)(u + Q8_G * g + 32), _mm256_shuffle_epi8(E2M1_U_LUT, hi));
+            float s[4];
+            for (int b = 0; b < 4; b++) s[b] = 4 * g + b < nb ? 0.5f * stab[sj[4 * g + b]] : 0.0f;
+            _mm256_storeu_ps(wsj + 8 * g, _mm256_setr_ps(s[0], s[0], s[1], s[1], s[2], s[2], s[3], s[3]));
+        }
+    }
+}
+
+/* Per group and row: two u8 x s8 pair products (vpmaddubsw: |24 * 127 * 2| fits int16, no
+ * saturation), their int16 sum (<= 12192), pairs to int32 (vpmaddwd with ones) = the 8 lanes. */
+ALWAYS_INLINE void q8_dot_rows(const uint8_t *wq, const float *ws, int64_t Kp, int64_t nn, const int8_t *xq,
+                               const float *xs, const int32_t *xc, const int R, float *y, int64_t ldy) {
+    const int64_t ng = Kp / Q8_G, nl = Kp / 8;
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int64_t j = 0; j < nn; j++) {
+        const uint8_t *u = wq + j * Kp;
+        const float *wsj = ws + j * nl;
+        __m256 acc[8];
+        for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+        for (int64_t g = 0; g < ng; g++) {
+            const __m256i ue = _mm256_loadu_si256((const __m256i *)(u + Q8_G * g));
+            const __m256i uo = _mm256_loadu_si256((const __m256i *)(u + Q8_G * g + 32));
+            const __m256 wsv = _mm256_loadu_ps(wsj + 8 * g);
+            for (int r = 0; r < R; r++) {
+                const int8_t *q = xq + r * Kp + Q8_G * g;
+                const __m256i p = _mm256_add_epi16(
+                    _mm256_maddubs_epi16(ue, _mm256_loadu_si256((const __m256i *)q)),
+                    _mm256_maddubs_epi16(uo, _mm256_loadu_si256((const __m256i *)(q + 32))));
+                const __m256i s = _mm256_add_epi32(_mm256_madd_epi16(p, ones),
+                                                   _mm256_loadu_si256((const __m256i *)(xc + r * nl + 8 * g)));
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(wsv, _mm256_loadu_ps(xs + r * nl + 8 * g)),
+                                         acc[r]);
+            }
+        }
+        for (int r = 0; r < R; r++) y[r * ldy + j] = hsum8(acc[r]);
+    }
+}
+
+static void q8_dot_avx2(const uint8_t *wq, const float *ws, int64_t K, int64_t nn, const int8_t *xq,
+                        const float *xs, const int32_t *xc, int R, float *y, int64_t ldy) {
+    const int64_t Kp = q8_padded_k(K, Q8_G);
+    switch (R) {
+    case 1: q8_dot_rows(wq, ws, Kp, nn, xq, xs, xc, 1, y, ldy); break;
+    case 2: q8_dot_rows(wq, ws, Kp, nn, xq, xs, xc, 2, y, ldy); break;
+    case 3: q8_dot_rows(wq, ws, Kp, nn, xq, xs, xc, 3, y, ldy); break;
+    case 4: q8_dot_rows(wq, ws, Kp, nn, xq, xs, xc, 4, y, ldy); break;
+    case 5: q8_dot_rows(wq, ws, Kp, nn, xq, xs, xc, 5, y, ldy); break;
+    case 6: q8_dot_rows(wq, ws, Kp, nn, xq, xs, xc, 6, y, ldy); break;
+    case 7: q8_dot_rows(wq, ws, Kp, nn, xq, xs, xc, 7, y, ldy); break;
+    default: q8_dot_rows(wq, ws, Kp, nn, xq, xs, xc, 8, y, ldy); break;
+    }
+}
+
 const gather_cpu_kernels gather_cpu_kernels_avx2 = {
-    "avx2", x_to_f32_avx2, y_from_f32_avx2, qmv_avx2, decode_avx2, panel_gemm_avx2,
+    "avx2", gather_avx2_x_to_f32, gather_avx2_y_from_f32, qmv_avx2, decode_avx2, gather_avx2_panel_gemm,
+    NULL, NULL, Q8_G, q8_x_avx2, q8_decode_avx2, q8_dot_avx2, NULL,
 };
 #endif

@@ -88,6 +88,24 @@ static float *scratch_alloc(int64_t nfloats) {
 
 /* ---- qmv ------------------------------------------------------------------------------------- */
 
+/* x rows [row0, row0 + n) (n <= GATHER_QMV_ROWS) as the qmv kernel takes them: fp32 (in xf unless x
+ * is fp32), then in the kernel's own layout (in xq) where it has one. */
+static const float *qmv_rows_x(const gather_ctx *c, int64_t row0, int64_t n, float *xf, float *xq) {
+    const int64_t K = c->w->K;
+    const float *xr = x_row(c, row0);
+    if (c->dtype != FP4MOE_F32) {
+        c->kern->x_to_f32(xr, c->dtype, n * K, xf);
+        xr = xf;
+    }
+    if (!c->kern->qmv_x) return xr;
+    c->kern->qmv_x(xr, K, (int)n, K, xq);
+    return xq;
+}
+
+static int64_t qmv_ldx(const gather_ctx *c) {
+    return c->kern->qmv_ld ? c->kern->qmv_ld(c->w->K) : c->w->K;
+}
+
 /* Work items (group of <= GATHER_QMV_ROWS adjacent rows of one expert, piece of N); N is split
  * when there are too few groups to keep every thread busy (decode: B = top-k rows). */
 static int route_qmv(const gather_ctx *c, const uint32_t *idx, int64_t B) {
@@ -126,8 +144,9 @@ static int route_qmv(const gather_ctx *c, const uint32_t *idx, int64_t B) {
 #pragma omp parallel if (nitems > 1)
     {
         float *xf = c->dtype == FP4MOE_F32 ? NULL : scratch_alloc(GATHER_QMV_ROWS * K);
+        float *xq = c->kern->qmv_x ? scratch_alloc(GATHER_QMV_ROWS * c->kern->qmv_ld(K)) : NULL;
         float *yf = scratch_alloc(GATHER_QMV_ROWS * chunk);
-        const int ok = yf && (xf || c->dtype == FP4MOE_F32);
+        const int ok = yf && (xf || c->dtype == FP4MOE_F32) && (xq || !c->kern->qmv_x);
         if (!ok) {
 #pragma omp atomic write
             failed = 1;
@@ -137,18 +156,15 @@ static int route_qmv(const gather_ctx *c, const uint32_t *idx, int64_t B) {
             if (!ok) continue;
             const gather_run g = groups[it / pieces];
             const int64_t n0 = it % pieces * chunk, nn = N - n0 < chunk ? N - n0 : chunk;
-            const float *xr = x_row(c, g.start);
-            if (xf) {
-                c->kern->x_to_f32(xr, c->dtype, g.len * K, xf);
-                xr = xf;
-            }
+            const float *xr = qmv_rows_x(c, g.start, g.len, xf, xq);
             c->kern->qmv(expert_codes(c->w, g.expert, n0), expert_scales(c->w, g.expert, n0), c->stab,
-                         K, nn, xr, K, (int)g.len, yf, chunk);
+                         K, nn, xr, qmv_ldx(c), (int)g.len, yf, chunk);
             const float gs = gather_expert_gs(c->w->global_scale, g.expert);
             for (int64_t r = 0; r < g.len; r++)
                 c->kern->y_from_f32(yf + r * chunk, nn, gs, c->dtype, y_at(c, g.start + r, n0));
         }
         free(xf);
+        free(xq);
         free(yf);
     }
     free(groups);
@@ -284,16 +300,17 @@ static void batched_item(const gather_ctx *c, const batched_chunk *ch, const flo
 }
 
 /* A short chunk (m < BATCHED_MIN_PANEL_ROWS): groups of <= GATHER_QMV_ROWS rows share each block
- * decode through the qmv kernel; xrows holds GATHER_QMV_ROWS x K fp32, yf GATHER_QMV_ROWS x NT. */
+ * decode through the qmv kernel; xrows holds GATHER_QMV_ROWS x K fp32, xq GATHER_QMV_ROWS x
+ * qmv_ld(K) (where the kernel has its own layout), yf GATHER_QMV_ROWS x NT. */
 static void batched_item_short(const gather_ctx *c, const batched_chunk *ch, int64_t n0, float *xrows,
-                               float *yf) {
+                               float *xq, float *yf) {
     const int64_t N = c->w->N, K = c->w->K, nn = N - n0 < BATCHED_NT ? N - n0 : BATCHED_NT;
     const float gs = gather_expert_gs(c->w->global_scale, ch->expert);
     for (int64_t r0 = 0; r0 < ch->m; r0 += GATHER_QMV_ROWS) {
         const int64_t g = ch->m - r0 < GATHER_QMV_ROWS ? ch->m - r0 : GATHER_QMV_ROWS;
-        c->kern->x_to_f32(x_row(c, ch->row0 + r0), c->dtype, g * K, xrows);
+        const float *xr = qmv_rows_x(c, ch->row0 + r0, g, xrows, xq);
         c->kern->qmv(expert_codes(c->w, ch->expert, n0), expert_scales(c->w, ch->expert, n0), c->stab, K, nn,
-                     xrows, K, (int)g, yf, BATCHED_NT);
+                     xr, qmv_ldx(c), (int)g, yf, BATCHED_NT);
         for (int64_t r = 0; r < g; r++)
             c->kern->y_from_f32(yf + r * BATCHED_NT, nn, gs, c->dtype, y_at(c, ch->row0 + r0 + r, n0));
     }
@@ -336,7 +353,8 @@ static int route_batched(const gather_ctx *c, const uint32_t *idx, int64_t B) {
         float *cbuf = scratch_alloc(BATCHED_NT * BATCHED_MC);
         float *tmp = scratch_alloc(K > BATCHED_NT ? K : BATCHED_NT);
         float *xrows = scratch_alloc(GATHER_QMV_ROWS * K), *yf = scratch_alloc(GATHER_QMV_ROWS * BATCHED_NT);
-        const int ok = wbuf && cbuf && tmp && xrows && yf && !failed;
+        float *xq = c->kern->qmv_x ? scratch_alloc(GATHER_QMV_ROWS * qmv_ldx(c)) : NULL;
+        const int ok = wbuf && cbuf && tmp && xrows && yf && (xq || !c->kern->qmv_x) && !failed;
         if (!ok) {
 #pragma omp atomic write
             failed = 1;
@@ -351,7 +369,7 @@ static int route_batched(const gather_ctx *c, const uint32_t *idx, int64_t B) {
                 if (!ok) continue;
                 const batched_chunk *ch = &chunks[it / ntiles];
                 if (ch->m < BATCHED_MIN_PANEL_ROWS)
-                    batched_item_short(c, ch, it % ntiles * BATCHED_NT, xrows, yf);
+                    batched_item_short(c, ch, it % ntiles * BATCHED_NT, xrows, xq, yf);
                 else
                     batched_item(c, ch, xpack + ch->xoff, it % ntiles * BATCHED_NT, wbuf, cbuf, tmp);
             }
@@ -360,6 +378,7 @@ static int route_batched(const gather_ctx *c, const uint32_t *idx, int64_t B) {
         free(cbuf);
         free(tmp);
         free(xrows);
+        free(xq);
         free(yf);
     }
     free(xpack);
@@ -437,6 +456,140 @@ static int route_dequant_gemm(const gather_ctx *c, const uint32_t *idx, int64_t 
     return FP4MOE_OK;
 }
 
+/* ---- W4A8: int8 activations, integer dot products (gather_q8.h) ------------------------------ */
+
+/* Work: chunks of <= mc rows of one expert's run (mc = GATHER_QMV_ROWS for the qmv route, Q8_MC for
+ * the expert-batched one) x pieces of <= Q8_NT weight rows. A slab of consecutive chunks (contiguous rows) is
+ * quantized once, then each work item decodes its weight rows Q8_SUB at a time into a per-thread
+ * buffer (in L1/L2) and runs every 8-row group of its chunk over them: each weight tile streamed
+ * from memory and decoded once for all rows of the chunk. */
+#define Q8_MC 96
+#define Q8_SUB 16
+#define Q8_NT 256 /* most weight rows per work item (bounds the per-thread output buffer) */
+#define Q8_SLAB_BYTES ((int64_t)64 << 20)
+
+typedef struct {
+    int64_t row0, m;
+    uint32_t expert;
+} q8_chunk;
+
+/* The end of the slab that starts at chunk c0: consecutive chunks (increasing rows; out-of-range
+ * runs may lie between them) whose rows span at most span_max rows, at least one chunk. */
+static int64_t slab_end(const q8_chunk *chunks, int64_t nchunks, int64_t c0, int64_t span_max) {
+    int64_t c1 = c0 + 1;
+    while (c1 < nchunks && chunks[c1].row0 + chunks[c1].m - chunks[c0].row0 <= span_max) c1++;
+    return c1;
+}
+
+static int route_w4a8(const gather_ctx *c, const uint32_t *idx, int64_t B, int sorted, int64_t mc) {
+    const gather_cpu_kernels *kn = c->kern;
+    const int64_t N = c->w->N, K = c->w->K, G = kn->q8_group, Kp = (K + G - 1) / G * G, nl = Kp / 8;
+    const int64_t row_bytes = Kp + nl * (int64_t)(sizeof(float) + sizeof(int32_t));
+    gather_run *runs;
+    int64_t nruns, nchunks = 0;
+    int st = gather_find_runs(idx, B, sorted, &runs, &nruns);
+    if (st) return st;
+    zero_out_of_range(c, runs, nruns);
+    for (int64_t i = 0; i < nruns; i++)
+        if (runs[i].expert < (uint64_t)c->w->E) nchunks += (runs[i].len + mc - 1) / mc;
+    q8_chunk *chunks = malloc((size_t)(nchunks ? nchunks : 1) * sizeof *chunks);
+    if (!chunks) {
+        free(runs);
+        return fp4moe_set_error(FP4MOE_ENOMEM, "gather_qmm w4a8: %lld row chunks", (long long)nchunks);
+    }
+    for (int64_t i = 0, ci = 0; i < nruns; i++) {
+        if (runs[i].expert >= (uint64_t)c->w->E) continue;
+        for (int64_t r = 0; r < runs[i].len; r += mc)
+            chunks[ci++] = (q8_chunk){runs[i].start + r, runs[i].len - r < mc ? runs[i].len - r : mc,
+                                      runs[i].expert};
+    }
+    free(runs);
+
+    /* N pieces (multiples of Q8_SUB, <= Q8_NT rows) and >= 8 work items per thread when possible */
+    const int64_t nthreads = omp_get_max_threads();
+    int64_t pieces = 1;
+    if (nchunks < 8 * nthreads) pieces = (8 * nthreads + nchunks - 1) / (nchunks ? nchunks : 1);
+    if (pieces > (N + 31) / 32) pieces = (N + 31) / 32;
+    if (pieces < (N + Q8_NT - 1) / Q8_NT) pieces = (N + Q8_NT - 1) / Q8_NT;
+    if (pieces < 1) pieces = 1;
+    const int64_t chunk_n = ((N + pieces - 1) / pieces + Q8_SUB - 1) / Q8_SUB * Q8_SUB;
+    pieces = (N + chunk_n - 1) / chunk_n;
+    int64_t slab_rows = Q8_SLAB_BYTES / row_bytes;
+    if (slab_rows < mc) slab_rows = mc;
+    int64_t max_rows = 0; /* the largest slab's row span */
+    for (int64_t c0 = 0, c1; c0 < nchunks; c0 = c1) {
+        c1 = slab_end(chunks, nchunks, c0, slab_rows);
+        const int64_t span = chunks[c1 - 1].row0 + chunks[c1 - 1].m - chunks[c0].row0;
+        if (span > max_rows) max_rows = span;
+    }
+    int8_t *xq = malloc((size_t)(max_rows * Kp) + 64);
+    float *xs = malloc((size_t)(max_rows * nl) * sizeof *xs + 64);
+    int32_t *xc = malloc((size_t)(max_rows * nl) * sizeof *xc + 64);
+    int failed = !xq || !xs || !xc;
+
+#pragma omp parallel if (nchunks * pieces > 1 && !failed)
+    {
+        float *xf = scratch_alloc(mc * K);            /* a chunk's rows in fp32 */
+        uint8_t *wq = aligned_alloc(64, (size_t)(Q8_SUB * Kp + 63) / 64 * 64);
+        float *ws = scratch_alloc(Q8_SUB * nl);
+        float *yf = scratch_alloc(mc * chunk_n);
+        const int ok = xf && wq && ws && yf && !failed;
+        if (!ok) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        for (int64_t c0 = 0, c1; c0 < nchunks; c0 = c1) {
+            c1 = slab_end(chunks, nchunks, c0, slab_rows);
+            const int64_t base = chunks[c0].row0; /* the slab's rows lie in [base, base + max_rows) */
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t ci = c0; ci < c1; ci++) {
+                if (!ok) continue;
+                const q8_chunk *ch = &chunks[ci];
+                const float *xr = x_row(c, ch->row0);
+                if (c->dtype != FP4MOE_F32) {
+                    kn->x_to_f32(xr, c->dtype, ch->m * K, xf);
+                    xr = xf;
+                }
+                const int64_t o = ch->row0 - base;
+                kn->q8_x(xr, ch->m, K, xq + o * Kp, xs + o * nl, xc + o * nl);
+            }
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t it = c0 * pieces; it < c1 * pieces; it++) {
+                if (!ok) continue;
+                const q8_chunk *ch = &chunks[it / pieces];
+                const int64_t n0 = it % pieces * chunk_n, nn = N - n0 < chunk_n ? N - n0 : chunk_n;
+                const int64_t o = ch->row0 - base;
+                const float gs = gather_expert_gs(c->w->global_scale, ch->expert);
+                if (ch->m <= 8 && kn->q8_qmv) { /* one row group: decode in registers */
+                    kn->q8_qmv(expert_codes(c->w, ch->expert, n0), expert_scales(c->w, ch->expert, n0), c->stab, K,
+                               nn, xq + o * Kp, xs + o * nl, xc + o * nl, (int)ch->m, yf, chunk_n);
+                } else {
+                    for (int64_t s0 = 0; s0 < nn; s0 += Q8_SUB) { /* each sub-tile decoded once */
+                        const int64_t ns = nn - s0 < Q8_SUB ? nn - s0 : Q8_SUB;
+                        kn->q8_decode(expert_codes(c->w, ch->expert, n0 + s0),
+                                      expert_scales(c->w, ch->expert, n0 + s0), c->stab, K, ns, wq, ws);
+                        for (int64_t r0 = 0; r0 < ch->m; r0 += 8)
+                            kn->q8_dot(wq, ws, K, ns, xq + (o + r0) * Kp, xs + (o + r0) * nl, xc + (o + r0) * nl,
+                                       (int)(ch->m - r0 < 8 ? ch->m - r0 : 8), yf + r0 * chunk_n + s0, chunk_n);
+                    }
+                }
+                for (int64_t r = 0; r < ch->m; r++)
+                    kn->y_from_f32(yf + r * chunk_n, nn, gs, c->dtype, y_at(c, ch->row0 + r, n0));
+            }
+        }
+        free(xf);
+        free(wq);
+        free(ws);
+        free(yf);
+    }
+    free(xq);
+    free(xs);
+    free(xc);
+    free(chunks);
+    if (failed) return fp4moe_set_error(FP4MOE_ENOMEM, "gather_qmm w4a8: scratch buffers");
+    return FP4MOE_OK;
+}
+
 /* ---- route choice and entry points -------------------------------------------------------------- */
 
 /* The CPU route predicate (the only one). qmv unless the input is sorted and has at least
@@ -476,6 +629,24 @@ int fp4moe_gather_qmm_cpu_route(const fp4moe_nvfp4_weights *w, const void *x, fp
     case FP4MOE_ROUTE_DEQUANT_GEMM: return route_dequant_gemm(&c, idx, B);
     default: return fp4moe_set_error(FP4MOE_EINVAL, "gather_qmm: unknown route %d", (int)route);
     }
+}
+
+int fp4moe_gather_qmm_cpu_w4a8(const fp4moe_nvfp4_weights *w, const void *x, fp4moe_dtype dtype,
+                               const uint32_t *idx, int64_t B, int sorted, fp4moe_route route, void *y) {
+    int st = fp4moe_gather_qmm_check(w, x, idx, B, y);
+    if (st) return st;
+    if (fp4moe_dtype_size(dtype) == 0)
+        return fp4moe_set_error(FP4MOE_EINVAL, "gather_qmm w4a8: unknown dtype %d", (int)dtype);
+    if (route == FP4MOE_ROUTE_AUTO) route = fp4moe_gather_route_choose_cpu(w, B, sorted);
+    if ((route == FP4MOE_ROUTE_BATCHED || route == FP4MOE_ROUTE_DEQUANT_GEMM) && !sorted)
+        return fp4moe_set_error(FP4MOE_EINVAL, "gather_qmm w4a8: route %s needs sorted idx (sorted=0)",
+                                fp4moe_route_name(route));
+    if (route != FP4MOE_ROUTE_QMV && route != FP4MOE_ROUTE_BATCHED && route != FP4MOE_ROUTE_DEQUANT_GEMM)
+        return fp4moe_set_error(FP4MOE_EINVAL, "gather_qmm w4a8: unknown route %d", (int)route);
+    if (B == 0) return FP4MOE_OK;
+    gather_ctx c;
+    ctx_init(&c, w, x, dtype, y);
+    return route_w4a8(&c, idx, B, sorted, route == FP4MOE_ROUTE_QMV ? GATHER_QMV_ROWS : Q8_MC);
 }
 
 int fp4moe_gather_qmm_cpu(const fp4moe_nvfp4_weights *w, const void *x, fp4moe_dtype dtype,

@@ -3,6 +3,8 @@
  * gather_common.h), so that a broken route cannot also break its oracle. */
 #include "fp4moe/gather_qmm.h"
 
+#include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "common/error.h"
@@ -47,5 +49,55 @@ int fp4moe_gather_qmm_ref_f64(const fp4moe_nvfp4_weights *w, const void *x, fp4m
             yrow[n] = acc;
         }
     }
+    return FP4MOE_OK;
+}
+
+/* W4A8: the quantization written out again here (not shared with the kernels' gather_q8.h). */
+int fp4moe_gather_qmm_ref_w4a8_f64(const fp4moe_nvfp4_weights *w, const void *x, fp4moe_dtype dtype,
+                                   const uint32_t *idx, int64_t B, double *y64) {
+    int st = fp4moe_gather_qmm_check(w, x, idx, B, y64);
+    if (st) return fp4moe_error_context(st, "gather_qmm_ref_w4a8_f64");
+    if (fp4moe_dtype_size(dtype) == 0)
+        return fp4moe_set_error(FP4MOE_EINVAL, "gather_qmm_ref_w4a8_f64: unknown dtype %d", (int)dtype);
+    const int64_t E = w->E, N = w->N, K = w->K, nb = K / 16;
+    float *q = malloc((size_t)K * sizeof *q), *d = malloc((size_t)nb * sizeof *d);
+    if (!q || !d) {
+        free(q);
+        free(d);
+        return fp4moe_set_error(FP4MOE_ENOMEM, "gather_qmm_ref_w4a8_f64: %lld floats", (long long)K);
+    }
+    for (int64_t b = 0; b < B; b++) {
+        double *yrow = y64 + b * N;
+        if (idx[b] >= (uint64_t)E) {
+            memset(yrow, 0, (size_t)N * sizeof *yrow);
+            continue;
+        }
+        for (int64_t blk = 0; blk < nb; blk++) {
+            float amax = 0.0f;
+            for (int i = 0; i < 16; i++) amax = fmaxf(amax, fabsf((float)load_x(x, dtype, b * K + 16 * blk + i)));
+            d[blk] = amax / 127.0f;
+            for (int i = 0; i < 16; i++) {
+                const float v = d[blk] > 0.0f ? nearbyintf((float)load_x(x, dtype, b * K + 16 * blk + i) / d[blk]) : 0.0f;
+                q[16 * blk + i] = fminf(127.0f, fmaxf(-127.0f, v));
+            }
+        }
+        const int64_t e = idx[b];
+        const double gs = w->global_scale ? (double)w->global_scale[e] : 1.0;
+        for (int64_t n = 0; n < N; n++) {
+            const uint8_t *codes = w->codes + (e * N + n) * (K / 2), *scales = w->scales + (e * N + n) * nb;
+            double acc = 0.0;
+            for (int64_t blk = 0; blk < nb; blk++) {
+                double s = 0.0;
+                for (int i = 0; i < 16; i++) {
+                    const int64_t k = 16 * blk + i;
+                    s += q[k] * (double)fp4moe_e2m1_to_f32((uint8_t)(codes[k / 2] >> (4 * (k & 1))) & 15);
+                }
+                acc += s * (double)d[blk] * (double)fp4moe_e4m3_to_f32(scales[blk]);
+            }
+            yrow[n] = acc * gs;
+        }
+    }
+    free(q);
+    free(d);
     return FP4MOE_OK;
 }

@@ -29,6 +29,7 @@ typedef struct {
 typedef struct {
     fp4moe_dtype act;               /* FP4MOE_F32 or FP4MOE_BF16: matmul input/output rounding */
     fp4moe_route route;             /* FP4MOE_ROUTE_AUTO or a forced gather_qmm route */
+    int q8;                         /* 1: NVFP4 matmuls in W4A8 (fp4moe_gather_qmm_cpu_w4a8) */
     void *buf;                      /* grow-only scratch owned by the ops (free with ops_ctx_free) */
     size_t cap;
 } ops_ctx;

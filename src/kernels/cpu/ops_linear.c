@@ -50,6 +50,7 @@ static void add_bias(const float *bias, int64_t T, int64_t N, float *y) {
 
 static int gather_call(const ops_ctx *c, const fp4moe_nvfp4_weights *q, const void *x,
                        fp4moe_dtype dt, const uint32_t *idx, int64_t B, void *y) {
+    if (c->q8) return fp4moe_gather_qmm_cpu_w4a8(q, x, dt, idx, B, 1, c->route, y);
     if (c->route == FP4MOE_ROUTE_AUTO) return fp4moe_gather_qmm_cpu(q, x, dt, idx, B, 1, y);
     return fp4moe_gather_qmm_cpu_route(q, x, dt, idx, B, 1, c->route, y);
 }
