@@ -8,6 +8,7 @@
 #include <dirent.h>
 #include <errno.h>
 #include <math.h>
+#include <omp.h>
 #include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
@@ -553,4 +554,27 @@ int cli_convert_failed(const char *cmd, int status, const char *output, int crea
     const int rc = cli_fail(cmd, status);
     if (created_dir) fprintf(stderr, "fp4moe %s: removed the directory %s that this run created\n", cmd, output);
     return rc;
+}
+
+/* Best of 3 parallel sums over `bytes` (GB/s, 1 GB = 1e9 bytes). Returns 0 if out of memory. */
+double cli_measure_read_gbs(size_t bytes) {
+    const int64_t n = (int64_t)(bytes / sizeof(uint64_t));
+    uint64_t *a = malloc((size_t)n * sizeof *a);
+    if (!a) return 0;
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n; i++) a[i] = (uint64_t)i; /* first touch by the reading thread */
+    double best = 0;
+    volatile uint64_t sink = 0;
+    for (int rep = 0; rep < 3; rep++) {
+        uint64_t sum = 0;
+        const double t0 = omp_get_wtime();
+#pragma omp parallel for schedule(static) reduction(+ : sum)
+        for (int64_t i = 0; i < n; i++) sum += a[i];
+        const double dt = omp_get_wtime() - t0;
+        sink += sum;
+        if ((double)bytes / dt / 1e9 > best) best = (double)bytes / dt / 1e9;
+    }
+    (void)sink;
+    free(a);
+    return best;
 }

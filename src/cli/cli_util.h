@@ -153,4 +153,8 @@ int cli_copy_model_files(const char *in_dir, const char *out_dir, const char *co
  * e.g. config.json when the caller rewrites it). */
 int cli_copy_model_files(const char *in_dir, const char *out_dir, const char *const *skip);
 
+/* The machine's memory read bandwidth: best of 3 parallel sums over `bytes` (GB/s, 1e9 bytes/s;
+ * 512 MB is beyond any cache); 0 when out of memory. */
+double cli_measure_read_gbs(size_t bytes);
+
 #endif

@@ -173,7 +173,7 @@ static void report(const bench_args *a, const fp4moe_model *m, fp4moe_device dev
         cJSON_AddNumberToObject(o, "decode_tok_s_median", sm.dc);
         cJSON_AddStringToObject(o, "gen_ids_fnv1a", hash);
         if (runs[0].ids) cJSON_AddItemToObject(o, "gen_ids", cJSON_CreateIntArray(runs[0].ids, (int)a->gen_tokens));
-        if (gpu) {
+        {
             cJSON_AddNumberToObject(o, "weight_bytes_prefill", sm.wb_prefill);
             cJSON_AddNumberToObject(o, "weight_bytes_decode_token", sm.wb_decode);
             cJSON_AddNumberToObject(o, "floor_bw_bytes_s", a->floor_bw);
@@ -198,15 +198,10 @@ static void report(const bench_args *a, const fp4moe_model *m, fp4moe_device dev
            "route %s, device %s, %d threads, %s kernels\n", (long long)a->prompt_tokens, (long long)a->gen_tokens,
            (long long)R, a->dtype, a->cpu_act && !strcmp(a->cpu_act, "q8") ? " (NVFP4 matmuls W4A8)" : "",
            a->route, fp4moe_device_name(dev), omp_get_max_threads(), fp4moe_gather_cpu_isa());
-    if (gpu) {
-        printf("prefill        %.2f tok/s (median); floor %.0f tok/s (%.2f GB at %.2f TB/s): %.3f of it\n",
-               sm.pf, sm.pf_floor, sm.wb_prefill * 1e-9, a->floor_bw * 1e-12, sm.pf / sm.pf_floor);
-        printf("decode         %.2f tok/s (median); floor %.0f tok/s (%.3f GB per token): %.3f of it\n",
-               sm.dc, sm.dc_floor, sm.wb_decode * 1e-9, sm.dc / sm.dc_floor);
-    } else {
-        printf("prefill        %.2f tok/s (median)\n", sm.pf);
-        printf("decode         %.2f tok/s (median)\n", sm.dc);
-    }
+    printf("prefill        %.2f tok/s (median); floor %.0f tok/s (%.2f GB at %.4g GB/s): %.3f of it\n", sm.pf,
+           sm.pf_floor, sm.wb_prefill * 1e-9, a->floor_bw * 1e-9, sm.pf / sm.pf_floor);
+    printf("decode         %.2f tok/s (median); floor %.2f tok/s (%.3f GB per token): %.3f of it\n", sm.dc,
+           sm.dc_floor, sm.wb_decode * 1e-9, sm.dc / sm.dc_floor);
     printf("gen ids hash   %s (FNV-1a 64)\n", hash);
     if (a->profile) {
         printf("split (device ms, median)   prefill    decode/token\n");
@@ -410,6 +405,11 @@ static int bench(bench_args *a) {
     fp4moe_model *m = NULL;
     rc = a->synthetic ? cli_load_synthetic(CMD, a->synthetic, (uint64_t)a->seed, dev, &m) : cli_load_model_on(CMD, a->model, !a->no_quantize, dev, &m);
     if (rc) return rc;
+    if (a->floor_bw == 0.0) { /* the floors' bandwidth: the H200's copy rate, or this CPU's reads */
+        a->floor_bw = dev == FP4MOE_DEVICE_CUDA ? 4.2e12 : cli_measure_read_gbs((size_t)512 << 20) * 1e9;
+        if (!(a->floor_bw > 0.0)) a->floor_bw = 1e10;
+        if (dev != FP4MOE_DEVICE_CUDA) fprintf(stderr, "%s: memory read bandwidth (512 MB): %.1f GB/s\n", CMD, a->floor_bw * 1e-9);
+    }
     {
         const int64_t maxp = fp4moe_model_config(m)->max_position;
         if (maxp > 0 && a->prompt_tokens + a->gen_tokens > maxp)
@@ -470,7 +470,7 @@ static int bench(bench_args *a) {
 
 int cmd_bench(int argc, char **argv) {
     bench_args a = {.prompt_tokens = 512, .gen_tokens = 128, .repeats = 3, .warmup = -1, .dtype = NULL,
-                    .route = "auto", .device = "auto", .floor_bw = 4.2e12};
+                    .route = "auto", .device = "auto", .floor_bw = 0};
     const cli_opt opts[] = {
         {"--model", "-m", CLI_STRING, &a.model, "DIR", "model directory"},
         {"--synthetic", NULL, CLI_STRING, &a.synthetic, "CONFIG",
@@ -490,7 +490,7 @@ int cmd_bench(int argc, char **argv) {
          "N concurrent sequences in one batch (each prefills --prompt-tokens, then decodes --gen-tokens): "
          "aggregate and per-sequence tok/s, each sequence's id hash"},
         {"--profile", NULL, CLI_FLAG, &a.profile, NULL, "cuda: device time by layer kind (prefill, decode per token)"},
-        {"--floor-bw", NULL, CLI_DOUBLE, &a.floor_bw, "B/S", "memory bandwidth of the floors, bytes/s (default 4.2e12)"},
+        {"--floor-bw", NULL, CLI_DOUBLE, &a.floor_bw, "B/S", "memory bandwidth of the floors, bytes/s (default: cuda 4.2e12, the H200's; cpu: this machine's read bandwidth, measured)"},
         {"--no-quantize", NULL, CLI_FLAG, &a.no_quantize, NULL, "keep dense checkpoints dense"},
         {"--json", NULL, CLI_FLAG, &a.json, NULL, "print one JSON object on stdout"},
     };
@@ -509,7 +509,7 @@ int cmd_bench(int argc, char **argv) {
     if (a.batch < 0 || a.batch > 65535) return cli_usage_error(CMD, "--batch must be in 0 .. 65535");
     if (a.prompt_tokens < 1 || a.gen_tokens < 1 || a.repeats < 1)
         return cli_usage_error(CMD, "--prompt-tokens, --gen-tokens and --repeats must be >= 1");
-    if (!(a.floor_bw > 0.0)) return cli_usage_error(CMD, "--floor-bw must be > 0");
+    if (!(a.floor_bw >= 0.0)) return cli_usage_error(CMD, "--floor-bw must be > 0 (0: the default)");
     if ((rc = cli_set_threads(CMD, a.threads))) return rc;
     if ((rc = cli_require_model_dir(CMD, a.model))) return rc;
     return bench(&a);

@@ -139,29 +139,6 @@ static void *make_x(int64_t B, int64_t K, fp4moe_dtype dtype, uint64_t seed) {
 
 /* ---- memory bandwidth ----------------------------------------------------------------------- */
 
-/* Best of 3 parallel sums over `bytes` (GB/s, 1 GB = 1e9 bytes). Returns 0 if out of memory. */
-static double measure_read_gbs(size_t bytes) {
-    const int64_t n = (int64_t)(bytes / sizeof(uint64_t));
-    uint64_t *a = malloc((size_t)n * sizeof *a);
-    if (!a) return 0;
-#pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < n; i++) a[i] = (uint64_t)i; /* first touch by the reading thread */
-    double best = 0;
-    volatile uint64_t sink = 0;
-    for (int rep = 0; rep < 3; rep++) {
-        uint64_t sum = 0;
-        const double t0 = omp_get_wtime();
-#pragma omp parallel for schedule(static) reduction(+ : sum)
-        for (int64_t i = 0; i < n; i++) sum += a[i];
-        const double dt = omp_get_wtime() - t0;
-        sink += sum;
-        if ((double)bytes / dt / 1e9 > best) best = (double)bytes / dt / 1e9;
-    }
-    (void)sink;
-    free(a);
-    return best;
-}
-
 /* Best of 3 parallel memcpy of bytes/2 (counted as read + write = `bytes`). */
 static double measure_copy_gbs(size_t bytes) {
     const size_t half = bytes / 2;
@@ -391,7 +368,7 @@ int cmd_bench_kernel(int argc, char **argv) {
         return FP4MOE_EXIT_USAGE;
     }
 
-    const double read_gbs = measure_read_gbs((size_t)512 << 20), copy_gbs = measure_copy_gbs((size_t)512 << 20);
+    const double read_gbs = cli_measure_read_gbs((size_t)512 << 20), copy_gbs = measure_copy_gbs((size_t)512 << 20);
     const char *isa = fp4moe_gather_cpu_isa();
     const int threads = omp_get_max_threads();
     cJSON *root = NULL, *jshapes = NULL;
