@@ -18,7 +18,7 @@ fi
 log=$(mktemp "${TMPDIR:-/tmp}/fp4moe-demo.XXXXXX")
 trap 'rm -f "$log"' EXIT
 
-echo "== fp4moe generate -m $MODEL -p \"$PROMPT\" -n 64   (greedy, CPU, f32 activations)"
+echo "== fp4moe generate -m $MODEL -p \"$PROMPT\" -n 64   (greedy, CPU, W4A8: int8 activations, --cpu-act q8)"
 echo
 printf '%s' "$PROMPT"
 if ! "$BIN" generate -m "$MODEL" -p "$PROMPT" -n 64 --ignore-eos 2> "$log"; then

@@ -140,7 +140,6 @@ static void report(const bench_args *a, const fp4moe_model *m, fp4moe_device dev
     const int64_t R = a->repeats;
     bench_summary sm;
     summarize(a, m, runs, &sm);
-    const int gpu = dev == FP4MOE_DEVICE_CUDA;
     const char *what = a->synthetic ? a->synthetic : a->model;
     char hash[24];
     snprintf(hash, sizeof hash, "%016llx", (unsigned long long)runs[0].hash);
@@ -151,7 +150,7 @@ static void report(const bench_args *a, const fp4moe_model *m, fp4moe_device dev
         cJSON_AddStringToObject(o, "format", fp4moe_quant_mode_name(fp4moe_model_format(m)));
         cJSON_AddStringToObject(o, "device", fp4moe_device_name(dev));
         cJSON_AddStringToObject(o, "dtype", a->dtype);
-        cJSON_AddStringToObject(o, "cpu_act", a->cpu_act ? a->cpu_act : "float");
+        cJSON_AddStringToObject(o, "cpu_act", a->cpu_act);
         cJSON_AddStringToObject(o, "route", a->route);
         const char *eb = getenv("FP4MOE_GATHER_EXPERT_BATCHED") ? fp4moe_env_value("FP4MOE_GATHER_EXPERT_BATCHED") : NULL;
         cJSON_AddStringToObject(o, "FP4MOE_GATHER_EXPERT_BATCHED", eb ? eb : "");
@@ -196,7 +195,7 @@ static void report(const bench_args *a, const fp4moe_model *m, fp4moe_device dev
            a->synthetic ? ", synthetic weights" : "");
     printf("setup          %lld prompt tokens, %lld generated, %lld repeats, %s activations%s, "
            "route %s, device %s, %d threads, %s kernels\n", (long long)a->prompt_tokens, (long long)a->gen_tokens,
-           (long long)R, a->dtype, a->cpu_act && !strcmp(a->cpu_act, "q8") ? " (NVFP4 matmuls W4A8)" : "",
+           (long long)R, a->dtype, !strcmp(a->cpu_act, "q8") ? " (NVFP4 matmuls W4A8)" : "",
            a->route, fp4moe_device_name(dev), omp_get_max_threads(), fp4moe_gather_cpu_isa());
     printf("prefill        %.2f tok/s (median); floor %.0f tok/s (%.2f GB at %.4g GB/s): %.3f of it\n", sm.pf,
            sm.pf_floor, sm.wb_prefill * 1e-9, a->floor_bw * 1e-9, sm.pf / sm.pf_floor);
@@ -279,7 +278,7 @@ static int bench_batch(const bench_args *a, const fp4moe_model *m, fp4moe_dtype 
     o.max_step_tokens = a->chunk;
     o.act_dtype = dt;
     o.route = route;
-    cli_parse_cpu_act(CMD, a->cpu_act, &o.cpu_act); /* checked in bench() */
+    cli_parse_cpu_act(CMD, a->cpu_act, dev, &o.cpu_act); /* checked in bench() */
     o.device = dev;
     o.interrupt = cli_install_sigint();
     o.profile = a->profile;
@@ -323,7 +322,7 @@ static int bench_batch(const bench_args *a, const fp4moe_model *m, fp4moe_dtype 
             cJSON_AddBoolToObject(j, "synthetic", a->synthetic != NULL);
             cJSON_AddStringToObject(j, "device", fp4moe_device_name(dev));
             cJSON_AddStringToObject(j, "dtype", a->dtype);
-            cJSON_AddStringToObject(j, "cpu_act", a->cpu_act ? a->cpu_act : "float");
+            cJSON_AddStringToObject(j, "cpu_act", a->cpu_act);
             cJSON_AddStringToObject(j, "route", a->route);
             const char *eb = getenv("FP4MOE_GATHER_EXPERT_BATCHED") ? fp4moe_env_value("FP4MOE_GATHER_EXPERT_BATCHED") : NULL;
             cJSON_AddStringToObject(j, "FP4MOE_GATHER_EXPERT_BATCHED", eb ? eb : "");
@@ -396,7 +395,8 @@ static int bench(bench_args *a) {
     if (!a->dtype) a->dtype = dev == FP4MOE_DEVICE_CUDA ? "bf16" : "f32";
     if ((rc = cli_parse_dtype(CMD, a->dtype, &dt))) return rc;
     fp4moe_cpu_act ca;
-    if ((rc = cli_parse_cpu_act(CMD, a->cpu_act, &ca))) return rc;
+    if ((rc = cli_parse_cpu_act(CMD, a->cpu_act, dev, &ca))) return rc;
+    a->cpu_act = fp4moe_cpu_act_name(ca); /* the mode in force, for the report */
     if (fp4moe_route_parse(a->route, &route))
         return cli_usage_error(CMD, "--route must be auto, qmv, batched or dequant_gemm");
     if (a->warmup < 0) a->warmup = dev == FP4MOE_DEVICE_CUDA ? 1 : 0;

@@ -92,7 +92,7 @@ static int chat(const chat_args *a) {
     int rc = cli_parse_device(CMD, a->device, &dev);
     if (rc) return rc;
     fp4moe_cpu_act ca;
-    if ((rc = cli_parse_cpu_act(CMD, a->cpu_act, &ca))) return rc;
+    if ((rc = cli_parse_cpu_act(CMD, a->cpu_act, dev, &ca))) return rc;
     if ((rc = cli_parse_dtype(CMD, a->dtype ? a->dtype : (dev == FP4MOE_DEVICE_CUDA ? "bf16" : "f32"), &dt)))
         return rc;
     char *src = cli_load_chat_template(a->model, a->chat_template);

@@ -136,12 +136,15 @@ int cli_model_summary(const char *cmd, const char *dir, FILE *out) {
     return FP4MOE_EXIT_OK;
 }
 
-int cli_parse_cpu_act(const char *cmd, const char *s, fp4moe_cpu_act *ca) {
-    if (!s) {
-        *ca = FP4MOE_CPU_ACT_FLOAT;
+int cli_parse_cpu_act(const char *cmd, const char *s, fp4moe_device dev, fp4moe_cpu_act *ca) {
+    const int cuda = dev == FP4MOE_DEVICE_CUDA || (dev == FP4MOE_DEVICE_DEFAULT && fp4moe_cuda_available());
+    if (!s) { /* q8 on the CPU: +0.03% perplexity, faster (docs/PERFORMANCE.md, issue 14) */
+        *ca = cuda ? FP4MOE_CPU_ACT_FLOAT : FP4MOE_CPU_ACT_Q8;
         return FP4MOE_EXIT_OK;
     }
     if (fp4moe_cpu_act_parse(s, ca)) return cli_usage_error(cmd, "--cpu-act must be float or q8 (got '%s')", s);
+    if (cuda && *ca == FP4MOE_CPU_ACT_Q8)
+        return cli_usage_error(cmd, "--cpu-act q8 is a CPU mode; the model runs on cuda (add --device cpu)");
     return FP4MOE_EXIT_OK;
 }
 
@@ -375,7 +378,7 @@ static int generate(const gen_args *a) {
     int rc = cli_parse_device(CMD, a->device, &dev);
     if (rc) return rc;
     fp4moe_cpu_act ca;
-    if ((rc = cli_parse_cpu_act(CMD, a->cpu_act, &ca))) return rc;
+    if ((rc = cli_parse_cpu_act(CMD, a->cpu_act, dev, &ca))) return rc;
     if ((rc = cli_parse_dtype(CMD, a->dtype ? a->dtype : (dev == FP4MOE_DEVICE_CUDA ? "bf16" : "f32"), &dt)))
         return rc;
     const volatile sig_atomic_t *stop = cli_install_sigint();

@@ -142,7 +142,7 @@ static void report(const ppl_args *a, const ppl_state *p, int64_t windows, int64
                               fp4moe_model_format(p->m) == FP4MOE_QUANT_NONE && !a->no_quantize);
         cJSON_AddStringToObject(o, "file", a->file);
         cJSON_AddStringToObject(o, "dtype", a->dtype);
-        cJSON_AddStringToObject(o, "cpu_act", a->cpu_act ? a->cpu_act : "float");
+        cJSON_AddStringToObject(o, "cpu_act", a->cpu_act);
         cJSON_AddNumberToObject(o, "threads", omp_get_max_threads());
         cJSON_AddNumberToObject(o, "ctx", (double)a->ctx);
         cJSON_AddNumberToObject(o, "text_tokens", (double)p->n_ids);
@@ -186,9 +186,10 @@ static int perplexity(const ppl_args *a) {
     if (dev == FP4MOE_DEVICE_DEFAULT) dev = fp4moe_cuda_available() ? FP4MOE_DEVICE_CUDA : FP4MOE_DEVICE_CPU;
     if ((rc = cli_parse_dtype(CMD, a->dtype ? a->dtype : (dev == FP4MOE_DEVICE_CUDA ? "bf16" : "f32"), &dt))) return rc;
     fp4moe_cpu_act ca;
-    if ((rc = cli_parse_cpu_act(CMD, a->cpu_act, &ca))) return rc;
+    if ((rc = cli_parse_cpu_act(CMD, a->cpu_act, dev, &ca))) return rc;
     ppl_args resolved = *a;                  /* the dtype in force, for the report */
     resolved.dtype = fp4moe_dtype_name(dt);
+    resolved.cpu_act = fp4moe_cpu_act_name(ca);
     a = &resolved;
     if ((rc = tokenize_file(a, &p))) {
         ppl_free(&p);

@@ -185,7 +185,7 @@ static void test_perplexity_cli(void **state) {
     if (access(g.cli, X_OK)) fail_msg("%s not found: build the fp4moe_cli target", g.cli);
     char ctx[32];
     snprintf(ctx, sizeof ctx, "%lld", (long long)g.ctx);
-    char *const argv[] = {g.cli, "perplexity", "-m", MODEL_DIR, "--file", REF_DIR "/heldout_short.txt",
+    char *const argv[] = {g.cli, "perplexity", "-m", MODEL_DIR, "--cpu-act", "float", "--file", REF_DIR "/heldout_short.txt",
                           "--ctx", ctx, "--json", NULL};
     char *out = NULL;
     const int rc = run_cli(argv, &out);
