@@ -1,6 +1,6 @@
 /* CUDA attention (src/kernels/cuda/ops_attention.cu) against an fp64 reference on random data:
  * paged KV caches with pages in random order, several sequences per decode call, context lengths
- * 1, 127, 128, 129 and 4097, prefill chunks (P, T) with and without a cached prefix, GQA ratios 1,
+ * 1, 127, 128, 129, 4097, 20001 and 41000 (decode), prefill chunks (P, T) with and without a cached prefix, GQA ratios 1,
  * 4 and 16, head_dim 64 and 128; the split-KV decode kernel, the per-head decode kernel, the prefill
  * kernel and the paged KV append. Outputs are poisoned (NaN) before every call. Tolerance: bf16
  * output rounding plus fp32 accumulation, |gpu - ref| <= 1e-2 * max |ref| of the row (+1e-6). The
@@ -136,8 +136,10 @@ static const shape k_shapes[] = {{4, 4, 64}, {16, 4, 128}, {32, 2, 128}, {8, 2, 
 static void test_decode(void **state) {
     tu_rng r;
     tu_rng_seed(&r, 31);
-    const int64_t lens[] = {1, 127, 128, 129, 4097, 33};
-    const int nseq = 6;
+    /* 20001 and 41000: several pages per split (256 splits), so that more than one warp of a split
+     * holds keys and one warp holds two pages */
+    const int64_t lens[] = {1, 127, 128, 129, 4097, 20001, 41000};
+    const int nseq = 7;
     double worst = 0;
     for (size_t si = 0; si < sizeof k_shapes / sizeof k_shapes[0]; si++) {
         const shape sh = k_shapes[si];
@@ -145,7 +147,7 @@ static void test_decode(void **state) {
         const int64_t qn = nseq * sh.nq * sh.dh;
         uint16_t *q = malloc((size_t)qn * 2), *out = malloc((size_t)qn * 2);
         for (int64_t i = 0; i < qn; i++) q[i] = f2bf((float)(4.0 * tu_rng_uniform(&r) - 2.0));
-        int32_t slot[6], pos[6];
+        int32_t slot[7], pos[7];
         for (int i = 0; i < nseq; i++) {
             slot[i] = (int32_t)((i * 5 + 1) % nseq);    /* rows in another order than the slots */
             pos[i] = (int32_t)(lens[slot[i]] - 1);
@@ -173,7 +175,7 @@ static void test_decode(void **state) {
                              (long long)sh.nq, (long long)sh.nkv, (long long)sh.dh, pos[i] + 1, e);
             }
         }
-        printf("decode nq=%lld nkv=%lld dh=%lld: contexts 1..4097 in one call, both kernels within %.0e\n",
+        printf("decode nq=%lld nkv=%lld dh=%lld: contexts 1..41000 in one call, both kernels within %.0e\n",
                (long long)sh.nq, (long long)sh.nkv, (long long)sh.dh, RTOL);
         free(ref); free(q); free(out);
         gt_free(dq); gt_free(dout); gt_free(dslot); gt_free(dpos); gt_free(scratch);

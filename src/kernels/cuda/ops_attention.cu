@@ -7,11 +7,12 @@
  *
  * The KV cache is paged: pages of ATT_TILE (32) tokens, one key tile each, found through the
  * sequence's page table (src/backend/backend.h, FW_PAGE).
- * Prefill (one sequence's chunk): block (query head h, 8 consecutive tokens), one warp per token;
- * K/V tiles staged in shared memory as fp32 (rows padded to dh+1 words: lane j reading row j hits
- * distinct banks). Decode (a batch of single-token rows, each its own sequence): block per (query
- * head, row), its 8 warps take interleaved key tiles straight from global memory, and combine their
- * partial (max, sum, output) in shared memory. */
+ * Prefill (one sequence's chunk): head_dim 64 / 128 on tensor cores (attn_prefill_mma_kernel);
+ * other head sizes: block (query head h, 8 consecutive tokens), one warp per token, K/V tiles staged
+ * in shared memory as fp32. Decode (a batch of single-token rows, each its own sequence): head_dim
+ * 64 / 128 with nq/nkv <= 16 split-KV on tensor cores (attn_decode_mma_kernel: the group's query
+ * heads are the 16 mma rows) plus one combine; other shapes: block per (query head, row), its 8
+ * warps take interleaved key tiles straight from global memory and combine in shared memory. */
 #include <math.h>
 
 #include <cuda_fp16.h>
@@ -218,128 +219,18 @@ attn_decode_kernel(const uint16_t *q, const uint16_t *kc, const uint16_t *vc, co
 
 /* ---- decode: split-KV, GQA-grouped (flash-decoding) --------------------------------------------- */
 
-/* Block (kv head kh, row r, split sp): the G = nq/nkv query heads of kh against the keys of its
- * split, one page (ATT_TILE keys) at a time, staged in shared memory as bf16; fp32 online softmax
- * per query head. The split ranges depend only on the row's length and the fixed split count, so a
- * row gets the same numbers alone or in a batch. Partials (m, l, o[dh]) go to part, combined by
- * attn_combine_kernel. Thread t owns output dims of head pairs: dims d = t % DW * 2 .. +1 for heads
- * (t / DW) + k * (THREADS / DW). */
-#define DEC_THREADS 256
+/* Each (kv head, row) is cut into up to DEC_SPLITS ranges of whole pages by the row's length alone,
+ * so a row gets the same numbers alone or in a batch; attn_decode_mma_kernel (below, with the
+ * tensor-core helpers) writes one partial (m, l, o[dh]) per split, attn_combine_kernel merges them. */
 #define DEC_SPLITS CUDA_ATT_SPLITS /* fixed: a row's split ranges depend on its length only */
-
-template <int DH, int G>
-__global__ void __launch_bounds__(DEC_THREADS)
-attn_decode_split_kernel(const uint16_t *q, const uint16_t *kc, const uint16_t *vc, const int32_t *row_slot,
-                         const int32_t *row_pos, const int32_t *pages_all, int64_t max_pages, int nq, int nkv,
-                         int splits, float scale, float *part) {
-    constexpr int LD = DH + 2;                         /* bf16 row stride: 4-byte words hit distinct banks */
-    __shared__ float qs[G][DH];
-    __shared__ uint16_t Ks[ATT_TILE][LD];
-    __shared__ uint16_t Vs[ATT_TILE][LD];
-    __shared__ float Ps[G][ATT_TILE];
-    __shared__ float corr_s[G], m_s[G], l_s[G];
-    const int kh = blockIdx.x, sp = blockIdx.z, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int64_t r = blockIdx.y;
-#ifdef FP4MOE_INJECT_FAULT_CAUSAL_MASK /* deliberate fault (tests must catch it): the current key masked */
-    const int n = row_pos[r] > 0 ? row_pos[r] : 1;
-#else
-    const int n = row_pos[r] + 1;                      /* keys 0 .. P */
-#endif
-    const int ntiles = (n + ATT_TILE - 1) / ATT_TILE;
-    const int per = (ntiles + splits - 1) / splits;
-    if (sp * per >= ntiles) return;                   /* no page for this split (short contexts) */
-#ifdef FP4MOE_INJECT_FAULT_KV_BLOCK /* deliberate fault (tests must catch it): the first page dropped */
-    const int t0 = max(sp * per, ntiles > 1 ? 1 : 0), t1 = min(ntiles, sp * per + per);
-#else
-    const int t0 = sp * per, t1 = min(ntiles, t0 + per);
-#endif
-    const int32_t *pages = pages_all + (int64_t)row_slot[r] * max_pages;
-    const int64_t kvs = (int64_t)nkv * DH;
-    const int h0 = kh * G;                             /* first query head of the group */
-    for (int i = tid; i < G * DH; i += DEC_THREADS)
-        qs[i / DH][i % DH] = ops_bf16_to_f32(q[(r * nq + h0 + i / DH) * (int64_t)DH + i % DH]);
-    for (int i = tid; i < G; i += DEC_THREADS) {
-        m_s[i] = -INFINITY;
-        l_s[i] = 0.0f;
-    }
-    constexpr int OUT = G * DH, OW = (OUT + DEC_THREADS - 1) / DEC_THREADS;
-    float acc[OW];
-#pragma unroll
-    for (int i = 0; i < OW; i++) acc[i] = 0.0f;
-    for (int tile = t0; tile < t1; tile++) {
-        const int j0 = tile * ATT_TILE, nj = min(ATT_TILE, n - j0);
-        const int64_t base = (int64_t)pages[tile] * ATT_TILE;
-        __syncthreads();                               /* previous tile consumed; q, m, l stored */
-        for (int i = tid; i < ATT_TILE * (DH / 8); i += DEC_THREADS) {
-            const int jj = i / (DH / 8), c = (i % (DH / 8)) * 8;
-            uint4 kv = make_uint4(0, 0, 0, 0), vv = make_uint4(0, 0, 0, 0);
-            if (jj < nj) {
-                kv = *(const uint4 *)(kc + (base + jj) * kvs + (int64_t)kh * DH + c);
-                vv = *(const uint4 *)(vc + (base + jj) * kvs + (int64_t)kh * DH + c);
-            }
-            uint32_t *kd = (uint32_t *)&Ks[jj][c], *vd = (uint32_t *)&Vs[jj][c];
-            kd[0] = kv.x; kd[1] = kv.y; kd[2] = kv.z; kd[3] = kv.w;
-            vd[0] = vv.x; vd[1] = vv.y; vd[2] = vv.z; vd[3] = vv.w;
-        }
-        __syncthreads();
-        for (int i = tid; i < G * ATT_TILE; i += DEC_THREADS) { /* scores, one (head, key) a thread */
-            const int g = i / ATT_TILE, jj = i % ATT_TILE;
-            float dot = -INFINITY;
-            if (jj < nj) {
-                dot = 0.0f;
-                const uint32_t *kr = (const uint32_t *)&Ks[jj][0];
-#pragma unroll 8
-                for (int d = 0; d < DH; d += 2) {
-                    const uint32_t u = kr[d / 2];
-                    dot = fmaf(qs[g][d], __uint_as_float(u << 16), dot);
-                    dot = fmaf(qs[g][d + 1], __uint_as_float(u & 0xffff0000u), dot);
-                }
-                dot *= scale;
-            }
-            Ps[g][jj] = dot;
-        }
-        __syncthreads();
-        for (int g = warp; g < G; g += DEC_THREADS / 32) { /* online softmax, a warp per head */
-            const float sv = Ps[g][lane];
-            const float mprev = m_s[g], lprev = l_s[g];
-            const float mnew = fmaxf(mprev, ops_warp_max(sv)); /* finite: key j0 is visible */
-            const float p = expf(sv - mnew), c = expf(mprev - mnew);
-            const float lnew = lprev * c + ops_warp_sum(p);
-            Ps[g][lane] = p;
-            __syncwarp();                              /* every lane has read m_s[g], l_s[g] */
-            if (lane == 0) {
-                corr_s[g] = c;
-                m_s[g] = mnew;
-                l_s[g] = lnew;
-            }
-        }
-        __syncthreads();
-#pragma unroll
-        for (int i = 0; i < OW; i++) {                 /* o = o * corr + p @ v */
-            const int o = tid + i * DEC_THREADS;
-            if (o < OUT) {
-                const int g = o / DH, d = o % DH;
-                float a = acc[i] * corr_s[g];
-                for (int jj = 0; jj < nj; jj++) a = fmaf(Ps[g][jj], ops_bf16_to_f32(Vs[jj][d]), a);
-                acc[i] = a;
-            }
-        }
-    }
-    __syncthreads();
-    /* partials at [(r * nq + h) * splits + sp] x (dh + 2): o (unnormalised), m, l */
-#pragma unroll
-    for (int i = 0; i < OW; i++) {
-        const int o = tid + i * DEC_THREADS;
-        if (o < OUT) {
-            const int g = o / DH, d = o % DH;
-            float *pp = part + (((r * nq) + h0 + g) * splits + sp) * (int64_t)(DH + 2);
-            pp[d] = acc[i];
-            if (d == 0) {
-                pp[DH] = m_s[g];
-                pp[DH + 1] = l_s[g];
-            }
-        }
-    }
+/* Pages per split: the row's pages over DEC_SPLITS splits, but at least DEC_MIN_PAGES (16, the best
+ * of 4 / 8 / 16 / 32 measured for 1 and 64 rows: docs/PERFORMANCE.md), so that short and middle
+ * contexts do not spread one page per block and write a partial (dh + 2 floats) per page: with 64
+ * rows at 8,192 tokens those partials were 272 MB a layer, half the K/V bytes. A function of the
+ * row's length only. */
+#define DEC_MIN_PAGES 16
+__device__ __forceinline__ int dec_pages_per_split(int ntiles, int splits) {
+    return max((ntiles + splits - 1) / splits, DEC_MIN_PAGES);
 }
 
 /* out[r][h] = bf16(sum_s o_s e^(m_s - M) / sum_s l_s e^(m_s - M)) over the splits that hold keys,
@@ -353,7 +244,7 @@ attn_combine_kernel(const float *part, const int32_t *row_pos, int nq, int dh, i
     const int h = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int64_t r = blockIdx.y;
     const float *pp = part + (r * nq + h) * (int64_t)splits * (dh + 2);
-    const int ntiles = (row_pos[r] + ATT_TILE) / ATT_TILE, per = (ntiles + splits - 1) / splits;
+    const int ntiles = (row_pos[r] + ATT_TILE) / ATT_TILE, per = dec_pages_per_split(ntiles, splits);
     const int used = (ntiles + per - 1) / per;         /* splits with at least one page */
     float M = -INFINITY;
     for (int s = threadIdx.x; s < used; s += blockDim.x) M = fmaxf(M, pp[s * (dh + 2) + dh]);
@@ -430,6 +321,242 @@ __device__ __forceinline__ uint32_t fa_pack_f16(float lo, float hi) {
 __device__ __forceinline__ uint16_t fa_bf16_to_f16(uint16_t b) {
     const float f = fminf(fmaxf(ops_bf16_to_f32(b), -65504.0f), 65504.0f);
     return __half_as_ushort(__float2half_rn(f));
+}
+
+/* ---- decode on tensor cores: split-KV, the G <= 16 query heads of a kv head as the 16 mma rows ----- */
+
+/* Block (kv head kh, row r, split sp) of DM_WARPS warps; the split's pages (the same ranges as
+ * dec_pages_per_split: by the row's length alone) go to the warps in turn. Per page a warp
+ * stages K (bf16) and V (converted to fp16, row-major) in its own shared buffers, S = Q K^T with
+ * mma m16n8k16 (rows = the group's query heads, zero beyond G), online softmax in fp32 (base 2,
+ * scale folded in), O += P V on fp16 tensor cores with P split into two fp16 parts (~22 bits) and
+ * the V fragments from ldmatrix.trans (bf16 pairs converted to fp16 in registers, exact inside
+ * +-65504). The warps' (m, l, o)
+ * are merged in shared memory into the split's partial (natural-log m, as the combine kernel
+ * reads it). */
+#define DM_WARPS 4
+
+__device__ __forceinline__ void dm_ldmatrix_x4_trans(uint32_t (&r)[4], const uint16_t *p) {
+    const unsigned a = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
+
+/* (lo, hi) -> fp16 pairs hi_part + lo_part with hi_part = fp16(x), lo_part = fp16(x - hi_part). */
+__device__ __forceinline__ void dm_split_f16(float lo, float hi, uint32_t &h, uint32_t &l) {
+    const __half2 v = __floats2half2_rn(lo, hi);
+    const float2 f = __half22float2(v);
+    const __half2 r = __floats2half2_rn(lo - f.x, hi - f.y);
+    h = *reinterpret_cast<const uint32_t *>(&v);
+    l = *reinterpret_cast<const uint32_t *>(&r);
+}
+
+/* A bf16 pair -> the fp16 pair of the same values, saturated at +-65504 (as fa_bf16_to_f16). */
+__device__ __forceinline__ uint32_t dm_bf16x2_to_f16x2(uint32_t u) {
+    const float lo = fminf(fmaxf(__uint_as_float(u << 16), -65504.0f), 65504.0f);
+    const float hi = fminf(fmaxf(__uint_as_float(u & 0xffff0000u), -65504.0f), 65504.0f);
+    return fa_pack_f16(lo, hi);
+}
+
+template <int DH>
+static constexpr size_t dm_smem_bytes() {
+    return (size_t)DM_WARPS * 2 * ATT_TILE * (DH + 8) * sizeof(uint16_t);
+}
+
+template <int DH>
+__global__ void __launch_bounds__(DM_WARPS * 32)
+attn_decode_mma_kernel(const uint16_t *q, const uint16_t *kc, const uint16_t *vc, const int32_t *row_slot,
+                       const int32_t *row_pos, const int32_t *pages_all, int64_t max_pages, int nq, int nkv,
+                       int G, int splits, float scale_log2, float *part) {
+    constexpr int LD = DH + 8, KS = DH / 16, NT = DH / 8;
+    extern __shared__ __align__(16) uint16_t dm_smem[];
+    const int kh = blockIdx.x, sp = blockIdx.z, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, tq = lane & 3;
+    const int64_t r = blockIdx.y;
+#ifdef FP4MOE_INJECT_FAULT_CAUSAL_MASK /* deliberate fault (tests must catch it): the current key masked */
+    const int n = row_pos[r] > 0 ? row_pos[r] : 1;
+#else
+    const int n = row_pos[r] + 1;                      /* keys 0 .. P */
+#endif
+    const int ntiles = (n + ATT_TILE - 1) / ATT_TILE;
+    const int per = dec_pages_per_split(ntiles, splits);
+    if (sp * per >= ntiles) return;                   /* no page for this split (short contexts) */
+#ifdef FP4MOE_INJECT_FAULT_KV_BLOCK /* deliberate fault (tests must catch it): the first page dropped */
+    const int t0 = max(sp * per, ntiles > 1 ? 1 : 0), t1 = min(ntiles, sp * per + per);
+#else
+    const int t0 = sp * per, t1 = min(ntiles, t0 + per);
+#endif
+    const int32_t *pages = pages_all + (int64_t)row_slot[r] * max_pages;
+    const int64_t kvs = (int64_t)nkv * DH;
+    const int h0 = kh * G;
+    uint16_t *Ks = dm_smem + (size_t)warp * 2 * ATT_TILE * LD, *Vs = Ks + ATT_TILE * LD;
+    uint32_t qa[KS][4];                                /* rows g and g + 8 = heads h0 + g, h0 + g + 8 */
+    {
+        const uint16_t *qa_row = q + (r * nq + h0 + g) * (int64_t)DH, *qb_row = qa_row + 8 * (int64_t)DH;
+        const bool va = g < G, vb = g + 8 < G;
+#pragma unroll
+        for (int kk = 0; kk < KS; kk++) {
+            const int d = kk * 16 + 2 * tq;
+            qa[kk][0] = va ? *(const uint32_t *)(qa_row + d) : 0u;
+            qa[kk][1] = vb ? *(const uint32_t *)(qb_row + d) : 0u;
+            qa[kk][2] = va ? *(const uint32_t *)(qa_row + d + 8) : 0u;
+            qa[kk][3] = vb ? *(const uint32_t *)(qb_row + d + 8) : 0u;
+        }
+    }
+    float o[NT][4];
+#pragma unroll
+    for (int i = 0; i < NT; i++) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
+    float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;
+    /* K and V pages are copied with cp.async, one commit group each, so that the next page's K
+     * arrives during this page's softmax and P V, and its V during the next S (two groups in flight:
+     * wait_group 1 is always "the older of the two") */
+    auto load_page = [&](uint16_t *dst, const uint16_t *cache, int tile) {
+        const int nj = min(ATT_TILE, n - tile * ATT_TILE);
+        const int64_t base = (int64_t)pages[tile] * ATT_TILE;
+#pragma unroll 4
+        for (int i = lane; i < ATT_TILE * (DH / 8); i += 32) {
+            const int jj = i / (DH / 8), c = (i % (DH / 8)) * 8;
+            const uint16_t *src = cache + (base + (jj < nj ? jj : 0)) * kvs + (int64_t)kh * DH + c;
+            const unsigned d = (unsigned)__cvta_generic_to_shared(dst + jj * LD + c);
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src), "r"(jj < nj ? 16 : 0));
+        }
+    };
+    if (t0 + warp < t1) {
+        load_page(Ks, kc, t0 + warp);
+        asm volatile("cp.async.commit_group;");
+        load_page(Vs, vc, t0 + warp);
+        asm volatile("cp.async.commit_group;");
+    }
+    for (int tile = t0 + warp; tile < t1; tile += DM_WARPS) {
+        const int j0 = tile * ATT_TILE, nj = min(ATT_TILE, n - j0), next = tile + DM_WARPS;
+        asm volatile("cp.async.wait_group 1;");        /* K of this page */
+        __syncwarp();
+        float sc[4][4];
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.0f;
+#pragma unroll
+            for (int kk = 0; kk < KS; kk++) {
+                const uint16_t *kr = Ks + (j * 8 + g) * LD + kk * 16 + 2 * tq;
+                fa_mma(sc[j], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], *(const uint32_t *)kr,
+                       *(const uint32_t *)(kr + 8));
+            }
+        }
+        __syncwarp();                                  /* every lane has read Ks */
+        if (next < t1) load_page(Ks, kc, next);
+        asm volatile("cp.async.commit_group;");
+        float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                const bool v = j * 8 + 2 * tq + e < nj;
+                sc[j][e] = v ? sc[j][e] * scale_log2 : -INFINITY;
+                sc[j][2 + e] = v ? sc[j][2 + e] * scale_log2 : -INFINITY;
+                mx0 = fmaxf(mx0, sc[j][e]);
+                mx1 = fmaxf(mx1, sc[j][2 + e]);
+            }
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+        const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1); /* finite: key j0 is visible */
+        const float c0 = exp2f(m0 - n0), c1 = exp2f(m1 - n1);
+        m0 = n0;
+        m1 = n1;
+        float s0 = 0.0f, s1 = 0.0f;
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            sc[j][0] = exp2f(sc[j][0] - n0);
+            sc[j][1] = exp2f(sc[j][1] - n0);
+            sc[j][2] = exp2f(sc[j][2] - n1);
+            sc[j][3] = exp2f(sc[j][3] - n1);
+            s0 += sc[j][0] + sc[j][1];
+            s1 += sc[j][2] + sc[j][3];
+        }
+        l0 = l0 * c0 + s0;
+        l1 = l1 * c1 + s1;
+#pragma unroll
+        for (int i = 0; i < NT; i++) {
+            o[i][0] *= c0;
+            o[i][1] *= c0;
+            o[i][2] *= c1;
+            o[i][3] *= c1;
+        }
+        asm volatile("cp.async.wait_group 1;");        /* V of this page */
+        __syncwarp();
+#pragma unroll
+        for (int k2 = 0; k2 < 2; k2++) {               /* keys 16*k2 .. 16*k2+15 */
+            /* P = P_hi + P_lo, both fp16: P V with ~22 significant bits of P (the scalar fp32 kernel
+             * this replaced kept 24; one fp16 P moved near-tied router choices of the bf16 model) */
+            uint32_t ah[4], al[4];
+            dm_split_f16(sc[2 * k2][0], sc[2 * k2][1], ah[0], al[0]);
+            dm_split_f16(sc[2 * k2][2], sc[2 * k2][3], ah[1], al[1]);
+            dm_split_f16(sc[2 * k2 + 1][0], sc[2 * k2 + 1][1], ah[2], al[2]);
+            dm_split_f16(sc[2 * k2 + 1][2], sc[2 * k2 + 1][3], ah[3], al[3]);
+            /* ldmatrix.x4.trans: lane L gives row L % 8 of matrix L / 8 = keys 16 k2 + (L/8 & 1) * 8 + L % 8,
+             * dims i*8 + (L/16) * 8: b0, b1 of dim tile i and of dim tile i + 1 (bf16 pairs -> fp16) */
+            const uint16_t *vrow = Vs + (k2 * 16 + ((lane >> 3) & 1) * 8 + (lane & 7)) * LD + (lane >> 4) * 8;
+#pragma unroll
+            for (int i = 0; i < NT; i += 2) {
+                uint32_t b[4];
+                dm_ldmatrix_x4_trans(b, vrow + i * 8);
+#pragma unroll
+                for (int e = 0; e < 4; e++) b[e] = dm_bf16x2_to_f16x2(b[e]);
+                fa_mma_f16(o[i], ah[0], ah[1], ah[2], ah[3], b[0], b[1]);
+                fa_mma_f16(o[i + 1], ah[0], ah[1], ah[2], ah[3], b[2], b[3]);
+                fa_mma_f16(o[i], al[0], al[1], al[2], al[3], b[0], b[1]);
+                fa_mma_f16(o[i + 1], al[0], al[1], al[2], al[3], b[2], b[3]);
+            }
+        }
+        __syncwarp();                                  /* every lane has read Vs */
+        if (next < t1) load_page(Vs, vc, next);
+        asm volatile("cp.async.commit_group;");
+    }
+    asm volatile("cp.async.wait_group 0;");
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+    /* merge the warps: o (16 x DH fp32), m, l per warp in the (now free) shared buffers */
+    __syncthreads();
+    float *So = reinterpret_cast<float *>(dm_smem);   /* [warp][16][DH] */
+    float *Sm = So + DM_WARPS * 16 * DH, *Sl = Sm + DM_WARPS * 16;
+#pragma unroll
+    for (int i = 0; i < NT; i++) {
+        const int d = i * 8 + 2 * tq;
+        So[(warp * 16 + g) * DH + d] = o[i][0];
+        So[(warp * 16 + g) * DH + d + 1] = o[i][1];
+        So[(warp * 16 + g + 8) * DH + d] = o[i][2];
+        So[(warp * 16 + g + 8) * DH + d + 1] = o[i][3];
+    }
+    if (tq == 0) {
+        Sm[warp * 16 + g] = m0;
+        Sm[warp * 16 + g + 8] = m1;
+        Sl[warp * 16 + g] = l0;
+        Sl[warp * 16 + g + 8] = l1;
+    }
+    __syncthreads();
+    for (int i = tid; i < G * DH; i += DM_WARPS * 32) {
+        const int hh = i / DH, d = i % DH;
+        float M = -INFINITY;
+#pragma unroll
+        for (int w = 0; w < DM_WARPS; w++) M = fmaxf(M, Sm[w * 16 + hh]); /* warp 0 holds keys: finite */
+        float O = 0.0f, L = 0.0f;
+#pragma unroll
+        for (int w = 0; w < DM_WARPS; w++) {
+            const float c = exp2f(Sm[w * 16 + hh] - M); /* 0 for a warp without pages */
+            O += So[(w * 16 + hh) * DH + d] * c;
+            L += Sl[w * 16 + hh] * c;
+        }
+        float *pp = part + (((r * nq) + h0 + hh) * splits + sp) * (int64_t)(DH + 2);
+        pp[d] = O;
+        if (d == 0) {
+            pp[DH] = M * 0.69314718055994531f;         /* base 2 -> natural log */
+            pp[DH + 1] = L;
+        }
+    }
 }
 
 template <int DH>
@@ -650,32 +777,28 @@ extern "C" int cuda_attention_decode(void *stream, const uint16_t *q, const uint
     return launch_decode<8>(q, k_cache, v_cache, row_slot, row_pos, pages, max_pages, r, a, b, d, out, st);
 }
 
-template <int DH, int G>
-static int launch_split(const uint16_t *q, const uint16_t *kc, const uint16_t *vc, const int32_t *row_slot,
-                        const int32_t *row_pos, const int32_t *pages, int64_t max_pages, int R, int nq, int nkv,
-                        float *part, uint16_t *out, cudaStream_t st) {
-    const float scale = 1.0f / sqrtf((float)DH);
-    attn_decode_split_kernel<DH, G><<<dim3((unsigned)nkv, (unsigned)R, DEC_SPLITS), DEC_THREADS, 0, st>>>(
-        q, kc, vc, row_slot, row_pos, pages, max_pages, nq, nkv, DEC_SPLITS, scale, part);
-    OPS_LAUNCH_CHECK("attention (decode, split keys)");
+template <int DH>
+static int launch_split_mma(int G, const uint16_t *q, const uint16_t *kc, const uint16_t *vc, const int32_t *row_slot,
+                            const int32_t *row_pos, const int32_t *pages, int64_t max_pages, int R, int nq, int nkv,
+                            float *part, uint16_t *out, cudaStream_t st) {
+    static bool attr_set = false;
+    constexpr size_t smem = dm_smem_bytes<DH>();
+    if (!attr_set) {
+        const cudaError_t e = cudaFuncSetAttribute(attn_decode_mma_kernel<DH>,
+                                                   cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+        if (e != cudaSuccess)
+            return fp4moe_set_error(FP4MOE_ECUDA, "cuda op attention: %zu bytes of shared memory: %s", smem,
+                                    cudaGetErrorString(e));
+        attr_set = true;
+    }
+    const float scale_log2 = 1.4426950408889634f / sqrtf((float)DH);
+    attn_decode_mma_kernel<DH><<<dim3((unsigned)nkv, (unsigned)R, DEC_SPLITS), DM_WARPS * 32, smem, st>>>(
+        q, kc, vc, row_slot, row_pos, pages, max_pages, nq, nkv, G, DEC_SPLITS, scale_log2, part);
+    OPS_LAUNCH_CHECK("attention (decode, split keys, tensor cores)");
     attn_combine_kernel<<<dim3((unsigned)nq, (unsigned)R), COMB_WARPS * 32, 0, st>>>(part, row_pos, nq, DH,
                                                                                    DEC_SPLITS, out);
     OPS_LAUNCH_CHECK("attention (decode, combine)");
     return FP4MOE_OK;
-}
-
-template <int DH>
-static int launch_split_g(int G, const uint16_t *q, const uint16_t *kc, const uint16_t *vc, const int32_t *rs,
-                          const int32_t *rp, const int32_t *pages, int64_t mp, int R, int nq, int nkv, float *part,
-                          uint16_t *out, cudaStream_t st) {
-    switch (G) {
-    case 1: return launch_split<DH, 1>(q, kc, vc, rs, rp, pages, mp, R, nq, nkv, part, out, st);
-    case 2: return launch_split<DH, 2>(q, kc, vc, rs, rp, pages, mp, R, nq, nkv, part, out, st);
-    case 4: return launch_split<DH, 4>(q, kc, vc, rs, rp, pages, mp, R, nq, nkv, part, out, st);
-    case 8: return launch_split<DH, 8>(q, kc, vc, rs, rp, pages, mp, R, nq, nkv, part, out, st);
-    case 16: return launch_split<DH, 16>(q, kc, vc, rs, rp, pages, mp, R, nq, nkv, part, out, st);
-    default: return 1;              /* not instantiated */
-    }
 }
 
 extern "C" size_t cuda_attention_decode_scratch(int64_t R, int64_t nq, int64_t dh) {
@@ -693,10 +816,12 @@ extern "C" int cuda_attention_decode_split(void *stream, const uint16_t *q, cons
     if (R > 65535) return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "cuda op attention: %lld decode rows", (long long)R);
     const int G = (int)(nq / nkv);
     cudaStream_t st = (cudaStream_t)stream;
-    int rc = 1;
-    if (dh == 64) rc = launch_split_g<64>(G, q, k_cache, v_cache, row_slot, row_pos, pages, max_pages, (int)R, (int)nq, (int)nkv, scratch, out, st);
-    else if (dh == 128) rc = launch_split_g<128>(G, q, k_cache, v_cache, row_slot, row_pos, pages, max_pages, (int)R, (int)nq, (int)nkv, scratch, out, st);
-    if (rc != 1) return rc;
+    if (G <= 16 && dh == 64)
+        return launch_split_mma<64>(G, q, k_cache, v_cache, row_slot, row_pos, pages, max_pages, (int)R, (int)nq,
+                                    (int)nkv, scratch, out, st);
+    if (G <= 16 && dh == 128)
+        return launch_split_mma<128>(G, q, k_cache, v_cache, row_slot, row_pos, pages, max_pages, (int)R, (int)nq,
+                                     (int)nkv, scratch, out, st);
     /* other head sizes and group sizes: the per-head kernel */
     return cuda_attention_decode(stream, q, k_cache, v_cache, row_slot, row_pos, pages, max_pages, R, nq, nkv, dh, out);
 }
