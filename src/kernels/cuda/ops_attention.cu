@@ -283,10 +283,12 @@ attn_combine_kernel(const float *part, const int32_t *row_pos, int nq, int dh, i
 /* ---- prefill on tensor cores (flash attention) -------------------------------------------------- */
 
 /* Block (query head h, FA_ROWS = 64 consecutive tokens of one sequence), 4 warps of 16 query rows.
- * Per key page (ATT_TILE = 32 keys): K (row-major) and V (transposed) staged in shared memory as
- * bf16; S = Q K^T with mma.sync m16n8k16 (bf16 in, fp32 accumulate), causal mask, online softmax
+ * Per key page (ATT_TILE = 32 keys): K and V (bf16, row-major) copied into shared memory with
+ * cp.async, double-buffered (the next page arrives while this one is computed, one barrier per
+ * page); S = Q K^T with mma.sync m16n8k16 (bf16 in, fp32 accumulate), causal mask, online softmax
  * in fp32 (base-2 exponent, scale folded in), then O += P V on tensor cores in fp16 (P rounded to
- * fp16, V converted from bf16: FlashAttention-2's scheme with a finer P). Fragment layouts: PTX ISA "mma.m16n8k16" (g = lane / 4, t = lane % 4). */
+ * fp16, V fragments by ldmatrix.trans converted from bf16: FlashAttention-2's scheme with a finer
+ * P). Fragment layouts: PTX ISA "mma.m16n8k16" (g = lane / 4, t = lane % 4). */
 #define FA_ROWS 64
 #define FA_WARPS 4
 
@@ -563,9 +565,9 @@ template <int DH>
 __global__ void __launch_bounds__(FA_WARPS * 32)
 attn_prefill_mma_kernel(const uint16_t *q, const uint16_t *kc, const uint16_t *vc, const int32_t *pages, int P,
                         int T, int nq, int nkv, float scale_log2, uint16_t *out) {
-    constexpr int KLD = DH + 8, VLD = ATT_TILE + 8, KS = DH / 16, NT = DH / 8;
-    __shared__ __align__(16) uint16_t Ks[ATT_TILE * KLD];
-    __shared__ __align__(16) uint16_t Vt[DH * VLD];
+    constexpr int LD = DH + 8, KS = DH / 16, NT = DH / 8;
+    __shared__ __align__(16) uint16_t Kb[2][ATT_TILE * LD]; /* double-buffered key pages, bf16 */
+    __shared__ __align__(16) uint16_t Vb[2][ATT_TILE * LD]; /* and value pages, bf16, row-major */
     const int h = blockIdx.x, t0 = blockIdx.y * FA_ROWS, tid = threadIdx.x;
     const int lane = tid & 31, warp = tid >> 5, g = lane >> 2, tq = lane & 3;
     const int kh = h / (nq / nkv);
@@ -593,30 +595,36 @@ attn_prefill_mma_kernel(const uint16_t *q, const uint16_t *kc, const uint16_t *v
 #else
     const int jstart = 0;
 #endif
-    for (int j0 = jstart; j0 < nkeys; j0 += ATT_TILE) {
+    /* the next page's K and V are copied (cp.async) while this page is computed */
+    auto load_page = [&](int buf, int j0) {
+        const int nj = min(ATT_TILE, nkeys - j0);
         const int64_t base = (int64_t)pages[j0 / ATT_TILE] * ATT_TILE;
-        __syncthreads();                               /* the previous tile is consumed */
         for (int i = tid; i < ATT_TILE * (DH / 8); i += FA_WARPS * 32) {
-            const int jj = i / (DH / 8), c = (i % (DH / 8)) * 8;
-            uint4 kv = make_uint4(0, 0, 0, 0), vv = make_uint4(0, 0, 0, 0);
-            if (j0 + jj < nkeys) {
-                kv = *(const uint4 *)(kc + (base + jj) * kvs + (int64_t)kh * DH + c);
-                vv = *(const uint4 *)(vc + (base + jj) * kvs + (int64_t)kh * DH + c);
-            }
-            *(uint4 *)(Ks + jj * KLD + c) = kv;
-            const uint16_t *ve = reinterpret_cast<const uint16_t *>(&vv);
-#pragma unroll
-            for (int e = 0; e < 8; e++) Vt[(c + e) * VLD + jj] = fa_bf16_to_f16(ve[e]);
+            const int jj = i / (DH / 8), c = (i % (DH / 8)) * 8, bytes = jj < nj ? 16 : 0;
+            const int64_t off = (base + (jj < nj ? jj : 0)) * kvs + (int64_t)kh * DH + c;
+            const unsigned dk = (unsigned)__cvta_generic_to_shared(&Kb[buf][jj * LD + c]);
+            const unsigned dv = (unsigned)__cvta_generic_to_shared(&Vb[buf][jj * LD + c]);
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dk), "l"(kc + off), "r"(bytes));
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dv), "l"(vc + off), "r"(bytes));
         }
+    };
+    if (jstart < nkeys) load_page(0, jstart);
+    asm volatile("cp.async.commit_group;");
+    for (int j0 = jstart, it = 0; j0 < nkeys; j0 += ATT_TILE, it++) {
+        const int buf = it & 1;
+        if (j0 + ATT_TILE < nkeys) load_page(buf ^ 1, j0 + ATT_TILE);
+        asm volatile("cp.async.commit_group;");
+        asm volatile("cp.async.wait_group 1;");        /* this page (the next may still be in flight) */
         __syncthreads();
-        if (j0 > P + wr0 + 15) continue;               /* every row of this warp is before the tile */
+        if (j0 <= P + wr0 + 15) {                      /* some row of this warp sees a key of the page */
+        const uint16_t *Ks = Kb[buf], *Vs = Vb[buf];
         float sc[4][4];
 #pragma unroll
         for (int j = 0; j < 4; j++) {
             sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.0f;
 #pragma unroll
             for (int kk = 0; kk < KS; kk++) {
-                const uint16_t *kr = Ks + (j * 8 + g) * KLD + kk * 16 + 2 * tq;
+                const uint16_t *kr = Ks + (j * 8 + g) * LD + kk * 16 + 2 * tq;
                 fa_mma(sc[j], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], *(const uint32_t *)kr,
                        *(const uint32_t *)(kr + 8));
             }
@@ -672,13 +680,22 @@ attn_prefill_mma_kernel(const uint16_t *q, const uint16_t *kc, const uint16_t *v
             const uint32_t a1 = fa_pack_f16(sc[2 * k2][2], sc[2 * k2][3]);
             const uint32_t a2 = fa_pack_f16(sc[2 * k2 + 1][0], sc[2 * k2 + 1][1]);
             const uint32_t a3 = fa_pack_f16(sc[2 * k2 + 1][2], sc[2 * k2 + 1][3]);
+            /* V fragments by ldmatrix.trans from the row-major page (as attn_decode_mma_kernel) */
+            const uint16_t *vrow = Vs + (k2 * 16 + ((lane >> 3) & 1) * 8 + (lane & 7)) * LD + (lane >> 4) * 8;
 #pragma unroll
-            for (int i = 0; i < NT; i++) {
-                const uint16_t *vr = Vt + (i * 8 + g) * VLD + k2 * 16 + 2 * tq;
-                fa_mma_f16(o[i], a0, a1, a2, a3, *(const uint32_t *)vr, *(const uint32_t *)(vr + 8));
+            for (int i = 0; i < NT; i += 2) {
+                uint32_t b[4];
+                dm_ldmatrix_x4_trans(b, vrow + i * 8);
+#pragma unroll
+                for (int e = 0; e < 4; e++) b[e] = dm_bf16x2_to_f16x2(b[e]);
+                fa_mma_f16(o[i], a0, a1, a2, a3, b[0], b[1]);
+                fa_mma_f16(o[i + 1], a0, a1, a2, a3, b[2], b[3]);
             }
         }
+        }
+        __syncthreads();                               /* every warp is done with this buffer */
     }
+    asm volatile("cp.async.wait_group 0;");
     l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
     l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
     l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
