@@ -16,6 +16,20 @@
 #define GATHER_QMV_ROWS 8
 #endif
 
+/* Calls CALL(n) with the compile-time row count n = R (1..8; larger R as 8): the kernels are
+ * written for a constant row count so that their accumulators stay in registers. */
+#define GATHER_SWITCH_ROWS(R, CALL)                                                                     \
+    switch (R) {                                                                                      \
+    case 1: CALL(1); break;                                                                           \
+    case 2: CALL(2); break;                                                                           \
+    case 3: CALL(3); break;                                                                           \
+    case 4: CALL(4); break;                                                                           \
+    case 5: CALL(5); break;                                                                           \
+    case 6: CALL(6); break;                                                                           \
+    case 7: CALL(7); break;                                                                           \
+    default: CALL(8); break;                                                                          \
+    }
+
 typedef struct {
     const char *name; /* "avx512", "avx2" or "portable" */
 

@@ -114,20 +114,9 @@ ALWAYS_INLINE void qmv_rows(const uint8_t *codes, const uint8_t *scales, const f
 
 static void qmv_avx2(const uint8_t *codes, const uint8_t *scales, const float *stab, int64_t K,
                      int64_t nn, const float *x, int64_t ldx, int R, float *y, int64_t ldy) {
-    switch (R) {
-    case 1: qmv_rows(codes, scales, stab, K, nn, x, ldx, 1, y, ldy); break;
-    case 2: qmv_rows(codes, scales, stab, K, nn, x, ldx, 2, y, ldy); break;
-    case 3: qmv_rows(codes, scales, stab, K, nn, x, ldx, 3, y, ldy); break;
-    case 4: qmv_rows(codes, scales, stab, K, nn, x, ldx, 4, y, ldy); break;
-#if GATHER_QMV_ROWS > 4
-    case 5: qmv_rows(codes, scales, stab, K, nn, x, ldx, 5, y, ldy); break;
-    case 6: qmv_rows(codes, scales, stab, K, nn, x, ldx, 6, y, ldy); break;
-    case 7: qmv_rows(codes, scales, stab, K, nn, x, ldx, 7, y, ldy); break;
-    default: qmv_rows(codes, scales, stab, K, nn, x, ldx, 8, y, ldy); break;
-#else
-    default: break;
-#endif
-    }
+#define QMV(n) qmv_rows(codes, scales, stab, K, nn, x, ldx, n, y, ldy)
+    GATHER_SWITCH_ROWS(R, QMV);
+#undef QMV
 }
 
 /* ---- expert-batched: decode a tile once, then a register-blocked micro-kernel ----------------- */
@@ -250,16 +239,9 @@ ALWAYS_INLINE void q8_dot_rows(const uint8_t *wq, const float *ws, int64_t Kp, i
 static void q8_dot_avx2(const uint8_t *wq, const float *ws, int64_t K, int64_t nn, const int8_t *xq,
                         const float *xs, const int32_t *xc, int R, float *y, int64_t ldy) {
     const int64_t Kp = q8_padded_k(K, Q8_G);
-    switch (R) {
-    case 1: q8_dot_rows(wq, ws, Kp, nn, xq, xs, xc, 1, y, ldy); break;
-    case 2: q8_dot_rows(wq, ws, Kp, nn, xq, xs, xc, 2, y, ldy); break;
-    case 3: q8_dot_rows(wq, ws, Kp, nn, xq, xs, xc, 3, y, ldy); break;
-    case 4: q8_dot_rows(wq, ws, Kp, nn, xq, xs, xc, 4, y, ldy); break;
-    case 5: q8_dot_rows(wq, ws, Kp, nn, xq, xs, xc, 5, y, ldy); break;
-    case 6: q8_dot_rows(wq, ws, Kp, nn, xq, xs, xc, 6, y, ldy); break;
-    case 7: q8_dot_rows(wq, ws, Kp, nn, xq, xs, xc, 7, y, ldy); break;
-    default: q8_dot_rows(wq, ws, Kp, nn, xq, xs, xc, 8, y, ldy); break;
-    }
+#define Q8_DOT(n) q8_dot_rows(wq, ws, Kp, nn, xq, xs, xc, n, y, ldy)
+    GATHER_SWITCH_ROWS(R, Q8_DOT);
+#undef Q8_DOT
 }
 
 const gather_cpu_kernels gather_cpu_kernels_avx2 = {

@@ -131,20 +131,9 @@ static void qmv_avx512(const uint8_t *codes, const uint8_t *scales, const float 
                        int64_t nn, const float *xq, int64_t ldx, int R, float *y, int64_t ldy) {
     (void)stab;
     (void)ldx; /* qmv_ld_avx512(K) */
-    switch (R) {
-    case 1: qmv_rows(codes, scales, K, nn, xq, 1, y, ldy); break;
-    case 2: qmv_rows(codes, scales, K, nn, xq, 2, y, ldy); break;
-    case 3: qmv_rows(codes, scales, K, nn, xq, 3, y, ldy); break;
-    case 4: qmv_rows(codes, scales, K, nn, xq, 4, y, ldy); break;
-#if GATHER_QMV_ROWS > 4
-    case 5: qmv_rows(codes, scales, K, nn, xq, 5, y, ldy); break;
-    case 6: qmv_rows(codes, scales, K, nn, xq, 6, y, ldy); break;
-    case 7: qmv_rows(codes, scales, K, nn, xq, 7, y, ldy); break;
-    default: qmv_rows(codes, scales, K, nn, xq, 8, y, ldy); break;
-#else
-    default: break;
-#endif
-    }
+#define QMV(n) qmv_rows(codes, scales, K, nn, xq, n, y, ldy)
+    GATHER_SWITCH_ROWS(R, QMV);
+#undef QMV
 }
 
 /* ---- expert-batched: decode a tile once, then a register-blocked micro-kernel ----------------- */
@@ -199,61 +188,71 @@ static void q8_x_avx512(const float *x, int64_t n, int64_t K, int8_t *xq, float 
     for (int64_t r = 0; r < n; r++) q8_quantize_row(x + r * K, K, Q8_G, xq + r * Kp, xs + r * Kp / 8, xc + r * Kp / 8);
 }
 
+/* Group g (128 weights = 64 code bytes) of one NVFP4 row: the unsigned weight bytes in the layout of
+ * gather_q8.h (*ue even, *uo odd elements) and the 16 lane scales e4m3 / 2 (*wsv); *s16 carries the
+ * scales of groups g and g + 1 from the even group to the odd one. Past K: codes 0 (u = 12), scales
+ * 0. */
+ALWAYS_INLINE void q8_group(const uint8_t *cj, const uint8_t *sj, int64_t K, int64_t g, __m512 *s16, __m512i *ue,
+                            __m512i *uo, __m512 *wsv) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    const __m512i lut = _mm512_broadcast_i32x4(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));
+    const __m512i dup = _mm512_add_epi32(_mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7),
+                                         _mm512_set1_epi32(g % 2 ? 8 : 0));
+    _mm_prefetch((const char *)(cj + 64 * g + QMV_PREFETCH), _MM_HINT_T0); /* rows are contiguous */
+    const int64_t left = K / 2 - 64 * g;                                   /* code bytes from here on */
+    const __m512i c = left >= 64 ? _mm512_loadu_si512((const void *)(cj + 64 * g))
+                                 : _mm512_maskz_loadu_epi8(((__mmask64)1 << left) - 1, cj + 64 * g);
+    *ue = _mm512_shuffle_epi8(lut, _mm512_and_si512(c, m4));
+    *uo = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16(c, 4), m4));
+    if (g % 2 == 0) { /* e4m3 / 2 = 128 * (block_scales16's 2^-8 e4m3) */
+        const int64_t bl = K / 16 - 8 * g;
+        *s16 = _mm512_mul_ps(_mm512_set1_ps(128.0f),
+                             block_scales16(sj + 8 * g, bl >= 16 ? 0xFFFF : (__mmask16)((1u << bl) - 1)));
+    }
+    *wsv = _mm512_permutexvar_ps(dup, *s16);
+}
+
+/* acc[r] += the group's 16 lane sums for activation rows r < R: two vpdpbusd (u8 x s8, 4 products
+ * per int32 lane, no saturation) onto the lane corrections, one conversion, one FMA with ws * xs. */
+ALWAYS_INLINE void q8_group_dot(__m512i ue, __m512i uo, __m512 wsv, const int8_t *xq, const float *xs,
+                                const int32_t *xc, int64_t Kp, int64_t g, const int R, __m512 *acc) {
+    const int64_t nl = Kp / 8;
+    for (int r = 0; r < R; r++) {
+        const int8_t *q = xq + r * Kp + Q8_G * g;
+        __m512i s = _mm512_loadu_si512((const void *)(xc + r * nl + 16 * g));
+        s = _mm512_dpbusd_epi32(s, ue, _mm512_loadu_si512((const void *)q));
+        s = _mm512_dpbusd_epi32(s, uo, _mm512_loadu_si512((const void *)(q + 64)));
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(wsv, _mm512_loadu_ps(xs + r * nl + 16 * g)),
+                                 acc[r]);
+    }
+}
+
 static void q8_decode_avx512(const uint8_t *codes, const uint8_t *scales, const float *stab, int64_t K,
                              int64_t nn, uint8_t *wq, float *ws) {
     (void)stab;
-    const int64_t Kp = q8_padded_k(K, Q8_G), nb = K / 16, ng = Kp / Q8_G;
-    const __m512i m4 = _mm512_set1_epi8(0x0F);
-    const __m512i lut = _mm512_broadcast_i32x4(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));
-    const __m512i dup_lo = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
-    const __m512i dup_hi = _mm512_add_epi32(dup_lo, _mm512_set1_epi32(8));
+    const int64_t Kp = q8_padded_k(K, Q8_G), ng = Kp / Q8_G;
     for (int64_t j = 0; j < nn; j++) {
-        const uint8_t *cj = codes + j * (K / 2), *sj = scales + j * nb;
-        uint8_t *u = wq + j * Kp;
-        float *wsj = ws + j * (Kp / 8);
-        __m512 s16 = _mm512_setzero_ps();
+        __m512 s16 = _mm512_setzero_ps(), wsv;
+        __m512i ue, uo;
         for (int64_t g = 0; g < ng; g++) {
-            _mm_prefetch((const char *)(cj + 64 * g + QMV_PREFETCH), _MM_HINT_T0); /* rows are contiguous */
-            const int64_t left = K / 2 - 64 * g; /* code bytes from this group on */
-            const __m512i c = left >= 64 ? _mm512_loadu_si512((const void *)(cj + 64 * g))
-                                         : _mm512_maskz_loadu_epi8(((__mmask64)1 << left) - 1, cj + 64 * g);
-            const __m512i lo = _mm512_and_si512(c, m4), hi = _mm512_and_si512(_mm512_srli_epi16(c, 4), m4);
-            _mm512_storeu_si512((void *)(u + Q8_G * g), _mm512_shuffle_epi8(lut, lo));
-            _mm512_storeu_si512((void *)(u + Q8_G * g + 64), _mm512_shuffle_epi8(lut, hi));
-            if (g % 2 == 0) {
-                const int64_t bl = nb - 8 * g;
-                /* e4m3 / 2 = 128 * (block_scales16's 2^-8 e4m3) */
-                s16 = _mm512_mul_ps(_mm512_set1_ps(128.0f),
-                                    block_scales16(sj + 8 * g, bl >= 16 ? 0xFFFF : (__mmask16)((1u << bl) - 1)));
-            }
-            _mm512_storeu_ps(wsj + 16 * g, _mm512_permutexvar_ps(g % 2 ? dup_hi : dup_lo, s16));
+            q8_group(codes + j * (K / 2), scales + j * (K / 16), K, g, &s16, &ue, &uo, &wsv);
+            _mm512_storeu_si512((void *)(wq + j * Kp + Q8_G * g), ue);
+            _mm512_storeu_si512((void *)(wq + j * Kp + Q8_G * g + 64), uo);
+            _mm512_storeu_ps(ws + j * (Kp / 8) + 16 * g, wsv);
         }
     }
 }
 
-/* Per group and row: two vpdpbusd (u8 x s8, 4 products per int32 lane, no saturation) onto the
- * lane corrections, one conversion, one FMA with ws * xs. */
+/* From a decoded tile (q8_decode): the expert-batched route, every row group over the same tile. */
 ALWAYS_INLINE void q8_dot_rows(const uint8_t *wq, const float *ws, int64_t Kp, int64_t nn, const int8_t *xq,
                                const float *xs, const int32_t *xc, const int R, float *y, int64_t ldy) {
-    const int64_t ng = Kp / Q8_G, nl = Kp / 8;
     for (int64_t j = 0; j < nn; j++) {
-        const uint8_t *u = wq + j * Kp;
-        const float *wsj = ws + j * nl;
         __m512 acc[8];
         for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
-        for (int64_t g = 0; g < ng; g++) {
-            const __m512i ue = _mm512_loadu_si512((const void *)(u + Q8_G * g));
-            const __m512i uo = _mm512_loadu_si512((const void *)(u + Q8_G * g + 64));
-            const __m512 wsv = _mm512_loadu_ps(wsj + 16 * g);
-            for (int r = 0; r < R; r++) {
-                const int8_t *q = xq + r * Kp + Q8_G * g;
-                __m512i s = _mm512_loadu_si512((const void *)(xc + r * nl + 16 * g));
-                s = _mm512_dpbusd_epi32(s, ue, _mm512_loadu_si512((const void *)q));
-                s = _mm512_dpbusd_epi32(s, uo, _mm512_loadu_si512((const void *)(q + 64)));
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(wsv, _mm512_loadu_ps(xs + r * nl + 16 * g)),
-                                         acc[r]);
-            }
-        }
+        for (int64_t g = 0; g < Kp / Q8_G; g++)
+            q8_group_dot(_mm512_loadu_si512((const void *)(wq + j * Kp + Q8_G * g)),
+                         _mm512_loadu_si512((const void *)(wq + j * Kp + Q8_G * g + 64)),
+                         _mm512_loadu_ps(ws + j * (Kp / 8) + 16 * g), xq, xs, xc, Kp, g, R, acc);
         for (int r = 0; r < R; r++) y[r * ldy + j] = _mm512_reduce_add_ps(acc[r]);
     }
 }
@@ -262,37 +261,14 @@ ALWAYS_INLINE void q8_dot_rows(const uint8_t *wq, const float *ws, int64_t Kp, i
 ALWAYS_INLINE void q8_qmv_rows(const uint8_t *codes, const uint8_t *scales, int64_t K, int64_t nn,
                                const int8_t *xq, const float *xs, const int32_t *xc, const int R, float *y,
                                int64_t ldy) {
-    const int64_t Kp = q8_padded_k(K, Q8_G), nb = K / 16, ng = Kp / Q8_G, nl = Kp / 8;
-    const __m512i m4 = _mm512_set1_epi8(0x0F);
-    const __m512i lut = _mm512_broadcast_i32x4(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));
-    const __m512i dup_lo = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
-    const __m512i dup_hi = _mm512_add_epi32(dup_lo, _mm512_set1_epi32(8));
+    const int64_t Kp = q8_padded_k(K, Q8_G);
     for (int64_t j = 0; j < nn; j++) {
-        const uint8_t *cj = codes + j * (K / 2), *sj = scales + j * nb;
-        __m512 acc[8];
+        __m512 acc[8], s16 = _mm512_setzero_ps(), wsv;
+        __m512i ue, uo;
         for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
-        __m512 s16 = _mm512_setzero_ps();
-        for (int64_t g = 0; g < ng; g++) {
-            _mm_prefetch((const char *)(cj + 64 * g + QMV_PREFETCH), _MM_HINT_T0);
-            const int64_t left = K / 2 - 64 * g;
-            const __m512i c = left >= 64 ? _mm512_loadu_si512((const void *)(cj + 64 * g))
-                                         : _mm512_maskz_loadu_epi8(((__mmask64)1 << left) - 1, cj + 64 * g);
-            const __m512i ue = _mm512_shuffle_epi8(lut, _mm512_and_si512(c, m4));
-            const __m512i uo = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16(c, 4), m4));
-            if (g % 2 == 0) {
-                const int64_t bl = nb - 8 * g;
-                s16 = _mm512_mul_ps(_mm512_set1_ps(128.0f),
-                                    block_scales16(sj + 8 * g, bl >= 16 ? 0xFFFF : (__mmask16)((1u << bl) - 1)));
-            }
-            const __m512 wsv = _mm512_permutexvar_ps(g % 2 ? dup_hi : dup_lo, s16);
-            for (int r = 0; r < R; r++) {
-                const int8_t *q = xq + r * Kp + Q8_G * g;
-                __m512i s = _mm512_loadu_si512((const void *)(xc + r * nl + 16 * g));
-                s = _mm512_dpbusd_epi32(s, ue, _mm512_loadu_si512((const void *)q));
-                s = _mm512_dpbusd_epi32(s, uo, _mm512_loadu_si512((const void *)(q + 64)));
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(wsv, _mm512_loadu_ps(xs + r * nl + 16 * g)),
-                                         acc[r]);
-            }
+        for (int64_t g = 0; g < Kp / Q8_G; g++) {
+            q8_group(codes + j * (K / 2), scales + j * (K / 16), K, g, &s16, &ue, &uo, &wsv);
+            q8_group_dot(ue, uo, wsv, xq, xs, xc, Kp, g, R, acc);
         }
         for (int r = 0; r < R; r++) y[r * ldy + j] = _mm512_reduce_add_ps(acc[r]);
     }
@@ -301,31 +277,17 @@ ALWAYS_INLINE void q8_qmv_rows(const uint8_t *codes, const uint8_t *scales, int6
 static void q8_qmv_avx512(const uint8_t *codes, const uint8_t *scales, const float *stab, int64_t K, int64_t nn,
                           const int8_t *xq, const float *xs, const int32_t *xc, int R, float *y, int64_t ldy) {
     (void)stab;
-    switch (R) {
-    case 1: q8_qmv_rows(codes, scales, K, nn, xq, xs, xc, 1, y, ldy); break;
-    case 2: q8_qmv_rows(codes, scales, K, nn, xq, xs, xc, 2, y, ldy); break;
-    case 3: q8_qmv_rows(codes, scales, K, nn, xq, xs, xc, 3, y, ldy); break;
-    case 4: q8_qmv_rows(codes, scales, K, nn, xq, xs, xc, 4, y, ldy); break;
-    case 5: q8_qmv_rows(codes, scales, K, nn, xq, xs, xc, 5, y, ldy); break;
-    case 6: q8_qmv_rows(codes, scales, K, nn, xq, xs, xc, 6, y, ldy); break;
-    case 7: q8_qmv_rows(codes, scales, K, nn, xq, xs, xc, 7, y, ldy); break;
-    default: q8_qmv_rows(codes, scales, K, nn, xq, xs, xc, 8, y, ldy); break;
-    }
+#define Q8_QMV(n) q8_qmv_rows(codes, scales, K, nn, xq, xs, xc, n, y, ldy)
+    GATHER_SWITCH_ROWS(R, Q8_QMV);
+#undef Q8_QMV
 }
 
 static void q8_dot_avx512(const uint8_t *wq, const float *ws, int64_t K, int64_t nn, const int8_t *xq,
                           const float *xs, const int32_t *xc, int R, float *y, int64_t ldy) {
     const int64_t Kp = q8_padded_k(K, Q8_G);
-    switch (R) {
-    case 1: q8_dot_rows(wq, ws, Kp, nn, xq, xs, xc, 1, y, ldy); break;
-    case 2: q8_dot_rows(wq, ws, Kp, nn, xq, xs, xc, 2, y, ldy); break;
-    case 3: q8_dot_rows(wq, ws, Kp, nn, xq, xs, xc, 3, y, ldy); break;
-    case 4: q8_dot_rows(wq, ws, Kp, nn, xq, xs, xc, 4, y, ldy); break;
-    case 5: q8_dot_rows(wq, ws, Kp, nn, xq, xs, xc, 5, y, ldy); break;
-    case 6: q8_dot_rows(wq, ws, Kp, nn, xq, xs, xc, 6, y, ldy); break;
-    case 7: q8_dot_rows(wq, ws, Kp, nn, xq, xs, xc, 7, y, ldy); break;
-    default: q8_dot_rows(wq, ws, Kp, nn, xq, xs, xc, 8, y, ldy); break;
-    }
+#define Q8_DOT(n) q8_dot_rows(wq, ws, Kp, nn, xq, xs, xc, n, y, ldy)
+    GATHER_SWITCH_ROWS(R, Q8_DOT);
+#undef Q8_DOT
 }
 
 const gather_cpu_kernels gather_cpu_kernels_avx512 = {

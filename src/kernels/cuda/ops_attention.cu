@@ -325,6 +325,44 @@ __device__ __forceinline__ uint16_t fa_bf16_to_f16(uint16_t b) {
     return __half_as_ushort(__float2half_rn(f));
 }
 
+/* One 32-key page of the online softmax (base 2) for the two rows a thread holds, g and g + 8 of
+ * its warp's 16: sc holds the page's masked, scaled scores (-inf where masked) in the mma C
+ * layout, mx0 / mx1 the thread's own row maxima. The maxima are reduced over the quad that shares
+ * a row, m and l updated, o rescaled, sc replaced by p = 2^(s - m). A row with every key so far
+ * masked keeps m = -inf and p = 0. */
+template <int NT>
+__device__ __forceinline__ void fa_softmax_page(float (&sc)[4][4], float mx0, float mx1, float &m0, float &m1,
+                                                float &l0, float &l1, float (&o)[NT][4]) {
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+    const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
+    const float b0 = n0 == -INFINITY ? 0.0f : n0, b1 = n1 == -INFINITY ? 0.0f : n1;
+    const float c0 = exp2f(m0 - b0), c1 = exp2f(m1 - b1);
+    m0 = n0;
+    m1 = n1;
+    float s0 = 0.0f, s1 = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        sc[j][0] = exp2f(sc[j][0] - b0);
+        sc[j][1] = exp2f(sc[j][1] - b0);
+        sc[j][2] = exp2f(sc[j][2] - b1);
+        sc[j][3] = exp2f(sc[j][3] - b1);
+        s0 += sc[j][0] + sc[j][1];
+        s1 += sc[j][2] + sc[j][3];
+    }
+    l0 = l0 * c0 + s0;
+    l1 = l1 * c1 + s1;
+#pragma unroll
+    for (int i = 0; i < NT; i++) {
+        o[i][0] *= c0;
+        o[i][1] *= c0;
+        o[i][2] *= c1;
+        o[i][3] *= c1;
+    }
+}
+
 /* ---- decode on tensor cores: split-KV, the G <= 16 query heads of a kv head as the 16 mma rows ----- */
 
 /* Block (kv head kh, row r, split sp) of DM_WARPS warps; the split's pages (the same ranges as
@@ -459,33 +497,7 @@ attn_decode_mma_kernel(const uint16_t *q, const uint16_t *kc, const uint16_t *vc
                 mx0 = fmaxf(mx0, sc[j][e]);
                 mx1 = fmaxf(mx1, sc[j][2 + e]);
             }
-        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-        const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1); /* finite: key j0 is visible */
-        const float c0 = exp2f(m0 - n0), c1 = exp2f(m1 - n1);
-        m0 = n0;
-        m1 = n1;
-        float s0 = 0.0f, s1 = 0.0f;
-#pragma unroll
-        for (int j = 0; j < 4; j++) {
-            sc[j][0] = exp2f(sc[j][0] - n0);
-            sc[j][1] = exp2f(sc[j][1] - n0);
-            sc[j][2] = exp2f(sc[j][2] - n1);
-            sc[j][3] = exp2f(sc[j][3] - n1);
-            s0 += sc[j][0] + sc[j][1];
-            s1 += sc[j][2] + sc[j][3];
-        }
-        l0 = l0 * c0 + s0;
-        l1 = l1 * c1 + s1;
-#pragma unroll
-        for (int i = 0; i < NT; i++) {
-            o[i][0] *= c0;
-            o[i][1] *= c0;
-            o[i][2] *= c1;
-            o[i][3] *= c1;
-        }
+        fa_softmax_page<NT>(sc, mx0, mx1, m0, m1, l0, l1, o);
         asm volatile("cp.async.wait_group 1;");        /* V of this page */
         __syncwarp();
 #pragma unroll
@@ -646,34 +658,7 @@ attn_prefill_mma_kernel(const uint16_t *q, const uint16_t *kc, const uint16_t *v
                 mx0 = fmaxf(mx0, sc[j][e]);
                 mx1 = fmaxf(mx1, sc[j][2 + e]);
             }
-        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-        const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
-        const float b0 = n0 == -INFINITY ? 0.0f : n0, b1 = n1 == -INFINITY ? 0.0f : n1;
-        const float c0 = exp2f(m0 - b0), c1 = exp2f(m1 - b1);
-        m0 = n0;
-        m1 = n1;
-        float s0 = 0.0f, s1 = 0.0f;
-#pragma unroll
-        for (int j = 0; j < 4; j++) {
-            sc[j][0] = exp2f(sc[j][0] - b0);
-            sc[j][1] = exp2f(sc[j][1] - b0);
-            sc[j][2] = exp2f(sc[j][2] - b1);
-            sc[j][3] = exp2f(sc[j][3] - b1);
-            s0 += sc[j][0] + sc[j][1];
-            s1 += sc[j][2] + sc[j][3];
-        }
-        l0 = l0 * c0 + s0;
-        l1 = l1 * c1 + s1;
-#pragma unroll
-        for (int i = 0; i < NT; i++) {
-            o[i][0] *= c0;
-            o[i][1] *= c0;
-            o[i][2] *= c1;
-            o[i][3] *= c1;
-        }
+        fa_softmax_page<NT>(sc, mx0, mx1, m0, m1, l0, l1, o);
 #pragma unroll
         for (int k2 = 0; k2 < 2; k2++) {               /* keys 16*k2 .. 16*k2+15 */
             const uint32_t a0 = fa_pack_f16(sc[2 * k2][0], sc[2 * k2][1]);
