@@ -17,17 +17,20 @@ static fp4moe_model *load_default(void) {
     return m;
 }
 
-static void scenarios(fp4moe_model *m, const char *name) {
+/* first..last of: 1 sequence; 3 in 3 slots; 17 in 17 slots; 17 in 5 slots (reused) */
+static void scenarios_range(fp4moe_model *m, const char *name, size_t first, size_t last) {
     char label[96];
     const struct { int n; int64_t slots; uint64_t seed; int snap; } cases[] = {
         {1, 1, 1, 0}, {3, 3, 2, 1}, {17, 17, 3, 1}, {17, 5, 4, 1},
     };
-    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    for (size_t i = first; i <= last && i < sizeof cases / sizeof cases[0]; i++) {
         snprintf(label, sizeof label, "%s n=%d slots=%lld", name, cases[i].n, (long long)cases[i].slots);
         assert_int_equal(bt_scenario(m, FP4MOE_DEVICE_CPU, FP4MOE_F32, cases[i].n, cases[i].slots, cases[i].seed,
                                      cases[i].snap, label), 0);
     }
 }
+
+static void scenarios(fp4moe_model *m, const char *name) { scenarios_range(m, name, 0, 3); }
 
 static void test_golden_a(void **state) {
     fp4moe_model *m = mt_load("tiny-a-mlx", 1);
@@ -53,7 +56,8 @@ static void test_default_model_q8(void **state) {
     (void)state;
     fp4moe_model *m = load_default();
     bt_cpu_act = FP4MOE_CPU_ACT_Q8;
-    scenarios(m, "default model q8");
+    scenarios_range(m, "default model q8", 1, 1); /* mixed prefill + decode steps */
+    scenarios_range(m, "default model q8", 3, 3); /* and slots reused */
     bt_cpu_act = FP4MOE_CPU_ACT_FLOAT;
     fp4moe_model_free(m);
 }

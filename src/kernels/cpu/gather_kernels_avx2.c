@@ -178,62 +178,97 @@ static void q8_x_avx2(const float *x, int64_t n, int64_t K, int8_t *xq, float *x
 #define E2M1_U_LUT _mm256_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0, \
                                     12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0)
 
-static void q8_decode_avx2(const uint8_t *codes, const uint8_t *scales, const float *stab, int64_t K,
-                           int64_t nn, uint8_t *wq, float *ws) {
-    const int64_t Kp = q8_padded_k(K, Q8_G), nb = K / 16, ng = Kp / Q8_G, full = K / Q8_G;
+/* Group g (64 weights = 32 code bytes) of one NVFP4 row: the unsigned weight bytes in the layout of
+ * gather_q8.h (*ue even, *uo odd elements) and the 8 lane scales e4m3 / 2 (*wsv). Past K: codes 0
+ * (u = 12), scales 0. */
+ALWAYS_INLINE void q8_group(const uint8_t *cj, const uint8_t *sj, const float *stab, int64_t K, int64_t g,
+                            __m256i *ue, __m256i *uo, __m256 *wsv) {
     const __m256i m4 = _mm256_set1_epi8(0x0F);
-    for (int64_t j = 0; j < nn; j++) {
-        const uint8_t *cj = codes + j * (K / 2), *sj = scales + j * nb;
-        uint8_t *u = wq + j * Kp;
-        float *wsj = ws + j * (Kp / 8);
-        for (int64_t g = 0; g < ng; g++) {
-            __m256i c;
-            _mm_prefetch((const char *)(cj + 32 * g + 2048), _MM_HINT_T0); /* rows are contiguous */
-            if (g < full) {
-                c = _mm256_loadu_si256((const __m256i *)(cj + 32 * g));
-            } else { /* the last, partial group: zero codes (u = 12) past K */
-                uint8_t tmp[32] = {0};
-                memcpy(tmp, cj + 32 * g, (size_t)(K / 2 - 32 * g));
-                c = _mm256_loadu_si256((const __m256i *)tmp);
-            }
-            const __m256i lo = _mm256_and_si256(c, m4), hi = _mm256_and_si256(_mm256_srli_epi16(c, 4), m4);
-            _mm256_storeu_si256((__m256i *)(u + Q8_G * g), _mm256_shuffle_epi8(E2M1_U_LUT, lo));
-            _mm256_storeu_si256((__m256i *)(u + Q8_G * g + 32), _mm256_shuffle_epi8(E2M1_U_LUT, hi));
-            float s[4];
-            for (int b = 0; b < 4; b++) s[b] = 4 * g + b < nb ? 0.5f * stab[sj[4 * g + b]] : 0.0f;
-            _mm256_storeu_ps(wsj + 8 * g, _mm256_setr_ps(s[0], s[0], s[1], s[1], s[2], s[2], s[3], s[3]));
-        }
+    const int64_t nb = K / 16;
+    __m256i c;
+    _mm_prefetch((const char *)(cj + 32 * g + 2048), _MM_HINT_T0); /* rows are contiguous */
+    if (32 * (g + 1) <= K / 2) {
+        c = _mm256_loadu_si256((const __m256i *)(cj + 32 * g));
+    } else { /* the last, partial group */
+        uint8_t tmp[32] = {0};
+        memcpy(tmp, cj + 32 * g, (size_t)(K / 2 - 32 * g));
+        c = _mm256_loadu_si256((const __m256i *)tmp);
+    }
+    *ue = _mm256_shuffle_epi8(E2M1_U_LUT, _mm256_and_si256(c, m4));
+    *uo = _mm256_shuffle_epi8(E2M1_U_LUT, _mm256_and_si256(_mm256_srli_epi16(c, 4), m4));
+    float sv[4];
+    for (int b = 0; b < 4; b++) sv[b] = 4 * g + b < nb ? 0.5f * stab[sj[4 * g + b]] : 0.0f;
+    *wsv = _mm256_setr_ps(sv[0], sv[0], sv[1], sv[1], sv[2], sv[2], sv[3], sv[3]);
+}
+
+/* acc[r] += the group's 8 lane sums for activation rows r < R: two u8 x s8 pair products
+ * (vpmaddubsw: |24 * 127 * 2| fits int16, no saturation), their int16 sum (<= 12192), pairs to
+ * int32 (vpmaddwd with ones) = the lanes, plus the corrections, one conversion, one FMA. */
+ALWAYS_INLINE void q8_group_dot(__m256i ue, __m256i uo, __m256 wsv, const int8_t *xq, const float *xs,
+                                const int32_t *xc, int64_t Kp, int64_t g, const int R, __m256 *acc) {
+    const int64_t nl = Kp / 8;
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int r = 0; r < R; r++) {
+        const int8_t *q = xq + r * Kp + Q8_G * g;
+        const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(ue, _mm256_loadu_si256((const __m256i *)q)),
+                                           _mm256_maddubs_epi16(uo, _mm256_loadu_si256((const __m256i *)(q + 32))));
+        const __m256i sum = _mm256_add_epi32(_mm256_madd_epi16(p, ones),
+                                             _mm256_loadu_si256((const __m256i *)(xc + r * nl + 8 * g)));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(wsv, _mm256_loadu_ps(xs + r * nl + 8 * g)),
+                                 acc[r]);
     }
 }
 
-/* Per group and row: two u8 x s8 pair products (vpmaddubsw: |24 * 127 * 2| fits int16, no
- * saturation), their int16 sum (<= 12192), pairs to int32 (vpmaddwd with ones) = the 8 lanes. */
+static void q8_decode_avx2(const uint8_t *codes, const uint8_t *scales, const float *stab, int64_t K,
+                           int64_t nn, uint8_t *wq, float *ws) {
+    const int64_t Kp = q8_padded_k(K, Q8_G);
+    for (int64_t j = 0; j < nn; j++)
+        for (int64_t g = 0; g < Kp / Q8_G; g++) {
+            __m256i ue, uo;
+            __m256 wsv;
+            q8_group(codes + j * (K / 2), scales + j * (K / 16), stab, K, g, &ue, &uo, &wsv);
+            _mm256_storeu_si256((__m256i *)(wq + j * Kp + Q8_G * g), ue);
+            _mm256_storeu_si256((__m256i *)(wq + j * Kp + Q8_G * g + 32), uo);
+            _mm256_storeu_ps(ws + j * (Kp / 8) + 8 * g, wsv);
+        }
+}
+
+/* From a decoded tile (q8_decode): the expert-batched route, every row group over the same tile. */
 ALWAYS_INLINE void q8_dot_rows(const uint8_t *wq, const float *ws, int64_t Kp, int64_t nn, const int8_t *xq,
                                const float *xs, const int32_t *xc, const int R, float *y, int64_t ldy) {
-    const int64_t ng = Kp / Q8_G, nl = Kp / 8;
-    const __m256i ones = _mm256_set1_epi16(1);
     for (int64_t j = 0; j < nn; j++) {
-        const uint8_t *u = wq + j * Kp;
-        const float *wsj = ws + j * nl;
         __m256 acc[8];
         for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
-        for (int64_t g = 0; g < ng; g++) {
-            const __m256i ue = _mm256_loadu_si256((const __m256i *)(u + Q8_G * g));
-            const __m256i uo = _mm256_loadu_si256((const __m256i *)(u + Q8_G * g + 32));
-            const __m256 wsv = _mm256_loadu_ps(wsj + 8 * g);
-            for (int r = 0; r < R; r++) {
-                const int8_t *q = xq + r * Kp + Q8_G * g;
-                const __m256i p = _mm256_add_epi16(
-                    _mm256_maddubs_epi16(ue, _mm256_loadu_si256((const __m256i *)q)),
-                    _mm256_maddubs_epi16(uo, _mm256_loadu_si256((const __m256i *)(q + 32))));
-                const __m256i s = _mm256_add_epi32(_mm256_madd_epi16(p, ones),
-                                                   _mm256_loadu_si256((const __m256i *)(xc + r * nl + 8 * g)));
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(wsv, _mm256_loadu_ps(xs + r * nl + 8 * g)),
-                                         acc[r]);
-            }
+        for (int64_t g = 0; g < Kp / Q8_G; g++)
+            q8_group_dot(_mm256_loadu_si256((const __m256i *)(wq + j * Kp + Q8_G * g)),
+                         _mm256_loadu_si256((const __m256i *)(wq + j * Kp + Q8_G * g + 32)),
+                         _mm256_loadu_ps(ws + j * (Kp / 8) + 8 * g), xq, xs, xc, Kp, g, R, acc);
+        for (int r = 0; r < R; r++) y[r * ldy + j] = hsum8(acc[r]);
+    }
+}
+
+/* Decode + dot in registers for a few rows (the qmv route: no weight buffer, codes streamed once). */
+ALWAYS_INLINE void q8_qmv_rows(const uint8_t *codes, const uint8_t *scales, const float *stab, int64_t K,
+                               int64_t nn, const int8_t *xq, const float *xs, const int32_t *xc, const int R,
+                               float *y, int64_t ldy) {
+    const int64_t Kp = q8_padded_k(K, Q8_G);
+    for (int64_t j = 0; j < nn; j++) {
+        __m256 acc[8], wsv;
+        __m256i ue, uo;
+        for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+        for (int64_t g = 0; g < Kp / Q8_G; g++) {
+            q8_group(codes + j * (K / 2), scales + j * (K / 16), stab, K, g, &ue, &uo, &wsv);
+            q8_group_dot(ue, uo, wsv, xq, xs, xc, Kp, g, R, acc);
         }
         for (int r = 0; r < R; r++) y[r * ldy + j] = hsum8(acc[r]);
     }
+}
+
+static void q8_qmv_avx2(const uint8_t *codes, const uint8_t *scales, const float *stab, int64_t K, int64_t nn,
+                        const int8_t *xq, const float *xs, const int32_t *xc, int R, float *y, int64_t ldy) {
+#define Q8_QMV(n) q8_qmv_rows(codes, scales, stab, K, nn, xq, xs, xc, n, y, ldy)
+    GATHER_SWITCH_ROWS(R, Q8_QMV);
+#undef Q8_QMV
 }
 
 static void q8_dot_avx2(const uint8_t *wq, const float *ws, int64_t K, int64_t nn, const int8_t *xq,
@@ -246,6 +281,6 @@ static void q8_dot_avx2(const uint8_t *wq, const float *ws, int64_t K, int64_t n
 
 const gather_cpu_kernels gather_cpu_kernels_avx2 = {
     "avx2", gather_avx2_x_to_f32, gather_avx2_y_from_f32, qmv_avx2, decode_avx2, gather_avx2_panel_gemm,
-    NULL, NULL, Q8_G, q8_x_avx2, q8_decode_avx2, q8_dot_avx2, NULL,
+    NULL, NULL, Q8_G, q8_x_avx2, q8_decode_avx2, q8_dot_avx2, q8_qmv_avx2,
 };
 #endif
