@@ -144,7 +144,8 @@ int cli_parse_cpu_act(const char *cmd, const char *s, fp4moe_device dev, fp4moe_
     }
     if (fp4moe_cpu_act_parse(s, ca)) return cli_usage_error(cmd, "--cpu-act must be float or q8 (got '%s')", s);
     if (cuda && *ca == FP4MOE_CPU_ACT_Q8)
-        return cli_usage_error(cmd, "--cpu-act q8 is a CPU mode; the model runs on cuda (add --device cpu)");
+        return cli_usage_error(cmd, "--cpu-act q8 is a CPU mode, and --device %s puts the model on cuda (use "
+                               "--device cpu with it)", dev == FP4MOE_DEVICE_CUDA ? "cuda" : "auto");
     return FP4MOE_EXIT_OK;
 }
 
@@ -210,6 +211,7 @@ struct gen_state {
     int64_t ctx;                    /* context limit in tokens, 0: none */
     float *logits;
     int json;                       /* --json: collect instead of streaming */
+    const char *cpu_act;            /* the CPU activation mode in force (for --json) */
     cli_text text;                  /* --json: the generated text */
     int32_t *ids;                   /* --json: the generated ids */
     int64_t n_ids;
@@ -354,6 +356,7 @@ static int run_generation(const gen_args *a, gen_state *g, const volatile sig_at
         cJSON_AddNumberToObject(o, "prompt_tokens", (double)g->T);
         cJSON_AddNumberToObject(o, "generated_tokens", (double)g->n_ids);
         cJSON_AddStringToObject(o, "finish_reason", reason);
+        cJSON_AddStringToObject(o, "cpu_act", g->cpu_act ? g->cpu_act : "float");
         cJSON_AddNumberToObject(o, "seed", (double)a->smp.seed);
         cJSON_AddNumberToObject(o, "prefill_seconds", t_prefill);
         cJSON_AddNumberToObject(o, "decode_seconds", t_decode);
@@ -414,6 +417,7 @@ static int generate(const gen_args *a) {
     fp4moe_session_options_default(&so);
     so.act_dtype = dt;
     so.cpu_act = ca;
+    g.cpu_act = fp4moe_cpu_act_name(ca);
     so.interrupt = stop;
     so.device = dev;
     if (dev == FP4MOE_DEVICE_CUDA) so.max_chunk = CLI_CUDA_CHUNK;

@@ -271,7 +271,7 @@ int cmd_perplexity(int argc, char **argv) {
         {"--max-tokens", NULL, CLI_INT, &a.max_tokens, "N", "use only the first N tokens of the text (default: all)"},
         {"--dtype", NULL, CLI_STRING, &a.dtype, "DT", "matmul activations: f32 or bf16 (default f32 on cpu; cuda: bf16)"},
         {"--cpu-act", NULL, CLI_STRING, &a.cpu_act, "MODE", CLI_CPU_ACT_HELP},
-        {"--device", NULL, CLI_STRING, &a.device, "DEV", "cpu, cuda or auto (default cpu: the fp32 reference)"},
+        {"--device", NULL, CLI_STRING, &a.device, "DEV", "cpu, cuda or auto (default cpu; the fp32 reference is cpu with --cpu-act float)"},
         {"--threads", "-t", CLI_INT, &a.threads, "N", "CPU threads (default: one per core)"},
         {"--no-quantize", NULL, CLI_FLAG, &a.no_quantize, NULL, "keep dense checkpoints dense (default: NVFP4 on load)"},
         {"--chunk", NULL, CLI_INT, &a.chunk, "N", "tokens per forward call (default 256)"},

@@ -44,7 +44,7 @@ int cli_parse_dtype(const char *cmd, const char *s, fp4moe_dtype *dt);
  * when a GPU is visible); else, and q8 on CUDA, a usage error (exit code 2). */
 int cli_parse_cpu_act(const char *cmd, const char *s, fp4moe_device dev, fp4moe_cpu_act *ca);
 /* The --cpu-act option's help text (one place for every command). */
-#define CLI_CPU_ACT_HELP "CPU NVFP4 matmuls: q8 (default: W4A8, int8 activations per 16-block, integer dot products; +0.03% perplexity) or float (activations at --dtype: the f32/bf16 contract, equal to transformers)"
+#define CLI_CPU_ACT_HELP "CPU NVFP4 matmuls: q8 (the CPU default: W4A8, the activations, after --dtype's rounding, as int8 per 16-element block; integer dot products; +0.03% held-out perplexity on the default model, docs/PERFORMANCE.md) or float (activations at --dtype: the f32 contract, equal to transformers); cuda: float only"
 /* Installs a SIGINT handler; the returned flag becomes 1 on Ctrl-C. */
 const volatile sig_atomic_t *cli_install_sigint(void);
 /* FP4MOE_EINTERRUPTED (message "interrupted (Ctrl-C)") once that flag is set, else FP4MOE_OK: for
