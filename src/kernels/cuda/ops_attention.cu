@@ -399,6 +399,56 @@ __device__ __forceinline__ uint32_t dm_bf16x2_to_f16x2(uint32_t u) {
     return fa_pack_f16(lo, hi);
 }
 
+/* S (this warp's 16 rows x the page's 32 keys, mma C layout) = Q K^T: qa the rows' A fragments
+ * (KS = head_dim / 16 of them), Ks the page's keys, bf16, row-major with stride LD. */
+template <int KS, int LD>
+__device__ __forceinline__ void fa_scores_page(float (&sc)[4][4], const uint32_t (&qa)[KS][4], const uint16_t *Ks,
+                                               int g, int tq) {
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.0f;
+#pragma unroll
+        for (int kk = 0; kk < KS; kk++) {
+            const uint16_t *kr = Ks + (j * 8 + g) * LD + kk * 16 + 2 * tq;
+            fa_mma(sc[j], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], *(const uint32_t *)kr,
+                   *(const uint32_t *)(kr + 8));
+        }
+    }
+}
+
+/* O (16 rows x NT*8 dims) += P V on fp16 tensor cores: P = the page's probabilities sc (rounded to
+ * fp16; SPLIT: as two fp16 parts hi + lo, ~22 bits), V the page's values, bf16, row-major with
+ * stride LD, whose B fragments come from ldmatrix.trans (lane L gives row L % 8 of matrix L / 8 =
+ * keys 16 k2 + (L/8 & 1) * 8 + L % 8, dims i*8 + (L/16) * 8: b0, b1 of dim tiles i and i + 1) and
+ * are converted to fp16 in registers. */
+template <int NT, int LD, bool SPLIT>
+__device__ __forceinline__ void fa_pv_page(float (&o)[NT][4], const float (&sc)[4][4], const uint16_t *Vs, int lane) {
+#pragma unroll
+    for (int k2 = 0; k2 < 2; k2++) {                   /* keys 16*k2 .. 16*k2+15 */
+        uint32_t ah[4], al[4] = {0u, 0u, 0u, 0u};
+#pragma unroll
+        for (int h = 0; h < 4; h++) {                  /* A: rows g / g+8 (h odd), keys +8 (h >= 2) */
+            const float x = sc[2 * k2 + h / 2][2 * (h & 1)], y = sc[2 * k2 + h / 2][2 * (h & 1) + 1];
+            if (SPLIT) dm_split_f16(x, y, ah[h], al[h]);
+            else ah[h] = fa_pack_f16(x, y);
+        }
+        const uint16_t *vrow = Vs + (k2 * 16 + ((lane >> 3) & 1) * 8 + (lane & 7)) * LD + (lane >> 4) * 8;
+#pragma unroll
+        for (int i = 0; i < NT; i += 2) {
+            uint32_t b[4];
+            dm_ldmatrix_x4_trans(b, vrow + i * 8);
+#pragma unroll
+            for (int e = 0; e < 4; e++) b[e] = dm_bf16x2_to_f16x2(b[e]);
+            fa_mma_f16(o[i], ah[0], ah[1], ah[2], ah[3], b[0], b[1]);
+            fa_mma_f16(o[i + 1], ah[0], ah[1], ah[2], ah[3], b[2], b[3]);
+            if (SPLIT) {
+                fa_mma_f16(o[i], al[0], al[1], al[2], al[3], b[0], b[1]);
+                fa_mma_f16(o[i + 1], al[0], al[1], al[2], al[3], b[2], b[3]);
+            }
+        }
+    }
+}
+
 template <int DH>
 static constexpr size_t dm_smem_bytes() {
     return (size_t)DM_WARPS * 2 * ATT_TILE * (DH + 8) * sizeof(uint16_t);
@@ -473,16 +523,7 @@ attn_decode_mma_kernel(const uint16_t *q, const uint16_t *kc, const uint16_t *vc
         asm volatile("cp.async.wait_group 1;");        /* K of this page */
         __syncwarp();
         float sc[4][4];
-#pragma unroll
-        for (int j = 0; j < 4; j++) {
-            sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.0f;
-#pragma unroll
-            for (int kk = 0; kk < KS; kk++) {
-                const uint16_t *kr = Ks + (j * 8 + g) * LD + kk * 16 + 2 * tq;
-                fa_mma(sc[j], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], *(const uint32_t *)kr,
-                       *(const uint32_t *)(kr + 8));
-            }
-        }
+        fa_scores_page<KS, LD>(sc, qa, Ks, g, tq);
         __syncwarp();                                  /* every lane has read Ks */
         if (next < t1) load_page(Ks, kc, next);
         asm volatile("cp.async.commit_group;");
@@ -500,30 +541,9 @@ attn_decode_mma_kernel(const uint16_t *q, const uint16_t *kc, const uint16_t *vc
         fa_softmax_page<NT>(sc, mx0, mx1, m0, m1, l0, l1, o);
         asm volatile("cp.async.wait_group 1;");        /* V of this page */
         __syncwarp();
-#pragma unroll
-        for (int k2 = 0; k2 < 2; k2++) {               /* keys 16*k2 .. 16*k2+15 */
-            /* P = P_hi + P_lo, both fp16: P V with ~22 significant bits of P (the scalar fp32 kernel
-             * this replaced kept 24; one fp16 P moved near-tied router choices of the bf16 model) */
-            uint32_t ah[4], al[4];
-            dm_split_f16(sc[2 * k2][0], sc[2 * k2][1], ah[0], al[0]);
-            dm_split_f16(sc[2 * k2][2], sc[2 * k2][3], ah[1], al[1]);
-            dm_split_f16(sc[2 * k2 + 1][0], sc[2 * k2 + 1][1], ah[2], al[2]);
-            dm_split_f16(sc[2 * k2 + 1][2], sc[2 * k2 + 1][3], ah[3], al[3]);
-            /* ldmatrix.x4.trans: lane L gives row L % 8 of matrix L / 8 = keys 16 k2 + (L/8 & 1) * 8 + L % 8,
-             * dims i*8 + (L/16) * 8: b0, b1 of dim tile i and of dim tile i + 1 (bf16 pairs -> fp16) */
-            const uint16_t *vrow = Vs + (k2 * 16 + ((lane >> 3) & 1) * 8 + (lane & 7)) * LD + (lane >> 4) * 8;
-#pragma unroll
-            for (int i = 0; i < NT; i += 2) {
-                uint32_t b[4];
-                dm_ldmatrix_x4_trans(b, vrow + i * 8);
-#pragma unroll
-                for (int e = 0; e < 4; e++) b[e] = dm_bf16x2_to_f16x2(b[e]);
-                fa_mma_f16(o[i], ah[0], ah[1], ah[2], ah[3], b[0], b[1]);
-                fa_mma_f16(o[i + 1], ah[0], ah[1], ah[2], ah[3], b[2], b[3]);
-                fa_mma_f16(o[i], al[0], al[1], al[2], al[3], b[0], b[1]);
-                fa_mma_f16(o[i + 1], al[0], al[1], al[2], al[3], b[2], b[3]);
-            }
-        }
+        /* P = P_hi + P_lo, both fp16: ~22 significant bits of P (the scalar fp32 kernel this replaced
+         * kept 24; one fp16 P moved near-tied router choices of the bf16 model) */
+        fa_pv_page<NT, LD, true>(o, sc, Vs, lane);
         __syncwarp();                                  /* every lane has read Vs */
         if (next < t1) load_page(Vs, vc, next);
         asm volatile("cp.async.commit_group;");
@@ -629,54 +649,28 @@ attn_prefill_mma_kernel(const uint16_t *q, const uint16_t *kc, const uint16_t *v
         asm volatile("cp.async.wait_group 1;");        /* this page (the next may still be in flight) */
         __syncthreads();
         if (j0 <= P + wr0 + 15) {                      /* some row of this warp sees a key of the page */
-        const uint16_t *Ks = Kb[buf], *Vs = Vb[buf];
-        float sc[4][4];
+            const uint16_t *Ks = Kb[buf], *Vs = Vb[buf];
+            float sc[4][4];
+            fa_scores_page<KS, LD>(sc, qa, Ks, g, tq);
+            /* mask, scale, row maxima (a row's 32 keys are spread over the 4 threads of a quad) */
+            float mx0 = -INFINITY, mx1 = -INFINITY;
 #pragma unroll
-        for (int j = 0; j < 4; j++) {
-            sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.0f;
+            for (int j = 0; j < 4; j++)
 #pragma unroll
-            for (int kk = 0; kk < KS; kk++) {
-                const uint16_t *kr = Ks + (j * 8 + g) * LD + kk * 16 + 2 * tq;
-                fa_mma(sc[j], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], *(const uint32_t *)kr,
-                       *(const uint32_t *)(kr + 8));
-            }
-        }
-        /* mask, scale, row maxima (a row's 32 keys are spread over the 4 threads of a quad) */
-        float mx0 = -INFINITY, mx1 = -INFINITY;
-#pragma unroll
-        for (int j = 0; j < 4; j++)
-#pragma unroll
-            for (int e = 0; e < 2; e++) {
-                const int key = j0 + j * 8 + 2 * tq + e;
+                for (int e = 0; e < 2; e++) {
+                    const int key = j0 + j * 8 + 2 * tq + e;
 #ifdef FP4MOE_INJECT_FAULT_CAUSAL_MASK /* deliberate fault: a row's own key is masked (not key 0) */
-                const bool va = key <= pa && (key < pa || key == 0), vb = key <= pb && (key < pb || key == 0);
+                    const bool va = key <= pa && (key < pa || key == 0), vb = key <= pb && (key < pb || key == 0);
 #else
-                const bool va = key <= pa, vb = key <= pb;
+                    const bool va = key <= pa, vb = key <= pb;
 #endif
-                sc[j][e] = va ? sc[j][e] * scale_log2 : -INFINITY;
-                sc[j][2 + e] = vb ? sc[j][2 + e] * scale_log2 : -INFINITY;
-                mx0 = fmaxf(mx0, sc[j][e]);
-                mx1 = fmaxf(mx1, sc[j][2 + e]);
-            }
-        fa_softmax_page<NT>(sc, mx0, mx1, m0, m1, l0, l1, o);
-#pragma unroll
-        for (int k2 = 0; k2 < 2; k2++) {               /* keys 16*k2 .. 16*k2+15 */
-            const uint32_t a0 = fa_pack_f16(sc[2 * k2][0], sc[2 * k2][1]);
-            const uint32_t a1 = fa_pack_f16(sc[2 * k2][2], sc[2 * k2][3]);
-            const uint32_t a2 = fa_pack_f16(sc[2 * k2 + 1][0], sc[2 * k2 + 1][1]);
-            const uint32_t a3 = fa_pack_f16(sc[2 * k2 + 1][2], sc[2 * k2 + 1][3]);
-            /* V fragments by ldmatrix.trans from the row-major page (as attn_decode_mma_kernel) */
-            const uint16_t *vrow = Vs + (k2 * 16 + ((lane >> 3) & 1) * 8 + (lane & 7)) * LD + (lane >> 4) * 8;
-#pragma unroll
-            for (int i = 0; i < NT; i += 2) {
-                uint32_t b[4];
-                dm_ldmatrix_x4_trans(b, vrow + i * 8);
-#pragma unroll
-                for (int e = 0; e < 4; e++) b[e] = dm_bf16x2_to_f16x2(b[e]);
-                fa_mma_f16(o[i], a0, a1, a2, a3, b[0], b[1]);
-                fa_mma_f16(o[i + 1], a0, a1, a2, a3, b[2], b[3]);
-            }
-        }
+                    sc[j][e] = va ? sc[j][e] * scale_log2 : -INFINITY;
+                    sc[j][2 + e] = vb ? sc[j][2 + e] * scale_log2 : -INFINITY;
+                    mx0 = fmaxf(mx0, sc[j][e]);
+                    mx1 = fmaxf(mx1, sc[j][2 + e]);
+                }
+            fa_softmax_page<NT>(sc, mx0, mx1, m0, m1, l0, l1, o);
+            fa_pv_page<NT, LD, false>(o, sc, Vs, lane);
         }
         __syncthreads();                               /* every warp is done with this buffer */
     }
