@@ -3,7 +3,7 @@
 # NVIDIA GPU (the H200 machine):
 #   1. the GPU model tests (GPU vs CPU on every golden model and the default model; batched vs solo
 #      greedy ids for 1/3/17 sequences with mixed prefill+decode steps and snapshots; graph vs
-#      eager; KV growth) and the Mamba-2 scan tests;
+#      eager; KV growth), the Mamba-2 scan, gather_qmm and fused-op (test_ops_gpu) tests;
 #   2. compute-sanitizer memcheck over a small batched run of the default model (paged KV,
 #      batched decode kernels, snapshots are not in it);
 #   3. the synthetic Nemotron-3-Nano-30B-A3B shape: one sequence (prefill 512 + decode 128) with
@@ -21,8 +21,8 @@ set -u
 cd "$(dirname "$0")/.."
 GP_NAME=batch
 GP_BUILD=build-gpum
-GP_PROGS="fp4moe test_model_gpu test_ssm_gpu test_gather_qmm_gpu test_attention_gpu"
-GP_TARGETS="fp4moe_cli test_model_gpu test_ssm_gpu test_gather_qmm_gpu test_attention_gpu"
+GP_PROGS="fp4moe test_model_gpu test_ssm_gpu test_gather_qmm_gpu test_attention_gpu test_ops_gpu"
+GP_TARGETS="fp4moe_cli test_model_gpu test_ssm_gpu test_gather_qmm_gpu test_attention_gpu test_ops_gpu"
 . scripts/gpu-pack.sh
 CFG=nemotron-3-nano-30b-a3b
 
@@ -51,6 +51,10 @@ t0=$SECONDS
 timeout 200 "$BIN/test_gather_qmm_gpu" >"$OUT/gather.log" 2>&1
 rc=$?
 row "GPU gather_qmm tests" "$([ $rc = 0 ] && echo PASS || echo "FAIL($rc)")" $((SECONDS - t0))
+t0=$SECONDS
+timeout 200 "$BIN/test_ops_gpu" >"$OUT/ops.log" 2>&1
+rc=$?
+row "GPU fused ops tests" "$([ $rc = 0 ] && echo PASS || echo "FAIL($rc)")" $((SECONDS - t0))
 
 CS=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null)
 if [ -n "$CS" ]; then

@@ -120,27 +120,30 @@ typedef struct be_ops {
     void (*invalidate)(void *bc);
     /* ---- ops ---- */
     int (*embed)(void *bc, const void *E, const int32_t *tokens, int64_t R, float *h);
-    /* y (act) = rmsnorm(x) * w, rows of H; y32 (optional) the same rounded values as fp32 */
-    int (*rmsnorm)(void *bc, const float *x, const float *w, int64_t T, int64_t H, float eps, void *y,
-                   float *y32);
+    /* x += a (+ b) when a is not NULL (act rows: a residual add, as residual_add); then y (act) =
+     * rmsnorm(x) * w, rows of H; y32 (optional) the same rounded values as fp32 */
+    int (*rmsnorm)(void *bc, float *x, const void *a, const void *b, const float *w, int64_t T, int64_t H,
+                   float eps, void *y, float *y32);
     /* y (act) = rmsnorm(x[rows[i]]) * w for i < n (the lm_head's input rows) */
     int (*rmsnorm_rows)(void *bc, const float *x, const int32_t *rows, int64_t n, const float *w,
                         int64_t H, float eps, void *y);
-    int (*linear)(void *bc, const void *W, const void *x, int64_t T, void *y);
+    /* y (act, T x N) = x (act) @ W^T; relu2: then y = relu(y)^2 (each rounded to act, as relu2
+     * after it: the CUDA kernels do it in their epilogue) */
+    int (*linear)(void *bc, const void *W, const void *x, int64_t T, int relu2, void *y);
     int (*linear_f32out)(void *bc, const void *W, const void *x, int64_t T, float *y);
-    int (*linear_gather)(void *bc, const void *W, const void *x, const uint32_t *idx, int64_t B,
+    /* y[b] = x[b] @ W[idx[b]]^T (gather_qmm on NVFP4 experts); relu2 as for linear */
+    int (*linear_gather)(void *bc, const void *W, const void *x, const uint32_t *idx, int64_t B, int relu2,
                          void *y);
-    int (*matmul_f32)(void *bc, const float *x, int64_t T, const float *W, int64_t N, int64_t K,
-                      float *y);
-    int (*router_topk)(void *bc, const fw_router *r, const float *logits, int64_t T, int32_t *ids,
-                       float *wts);
-    int (*sort_by_expert)(void *bc, const int32_t *ids, int64_t B, int64_t E, uint32_t *row_of,
-                          uint32_t *idx, uint32_t *pos_of);
+    /* The routing of a MoE layer: logits (T x E fp32) = x (T x H fp32) @ W^T (router weights, E x H
+     * fp32); ids, wts (T x k) = the router's top-k (fw_router); then the stable sort of the T * k
+     * (token, slot) rows by expert: row_of, idx (sorted experts), pos_of (B = T * k each). */
+    int (*moe_route)(void *bc, const fw_router *r, const float *x, int64_t T, const float *W, int64_t H,
+                     float *logits, int32_t *ids, float *wts, uint32_t *row_of, uint32_t *idx,
+                     uint32_t *pos_of);
     int (*gather_rows)(void *bc, const void *x, int64_t H, const uint32_t *row_of, int64_t B,
                        int64_t k, void *xs);
     int (*moe_combine)(void *bc, const void *ys, int64_t H, const uint32_t *pos_of, const float *wts,
                        int64_t T, int64_t k, void *out);
-    int (*relu2)(void *bc, void *x, int64_t n);
     /* h += a (+ b): h + (a + b) in fp32 */
     int (*residual_add)(void *bc, float *h, const void *a, const void *b, int64_t n);
     /* y (R x C fp32) = silu(causal conv1d of x (R rows of stride xs, act)) per sequence, with the

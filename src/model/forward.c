@@ -1,6 +1,7 @@
 /* The nemotron_h forward pass, written once over the backend table (src/backend/backend.h), for a
  * step of many sequences (spec NEMOTRON_H.md "Forward pass"):
  *   h = embed[token];  for each layer: h = h + mixer(rmsnorm(h) * norm.weight)
+ *   (a layer's residual add runs in the next layer's rmsnorm launch; the last one alone)
  *   logits = lm_head(rmsnorm(h) * norm_f.weight)      (the rows that asked for logits)
  * Row-wise work (norms, projections, router, experts) runs over all rows of the step at once: the
  * router and the sort by expert see every row of every sequence, so the gather routes serve the
@@ -130,7 +131,7 @@ static int mamba(const fw_ctx *f, const fw_layer *d, const fw_state *ls) {
     const int64_t R = f->st->R;
     const int64_t nh = c->mamba_heads, hd = c->mamba_head_dim, G = c->mamba_groups, S = c->ssm_state;
     const int64_t di = nh * hd, GS = G * S, cd = di + 2 * GS, np = 2 * di + 2 * GS + nh;
-    int st = be->linear(bc, d->in_proj, b->xn, R, b->zx);
+    int st = be->linear(bc, d->in_proj, b->xn, R, 0, b->zx);
     if (st) return fp4moe_error_context(st, "in_proj");
     TRY(be->conv1d_silu(bc, f->st, BE_ACT(be, b->zx, di), np, cd, d->conv_w, d->conv_b, c->conv_kernel,
                         ls, b->xbc));
@@ -142,9 +143,8 @@ static int mamba(const fw_ctx *f, const fw_layer *d, const fw_state *ls) {
     };
     TRY(be->ssm_scan(bc, f->st, &a, ls));
     TRY(be->rmsnorm_gated(bc, b->y, b->zx, np, d->gnorm, R, di, G, c->eps, b->yb));
-    st = be->linear(bc, d->out_proj, b->yb, R, b->out_a);
-    if (st) return fp4moe_error_context(st, "out_proj");
-    return be->residual_add(bc, b->h, b->out_a, NULL, R * c->hidden);
+    st = be->linear(bc, d->out_proj, b->yb, R, 0, b->out_a);
+    return st ? fp4moe_error_context(st, "out_proj") : FP4MOE_OK;
 }
 
 static int attention(const fw_ctx *f, const fw_layer *d, const fw_state *ls) {
@@ -154,27 +154,25 @@ static int attention(const fw_ctx *f, const fw_layer *d, const fw_state *ls) {
     const fw_bufs *b = f->b;
     const int64_t R = f->st->R;
     int st;
-    if ((st = be->linear(bc, d->q_proj, b->xn, R, b->q)) || (st = be->linear(bc, d->k_proj, b->xn, R, b->kb)) ||
-        (st = be->linear(bc, d->v_proj, b->xn, R, b->vb)))
+    if ((st = be->linear(bc, d->q_proj, b->xn, R, 0, b->q)) || (st = be->linear(bc, d->k_proj, b->xn, R, 0, b->kb)) ||
+        (st = be->linear(bc, d->v_proj, b->xn, R, 0, b->vb)))
         return fp4moe_error_context(st, "q/k/v_proj");
     TRY(be->attention(bc, f->st, b->q, b->kb, b->vb, ls, c->attn_heads, c->kv_heads, c->head_dim, b->att));
-    st = be->linear(bc, d->o_proj, b->att, R, b->out_a);
-    if (st) return fp4moe_error_context(st, "o_proj");
-    return be->residual_add(bc, b->h, b->out_a, NULL, R * c->hidden);
+    st = be->linear(bc, d->o_proj, b->att, R, 0, b->out_a);
+    return st ? fp4moe_error_context(st, "o_proj") : FP4MOE_OK;
 }
 
-static int mlp(const fw_ctx *f, const void *up, const void *down, int64_t inter, const void *x, void *hbuf,
-               void *out) {
+static int mlp(const fw_ctx *f, const void *up, const void *down, const void *x, void *hbuf, void *out) {
     const be_ops *be = f->be;
     const int64_t R = f->st->R;
-    int st = be->linear(f->bc, up, x, R, hbuf);
+    int st = be->linear(f->bc, up, x, R, 1, hbuf); /* relu^2 in the up projection's epilogue */
     if (st) return fp4moe_error_context(st, "up_proj");
-    TRY(be->relu2(f->bc, hbuf, R * inter));
-    st = be->linear(f->bc, down, hbuf, R, out);
+    st = be->linear(f->bc, down, hbuf, R, 0, out);
     return st ? fp4moe_error_context(st, "down_proj") : FP4MOE_OK;
 }
 
-static int moe(const fw_ctx *f, const fw_layer *d) {
+/* The MoE mixer; its output is *out_a (+ *out_b, the shared expert's, or NULL). */
+static int moe(const fw_ctx *f, const fw_layer *d, const void **out_a, const void **out_b) {
     const fp4moe_config *c = f->cfg;
     const be_ops *be = f->be;
     void *bc = f->bc;
@@ -182,66 +180,74 @@ static int moe(const fw_ctx *f, const fw_layer *d) {
     const int64_t R = f->st->R;
     const int64_t H = c->hidden, E = c->n_experts, k = c->top_k, B = R * k;
     const int64_t Hl = c->moe_latent ? c->moe_latent : H;
-    TRY(be->matmul_f32(bc, b->xn32, R, d->router_w, E, H, b->rlogits));
     const fw_router rc = {E, k, c->n_group, c->topk_group, c->norm_topk_prob, c->routed_scaling,
                           d->router_bias};
-    TRY(be->router_topk(bc, &rc, b->rlogits, R, b->ids, b->wts));
-    TRY(be->sort_by_expert(bc, b->ids, B, E, b->row_of, b->idx, b->pos_of));
+    TRY(be->moe_route(bc, &rc, b->xn32, R, d->router_w, H, b->rlogits, b->ids, b->wts, b->row_of, b->idx,
+                      b->pos_of));
     const void *xin = b->xn;
     int st;
     if (c->moe_latent) {
-        if ((st = be->linear(bc, d->latent_in, b->xn, R, b->xl))) return fp4moe_error_context(st, "fc1_latent_proj");
+        if ((st = be->linear(bc, d->latent_in, b->xn, R, 0, b->xl))) return fp4moe_error_context(st, "fc1_latent_proj");
         xin = b->xl;
     }
     TRY(be->gather_rows(bc, xin, Hl, b->row_of, B, k, b->xs));
-    if ((st = be->linear_gather(bc, d->experts_up, b->xs, b->idx, B, b->hs)))
+    if ((st = be->linear_gather(bc, d->experts_up, b->xs, b->idx, B, 1, b->hs))) /* with relu^2 */
         return fp4moe_error_context(st, "experts up (gather_qmm)");
-    TRY(be->relu2(bc, b->hs, B * c->moe_inter));
-    if ((st = be->linear_gather(bc, d->experts_down, b->hs, b->idx, B, b->ys)))
+    if ((st = be->linear_gather(bc, d->experts_down, b->hs, b->idx, B, 0, b->ys)))
         return fp4moe_error_context(st, "experts down (gather_qmm)");
     TRY(be->moe_combine(bc, b->ys, Hl, b->pos_of, b->wts, R, k, b->comb));
     const void *routed = b->comb;
     if (c->moe_latent) {
-        if ((st = be->linear(bc, d->latent_out, b->comb, R, b->out_a))) return fp4moe_error_context(st, "fc2_latent_proj");
+        if ((st = be->linear(bc, d->latent_out, b->comb, R, 0, b->out_a))) return fp4moe_error_context(st, "fc2_latent_proj");
         routed = b->out_a;
     }
     TRY(mark(f, FP4MOE_PROF_MOE_ROUTED));
     const void *shared = NULL;
     if (d->shared_up) {
-        if ((st = mlp(f, d->shared_up, d->shared_down, c->shared_inter, b->xn, b->shh, b->out_b)))
+        if ((st = mlp(f, d->shared_up, d->shared_down, b->xn, b->shh, b->out_b)))
             return fp4moe_error_context(st, "shared expert");
         shared = b->out_b;
     }
-    TRY(be->residual_add(bc, b->h, routed, shared, R * H));
+    *out_a = routed;
+    *out_b = shared;
     return mark(f, FP4MOE_PROF_MOE_SHARED);
 }
 
-/* One layer: h += mixer(rmsnorm(h) * norm). */
-static int layer(const fw_ctx *f, int64_t l) {
-    const fp4moe_config *c = f->cfg;
+/* One layer's mixer on xn = rmsnorm(h) * norm (made by the previous layer's residual step); its
+ * output is *a (+ *b). */
+static int layer(const fw_ctx *f, int64_t l, const void **a, const void **b2) {
     const fw_layer *d = &f->w->layers[l];
     const fw_bufs *b = f->b;
-    int st = f->be->rmsnorm(f->bc, b->h, d->norm, f->st->R, c->hidden, c->eps, b->xn,
-                            d->type == FP4MOE_LAYER_MOE ? b->xn32 : NULL);
+    int st = FP4MOE_OK;
+    *a = b->out_a;
+    *b2 = NULL;
     switch (d->type) {
     case FP4MOE_LAYER_MAMBA:
-        if (!st) st = mamba(f, d, &f->state[l]);
+        st = mamba(f, d, &f->state[l]);
         if (!st) st = mark(f, FP4MOE_PROF_MAMBA);
         break;
     case FP4MOE_LAYER_ATTENTION:
-        if (!st) st = attention(f, d, &f->state[l]);
+        st = attention(f, d, &f->state[l]);
         if (!st) st = mark(f, FP4MOE_PROF_ATTENTION);
         break;
     case FP4MOE_LAYER_MOE:
-        if (!st) st = moe(f, d);
+        st = moe(f, d, a, b2);
         break;
     default:
-        if (!st) st = mlp(f, d->up, d->down, c->mlp_inter, b->xn, b->hm, b->out_a);
-        if (!st) st = f->be->residual_add(f->bc, b->h, b->out_a, NULL, f->st->R * c->hidden);
+        st = mlp(f, d->up, d->down, b->xn, b->hm, b->out_a);
         if (!st) st = mark(f, FP4MOE_PROF_OTHER);
     }
     return st ? fp4moe_error_context(st, "layer %lld (%s)", (long long)l, fp4moe_layer_type_name(d->type))
               : FP4MOE_OK;
+}
+
+/* xn (and xn32 when layer l is MoE: the router's fp32 input) = rmsnorm(h) * layer l's norm, after
+ * h += a (+ b) when a is not NULL (the previous layer's residual, in the same launch). */
+static int norm_for(const fw_ctx *f, int64_t l, const void *a, const void *b2) {
+    const fw_layer *d = &f->w->layers[l];
+    const int st = f->be->rmsnorm(f->bc, f->b->h, a, b2, d->norm, f->st->R, f->cfg->hidden, f->cfg->eps, f->b->xn,
+                                  d->type == FP4MOE_LAYER_MOE ? f->b->xn32 : NULL);
+    return st ? fp4moe_error_context(st, "layer %lld (norm)", (long long)l) : FP4MOE_OK;
 }
 
 int fw_forward(void *arg) {
@@ -253,11 +259,14 @@ int fw_forward(void *arg) {
     TRY(mark(f, FP4MOE_PROF_OTHER));
     TRY(be->embed(f->bc, f->w->embed, s->d_tokens, s->R, b->h));
     TRY(mark(f, FP4MOE_PROF_OTHER));
+    const void *a = NULL, *a2 = NULL; /* the residual of the layer before */
     for (int64_t l = 0; l < c->n_layers; l++) {
         if (f->interrupt && *f->interrupt)
             return fp4moe_set_error(FP4MOE_EINTERRUPTED, "forward: interrupted");
-        TRY(layer(f, l));
+        TRY(norm_for(f, l, a, a2));
+        TRY(layer(f, l, &a, &a2));
     }
+    if (c->n_layers > 0) TRY(be->residual_add(f->bc, b->h, a, a2, s->R * c->hidden));
     if (s->n_head > 0) {
         TRY(be->rmsnorm_rows(f->bc, b->h, s->d_head_rows, s->n_head, f->w->norm_f, c->hidden, c->eps, b->xn));
         const int st = be->linear_f32out(f->bc, f->w->lm_head, b->xn, s->n_head, b->lg);

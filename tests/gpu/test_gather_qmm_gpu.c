@@ -4,7 +4,7 @@
  * Cases: E = 128 and 8; sorted B in {64, 3072, 40000}, unsorted B in {1, 6, 48}; idx patterns with
  * empty experts (first, middle, last), one hot expert, duplicates, an out-of-range tail; global
  * scales on (far from 1, different per expert) and off; f32/f16/bf16; (N, K) in {(1856, 2688),
- * (2688, 1856), (100, 48), (7, 16)}. Each case runs qmv, batched, dequant_gemm (sorted cases) and
+ * (2688, 1856), (100, 48), (7, 16)} and, for the bf16 decode kernel (B <= 32), K in {32, 96, 160}. Each case runs qmv, batched, dequant_gemm (sorted cases) and
  * the automatic choice with FP4MOE_GATHER_EXPERT_BATCHED unset and =0. Outputs are poisoned (NaN)
  * on the device before every call; every row is checked for NaN and out-of-range rows for exact
  * zeros; the reference covers all rows, or a random subset (first and last included) on big shapes;
@@ -70,6 +70,15 @@ static const gg_case k_cases[] = {
     {128, 2688, 1856, 3072, TU_IDX_TOPK_SORTED, 0, FP4MOE_BF16, 0},
     {8, 100, 2000, 3072, TU_IDX_DUPLICATES, 0, FP4MOE_BF16, 0},       /* K = 16*125: 8-byte path */
     {8, 2688, 1856, 3072, TU_IDX_ONE_EXPERT, 0, FP4MOE_F16, 0},
+    /* qmv v5 (bf16, B <= 32, K % 32 == 0, tensor cores): K % 128 != 0 (a part step), N % 16 != 0
+     * (a part tile), segments of 8 rows (one expert), B = 1 with E = 1 (a decode linear), the
+     * smallest K (one 32-code chunk), rows out of range, 32 rows in 4 slots */
+    {128, 2688, 1856, 6, TU_IDX_TOPK_SORTED, 1, FP4MOE_BF16, 0},
+    {8, 100, 2688, 32, TU_IDX_ONE_EXPERT, 1, FP4MOE_BF16, 1},
+    {1, 1856, 2688, 1, TU_IDX_ONE_EXPERT, 0, FP4MOE_BF16, 0},
+    {8, 7, 32, 5, TU_IDX_UNSORTED, 1, FP4MOE_BF16, 1},
+    {8, 100, 96, 29, TU_IDX_UNSORTED, 1, FP4MOE_BF16, 1},
+    {8, 40, 160, 19, TU_IDX_DUPLICATES, 0, FP4MOE_BF16, 1},
 };
 #define N_CASES (sizeof k_cases / sizeof k_cases[0])
 

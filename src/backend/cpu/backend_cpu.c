@@ -77,8 +77,11 @@ static int cpu_embed(void *bc, const void *Ev, const int32_t *tokens, int64_t T,
     return FP4MOE_OK;
 }
 
-static int cpu_rmsnorm(void *bc, const float *x, const float *w, int64_t T, int64_t H, float eps, void *y,
-                       float *y32) {
+static int cpu_residual_add(void *bc, float *h, const void *av, const void *bv, int64_t n);
+
+static int cpu_rmsnorm(void *bc, float *x, const void *a, const void *b, const float *w, int64_t T, int64_t H,
+                       float eps, void *y, float *y32) {
+    if (a) cpu_residual_add(bc, x, a, b, T * H);
     op_rmsnorm(x, w, T, H, eps, y);
     op_round_act(act_of(bc), y, T * H);
     if (y32) memcpy(y32, y, (size_t)(T * H) * sizeof(float));
@@ -93,30 +96,31 @@ static int cpu_rmsnorm_rows(void *bc, const float *x, const int32_t *rows, int64
     return FP4MOE_OK;
 }
 
-static int cpu_linear(void *bc, const void *W, const void *x, int64_t T, void *y) {
-    return op_linear_forward(&((cpu_ctx *)bc)->ops, W, x, T, y);
+static int cpu_relu2(void *bc, void *x, int64_t n) {
+    (void)bc;
+    op_relu2(x, n);
+    return FP4MOE_OK;
+}
+static int cpu_linear(void *bc, const void *W, const void *x, int64_t T, int relu2, void *y) {
+    const int st = op_linear_forward(&((cpu_ctx *)bc)->ops, W, x, T, y);
+    return st || !relu2 ? st : cpu_relu2(bc, y, T * ((const op_linear *)W)->N);
 }
 static int cpu_linear_f32out(void *bc, const void *W, const void *x, int64_t T, float *y) {
     return op_linear_forward_f32out(&((cpu_ctx *)bc)->ops, W, x, T, y);
 }
-static int cpu_linear_gather(void *bc, const void *W, const void *x, const uint32_t *idx, int64_t B, void *y) {
-    return op_linear_gather(&((cpu_ctx *)bc)->ops, W, x, idx, B, y);
+static int cpu_linear_gather(void *bc, const void *W, const void *x, const uint32_t *idx, int64_t B, int relu2,
+                             void *y) {
+    const int st = op_linear_gather(&((cpu_ctx *)bc)->ops, W, x, idx, B, y);
+    return st || !relu2 ? st : cpu_relu2(bc, y, B * ((const op_linear *)W)->N);
 }
-static int cpu_matmul_f32(void *bc, const float *x, int64_t T, const float *W, int64_t N, int64_t K, float *y) {
+static int cpu_moe_route(void *bc, const fw_router *r, const float *x, int64_t T, const float *W, int64_t H,
+                         float *logits, int32_t *ids, float *wts, uint32_t *row_of, uint32_t *idx,
+                         uint32_t *pos_of) {
     (void)bc;
-    op_matmul_f32(x, T, W, N, K, y, N);
-    return FP4MOE_OK;
-}
-static int cpu_router_topk(void *bc, const fw_router *r, const float *logits, int64_t T, int32_t *ids,
-                           float *wts) {
-    (void)bc;
+    op_matmul_f32(x, T, W, r->E, H, logits, r->E);
     const op_router_cfg rc = {r->E, r->k, r->n_group, r->topk_group, r->norm_topk_prob, r->scaling, r->bias};
-    return op_router_topk(&rc, logits, T, ids, wts);
-}
-static int cpu_sort(void *bc, const int32_t *ids, int64_t B, int64_t E, uint32_t *row_of, uint32_t *idx,
-                    uint32_t *pos_of) {
-    (void)bc;
-    return op_sort_by_expert(ids, B, E, row_of, idx, pos_of);
+    const int st = op_router_topk(&rc, logits, T, ids, wts);
+    return st ? st : op_sort_by_expert(ids, T * r->k, r->E, row_of, idx, pos_of);
 }
 static int cpu_gather_rows(void *bc, const void *xv, int64_t H, const uint32_t *row_of, int64_t B, int64_t k,
                            void *xsv) {
@@ -131,11 +135,6 @@ static int cpu_moe_combine(void *bc, const void *ys, int64_t H, const uint32_t *
                            int64_t T, int64_t k, void *out) {
     op_moe_combine(ys, H, pos_of, wts, T, k, out);
     op_round_act(act_of(bc), out, T * H);
-    return FP4MOE_OK;
-}
-static int cpu_relu2(void *bc, void *x, int64_t n) {
-    (void)bc;
-    op_relu2(x, n);
     return FP4MOE_OK;
 }
 static int cpu_residual_add(void *bc, float *h, const void *av, const void *bv, int64_t n) {
@@ -271,12 +270,9 @@ static const be_ops CPU_OPS = {
     .linear = cpu_linear,
     .linear_f32out = cpu_linear_f32out,
     .linear_gather = cpu_linear_gather,
-    .matmul_f32 = cpu_matmul_f32,
-    .router_topk = cpu_router_topk,
-    .sort_by_expert = cpu_sort,
+    .moe_route = cpu_moe_route,
     .gather_rows = cpu_gather_rows,
     .moe_combine = cpu_moe_combine,
-    .relu2 = cpu_relu2,
     .residual_add = cpu_residual_add,
     .conv1d_silu = cpu_conv1d_silu,
     .ssm_scan = cpu_ssm_scan,

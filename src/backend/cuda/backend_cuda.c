@@ -509,34 +509,29 @@ static int cu_run(void *bcv, const fw_step *st, int (*fn)(void *), void *arg) {
 static int cu_embed(void *bc, const void *E, const int32_t *tokens, int64_t R, float *h) {
     return cuda_embed(S_(bc), E, tokens, R, h);
 }
-static int cu_rmsnorm(void *bc, const float *x, const float *w, int64_t T, int64_t H, float eps, void *y,
-                      float *y32) {
-    return cuda_rmsnorm(S_(bc), x, w, T, H, eps, y, y32);
+static int cu_rmsnorm(void *bc, float *x, const void *a, const void *b, const float *w, int64_t T, int64_t H,
+                      float eps, void *y, float *y32) {
+    return cuda_rmsnorm(S_(bc), x, a, b, w, T, H, eps, y, y32);
 }
 static int cu_rmsnorm_rows(void *bc, const float *x, const int32_t *rows, int64_t n, const float *w,
                            int64_t H, float eps, void *y) {
     return cuda_rmsnorm_rows(S_(bc), x, rows, n, w, H, eps, y);
 }
-static int cu_linear(void *bc, const void *W, const void *x, int64_t T, void *y) {
-    return cuda_linear_forward(&CX(bc)->ops, W, x, T, y);
+static int cu_linear(void *bc, const void *W, const void *x, int64_t T, int relu2, void *y) {
+    return cuda_linear_forward(&CX(bc)->ops, W, x, T, relu2, y);
 }
 static int cu_linear_f32out(void *bc, const void *W, const void *x, int64_t T, float *y) {
     return cuda_linear_forward_f32out(&CX(bc)->ops, W, x, T, y);
 }
-static int cu_linear_gather(void *bc, const void *W, const void *x, const uint32_t *idx, int64_t B, void *y) {
-    return cuda_linear_gather(&CX(bc)->ops, W, x, idx, B, y);
+static int cu_linear_gather(void *bc, const void *W, const void *x, const uint32_t *idx, int64_t B, int relu2,
+                            void *y) {
+    return cuda_linear_gather(&CX(bc)->ops, W, x, idx, B, relu2, y);
 }
-static int cu_matmul_f32(void *bc, const float *x, int64_t T, const float *W, int64_t N, int64_t K, float *y) {
-    return cuda_matmul_f32(&CX(bc)->ops, x, T, W, N, K, y);
-}
-static int cu_router_topk(void *bc, const fw_router *r, const float *logits, int64_t T, int32_t *ids,
-                          float *wts) {
+static int cu_moe_route(void *bc, const fw_router *r, const float *x, int64_t T, const float *W, int64_t H,
+                        float *logits, int32_t *ids, float *wts, uint32_t *row_of, uint32_t *idx,
+                        uint32_t *pos_of) {
     const cuda_router_cfg rc = {r->E, r->k, r->n_group, r->topk_group, r->norm_topk_prob, r->scaling, r->bias};
-    return cuda_router_topk(S_(bc), &rc, logits, T, ids, wts);
-}
-static int cu_sort(void *bc, const int32_t *ids, int64_t B, int64_t E, uint32_t *row_of, uint32_t *idx,
-                   uint32_t *pos_of) {
-    return cuda_sort_by_expert(S_(bc), ids, B, E, row_of, idx, pos_of);
+    return cuda_moe_route(&CX(bc)->ops, &rc, x, T, W, H, logits, ids, wts, row_of, idx, pos_of);
 }
 static int cu_gather_rows(void *bc, const void *x, int64_t H, const uint32_t *row_of, int64_t B, int64_t k,
                           void *xs) {
@@ -546,7 +541,6 @@ static int cu_moe_combine(void *bc, const void *ys, int64_t H, const uint32_t *p
                           int64_t T, int64_t k, void *out) {
     return cuda_moe_combine(S_(bc), ys, H, pos_of, wts, T, k, out);
 }
-static int cu_relu2(void *bc, void *x, int64_t n) { return cuda_relu2(S_(bc), x, n); }
 static int cu_residual_add(void *bc, float *h, const void *a, const void *b, int64_t n) {
     return cuda_residual_add(S_(bc), h, a, b, n);
 }
@@ -635,12 +629,9 @@ static const be_ops CUDA_OPS = {
     .linear = cu_linear,
     .linear_f32out = cu_linear_f32out,
     .linear_gather = cu_linear_gather,
-    .matmul_f32 = cu_matmul_f32,
-    .router_topk = cu_router_topk,
-    .sort_by_expert = cu_sort,
+    .moe_route = cu_moe_route,
     .gather_rows = cu_gather_rows,
     .moe_combine = cu_moe_combine,
-    .relu2 = cu_relu2,
     .residual_add = cu_residual_add,
     .conv1d_silu = cu_conv1d_silu,
     .ssm_scan = cu_ssm_scan,

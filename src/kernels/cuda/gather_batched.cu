@@ -78,17 +78,10 @@ template <> struct bt_ops<__nv_bfloat16> {
         const __nv_bfloat162 h = __float2bfloat162_rn(s * 0x1p118f); /* < 2^127, exact */
         return *reinterpret_cast<const uint32_t *>(&h);
     }
-    __device__ static uint32_t mul2(uint32_t a, uint32_t b) {
-        uint32_t d;
-        asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
-        return d;
-    }
+    __device__ static uint32_t mul2(uint32_t a, uint32_t b) { return cu_mul_bf16x2(a, b); }
     __device__ static void mma(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
                                uint32_t b0, uint32_t b1) {
-        asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-            "{%8,%9}, {%0,%1,%2,%3};"
-            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-            : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+        cu_mma_bf16(d, a0, a1, a2, a3, b0, b1);
     }
 };
 
@@ -440,8 +433,8 @@ gq_batched_kernel(gq_args a, const int *__restrict__ starts, const int *__restri
                 for (int h = 0; h < 2; h++) {
                     if (r + h < rows) {
                         TY *yr = y + (row0 + r + h) * N;
-                        if (na < N) yr[na] = cu_from_float<TY>(acc[nt][h] * mult);
-                        if (nb < N) yr[nb] = cu_from_float<TY>(acc[nt][2 + h] * mult);
+                        if (na < N) yr[na] = cu_out<TY>(acc[nt][h] * mult, a.relu2);
+                        if (nb < N) yr[nb] = cu_out<TY>(acc[nt][2 + h] * mult, a.relu2);
                     }
                 }
             }
@@ -515,6 +508,7 @@ static int launch_tiled(const gq_args *a, fp4moe_dtype dtype, int mt, cudaStream
 }
 
 int gq_launch_bf16_f32out(const gq_args *a, cudaStream_t st) {
+    if (gq_qmv_mma_fits(a)) return gq_launch_qmv_mma(a, true, st); /* decode-sized: qmv v5 */
     return launch_tiled(a, FP4MOE_BF16, gq_batched_row_tile(a, FP4MOE_BF16), st, true);
 }
 

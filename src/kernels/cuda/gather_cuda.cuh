@@ -34,6 +34,7 @@ struct gq_args {
     void *y;                /* B x N of the same dtype */
     const uint32_t *idx;    /* B expert indices */
     int B;
+    int relu2;              /* epilogue: y = relu(y)^2, each rounded to the output dtype (bf16/f16) */
 };
 
 /* ---- deliberate faults (FP4MOE_INJECT_FAULT, see src/kernels/gather_common.h) ---------------- */
@@ -102,6 +103,27 @@ template <int P> __device__ __forceinline__ uint32_t cu_hb_pair_f16(uint32_t hb)
     return __byte_perm(hb, 0u, P == 0 ? 0x1404u : 0x3424u);
 }
 
+/* bf16x2 a * b, round to nearest (exact where the kernels use it: e2m1 * e4m3 products). */
+__device__ __forceinline__ uint32_t cu_mul_bf16x2(uint32_t a, uint32_t b) {
+    uint32_t d;
+    asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+}
+/* The E4M3 scale byte sb as a bf16x2 pair holding s * 2^118 (< 2^127, exact); times a code pair of
+ * cu_e2m1x2_bf16[_mul] (e2m1 * 2^-126) it gives e2m1 * s * 2^-8, exact, normal. */
+__device__ __forceinline__ uint32_t cu_scale2_bf16(uint32_t sb) {
+    const __nv_bfloat162 h = __float2bfloat162_rn(cu_e4m3_to_float(sb) * 0x1p118f);
+    return *reinterpret_cast<const uint32_t *>(&h);
+}
+/* d += A (16 x 16, row) * B (16 x 8, col): mma.sync m16n8k16, bf16 inputs, fp32 accumulators. */
+__device__ __forceinline__ void cu_mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                            uint32_t b0, uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
 /* Code i of word w as an fp32 holding e2m1 * 2^-126. */
 __device__ __forceinline__ float cu_e2m1_f32(uint32_t w, int i) {
     const uint32_t v = w >> (4 * i);
@@ -133,6 +155,21 @@ template <> __device__ __forceinline__ __nv_bfloat16 cu_from_float<__nv_bfloat16
     return __float2bfloat16_rn(v);
 }
 
+/* An output element: v rounded to T; with relu2, then relu(.)^2 rounded again (the separate relu2
+ * op's arithmetic on the rounded value, so fusing it changes no bit). */
+template <typename T> __device__ __forceinline__ T cu_out(float v, int relu2) {
+    T r = cu_from_float<T>(v);
+    if (relu2) {
+#ifdef FP4MOE_INJECT_FAULT_RELU2_EPILOGUE /* deliberate fault (tests must catch it): relu^2 of the unrounded v */
+        const float f = v, p = f > 0.0f ? f : 0.0f;
+#else
+        const float f = cu_to_float(r), p = f > 0.0f ? f : 0.0f;
+#endif
+        r = cu_from_float<T>(__fmul_rn(p, p));
+    }
+    return r;
+}
+
 /* ---- host side ----------------------------------------------------------------------------- */
 /* Checks a CUDA runtime status; on failure sets the fp4moe error ("gather_qmm_cuda: <what>: <msg>")
  * and returns FP4MOE_ECUDA from the calling function. */
@@ -155,6 +192,10 @@ int gq_launch_runs(const gq_args *a, int row_tile, int *starts, int *tile_off, c
 
 /* Route launchers (arguments already validated; FP4MOE_OK or FP4MOE_ECUDA with a message). */
 int gq_launch_qmv(const gq_args *a, fp4moe_dtype dtype, cudaStream_t st);
+/* qmv v5 (gather_qmv.cu): decode-sized (B <= 32) bf16 batches with K % 32 == 0 on tensor cores;
+ * gq_launch_qmv takes it for bf16 where gq_qmv_mma_fits; f32out: y is B x N floats (the lm_head). */
+bool gq_qmv_mma_fits(const gq_args *a);
+int gq_launch_qmv_mma(const gq_args *a, bool f32out, cudaStream_t st);
 int gq_launch_batched(const gq_args *a, fp4moe_dtype dtype, cudaStream_t st);
 /* "qmv, tiled by 8 rows": the qmv route for sorted f16/bf16 input with B >= FP4MOE_BATCHED_MIN_ROWS.
  * The expert-batched kernel with GQ_QMV_TILE_ROWS-row tiles:

@@ -30,6 +30,7 @@
 #include <stdlib.h>
 
 #include "kernels/cuda/gather_cuda.cuh"
+#include "kernels/cuda/ops_cuda.h"
 #include "kernels/gather_common.h"
 
 /* ---- expert runs on the device ------------------------------------------------------------- */
@@ -148,9 +149,10 @@ static fp4moe_route choose_route(int64_t B, int64_t E, int sorted) {
 
 static int misaligned(const void *p, uintptr_t a) { return ((uintptr_t)p & (a - 1)) != 0; }
 
-extern "C" int fp4moe_gather_qmm_cuda_route(const fp4moe_nvfp4_weights *w, const void *x,
-                                            fp4moe_dtype dtype, const uint32_t *idx, int64_t B,
-                                            int sorted, fp4moe_route route, void *y, void *stream) {
+extern "C" int gather_qmm_cuda_ex(const fp4moe_nvfp4_weights *w, const void *x, fp4moe_dtype dtype,
+                                  const uint32_t *idx, int64_t B, int sorted, fp4moe_route route, int relu2,
+                                  void *y, void *stream, int *fused) {
+    *fused = 0;
     int st = fp4moe_gather_qmm_check(w, x, idx, B, y);
     if (st != FP4MOE_OK) return st;
     if (dtype != FP4MOE_F32 && dtype != FP4MOE_F16 && dtype != FP4MOE_BF16)
@@ -172,10 +174,12 @@ extern "C" int fp4moe_gather_qmm_cuda_route(const fp4moe_nvfp4_weights *w, const
         return fp4moe_set_error(FP4MOE_EINVAL,
                                 "gather_qmm_cuda: misaligned device pointer (x needs 16 bytes, w.codes 8, "
                                 "y its element size, idx and w.global_scale 4; cudaMalloc gives 256)");
-    const gq_args a = {w->codes, w->scales, w->global_scale, (int)w->E, (int)w->N, (int)w->K,
-                       x, y, idx, (int)B};
-    cudaStream_t s = (cudaStream_t)stream;
     if (route == FP4MOE_ROUTE_AUTO) route = choose_route(B, w->E, sorted);
+    /* the epilogue: every kernel but dequant_gemm's cuBLAS GEMM, on f16/bf16 outputs */
+    const int ep = relu2 && dtype != FP4MOE_F32 && route != FP4MOE_ROUTE_DEQUANT_GEMM;
+    const gq_args a = {w->codes, w->scales, w->global_scale, (int)w->E, (int)w->N, (int)w->K,
+                       x, y, idx, (int)B, ep};
+    cudaStream_t s = (cudaStream_t)stream;
     switch (route) {
     case FP4MOE_ROUTE_BATCHED:
         st = dtype == FP4MOE_F32 ? gq_launch_qmv(&a, dtype, s) : gq_launch_batched(&a, dtype, s);
@@ -192,7 +196,15 @@ extern "C" int fp4moe_gather_qmm_cuda_route(const fp4moe_nvfp4_weights *w, const
     if (st != FP4MOE_OK)
         return fp4moe_error_context(st, "gather_qmm_cuda (route %s, E=%d N=%d K=%d B=%d)",
                                     fp4moe_route_name(route), a.E, a.N, a.K, a.B);
+    *fused = ep;
     return FP4MOE_OK;
+}
+
+extern "C" int fp4moe_gather_qmm_cuda_route(const fp4moe_nvfp4_weights *w, const void *x,
+                                            fp4moe_dtype dtype, const uint32_t *idx, int64_t B,
+                                            int sorted, fp4moe_route route, void *y, void *stream) {
+    int fused;
+    return gather_qmm_cuda_ex(w, x, dtype, idx, B, sorted, route, 0, y, stream, &fused);
 }
 
 extern "C" int fp4moe_gather_qmm_cuda(const fp4moe_nvfp4_weights *w, const void *x, fp4moe_dtype dtype,
@@ -221,7 +233,7 @@ extern "C" int gather_qmm_cuda_bf16_f32out(const fp4moe_nvfp4_weights *w, const 
     if (misaligned(x, 16) || misaligned(w->codes, 8) || misaligned(y, 4) || misaligned(idx, 4) ||
         misaligned(w->global_scale, 4))
         return fp4moe_set_error(FP4MOE_EINVAL, "gather_qmm_cuda (f32 out): misaligned device pointer");
-    const gq_args a = {w->codes, w->scales, w->global_scale, (int)w->E, (int)w->N, (int)w->K, x, y, idx, (int)B};
+    const gq_args a = {w->codes, w->scales, w->global_scale, (int)w->E, (int)w->N, (int)w->K, x, y, idx, (int)B, 0};
     st = gq_launch_bf16_f32out(&a, (cudaStream_t)stream);
     return st ? fp4moe_error_context(st, "gather_qmm_cuda (bf16 x, f32 y, E=%d N=%d K=%d B=%d)", a.E, a.N,
                                      a.K, a.B)

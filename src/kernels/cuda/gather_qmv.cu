@@ -59,8 +59,7 @@ __device__ __forceinline__ void qmv_load_x16(const __half *p, float (&v)[16]) {
  * + 0.5 packed multiplies per weight instead of ~4 ops + 1 fp32 multiply, and the decode is done
  * once per block and feature, not once per row. */
 __device__ __forceinline__ void qmv_decode16(uint32_t w0, uint32_t w1, uint32_t sb, float (&wv)[16]) {
-    const __nv_bfloat162 s2 = __float2bfloat162_rn(cu_e4m3_to_float(sb) * 0x1p118f); /* < 2^127 */
-    const uint32_t s = *reinterpret_cast<const uint32_t *>(&s2);
+    const uint32_t s = cu_scale2_bf16(sb);
     const uint32_t w[2] = {w0, w1};
 #pragma unroll
     for (int h = 0; h < 2; h++) {
@@ -69,8 +68,7 @@ __device__ __forceinline__ void qmv_decode16(uint32_t w0, uint32_t w1, uint32_t 
                                cu_e2m1x2_bf16_mul<2>(w[h], w8), cu_e2m1x2_bf16_mul<3>(w[h], w8)};
 #pragma unroll
         for (int i = 0; i < 4; i++) {
-            uint32_t d;
-            asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(p[i]), "r"(s));
+            const uint32_t d = cu_mul_bf16x2(p[i], s);
             wv[8 * h + i] = __uint_as_float(d << 16);             /* code 8h + i */
             wv[8 * h + i + 4] = __uint_as_float(d & 0xffff0000u); /* code 8h + i + 4 */
         }
@@ -181,7 +179,7 @@ __device__ __forceinline__ void qmv_segment(const gq_args &a, const T *__restric
                 float v = acc[f][r];
 #pragma unroll
                 for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL, v, o);
-                if (lane == 0 && n0 + f < a.N) y[(b0 + r) * a.N + n0 + f] = cu_from_float<T>(v * mult);
+                if (lane == 0 && n0 + f < a.N) y[(b0 + r) * a.N + n0 + f] = cu_out<T>(v * mult, a.relu2);
             }
         }
     }
@@ -223,6 +221,186 @@ __global__ void __launch_bounds__(QMV_WARPS * 32, 2) gq_qmv_kernel(gq_args a, in
     }
 }
 
+/* ---- v5: decode-sized bf16 batches on tensor cores ------------------------------------------------
+ * For B <= QMV_CHUNK rows, bf16 x, K % 32 == 0 (docs/GPU-NOTES.md "qmv v5"). Operands swapped
+ * against the batched kernel: the weights are the A operand (16 output features = the 16 rows of
+ * mma.m16n8k16), the segment's rows (<= 8 rows of one expert) the 8 columns of B. A block of
+ * QMMA_WARPS warps computes one (segment slot, 16-feature tile); its warps split K (warp w takes
+ * the 128-wide K steps w, w + QMMA_WARPS, ...) and their partial tiles are summed in shared memory
+ * in warp order (deterministic). In a step, lane (r = lane / 4, q = lane % 4) streams 16 code
+ * bytes (32 codes, K range 32c .. 32c+31 with c = 4 * step + q) of feature rows r and r + 8 and
+ * reads the same 32 activations of its segment row r. The sum over K does not care which k goes
+ * to which mma position, so a code word (8 codes, one block scale) feeds two mmas directly:
+ * A pairs (i, i+4) by one integer multiply each (cu_e2m1x2_bf16_mul), one packed multiply by the
+ * block scale, and the matching x pairs by byte permutes. 4 integer ops + 1 packed multiply per
+ * weight pair and one mma per 8 weights per lane, against 4 + 1 + 2 extractions + 2 FFMA per pair
+ * of the fp32 v4 kernel. Each weight product is exact in fp32 (as in the batched kernel), the
+ * accumulation is the tensor core's fp32. Rows with idx >= E are zeros. */
+#ifndef QMMA_PM
+#define QMMA_PM 1    /* K steps of codes in flight per warp */
+#endif
+#ifndef QMMA_MINB
+#define QMMA_MINB 8  /* launch bounds: blocks of 4 warps per SM (x 4 / W for W warps) */
+#endif
+#ifndef QMMA_WPSM
+#define QMMA_WPSM 16 /* warps per SM the grid should reach before a block takes more warps */
+#endif
+#define QMMA_WARPS W
+
+/* The 4 scale bytes of chunk c (blocks 2c, 2c+1 of rows a and b), packed a0 | a1 << 8 | b0 << 16 | b1 << 24. */
+__device__ __forceinline__ uint32_t qmma_scale_bytes(const uint8_t *sa, const uint8_t *sb, int c) {
+    return (uint32_t)__ldg(sa + 2 * c) | (uint32_t)__ldg(sa + 2 * c + 1) << 8 | (uint32_t)__ldg(sb + 2 * c) << 16 |
+           (uint32_t)__ldg(sb + 2 * c + 1) << 24;
+}
+
+/* One K step of a lane: code words wa (row a) and wb (row b), their scale bytes sraw, the 32
+ * activations at xp (NULL: zeros), into the m16n8 accumulator tile. */
+__device__ __forceinline__ void qmma_step(float (&acc)[4], const uint4 wa, const uint4 wb, uint32_t sraw,
+                                          const __nv_bfloat16 *xp) {
+    uint4 xv[4] = {};
+    if (xp) {
+#pragma unroll
+        for (int j = 0; j < 4; j++) xv[j] = __ldg(reinterpret_cast<const uint4 *>(xp) + j);
+    }
+    const uint32_t sc[4] = {cu_scale2_bf16(sraw & 0xffu), cu_scale2_bf16((sraw >> 8) & 0xffu),
+                            cu_scale2_bf16((sraw >> 16) & 0xffu), cu_scale2_bf16(sraw >> 24)};
+    const uint32_t wA[4] = {wa.x, wa.y, wa.z, wa.w};
+    const uint32_t wB[4] = {wb.x, wb.y, wb.z, wb.w};
+#pragma unroll
+    for (int j = 0; j < 4; j++) { /* code word j: codes 32c + 8j .. +7, block 2c + j/2 */
+        const uint32_t a8 = wA[j] >> 8, b8 = wB[j] >> 8;
+        const uint32_t sA = sc[j >> 1], sB = sc[2 + (j >> 1)];
+        const uint32_t pa0 = cu_mul_bf16x2(cu_e2m1x2_bf16_mul<0>(wA[j], a8), sA);
+        const uint32_t pa1 = cu_mul_bf16x2(cu_e2m1x2_bf16_mul<1>(wA[j], a8), sA);
+        const uint32_t pa2 = cu_mul_bf16x2(cu_e2m1x2_bf16_mul<2>(wA[j], a8), sA);
+        const uint32_t pa3 = cu_mul_bf16x2(cu_e2m1x2_bf16_mul<3>(wA[j], a8), sA);
+        const uint32_t pb0 = cu_mul_bf16x2(cu_e2m1x2_bf16_mul<0>(wB[j], b8), sB);
+        const uint32_t pb1 = cu_mul_bf16x2(cu_e2m1x2_bf16_mul<1>(wB[j], b8), sB);
+        const uint32_t pb2 = cu_mul_bf16x2(cu_e2m1x2_bf16_mul<2>(wB[j], b8), sB);
+        const uint32_t pb3 = cu_mul_bf16x2(cu_e2m1x2_bf16_mul<3>(wB[j], b8), sB);
+        /* x[8j .. 8j+7] of the lane's 32 as 4 bf16 pairs; B pairs (i, i+4) */
+        const uint32_t X[4] = {xv[j].x, xv[j].y, xv[j].z, xv[j].w};
+        cu_mma_bf16(acc, pa0, pb0, pa1, pb1, __byte_perm(X[0], X[2], 0x5410), __byte_perm(X[0], X[2], 0x7632));
+        cu_mma_bf16(acc, pa2, pb2, pa3, pb3, __byte_perm(X[1], X[3], 0x5410), __byte_perm(X[1], X[3], 0x7632));
+    }
+}
+
+template <typename TY, int W>
+__global__ void __launch_bounds__(W * 32, (QMMA_MINB * 4 / W) > 0 ? (QMMA_MINB * 4 / W) : 1)
+gq_qmv_mma_kernel(gq_args a, int slots) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, r = lane >> 2, q = lane & 3;
+    const int ntile = (a.N + 15) >> 4;
+    const int n0 = (int)(blockIdx.x % ntile) * 16, slot = (int)(blockIdx.x / ntile);
+    const int K = a.K, KB = K >> 4, nchunk = K >> 5, nsteps = (nchunk + 3) >> 2;
+    const __nv_bfloat16 *x = static_cast<const __nv_bfloat16 *>(a.x);
+    TY *y = static_cast<TY *>(a.y);
+    __shared__ float red[QMMA_WARPS - 1][4][32];
+    /* the segments of the rows (every warp of the block finds the same ones) */
+    const int nrows = a.B;
+    const bool valid = lane < nrows;
+    const uint32_t v = valid ? __ldg(a.idx + lane) : 0xffffffffu;
+    const uint32_t prev = __shfl_up_sync(FULL, v, 1);
+    const uint32_t heads = __ballot_sync(FULL, valid && (lane == 0 || v != prev));
+    const int run0 = 31 - __clz(heads & (FULL >> (31 - lane)));
+    uint32_t segs = __ballot_sync(FULL, valid && ((lane - run0) % 8) == 0);
+    for (int i = 0; i < slot && segs; i++) segs &= segs - 1;
+    while (segs) {
+        const int s = __ffs(segs) - 1;
+        const uint32_t rest = segs & (segs - 1);
+        const int len = (rest ? __ffs(rest) - 1 : nrows) - s;
+        const uint32_t e = __shfl_sync(FULL, v, s);
+        float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        if (e < (uint32_t)a.E) {
+            const int64_t wrow = cu_weight_expert(e, a.E) * a.N;
+            const int fa = min(n0 + r, a.N - 1), fb = min(n0 + r + 8, a.N - 1);
+            const uint8_t *ca = a.codes + (wrow + fa) * (int64_t)(K >> 1), *cb = a.codes + (wrow + fb) * (int64_t)(K >> 1);
+            const uint8_t *sa = a.scales + (wrow + fa) * (int64_t)KB, *sb = a.scales + (wrow + fb) * (int64_t)KB;
+            const bool hasx = r < len;
+            const __nv_bfloat16 *xr = x + (int64_t)(s + (hasx ? r : 0)) * K;
+            for (int st0 = warp; st0 < nsteps; st0 += QMMA_WARPS * QMMA_PM) {
+                uint4 wa[QMMA_PM], wb[QMMA_PM];
+                uint32_t sr[QMMA_PM];
+#pragma unroll
+                for (int p = 0; p < QMMA_PM; p++) { /* every code load of the batch first */
+                    const int c = (st0 + p * QMMA_WARPS) * 4 + q;
+                    if (c < nchunk) {
+                        wa[p] = cu_ld_stream16(ca + (int64_t)c * 16);
+                        wb[p] = cu_ld_stream16(cb + (int64_t)c * 16);
+                        sr[p] = qmma_scale_bytes(sa, sb, c);
+                    } else {
+                        wa[p] = wb[p] = make_uint4(0u, 0u, 0u, 0u); /* zero codes: zero A */
+                        sr[p] = 0u;
+                    }
+                }
+#pragma unroll
+                for (int p = 0; p < QMMA_PM; p++) {
+                    const int stp = st0 + p * QMMA_WARPS;
+                    if (stp >= nsteps) break; /* warp-uniform */
+                    const int c = stp * 4 + q;
+                    qmma_step(acc, wa[p], wb[p], sr[p], c < nchunk && hasx ? xr + (int64_t)c * 32 : nullptr);
+                }
+            }
+        }
+        /* the partial tiles of the warps, summed in warp order */
+        if (warp > 0)
+#pragma unroll
+            for (int i = 0; i < 4; i++) red[warp - 1][i][lane] = acc[i];
+        __syncthreads();
+        if (warp == 0) {
+#pragma unroll
+            for (int w = 1; w < QMMA_WARPS; w++)
+#pragma unroll
+                for (int i = 0; i < 4; i++) acc[i] += red[w - 1][i][lane];
+            const float mult = e < (uint32_t)a.E ? cu_expert_gs(a.gs, e) * 0x1p8f : 0.0f;
+#pragma unroll
+            for (int i = 0; i < 4; i++) { /* c0, c1: feature r, rows 2q, 2q+1; c2, c3: feature r + 8 */
+                const int f = n0 + r + (i >> 1) * 8, t = 2 * q + (i & 1);
+                if (t < len && f < a.N) y[(int64_t)(s + t) * a.N + f] = cu_out<TY>(e < (uint32_t)a.E ? acc[i] * mult : 0.0f, a.relu2);
+            }
+        }
+        __syncthreads(); /* red is reused by the next segment */
+        for (int i = 0; i < slots && segs; i++) segs &= segs - 1;
+    }
+}
+
+bool gq_qmv_mma_fits(const gq_args *a) {
+    return a->B <= QMV_CHUNK && (a->K % 32) == 0 && ((uintptr_t)a->codes & 15) == 0 &&
+           ((uintptr_t)a->x & 15) == 0;
+}
+
+/* Warps per block (K split W ways): enough warps in the grid to fill the GPU (~16 per SM) when
+ * there are few 16-feature tiles (the dense decode linears: out_proj has 168), never more than the
+ * K steps. */
+template <typename TY>
+static int launch_mma(const gq_args *a, int slots, cudaStream_t st) {
+    int dev = 0, sms = 0;
+    FP4MOE_CUDA_TRY("gather_qmm_cuda", cudaGetDevice(&dev), "cudaGetDevice");
+    FP4MOE_CUDA_TRY("gather_qmm_cuda", cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev),
+                    "cudaDeviceGetAttribute");
+    const int64_t blocks = (int64_t)((a->N + 15) / 16) * slots;
+    const int nsteps = (a->K / 32 + 3) / 4;
+#ifdef QMMA_FIXED_W
+    const int w = QMMA_FIXED_W;
+#else
+    int w = 4;
+    while (w < 16 && blocks * w < (int64_t)QMMA_WPSM * sms && 2 * w <= nsteps) w *= 2;
+#endif
+    const unsigned grid = (unsigned)blocks;
+    if (w == 16) gq_qmv_mma_kernel<TY, 16><<<grid, 16 * 32, 0, st>>>(*a, slots);
+    else if (w == 8) gq_qmv_mma_kernel<TY, 8><<<grid, 8 * 32, 0, st>>>(*a, slots);
+    else gq_qmv_mma_kernel<TY, 4><<<grid, 4 * 32, 0, st>>>(*a, slots);
+    FP4MOE_CUDA_TRY("gather_qmm_cuda", cudaGetLastError(), "launch of the qmv (mma) kernel");
+    return FP4MOE_OK;
+}
+
+int gq_launch_qmv_mma(const gq_args *a, bool f32out, cudaStream_t st) {
+    const int slots = a->B < QMV_SLOTS ? a->B : QMV_SLOTS;
+    const int64_t ntile = (a->N + 15) / 16;
+    if (ntile * slots > 0x7fffffff)
+        return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "gather_qmm_cuda: qmv grid too large (N=%d)", a->N);
+    return f32out ? launch_mma<float>(a, slots, st) : launch_mma<__nv_bfloat16>(a, slots, st);
+}
+
 template <typename T, int G, int NF, int V>
 static int launch_g(const gq_args *a, cudaStream_t st) {
     const int64_t chunks = ((int64_t)a->B + QMV_CHUNK - 1) / QMV_CHUNK;
@@ -250,6 +428,8 @@ int gq_launch_qmv(const gq_args *a, fp4moe_dtype dtype, cudaStream_t st) {
     switch (dtype) {
     case FP4MOE_F32: return launch<float>(a, st);
     case FP4MOE_F16: return launch<__half>(a, st);
-    default: return launch<__nv_bfloat16>(a, st);
+    default:
+        if (gq_qmv_mma_fits(a)) return gq_launch_qmv_mma(a, false, st);
+        return launch<__nv_bfloat16>(a, st);
     }
 }

@@ -60,9 +60,17 @@ void cuda_blas_destroy(void *blas);
  * Dense bf16: cublasGemmEx (bf16 in/out, fp32 compute). Dense f32: x widened to f32, cublasGemmEx
  * in f32, rounded to bf16 (T*K and T*N <= o->f32_n). Bias: added in fp32, rounded again to bf16
  * (the CPU adds it to the fp32 output without the second rounding; nemotron_h has no biases).
+ * relu2: then y = bf16(relu(y)^2) (cuda_relu2's arithmetic), in the NVFP4 kernels' epilogue where
+ * they can, else by cuda_relu2.
  * Errors: those of gather_qmm, FP4MOE_ECUDA, FP4MOE_EUNSUPPORTED (staging too small). */
-int cuda_linear_forward(const cuda_ops *o, const cuda_linear *w, const uint16_t *x, int64_t T,
+int cuda_linear_forward(const cuda_ops *o, const cuda_linear *w, const uint16_t *x, int64_t T, int relu2,
                         uint16_t *y);
+
+/* fp4moe_gather_qmm_cuda_route with an epilogue: relu2 != 0 asks for y = relu(y)^2 (f16/bf16 y,
+ * each rounded: the relu2 op's arithmetic); *fused tells whether the chosen kernel did it
+ * (dequant_gemm's cuBLAS GEMM and f32 do not: the caller then applies it). */
+int gather_qmm_cuda_ex(const fp4moe_nvfp4_weights *w, const void *x, fp4moe_dtype dtype, const uint32_t *idx,
+                       int64_t B, int sorted, fp4moe_route route, int relu2, void *y, void *stream, int *fused);
 
 /* gather_qmm (sorted idx) with bf16 x and fp32 y: the expert-batched tensor-core kernel, whose
  * per-row arithmetic does not depend on the other rows (src/kernels/cuda/gather_qmm_cuda.cu). */
@@ -81,7 +89,7 @@ int cuda_linear_forward_f32out(const cuda_ops *o, const cuda_linear *w, const ui
  * NVFP4: fp4moe_gather_qmm_cuda (sorted = 1: the expert-batched route from 64 rows). Dense
  * experts: a plain fp32 CUDA-core kernel (correct, not fast: unquantized experts are for checks). */
 int cuda_linear_gather(const cuda_ops *o, const cuda_linear *w, const uint16_t *x,
-                       const uint32_t *idx, int64_t B, uint16_t *y);
+                       const uint32_t *idx, int64_t B, int relu2, uint16_t *y);
 
 /* y (T x N, fp32) = x (T x K, fp32) @ W^T (W: N x K fp32), cublasGemmEx with fp32 compute (the
  * fp32 router, as op_matmul_f32). */
@@ -94,10 +102,11 @@ int cuda_matmul_f32(const cuda_ops *o, const float *x, int64_t T, const float *W
  * (e2m1 * e4m3 * gs, as fp4moe_nvfp4_dequantize). e->dtype may be FP4MOE_F16 here. */
 int cuda_embed(void *stream, const cuda_linear *e, const int32_t *tokens, int64_t T, float *h);
 
-/* y[t] = bf16(x[t] / sqrt(mean(x[t]^2) + eps) * w), T rows of H (sum of squares in fp64, as
+/* x[t] += a[t] (+ b[t]) when a is not NULL (bf16 rows, cuda_residual_add's arithmetic); then
+ * y[t] = bf16(x[t] / sqrt(mean(x[t]^2) + eps) * w), T rows of H (sum of squares in fp64, as
  * op_rmsnorm); y32 (optional, may be NULL) receives the same rounded values as fp32. */
-int cuda_rmsnorm(void *stream, const float *x, const float *w, int64_t T, int64_t H, float eps,
-                 uint16_t *y, float *y32);
+int cuda_rmsnorm(void *stream, float *x, const uint16_t *a, const uint16_t *b, const float *w, int64_t T,
+                 int64_t H, float eps, uint16_t *y, float *y32);
 
 /* Gated grouped RMSNorm of Mamba-2 (op_rmsnorm_gated): g = y * silu(z); out = bf16(w * g /
  * rms over each of G groups of D/G channels). y: T x D fp32; z: T rows of stride zs (bf16). */
@@ -218,6 +227,14 @@ int cuda_router_topk(void *stream, const cuda_router_cfg *r, const float *logits
  * pos_of[row] = p. ids in [0, E), E <= 6143, B < 2^31. */
 int cuda_sort_by_expert(void *stream, const int32_t *ids, int64_t B, int64_t E, uint32_t *row_of,
                         uint32_t *idx, uint32_t *pos_of);
+
+/* The whole routing of a MoE layer: logits (T x E, fp32) = x (T x H fp32) @ W^T (W: E x H fp32),
+ * then cuda_router_topk, then cuda_sort_by_expert of the T * k rows (same results and errors as
+ * those). T <= 16 (decode-sized steps): two launches (the logits in a fixed dot-product order of
+ * its own, not cuBLAS's; then the top-k and sort in one block); larger T: cuBLAS + the two kernels. */
+int cuda_moe_route(const cuda_ops *o, const cuda_router_cfg *r, const float *x, int64_t T, const float *W,
+                   int64_t H, float *logits, int32_t *ids, float *wts, uint32_t *row_of, uint32_t *idx,
+                   uint32_t *pos_of);
 
 /* xs[p] = x[row_of[p] / k] for p < B: rows of H bf16 gathered into expert order. */
 int cuda_gather_rows(void *stream, const uint16_t *x, int64_t H, const uint32_t *row_of, int64_t B,

@@ -88,44 +88,116 @@ __device__ __forceinline__ float inv_rms_from(double ss, int64_t n, float eps) {
     return __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn((float)(ss / (double)n), eps)));
 }
 
-__global__ void rmsnorm_kernel(const float *x, const float *w, int64_t H, float eps, uint16_t *y,
-                               float *y32, const int32_t *rows) {
+/* One block per row. The elements are read in batches of NORM_U per thread, all loads of a batch
+ * before any use (a plain loop waits one memory round trip per element: 11 us for one row), and
+ * the second pass reuses the first pass's registers when the row fits (H <= NORM_THREADS * NORM_U). */
+#define NORM_U 16
+__global__ void rmsnorm_kernel(float *__restrict__ x, const uint16_t *__restrict__ ra, const uint16_t *__restrict__ rb,
+                               const float *__restrict__ w, int64_t H, float eps, uint16_t *__restrict__ y,
+                               float *__restrict__ y32, const int32_t *__restrict__ rows) {
     const int64_t t = blockIdx.x;
-    const float *xt = x + (rows ? (int64_t)rows[t] : t) * H;
+    float *xt = x + (rows ? (int64_t)rows[t] : t) * H;
+    const int64_t step = blockDim.x;
+    const bool kept = H <= step * NORM_U; /* xv (and wv) hold the thread's elements */
+    float xv[NORM_U], wv[NORM_U];
     double ss = 0.0;
-    for (int64_t i = threadIdx.x; i < H; i += blockDim.x) ss += (double)xt[i] * (double)xt[i];
+    for (int64_t i0 = threadIdx.x; i0 < H; i0 += step * NORM_U) {
+#pragma unroll
+        for (int u = 0; u < NORM_U; u++) {
+            const int64_t i = i0 + u * step;
+            xv[u] = i < H ? xt[i] : 0.0f;
+            if (kept) wv[u] = i < H ? w[i] : 0.0f; /* with the first loads: one round trip less */
+        }
+        if (ra) { /* the residual add first (residual_kernel's arithmetic), written back */
+#pragma unroll
+            for (int u = 0; u < NORM_U; u++) {
+                const int64_t i = i0 + u * step;
+                if (i < H) {
+                    float o = ops_bf16_to_f32(ra[t * H + i]);
+                    if (rb) o = __fadd_rn(o, ops_bf16_to_f32(rb[t * H + i]));
+                    xv[u] = __fadd_rn(xv[u], o);
+                    xt[i] = xv[u];
+                }
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < NORM_U; u++) ss += (double)xv[u] * (double)xv[u];
+    }
     const float r = inv_rms_from(block_sum_f64(ss), H, eps);
-    for (int64_t i = threadIdx.x; i < H; i += blockDim.x) {
-        const uint16_t b = ops_f32_to_bf16(__fmul_rn(__fmul_rn(xt[i], r), w[i]));
-        y[t * H + i] = b;
-        if (y32) y32[t * H + i] = ops_bf16_to_f32(b);
+    for (int64_t i0 = threadIdx.x; i0 < H; i0 += step * NORM_U) {
+        if (!kept) {
+#pragma unroll
+            for (int u = 0; u < NORM_U; u++) {
+                const int64_t i = i0 + u * step;
+                wv[u] = i < H ? w[i] : 0.0f;
+                xv[u] = i < H ? xt[i] : 0.0f;
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < NORM_U; u++) {
+            const int64_t i = i0 + u * step;
+            if (i < H) {
+                const uint16_t b = ops_f32_to_bf16(__fmul_rn(__fmul_rn(xv[u], r), wv[u]));
+                y[t * H + i] = b;
+                if (y32) y32[t * H + i] = ops_bf16_to_f32(b);
+            }
+        }
     }
 }
 
-extern "C" int cuda_rmsnorm(void *stream, const float *x, const float *w, int64_t T, int64_t H,
-                            float eps, uint16_t *y, float *y32) {
+extern "C" int cuda_rmsnorm(void *stream, float *x, const uint16_t *a, const uint16_t *b, const float *w,
+                            int64_t T, int64_t H, float eps, uint16_t *y, float *y32) {
     if (T <= 0) return FP4MOE_OK;
-    rmsnorm_kernel<<<(unsigned)T, NORM_THREADS, 0, (cudaStream_t)stream>>>(x, w, H, eps, y, y32, NULL);
+    rmsnorm_kernel<<<(unsigned)T, NORM_THREADS, 0, (cudaStream_t)stream>>>(x, a, a ? b : NULL, w, H, eps, y, y32,
+                                                                           NULL);
     OPS_LAUNCH_CHECK("rmsnorm");
     return FP4MOE_OK;
 }
 
 /* One block per (token, group): g = y * silu(z) is computed twice (sum of squares, then output)
  * rather than stored: it is cheap and keeps the kernel free of a size limit. */
-__global__ void rmsnorm_gated_kernel(const float *y, const uint16_t *z, int64_t zs, const float *w,
-                                     int64_t D, int64_t gsz, float eps, uint16_t *out) {
+__global__ void rmsnorm_gated_kernel(const float *__restrict__ y, const uint16_t *__restrict__ z, int64_t zs,
+                                     const float *__restrict__ w, int64_t D, int64_t gsz, float eps,
+                                     uint16_t *__restrict__ out) {
     const int64_t t = blockIdx.x, g0 = (int64_t)blockIdx.y * gsz;
     const float *yt = y + t * D + g0;
     const uint16_t *zt = z + t * zs + g0;
+    const int64_t step = blockDim.x;
     double ss = 0.0;
-    for (int64_t i = threadIdx.x; i < gsz; i += blockDim.x) {
-        const float g = __fmul_rn(yt[i], ops_silu(ops_bf16_to_f32(zt[i])));
-        ss += (double)g * (double)g;
+    for (int64_t i0 = threadIdx.x; i0 < gsz; i0 += step * NORM_U) {
+        float yv[NORM_U], zv[NORM_U];
+#pragma unroll
+        for (int u = 0; u < NORM_U; u++) { /* loads first (see rmsnorm_kernel) */
+            const int64_t i = i0 + u * step;
+            yv[u] = i < gsz ? yt[i] : 0.0f;
+            zv[u] = i < gsz ? ops_bf16_to_f32(zt[i]) : 0.0f;
+        }
+#pragma unroll
+        for (int u = 0; u < NORM_U; u++) {
+            if (i0 + u * step < gsz) { /* no silu of the padding: the exp and divide are the cost */
+                const float g = __fmul_rn(yv[u], ops_silu(zv[u]));
+                ss += (double)g * (double)g;
+            }
+        }
     }
     const float r = inv_rms_from(block_sum_f64(ss), gsz, eps);
-    for (int64_t i = threadIdx.x; i < gsz; i += blockDim.x) {
-        const float g = __fmul_rn(yt[i], ops_silu(ops_bf16_to_f32(zt[i])));
-        out[t * D + g0 + i] = ops_f32_to_bf16(__fmul_rn(__fmul_rn(g, r), w[g0 + i]));
+    for (int64_t i0 = threadIdx.x; i0 < gsz; i0 += step * NORM_U) {
+        float yv[NORM_U], zv[NORM_U], wv[NORM_U];
+#pragma unroll
+        for (int u = 0; u < NORM_U; u++) {
+            const int64_t i = i0 + u * step;
+            yv[u] = i < gsz ? yt[i] : 0.0f;
+            zv[u] = i < gsz ? ops_bf16_to_f32(zt[i]) : 0.0f;
+            wv[u] = i < gsz ? w[g0 + i] : 0.0f;
+        }
+#pragma unroll
+        for (int u = 0; u < NORM_U; u++) {
+            const int64_t i = i0 + u * step;
+            if (i < gsz) {
+                const float g = __fmul_rn(yv[u], ops_silu(zv[u]));
+                out[t * D + g0 + i] = ops_f32_to_bf16(__fmul_rn(__fmul_rn(g, r), wv[u]));
+            }
+        }
     }
 }
 
@@ -145,13 +217,24 @@ extern "C" int cuda_rmsnorm_gated(void *stream, const float *y, const uint16_t *
 
 /* ---- elementwise -------------------------------------------------------------------------------- */
 
-__global__ void relu2_kernel(uint16_t *x, int64_t n) {
-    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
-         i += (int64_t)gridDim.x * blockDim.x) {
-        const float v = ops_bf16_to_f32(x[i]);
-        const float r = v > 0.0f ? v : 0.0f;
-        x[i] = ops_f32_to_bf16(__fmul_rn(r, r));
+__device__ __forceinline__ uint16_t relu2_1(uint16_t b) {
+    const float v = ops_bf16_to_f32(b);
+    const float r = v > 0.0f ? v : 0.0f;
+    return ops_f32_to_bf16(__fmul_rn(r, r));
+}
+
+/* n8 = n / 8 pieces of 8 bf16 (16 bytes) when x is 16-byte aligned, else n8 = 0; the tail elementwise. */
+__global__ void relu2_kernel(uint16_t *x, int64_t n, int64_t n8) {
+    const int64_t i0 = blockIdx.x * (int64_t)blockDim.x + threadIdx.x, step = (int64_t)gridDim.x * blockDim.x;
+    for (int64_t i = i0; i < n8; i += step) {
+        uint4 q = reinterpret_cast<uint4 *>(x)[i];
+        uint32_t w[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+            w[j] = (uint32_t)relu2_1((uint16_t)(w[j] & 0xffffu)) | (uint32_t)relu2_1((uint16_t)(w[j] >> 16)) << 16;
+        reinterpret_cast<uint4 *>(x)[i] = make_uint4(w[0], w[1], w[2], w[3]);
     }
+    for (int64_t i = n8 * 8 + i0; i < n; i += step) x[i] = relu2_1(x[i]);
 }
 
 /* Grid size for a grid-stride loop over n elements. */
@@ -162,12 +245,14 @@ static unsigned stride_blocks(int64_t n) {
 
 extern "C" int cuda_relu2(void *stream, uint16_t *x, int64_t n) {
     if (n <= 0) return FP4MOE_OK;
-    relu2_kernel<<<stride_blocks(n), 256, 0, (cudaStream_t)stream>>>(x, n);
+    const int64_t n8 = ((uintptr_t)x & 15) ? 0 : n / 8;
+    relu2_kernel<<<stride_blocks(n8 ? n8 : n), 256, 0, (cudaStream_t)stream>>>(x, n, n8);
     OPS_LAUNCH_CHECK("relu2");
     return FP4MOE_OK;
 }
 
-__global__ void residual_kernel(float *h, const uint16_t *a, const uint16_t *b, int64_t n) {
+__global__ void residual_kernel(float *__restrict__ h, const uint16_t *__restrict__ a,
+                                const uint16_t *__restrict__ b, int64_t n) {
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
          i += (int64_t)gridDim.x * blockDim.x) {
         float o = ops_bf16_to_f32(a[i]);
@@ -221,15 +306,43 @@ __device__ void block_argmax(float v, int i, float *bv, int *bi) {
     }
 }
 
-/* One block per row: out[r] = argmax of row r (the same order rules as argmax_part_kernel). */
+/* One block per row: out[r] = argmax of row r (the same order rules as argmax_part_kernel). The
+ * order rules are a total order on (value, index), so the result does not depend on which thread
+ * sees which element: the row is read as float4 (when n % 4 == 0 and rows are 16-byte aligned),
+ * ARGMAX_UNROLL loads in flight per thread (one block per row is latency-bound otherwise: 217 us
+ * for the 131072 logits of one decode row with one load at a time). */
+#define ARGMAX_UNROLL 8
 __global__ void __launch_bounds__(ARGMAX_THREADS)
-argmax_rows_kernel(const float *x, int n, int32_t *out) {
+argmax_rows_kernel(const float *__restrict__ x, int n, int vec, int32_t *__restrict__ out) {
     const float *xr = x + (int64_t)blockIdx.x * n;
     float bv = __int_as_float(0x7fc00000);
     int bi = INT_MAX;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) {
-        const float v = xr[i];
-        if (arg_better(v, i, bv, bi)) { bv = v; bi = i; }
+    if (vec) {
+        const float4 *x4 = reinterpret_cast<const float4 *>(xr);
+        const int n4 = n / 4;
+        for (int i0 = threadIdx.x; i0 < n4; i0 += ARGMAX_THREADS * ARGMAX_UNROLL) {
+            float4 q[ARGMAX_UNROLL];
+#pragma unroll
+            for (int u = 0; u < ARGMAX_UNROLL; u++) {
+                const int i = i0 + u * ARGMAX_THREADS;
+                q[u] = i < n4 ? __ldg(x4 + i) : make_float4(0.f, 0.f, 0.f, 0.f);
+            }
+#pragma unroll
+            for (int u = 0; u < ARGMAX_UNROLL; u++) {
+                const int i = i0 + u * ARGMAX_THREADS;
+                if (i < n4) {
+                    const float v[4] = {q[u].x, q[u].y, q[u].z, q[u].w};
+#pragma unroll
+                    for (int c = 0; c < 4; c++)
+                        if (arg_better(v[c], 4 * i + c, bv, bi)) { bv = v[c]; bi = 4 * i + c; }
+                }
+            }
+        }
+    } else {
+        for (int i = threadIdx.x; i < n; i += blockDim.x) {
+            const float v = xr[i];
+            if (arg_better(v, i, bv, bi)) { bv = v; bi = i; }
+        }
     }
     __shared__ float v;
     __shared__ int i;
@@ -242,7 +355,8 @@ extern "C" int cuda_argmax_rows_f32(void *stream, const float *x, int64_t rows, 
     if (n < 1 || n > INT_MAX || rows > INT_MAX)
         return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "cuda op argmax rows: %lld x %lld", (long long)rows,
                                 (long long)n);
-    argmax_rows_kernel<<<(unsigned)rows, ARGMAX_THREADS, 0, (cudaStream_t)stream>>>(x, (int)n, out);
+    const int vec = (n % 4) == 0 && ((uintptr_t)x & 15) == 0;
+    argmax_rows_kernel<<<(unsigned)rows, ARGMAX_THREADS, 0, (cudaStream_t)stream>>>(x, (int)n, vec, out);
     OPS_LAUNCH_CHECK("argmax rows");
     return FP4MOE_OK;
 }
@@ -250,7 +364,8 @@ extern "C" int cuda_argmax_rows_f32(void *stream, const float *x, int64_t rows, 
 extern "C" int cuda_rmsnorm_rows(void *stream, const float *x, const int32_t *rows, int64_t n, const float *w,
                                  int64_t H, float eps, uint16_t *y) {
     if (n <= 0) return FP4MOE_OK;
-    rmsnorm_kernel<<<(unsigned)n, NORM_THREADS, 0, (cudaStream_t)stream>>>(x, w, H, eps, y, NULL, rows);
+    rmsnorm_kernel<<<(unsigned)n, NORM_THREADS, 0, (cudaStream_t)stream>>>((float *)x, NULL, NULL, w, H, eps, y,
+                                                                           NULL, rows);
     OPS_LAUNCH_CHECK("rmsnorm rows");
     return FP4MOE_OK;
 }

@@ -105,23 +105,30 @@ static int add_bias(const cuda_ops *o, const cuda_linear *w, int64_t T, uint16_t
 
 /* ---- entry points ------------------------------------------------------------------------------ */
 
+/* relu2 (only when the layer has no bias: the bias comes first) is done in the gather_qmm epilogue
+ * where the chosen kernel can (*fused), else by the caller. */
 static int nvfp4_call(const cuda_ops *o, const cuda_linear *w, const uint16_t *x, const uint32_t *idx,
-                      int64_t B, uint16_t *y) {
-    if (o->route == FP4MOE_ROUTE_AUTO)
-        return fp4moe_gather_qmm_cuda(&w->q, x, FP4MOE_BF16, idx, B, 1, y, o->stream);
-    return fp4moe_gather_qmm_cuda_route(&w->q, x, FP4MOE_BF16, idx, B, 1, o->route, y, o->stream);
+                      int64_t B, int relu2, uint16_t *y, int *fused) {
+    return gather_qmm_cuda_ex(&w->q, x, FP4MOE_BF16, idx, B, 1, o->route, relu2, y, o->stream, fused);
+}
+
+/* bias, then relu^2 unless already done */
+static int finish(const cuda_ops *o, const cuda_linear *w, int64_t T, int relu2, int fused, uint16_t *y) {
+    const int rc = add_bias(o, w, T, y);
+    if (rc || !relu2 || fused) return rc;
+    return cuda_relu2(o->stream, y, T * w->N);
 }
 
 extern "C" int cuda_linear_forward(const cuda_ops *o, const cuda_linear *w, const uint16_t *x,
-                                   int64_t T, uint16_t *y) {
+                                   int64_t T, int relu2, uint16_t *y) {
     if (T <= 0) return FP4MOE_OK;
     cudaStream_t st = (cudaStream_t)o->stream;
-    int rc;
+    int rc, fused = 0;
     if (w->nvfp4) {
         if (T > o->zero_n)
             return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "cuda linear: %lld rows, idx zeros for %lld",
                                     (long long)T, (long long)o->zero_n);
-        rc = nvfp4_call(o, w, x, o->zero_idx, T, y);
+        rc = nvfp4_call(o, w, x, o->zero_idx, T, relu2 && !w->bias, y, &fused);
     } else if (w->dtype == FP4MOE_BF16) {
         rc = gemm_xwt((cublasHandle_t)o->blas, w->dense, x, y, CUDA_R_16BF, CUDA_R_16BF, T, w->N, w->K,
                       "linear (cublasGemmEx bf16)");
@@ -139,7 +146,7 @@ extern "C" int cuda_linear_forward(const cuda_ops *o, const cuda_linear *w, cons
         OPS_LAUNCH_CHECK("linear (round y to bf16)");
     }
     if (rc) return rc;
-    return add_bias(o, w, T, y);
+    return finish(o, w, T, relu2, fused, y);
 }
 
 extern "C" int cuda_linear_forward_f32out(const cuda_ops *o, const cuda_linear *w, const uint16_t *x,
@@ -174,11 +181,11 @@ extern "C" int cuda_linear_forward_f32out(const cuda_ops *o, const cuda_linear *
 }
 
 extern "C" int cuda_linear_gather(const cuda_ops *o, const cuda_linear *w, const uint16_t *x,
-                                  const uint32_t *idx, int64_t B, uint16_t *y) {
+                                  const uint32_t *idx, int64_t B, int relu2, uint16_t *y) {
     if (B <= 0) return FP4MOE_OK;
-    int rc;
+    int rc, fused = 0;
     if (w->nvfp4) {
-        rc = nvfp4_call(o, w, x, idx, B, y);
+        rc = nvfp4_call(o, w, x, idx, B, relu2 && !w->bias, y, &fused);
     } else {
         if (B > 65535)
             return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "cuda linear gather: %lld rows on dense "
@@ -190,7 +197,7 @@ extern "C" int cuda_linear_gather(const cuda_ops *o, const cuda_linear *w, const
         rc = FP4MOE_OK;
     }
     if (rc) return rc;
-    return add_bias(o, w, B, y);
+    return finish(o, w, B, relu2, fused, y);
 }
 
 extern "C" int cuda_matmul_f32(const cuda_ops *o, const float *x, int64_t T, const float *W, int64_t N,

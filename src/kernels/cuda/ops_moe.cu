@@ -30,20 +30,24 @@ __device__ int warp_argmax_free(const float *v, const unsigned char *taken, int 
 
 __device__ __forceinline__ float sigmoid_f(float x) { return __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-x))); }
 
-/* One warp per token. Shared memory per warp: choice[E], group score[G] (floats), taken[E] and
- * group taken[G] (bytes). */
-__global__ void __launch_bounds__(ROUTER_WARPS * 32)
-router_kernel(cuda_router_cfg r, const float *logits, int T, int32_t *ids, float *wts) {
-    extern __shared__ float sm[];
+/* Shared memory of one warp of the router: sig[E], choice[E], group score[G] (floats), taken[E]
+ * and group taken[G] (bytes), 16-byte aligned. */
+__host__ __device__ inline size_t router_warp_smem(int64_t E, int64_t G) {
+    return ((size_t)E * 4 + (size_t)(E + G) * 5 + 15) & ~(size_t)15;
+}
+
+/* The router of token t by one warp (every lane calls it), scratch: router_warp_smem bytes. The
+ * logits are read once, with ld.global.cg (in the fused route kernel other blocks wrote them). */
+__device__ void router_token(const cuda_router_cfg &r, const float *logits, int t, int32_t *ids, float *wts,
+                             char *scratch) {
     const int E = (int)r.E, G = (int)r.n_group, k = (int)r.k;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, t = blockIdx.x * ROUTER_WARPS + warp;
-    const size_t per_warp = ((size_t)(E + G) * 4 + (size_t)(E + G) + 15) & ~(size_t)15;
-    float *choice = (float *)((char *)sm + warp * per_warp), *gscore = choice + E;
+    const int lane = threadIdx.x & 31;
+    float *sig = (float *)scratch, *choice = sig + E, *gscore = choice + E;
     unsigned char *taken = (unsigned char *)(gscore + G), *gtaken = taken + E;
-    if (t >= T) return; /* warp-uniform; no block-wide barrier below */
     const float *lg = logits + (int64_t)t * E;
-    for (int e = lane; e < E; e += 32) {
-        choice[e] = __fadd_rn(sigmoid_f(lg[e]), r.bias ? r.bias[e] : 0.0f);
+    for (int e = lane; e < E; e += 32) { /* the logits read once: no memory round trip per choice */
+        sig[e] = sigmoid_f(__ldcg(lg + e));
+        choice[e] = __fadd_rn(sig[e], r.bias ? r.bias[e] : 0.0f);
         taken[e] = 0;
     }
     __syncwarp();
@@ -77,7 +81,7 @@ router_kernel(cuda_router_cfg r, const float *logits, int T, int32_t *ids, float
         if (lane == 0) {
             taken[e] = 1;
             it[j] = e;
-            wt[j] = sigmoid_f(lg[e]); /* the weight is s, never the choice score */
+            wt[j] = sig[e]; /* the weight is s, never the choice score */
             sum = __fadd_rn(sum, wt[j]);
         }
         __syncwarp();
@@ -88,6 +92,16 @@ router_kernel(cuda_router_cfg r, const float *logits, int T, int32_t *ids, float
             if (r.norm_topk_prob) w = __fdiv_rn(w, __fadd_rn(sum, 1e-20f));
             wt[j] = __fmul_rn(w, r.scaling);
         }
+    __syncwarp();
+}
+
+/* One warp per token. */
+__global__ void __launch_bounds__(ROUTER_WARPS * 32)
+router_kernel(cuda_router_cfg r, const float *logits, int T, int32_t *ids, float *wts) {
+    extern __shared__ float sm[];
+    const int warp = threadIdx.x >> 5, t = blockIdx.x * ROUTER_WARPS + warp;
+    if (t >= T) return; /* warp-uniform; no block-wide barrier below */
+    router_token(r, logits, t, ids, wts, (char *)sm + warp * router_warp_smem(r.E, r.n_group));
 }
 
 extern "C" int cuda_router_topk(void *stream, const cuda_router_cfg *r, const float *logits, int64_t T,
@@ -98,7 +112,7 @@ extern "C" int cuda_router_topk(void *stream, const cuda_router_cfg *r, const fl
         return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "cuda op router: E=%lld (at most 4096), k=%lld, "
                                 "n_group=%lld, topk_group=%lld", (long long)r->E, (long long)r->k,
                                 (long long)r->n_group, (long long)r->topk_group);
-    const size_t per_warp = ((size_t)(r->E + r->n_group) * 5 + 15) & ~(size_t)15;
+    const size_t per_warp = router_warp_smem(r->E, r->n_group);
     router_kernel<<<ops_blocks(T, ROUTER_WARPS), ROUTER_WARPS * 32, ROUTER_WARPS * per_warp,
                     (cudaStream_t)stream>>>(*r, logits, (int)T, ids, wts);
     OPS_LAUNCH_CHECK("router top-k");
@@ -115,9 +129,8 @@ extern "C" int cuda_router_topk(void *stream, const cuda_router_cfg *r, const fl
  *     in order (an exclusive scan over (e, w));
  *  3. each warp walks its rows in order, 32 at a time: rows with equal experts in one step are
  *     ranked by lane (__match_any_sync), so the order within an expert is the row order. */
-__global__ void __launch_bounds__(SORT_THREADS)
-sort_kernel(const int32_t *ids, int B, int E, uint32_t *row_of, uint32_t *idx, uint32_t *pos_of) {
-    extern __shared__ int cnt[]; /* W x E, then start[E] */
+__device__ void sort_block(const int32_t *ids, int B, int E, uint32_t *row_of, uint32_t *idx, uint32_t *pos_of,
+                           int *cnt /* shared: (W + 1) x E */) {
     const int W = blockDim.x >> 5, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     int *start = cnt + W * E;
     const int chunk = (B + W - 1) / W, b_lo = min(B, warp * chunk), b_hi = min(B, b_lo + chunk);
@@ -171,17 +184,150 @@ sort_kernel(const int32_t *ids, int B, int E, uint32_t *row_of, uint32_t *idx, u
     }
 }
 
+__global__ void __launch_bounds__(SORT_THREADS)
+sort_kernel(const int32_t *ids, int B, int E, uint32_t *row_of, uint32_t *idx, uint32_t *pos_of) {
+    extern __shared__ int cnt[]; /* W x E, then start[E] */
+    sort_block(ids, B, E, row_of, idx, pos_of, cnt);
+}
+
 extern "C" int cuda_sort_by_expert(void *stream, const int32_t *ids, int64_t B, int64_t E,
                                    uint32_t *row_of, uint32_t *idx, uint32_t *pos_of) {
     if (B <= 0) return FP4MOE_OK;
     int W = (int)(12288 / (E > 0 ? E : 1)) - 1; /* (W + 1) * E ints in 48 KiB */
     if (W > SORT_THREADS / 32) W = SORT_THREADS / 32;
+    /* at most one warp per 64 rows: a decode step's 6 rows take one warp, not 32 (the result is
+     * the same for every W: the sort is stable) */
+    if (W > (B + 63) / 64) W = (int)((B + 63) / 64);
     if (E < 1 || W < 1 || B > 0x7fffffff)
         return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "cuda op sort by expert: E=%lld (at most 6143), "
                                 "B=%lld", (long long)E, (long long)B);
     const size_t smem = (size_t)(W + 1) * (size_t)E * sizeof(int);
     sort_kernel<<<1, W * 32, smem, (cudaStream_t)stream>>>(ids, (int)B, (int)E, row_of, idx, pos_of);
     OPS_LAUNCH_CHECK("sort by expert");
+    return FP4MOE_OK;
+}
+
+/* ---- routing for decode-sized steps ------------------------------------------------------------ */
+
+#define ROUTE_WARPS 8   /* warps per block of the route kernels */
+#define ROUTE_PARTS 4   /* warps per expert in the logits kernel (each a contiguous part of H) */
+#define ROUTE_MAX_T 16  /* tokens of the decode route (register accumulators per lane) */
+
+/* logits (T x E) = x (T x H fp32) @ W^T for T <= ROUTE_MAX_T: ROUTE_PARTS warps per expert each dot
+ * a contiguous part of the fp32 weight row with the T rows of x (float4 loads, lane partial sums
+ * in a fixed order, a warp reduction), the parts added in order: deterministic. cuBLAS's GEMV
+ * took two launches (dot + reduce) for this. H % 4 == 0, x and W 16-byte aligned. */
+__global__ void __launch_bounds__(ROUTE_WARPS * 32)
+route_logits_kernel(const float *__restrict__ x, int T, const float *__restrict__ W, int E, int H,
+                    float *__restrict__ logits) {
+    __shared__ float part[ROUTE_WARPS][ROUTE_MAX_T];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int e = blockIdx.x * (ROUTE_WARPS / ROUTE_PARTS) + warp / ROUTE_PARTS, pi = warp % ROUTE_PARTS;
+    const int H4 = H / 4, per = (H4 + ROUTE_PARTS - 1) / ROUTE_PARTS, lo = pi * per, hi = min(H4, lo + per);
+    if (e < E) {
+        float acc[ROUTE_MAX_T];
+#pragma unroll
+        for (int t = 0; t < ROUTE_MAX_T; t++) acc[t] = 0.0f;
+        const float4 *w = reinterpret_cast<const float4 *>(W + (int64_t)e * H);
+        const float4 *x4 = reinterpret_cast<const float4 *>(x);
+#pragma unroll 4
+        for (int i = lo + lane; i < hi; i += 32) {
+            const float4 wv = __ldg(w + i);
+#pragma unroll
+            for (int t = 0; t < ROUTE_MAX_T; t++) {
+                if (t < T) {
+                    const float4 xv = __ldg(x4 + (int64_t)t * H4 + i);
+                    acc[t] = fmaf(wv.w, xv.w, fmaf(wv.z, xv.z, fmaf(wv.y, xv.y, fmaf(wv.x, xv.x, acc[t]))));
+                }
+            }
+        }
+#pragma unroll
+        for (int t = 0; t < ROUTE_MAX_T; t++) {
+            const float v = ops_warp_sum(acc[t]);
+            if (lane == 0) part[warp][t] = v;
+        }
+    }
+    __syncthreads();
+    if (e < E && pi == 0 && lane < T) {
+        float v = part[warp][lane];
+        for (int p = 1; p < ROUTE_PARTS; p++) v += part[warp + p][lane];
+        logits[(int64_t)lane * E + e] = v;
+    }
+}
+
+/* The stable sort of B <= 32 rows by expert in one warp (lane b holds row b): the position of row b
+ * is the number of rows with a smaller expert, or the same expert and a smaller row. */
+__device__ void sort_warp(const int32_t *ids, int B, uint32_t *row_of, uint32_t *idx, uint32_t *pos_of) {
+    const int lane = threadIdx.x & 31;
+    const int e = lane < B ? ids[lane] : 0x7fffffff;
+    int p = 0;
+    for (int j = 0; j < B; j++) {
+        const int ej = __shfl_sync(0xffffffffu, e, j);
+#ifdef FP4MOE_INJECT_FAULT_ROUTE_SORT /* deliberate fault (tests must catch it): unstable within an expert */
+        p += ej < e || (ej == e && j > lane);
+#else
+        p += ej < e || (ej == e && j < lane);
+#endif
+    }
+    if (lane < B) {
+        row_of[p] = (uint32_t)lane;
+        idx[p] = (uint32_t)e;
+        pos_of[lane] = (uint32_t)p;
+    }
+}
+
+/* Shared scratch of route_tail_kernel before its ids and weights: the larger of the warps' router
+ * scratch and sort_block's (ROUTE_WARPS + 1) x E counters; 16-byte multiple. */
+__host__ __device__ inline size_t route_scratch_bytes(int64_t E, int64_t G) {
+    const size_t a = ROUTE_WARPS * router_warp_smem(E, G), b = (size_t)(ROUTE_WARPS + 1) * (size_t)E * sizeof(int);
+    return ((a > b ? a : b) + 15) & ~(size_t)15;
+}
+
+/* One block: the top-k of each token (router_token, warp per token), then the sort of the T * k
+ * rows (one warp for <= 32 rows, else sort_block), ids and weights kept in shared memory between
+ * the two (a chain of global round trips otherwise). */
+__global__ void __launch_bounds__(ROUTE_WARPS * 32)
+route_tail_kernel(cuda_router_cfg r, int T, const float *logits, int32_t *ids, float *wts, uint32_t *row_of,
+                  uint32_t *idx, uint32_t *pos_of) {
+    extern __shared__ __align__(16) char route_sm[];
+    const int warp = threadIdx.x >> 5, B = T * (int)r.k;
+    int32_t *sids = (int32_t *)(route_sm + route_scratch_bytes(r.E, r.n_group));
+    float *swts = (float *)(sids + B);
+    for (int t = warp; t < T; t += ROUTE_WARPS)
+        router_token(r, logits, t, sids, swts, route_sm + warp * router_warp_smem(r.E, r.n_group));
+    __syncthreads();
+    for (int i = threadIdx.x; i < B; i += blockDim.x) {
+        ids[i] = sids[i];
+        wts[i] = swts[i];
+    }
+    if (B <= 32) {
+        if (warp == 0) sort_warp(sids, B, row_of, idx, pos_of);
+    } else {
+        sort_block(sids, B, (int)r.E, row_of, idx, pos_of, (int *)route_sm);
+    }
+}
+
+extern "C" int cuda_moe_route(const cuda_ops *o, const cuda_router_cfg *r, const float *x, int64_t T,
+                              const float *W, int64_t H, float *logits, int32_t *ids, float *wts,
+                              uint32_t *row_of, uint32_t *idx, uint32_t *pos_of) {
+    if (T <= 0) return FP4MOE_OK;
+    const size_t smem = route_scratch_bytes(r->E, r->n_group) + (size_t)(T * r->k) * 8;
+    const bool small = T <= ROUTE_MAX_T && smem <= 48 * 1024 && H <= 0x7fffffff && H % 4 == 0 &&
+                       ((uintptr_t)x & 15) == 0 && ((uintptr_t)W & 15) == 0 && r->E >= 1 && r->E <= 4096 &&
+                       r->k >= 1 && r->k <= r->E && r->n_group >= 1 && r->E % r->n_group == 0 &&
+                       r->topk_group >= 1 && r->topk_group <= r->n_group;
+    if (!small) {
+        int st = cuda_matmul_f32(o, x, T, W, r->E, H, logits);
+        if (!st) st = cuda_router_topk(o->stream, r, logits, T, ids, wts);
+        if (!st) st = cuda_sort_by_expert(o->stream, ids, T * r->k, r->E, row_of, idx, pos_of);
+        return st;
+    }
+    cudaStream_t st = (cudaStream_t)o->stream;
+    route_logits_kernel<<<ops_blocks(r->E, ROUTE_WARPS / ROUTE_PARTS), ROUTE_WARPS * 32, 0, st>>>(
+        x, (int)T, W, (int)r->E, (int)H, logits);
+    OPS_LAUNCH_CHECK("moe route (router logits)");
+    route_tail_kernel<<<1, ROUTE_WARPS * 32, smem, st>>>(*r, (int)T, logits, ids, wts, row_of, idx, pos_of);
+    OPS_LAUNCH_CHECK("moe route (top-k and sort)");
     return FP4MOE_OK;
 }
 
@@ -210,24 +356,55 @@ extern "C" int cuda_gather_rows(void *stream, const uint16_t *x, int64_t H, cons
     return FP4MOE_OK;
 }
 
-__global__ void combine_kernel(const uint16_t *ys, int64_t H, const uint32_t *pos_of, const float *wts,
-                               int64_t k, uint16_t *out) {
+/* out[t] = sum over j (in order) of wts[t, j] * ys[pos_of[t, j]]: the k (position, weight) pairs of
+ * the row read once into shared memory, and COMBINE_U elements of a slot loaded at once (one memory
+ * round trip per element and slot before: 24 us for one decode row). */
+#define COMBINE_MAX_K 64
+#define COMBINE_U 4 /* elements per thread and batch */
+#define COMBINE_J 8 /* slots per batch */
+__global__ void combine_kernel(const uint16_t *__restrict__ ys, int64_t H, const uint32_t *__restrict__ pos_of,
+                               const float *__restrict__ wts, int64_t k, uint16_t *__restrict__ out) {
+    __shared__ float sw[COMBINE_MAX_K];
+    __shared__ const uint16_t *sy[COMBINE_MAX_K];
     const int64_t t = blockIdx.x;
-    for (int64_t i = threadIdx.x; i < H; i += blockDim.x) {
-        float o = 0.0f;
-        for (int64_t j = 0; j < k; j++) {
-            const float w = wts[t * k + j];
-            const float y = ops_bf16_to_f32(ys[(int64_t)pos_of[t * k + j] * H + i]);
-            o = __fadd_rn(o, __fmul_rn(w, y));
+    for (int64_t j = threadIdx.x; j < k; j += blockDim.x) {
+        sw[j] = wts[t * k + j];
+        sy[j] = ys + (int64_t)pos_of[t * k + j] * H;
+    }
+    __syncthreads();
+    const int64_t step = blockDim.x;
+    for (int64_t i0 = threadIdx.x; i0 < H; i0 += step * COMBINE_U) { /* COMBINE_U elements a batch */
+        float o[COMBINE_U];
+#pragma unroll
+        for (int u = 0; u < COMBINE_U; u++) o[u] = 0.0f;
+        for (int64_t j0 = 0; j0 < k; j0 += COMBINE_J) { /* COMBINE_J slots' loads in flight, summed in order */
+            uint16_t v[COMBINE_J][COMBINE_U];
+#pragma unroll
+            for (int j = 0; j < COMBINE_J; j++)
+#pragma unroll
+                for (int u = 0; u < COMBINE_U; u++)
+                    v[j][u] = j0 + j < k && i0 + u * step < H ? sy[j0 + j][i0 + u * step] : 0;
+#pragma unroll
+            for (int j = 0; j < COMBINE_J; j++)
+                if (j0 + j < k)
+#pragma unroll
+                    for (int u = 0; u < COMBINE_U; u++)
+                        o[u] = __fadd_rn(o[u], __fmul_rn(sw[j0 + j], ops_bf16_to_f32(v[j][u])));
         }
-        out[t * H + i] = ops_f32_to_bf16(o);
+#pragma unroll
+        for (int u = 0; u < COMBINE_U; u++)
+            if (i0 + u * step < H) out[t * H + i0 + u * step] = ops_f32_to_bf16(o[u]);
     }
 }
 
 extern "C" int cuda_moe_combine(void *stream, const uint16_t *ys, int64_t H, const uint32_t *pos_of,
                                 const float *wts, int64_t T, int64_t k, uint16_t *out) {
     if (T <= 0) return FP4MOE_OK;
-    combine_kernel<<<(unsigned)T, 256, 0, (cudaStream_t)stream>>>(ys, H, pos_of, wts, k, out);
+    if (k < 1 || k > COMBINE_MAX_K)
+        return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "cuda op moe combine: top-k %lld (1..%d)", (long long)k,
+                                COMBINE_MAX_K);
+    /* decode-sized steps: 1024 threads a row (fewer batches of loads per thread) */
+    combine_kernel<<<(unsigned)T, T <= 64 ? 1024 : 256, 0, (cudaStream_t)stream>>>(ys, H, pos_of, wts, k, out);
     OPS_LAUNCH_CHECK("moe combine");
     return FP4MOE_OK;
 }

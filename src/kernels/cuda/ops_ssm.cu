@@ -29,29 +29,39 @@
 
 /* ---- causal conv1d ----------------------------------------------------------------------------- */
 
-/* Thread (channel c, CONV_TOKENS consecutive tokens); reads the state for positions before 0. */
-__global__ void conv1d_kernel(const uint16_t *x, int64_t xs, int T, int C, const float *w,
-                              const float *b, int Kc, const float *state, float *y) {
+/* Thread (channel c, CONV_TOKENS consecutive tokens); reads the state for positions before 0. The
+ * Kc inputs of a token are a window in registers, slid by one input per token (each input loaded
+ * once; __restrict__: y never overlaps x or the state), the sum in the same order as the CPU's. */
+__global__ void conv1d_kernel(const uint16_t *__restrict__ x, int64_t xs, int T, int C, const float *__restrict__ w,
+                              const float *__restrict__ b, int Kc, const float *__restrict__ state,
+                              float *__restrict__ y) {
     const int c = blockIdx.x * CONV_THREADS + threadIdx.x;
     if (c >= C) return;
     const int P = Kc - 1, t0 = blockIdx.y * CONV_TOKENS;
-    float wc[CONV_KMAX];
+    float wc[CONV_KMAX], win[CONV_KMAX];
 #pragma unroll
-    for (int j = 0; j < CONV_KMAX; j++) wc[j] = j < Kc ? w[(int64_t)c * Kc + j] : 0.0f;
+    for (int j = 0; j < CONV_KMAX; j++) {
+        wc[j] = j < Kc ? w[(int64_t)c * Kc + j] : 0.0f;
+        const int src = t0 - P + j; /* win[j] = input at t0 - P + j for j < P; < 0: from the state */
+        win[j] = j >= P ? 0.0f
+                        : (src >= 0 ? ops_bf16_to_f32(x[(int64_t)src * xs + c]) : state[(int64_t)(P + src) * C + c]);
+    }
     const float bc = b ? b[c] : 0.0f;
     for (int tt = 0; tt < CONV_TOKENS; tt++) {
         const int t = t0 + tt;
         if (t >= T) break;
+        const float xt = ops_bf16_to_f32(x[(int64_t)t * xs + c]);
+#pragma unroll
+        for (int j = 0; j < CONV_KMAX; j++)
+            if (j == P) win[j] = xt;
         float acc = bc;
 #pragma unroll
-        for (int j = 0; j < CONV_KMAX; j++) {
-            if (j >= Kc) break;
-            const int src = t - P + j; /* < 0: from the state */
-            const float v = src >= 0 ? ops_bf16_to_f32(x[(int64_t)src * xs + c])
-                                     : state[(int64_t)(P + src) * C + c];
-            acc = __fadd_rn(acc, __fmul_rn(wc[j], v));
-        }
+        for (int j = 0; j < CONV_KMAX; j++)
+            if (j < Kc) acc = __fadd_rn(acc, __fmul_rn(wc[j], win[j]));
         y[(int64_t)t * C + c] = ops_silu(acc);
+#pragma unroll
+        for (int j = 0; j + 1 < CONV_KMAX; j++)
+            if (j + 1 < Kc) win[j] = win[j + 1];
     }
 }
 
@@ -69,9 +79,10 @@ __global__ void conv_state_kernel(const uint16_t *x, int64_t xs, int T, int C, i
 
 /* Thread (channel c, row r): one token of a batch of single-token sequences; row r uses the conv
  * state of slot row_slot[r] (state + slot * state_stride), read and shifted in place. */
-__global__ void conv1d_decode_kernel(const uint16_t *x, int64_t xs, int R, int C, const float *w,
-                                     const float *b, int Kc, const int32_t *row_slot, int64_t state_stride,
-                                     float *state, float *y) {
+__global__ void conv1d_decode_kernel(const uint16_t *__restrict__ x, int64_t xs, int R, int C,
+                                     const float *__restrict__ w, const float *__restrict__ b, int Kc,
+                                     const int32_t *__restrict__ row_slot, int64_t state_stride,
+                                     float *__restrict__ state, float *__restrict__ y) {
     const int c = blockIdx.x * CONV_THREADS + threadIdx.x, r = blockIdx.y;
     if (c >= C || r >= R) return;
     const int P = Kc - 1;

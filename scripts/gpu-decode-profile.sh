@@ -1,0 +1,119 @@
+#!/usr/bin/env bash
+# scripts/gpu-decode-profile.sh: where the device time of one forward goes, kernel by kernel, on the
+# H200 machine (issue 12): the synthetic Nemotron-3-Nano-30B-A3B shape, Nsight Compute's
+# gpu__time_duration of every kernel of a short run (prefill P tokens, then D decode steps), split
+# into forwards at the embedding kernel (the first kernel of every forward), summed by kernel name
+# for the prefill and for the last decode step, next to the step's wall time from `fp4moe bench`
+# (the difference is launch gaps and idle time between kernels). Also the layer-kind split of
+# `bench --profile` (CUDA events).
+#
+# Usage: scripts/gpu-decode-profile.sh BIN [OLD]   BIN (and OLD): a directory with batch.tar.xz
+#        (made by scripts/gpu-batch-check.sh --package BIN) or with an fp4moe program. With OLD,
+#        `bench` runs old and new alternately (3 rounds each) and prints both, so that a change is
+#        measured against its parent in the same run.
+# Environment: PROMPT (default 512), OUT (default gpu-profile-out), NCU_CACHE (all: caches flushed
+# before every kernel, the ncu default; none: warm, closer to a graph replay).
+set -u
+cd "$(dirname "$0")/.."
+BIN=${1:?usage: scripts/gpu-decode-profile.sh BIN [OLD]}
+OLD=${2:-}
+OUT=${OUT:-gpu-profile-out}
+P=${PROMPT:-512}
+mkdir -p "$OUT"
+unpack() { # DIR -> directory of programs
+    if [ -f "$1/batch.tar.xz" ]; then
+        local d
+        d=$(mktemp -d)
+        tar -xJf "$1/batch.tar.xz" -C "$d"
+        echo "$d"
+    else
+        echo "$1"
+    fi
+}
+BIN=$(unpack "$BIN")
+export LD_LIBRARY_PATH="$BIN:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
+FP="$BIN/fp4moe"
+CFG=nemotron-3-nano-30b-a3b
+if [ -n "$OLD" ]; then
+    OLD=$(unpack "$OLD")
+    for round in 1 2 3; do
+        for v in old new; do
+            f=$([ $v = old ] && echo "$OLD/fp4moe" || echo "$FP")
+            LD_LIBRARY_PATH="$(dirname "$f"):/usr/local/cuda/lib64" timeout 120 "$f" bench --synthetic $CFG \
+                --device cuda --prompt-tokens "$P" --gen-tokens 64 --repeats 3 --json >"$OUT/cmp-$v-$round.json" \
+                2>"$OUT/cmp-$v-$round.log"
+        done
+    done
+    echo "== same run, old vs new (prefill $P tokens, decode 64; medians of 3 repeats per round)"
+    python3 - "$OUT" <<'EOF2'
+import json, sys, glob
+for v in ("old", "new"):
+    pf, dc, hs = [], [], set()
+    for f in sorted(glob.glob(f"{sys.argv[1]}/cmp-{v}-*.json")):
+        try:
+            j = json.load(open(f))
+        except Exception as e:
+            print(v, f, "unreadable:", e); continue
+        pf.append(j["prefill_tok_s_median"]); dc.append(j["decode_tok_s_median"]); hs.add(j.get("gen_ids_fnv1a", "?"))
+    print(f"{v}: prefill tok/s {' '.join(f'{x:.0f}' for x in pf)}   decode tok/s {' '.join(f'{x:.1f}' for x in dc)}   hashes {sorted(hs)}")
+EOF2
+fi
+NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+
+timeout 120 "$FP" bench --synthetic $CFG --device cuda --prompt-tokens "$P" --gen-tokens 64 --repeats 3 \
+    --json >"$OUT/bench.json" 2>"$OUT/bench.log"
+timeout 120 "$FP" bench --synthetic $CFG --device cuda --prompt-tokens "$P" --gen-tokens 64 --repeats 3 \
+    --profile >"$OUT/profile.txt" 2>&1
+if [ -n "$NCU" ]; then
+    timeout 400 "$NCU" --metrics gpu__time_duration.sum --csv --clock-control none --cache-control "${NCU_CACHE:-all}" \
+        --kernel-name-base function \
+        --kernel-name "regex:^(?!synth)" "$FP" bench --synthetic $CFG --device cuda --prompt-tokens "$P" \
+        --gen-tokens 4 --repeats 1 --warmup 0 >"$OUT/ncu.csv" 2>"$OUT/ncu.log"
+    echo "ncu rc=$?"
+fi
+echo "== bench --profile (CUDA events, ms)"
+cat "$OUT/profile.txt" | tail -25
+echo "== bench"
+python3 - "$OUT/bench.json" <<'EOF'
+import json, sys
+try:
+    j = json.load(open(sys.argv[1]))
+    print({k: j[k] for k in j if "tok" in k or "ms" in k})
+except Exception as e:
+    print("bench json:", e)
+EOF
+python3 - "$OUT/ncu.csv" <<'EOF'
+import csv, sys, collections
+rows = []
+try:
+    lines = [l for l in open(sys.argv[1]) if l.startswith('"')]
+except OSError as e:
+    sys.exit(f"no ncu output: {e}")
+for r in csv.DictReader(lines):
+    if r.get("Metric Name") != "gpu__time_duration.sum":
+        continue
+    v = float(r["Metric Value"].replace(",", ""))
+    unit = r.get("Metric Unit", "nsecond")
+    us = v / 1000.0 if unit.startswith("n") else (v if unit.startswith("u") else v * 1000.0)
+    rows.append((r["Kernel Name"], us))
+fw, cur = [], None
+for name, us in rows:
+    if name.startswith("embed_kernel"):
+        cur = []
+        fw.append(cur)
+    if cur is not None:
+        cur.append((name, us))
+print(f"== ncu: {len(rows)} kernels, {len(fw)} forwards")
+def table(title, seg):
+    agg = collections.OrderedDict()
+    for n, us in seg:
+        c, s = agg.get(n, (0, 0.0))
+        agg[n] = (c + 1, s + us)
+    tot = sum(us for _, us in seg)
+    print(f"-- {title}: {len(seg)} kernels, {tot:.1f} us of kernel time")
+    for n, (c, s) in sorted(agg.items(), key=lambda kv: -kv[1][1]):
+        print(f"{n[:60]:60s} {c:5d} {s:10.1f} us {100*s/tot:5.1f}%")
+if fw:
+    table("prefill (first forward)", fw[0])
+    table("last decode step", fw[-1])
+EOF

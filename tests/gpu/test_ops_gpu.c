@@ -1,0 +1,337 @@
+/* The fused CUDA ops of the model (issue 12) against the CPU ops they replace, on random data:
+ *  - cuda_moe_route (router logits, top-k and the sort by expert in one call; two kernels of its own
+ *    for T <= 16, cuBLAS + router + sort above): the logits within fp32 rounding of an fp64 dot
+ *    product; then ids, weights (bitwise) equal to the CPU router (op_router_topk) run on the GPU's
+ *    own logits (ids exact, weights within 4e-7: the device's expf), and row_of / idx / pos_of
+ *    (exact) equal to op_sort_by_expert of those ids. T from 1
+ *    to 40 (the warp sort <= 32 rows, the block sort above, the cuBLAS path), E = 128 top-6 with a
+ *    correction bias, E = 8 top-2 with 4 groups (2 kept), H not a multiple of 4 (cuBLAS path).
+ *  - cuda_rmsnorm with the residual add folded in: h + (a + b) bitwise equal to the CPU's (the same
+ *    fp32 operations), y within one bf16 step of the CPU's op_rmsnorm (the fp64 sum of squares runs
+ *    in another order), y32 the same values as y; H = 2688, 4100 (a row longer than the kept
+ *    registers) and 7; T = 1, 3, 64; with a, with a and b, without.
+ *  - the relu^2 epilogue of gather_qmm (gather_qmm_cuda_ex): bitwise equal to gather_qmm then
+ *    cuda_relu2 on every route and row count that fuses it (qmv decode kernel, qmv fp32-FMA kernel,
+ *    batched, qmv tiled), and it reports "not fused" for dequant_gemm (the caller applies relu2).
+ *  - cuda_moe_combine (1024-thread rows for T <= 64, 256 above) bitwise equal to op_moe_combine's
+ *    fp32 arithmetic (sum over the slots in order) rounded to bf16.
+ * Outputs are poisoned (NaN) before every call. Needs a CUDA device; exits 77 (skipped) without. */
+#include <math.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <cmocka.h>
+
+#include "gpu_testutil.h"
+#include "kernels/cpu/ops.h"
+#include "kernels/cuda/ops_cuda.h"
+#include "testutil.h"
+
+static float bf16_to_f32(uint16_t b) {
+    const uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+static uint16_t f32_to_bf16(float f) { /* round to nearest even (the kernels' rounding; no NaN here) */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+static float *randf(tu_rng *r, int64_t n, double sigma) {
+    float *v = malloc((size_t)n * sizeof *v);
+    for (int64_t i = 0; i < n; i++) v[i] = (float)(sigma * tu_rng_normal(r));
+    return v;
+}
+static uint16_t *randb(tu_rng *r, int64_t n, double sigma) {
+    uint16_t *v = malloc((size_t)n * sizeof *v);
+    for (int64_t i = 0; i < n; i++) v[i] = f32_to_bf16((float)(sigma * tu_rng_normal(r)));
+    return v;
+}
+
+typedef struct {
+    cudaStream_t stream;
+    void *ws;
+    cuda_ops ops;
+} gpu_ctx;
+
+static void ctx_make(gpu_ctx *g) {
+    memset(g, 0, sizeof *g);
+    GT_CHECK(cudaStreamCreate(&g->stream));
+    g->ws = gt_upload(NULL, 32u << 20);
+    void *blas = NULL;
+    assert_int_equal(cuda_blas_create(g->stream, g->ws, 32u << 20, &blas), FP4MOE_OK);
+    g->ops.stream = g->stream;
+    g->ops.blas = blas;
+    g->ops.route = FP4MOE_ROUTE_AUTO;
+}
+static void ctx_free(gpu_ctx *g) {
+    cuda_blas_destroy(g->ops.blas);
+    gt_free(g->ws);
+    GT_CHECK(cudaStreamDestroy(g->stream));
+}
+
+/* ---- cuda_moe_route ------------------------------------------------------------------------ */
+
+static void route_case(gpu_ctx *g, int64_t T, int64_t E, int64_t k, int64_t G, int64_t TG, int64_t H, int bias,
+                       uint64_t seed) {
+    tu_rng r;
+    tu_rng_seed(&r, seed);
+    float *x = randf(&r, T * H, 1.0), *W = randf(&r, E * H, 0.05), *b = bias ? randf(&r, E, 0.5) : NULL;
+    const int64_t B = T * k;
+    float *dx = gt_upload(x, (size_t)(T * H) * 4), *dW = gt_upload(W, (size_t)(E * H) * 4);
+    float *db = b ? gt_upload(b, (size_t)E * 4) : NULL;
+    float *dlg = gt_upload(NULL, (size_t)(T * E) * 4), *dw = gt_upload(NULL, (size_t)B * 4);
+    int32_t *dids = gt_upload(NULL, (size_t)B * 4);
+    uint32_t *drow = gt_upload(NULL, (size_t)B * 4), *didx = gt_upload(NULL, (size_t)B * 4),
+             *dpos = gt_upload(NULL, (size_t)B * 4);
+    gt_poison(dlg, (size_t)(T * E) * 4);
+    gt_poison(dw, (size_t)B * 4);
+    gt_poison(dids, (size_t)B * 4);
+    gt_poison(drow, (size_t)B * 4);
+    gt_poison(didx, (size_t)B * 4);
+    gt_poison(dpos, (size_t)B * 4);
+    const cuda_router_cfg rc = {E, k, G, TG, 1, 2.5f, db};
+    assert_int_equal(cuda_moe_route(&g->ops, &rc, dx, T, dW, H, dlg, dids, dw, drow, didx, dpos), FP4MOE_OK);
+    GT_CHECK(cudaStreamSynchronize(g->stream));
+    float *lg = malloc((size_t)(T * E) * 4), *w = malloc((size_t)B * 4), *wc = malloc((size_t)B * 4);
+    int32_t *ids = malloc((size_t)B * 4), *idsc = malloc((size_t)B * 4);
+    uint32_t *row = malloc((size_t)B * 4), *idx = malloc((size_t)B * 4), *pos = malloc((size_t)B * 4);
+    uint32_t *rowc = malloc((size_t)B * 4), *idxc = malloc((size_t)B * 4), *posc = malloc((size_t)B * 4);
+    gt_download(lg, dlg, (size_t)(T * E) * 4);
+    gt_download(w, dw, (size_t)B * 4);
+    gt_download(ids, dids, (size_t)B * 4);
+    gt_download(row, drow, (size_t)B * 4);
+    gt_download(idx, didx, (size_t)B * 4);
+    gt_download(pos, dpos, (size_t)B * 4);
+    /* the logits: fp32 sums of H products against fp64 (bound: H ulps of the sum of |products|) */
+    int bad = 0;
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t e = 0; e < E; e++) {
+            double ref = 0.0, mag = 0.0;
+            for (int64_t i = 0; i < H; i++) {
+                ref += (double)x[t * H + i] * W[e * H + i];
+                mag += fabs((double)x[t * H + i] * W[e * H + i]);
+            }
+            const double err = fabs(lg[t * E + e] - ref);
+            if (!(err <= (double)H * 0x1p-24 * mag + 1e-30)) { /* the fp32 summation bound */
+                if (bad++ < 3) fprintf(stderr, "T=%lld E=%lld H=%lld: logit[%lld][%lld] %.9g vs %.9g\n", (long long)T,
+                                       (long long)E, (long long)H, (long long)t, (long long)e, lg[t * E + e], ref);
+            }
+        }
+    assert_int_equal(bad, 0);
+    /* top-k and sort: the CPU ops on the GPU's logits */
+    const op_router_cfg oc = {E, k, G, TG, 1, 2.5f, b};
+    assert_int_equal(op_router_topk(&oc, lg, T, idsc, wc), FP4MOE_OK);
+    assert_memory_equal(ids, idsc, (size_t)B * 4);
+    for (int64_t i = 0; i < B; i++) /* the device's expf may differ from libm's by an ulp */
+        if (!(fabsf(w[i] - wc[i]) <= 4e-7f * fabsf(wc[i]))) fail_msg("T=%lld: weight %lld %.9g vs %.9g", (long long)T,
+                                                                    (long long)i, w[i], wc[i]);
+    assert_int_equal(op_sort_by_expert(idsc, B, E, rowc, idxc, posc), FP4MOE_OK);
+    assert_memory_equal(row, rowc, (size_t)B * 4);
+    assert_memory_equal(idx, idxc, (size_t)B * 4);
+    assert_memory_equal(pos, posc, (size_t)B * 4);
+    free(x); free(W); free(b); free(lg); free(w); free(wc); free(ids); free(idsc);
+    free(row); free(idx); free(pos); free(rowc); free(idxc); free(posc);
+    gt_free(dx); gt_free(dW); gt_free(db); gt_free(dlg); gt_free(dw); gt_free(dids);
+    gt_free(drow); gt_free(didx); gt_free(dpos);
+}
+
+static void test_moe_route(void **state) {
+    gpu_ctx *g = *state;
+    const int64_t Ts[] = {1, 2, 5, 6, 11, 16, 17, 40};
+    for (size_t i = 0; i < sizeof Ts / sizeof Ts[0]; i++) {
+        route_case(g, Ts[i], 128, 6, 1, 1, 2688, 1, 100 + i); /* Nemotron: warp sort to T = 5 */
+        route_case(g, Ts[i], 8, 2, 4, 2, 96, 0, 200 + i);      /* groups, no bias */
+    }
+    route_case(g, 3, 128, 6, 1, 1, 2690, 1, 300); /* H % 4 != 0: the cuBLAS path */
+}
+
+/* ---- cuda_rmsnorm with the residual folded in -------------------------------------------------- */
+
+static void norm_case(gpu_ctx *g, int64_t T, int64_t H, int na, uint64_t seed) {
+    tu_rng r;
+    tu_rng_seed(&r, seed);
+    float *h = randf(&r, T * H, 3.0), *w = randf(&r, H, 1.0);
+    uint16_t *a = randb(&r, T * H, 1.0), *b = randb(&r, T * H, 1.0);
+    float *dh = gt_upload(h, (size_t)(T * H) * 4), *dw = gt_upload(w, (size_t)H * 4);
+    uint16_t *da = gt_upload(a, (size_t)(T * H) * 2), *db = gt_upload(b, (size_t)(T * H) * 2);
+    uint16_t *dy = gt_upload(NULL, (size_t)(T * H) * 2);
+    float *dy32 = gt_upload(NULL, (size_t)(T * H) * 4);
+    gt_poison(dy, (size_t)(T * H) * 2);
+    gt_poison(dy32, (size_t)(T * H) * 4);
+    assert_int_equal(cuda_rmsnorm(g->stream, dh, na ? da : NULL, na > 1 ? db : NULL, dw, T, H, 1e-5f, dy, dy32),
+                     FP4MOE_OK);
+    GT_CHECK(cudaStreamSynchronize(g->stream));
+    float *gh = malloc((size_t)(T * H) * 4), *gy32 = malloc((size_t)(T * H) * 4), *ref = malloc((size_t)(T * H) * 4);
+    uint16_t *gy = malloc((size_t)(T * H) * 2);
+    gt_download(gh, dh, (size_t)(T * H) * 4);
+    gt_download(gy, dy, (size_t)(T * H) * 2);
+    gt_download(gy32, dy32, (size_t)(T * H) * 4);
+    for (int64_t i = 0; i < T * H; i++) { /* the CPU residual: h + (a + b) */
+        float o = bf16_to_f32(a[i]);
+        if (na > 1) o += bf16_to_f32(b[i]);
+        if (na) h[i] += o;
+    }
+    assert_memory_equal(gh, h, (size_t)(T * H) * 4);
+    op_rmsnorm(h, w, T, H, 1e-5f, ref);
+    int bad = 0;
+    for (int64_t i = 0; i < T * H; i++) {
+        const float cpu = bf16_to_f32(f32_to_bf16(ref[i])), gpu = bf16_to_f32(gy[i]);
+        const float step = fabsf(cpu) * 0x1p-7f + 1e-30f;
+        if (!(fabsf(gpu - cpu) <= step) || gy32[i] != gpu) {
+            if (bad++ < 3) fprintf(stderr, "rmsnorm T=%lld H=%lld na=%d: [%lld] gpu %g (y32 %g) cpu %g\n", (long long)T,
+                                   (long long)H, na, (long long)i, gpu, gy32[i], cpu);
+        }
+    }
+    assert_int_equal(bad, 0);
+    free(h); free(w); free(a); free(b); free(gh); free(gy32); free(ref); free(gy);
+    gt_free(dh); gt_free(dw); gt_free(da); gt_free(db); gt_free(dy); gt_free(dy32);
+}
+
+static void test_rmsnorm_residual(void **state) {
+    gpu_ctx *g = *state;
+    const int64_t Hs[] = {2688, 4100, 7}, Ts[] = {1, 3, 64};
+    uint64_t seed = 1;
+    for (size_t i = 0; i < 3; i++)
+        for (size_t j = 0; j < 3; j++)
+            for (int na = 0; na <= 2; na++) norm_case(g, Ts[j], Hs[i], na, seed++);
+}
+
+/* ---- relu^2 in the gather_qmm epilogue ---------------------------------------------------------- */
+
+static void relu2_case(gpu_ctx *g, int64_t E, int64_t N, int64_t K, int64_t B, tu_idx_pattern pat, fp4moe_route route,
+                       int expect_fused, uint64_t seed) {
+    tu_rng r;
+    tu_rng_seed(&r, seed);
+    tu_weights tw;
+    assert_int_equal(tu_weights_random(&tw, E, N, K, 1, &r), 0);
+    fp4moe_nvfp4_weights w = tw.w;
+    w.codes = gt_upload(tw.codes, (size_t)(E * N * K / 2));
+    w.scales = gt_upload(tw.scales, (size_t)(E * N * K / 16));
+    w.global_scale = gt_upload(tw.gs, (size_t)E * 4);
+    void *x = tu_random_x(FP4MOE_BF16, B, K, &r);
+    uint32_t *idx = tu_make_idx(pat, B, E, 6, &r);
+    void *dx = gt_upload(x, (size_t)(B * K) * 2);
+    uint32_t *didx = gt_upload(idx, (size_t)B * 4);
+    uint16_t *y1 = gt_upload(NULL, (size_t)(B * N) * 2), *y2 = gt_upload(NULL, (size_t)(B * N) * 2);
+    gt_poison(y1, (size_t)(B * N) * 2);
+    gt_poison(y2, (size_t)(B * N) * 2);
+    const int sorted = pat != TU_IDX_UNSORTED;
+    int fused = -1, plain = -1;
+    assert_int_equal(gather_qmm_cuda_ex(&w, dx, FP4MOE_BF16, didx, B, sorted, route, 1, y1, g->stream, &fused),
+                     FP4MOE_OK);
+    assert_int_equal(gather_qmm_cuda_ex(&w, dx, FP4MOE_BF16, didx, B, sorted, route, 0, y2, g->stream, &plain),
+                     FP4MOE_OK);
+    assert_int_equal(plain, 0);
+    assert_int_equal(fused, expect_fused);
+    if (!fused) assert_int_equal(cuda_relu2(g->stream, y1, B * N), FP4MOE_OK);
+    assert_int_equal(cuda_relu2(g->stream, y2, B * N), FP4MOE_OK);
+    GT_CHECK(cudaStreamSynchronize(g->stream));
+    uint16_t *h1 = malloc((size_t)(B * N) * 2), *h2 = malloc((size_t)(B * N) * 2);
+    gt_download(h1, y1, (size_t)(B * N) * 2);
+    gt_download(h2, y2, (size_t)(B * N) * 2);
+    int64_t nan = 0, neg = 0;
+    for (int64_t i = 0; i < B * N; i++) {
+        const float v = bf16_to_f32(h1[i]);
+        nan += isnan(v);
+        neg += v < 0.0f;
+    }
+    assert_int_equal(nan, 0);
+    assert_int_equal(neg, 0);
+    if (memcmp(h1, h2, (size_t)(B * N) * 2))
+        fail_msg("relu2 epilogue (route %s, B=%lld, N=%lld, K=%lld) differs from gather_qmm + relu2",
+                 fp4moe_route_name(route), (long long)B, (long long)N, (long long)K);
+    free(h1); free(h2); free(x); free(idx);
+    gt_free(dx); gt_free(didx); gt_free(y1); gt_free(y2);
+    gt_free((void *)w.codes); gt_free((void *)w.scales); gt_free((void *)w.global_scale);
+    tu_weights_free(&tw);
+}
+
+static void test_relu2_epilogue(void **state) {
+    gpu_ctx *g = *state;
+    relu2_case(g, 128, 1856, 2688, 6, TU_IDX_TOPK_SORTED, FP4MOE_ROUTE_AUTO, 1, 1);  /* qmv decode kernel */
+    relu2_case(g, 8, 100, 48, 29, TU_IDX_UNSORTED, FP4MOE_ROUTE_AUTO, 1, 2);         /* fp32-FMA qmv (K % 32) */
+    relu2_case(g, 8, 100, 64, 48, TU_IDX_UNSORTED, FP4MOE_ROUTE_QMV, 1, 3);          /* qmv, 48 rows */
+    relu2_case(g, 128, 1856, 2688, 3072, TU_IDX_TOPK_SORTED, FP4MOE_ROUTE_BATCHED, 1, 4);
+    relu2_case(g, 128, 100, 64, 3072, TU_IDX_OOR_TAIL, FP4MOE_ROUTE_QMV, 1, 5);      /* qmv tiled */
+    relu2_case(g, 8, 100, 64, 3072, TU_IDX_DUPLICATES, FP4MOE_ROUTE_DEQUANT_GEMM, 0, 6);
+}
+
+/* ---- cuda_moe_combine ------------------------------------------------------------------------------ */
+
+static void combine_case(gpu_ctx *g, int64_t T, int64_t H, int64_t k, uint64_t seed) {
+    tu_rng r;
+    tu_rng_seed(&r, seed);
+    const int64_t B = T * k;
+    uint16_t *ys = randb(&r, B * H, 1.0);
+    float *w = randf(&r, B, 1.0), *ysf = malloc((size_t)(B * H) * 4), *ref = malloc((size_t)(T * H) * 4);
+    uint32_t *pos = malloc((size_t)B * 4);
+    for (int64_t i = 0; i < B; i++) pos[i] = (uint32_t)i;
+    for (int64_t i = B - 1; i > 0; i--) { /* a random permutation: the sorted positions */
+        const uint32_t j = tu_rng_below(&r, (uint32_t)(i + 1)), t = pos[i];
+        pos[i] = pos[j];
+        pos[j] = t;
+    }
+    for (int64_t i = 0; i < B * H; i++) ysf[i] = bf16_to_f32(ys[i]);
+    uint16_t *dys = gt_upload(ys, (size_t)(B * H) * 2), *dout = gt_upload(NULL, (size_t)(T * H) * 2);
+    uint32_t *dpos = gt_upload(pos, (size_t)B * 4);
+    float *dw = gt_upload(w, (size_t)B * 4);
+    gt_poison(dout, (size_t)(T * H) * 2);
+    assert_int_equal(cuda_moe_combine(g->stream, dys, H, dpos, dw, T, k, dout), FP4MOE_OK);
+    GT_CHECK(cudaStreamSynchronize(g->stream));
+    uint16_t *out = malloc((size_t)(T * H) * 2);
+    gt_download(out, dout, (size_t)(T * H) * 2);
+    for (int64_t t = 0; t < T; t++) /* op_moe_combine's order, no contraction into an FMA */
+        for (int64_t i = 0; i < H; i++) {
+            float o = 0.0f;
+            for (int64_t j = 0; j < k; j++) {
+                volatile float p = w[t * k + j] * ysf[(int64_t)pos[t * k + j] * H + i];
+                o = o + p;
+            }
+            ref[t * H + i] = o;
+        }
+    int64_t bad = 0;
+    for (int64_t i = 0; i < T * H; i++) bad += out[i] != f32_to_bf16(ref[i]);
+    if (bad) fail_msg("combine T=%lld H=%lld k=%lld: %lld elements differ", (long long)T, (long long)H, (long long)k,
+                      (long long)bad);
+    free(ys); free(w); free(ysf); free(ref); free(pos); free(out);
+    gt_free(dys); gt_free(dout); gt_free(dpos); gt_free(dw);
+}
+
+static void test_combine(void **state) {
+    gpu_ctx *g = *state;
+    combine_case(g, 1, 2688, 6, 1);
+    combine_case(g, 5, 2688, 6, 2);
+    combine_case(g, 100, 2688, 6, 3); /* 256-thread rows */
+    combine_case(g, 3, 5000, 11, 4);  /* k > 8: two slot batches; H > one batch */
+    combine_case(g, 2, 7, 1, 5);
+}
+
+static int setup(void **state) {
+    gpu_ctx *g = malloc(sizeof *g);
+    ctx_make(g);
+    *state = g;
+    return 0;
+}
+static int teardown(void **state) {
+    ctx_free(*state);
+    free(*state);
+    return 0;
+}
+
+int main(void) {
+    gt_require_gpu("test_ops_gpu");
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_moe_route),
+        cmocka_unit_test(test_rmsnorm_residual),
+        cmocka_unit_test(test_relu2_epilogue),
+        cmocka_unit_test(test_combine),
+    };
+    return cmocka_run_group_tests(tests, setup, teardown);
+}
