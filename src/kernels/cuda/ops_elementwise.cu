@@ -88,10 +88,13 @@ __device__ __forceinline__ float inv_rms_from(double ss, int64_t n, float eps) {
     return __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn((float)(ss / (double)n), eps)));
 }
 
-/* One block per row. The elements are read in batches of NORM_U per thread, all loads of a batch
- * before any use (a plain loop waits one memory round trip per element: 11 us for one row), and
- * the second pass reuses the first pass's registers when the row fits (H <= NORM_THREADS * NORM_U). */
-#define NORM_U 16
+/* One block of RMSNORM_THREADS per row. The elements are read in batches of NORM_U per thread, all
+ * loads of a batch before any use (a plain loop waits one memory round trip per element: 11 us for
+ * one row), and the second pass reuses the first pass's registers when the row fits
+ * (H <= RMSNORM_THREADS * NORM_U = 4096); few registers, so that long prefill steps keep the GPU
+ * full. */
+#define NORM_U 4
+#define RMSNORM_THREADS 1024
 __global__ void rmsnorm_kernel(float *__restrict__ x, const uint16_t *__restrict__ ra, const uint16_t *__restrict__ rb,
                                const float *__restrict__ w, int64_t H, float eps, uint16_t *__restrict__ y,
                                float *__restrict__ y32, const int32_t *__restrict__ rows) {
@@ -148,8 +151,8 @@ __global__ void rmsnorm_kernel(float *__restrict__ x, const uint16_t *__restrict
 extern "C" int cuda_rmsnorm(void *stream, float *x, const uint16_t *a, const uint16_t *b, const float *w,
                             int64_t T, int64_t H, float eps, uint16_t *y, float *y32) {
     if (T <= 0) return FP4MOE_OK;
-    rmsnorm_kernel<<<(unsigned)T, NORM_THREADS, 0, (cudaStream_t)stream>>>(x, a, a ? b : NULL, w, H, eps, y, y32,
-                                                                           NULL);
+    rmsnorm_kernel<<<(unsigned)T, RMSNORM_THREADS, 0, (cudaStream_t)stream>>>(x, a, a ? b : NULL, w, H, eps, y, y32,
+                                                                              NULL);
     OPS_LAUNCH_CHECK("rmsnorm");
     return FP4MOE_OK;
 }
@@ -364,8 +367,8 @@ extern "C" int cuda_argmax_rows_f32(void *stream, const float *x, int64_t rows, 
 extern "C" int cuda_rmsnorm_rows(void *stream, const float *x, const int32_t *rows, int64_t n, const float *w,
                                  int64_t H, float eps, uint16_t *y) {
     if (n <= 0) return FP4MOE_OK;
-    rmsnorm_kernel<<<(unsigned)n, NORM_THREADS, 0, (cudaStream_t)stream>>>((float *)x, NULL, NULL, w, H, eps, y,
-                                                                           NULL, rows);
+    rmsnorm_kernel<<<(unsigned)n, RMSNORM_THREADS, 0, (cudaStream_t)stream>>>((float *)x, NULL, NULL, w, H, eps, y,
+                                                                              NULL, rows);
     OPS_LAUNCH_CHECK("rmsnorm rows");
     return FP4MOE_OK;
 }

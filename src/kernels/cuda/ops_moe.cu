@@ -230,7 +230,7 @@ route_logits_kernel(const float *__restrict__ x, int T, const float *__restrict_
         for (int t = 0; t < ROUTE_MAX_T; t++) acc[t] = 0.0f;
         const float4 *w = reinterpret_cast<const float4 *>(W + (int64_t)e * H);
         const float4 *x4 = reinterpret_cast<const float4 *>(x);
-#pragma unroll 4
+#pragma unroll 2
         for (int i = lo + lane; i < hi; i += 32) {
             const float4 wv = __ldg(w + i);
 #pragma unroll
