@@ -390,13 +390,11 @@ static int bench(bench_args *a) {
     fp4moe_dtype dt;
     fp4moe_route route;
     fp4moe_device dev;
-    int rc = cli_parse_device(CMD, a->device, &dev);
-    if (rc) return rc;
-    if (!a->dtype) a->dtype = dev == FP4MOE_DEVICE_CUDA ? "bf16" : "f32";
-    if ((rc = cli_parse_dtype(CMD, a->dtype, &dt))) return rc;
     fp4moe_cpu_act ca;
-    if ((rc = cli_parse_cpu_act(CMD, a->cpu_act, dev, &ca))) return rc;
-    a->cpu_act = fp4moe_cpu_act_name(ca); /* the mode in force, for the report */
+    int rc = cli_parse_compute(CMD, a->device, a->dtype, a->cpu_act, &dev, &dt, &ca);
+    if (rc) return rc;
+    a->dtype = fp4moe_dtype_name(dt);     /* the settings in force, for the report */
+    a->cpu_act = fp4moe_cpu_act_name(ca);
     if (fp4moe_route_parse(a->route, &route))
         return cli_usage_error(CMD, "--route must be auto, qmv, batched or dequant_gemm");
     if (a->warmup < 0) a->warmup = dev == FP4MOE_DEVICE_CUDA ? 1 : 0;

@@ -89,12 +89,9 @@ static int answer(const chat_args *a, fp4moe_session *s, int64_t V, fp4moe_token
 static int chat(const chat_args *a) {
     fp4moe_device dev;
     fp4moe_dtype dt;
-    int rc = cli_parse_device(CMD, a->device, &dev);
-    if (rc) return rc;
     fp4moe_cpu_act ca;
-    if ((rc = cli_parse_cpu_act(CMD, a->cpu_act, dev, &ca))) return rc;
-    if ((rc = cli_parse_dtype(CMD, a->dtype ? a->dtype : (dev == FP4MOE_DEVICE_CUDA ? "bf16" : "f32"), &dt)))
-        return rc;
+    int rc = cli_parse_compute(CMD, a->device, a->dtype, a->cpu_act, &dev, &dt, &ca);
+    if (rc) return rc;
     char *src = cli_load_chat_template(a->model, a->chat_template);
     if (!src) return cli_fail(CMD, FP4MOE_EINVAL);
     fp4moe_template *tmpl = NULL;

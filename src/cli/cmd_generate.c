@@ -155,6 +155,15 @@ int cli_parse_dtype(const char *cmd, const char *s, fp4moe_dtype *dt) {
     return FP4MOE_EXIT_OK;
 }
 
+int cli_parse_compute(const char *cmd, const char *device, const char *dtype, const char *cpu_act,
+                      fp4moe_device *dev, fp4moe_dtype *dt, fp4moe_cpu_act *ca) {
+    int rc = cli_parse_device(cmd, device, dev);
+    if (rc) return rc;
+    if (*dev == FP4MOE_DEVICE_DEFAULT) *dev = fp4moe_cuda_available() ? FP4MOE_DEVICE_CUDA : FP4MOE_DEVICE_CPU;
+    if ((rc = cli_parse_dtype(cmd, dtype ? dtype : (*dev == FP4MOE_DEVICE_CUDA ? "bf16" : "f32"), dt))) return rc;
+    return cli_parse_cpu_act(cmd, cpu_act, *dev, ca);
+}
+
 /* ---- generate -------------------------------------------------------------------------------- */
 
 typedef struct {
@@ -378,12 +387,9 @@ static int generate(const gen_args *a) {
     memset(&g, 0, sizeof g);
     fp4moe_dtype dt;
     fp4moe_device dev;
-    int rc = cli_parse_device(CMD, a->device, &dev);
-    if (rc) return rc;
     fp4moe_cpu_act ca;
-    if ((rc = cli_parse_cpu_act(CMD, a->cpu_act, dev, &ca))) return rc;
-    if ((rc = cli_parse_dtype(CMD, a->dtype ? a->dtype : (dev == FP4MOE_DEVICE_CUDA ? "bf16" : "f32"), &dt)))
-        return rc;
+    int rc = cli_parse_compute(CMD, a->device, a->dtype, a->cpu_act, &dev, &dt, &ca);
+    if (rc) return rc;
     const volatile sig_atomic_t *stop = cli_install_sigint();
     char *text = NULL;                      /* -f FILE / -p -: the prompt text */
     gen_args ta = *a;

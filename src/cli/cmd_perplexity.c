@@ -181,12 +181,9 @@ static int perplexity(const ppl_args *a) {
     memset(&p, 0, sizeof p);
     fp4moe_dtype dt;
     fp4moe_device dev;
-    int rc = cli_parse_device(CMD, a->device, &dev);
-    if (rc) return rc;
-    if (dev == FP4MOE_DEVICE_DEFAULT) dev = fp4moe_cuda_available() ? FP4MOE_DEVICE_CUDA : FP4MOE_DEVICE_CPU;
-    if ((rc = cli_parse_dtype(CMD, a->dtype ? a->dtype : (dev == FP4MOE_DEVICE_CUDA ? "bf16" : "f32"), &dt))) return rc;
     fp4moe_cpu_act ca;
-    if ((rc = cli_parse_cpu_act(CMD, a->cpu_act, dev, &ca))) return rc;
+    int rc = cli_parse_compute(CMD, a->device, a->dtype, a->cpu_act, &dev, &dt, &ca);
+    if (rc) return rc;
     ppl_args resolved = *a;                  /* the dtype in force, for the report */
     resolved.dtype = fp4moe_dtype_name(dt);
     resolved.cpu_act = fp4moe_cpu_act_name(ca);

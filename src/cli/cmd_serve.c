@@ -48,12 +48,9 @@ static const char *base_name(const char *path) {
 static int serve(const serve_args *a) {
     fp4moe_device dev;
     fp4moe_dtype dt;
-    int rc = cli_parse_device(CMD, a->device, &dev);
-    if (rc) return rc;
-    if (dev == FP4MOE_DEVICE_DEFAULT) dev = fp4moe_cuda_available() ? FP4MOE_DEVICE_CUDA : FP4MOE_DEVICE_CPU;
-    if ((rc = cli_parse_dtype(CMD, a->dtype ? a->dtype : (dev == FP4MOE_DEVICE_CUDA ? "bf16" : "f32"), &dt))) return rc;
     fp4moe_cpu_act ca;
-    if ((rc = cli_parse_cpu_act(CMD, a->cpu_act, dev, &ca))) return rc;
+    int rc = cli_parse_compute(CMD, a->device, a->dtype, a->cpu_act, &dev, &dt, &ca);
+    if (rc) return rc;
     const char *tok_dir = a->tokenizer ? a->tokenizer : a->model;
     fp4moe_tokenizer *tok = NULL;
     int st = fp4moe_tokenizer_load(tok_dir, &tok);

@@ -43,6 +43,11 @@ int cli_parse_dtype(const char *cmd, const char *s, fp4moe_dtype *dt);
 /* --cpu-act: "float" -> FLOAT, "q8" -> Q8; NULL -> Q8 on the CPU, FLOAT on CUDA (dev DEFAULT: CUDA
  * when a GPU is visible); else, and q8 on CUDA, a usage error (exit code 2). */
 int cli_parse_cpu_act(const char *cmd, const char *s, fp4moe_device dev, fp4moe_cpu_act *ca);
+/* The compute options of the model commands at once: --device (auto resolved here: cuda when a GPU
+ * is visible), --dtype (NULL: bf16 on cuda, f32 on the cpu) and --cpu-act, in that order. Returns
+ * an exit code (FP4MOE_EXIT_USAGE with a message naming the option). */
+int cli_parse_compute(const char *cmd, const char *device, const char *dtype, const char *cpu_act,
+                      fp4moe_device *dev, fp4moe_dtype *dt, fp4moe_cpu_act *ca);
 /* The --cpu-act option's help text (one place for every command). */
 #define CLI_CPU_ACT_HELP "CPU NVFP4 matmuls: q8 (the CPU default: W4A8, the activations, after --dtype's rounding, as int8 per 16-element block; integer dot products; +0.03% held-out perplexity on the default model, docs/PERFORMANCE.md) or float (activations at --dtype: the f32 contract, equal to transformers); cuda: float only"
 /* Installs a SIGINT handler; the returned flag becomes 1 on Ctrl-C. */

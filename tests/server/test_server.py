@@ -306,9 +306,15 @@ def main():
         except openai.RateLimitError:
             check(True, "a request beyond --max-seqs + --max-queue gets 429")
         sock.close()
-        time.sleep(0.3)
-        t, _, _ = complete(s3.client(), p0, 24, False)
-        check(t == ref, "after the 429 and the disconnect the server answers again")
+        t = None
+        for _ in range(100):  # the server frees the slot when it sees the disconnect (a loaded machine: later)
+            time.sleep(0.1)
+            try:
+                t, _, _ = complete(s3.client(), p0, 24, False)
+                break
+            except openai.RateLimitError:
+                continue
+        check(t == ref, "after the 429 and the disconnect the server answers again (within 10 s)")
     finally:
         s3.stop()
     print("%d failure(s)" % len(FAILS))
