@@ -5,6 +5,8 @@
 #   -DFP4MOE_INJECT_FAULT=global_scale   every route ignores the per-expert global scale
 #   -DFP4MOE_INJECT_FAULT=expert_offset  every route reads expert e's weights at expert e+1 (e-1 for the last)
 #   -DFP4MOE_INJECT_FAULT=q8_offset      the W4A8 kernels drop the correction of their unsigned weights
+#   -DFP4MOE_INJECT_FAULT=ep_order       expert parallelism returns the owners' results in sorted order
+#                                        (tests/model/test_ep must fail; it runs once, no routes)
 # and runs tests/kernels/test_gather_qmm once per route and activation mode (FP4MOE_TEST_ROUTE=
 # qmv|batched|dequant_gemm|auto with FP4MOE_TEST_ACT=float, qmv|batched|auto with FP4MOE_TEST_ACT=q8),
 # so that one failing route cannot hide another that passes. Passes only if EVERY route's tests FAIL in
@@ -17,7 +19,7 @@ cd "$(dirname "$0")/.."
 
 JOBS=${JOBS:-2}
 FAULT_CMAKE_FLAGS=${FAULT_CMAKE_FLAGS:--DFP4MOE_CUDA=OFF}
-FAULTS=(global_scale expert_offset q8_offset)
+FAULTS=(global_scale expert_offset q8_offset ep_order)
 ROUTES=(qmv:float batched:float dequant_gemm:float auto:float qmv:q8 batched:q8 auto:q8)
 quick=1
 [[ "${FAULT_CHECK_FULL:-0}" == 1 ]] && quick=0
@@ -30,7 +32,8 @@ for fault in "${FAULTS[@]}"; do
   # shellcheck disable=SC2086
   if ! cmake -S . -B "$dir" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DFP4MOE_INJECT_FAULT="$fault" \
          $FAULT_CMAKE_FLAGS > "$log" 2>&1 ||
-     ! cmake --build "$dir" -j "$JOBS" --target test_gather_qmm >> "$log" 2>&1; then
+     ! cmake --build "$dir" -j "$JOBS" --target "$([[ $fault == ep_order ]] && echo test_ep || echo test_gather_qmm)" \
+         >> "$log" 2>&1; then
     echo "fault-check: FAILED to build $dir (see $log)"
     tail -20 "$log"
     exit 1
@@ -43,8 +46,11 @@ for fault in "${FAULTS[@]}"; do
   for combo in "${ROUTES[@]}"; do
     route=${combo%%:*} act=${combo##*:}
     [[ $fault == q8_offset && $act != q8 ]] && continue
+    [[ $fault == ep_order && $combo != qmv:float ]] && continue
     log=build-fault-$fault/fault-$route-$act.log
-    FP4MOE_TEST_ROUTE=$route FP4MOE_TEST_ACT=$act FP4MOE_TEST_QUICK=$quick build-fault-$fault/test_gather_qmm > "$log" 2>&1
+    prog=build-fault-$fault/test_gather_qmm
+    [[ $fault == ep_order ]] && prog=build-fault-$fault/test_ep
+    FP4MOE_TEST_ROUTE=$route FP4MOE_TEST_ACT=$act FP4MOE_TEST_QUICK=$quick $prog > "$log" 2>&1
     rc=$?
     nfail=$(grep '^\[  FAILED  \] [^0-9]' "$log" | sort -u | wc -l)
     if (( rc > 128 )); then

@@ -1,0 +1,50 @@
+/* Expert parallelism (issue 13): the exchange of a MoE layer's rows between ranks that each own a
+ * contiguous range of the routed experts (vLLM / SGLang "EP": all-to-all dispatch, the experts run
+ * where their weights are, all-to-all combine), over a transport interface: an in-process loopback
+ * of N ranks (threads; what `make test` runs) now, NCCL (ncclSend/ncclRecv in a group) on
+ * multi-GPU machines. Host memory; the CPU backend's buffers. Not yet wired into the forward and
+ * the sessions (docs/EP.md says what is left). */
+#ifndef FP4MOE_MODEL_EP_H
+#define FP4MOE_MODEL_EP_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+typedef struct ep_transport ep_transport;
+struct ep_transport {
+    int rank, world;
+    /* Collective (every rank of the world calls it, in the same order): send_bytes[d] bytes to each
+     * rank d, the pieces concatenated in rank order in `send`; what rank s sends to this rank lands
+     * in `recv`, concatenated in rank order, recv_bytes[s] bytes each. Errors: FP4MOE_EOVERFLOW
+     * when more than recv_cap bytes arrive (after taking part, so that no rank waits forever). */
+    int (*alltoallv)(ep_transport *t, const void *send, const int64_t *send_bytes, void *recv,
+                     int64_t recv_cap, int64_t *recv_bytes);
+    void *impl;
+};
+
+/* world (1..64) ranks in one process: ranks[r] for r < world share one exchange, and each must be
+ * driven by its own thread (an exchange returns when every rank has called it). Errors:
+ * FP4MOE_EINVAL (world), FP4MOE_ENOMEM. ep_loopback_free frees all of them. */
+int ep_loopback_create(int world, ep_transport **ranks);
+void ep_loopback_free(ep_transport **ranks, int world);
+
+/* The routed experts [*lo, *hi) of rank r: contiguous ranges, floor(r * E / world) .. floor((r+1) *
+ * E / world) (E not divisible by world: some ranks own one expert more; world > E: some none). */
+void ep_expert_range(int64_t E, int world, int rank, int64_t *lo, int64_t *hi);
+
+/* Computes the rows a rank owns: y (n rows) = the experts idx[i] (global ids, non-decreasing, all
+ * in the rank's range) applied to x (n rows). Returns an fp4moe status. */
+typedef int (*ep_expert_fn)(void *ctx, const void *x, const uint32_t *idx, int64_t n, void *y);
+
+/* One rank's routed-expert step (collective): rows xs (B rows of in_row bytes; idx[b] the expert of
+ * row b, non-decreasing, >= E for rows that go nowhere) go to the ranks that own their experts,
+ * which run fn on everything they received (sorted by expert, stably: rank order, then row order),
+ * and the results (out_row bytes a row) come back into ys in the original row order; rows with
+ * idx >= E are zeros (the gather_qmm contract). Every output byte equals what one rank computing
+ * all rows gets whenever fn's result for a row does not depend on the other rows. Errors:
+ * FP4MOE_EINVAL (idx not sorted), FP4MOE_ENOMEM, fn's, the transport's; on an error every rank
+ * still takes part in every exchange of the step. */
+int ep_moe_exchange(ep_transport *t, int64_t E, const uint32_t *idx, const void *xs, int64_t B, size_t in_row,
+                    size_t out_row, ep_expert_fn fn, void *ctx, void *ys);
+
+#endif
