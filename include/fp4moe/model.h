@@ -283,6 +283,21 @@ typedef enum {
 const char *fp4moe_prof_kind_name(fp4moe_prof_kind k);
 int fp4moe_session_profile(fp4moe_session *s, double ms[FP4MOE_PROF_KINDS], int reset);
 
+/* ---- expert parallelism (issue 13, docs/EP.md) ---------------------------------------------------- */
+
+/* A group of `world` ranks in this process (1..64) that split the routed experts of every MoE
+ * layer: rank r runs the experts [floor(r E / world), floor((r+1) E / world)) for the rows of every
+ * rank (all-to-all dispatch and combine over an in-process loopback transport), and its own
+ * sequences through the rest of the model. A rank is a batch (fp4moe_batch_options.ep, .ep_rank)
+ * driven by its own thread; every rank's batch must run the same number of steps (a rank with
+ * nothing to do steps with n = 0), because each MoE layer of a step is a collective. Greedy ids are
+ * those of one rank (the CPU computes each row's experts the same wherever it runs). CPU batches
+ * only for now (multi-GPU with NCCL: docs/EP.md). Errors: FP4MOE_EINVAL (world), FP4MOE_ENOMEM. */
+typedef struct fp4moe_ep_group fp4moe_ep_group;
+int fp4moe_ep_group_new(int world, fp4moe_ep_group **out);
+/* After every batch that uses it is freed. */
+void fp4moe_ep_group_free(fp4moe_ep_group *g);
+
 /* ---- batch: many sequences in one forward (continuous batching) ---------------------------------- */
 
 /* A batch runs many sequences through ONE forward per step: every row of every sequence goes
@@ -309,6 +324,9 @@ typedef struct {
     int profile;
     const volatile sig_atomic_t *interrupt;
     fp4moe_cpu_act cpu_act;     /* as fp4moe_session_options */
+    fp4moe_ep_group *ep;        /* NULL (default): all experts here; else this batch is rank ep_rank
+                                   of that expert-parallel group (CPU only) */
+    int ep_rank;
 } fp4moe_batch_options;
 
 /* max_seqs 16, max_step_tokens 256, act f32 (CPU) / bf16 (CUDA) by device, route auto. */

@@ -15,6 +15,7 @@
 #include "backend/backend.h"
 #include "common/error.h"
 #include "model/forward.h"
+#include "model/ep.h"
 #include "model/model_internal.h"
 
 #define TRY(expr)                                                                                  \
@@ -210,6 +211,11 @@ int fp4moe_batch_new(const fp4moe_model *m, const fp4moe_batch_options *opts, fp
     if (o.max_seqs < 1 || o.max_seqs > (1 << 20))
         return fp4moe_set_error(FP4MOE_EINVAL, "max_seqs=%lld (1 .. 1048576)", (long long)o.max_seqs);
     if (o.max_context > 0 && o.max_step_tokens > o.max_context) o.max_step_tokens = o.max_context;
+    if (o.ep && !ep_group_rank(o.ep, o.ep_rank))
+        return fp4moe_set_error(FP4MOE_EINVAL, "ep_rank %d is not a rank of the expert-parallel group", o.ep_rank);
+    if (o.ep && cuda)
+        return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "expert parallelism runs on CPU batches only for now (the "
+                                "multi-GPU exchange over NCCL is not built: docs/EP.md)");
     fp4moe_batch *b = calloc(1, sizeof *b);
     if (!b) return fp4moe_set_error(FP4MOE_ENOMEM, "batch_new: out of memory");
     b->m = m;
@@ -509,7 +515,7 @@ int fp4moe_batch_step(fp4moe_batch *b, fp4moe_batch_item *items, int64_t n) {
     }
     nh = 0;
     int st = FP4MOE_OK;
-    if (!nseg) goto done;
+    if (!nseg && !b->o.ep) goto done; /* an expert-parallel rank steps even with no rows: collectives */
     /* 3. row metadata: tokens | slot | position | head rows, packed for one upload */
     const int pure_decode = nd == nseg;
     int32_t *rs = tok + R, *rp = rs + R, *hr = rp + R;
@@ -534,7 +540,7 @@ int fp4moe_batch_step(fp4moe_batch *b, fp4moe_batch_item *items, int64_t n) {
     int want_argmax = 0;
     for (int64_t g = 0; g < nseg; g++) want_argmax |= items[order[g]].out_token != NULL;
     const fw_ctx f = {&b->m->cfg, b->be, b->bc, b->w, &b->bufs, b->state, &step,
-                      want_argmax || pure_decode, b->o.interrupt};
+                      want_argmax || pure_decode, b->o.interrupt, ep_group_rank(b->o.ep, b->o.ep_rank)};
     if ((st = b->be->run(b->bc, &step, fw_forward, (void *)&f))) goto done;
     /* 4. outputs: head rows are in segment order */
     if (want_argmax && (st = b->be->download(b->bc, b->h_next, b->bufs.next, (size_t)nh * sizeof(int32_t))))

@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "common/error.h"
+#include "fp4moe/model.h"
 
 /* ---- loopback: N ranks in one process ------------------------------------------------------ */
 
@@ -188,4 +189,36 @@ int ep_moe_exchange(ep_transport *t, int64_t E, const uint32_t *idx, const void 
     free(isort);
     free(perm);
     return st;
+}
+
+/* ---- the public group ---------------------------------------------------------------------------- */
+
+struct fp4moe_ep_group {
+    int world;
+    ep_transport *ranks[64];
+};
+
+int fp4moe_ep_group_new(int world, fp4moe_ep_group **out) {
+    if (!out) return fp4moe_set_error(FP4MOE_EINVAL, "ep_group_new: NULL argument");
+    *out = NULL;
+    fp4moe_ep_group *g = calloc(1, sizeof *g);
+    if (!g) return fp4moe_set_error(FP4MOE_ENOMEM, "ep_group_new: out of memory");
+    const int st = ep_loopback_create(world, g->ranks);
+    if (st) {
+        free(g);
+        return st;
+    }
+    g->world = world;
+    *out = g;
+    return FP4MOE_OK;
+}
+
+void fp4moe_ep_group_free(fp4moe_ep_group *g) {
+    if (!g) return;
+    ep_loopback_free(g->ranks, g->world);
+    free(g);
+}
+
+ep_transport *ep_group_rank(fp4moe_ep_group *g, int rank) {
+    return g && rank >= 0 && rank < g->world ? g->ranks[rank] : NULL;
 }

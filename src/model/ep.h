@@ -2,8 +2,8 @@
  * contiguous range of the routed experts (vLLM / SGLang "EP": all-to-all dispatch, the experts run
  * where their weights are, all-to-all combine), over a transport interface: an in-process loopback
  * of N ranks (threads; what `make test` runs) now, NCCL (ncclSend/ncclRecv in a group) on
- * multi-GPU machines. Host memory; the CPU backend's buffers. Not yet wired into the forward and
- * the sessions (docs/EP.md says what is left). */
+ * multi-GPU machines (not built yet: docs/EP.md). Host memory: the CPU backend's buffers; the forward
+ * calls ep_moe_exchange in its MoE layers when the batch is a rank of an fp4moe_ep_group. */
 #ifndef FP4MOE_MODEL_EP_H
 #define FP4MOE_MODEL_EP_H
 
@@ -46,5 +46,9 @@ typedef int (*ep_expert_fn)(void *ctx, const void *x, const uint32_t *idx, int64
  * still takes part in every exchange of the step. */
 int ep_moe_exchange(ep_transport *t, int64_t E, const uint32_t *idx, const void *xs, int64_t B, size_t in_row,
                     size_t out_row, ep_expert_fn fn, void *ctx, void *ys);
+
+/* The transport of rank `rank` of a public group (fp4moe_ep_group_new), NULL when out of range. */
+struct fp4moe_ep_group;
+ep_transport *ep_group_rank(struct fp4moe_ep_group *g, int rank);
 
 #endif

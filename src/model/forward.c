@@ -171,6 +171,33 @@ static int mlp(const fw_ctx *f, const void *up, const void *down, const void *x,
     return st ? fp4moe_error_context(st, "down_proj") : FP4MOE_OK;
 }
 
+/* Expert parallelism: the owner's part of a MoE layer, on the rows it received (ep_expert_fn). */
+typedef struct {
+    const fw_ctx *f;
+    const fw_layer *d;
+    void *hidden;                   /* n x moe_inter act scratch, grown on demand */
+    int64_t hidden_rows;
+} ep_experts_ctx;
+
+static int ep_experts(void *ctx, const void *x, const uint32_t *idx, int64_t n, void *y) {
+    ep_experts_ctx *e = ctx;
+    const be_ops *be = e->f->be;
+    if (n > e->hidden_rows) {
+        if (e->hidden) be->free(e->f->bc, e->hidden);
+        e->hidden = NULL;
+        e->hidden_rows = 0;
+        int64_t bytes;
+        if (fp4moe_mul_overflow(n * e->f->cfg->moe_inter, (int64_t)be->act_size, &bytes))
+            return fp4moe_set_error(FP4MOE_EOVERFLOW, "experts: %lld received rows overflow", (long long)n);
+        TRY(be->alloc(e->f->bc, (size_t)bytes, &e->hidden));
+        e->hidden_rows = n;
+    }
+    int st = be->linear_gather(e->f->bc, e->d->experts_up, x, idx, n, 1, e->hidden);
+    if (st) return fp4moe_error_context(st, "experts up (gather_qmm)");
+    st = be->linear_gather(e->f->bc, e->d->experts_down, e->hidden, idx, n, 0, y);
+    return st ? fp4moe_error_context(st, "experts down (gather_qmm)") : FP4MOE_OK;
+}
+
 /* The MoE mixer; its output is *out_a (+ *out_b, the shared expert's, or NULL). */
 static int moe(const fw_ctx *f, const fw_layer *d, const void **out_a, const void **out_b) {
     const fp4moe_config *c = f->cfg;
@@ -191,10 +218,18 @@ static int moe(const fw_ctx *f, const fw_layer *d, const void **out_a, const voi
         xin = b->xl;
     }
     TRY(be->gather_rows(bc, xin, Hl, b->row_of, B, k, b->xs));
-    if ((st = be->linear_gather(bc, d->experts_up, b->xs, b->idx, B, 1, b->hs))) /* with relu^2 */
-        return fp4moe_error_context(st, "experts up (gather_qmm)");
-    if ((st = be->linear_gather(bc, d->experts_down, b->hs, b->idx, B, 0, b->ys)))
-        return fp4moe_error_context(st, "experts down (gather_qmm)");
+    if (f->ep) { /* the rows go to the ranks that own their experts and come back (src/model/ep.c) */
+        ep_experts_ctx ec = {f, d, NULL, 0};
+        st = ep_moe_exchange(f->ep, E, b->idx, b->xs, B, (size_t)Hl * be->act_size, (size_t)Hl * be->act_size,
+                             ep_experts, &ec, b->ys);
+        if (ec.hidden) be->free(bc, ec.hidden);
+        if (st) return fp4moe_error_context(st, "experts (expert parallel, rank %d of %d)", f->ep->rank, f->ep->world);
+    } else {
+        if ((st = be->linear_gather(bc, d->experts_up, b->xs, b->idx, B, 1, b->hs))) /* with relu^2 */
+            return fp4moe_error_context(st, "experts up (gather_qmm)");
+        if ((st = be->linear_gather(bc, d->experts_down, b->hs, b->idx, B, 0, b->ys)))
+            return fp4moe_error_context(st, "experts down (gather_qmm)");
+    }
     TRY(be->moe_combine(bc, b->ys, Hl, b->pos_of, b->wts, R, k, b->comb));
     const void *routed = b->comb;
     if (c->moe_latent) {

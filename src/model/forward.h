@@ -5,6 +5,7 @@
 #include <signal.h>
 
 #include "backend/backend.h"
+#include "model/ep.h"
 
 /* Activation buffers of a step of at most `cap` rows (one plan for every backend: act buffers
  * have the backend's act element size, the rest fp32 / int32). Members of absent layer kinds are
@@ -41,6 +42,7 @@ typedef struct {
     const fw_step *st;
     int argmax;                     /* also the greedy token of every head row (b->next) */
     const volatile sig_atomic_t *interrupt;
+    ep_transport *ep;               /* expert parallelism (CPU backend): NULL = every expert here */
 } fw_ctx;
 
 /* The forward of f->st (arg is a const fw_ctx *): embedding, layers, then the head rows' logits

@@ -4,7 +4,11 @@
  * random NVFP4 experts (E = 128, 8, and 3 with 4 ranks: a rank that owns no expert and receives no
  * rows), the experts computed by gather_qmm (qmv route) on the owner. Every rank's output must be
  * BITWISE equal to gather_qmm of its own rows on one rank, out-of-range rows zeros; an unsorted idx
- * on one rank makes every rank fail (no rank waits forever); the expert ranges cover [0, E) once. */
+ * on one rank makes every rank fail (no rank waits forever); the expert ranges cover [0, E) once.
+ * Then whole models (the golden tiny models and the default model, CPU, f32, route qmv): 7
+ * sequences spread over N = 1..4 ranks of an expert-parallel group (fp4moe_ep_group), each rank a
+ * batch on its own thread, prefill in one step then greedy decode in lockstep (a rank without
+ * sequences steps with no rows): every sequence's greedy ids equal those of one batch holding all. */
 #include <pthread.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -16,7 +20,9 @@
 #include <cmocka.h>
 
 #include "common/error.h"
+#include "fp4moe/model.h"
 #include "model/ep.h"
+#include "model_test.h"
 #include "testutil.h"
 
 typedef struct {
@@ -156,11 +162,145 @@ static void test_expert_ranges(void **state) {
     assert_int_equal(ep_loopback_create(0, NULL), FP4MOE_EINVAL);
 }
 
+/* ---- whole models ------------------------------------------------------------------------------- */
+
+#define EP_SEQS 7
+#define EP_GEN 10
+
+typedef struct {
+    const fp4moe_model *m;
+    fp4moe_ep_group *g;     /* NULL: the reference batch (all sequences) */
+    int rank, world;
+    int32_t *prompts[EP_SEQS];
+    int64_t len[EP_SEQS];
+    int32_t ids[EP_SEQS][EP_GEN];
+    int st;
+    char err[256];
+} model_job;
+
+static void *run_model_rank(void *arg) {
+    model_job *j = arg;
+    fp4moe_batch_options o;
+    fp4moe_batch_options_default(&o);
+    o.device = FP4MOE_DEVICE_CPU;
+    o.route = FP4MOE_ROUTE_QMV;
+    o.max_seqs = EP_SEQS;
+    o.max_step_tokens = 512;
+    o.ep = j->g;
+    o.ep_rank = j->rank;
+    fp4moe_batch *b = NULL;
+    j->st = fp4moe_batch_new(j->m, &o, &b);
+    int64_t seq[EP_SEQS], mine[EP_SEQS], n = 0;
+    fp4moe_batch_item it[EP_SEQS];
+    int32_t next[EP_SEQS];
+    for (int i = 0; i < EP_SEQS && !j->st; i++)
+        if (!j->g || i % j->world == j->rank) { /* round-robin: rank r holds sequences r, r + N, ... */
+            mine[n] = i;
+            j->st = fp4moe_batch_add(b, &seq[n++]);
+        }
+    /* every rank runs 1 + EP_GEN steps even after an error (the collectives): failures show in st */
+    for (int step = 0; step <= EP_GEN; step++) {
+        int64_t k = 0;
+        for (int64_t q = 0; q < n && !j->st; q++) {
+            memset(&it[k], 0, sizeof it[k]);
+            it[k].seq = seq[q];
+            it[k].tokens = step ? &next[q] : j->prompts[mine[q]];
+            it[k].n = step ? 1 : j->len[mine[q]];
+            it[k].out_token = &next[q];
+            k++;
+        }
+        const int st = b ? fp4moe_batch_step(b, it, k) : FP4MOE_OK;
+        if (!j->st && st) j->st = st;
+        for (int64_t q = 0; q < k && !j->st; q++) {
+            if (it[q].status) j->st = it[q].status;
+            else if (step < EP_GEN) j->ids[mine[q]][step] = next[q];
+        }
+    }
+    if (j->st) snprintf(j->err, sizeof j->err, "%s", fp4moe_last_error());
+    fp4moe_batch_free(b);
+    return NULL;
+}
+
+static void model_case(const fp4moe_model *m, const char *name) {
+    tu_rng r;
+    tu_rng_seed(&r, 77);
+    model_job ref;
+    memset(&ref, 0, sizeof ref);
+    ref.m = m;
+    const int64_t V = fp4moe_model_config(m)->vocab;
+    for (int i = 0; i < EP_SEQS; i++) {
+        ref.len[i] = 1 + tu_rng_below(&r, 40);
+        ref.prompts[i] = malloc((size_t)ref.len[i] * sizeof(int32_t));
+        for (int64_t t = 0; t < ref.len[i]; t++) ref.prompts[i][t] = (int32_t)tu_rng_below(&r, (uint32_t)V);
+    }
+    run_model_rank(&ref);
+    if (ref.st) fail_msg("%s: reference batch: %s", name, ref.err);
+    for (int world = 1; world <= 4; world++) {
+        fp4moe_ep_group *g = NULL;
+        assert_int_equal(fp4moe_ep_group_new(world, &g), FP4MOE_OK);
+        model_job *job = calloc((size_t)world, sizeof *job);
+        pthread_t th[4];
+        for (int k = 0; k < world; k++) {
+            job[k] = ref;
+            job[k].g = g;
+            job[k].rank = k;
+            job[k].world = world;
+            memset(job[k].ids, 0xff, sizeof job[k].ids);
+            assert_int_equal(pthread_create(&th[k], NULL, run_model_rank, &job[k]), 0);
+        }
+        for (int k = 0; k < world; k++) pthread_join(th[k], NULL);
+        for (int k = 0; k < world; k++) {
+            if (job[k].st) fail_msg("%s: world %d rank %d: %s", name, world, k, job[k].err);
+            for (int i = k; i < EP_SEQS; i += world)
+                if (memcmp(job[k].ids[i], ref.ids[i], sizeof ref.ids[i]))
+                    fail_msg("%s: world %d: sequence %d (rank %d) greedy ids differ from one rank's", name, world, i, k);
+        }
+        free(job);
+        fp4moe_ep_group_free(g);
+    }
+    for (int i = 0; i < EP_SEQS; i++) free(ref.prompts[i]);
+}
+
+static void test_models_greedy_ids(void **state) {
+    (void)state;
+    const char *golden[] = {"tiny-a-mlx", "tiny-b-mlx", "tiny-a-modelopt"};
+    for (size_t i = 0; i < sizeof golden / sizeof golden[0]; i++) {
+        fp4moe_model *m = mt_load(golden[i], 1);
+        model_case(m, golden[i]);
+        fp4moe_model_free(m);
+    }
+    fp4moe_model *m = NULL;
+    if (fp4moe_model_load("models/nemotron-h-tiny-moe", NULL, &m)) fail_msg("%s", fp4moe_last_error());
+    model_case(m, "default model");
+    fp4moe_model_free(m);
+}
+
+static void test_group_errors(void **state) {
+    (void)state;
+    fp4moe_ep_group *g = NULL;
+    assert_int_equal(fp4moe_ep_group_new(0, &g), FP4MOE_EINVAL);
+    assert_int_equal(fp4moe_ep_group_new(65, &g), FP4MOE_EINVAL);
+    assert_int_equal(fp4moe_ep_group_new(2, &g), FP4MOE_OK);
+    fp4moe_model *m = mt_load("tiny-a-mlx", 1);
+    fp4moe_batch_options o;
+    fp4moe_batch_options_default(&o);
+    o.device = FP4MOE_DEVICE_CPU;
+    o.ep = g;
+    o.ep_rank = 2;
+    fp4moe_batch *b = NULL;
+    assert_int_equal(fp4moe_batch_new(m, &o, &b), FP4MOE_EINVAL);
+    assert_non_null(strstr(fp4moe_last_error(), "ep_rank 2"));
+    fp4moe_model_free(m);
+    fp4moe_ep_group_free(g);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_exchange_equals_one_rank),
         cmocka_unit_test(test_a_failing_rank_fails_all),
         cmocka_unit_test(test_expert_ranges),
+        cmocka_unit_test(test_models_greedy_ids),
+        cmocka_unit_test(test_group_errors),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
