@@ -170,6 +170,13 @@ int be_cpu_new(fp4moe_dtype act, fp4moe_route route, fp4moe_cpu_act cpu_act, con
 void be_cpu_free(void *bc);
 /* The CPU placement of a loaded model's weights (pointers into the model; nothing copied). */
 int be_cpu_weights(const fp4moe_model *m, fw_weights *w);
+/* Expert parallelism on the CPU: w's routed-expert handles (experts_up / experts_down of every
+ * MoE layer) become views of the experts [lo, hi) only (E = hi - lo, expert lo is local expert 0;
+ * the weight bytes are shared, not copied: pages of other experts of an mmap'ed checkpoint are
+ * never touched). views: 2 x n_layers op_linear slots owned by the caller. */
+void be_cpu_weights_experts(fw_weights *w, int64_t n_layers, int64_t lo, int64_t hi, void *views);
+/* sizeof(op_linear), for the caller's views. */
+size_t be_cpu_linear_size(void);
 
 /* The CUDA backend (src/backend/cuda/backend_cuda.c; a stub without CUDA): ctx for a model whose
  * weights are on the GPU (m->gpu), with room for max_rows rows per step, of which at most

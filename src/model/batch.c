@@ -62,6 +62,7 @@ struct fp4moe_batch {
     fw_seg *segs;
     int64_t *order;                 /* item order in the step */
     int32_t *h_next;                /* cap */
+    void *ep_views;                 /* expert parallelism: this rank's expert views (CPU) */
 };
 
 const char *fp4moe_cpu_act_name(fp4moe_cpu_act a) {
@@ -229,6 +230,14 @@ int fp4moe_batch_new(const fp4moe_model *m, const fp4moe_batch_options *opts, fp
         st = be_cpu_new(o.act_dtype, o.route, o.cpu_act, &b->be, &b->bc);
         if (!st) st = be_cpu_weights(m, &b->wcpu);
         b->w = &b->wcpu;
+        if (!st && o.ep) { /* this rank sees only its experts: local ids, views of the weights */
+            const ep_transport *t = ep_group_rank(o.ep, o.ep_rank);
+            int64_t lo, hi;
+            ep_expert_range(m->cfg.n_experts, t->world, t->rank, &lo, &hi);
+            b->ep_views = calloc((size_t)(2 * m->cfg.n_layers + 1), be_cpu_linear_size());
+            if (!b->ep_views) st = fp4moe_set_error(FP4MOE_ENOMEM, "batch_new: out of memory");
+            else be_cpu_weights_experts(&b->wcpu, m->cfg.n_layers, lo, hi, b->ep_views);
+        }
     }
     const int64_t cap = o.max_step_tokens;
     const int64_t lg_rows = cap < (o.max_seqs > 256 ? o.max_seqs : 256) ? cap : (o.max_seqs > 256 ? o.max_seqs : 256);
@@ -268,6 +277,7 @@ void fp4moe_batch_free(fp4moe_batch *b) {
         else be_cpu_free(b->bc);
     }
     free(b->wcpu.layers);
+    free(b->ep_views);
     free(b->kpool);
     free(b->vpool);
     free(b->free_pages);

@@ -174,27 +174,25 @@ static int mlp(const fw_ctx *f, const void *up, const void *down, const void *x,
 /* Expert parallelism: the owner's part of a MoE layer, on the rows it received (ep_expert_fn). */
 typedef struct {
     const fw_ctx *f;
-    const fw_layer *d;
-    void *hidden;                   /* n x moe_inter act scratch, grown on demand */
-    int64_t hidden_rows;
+    const fw_layer *d;              /* its experts: views of this rank's experts [lo, hi) */
+    int64_t lo;
+    void *hidden;                   /* n x moe_inter act scratch */
+    uint32_t *lidx;                 /* n local expert ids */
 } ep_experts_ctx;
 
 static int ep_experts(void *ctx, const void *x, const uint32_t *idx, int64_t n, void *y) {
     ep_experts_ctx *e = ctx;
     const be_ops *be = e->f->be;
-    if (n > e->hidden_rows) {
-        if (e->hidden) be->free(e->f->bc, e->hidden);
-        e->hidden = NULL;
-        e->hidden_rows = 0;
-        int64_t bytes;
-        if (fp4moe_mul_overflow(n * e->f->cfg->moe_inter, (int64_t)be->act_size, &bytes))
-            return fp4moe_set_error(FP4MOE_EOVERFLOW, "experts: %lld received rows overflow", (long long)n);
-        TRY(be->alloc(e->f->bc, (size_t)bytes, &e->hidden));
-        e->hidden_rows = n;
-    }
-    int st = be->linear_gather(e->f->bc, e->d->experts_up, x, idx, n, 1, e->hidden);
+    int64_t bytes;
+    if (fp4moe_mul_overflow(n * e->f->cfg->moe_inter, (int64_t)be->act_size, &bytes))
+        return fp4moe_set_error(FP4MOE_EOVERFLOW, "experts: %lld received rows overflow", (long long)n);
+    if (e->hidden || e->lidx) return fp4moe_set_error(FP4MOE_EINVAL, "experts: called twice in one exchange");
+    TRY(be->alloc(e->f->bc, (size_t)bytes, &e->hidden));
+    TRY(be->alloc(e->f->bc, (size_t)n * sizeof(uint32_t), (void **)&e->lidx));
+    for (int64_t i = 0; i < n; i++) e->lidx[i] = idx[i] - (uint32_t)e->lo; /* ep_moe_exchange checked the range */
+    int st = be->linear_gather(e->f->bc, e->d->experts_up, x, e->lidx, n, 1, e->hidden);
     if (st) return fp4moe_error_context(st, "experts up (gather_qmm)");
-    st = be->linear_gather(e->f->bc, e->d->experts_down, e->hidden, idx, n, 0, y);
+    st = be->linear_gather(e->f->bc, e->d->experts_down, e->hidden, e->lidx, n, 0, y);
     return st ? fp4moe_error_context(st, "experts down (gather_qmm)") : FP4MOE_OK;
 }
 
@@ -219,10 +217,13 @@ static int moe(const fw_ctx *f, const fw_layer *d, const void **out_a, const voi
     }
     TRY(be->gather_rows(bc, xin, Hl, b->row_of, B, k, b->xs));
     if (f->ep) { /* the rows go to the ranks that own their experts and come back (src/model/ep.c) */
-        ep_experts_ctx ec = {f, d, NULL, 0};
+        int64_t lo, hi;
+        ep_expert_range(E, f->ep->world, f->ep->rank, &lo, &hi);
+        ep_experts_ctx ec = {f, d, lo, NULL, NULL};
         st = ep_moe_exchange(f->ep, E, b->idx, b->xs, B, (size_t)Hl * be->act_size, (size_t)Hl * be->act_size,
                              ep_experts, &ec, b->ys);
         if (ec.hidden) be->free(bc, ec.hidden);
+        if (ec.lidx) be->free(bc, ec.lidx);
         if (st) return fp4moe_error_context(st, "experts (expert parallel, rank %d of %d)", f->ep->rank, f->ep->world);
     } else {
         if ((st = be->linear_gather(bc, d->experts_up, b->xs, b->idx, B, 1, b->hs))) /* with relu^2 */

@@ -327,3 +327,31 @@ int be_cpu_weights(const fp4moe_model *m, fw_weights *w) {
     }
     return FP4MOE_OK;
 }
+
+static const op_linear *expert_view(const op_linear *w, int64_t lo, int64_t hi, op_linear *v) {
+    if (!w) return NULL;
+    *v = *w;
+    const int64_t n = hi - lo, per = w->N * w->K;
+    v->E = n;
+    if (w->nvfp4) {
+        v->q.codes = w->q.codes + lo * (per / 2);
+        v->q.scales = w->q.scales + lo * (per / FP4MOE_NVFP4_BLOCK);
+        if (w->q.global_scale) v->q.global_scale = w->q.global_scale + lo;
+        v->q.E = n;
+    } else if (w->dense) {
+        v->dense = w->dense + lo;
+    }
+    return v;
+}
+
+void be_cpu_weights_experts(fw_weights *w, int64_t n_layers, int64_t lo, int64_t hi, void *views) {
+    op_linear *v = views;
+    for (int64_t l = 0; l < n_layers; l++) {
+        fw_layer *d = &w->layers[l];
+        if (d->type != FP4MOE_LAYER_MOE) continue;
+        d->experts_up = expert_view(d->experts_up, lo, hi, &v[2 * l]);
+        d->experts_down = expert_view(d->experts_down, lo, hi, &v[2 * l + 1]);
+    }
+}
+
+size_t be_cpu_linear_size(void) { return sizeof(op_linear); }
