@@ -142,6 +142,11 @@ typedef struct {
                                      GPU (the progress callback then runs a second time, 0 .. the
                                      bytes uploaded); the host weights stay usable by CPU sessions.
                                      DEFAULT/CPU: host only */
+    int expert_share;             /* expert parallelism: 1 = keep only the routed experts
+                                     [expert_lo, expert_hi) of every MoE layer (a rank's share:
+                                     fp4moe_ep_range; it may be empty); such a model runs only in a
+                                     batch that is that rank of an fp4moe_ep_group. 0 (default): all */
+    int64_t expert_lo, expert_hi;
 } fp4moe_load_options;
 
 /* quantize = 1, no progress. */
@@ -295,6 +300,10 @@ int fp4moe_session_profile(fp4moe_session *s, double ms[FP4MOE_PROF_KINDS], int 
  * only for now (multi-GPU with NCCL: docs/EP.md). Errors: FP4MOE_EINVAL (world), FP4MOE_ENOMEM. */
 typedef struct fp4moe_ep_group fp4moe_ep_group;
 int fp4moe_ep_group_new(int world, fp4moe_ep_group **out);
+/* The routed experts [*lo, *hi) that rank `rank` of `world` owns among E: floor(rank E / world) ..
+ * floor((rank + 1) E / world) (uneven splits differ by one expert; world > E leaves ranks none).
+ * For fp4moe_load_options.expert_lo / expert_hi. */
+void fp4moe_ep_range(int64_t E, int world, int rank, int64_t *lo, int64_t *hi);
 /* After every batch that uses it is freed. */
 void fp4moe_ep_group_free(fp4moe_ep_group *g);
 

@@ -214,6 +214,16 @@ int fp4moe_batch_new(const fp4moe_model *m, const fp4moe_batch_options *opts, fp
     if (o.max_context > 0 && o.max_step_tokens > o.max_context) o.max_step_tokens = o.max_context;
     if (o.ep && !ep_group_rank(o.ep, o.ep_rank))
         return fp4moe_set_error(FP4MOE_EINVAL, "ep_rank %d is not a rank of the expert-parallel group", o.ep_rank);
+    const int sliced = m->expert_share;
+    if (sliced) { /* a model loaded as a rank's share runs only as that rank */
+        int64_t lo = 0, hi = 0;
+        const ep_transport *t = o.ep ? ep_group_rank(o.ep, o.ep_rank) : NULL;
+        if (t) ep_expert_range(m->cfg.n_experts, t->world, t->rank, &lo, &hi);
+        if (!t || lo != m->expert_lo || hi != m->expert_hi)
+            return fp4moe_set_error(FP4MOE_EINVAL, "the model holds the routed experts [%lld, %lld) only: it runs as "
+                                    "the rank of an expert-parallel group that owns them%s", (long long)m->expert_lo,
+                                    (long long)m->expert_hi, t ? " (this rank owns others)" : " (no group given)");
+    }
     if (o.ep && cuda)
         return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "expert parallelism runs on CPU batches only for now (the "
                                 "multi-GPU exchange over NCCL is not built: docs/EP.md)");
@@ -234,9 +244,11 @@ int fp4moe_batch_new(const fp4moe_model *m, const fp4moe_batch_options *opts, fp
             const ep_transport *t = ep_group_rank(o.ep, o.ep_rank);
             int64_t lo, hi;
             ep_expert_range(m->cfg.n_experts, t->world, t->rank, &lo, &hi);
-            b->ep_views = calloc((size_t)(2 * m->cfg.n_layers + 1), be_cpu_linear_size());
-            if (!b->ep_views) st = fp4moe_set_error(FP4MOE_ENOMEM, "batch_new: out of memory");
-            else be_cpu_weights_experts(&b->wcpu, m->cfg.n_layers, lo, hi, b->ep_views);
+            if (!sliced) { /* (a model loaded as the share has only these experts already) */
+                b->ep_views = calloc((size_t)(2 * m->cfg.n_layers + 1), be_cpu_linear_size());
+                if (!b->ep_views) st = fp4moe_set_error(FP4MOE_ENOMEM, "batch_new: out of memory");
+                else be_cpu_weights_experts(&b->wcpu, m->cfg.n_layers, lo, hi, b->ep_views);
+            }
         }
     }
     const int64_t cap = o.max_step_tokens;

@@ -222,3 +222,7 @@ void fp4moe_ep_group_free(fp4moe_ep_group *g) {
 ep_transport *ep_group_rank(fp4moe_ep_group *g, int rank) {
     return g && rank >= 0 && rank < g->world ? g->ranks[rank] : NULL;
 }
+
+void fp4moe_ep_range(int64_t E, int world, int rank, int64_t *lo, int64_t *hi) {
+    ep_expert_range(E, world < 1 ? 1 : world, rank, lo, hi);
+}

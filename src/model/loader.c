@@ -344,20 +344,36 @@ static int load_experts_stacked(loader *L, const fp4moe_st_tensor *t, int64_t E,
     progress(L, t);
     if (isq) {
         if (!same_shape(q.ndim, q.shape, 3, dims)) return shape_error(t, 3, dims, "logical ");
-        return nvfp4_in_place(L, &q, lin);
+        const int st = nvfp4_in_place(L, &q, lin);
+        if (st) return st;
+        const int64_t lo = L->m->expert_lo, n = L->m->expert_hi - lo, per = N * K; /* the rank's share */
+        lin->E = lin->q.E = n;
+        lin->q.codes += lo * (per / 2);
+        lin->q.scales += lo * (per / FP4MOE_NVFP4_BLOCK);
+        if (lin->q.global_scale) lin->q.global_scale += lo;
+        return FP4MOE_OK;
     }
     fp4moe_dtype dt;
     int st;
     if ((st = packed_without_scales(t)) || (st = check_shape(t, 3, dims)) || (st = float_dtype(t, &dt))) return st;
+    const int64_t lo = L->m->expert_lo, n = L->m->expert_hi - lo; /* the rank's share */
     if (want_quantize(L, K)) {
         if ((st = nvfp4_alloc(L, E, N, K, 0, lin))) return st;
-        return quantize_into(t, dt, lin, 0);             /* all E x N rows at once */
+        if ((st = quantize_into(t, dt, lin, 0))) return st; /* all E x N rows at once */
+        if (n == E) return FP4MOE_OK;
+        const int64_t per = N * K; /* keep the share: a copy (the whole quantized stack stays allocated) */
+        op_linear full = *lin;
+        if ((st = nvfp4_alloc(L, n, N, K, 0, lin))) return st;
+        memcpy((uint8_t *)lin->q.codes, full.q.codes + lo * (per / 2), (size_t)(n * (per / 2)));
+        memcpy((uint8_t *)lin->q.scales, full.q.scales + lo * (per / FP4MOE_NVFP4_BLOCK),
+               (size_t)(n * (per / FP4MOE_NVFP4_BLOCK)));
+        return FP4MOE_OK;
     }
-    if ((st = dense_alloc(L, E, N, K, dt, lin))) return st;
+    if ((st = dense_alloc(L, n, N, K, dt, lin))) return st;
     const void *p = dense_data(L, t, dt);
     if (!p) return FP4MOE_ENOMEM;
-    for (int64_t e = 0; e < E; e++)
-        ((const void **)lin->dense)[e] = (const uint8_t *)p + e * N * K * fp4moe_dtype_size(dt);
+    for (int64_t e = 0; e < n; e++)
+        ((const void **)lin->dense)[e] = (const uint8_t *)p + (lo + e) * N * K * fp4moe_dtype_size(dt);
     return FP4MOE_OK;
 }
 
@@ -380,8 +396,10 @@ static int copy_nvfp4_expert(loader *L, const fp4moe_qtensor *q, op_linear *lin,
 static int load_experts_unstacked(loader *L, const char *prefix, const char *proj, int64_t E,
                                   int64_t N, int64_t K, op_linear *lin) {
     const int64_t dims[2] = {N, K};
+    const int64_t lo = L->m->expert_lo, hi = L->m->expert_hi; /* the rank's share only */
     int first_q = -1, st;
-    for (int64_t e = 0; e < E; e++) {
+    (void)E;
+    for (int64_t e = lo; e < hi; e++) {
         char name[512];
         snprintf(name, sizeof name, "%sexperts.%lld.%s.weight", prefix, (long long)e, proj);
         const fp4moe_st_tensor *t;
@@ -389,25 +407,26 @@ static int load_experts_unstacked(loader *L, const char *prefix, const char *pro
         if ((st = need(L, name, &t))) return st;
         const int isq = fp4moe_qtensor_of(L->m->st, t, &q);
         if (isq < 0) return isq;
-        if (e == 0) {
+        if (e == lo) {
             first_q = isq;
             fp4moe_dtype dt = FP4MOE_BF16;
             if (!isq && (st = float_dtype(t, &dt))) return st;
-            if (isq) st = nvfp4_alloc(L, E, N, K, 1, lin);
-            else if (want_quantize(L, K)) st = nvfp4_alloc(L, E, N, K, 0, lin);
-            else st = dense_alloc(L, E, N, K, dt, lin);
+            if (isq) st = nvfp4_alloc(L, hi - lo, N, K, 1, lin);
+            else if (want_quantize(L, K)) st = nvfp4_alloc(L, hi - lo, N, K, 0, lin);
+            else st = dense_alloc(L, hi - lo, N, K, dt, lin);
             if (st) return st;
         }
         if (isq != first_q)
-            return fp4moe_set_error(FP4MOE_EFORMAT, "%s: tensor '%s' is %s but expert 0 is %s",
-                                    t->file, name, isq ? "NVFP4" : "dense", first_q ? "NVFP4" : "dense");
+            return fp4moe_set_error(FP4MOE_EFORMAT, "%s: tensor '%s' is %s but expert %lld is %s",
+                                    t->file, name, isq ? "NVFP4" : "dense", (long long)lo,
+                                    first_q ? "NVFP4" : "dense");
         if (isq) {
             if (!same_shape(q.ndim, q.shape, 2, dims)) return shape_error(t, 2, dims, "logical ");
-            st = copy_nvfp4_expert(L, &q, lin, e);
+            st = copy_nvfp4_expert(L, &q, lin, e - lo);
         } else {
             fp4moe_dtype dt;
             if ((st = check_shape(t, 2, dims)) || (st = float_dtype(t, &dt))) return st;
-            st = dense_expert(L, t, dt, lin, e);
+            st = dense_expert(L, t, dt, lin, e - lo);
         }
         if (st) return st;
     }
@@ -631,7 +650,8 @@ static void compute_stats(fp4moe_model *m) {
                                    linear_bytes(&w->latent_in) + linear_bytes(&w->latent_out);
             const int64_t pe = linear_params(&w->experts_up) + linear_params(&w->experts_down);
             s->params_total += r + pe;
-            s->params_active += r + pe / c->n_experts * c->top_k;
+            const int64_t held = w->experts_up.E > 0 ? w->experts_up.E : 1; /* a rank's share: fewer */
+            s->params_active += r + pe / held * c->top_k;
             if (w->experts_up.nvfp4) s->n_nvfp4_linears += 2;
             else s->n_dense_linears += 2;
         } else {
@@ -682,6 +702,20 @@ int fp4moe_model_load(const char *dir, const fp4moe_load_options *opts, fp4moe_m
     if (opts) L.opt = *opts;
     else fp4moe_load_options_default(&L.opt);
     int st = fp4moe_config_load(dir, &m->cfg);
+    if (!st) { /* the routed experts to keep: a rank's share, or all */
+        const int64_t E = m->cfg.n_experts, lo = L.opt.expert_lo, hi = L.opt.expert_hi;
+        if (!L.opt.expert_share) {
+            m->expert_lo = 0;
+            m->expert_hi = E;
+        } else if (lo < 0 || hi < lo || hi > E || (E > 0 && !strchr(m->cfg.layer_types, FP4MOE_LAYER_MOE))) {
+            st = fp4moe_set_error(FP4MOE_EINVAL, "load: expert range [%lld, %lld) of a model with %lld routed "
+                                  "experts", (long long)lo, (long long)hi, (long long)E);
+        } else {
+            m->expert_share = 1;
+            m->expert_lo = lo;
+            m->expert_hi = hi;
+        }
+    }
     if (!st) st = fp4moe_st_model_open(dir, &m->st);
     if (!st) {
         m->format = m->cfg.quant;

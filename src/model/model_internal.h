@@ -54,6 +54,9 @@ struct fp4moe_model {
     fp4moe_model_stats stats;
     struct gpu_model *gpu;          /* the weights on the GPU (backend/cuda/placement.h), or NULL */
     int no_host_weights;            /* synthetic on the GPU: the host op_linears hold shapes only */
+    int expert_share;               /* loaded as a rank's share: only the routed experts
+                                       [expert_lo, expert_hi) are held (else all) */
+    int64_t expert_lo, expert_hi;
 };
 
 struct fp4moe_session {

@@ -8,7 +8,10 @@
  * Then whole models (the golden tiny models and the default model, CPU, f32, route qmv): 7
  * sequences spread over N = 1..4 ranks of an expert-parallel group (fp4moe_ep_group), each rank a
  * batch on its own thread, prefill in one step then greedy decode in lockstep (a rank without
- * sequences steps with no rows): every sequence's greedy ids equal those of one batch holding all. */
+ * sequences steps with no rows), every rank either on views of the one model or on its own model
+ * loaded with only its share of the experts (MLX stacked in place, ModelOpt per expert, bf16
+ * quantized on load): every sequence's greedy ids equal those of one batch holding all. A share
+ * model refuses to run outside its rank; a bad range is a load error. */
 #include <pthread.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -221,7 +224,23 @@ static void *run_model_rank(void *arg) {
     return NULL;
 }
 
-static void model_case(const fp4moe_model *m, const char *name) {
+/* The model of directory dir holding rank `rank`'s share of the routed experts only. */
+static fp4moe_model *load_share(const char *dir, int world, int rank) {
+    fp4moe_load_options o;
+    fp4moe_load_options_default(&o);
+    o.expert_share = 1;
+    fp4moe_model *m = NULL;
+    if (fp4moe_model_load(dir, NULL, &m)) fail_msg("%s", fp4moe_last_error());
+    fp4moe_ep_range(fp4moe_model_config(m)->n_experts, world, rank, &o.expert_lo, &o.expert_hi);
+    fp4moe_model_free(m);
+    m = NULL;
+    if (fp4moe_model_load(dir, &o, &m)) fail_msg("%s share %d/%d: %s", dir, rank, world, fp4moe_last_error());
+    return m;
+}
+
+/* share_dir: NULL: every rank runs the one model m (each sees views of its experts); else every rank
+ * loads its own share of the experts from share_dir */
+static void model_case(const fp4moe_model *m, const char *name, const char *share_dir) {
     tu_rng r;
     tu_rng_seed(&r, 77);
     model_job ref;
@@ -240,11 +259,13 @@ static void model_case(const fp4moe_model *m, const char *name) {
         assert_int_equal(fp4moe_ep_group_new(world, &g), FP4MOE_OK);
         model_job *job = calloc((size_t)world, sizeof *job);
         pthread_t th[4];
+        fp4moe_model *own[4] = {NULL, NULL, NULL, NULL};
         for (int k = 0; k < world; k++) {
             job[k] = ref;
             job[k].g = g;
             job[k].rank = k;
             job[k].world = world;
+            if (share_dir) job[k].m = own[k] = load_share(share_dir, world, k);
             memset(job[k].ids, 0xff, sizeof job[k].ids);
             assert_int_equal(pthread_create(&th[k], NULL, run_model_rank, &job[k]), 0);
         }
@@ -256,6 +277,7 @@ static void model_case(const fp4moe_model *m, const char *name) {
                     fail_msg("%s: world %d: sequence %d (rank %d) greedy ids differ from one rank's", name, world, i, k);
         }
         free(job);
+        for (int k = 0; k < world; k++) fp4moe_model_free(own[k]);
         fp4moe_ep_group_free(g);
     }
     for (int i = 0; i < EP_SEQS; i++) free(ref.prompts[i]);
@@ -263,15 +285,19 @@ static void model_case(const fp4moe_model *m, const char *name) {
 
 static void test_models_greedy_ids(void **state) {
     (void)state;
-    const char *golden[] = {"tiny-a-mlx", "tiny-b-mlx", "tiny-a-modelopt"};
+    const char *golden[] = {"tiny-a-mlx", "tiny-b-mlx", "tiny-a-modelopt", "tiny-a-bf16"};
     for (size_t i = 0; i < sizeof golden / sizeof golden[0]; i++) {
+        char dir[256];
+        snprintf(dir, sizeof dir, MT_GOLDEN "/%s", golden[i]);
         fp4moe_model *m = mt_load(golden[i], 1);
-        model_case(m, golden[i]);
+        model_case(m, golden[i], NULL);  /* one model, views */
+        model_case(m, golden[i], dir);   /* each rank loads only its experts */
         fp4moe_model_free(m);
     }
     fp4moe_model *m = NULL;
     if (fp4moe_model_load("models/nemotron-h-tiny-moe", NULL, &m)) fail_msg("%s", fp4moe_last_error());
-    model_case(m, "default model");
+    model_case(m, "default model", NULL);
+    model_case(m, "default model", "models/nemotron-h-tiny-moe");
     fp4moe_model_free(m);
 }
 
@@ -291,6 +317,35 @@ static void test_group_errors(void **state) {
     assert_int_equal(fp4moe_batch_new(m, &o, &b), FP4MOE_EINVAL);
     assert_non_null(strstr(fp4moe_last_error(), "ep_rank 2"));
     fp4moe_model_free(m);
+    { /* a share holds fewer expert bytes: only its experts */
+        fp4moe_model *full = mt_load("tiny-a-modelopt", 1), *half = load_share(MT_GOLDEN "/tiny-a-modelopt", 2, 1);
+        fp4moe_model_stats a, h;
+        fp4moe_model_get_stats(full, &a);
+        fp4moe_model_get_stats(half, &h);
+        const int64_t E = fp4moe_model_config(full)->n_experts, lo = E / 2;
+        assert_true(h.bytes_moe_experts * E == a.bytes_moe_experts * (E - lo));
+        fp4moe_model_free(full);
+        fp4moe_model_free(half);
+    }
+    m = load_share(MT_GOLDEN "/tiny-a-mlx", 2, 1); /* rank 1's share */
+    o.ep = NULL;
+    assert_int_equal(fp4moe_batch_new(m, &o, &b), FP4MOE_EINVAL); /* no group */
+    assert_non_null(strstr(fp4moe_last_error(), "no group given"));
+    o.ep = g;
+    o.ep_rank = 0;
+    assert_int_equal(fp4moe_batch_new(m, &o, &b), FP4MOE_EINVAL); /* another rank's share */
+    assert_non_null(strstr(fp4moe_last_error(), "this rank owns others"));
+    o.ep_rank = 1;
+    assert_int_equal(fp4moe_batch_new(m, &o, &b), FP4MOE_OK);
+    fp4moe_batch_free(b);
+    fp4moe_model_free(m);
+    fp4moe_load_options lo;
+    fp4moe_load_options_default(&lo);
+    lo.expert_share = 1;
+    lo.expert_lo = 3;
+    lo.expert_hi = 2;
+    assert_int_equal(fp4moe_model_load(MT_GOLDEN "/tiny-a-mlx", &lo, &m), FP4MOE_EINVAL);
+    assert_non_null(strstr(fp4moe_last_error(), "expert range [3, 2)"));
     fp4moe_ep_group_free(g);
 }
 
