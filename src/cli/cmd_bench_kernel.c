@@ -391,7 +391,9 @@ int cmd_bench_kernel(int argc, char **argv) {
         printf("memory bandwidth (512 MB, %d threads): read %.1f GB/s, copy (read+write) %.1f GB/s\n", threads,
                read_gbs, copy_gbs);
     }
-    int rc = bench_shape(&o, o.both ? "up" : "shape", o.N, o.K, jshapes);
+    char one[48]; /* without --both: the shape is named by its size */
+    snprintf(one, sizeof one, "%lldx%lld", (long long)o.N, (long long)o.K);
+    int rc = bench_shape(&o, o.both ? "up" : one, o.N, o.K, jshapes);
     if (rc == FP4MOE_EXIT_OK && o.both) rc = bench_shape(&o, "down", o.K, o.N, jshapes);
     if (root) {
         char *s = cJSON_Print(root);
