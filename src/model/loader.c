@@ -194,18 +194,21 @@ static int nvfp4_alloc(loader *L, int64_t E, int64_t N, int64_t K, int with_gs, 
     return FP4MOE_OK;
 }
 
-/* Quantizes the dense tensor t (rows x K, rows = N or E*N) into lin from expert slot e on
- * (spec NVFP4.md section 3, no global scale). */
-static int quantize_into(const fp4moe_st_tensor *t, fp4moe_dtype dt, op_linear *lin, int64_t e) {
-    const int64_t N = lin->N, K = lin->K, rows = t->numel / K;
+/* Quantizes rows [row0, row0 + rows) of the dense tensor t (K columns; rows < 0: all its rows,
+ * N or E*N) into lin from expert slot e on (spec NVFP4.md section 3, no global scale). */
+static int quantize_into(const fp4moe_st_tensor *t, fp4moe_dtype dt, op_linear *lin, int64_t e, int64_t row0,
+                         int64_t rows) {
+    const int64_t N = lin->N, K = lin->K;
+    if (rows < 0) rows = t->numel / K - row0;
     uint8_t *codes = (uint8_t *)lin->q.codes + e * N * (K / 2);
     uint8_t *scales = (uint8_t *)lin->q.scales + e * N * (K / FP4MOE_NVFP4_BLOCK);
-    const void *src = t->data;
+    const size_t esz = fp4moe_dtype_size(dt), bytes = (size_t)(rows * K) * esz;
+    const void *src = (const uint8_t *)t->data + (size_t)(row0 * K) * esz;
     void *tmp = NULL;
-    if ((uintptr_t)src % fp4moe_dtype_size(dt)) {       /* unaligned in the file */
-        if (!(tmp = malloc((size_t)t->nbytes)))
+    if ((uintptr_t)src % esz) {                          /* unaligned in the file */
+        if (!(tmp = malloc(bytes ? bytes : 1)))
             return fp4moe_set_error(FP4MOE_ENOMEM, "tensor '%s': out of memory", t->name);
-        memcpy(tmp, src, (size_t)t->nbytes);
+        memcpy(tmp, src, bytes);
         src = tmp;
     }
     int st = fp4moe_nvfp4_quantize(src, dt, rows, K, 0.0f, codes, scales, NULL);
@@ -236,7 +239,7 @@ static int dense_alloc(loader *L, int64_t E, int64_t N, int64_t K, fp4moe_dtype 
 /* Expert e of a dense module: quantized on load or referenced in place. */
 static int dense_expert(loader *L, const fp4moe_st_tensor *t, fp4moe_dtype dt, op_linear *lin,
                         int64_t e) {
-    if (lin->nvfp4) return quantize_into(t, dt, lin, e);
+    if (lin->nvfp4) return quantize_into(t, dt, lin, e, 0, -1);
     if (dt != lin->dtype)
         return fp4moe_set_error(FP4MOE_EFORMAT, "%s: tensor '%s' is %s, its siblings are %s",
                                 t->file, t->name, fp4moe_st_dtype_name(t->dtype),
@@ -345,29 +348,16 @@ static int load_experts_stacked(loader *L, const fp4moe_st_tensor *t, int64_t E,
     if (isq) {
         if (!same_shape(q.ndim, q.shape, 3, dims)) return shape_error(t, 3, dims, "logical ");
         const int st = nvfp4_in_place(L, &q, lin);
-        if (st) return st;
-        const int64_t lo = L->m->expert_lo, n = L->m->expert_hi - lo, per = N * K; /* the rank's share */
-        lin->E = lin->q.E = n;
-        lin->q.codes += lo * (per / 2);
-        lin->q.scales += lo * (per / FP4MOE_NVFP4_BLOCK);
-        if (lin->q.global_scale) lin->q.global_scale += lo;
-        return FP4MOE_OK;
+        if (!st) op_linear_experts(lin, L->m->expert_lo, L->m->expert_hi, lin); /* the rank's share */
+        return st;
     }
     fp4moe_dtype dt;
     int st;
     if ((st = packed_without_scales(t)) || (st = check_shape(t, 3, dims)) || (st = float_dtype(t, &dt))) return st;
     const int64_t lo = L->m->expert_lo, n = L->m->expert_hi - lo; /* the rank's share */
-    if (want_quantize(L, K)) {
-        if ((st = nvfp4_alloc(L, E, N, K, 0, lin))) return st;
-        if ((st = quantize_into(t, dt, lin, 0))) return st; /* all E x N rows at once */
-        if (n == E) return FP4MOE_OK;
-        const int64_t per = N * K; /* keep the share: a copy (the whole quantized stack stays allocated) */
-        op_linear full = *lin;
+    if (want_quantize(L, K)) { /* the share's n x N rows at once */
         if ((st = nvfp4_alloc(L, n, N, K, 0, lin))) return st;
-        memcpy((uint8_t *)lin->q.codes, full.q.codes + lo * (per / 2), (size_t)(n * (per / 2)));
-        memcpy((uint8_t *)lin->q.scales, full.q.scales + lo * (per / FP4MOE_NVFP4_BLOCK),
-               (size_t)(n * (per / FP4MOE_NVFP4_BLOCK)));
-        return FP4MOE_OK;
+        return quantize_into(t, dt, lin, 0, lo * N, n * N);
     }
     if ((st = dense_alloc(L, n, N, K, dt, lin))) return st;
     const void *p = dense_data(L, t, dt);

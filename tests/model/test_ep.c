@@ -9,10 +9,13 @@
  * sequences spread over N = 1..4 ranks of an expert-parallel group (fp4moe_ep_group), each rank a
  * batch on its own thread, prefill in one step then greedy decode in lockstep (a rank without
  * sequences steps with no rows), every rank either on views of the one model or on its own model
- * loaded with only its share of the experts (MLX stacked in place, ModelOpt per expert, bf16
- * quantized on load): every sequence's greedy ids equal those of one batch holding all. A share
- * model refuses to run outside its rank; a bad range is a load error. */
+ * loaded with only its share of the experts (MLX stacked in place, ModelOpt per expert, bf16 per
+ * expert and a dequantized MLX model's stacked dense experts, both quantized on load): every
+ * sequence's greedy ids equal those of one batch holding all. A share model refuses to run outside
+ * its rank; a bad range is a load error. */
+#include <limits.h>
 #include <pthread.h>
+#include <unistd.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -293,6 +296,27 @@ static void test_models_greedy_ids(void **state) {
         model_case(m, golden[i], NULL);  /* one model, views */
         model_case(m, golden[i], dir);   /* each rank loads only its experts */
         fp4moe_model_free(m);
+    }
+    { /* dense stacked experts, quantized on load (a share quantizes only its rows): tiny-a-mlx
+         dequantized by the fp4moe program next to this test */
+        char exe[PATH_MAX], dir[] = "/tmp/fp4moe-test-ep-XXXXXX", cmd[3 * PATH_MAX];
+        const ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 16);
+        assert_true(n > 0 && n < (ssize_t)sizeof exe - 16);
+        exe[n] = 0;
+        char *slash = strrchr(exe, '/');
+        assert_non_null(slash);
+        strcpy(slash + 1, "fp4moe");
+        assert_non_null(mkdtemp(dir));
+        snprintf(cmd, sizeof cmd, "'%s' dequantize --input " MT_GOLDEN "/tiny-a-mlx --output '%s/m' 2>/dev/null", exe, dir);
+        if (system(cmd) != 0) fail_msg("'%s' failed (the fp4moe program is built with the tests)", cmd);
+        char mdir[PATH_MAX];
+        snprintf(mdir, sizeof mdir, "%s/m", dir);
+        fp4moe_model *dm = NULL;
+        if (fp4moe_model_load(mdir, NULL, &dm)) fail_msg("%s", fp4moe_last_error());
+        model_case(dm, "tiny-a-mlx dequantized (stacked dense)", mdir);
+        fp4moe_model_free(dm);
+        snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+        assert_int_equal(system(cmd), 0);
     }
     fp4moe_model *m = NULL;
     if (fp4moe_model_load("models/nemotron-h-tiny-moe", NULL, &m)) fail_msg("%s", fp4moe_last_error());

@@ -330,17 +330,7 @@ int be_cpu_weights(const fp4moe_model *m, fw_weights *w) {
 
 static const op_linear *expert_view(const op_linear *w, int64_t lo, int64_t hi, op_linear *v) {
     if (!w) return NULL;
-    *v = *w;
-    const int64_t n = hi - lo, per = w->N * w->K;
-    v->E = n;
-    if (w->nvfp4) {
-        v->q.codes = w->q.codes + lo * (per / 2);
-        v->q.scales = w->q.scales + lo * (per / FP4MOE_NVFP4_BLOCK);
-        if (w->q.global_scale) v->q.global_scale = w->q.global_scale + lo;
-        v->q.E = n;
-    } else if (w->dense) {
-        v->dense = w->dense + lo;
-    }
+    op_linear_experts(w, lo, hi, v);
     return v;
 }
 

@@ -50,6 +50,10 @@ int op_linear_forward_f32out(ops_ctx *c, const op_linear *w, const float *x, int
 /* Expert matmul on rows sorted by expert: y[b] = x[b] @ W[idx[b]]^T for b < B (idx
  * non-decreasing, idx[b] < E), rounding as op_linear_forward. NVFP4: gather_qmm (sorted, so the
  * expert-batched route serves B >= 64); dense: one sgemm per run of equal idx. */
+/* v = the experts [lo, hi) of w (expert lo becomes expert 0; the bytes are shared, not copied);
+ * v may be w. For expert parallelism (a rank's share, src/model/ep.h). */
+void op_linear_experts(const op_linear *w, int64_t lo, int64_t hi, op_linear *v);
+
 int op_linear_gather(ops_ctx *c, const op_linear *w, const float *x, const uint32_t *idx,
                      int64_t B, float *y);
 

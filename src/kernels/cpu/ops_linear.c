@@ -275,3 +275,18 @@ int op_linear_gather(ops_ctx *c, const op_linear *w, const float *x, const uint3
     }
     return FP4MOE_OK;
 }
+
+void op_linear_experts(const op_linear *w, int64_t lo, int64_t hi, op_linear *v) {
+    const int64_t per = w->N * w->K;
+    op_linear r = *w;
+    r.E = hi - lo;
+    if (w->nvfp4) {
+        r.q.codes = w->q.codes + lo * (per / 2);
+        r.q.scales = w->q.scales + lo * (per / FP4MOE_NVFP4_BLOCK);
+        if (w->q.global_scale) r.q.global_scale = w->q.global_scale + lo;
+        r.q.E = hi - lo;
+    } else if (w->dense) {
+        r.dense = w->dense + lo;
+    }
+    *v = r;
+}
