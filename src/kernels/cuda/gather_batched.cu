@@ -57,17 +57,10 @@ template <> struct bt_ops<__half> {
         const __half2 h = __float2half2_rn(s * 128.0f); /* s <= 448: s*2^7 <= 57344, exact */
         return *reinterpret_cast<const uint32_t *>(&h);
     }
-    __device__ static uint32_t mul2(uint32_t a, uint32_t b) {
-        uint32_t d;
-        asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
-        return d;
-    }
+    __device__ static uint32_t mul2(uint32_t a, uint32_t b) { return cu_mul_f16x2(a, b); }
     __device__ static void mma(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
                                uint32_t b0, uint32_t b1) {
-        asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-            "{%8,%9}, {%0,%1,%2,%3};"
-            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-            : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+        cu_mma_f16(d, a0, a1, a2, a3, b0, b1);
     }
 };
 
@@ -508,7 +501,6 @@ static int launch_tiled(const gq_args *a, fp4moe_dtype dtype, int mt, cudaStream
 }
 
 int gq_launch_bf16_f32out(const gq_args *a, cudaStream_t st) {
-    if (gq_qmv_mma_fits(a)) return gq_launch_qmv_mma(a, true, st); /* decode-sized: qmv v5 */
     return launch_tiled(a, FP4MOE_BF16, gq_batched_row_tile(a, FP4MOE_BF16), st, true);
 }
 

@@ -115,6 +115,20 @@ __device__ __forceinline__ uint32_t cu_scale2_bf16(uint32_t sb) {
     const __nv_bfloat162 h = __float2bfloat162_rn(cu_e4m3_to_float(sb) * 0x1p118f);
     return *reinterpret_cast<const uint32_t *>(&h);
 }
+/* f16x2 a * b, round to nearest (exact where the kernels use it). */
+__device__ __forceinline__ uint32_t cu_mul_f16x2(uint32_t a, uint32_t b) {
+    uint32_t d;
+    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+}
+/* d += A (16 x 16, row) * B (16 x 8, col): mma.sync m16n8k16, f16 inputs, fp32 accumulators. */
+__device__ __forceinline__ void cu_mma_f16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                           uint32_t b0, uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
 /* d += A (16 x 16, row) * B (16 x 8, col): mma.sync m16n8k16, bf16 inputs, fp32 accumulators. */
 __device__ __forceinline__ void cu_mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
                                             uint32_t b0, uint32_t b1) {
@@ -178,8 +192,9 @@ template <typename T> __device__ __forceinline__ T cu_out(float v, int relu2) {
  * the runs kernel counts tiles with the same value. */
 int gq_batched_row_tile(const gq_args *a, fp4moe_dtype dtype);
 
-/* The expert-batched kernel with bf16 x and fp32 y (a.y: B x N floats): the lm_head, whose logits
- * stay fp32. Same arithmetic per row as the bf16 route (bf16 products, fp32 accumulation). */
+/* The expert-batched kernel with bf16 x and fp32 y (a.y: B x N floats): the lm_head's prefill rows,
+ * whose logits stay fp32 (decode-sized rows: gq_launch_qmv_mma with f32out). Same arithmetic per
+ * row as the bf16 route (bf16 products, fp32 accumulation). */
 int gq_launch_bf16_f32out(const gq_args *a, cudaStream_t st);
 
 /* Computes on the device, without host synchronisation:

@@ -2,8 +2,10 @@
  * the per-call scratch. Contract: ../shared/spec/NVFP4.md section 4, include/fp4moe/gather_qmm.h.
  *
  * Routes (src/kernels/cuda/):
- *   qmv           gather_qmv.cu      decode / unsorted: a warp per (segment of <= 8 rows of one
- *                                    expert, output feature n); fp32 CUDA-core FMA; any dtype.
+ *   qmv           gather_qmv.cu      decode / unsorted: bf16 with B <= 32 and K % 32 == 0 on tensor
+ *                                    cores (qmv v5: 16 features x a segment of <= 8 rows of one
+ *                                    expert per mma tile, K split over a block's warps); otherwise
+ *                                    a warp per (segment, output features), fp32 CUDA-core FMA.
  *                                    Sorted f16/bf16 input with B >= FP4MOE_BATCHED_MIN_ROWS:
  *                                    "qmv, tiled by 8 rows" (gq_launch_qmv_tiled), the batched
  *                                    kernel with 8-row tiles (weights re-read every 8 rows), bitwise
@@ -234,7 +236,9 @@ extern "C" int gather_qmm_cuda_bf16_f32out(const fp4moe_nvfp4_weights *w, const 
         misaligned(w->global_scale, 4))
         return fp4moe_set_error(FP4MOE_EINVAL, "gather_qmm_cuda (f32 out): misaligned device pointer");
     const gq_args a = {w->codes, w->scales, w->global_scale, (int)w->E, (int)w->N, (int)w->K, x, y, idx, (int)B, 0};
-    st = gq_launch_bf16_f32out(&a, (cudaStream_t)stream);
+    /* decode-sized rows: the qmv v5 kernel with fp32 output; else the expert-batched kernel */
+    st = gq_qmv_mma_fits(&a) ? gq_launch_qmv_mma(&a, true, (cudaStream_t)stream)
+                             : gq_launch_bf16_f32out(&a, (cudaStream_t)stream);
     return st ? fp4moe_error_context(st, "gather_qmm_cuda (bf16 x, f32 y, E=%d N=%d K=%d B=%d)", a.E, a.N,
                                      a.K, a.B)
               : FP4MOE_OK;

@@ -1,4 +1,6 @@
-/* The qmv gather_qmm route: decode and unsorted batches, any activation dtype, fp32 CUDA-core FMA.
+/* The qmv gather_qmm route: decode and unsorted batches, any activation dtype. bf16 batches of
+ * <= 32 rows with K % 32 == 0 take the tensor-core kernel (v5, gq_qmv_mma_kernel, below); the
+ * others the fp32 CUDA-core FMA kernel described here (v4).
  * Contract: ../shared/spec/NVFP4.md section 4; notes: docs/GPU-NOTES.md.
  *
  * Rows are taken in chunks of 32 (one warp-wide load of idx). Inside a chunk a *segment* is a run of

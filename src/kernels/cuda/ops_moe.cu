@@ -104,11 +104,16 @@ router_kernel(cuda_router_cfg r, const float *logits, int T, int32_t *ids, float
     router_token(r, logits, t, ids, wts, (char *)sm + warp * router_warp_smem(r.E, r.n_group));
 }
 
+/* The router configurations the device router handles. */
+static bool router_cfg_ok(const cuda_router_cfg *r) {
+    return r->E >= 1 && r->E <= 4096 && r->k >= 1 && r->k <= r->E && r->n_group >= 1 && r->E % r->n_group == 0 &&
+           r->topk_group >= 1 && r->topk_group <= r->n_group;
+}
+
 extern "C" int cuda_router_topk(void *stream, const cuda_router_cfg *r, const float *logits, int64_t T,
                                 int32_t *ids, float *wts) {
     if (T <= 0) return FP4MOE_OK;
-    if (r->E < 1 || r->E > 4096 || r->k < 1 || r->k > r->E || r->n_group < 1 || r->E % r->n_group ||
-        r->topk_group < 1 || r->topk_group > r->n_group)
+    if (!router_cfg_ok(r))
         return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "cuda op router: E=%lld (at most 4096), k=%lld, "
                                 "n_group=%lld, topk_group=%lld", (long long)r->E, (long long)r->k,
                                 (long long)r->n_group, (long long)r->topk_group);
@@ -313,9 +318,7 @@ extern "C" int cuda_moe_route(const cuda_ops *o, const cuda_router_cfg *r, const
     if (T <= 0) return FP4MOE_OK;
     const size_t smem = route_scratch_bytes(r->E, r->n_group) + (size_t)(T * r->k) * 8;
     const bool small = T <= ROUTE_MAX_T && smem <= 48 * 1024 && H <= 0x7fffffff && H % 4 == 0 &&
-                       ((uintptr_t)x & 15) == 0 && ((uintptr_t)W & 15) == 0 && r->E >= 1 && r->E <= 4096 &&
-                       r->k >= 1 && r->k <= r->E && r->n_group >= 1 && r->E % r->n_group == 0 &&
-                       r->topk_group >= 1 && r->topk_group <= r->n_group;
+                       ((uintptr_t)x & 15) == 0 && ((uintptr_t)W & 15) == 0 && router_cfg_ok(r);
     if (!small) {
         int st = cuda_matmul_f32(o, x, T, W, r->E, H, logits);
         if (!st) st = cuda_router_topk(o->stream, r, logits, T, ids, wts);
