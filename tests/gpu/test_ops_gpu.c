@@ -15,6 +15,12 @@
  *    batched, qmv tiled), and it reports "not fused" for dequant_gemm (the caller applies relu2).
  *  - cuda_moe_combine (1024-thread rows for T <= 64, 256 above) bitwise equal to op_moe_combine's
  *    fp32 arithmetic (sum over the slots in order) rounded to bf16.
+ *  - cuda_linear_forward on a plain NVFP4 linear (E = 1) with the session's dense dequant scratch:
+ *    from 256 rows the dense dequant_gemm form (no runs, no host synchronisation), below the
+ *    batched kernel; within the suite's tolerance of the fp64 gather_qmm reference, with and
+ *    without a global scale, awkward N and K, the scratch grown between calls; relu^2 applied after
+ *    it (bitwise equal to cuda_relu2 of the plain output); a CUDA-graph capture and replay of the
+ *    call bitwise equal to the eager call.
  * Outputs are poisoned (NaN) before every call. Needs a CUDA device; exits 77 (skipped) without. */
 #include <math.h>
 #include <setjmp.h>
@@ -58,6 +64,7 @@ typedef struct {
     cudaStream_t stream;
     void *ws;
     cuda_ops ops;
+    gq_dense_scratch dq;
 } gpu_ctx;
 
 static void ctx_make(gpu_ctx *g) {
@@ -72,6 +79,7 @@ static void ctx_make(gpu_ctx *g) {
 }
 static void ctx_free(gpu_ctx *g) {
     cuda_blas_destroy(g->ops.blas);
+    if (g->dq.p) GT_CHECK(cudaFree(g->dq.p));
     gt_free(g->ws);
     GT_CHECK(cudaStreamDestroy(g->stream));
 }
@@ -313,6 +321,87 @@ static void test_combine(void **state) {
     combine_case(g, 2, 7, 1, 5);
 }
 
+/* ---- cuda_linear_forward: the dense dequant_gemm form ---------------------------------------------- */
+
+static void dense_case(gpu_ctx *g, int64_t N, int64_t K, int64_t T, int with_gs, uint64_t seed) {
+    tu_rng r;
+    tu_rng_seed(&r, seed);
+    tu_weights tw;
+    assert_int_equal(tu_weights_random(&tw, 1, N, K, with_gs, &r), 0);
+    cuda_linear lin;
+    memset(&lin, 0, sizeof lin);
+    lin.E = 1;
+    lin.N = N;
+    lin.K = K;
+    lin.nvfp4 = 1;
+    lin.q = tw.w;
+    lin.q.codes = gt_upload(tw.codes, (size_t)(N * K / 2));
+    lin.q.scales = gt_upload(tw.scales, (size_t)(N * K / 16));
+    lin.q.global_scale = tw.gs ? gt_upload(tw.gs, 4) : NULL;
+    uint16_t *x = tu_random_x(FP4MOE_BF16, T, K, &r);
+    uint32_t *zeros = calloc((size_t)T, 4);
+    double *ref = malloc((size_t)(T * N) * sizeof *ref);
+    int64_t *rows = malloc((size_t)T * sizeof *rows);
+    uint16_t *y = malloc((size_t)(T * N) * 2), *ysub = malloc((size_t)(T * N) * 2), *y2 = malloc((size_t)(T * N) * 2);
+    assert_true(x && zeros && ref && rows && y && ysub && y2);
+    for (int64_t t = 0; t < T; t++) rows[t] = t;
+    assert_int_equal(fp4moe_gather_qmm_ref_f64(&tw.w, x, FP4MOE_BF16, zeros, T, ref), FP4MOE_OK);
+    uint16_t *dx = gt_upload(x, (size_t)(T * K) * 2), *dy = gt_upload(NULL, (size_t)(T * N) * 2);
+    uint16_t *dy2 = gt_upload(NULL, (size_t)(T * N) * 2);
+    uint32_t *dz = gt_upload(zeros, (size_t)T * 4);
+    cuda_ops o = g->ops;
+    o.zero_idx = dz;
+    o.zero_n = T;
+    o.dq = &g->dq;
+    char label[96];
+    snprintf(label, sizeof label, "dense linear N=%lld K=%lld T=%lld gs=%d", (long long)N, (long long)K, (long long)T,
+             with_gs);
+    /* eager */
+    gt_poison(dy, (size_t)(T * N) * 2);
+    assert_int_equal(cuda_linear_forward(&o, &lin, dx, T, 0, dy), FP4MOE_OK);
+    GT_CHECK(cudaStreamSynchronize(g->stream));
+    gt_download(y, dy, (size_t)(T * N) * 2);
+    if (tu_check_gather_output(y, FP4MOE_BF16, zeros, T, N, 1, rows, T, ref, ysub, label))
+        fail_msg("%s: differs from the fp64 reference", label);
+    /* relu^2 after it: bitwise cuda_relu2 of the plain output */
+    gt_poison(dy2, (size_t)(T * N) * 2);
+    assert_int_equal(cuda_linear_forward(&o, &lin, dx, T, 1, dy2), FP4MOE_OK);
+    assert_int_equal(cuda_relu2(g->stream, dy, T * N), FP4MOE_OK);
+    GT_CHECK(cudaStreamSynchronize(g->stream));
+    gt_download(y, dy, (size_t)(T * N) * 2);
+    gt_download(y2, dy2, (size_t)(T * N) * 2);
+    if (memcmp(y, y2, (size_t)(T * N) * 2)) fail_msg("%s: relu2 differs from cuda_relu2 of the output", label);
+    /* a graph capture of the call (the scratch is already there), replayed */
+    cudaGraph_t graph = NULL;
+    cudaGraphExec_t exec = NULL;
+    gt_poison(dy2, (size_t)(T * N) * 2);
+    GT_CHECK(cudaStreamSynchronize(g->stream));
+    GT_CHECK(cudaStreamBeginCapture(g->stream, cudaStreamCaptureModeRelaxed));
+    const int rc = cuda_linear_forward(&o, &lin, dx, T, 1, dy2);
+    GT_CHECK(cudaStreamEndCapture(g->stream, &graph));
+    assert_int_equal(rc, FP4MOE_OK);
+    GT_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    GT_CHECK(cudaGraphLaunch(exec, g->stream));
+    GT_CHECK(cudaStreamSynchronize(g->stream));
+    gt_download(y2, dy2, (size_t)(T * N) * 2);
+    if (memcmp(y, y2, (size_t)(T * N) * 2)) fail_msg("%s: the graph replay differs from the eager call", label);
+    GT_CHECK(cudaGraphExecDestroy(exec));
+    GT_CHECK(cudaGraphDestroy(graph));
+    free(x); free(zeros); free(ref); free(rows); free(y); free(ysub); free(y2);
+    gt_free(dx); gt_free(dy); gt_free(dy2); gt_free(dz);
+    gt_free((void *)lin.q.codes); gt_free((void *)lin.q.scales); gt_free((void *)lin.q.global_scale);
+    tu_weights_free(&tw);
+}
+
+static void test_dense_linear(void **state) {
+    gpu_ctx *g = *state;
+    dense_case(g, 100, 48, 300, 0, 1);      /* no global scale: host alpha */
+    dense_case(g, 1856, 2688, 512, 1, 2);   /* the scratch grows */
+    dense_case(g, 7, 16, 256, 1, 3);        /* the smallest dense call */
+    dense_case(g, 2688, 1856, 255, 1, 4);   /* one row below: the batched kernel */
+    dense_case(g, 4104, 2688, 257, 1, 5);   /* grows again */
+}
+
 static int setup(void **state) {
     gpu_ctx *g = malloc(sizeof *g);
     ctx_make(g);
@@ -332,6 +421,7 @@ int main(void) {
         cmocka_unit_test(test_rmsnorm_residual),
         cmocka_unit_test(test_relu2_epilogue),
         cmocka_unit_test(test_combine),
+        cmocka_unit_test(test_dense_linear),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }

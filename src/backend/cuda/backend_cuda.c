@@ -363,6 +363,7 @@ typedef struct {
     cudaStream_t stream;
     void *blas, *ws;
     cuda_ops ops;
+    gq_dense_scratch dq;            /* dense dequant_gemm scratch (ops.dq) */
     uint32_t *zeros;
     float *att_scratch;             /* split-KV decode partials */
     graph_slot graphs[MAX_GRAPHS];
@@ -675,6 +676,7 @@ void be_cuda_free(void *bcv) {
     cudaFree(c->att_scratch);
     cudaFree(c->ops.f32_x);
     cudaFree(c->ops.f32_y);
+    cudaFree(c->dq.p);
     if (c->stream) cudaStreamDestroy(c->stream);
     free(c);
 }
@@ -706,7 +708,7 @@ int be_cuda_new(const fp4moe_model *m, fp4moe_route route, int64_t cap, int64_t 
         c->ops.f32_x = fx;
         TRY(cu_alloc(c, (size_t)(cap * f32w) * 4, (void **)&fy));
     }
-    c->ops = (cuda_ops){c->stream, c->blas, route, c->zeros, cap, fx, fy, cap * f32w};
+    c->ops = (cuda_ops){c->stream, c->blas, route, c->zeros, cap, fx, fy, cap * f32w, &c->dq};
     if (profile) {
         c->prof = 1;
         c->cap_ev = 4 + 2 * (int)m->cfg.n_layers;

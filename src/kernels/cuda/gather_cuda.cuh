@@ -23,6 +23,7 @@
 #include "common/error.h"
 #include "fp4moe/gather_qmm.h"
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/ops_cuda.h"
 
 /* One gather_qmm call, device pointers; sizes already validated to fit in int. */
 struct gq_args {
@@ -220,6 +221,12 @@ int gq_launch_batched(const gq_args *a, fp4moe_dtype dtype, cudaStream_t st);
 #define GQ_QMV_TILE_ROWS 8
 int gq_launch_qmv_tiled(const gq_args *a, fp4moe_dtype dtype, cudaStream_t st);
 int gq_run_dequant_gemm(const gq_args *a, fp4moe_dtype dtype, cudaStream_t st);
+/* dequant_gemm for a plain linear (E = 1, bf16, every row's idx 0, so no runs): the weights
+ * dequantized into dq (grown here, outside graph captures only), one cublasGemmEx on `blas` (bound
+ * to st) with the global scale read from device memory and beta from d_zero (a device 0.0f); no
+ * host synchronisation, capturable. Same arithmetic as gq_run_dequant_gemm. */
+int gq_dense_dequant_gemm(const gq_args *a, cudaStream_t st, void *blas, gq_dense_scratch *dq,
+                          const float *d_zero);
 
 /* cudaMallocAsync on the stream (from the device's default pool, whose release threshold is raised
  * once per device so that small per-call buffers are reused, not re-mapped after each sync). */

@@ -28,7 +28,7 @@ template <typename T>
 __global__ void gq_dequant_kernel(const uint8_t *__restrict__ codes, const uint8_t *__restrict__ scales,
                                   int E, int N, int K, const int *__restrict__ starts, int e0, T *__restrict__ out) {
     const int e = e0 + blockIdx.y;
-    if (starts[e + 1] <= starts[e]) return; /* no rows: not needed */
+    if (starts && starts[e + 1] <= starts[e]) return; /* no rows: not needed (NULL: every expert) */
     const int64_t nblocks = (int64_t)N * (K >> 4);
     const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= nblocks) return;
@@ -157,6 +157,55 @@ done:
     pthread_mutex_unlock(&g_dq_lock);
     free(h_starts);
     free(h_gs);
+    return rc;
+}
+
+/* The plain-linear form (E = 1, every row's idx 0; gq_dense_dequant_gemm in gather_cuda.cuh): no
+ * runs, no host synchronisation, the caller's stream-ordered scratch and cuBLAS handle. */
+int gq_dense_dequant_gemm(const gq_args *a, cudaStream_t st, void *blas, gq_dense_scratch *dq,
+                          const float *d_zero) {
+    const int64_t per_expert = (int64_t)a->N * a->K;
+    const size_t bytes = (size_t)per_expert * sizeof(__nv_bfloat16);
+    cublasHandle_t h = (cublasHandle_t)blas;
+    int rc = FP4MOE_OK;
+    if (dq->bytes < bytes) {
+        cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+        FP4MOE_CUDA_TRY("gather_qmm_cuda", cudaStreamIsCapturing(st, &cs), "cudaStreamIsCapturing");
+        if (cs != cudaStreamCaptureStatusNone) /* no allocation inside a graph capture */
+            return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "gather_qmm_cuda: dense dequant scratch of %zu bytes "
+                                    "first needed during a graph capture", bytes);
+        if (dq->p) {
+            FP4MOE_CUDA_TRY("gather_qmm_cuda", cudaStreamSynchronize(st), "cudaStreamSynchronize (scratch growth)");
+            FP4MOE_CUDA_TRY("gather_qmm_cuda", cudaFree(dq->p), "cudaFree of the dense dequant scratch");
+        }
+        dq->p = NULL;
+        dq->bytes = 0;
+        FP4MOE_CUDA_TRY("gather_qmm_cuda", cudaMalloc(&dq->p, bytes), "cudaMalloc of the dense dequant scratch");
+        dq->bytes = bytes;
+    }
+    const int64_t nblocks = per_expert >> 4;
+    gq_dequant_kernel<__nv_bfloat16><<<dim3((unsigned)((nblocks + 255) / 256), 1), 256, 0, st>>>(
+        a->codes, a->scales, 1, a->N, a->K, NULL, 0, (__nv_bfloat16 *)dq->p);
+    FP4MOE_CUDA_TRY("gather_qmm_cuda", cudaGetLastError(), "launch of the dequantize kernel");
+    /* y^T (N x B, ld N) = W (K x N, ld K)^T * x^T (K x B, ld K), alpha = the global scale (read by
+     * cuBLAS from device memory: no copy to the host), beta = 0, fp32 compute, one rounding */
+    const float one = 1.0f, zero = 0.0f;
+#ifdef FP4MOE_INJECT_FAULT_GLOBAL_SCALE /* deliberate fault (tests must catch it): gs dropped */
+    const bool dev_alpha = false;
+#else
+    const bool dev_alpha = a->gs != NULL;
+#endif
+    if (dev_alpha) CUBLAS_TRY(cublasSetPointerMode(h, CUBLAS_POINTER_MODE_DEVICE), "cublasSetPointerMode");
+    CUBLAS_TRY(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, a->N, a->B, a->K, dev_alpha ? a->gs : &one, dq->p,
+                            CUDA_R_16BF, a->K, a->x, CUDA_R_16BF, a->K, dev_alpha ? d_zero : &zero, a->y,
+                            CUDA_R_16BF, a->N, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+               "cublasGemmEx (dense NVFP4 linear)");
+done:
+    if (dev_alpha) {
+        const cublasStatus_t cs = cublasSetPointerMode(h, CUBLAS_POINTER_MODE_HOST);
+        if (cs != CUBLAS_STATUS_SUCCESS && rc == FP4MOE_OK)
+            rc = fp4moe_set_error(FP4MOE_ECUDA, "gather_qmm_cuda: cublasSetPointerMode: cuBLAS status %d", (int)cs);
+    }
     return rc;
 }
 

@@ -151,10 +151,9 @@ static fp4moe_route choose_route(int64_t B, int64_t E, int sorted) {
 
 static int misaligned(const void *p, uintptr_t a) { return ((uintptr_t)p & (a - 1)) != 0; }
 
-extern "C" int gather_qmm_cuda_ex(const fp4moe_nvfp4_weights *w, const void *x, fp4moe_dtype dtype,
-                                  const uint32_t *idx, int64_t B, int sorted, fp4moe_route route, int relu2,
-                                  void *y, void *stream, int *fused) {
-    *fused = 0;
+/* The checks every CUDA gather_qmm call makes (FP4MOE_OK or the error). */
+static int check_call(const fp4moe_nvfp4_weights *w, const void *x, fp4moe_dtype dtype, const uint32_t *idx,
+                      int64_t B, int sorted, fp4moe_route route, void *y) {
     int st = fp4moe_gather_qmm_check(w, x, idx, B, y);
     if (st != FP4MOE_OK) return st;
     if (dtype != FP4MOE_F32 && dtype != FP4MOE_F16 && dtype != FP4MOE_BF16)
@@ -176,6 +175,15 @@ extern "C" int gather_qmm_cuda_ex(const fp4moe_nvfp4_weights *w, const void *x, 
         return fp4moe_set_error(FP4MOE_EINVAL,
                                 "gather_qmm_cuda: misaligned device pointer (x needs 16 bytes, w.codes 8, "
                                 "y its element size, idx and w.global_scale 4; cudaMalloc gives 256)");
+    return FP4MOE_OK;
+}
+
+extern "C" int gather_qmm_cuda_ex(const fp4moe_nvfp4_weights *w, const void *x, fp4moe_dtype dtype,
+                                  const uint32_t *idx, int64_t B, int sorted, fp4moe_route route, int relu2,
+                                  void *y, void *stream, int *fused) {
+    *fused = 0;
+    int st = check_call(w, x, dtype, idx, B, sorted, route, y);
+    if (st != FP4MOE_OK || B == 0) return st;
     if (route == FP4MOE_ROUTE_AUTO) route = choose_route(B, w->E, sorted);
     /* the epilogue: every kernel but dequant_gemm's cuBLAS GEMM, on f16/bf16 outputs */
     const int ep = relu2 && dtype != FP4MOE_F32 && route != FP4MOE_ROUTE_DEQUANT_GEMM;
@@ -200,6 +208,22 @@ extern "C" int gather_qmm_cuda_ex(const fp4moe_nvfp4_weights *w, const void *x, 
                                     fp4moe_route_name(route), a.E, a.N, a.K, a.B);
     *fused = ep;
     return FP4MOE_OK;
+}
+
+extern "C" int gather_qmm_cuda_linear(const fp4moe_nvfp4_weights *w, const void *x, fp4moe_dtype dtype,
+                                      const uint32_t *zero_idx, int64_t B, fp4moe_route route, int relu2, void *y,
+                                      void *stream, void *blas, gq_dense_scratch *dq, const float *d_zero,
+                                      int *fused) {
+    *fused = 0;
+    int st = check_call(w, x, dtype, zero_idx, B, 1, route, y);
+    if (st != FP4MOE_OK || B == 0) return st;
+    const fp4moe_route r = route == FP4MOE_ROUTE_AUTO ? choose_route(B, w->E, 1) : route;
+    if (r != FP4MOE_ROUTE_DEQUANT_GEMM || w->E != 1 || dtype != FP4MOE_BF16 || !blas || !dq || !d_zero)
+        return gather_qmm_cuda_ex(w, x, dtype, zero_idx, B, 1, route, relu2, y, stream, fused);
+    const gq_args a = {w->codes, w->scales, w->global_scale, 1, (int)w->N, (int)w->K, x, y, zero_idx, (int)B, 0};
+    st = gq_dense_dequant_gemm(&a, (cudaStream_t)stream, blas, dq, d_zero);
+    return st ? fp4moe_error_context(st, "gather_qmm_cuda (route dequant_gemm, dense N=%d K=%d B=%d)", a.N, a.K, a.B)
+              : FP4MOE_OK;
 }
 
 extern "C" int fp4moe_gather_qmm_cuda_route(const fp4moe_nvfp4_weights *w, const void *x,

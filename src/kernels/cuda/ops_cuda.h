@@ -38,6 +38,12 @@ typedef struct {
     const float *bias;          /* N floats or NULL */
 } cuda_linear;
 
+/* A bf16 buffer for one dequantized plain NVFP4 linear (grown on first use; owned by the session). */
+typedef struct {
+    void *p;
+    size_t bytes;
+} gq_dense_scratch;
+
 /* What the matmul ops need besides their operands (one per session). */
 typedef struct {
     void *stream;               /* cudaStream_t */
@@ -48,6 +54,7 @@ typedef struct {
     float *f32_x, *f32_y;       /* f32_n floats each: staging for f32 dense weights (and the
                                    f32 x of cuda_linear_forward_f32out) */
     int64_t f32_n;
+    gq_dense_scratch *dq;       /* the dense dequant_gemm scratch (gather_qmm_cuda_linear) */
 } cuda_ops;
 
 /* cuBLAS handle on `stream` with a caller-owned workspace (so that graph capture never makes cuBLAS
@@ -71,6 +78,16 @@ int cuda_linear_forward(const cuda_ops *o, const cuda_linear *w, const uint16_t 
  * (dequant_gemm's cuBLAS GEMM and f32 do not: the caller then applies it). */
 int gather_qmm_cuda_ex(const fp4moe_nvfp4_weights *w, const void *x, fp4moe_dtype dtype, const uint32_t *idx,
                        int64_t B, int sorted, fp4moe_route route, int relu2, void *y, void *stream, int *fused);
+
+/* gather_qmm_cuda_ex for a plain NVFP4 linear: w->E == 1 and zero_idx[0..B) all 0 (the caller's
+ * promise). Where the route resolves to dequant_gemm (auto: B >= 256 rows; or forced) and x is bf16,
+ * the dense form runs (gq_dense_dequant_gemm: the weights dequantized into *dq, one cuBLAS GEMM on
+ * `blas`, which must be bound to `stream`; d_zero: a device 0.0f): no runs and no host
+ * synchronisation, so it neither stalls the host nor breaks a graph capture. Otherwise exactly
+ * gather_qmm_cuda_ex. Errors: as gather_qmm_cuda_ex. */
+int gather_qmm_cuda_linear(const fp4moe_nvfp4_weights *w, const void *x, fp4moe_dtype dtype,
+                           const uint32_t *zero_idx, int64_t B, fp4moe_route route, int relu2, void *y,
+                           void *stream, void *blas, gq_dense_scratch *dq, const float *d_zero, int *fused);
 
 /* gather_qmm (sorted idx) with bf16 x and fp32 y: the expert-batched tensor-core kernel, whose
  * per-row arithmetic does not depend on the other rows (src/kernels/cuda/gather_qmm_cuda.cu). */

@@ -157,8 +157,9 @@ extern "C" int cuda_rmsnorm(void *stream, float *x, const uint16_t *a, const uin
     return FP4MOE_OK;
 }
 
-/* One block per (token, group): g = y * silu(z) is computed twice (sum of squares, then output)
- * rather than stored: it is cheap and keeps the kernel free of a size limit. */
+/* One block per (token, group). When the group fits the block's registers (gsz <= NORM_THREADS *
+ * NORM_U: nemotron_h's 512) g = y * silu(z) is computed once and kept for the output pass; longer
+ * groups compute it twice (no size limit). The same operations either way. */
 __global__ void rmsnorm_gated_kernel(const float *__restrict__ y, const uint16_t *__restrict__ z, int64_t zs,
                                      const float *__restrict__ w, int64_t D, int64_t gsz, float eps,
                                      uint16_t *__restrict__ out) {
@@ -166,6 +167,8 @@ __global__ void rmsnorm_gated_kernel(const float *__restrict__ y, const uint16_t
     const float *yt = y + t * D + g0;
     const uint16_t *zt = z + t * zs + g0;
     const int64_t step = blockDim.x;
+    const bool kept = gsz <= step * NORM_U;
+    float gv[NORM_U], wv[NORM_U];
     double ss = 0.0;
     for (int64_t i0 = threadIdx.x; i0 < gsz; i0 += step * NORM_U) {
         float yv[NORM_U], zv[NORM_U];
@@ -174,32 +177,36 @@ __global__ void rmsnorm_gated_kernel(const float *__restrict__ y, const uint16_t
             const int64_t i = i0 + u * step;
             yv[u] = i < gsz ? yt[i] : 0.0f;
             zv[u] = i < gsz ? ops_bf16_to_f32(zt[i]) : 0.0f;
+            if (kept) wv[u] = i < gsz ? w[g0 + i] : 0.0f;
         }
 #pragma unroll
         for (int u = 0; u < NORM_U; u++) {
+            gv[u] = 0.0f;
             if (i0 + u * step < gsz) { /* no silu of the padding: the exp and divide are the cost */
-                const float g = __fmul_rn(yv[u], ops_silu(zv[u]));
-                ss += (double)g * (double)g;
+                gv[u] = __fmul_rn(yv[u], ops_silu(zv[u]));
+                ss += (double)gv[u] * (double)gv[u];
             }
         }
     }
     const float r = inv_rms_from(block_sum_f64(ss), gsz, eps);
     for (int64_t i0 = threadIdx.x; i0 < gsz; i0 += step * NORM_U) {
-        float yv[NORM_U], zv[NORM_U], wv[NORM_U];
+        if (!kept) {
+            float yv[NORM_U], zv[NORM_U];
 #pragma unroll
-        for (int u = 0; u < NORM_U; u++) {
-            const int64_t i = i0 + u * step;
-            yv[u] = i < gsz ? yt[i] : 0.0f;
-            zv[u] = i < gsz ? ops_bf16_to_f32(zt[i]) : 0.0f;
-            wv[u] = i < gsz ? w[g0 + i] : 0.0f;
+            for (int u = 0; u < NORM_U; u++) {
+                const int64_t i = i0 + u * step;
+                yv[u] = i < gsz ? yt[i] : 0.0f;
+                zv[u] = i < gsz ? ops_bf16_to_f32(zt[i]) : 0.0f;
+                wv[u] = i < gsz ? w[g0 + i] : 0.0f;
+            }
+#pragma unroll
+            for (int u = 0; u < NORM_U; u++)
+                if (i0 + u * step < gsz) gv[u] = __fmul_rn(yv[u], ops_silu(zv[u]));
         }
 #pragma unroll
         for (int u = 0; u < NORM_U; u++) {
             const int64_t i = i0 + u * step;
-            if (i < gsz) {
-                const float g = __fmul_rn(yv[u], ops_silu(zv[u]));
-                out[t * D + g0 + i] = ops_f32_to_bf16(__fmul_rn(__fmul_rn(g, r), wv[u]));
-            }
+            if (i < gsz) out[t * D + g0 + i] = ops_f32_to_bf16(__fmul_rn(__fmul_rn(gv[u], r), wv[u]));
         }
     }
 }

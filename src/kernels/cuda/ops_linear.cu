@@ -128,7 +128,10 @@ extern "C" int cuda_linear_forward(const cuda_ops *o, const cuda_linear *w, cons
         if (T > o->zero_n)
             return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "cuda linear: %lld rows, idx zeros for %lld",
                                     (long long)T, (long long)o->zero_n);
-        rc = nvfp4_call(o, w, x, o->zero_idx, T, relu2 && !w->bias, y, &fused);
+        /* E = 1, idx all 0: the dense dequant_gemm form where that route is chosen (no host
+         * synchronisation); beta = 0.0f read from the zeros of zero_idx (bit pattern 0) */
+        rc = gather_qmm_cuda_linear(&w->q, x, FP4MOE_BF16, o->zero_idx, T, o->route, relu2 && !w->bias, y,
+                                    o->stream, o->blas, o->dq, (const float *)(const void *)o->zero_idx, &fused);
     } else if (w->dtype == FP4MOE_BF16) {
         rc = gemm_xwt((cublasHandle_t)o->blas, w->dense, x, y, CUDA_R_16BF, CUDA_R_16BF, T, w->N, w->K,
                       "linear (cublasGemmEx bf16)");

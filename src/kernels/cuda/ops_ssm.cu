@@ -47,18 +47,22 @@ __global__ void conv1d_kernel(const uint16_t *__restrict__ x, int64_t xs, int T,
                         : (src >= 0 ? ops_bf16_to_f32(x[(int64_t)src * xs + c]) : state[(int64_t)(P + src) * C + c]);
     }
     const float bc = b ? b[c] : 0.0f;
+    /* all CONV_TOKENS inputs loaded before any use: one memory round trip, not one per token */
+    float xin[CONV_TOKENS];
+#pragma unroll
+    for (int tt = 0; tt < CONV_TOKENS; tt++)
+        xin[tt] = t0 + tt < T ? ops_bf16_to_f32(x[(int64_t)(t0 + tt) * xs + c]) : 0.0f;
+#pragma unroll
     for (int tt = 0; tt < CONV_TOKENS; tt++) {
         const int t = t0 + tt;
-        if (t >= T) break;
-        const float xt = ops_bf16_to_f32(x[(int64_t)t * xs + c]);
 #pragma unroll
         for (int j = 0; j < CONV_KMAX; j++)
-            if (j == P) win[j] = xt;
+            if (j == P) win[j] = xin[tt];
         float acc = bc;
 #pragma unroll
         for (int j = 0; j < CONV_KMAX; j++)
             if (j < Kc) acc = __fadd_rn(acc, __fmul_rn(wc[j], win[j]));
-        y[(int64_t)t * C + c] = ops_silu(acc);
+        if (t < T) y[(int64_t)t * C + c] = ops_silu(acc);
 #pragma unroll
         for (int j = 0; j + 1 < CONV_KMAX; j++)
             if (j + 1 < Kc) win[j] = win[j + 1];
