@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# bench/build-variants.sh: programs that differ only in compile-time macros of one CUDA source,
+# bench/build-variants.sh: programs that differ only in compile-time macros of one source (CUDA, or a
+# C source of the library),
 # for measuring kernel variants against each other in ONE device run (the production code keeps
 # one variant: its defaults), or for deliberate-fault builds of one test (FP4MOE_INJECT_FAULT_*).
 # Rebuilds SRC's object in the CUDA build directory with each macro set, relinks the program and
@@ -19,13 +20,22 @@ B=build-gpum
 OBJ=CMakeFiles/fp4moe.dir/$SRC.o
 TARGET=${TARGET:-fp4moe_cli}
 PROG=${PROG:-fp4moe}
-flags=$(sed -n 's/^CUDA_FLAGS = //p' $B/CMakeFiles/fp4moe.dir/flags.make)
-defs=$(sed -n 's/^CUDA_DEFINES = //p' $B/CMakeFiles/fp4moe.dir/flags.make)
+case "$SRC" in
+*.c) LANG_=C ;;   # a host source of the library: the C compiler with the build's flags
+*) LANG_=CUDA ;;
+esac
+flags=$(sed -n "s/^${LANG_}_FLAGS = //p" $B/CMakeFiles/fp4moe.dir/flags.make)
+defs=$(sed -n "s/^${LANG_}_DEFINES = //p" $B/CMakeFiles/fp4moe.dir/flags.make)
+incs=$(sed -n "s/^${LANG_}_INCLUDES = //p" $B/CMakeFiles/fp4moe.dir/flags.make)
 i=0
 for v in "$@"; do
     # shellcheck disable=SC2086
-    (cd $B && /usr/local/cuda/bin/nvcc -forward-unknown-to-host-compiler $defs \
-        --options-file CMakeFiles/fp4moe.dir/includes_CUDA.rsp $flags $v -x cu -c "$PWD/../$SRC" -o "$OBJ")
+    if [ $LANG_ = C ]; then
+        (cd $B && eval cc $defs $incs $flags $v -c "$PWD/../$SRC" -o "$OBJ")
+    else
+        (cd $B && /usr/local/cuda/bin/nvcc -forward-unknown-to-host-compiler $defs \
+            --options-file CMakeFiles/fp4moe.dir/includes_CUDA.rsp $flags $v -x cu -c "$PWD/../$SRC" -o "$OBJ")
+    fi
     cmake --build $B --target "$TARGET" -j2 >/dev/null
     mkdir -p "$OUTD/$i"
     stage=$(mktemp -d)

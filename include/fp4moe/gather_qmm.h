@@ -110,6 +110,12 @@ int fp4moe_gather_qmm_cuda_route(const fp4moe_nvfp4_weights *w, const void *x, f
 
 /* 1 when this build has CUDA support and a CUDA device is visible, else 0. */
 int fp4moe_cuda_available(void);
+/* The number of visible CUDA devices (0 without CUDA or a device). */
+int fp4moe_cuda_device_count(void);
+/* Makes CUDA device `device` current for the calling thread (cudaSetDevice): a model loaded or made
+ * with device CUDA afterwards is placed there, and its batches run there from any thread.
+ * Errors: FP4MOE_EINVAL (out of range), FP4MOE_EUNSUPPORTED (no CUDA build), FP4MOE_ECUDA. */
+int fp4moe_cuda_set_device(int device);
 
 /* The CPU kernel set gather_qmm uses on this machine: "avx512" (AVX-512 F/BW/VL/DQ/VNNI found at
  * run time), "avx2" (AVX2+FMA+F16C) or "portable" (no AVX2, or FP4MOE_CPU_ISA=portable);

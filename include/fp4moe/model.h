@@ -296,10 +296,20 @@ int fp4moe_session_profile(fp4moe_session *s, double ms[FP4MOE_PROF_KINDS], int 
  * sequences through the rest of the model. A rank is a batch (fp4moe_batch_options.ep, .ep_rank)
  * driven by its own thread; every rank's batch must run the same number of steps (a rank with
  * nothing to do steps with n = 0), because each MoE layer of a step is a collective. Greedy ids are
- * those of one rank (the CPU computes each row's experts the same wherever it runs). CPU batches
- * only for now (multi-GPU with NCCL: docs/EP.md). Errors: FP4MOE_EINVAL (world), FP4MOE_ENOMEM. */
+ * those of one rank (the CPU computes each row's experts the same wherever it runs). CPU and CUDA
+ * batches (CUDA: the rows of a MoE layer are staged through host memory for the exchange, and decode
+ * steps run without CUDA graphs; docs/EP.md). Errors: FP4MOE_EINVAL (world), FP4MOE_ENOMEM. */
 typedef struct fp4moe_ep_group fp4moe_ep_group;
 int fp4moe_ep_group_new(int world, fp4moe_ep_group **out);
+/* The same group with NCCL as the transport (ncclSend / ncclRecv in a group per exchange, the ranks
+ * of this process on CUDA devices devices[r], NULL: device r; one device per rank; NVLink multicast
+ * off). libnccl.so.2 is opened at run time (LD_LIBRARY_PATH: the CUDA image's NCCL or the
+ * nvidia-nccl wheel's nvidia/nccl/lib). The exchange moves host memory, staged through a device
+ * buffer per rank (docs/EP.md). Errors: FP4MOE_EUNSUPPORTED (no CUDA build; NCCL not found),
+ * FP4MOE_EINVAL (world, a device out of range or used twice), FP4MOE_ECUDA, FP4MOE_ENOMEM. */
+int fp4moe_ep_group_new_nccl(int world, const int *devices, fp4moe_ep_group **out);
+/* NCCL's version code (NCCL_VERSION_CODE, e.g. 22703 = 2.27.3), 0 when libnccl.so.2 cannot be opened. */
+int fp4moe_nccl_version(void);
 /* The routed experts [*lo, *hi) that rank `rank` of `world` owns among E: floor(rank E / world) ..
  * floor((rank + 1) E / world) (uneven splits differ by one expert; world > E leaves ranks none).
  * For fp4moe_load_options.expert_lo / expert_hi. */

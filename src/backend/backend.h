@@ -104,6 +104,8 @@ typedef struct {
 typedef struct be_ops {
     const char *name;
     size_t act_size;                /* bytes of one act element: 4 (CPU fp32), 2 (CUDA bf16) */
+    int device_memory;              /* 1: backend memory is not host memory (CUDA): the host reads and
+                                       writes it only through upload / download */
     /* ---- memory (sizes in bytes) ---- */
     int (*alloc)(void *bc, size_t bytes, void **p);           /* zeroed */
     void (*free)(void *bc, void *p);
@@ -186,6 +188,16 @@ int be_cuda_new(const fp4moe_model *m, fp4moe_route route, int64_t max_rows, int
 void be_cuda_free(void *bc);
 /* The model's device placement as fw_weights (owned by m->gpu). */
 const fw_weights *be_cuda_weights(const fp4moe_model *m);
+/* Expert parallelism on CUDA: *out = the model's device placement with the routed-expert handles of
+ * every MoE layer replaced by views of the experts [lo, hi) (local ids 0 .. hi - lo - 1; the device
+ * bytes are shared). layers: cfg.n_layers fw_layer slots, views: 2 x n_layers slots of
+ * be_cuda_linear_size() bytes, both owned by the caller and kept while *out is used. */
+int be_cuda_weights_experts(const fp4moe_model *m, int64_t lo, int64_t hi, fw_weights *out, fw_layer *layers,
+                            void *views);
+size_t be_cuda_linear_size(void);
+/* Decode steps run eagerly from now on (no graph capture: an expert-parallel rank's MoE layers
+ * synchronise with the host and with the other ranks). */
+void be_cuda_graphs_off(void *bc);
 /* Accumulated device time by fp4moe_prof_kind (profile on). */
 int be_cuda_profile(void *bc, double ms[FP4MOE_PROF_KINDS], int reset);
 

@@ -224,9 +224,6 @@ int fp4moe_batch_new(const fp4moe_model *m, const fp4moe_batch_options *opts, fp
                                     "the rank of an expert-parallel group that owns them%s", (long long)m->expert_lo,
                                     (long long)m->expert_hi, t ? " (this rank owns others)" : " (no group given)");
     }
-    if (o.ep && cuda)
-        return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "expert parallelism runs on CPU batches only for now (the "
-                                "multi-GPU exchange over NCCL is not built: docs/EP.md)");
     fp4moe_batch *b = calloc(1, sizeof *b);
     if (!b) return fp4moe_set_error(FP4MOE_ENOMEM, "batch_new: out of memory");
     b->m = m;
@@ -236,6 +233,17 @@ int fp4moe_batch_new(const fp4moe_model *m, const fp4moe_batch_options *opts, fp
     if (cuda) {
         st = be_cuda_new(m, o.route, o.max_step_tokens, o.max_seqs, o.profile, &b->be, &b->bc);
         if (!st) b->w = be_cuda_weights(m);
+        if (!st && o.ep) be_cuda_graphs_off(b->bc);
+        if (!st && o.ep && !sliced) { /* this rank sees only its experts: views on the device */
+            const ep_transport *t = ep_group_rank(o.ep, o.ep_rank);
+            int64_t lo, hi;
+            ep_expert_range(m->cfg.n_experts, t->world, t->rank, &lo, &hi);
+            b->ep_views = calloc((size_t)(2 * m->cfg.n_layers + 1), be_cuda_linear_size());
+            b->wcpu.layers = calloc((size_t)m->cfg.n_layers + 1, sizeof *b->wcpu.layers);
+            if (!b->ep_views || !b->wcpu.layers) st = fp4moe_set_error(FP4MOE_ENOMEM, "batch_new: out of memory");
+            else st = be_cuda_weights_experts(m, lo, hi, &b->wcpu, b->wcpu.layers, b->ep_views);
+            if (!st) b->w = &b->wcpu;
+        }
     } else {
         st = be_cpu_new(o.act_dtype, o.route, o.cpu_act, &b->be, &b->bc);
         if (!st) st = be_cpu_weights(m, &b->wcpu);

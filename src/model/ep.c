@@ -191,31 +191,50 @@ int ep_moe_exchange(ep_transport *t, int64_t E, const uint32_t *idx, const void 
     return st;
 }
 
+int ep_moe_exchange_fail(ep_transport *t, int st) {
+    int64_t cnt[64] = {0}, rcnt[64], sb[64], rb[64];
+    for (int d = 0; d < t->world; d++) sb[d] = (int64_t)sizeof(int64_t);
+    const int tst = t->alltoallv(t, cnt, sb, rcnt, (int64_t)sizeof rcnt, rb); /* ep_moe_exchange's step 1 */
+    const int ast = agree(t, st ? st : tst);
+    return ast ? ast : st;
+}
+
 /* ---- the public group ---------------------------------------------------------------------------- */
 
 struct fp4moe_ep_group {
     int world;
+    int nccl;                       /* 1: ep_nccl_create, 0: ep_loopback_create */
     ep_transport *ranks[64];
 };
 
-int fp4moe_ep_group_new(int world, fp4moe_ep_group **out) {
+static int group_new(int world, int nccl, const int *devices, fp4moe_ep_group **out) {
     if (!out) return fp4moe_set_error(FP4MOE_EINVAL, "ep_group_new: NULL argument");
     *out = NULL;
     fp4moe_ep_group *g = calloc(1, sizeof *g);
     if (!g) return fp4moe_set_error(FP4MOE_ENOMEM, "ep_group_new: out of memory");
-    const int st = ep_loopback_create(world, g->ranks);
+    const int st = nccl ? ep_nccl_create(world, devices, g->ranks) : ep_loopback_create(world, g->ranks);
     if (st) {
         free(g);
         return st;
     }
     g->world = world;
+    g->nccl = nccl;
     *out = g;
     return FP4MOE_OK;
 }
 
+int fp4moe_ep_group_new(int world, fp4moe_ep_group **out) { return group_new(world, 0, NULL, out); }
+
+int fp4moe_ep_group_new_nccl(int world, const int *devices, fp4moe_ep_group **out) {
+    return group_new(world, 1, devices, out);
+}
+
+int fp4moe_nccl_version(void) { return ep_nccl_version(); }
+
 void fp4moe_ep_group_free(fp4moe_ep_group *g) {
     if (!g) return;
-    ep_loopback_free(g->ranks, g->world);
+    if (g->nccl) ep_nccl_free(g->ranks, g->world);
+    else ep_loopback_free(g->ranks, g->world);
     free(g);
 }
 

@@ -28,6 +28,16 @@ struct ep_transport {
 int ep_loopback_create(int world, ep_transport **ranks);
 void ep_loopback_free(ep_transport **ranks, int world);
 
+/* world (1..64) ranks in this process over NCCL (src/model/ep_nccl.c), rank r on CUDA device
+ * devices[r] (NULL: device r; one device per rank), each driven by its own thread; host memory in
+ * and out (staged through a device buffer of the rank). libnccl.so.2 is opened at run time.
+ * Errors: FP4MOE_EUNSUPPORTED (no CUDA build, NCCL not found: the message says where to put it),
+ * FP4MOE_EINVAL (world, devices), FP4MOE_ECUDA (NCCL's or CUDA's error), FP4MOE_ENOMEM. */
+int ep_nccl_create(int world, const int *devices, ep_transport **ranks);
+void ep_nccl_free(ep_transport **ranks, int world);
+/* NCCL's version code (e.g. 22703 for 2.27.3), 0 when it cannot be opened. */
+int ep_nccl_version(void);
+
 /* The routed experts [*lo, *hi) of rank r: contiguous ranges, floor(r * E / world) .. floor((r+1) *
  * E / world) (E not divisible by world: some ranks own one expert more; world > E: some none). */
 void ep_expert_range(int64_t E, int world, int rank, int64_t *lo, int64_t *hi);
@@ -46,6 +56,11 @@ typedef int (*ep_expert_fn)(void *ctx, const void *x, const uint32_t *idx, int64
  * still takes part in every exchange of the step. */
 int ep_moe_exchange(ep_transport *t, int64_t E, const uint32_t *idx, const void *xs, int64_t B, size_t in_row,
                     size_t out_row, ep_expert_fn fn, void *ctx, void *ys);
+
+/* For a rank that failed before its ep_moe_exchange of a step (st != FP4MOE_OK): takes part in the
+ * exchange's first collectives as a rank with no rows and status st, so that every rank's
+ * ep_moe_exchange fails with it instead of waiting. Returns st (or the transport's error). */
+int ep_moe_exchange_fail(ep_transport *t, int st);
 
 /* The transport of rank `rank` of a public group (fp4moe_ep_group_new), NULL when out of range. */
 struct fp4moe_ep_group;

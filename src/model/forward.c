@@ -22,6 +22,7 @@
  *   moe_latent_size the routed experts work in the latent width. */
 #include "model/forward.h"
 
+#include <stdlib.h>
 #include <string.h>
 
 #include "common/error.h"
@@ -177,23 +178,102 @@ typedef struct {
     const fw_layer *d;              /* its experts: views of this rank's experts [lo, hi) */
     int64_t lo;
     void *hidden;                   /* n x moe_inter act scratch */
-    uint32_t *lidx;                 /* n local expert ids */
+    uint32_t *lidx;                 /* n local expert ids (backend memory) */
+    void *xd, *yd;                  /* device_memory backends: the received rows and their results */
 } ep_experts_ctx;
 
 static int ep_experts(void *ctx, const void *x, const uint32_t *idx, int64_t n, void *y) {
     ep_experts_ctx *e = ctx;
     const be_ops *be = e->f->be;
-    int64_t bytes;
-    if (fp4moe_mul_overflow(n * e->f->cfg->moe_inter, (int64_t)be->act_size, &bytes))
+    void *bc = e->f->bc;
+    const int64_t row = e->f->cfg->moe_latent ? e->f->cfg->moe_latent : e->f->cfg->hidden;
+    int64_t bytes, xbytes;
+    if (fp4moe_mul_overflow(n * e->f->cfg->moe_inter, (int64_t)be->act_size, &bytes) ||
+        fp4moe_mul_overflow(n * row, (int64_t)be->act_size, &xbytes))
         return fp4moe_set_error(FP4MOE_EOVERFLOW, "experts: %lld received rows overflow", (long long)n);
     if (e->hidden || e->lidx) return fp4moe_set_error(FP4MOE_EINVAL, "experts: called twice in one exchange");
-    TRY(be->alloc(e->f->bc, (size_t)bytes, &e->hidden));
-    TRY(be->alloc(e->f->bc, (size_t)n * sizeof(uint32_t), (void **)&e->lidx));
-    for (int64_t i = 0; i < n; i++) e->lidx[i] = idx[i] - (uint32_t)e->lo; /* ep_moe_exchange checked the range */
-    int st = be->linear_gather(e->f->bc, e->d->experts_up, x, e->lidx, n, 1, e->hidden);
+    TRY(be->alloc(bc, (size_t)bytes, &e->hidden));
+    TRY(be->alloc(bc, (size_t)n * sizeof(uint32_t), (void **)&e->lidx));
+    const void *xd = x;
+    void *yd = y;
+    uint32_t *lidx = e->lidx;
+    if (be->device_memory) { /* the exchange runs in host memory: the rows go to the device and back */
+        TRY(be->alloc(bc, (size_t)xbytes, &e->xd));
+        TRY(be->alloc(bc, (size_t)xbytes, &e->yd));
+        if (!(lidx = malloc((size_t)n * sizeof *lidx + 1)))
+            return fp4moe_set_error(FP4MOE_ENOMEM, "experts: %lld received rows", (long long)n);
+        xd = e->xd;
+        yd = e->yd;
+    }
+    for (int64_t i = 0; i < n; i++) lidx[i] = idx[i] - (uint32_t)e->lo; /* ep_moe_exchange checked the range */
+    int st = FP4MOE_OK;
+    if (be->device_memory) {
+        st = be->upload(bc, e->xd, x, (size_t)xbytes);
+        if (!st) st = be->upload(bc, e->lidx, lidx, (size_t)n * sizeof *lidx);
+        if (!st) st = be->sync(bc); /* lidx (host) is freed below */
+        free(lidx);
+        if (st) return fp4moe_error_context(st, "experts (rows to the device)");
+    }
+    st = be->linear_gather(bc, e->d->experts_up, xd, e->lidx, n, 1, e->hidden);
     if (st) return fp4moe_error_context(st, "experts up (gather_qmm)");
-    st = be->linear_gather(e->f->bc, e->d->experts_down, e->hidden, e->lidx, n, 0, y);
-    return st ? fp4moe_error_context(st, "experts down (gather_qmm)") : FP4MOE_OK;
+    st = be->linear_gather(bc, e->d->experts_down, e->hidden, e->lidx, n, 0, yd);
+    if (st) return fp4moe_error_context(st, "experts down (gather_qmm)");
+    if (be->device_memory) {
+        st = be->download(bc, y, e->yd, (size_t)xbytes);
+        if (!st) st = be->sync(bc);
+        if (st) return fp4moe_error_context(st, "experts (results to the host)");
+    }
+    return FP4MOE_OK;
+}
+
+/* The routed experts of an expert-parallel rank: ep_moe_exchange on the sorted rows. A backend
+ * whose memory the host cannot read (CUDA) stages the rows, their experts and the results through
+ * host memory (one download and one upload per MoE layer, a synchronisation each): correct on any
+ * transport, not yet fast (docs/EP.md). */
+static int ep_routed(const fw_ctx *f, const fw_layer *d, int64_t E, int64_t B, int64_t Hl) {
+    const be_ops *be = f->be;
+    void *bc = f->bc;
+    const fw_bufs *b = f->b;
+    const size_t rowb = (size_t)Hl * be->act_size;
+    int64_t lo, hi;
+    ep_expert_range(E, f->ep->world, f->ep->rank, &lo, &hi);
+    ep_experts_ctx ec = {f, d, lo, NULL, NULL, NULL, NULL};
+    const uint32_t *idx = b->idx;
+    const void *xs = b->xs;
+    void *ys = b->ys;
+    uint32_t *hidx = NULL;
+    char *hx = NULL, *hy = NULL;
+    int st = FP4MOE_OK;
+    if (be->device_memory) {
+        hidx = malloc((size_t)B * sizeof *hidx + 1);
+        hx = malloc((size_t)B * rowb + 1);
+        hy = malloc((size_t)B * rowb + 1);
+        if (!hidx || !hx || !hy) st = fp4moe_set_error(FP4MOE_ENOMEM, "experts: host staging of %lld rows", (long long)B);
+        if (!st) st = be->download(bc, hidx, b->idx, (size_t)B * sizeof *hidx);
+        if (!st) st = be->download(bc, hx, b->xs, (size_t)B * rowb);
+        if (!st) st = be->sync(bc);
+        idx = hidx;
+        xs = hx;
+        ys = hy;
+    }
+    if (st) { /* take part in the step's first exchange as a failing rank: every rank fails */
+        st = ep_moe_exchange_fail(f->ep, st);
+    } else {
+        st = ep_moe_exchange(f->ep, E, idx, xs, B, rowb, rowb, ep_experts, &ec, ys);
+    }
+    if (!st && be->device_memory) {
+        st = be->upload(bc, b->ys, hy, (size_t)B * rowb);
+        if (!st) st = be->sync(bc); /* hy is freed below */
+    }
+    if (ec.hidden) be->free(bc, ec.hidden);
+    if (ec.lidx) be->free(bc, ec.lidx);
+    if (ec.xd) be->free(bc, ec.xd);
+    if (ec.yd) be->free(bc, ec.yd);
+    free(hidx);
+    free(hx);
+    free(hy);
+    return st ? fp4moe_error_context(st, "experts (expert parallel, rank %d of %d)", f->ep->rank, f->ep->world)
+              : FP4MOE_OK;
 }
 
 /* The MoE mixer; its output is *out_a (+ *out_b, the shared expert's, or NULL). */
@@ -217,14 +297,7 @@ static int moe(const fw_ctx *f, const fw_layer *d, const void **out_a, const voi
     }
     TRY(be->gather_rows(bc, xin, Hl, b->row_of, B, k, b->xs));
     if (f->ep) { /* the rows go to the ranks that own their experts and come back (src/model/ep.c) */
-        int64_t lo, hi;
-        ep_expert_range(E, f->ep->world, f->ep->rank, &lo, &hi);
-        ep_experts_ctx ec = {f, d, lo, NULL, NULL};
-        st = ep_moe_exchange(f->ep, E, b->idx, b->xs, B, (size_t)Hl * be->act_size, (size_t)Hl * be->act_size,
-                             ep_experts, &ec, b->ys);
-        if (ec.hidden) be->free(bc, ec.hidden);
-        if (ec.lidx) be->free(bc, ec.lidx);
-        if (st) return fp4moe_error_context(st, "experts (expert parallel, rank %d of %d)", f->ep->rank, f->ep->world);
+        TRY(ep_routed(f, d, E, B, Hl));
     } else {
         if ((st = be->linear_gather(bc, d->experts_up, b->xs, b->idx, B, 1, b->hs))) /* with relu^2 */
             return fp4moe_error_context(st, "experts up (gather_qmm)");

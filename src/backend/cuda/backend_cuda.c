@@ -46,6 +46,7 @@ typedef struct {
 } gpu_layer;
 
 struct gpu_model {
+    int device;                     /* the CUDA device holding the weights (current at the upload) */
     void *base;                     /* one cudaMalloc for every weight */
     size_t bytes;
     cuda_linear embed, lm_head;     /* embed: dense of its checkpoint dtype (bf16/f16/f32) or NVFP4 */
@@ -280,6 +281,45 @@ static void build_fw(struct gpu_model *g, int64_t L) {
 
 const fw_weights *be_cuda_weights(const fp4moe_model *m) { return m->gpu ? &m->gpu->fw : NULL; }
 
+/* A view of the experts [lo, hi) of stacked expert weights v (local ids; the device bytes shared). */
+static void expert_view(const cuda_linear *v, int64_t lo, int64_t hi, cuda_linear *out) {
+    *out = *v;
+    out->E = hi - lo;
+    if (v->nvfp4) {
+        out->q.E = hi - lo;
+        out->q.codes += (size_t)(lo * v->N * v->K / 2);
+        out->q.scales += (size_t)(lo * v->N * v->K / 16);
+#ifndef FP4MOE_INJECT_FAULT_EP_VIEW_GS /* deliberate fault (tests must catch it): global scales not offset */
+        if (v->q.global_scale) out->q.global_scale += lo;
+#endif
+    } else if (v->dense) {
+        out->dense = (const char *)v->dense + (size_t)(lo * v->N * v->K) * (v->dtype == FP4MOE_F32 ? 4 : 2);
+    }
+}
+
+int be_cuda_weights_experts(const fp4moe_model *m, int64_t lo, int64_t hi, fw_weights *out, fw_layer *layers,
+                            void *views) {
+    if (!m->gpu) return fp4moe_set_error(FP4MOE_EINVAL, "cuda: the model's weights are not on the GPU");
+    const fw_weights *w = &m->gpu->fw;
+    cuda_linear *v = views;
+    *out = *w;
+    out->layers = layers;
+    for (int64_t l = 0; l < m->cfg.n_layers; l++) {
+        layers[l] = w->layers[l];
+        if (w->layers[l].experts_up) {
+            expert_view(w->layers[l].experts_up, lo, hi, &v[2 * l]);
+            layers[l].experts_up = &v[2 * l];
+        }
+        if (w->layers[l].experts_down) {
+            expert_view(w->layers[l].experts_down, lo, hi, &v[2 * l + 1]);
+            layers[l].experts_down = &v[2 * l + 1];
+        }
+    }
+    return FP4MOE_OK;
+}
+
+size_t be_cuda_linear_size(void) { return sizeof(cuda_linear); }
+
 void gpu_model_free(struct gpu_model *g) {
     if (!g) return;
     if (g->base) cudaFree(g->base);
@@ -297,6 +337,10 @@ static int build_gpu_model(fp4moe_model *m, int synth, uint64_t seed, fp4moe_pro
     if (!g || !g->layers) {
         gpu_model_free(g);
         return fp4moe_set_error(FP4MOE_ENOMEM, "cuda: out of host memory for the model");
+    }
+    if (cudaGetDevice(&g->device) != cudaSuccess) {
+        (void)cudaGetLastError();
+        g->device = 0;
     }
     placer p = {.synth = synth, .seed = seed, .progress = progress, .ctx = ctx};
     int st = place_model(&p, m, g);                      /* pass 1: count */
@@ -360,6 +404,7 @@ typedef struct {
 typedef struct {
     struct gpu_model *g;
     const fp4moe_config *cfg;
+    int device;                     /* the model's device: current for every call of this backend */
     cudaStream_t stream;
     void *blas, *ws;
     cuda_ops ops;
@@ -490,6 +535,8 @@ static void capture(cuda_ctx *c, graph_slot *g, int (*fn)(void *), void *arg) {
 static int cu_run(void *bcv, const fw_step *st, int (*fn)(void *), void *arg) {
     cuda_ctx *c = bcv;
     c->n_ev = 0;
+    /* the thread that steps this batch may have another device current (one thread per GPU) */
+    FP4MOE_CUDA_TRY("cuda", cudaSetDevice(c->device), "cudaSetDevice");
     if (c->graph_off || st->nd != st->R) return fn(arg);
     graph_slot *g = graph_for(c, st->R);
     if (!g || g->failed) return fn(arg);
@@ -614,6 +661,7 @@ static int cu_attention(void *bc, const fw_step *s, const void *qv, const void *
 static const be_ops CUDA_OPS = {
     .name = "cuda",
     .act_size = 2,
+    .device_memory = 1,
     .alloc = cu_alloc,
     .free = cu_free,
     .free_detached = cu_free_detached,
@@ -692,6 +740,8 @@ int be_cuda_new(const fp4moe_model *m, fp4moe_route route, int64_t cap, int64_t 
     *ops = &CUDA_OPS;
     c->g = m->gpu;
     c->cfg = &m->cfg;
+    c->device = m->gpu->device;
+    FP4MOE_CUDA_TRY("cuda", cudaSetDevice(c->device), "cudaSetDevice (the model's device)");
     FP4MOE_CUDA_TRY("cuda", cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking), "stream");
     TRY(cu_alloc(c, BLAS_WORKSPACE, &c->ws));
     TRY(cuda_blas_create(c->stream, c->ws, BLAS_WORKSPACE, &c->blas));
@@ -720,6 +770,12 @@ int be_cuda_new(const fp4moe_model *m, fp4moe_route route, int64_t cap, int64_t 
     c->graph_off = !strcmp(env_get(ENV_CUDA_GRAPH), "0") || route == FP4MOE_ROUTE_DEQUANT_GEMM;
     FP4MOE_CUDA_TRY("cuda", cudaStreamSynchronize(c->stream), "backend setup");
     return FP4MOE_OK;
+}
+
+void be_cuda_graphs_off(void *bcv) {
+    cuda_ctx *c = bcv;
+    cu_invalidate(c);
+    c->graph_off = 1;
 }
 
 int be_cuda_profile(void *bcv, double ms[FP4MOE_PROF_KINDS], int reset) {

@@ -33,6 +33,13 @@ int be_cuda_new(const fp4moe_model *m, fp4moe_route route, int64_t max_rows, int
 void be_cuda_free(void *bc) { (void)bc; }
 
 const fw_weights *be_cuda_weights(const fp4moe_model *m) { (void)m; return NULL; }
+int be_cuda_weights_experts(const fp4moe_model *m, int64_t lo, int64_t hi, fw_weights *out, fw_layer *layers,
+                            void *views) {
+    (void)m; (void)lo; (void)hi; (void)out; (void)layers; (void)views;
+    return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "this build has no CUDA support");
+}
+size_t be_cuda_linear_size(void) { return 1; }
+void be_cuda_graphs_off(void *bc) { (void)bc; }
 
 int be_cuda_profile(void *bc, double ms[FP4MOE_PROF_KINDS], int reset) {
     (void)bc; (void)ms; (void)reset;

@@ -247,6 +247,23 @@ extern "C" int fp4moe_cuda_available(void) {
     return n > 0;
 }
 
+extern "C" int fp4moe_cuda_device_count(void) {
+    int n = 0;
+    if (cudaGetDeviceCount(&n) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return 0;
+    }
+    return n;
+}
+
+extern "C" int fp4moe_cuda_set_device(int device) {
+    const int n = fp4moe_cuda_device_count();
+    if (device < 0 || device >= n)
+        return fp4moe_set_error(FP4MOE_EINVAL, "cuda_set_device: device %d, %d visible", device, n);
+    FP4MOE_CUDA_TRY("cuda_set_device", cudaSetDevice(device), "cudaSetDevice");
+    return FP4MOE_OK;
+}
+
 extern "C" int gather_qmm_cuda_bf16_f32out(const fp4moe_nvfp4_weights *w, const void *x, const uint32_t *idx,
                                            int64_t B, float *y, void *stream) {
     int st = fp4moe_gather_qmm_check(w, x, idx, B, y);

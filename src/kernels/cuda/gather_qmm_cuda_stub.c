@@ -18,3 +18,8 @@ int fp4moe_gather_qmm_cuda(const fp4moe_nvfp4_weights *w, const void *x, fp4moe_
 }
 
 int fp4moe_cuda_available(void) { return 0; }
+int fp4moe_cuda_device_count(void) { return 0; }
+int fp4moe_cuda_set_device(int device) {
+    (void)device;
+    return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "cuda_set_device: this build has no CUDA support");
+}
