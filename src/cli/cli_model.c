@@ -71,6 +71,16 @@ static void on_gen_progress(void *ctx, int64_t done, int64_t total) {
     cli_progress_update(p, done, NULL);
 }
 
+int cli_synthetic_quiet(const char *name, uint64_t seed, fp4moe_device dev, fp4moe_model **out) {
+    fp4moe_config cfg;
+    char *path = NULL;
+    int st = load_config(name, &cfg, &path);
+    free(path);
+    if (st) return st;
+    fp4moe_synthetic_options o = {.device = dev, .seed = seed};
+    return fp4moe_model_synthetic(&cfg, &o, out);
+}
+
 int cli_load_synthetic(const char *cmd, const char *name, uint64_t seed, fp4moe_device dev, fp4moe_model **out) {
     fp4moe_config cfg;
     char *path = NULL;

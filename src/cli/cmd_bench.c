@@ -9,6 +9,7 @@
  * decoded token, at --floor-bw bytes/s), and --profile splits the device time by layer kind. */
 #include <math.h>
 #include <omp.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -25,7 +26,7 @@
 
 typedef struct {
     const char *model, *synthetic, *dtype, *route, *device, *cpu_act;
-    int64_t prompt_tokens, gen_tokens, repeats, chunk, seed, warmup, batch;
+    int64_t prompt_tokens, gen_tokens, repeats, chunk, seed, warmup, batch, gpus, ep_ranks;
     double floor_bw;
     int json, no_quantize, profile;
     int64_t threads;
@@ -384,6 +385,250 @@ static int bench_batch(const bench_args *a, const fp4moe_model *m, fp4moe_dtype 
     return rc;
 }
 
+/* ---- --gpus N / --ep-ranks N: expert parallelism ------------------------------------------------ */
+
+/* Rank r of R holds the sequences i = r, r + R, ... of --batch and 1/R of every MoE layer's routed
+ * experts; all ranks step in lockstep (a rank with nothing to prefill steps with no rows: the MoE
+ * layers are collectives), one thread each. */
+typedef struct {
+    const bench_args *a;
+    int rank, ranks, nccl;
+    fp4moe_ep_group *g;
+    fp4moe_dtype dt;
+    fp4moe_route route;
+    fp4moe_device dev;
+    pthread_barrier_t *bar;
+    int *flag;                      /* ranks ints: per-barrier reports (more work / failed) */
+    double *pf, *dc;                /* rank 0: the wall time of each run's prefill and decode */
+    uint64_t *hash0;                /* --batch: run 0's hash of each sequence (global order) */
+    int st;
+    char err[512];
+} ep_job;
+
+/* Every rank reports v; returns the OR over ranks (two barriers: all written, all read). */
+static int ep_any(ep_job *j, int v) {
+    j->flag[j->rank] = v;
+    pthread_barrier_wait(j->bar);
+    int any = 0;
+    for (int r = 0; r < j->ranks; r++) any |= j->flag[r];
+    pthread_barrier_wait(j->bar);
+    return any;
+}
+
+static void *ep_rank_main(void *arg) {
+    ep_job *j = arg;
+    const bench_args *a = j->a;
+    fp4moe_model *m = NULL;
+    fp4moe_batch *b = NULL;
+    int st = FP4MOE_OK;
+    if (j->nccl) st = fp4moe_cuda_set_device(j->rank);
+    if (!st && a->synthetic) { /* every GPU makes the whole synthetic model; the rank uses views of its experts */
+        st = cli_synthetic_quiet(a->synthetic, (uint64_t)a->seed, j->dev, &m);
+    } else if (!st) { /* a checkpoint: each rank loads only its share of the routed experts */
+        fp4moe_load_options lo;
+        fp4moe_load_options_default(&lo);
+        lo.quantize = !a->no_quantize;
+        fp4moe_config cfg;
+        st = fp4moe_config_load(a->model, &cfg); /* E, for the share */
+        if (!st) {
+            lo.device = j->dev;
+            lo.expert_share = 1;
+            fp4moe_ep_range(cfg.n_experts, j->ranks, j->rank, &lo.expert_lo, &lo.expert_hi);
+            st = fp4moe_model_load(a->model, &lo, &m);
+        }
+    }
+    const int64_t N = a->batch, R = a->repeats, P = a->prompt_tokens, G = a->gen_tokens;
+    const int64_t n = N > j->rank ? (N - j->rank + j->ranks - 1) / j->ranks : 0; /* this rank's sequences */
+    int32_t **prompts = calloc((size_t)n + 1, sizeof *prompts), *next = calloc((size_t)n + 1, sizeof *next);
+    int64_t *seq = calloc((size_t)n + 1, sizeof *seq), *fed = calloc((size_t)n + 1, sizeof *fed);
+    uint64_t *hash = calloc((size_t)n + 1, sizeof *hash);
+    fp4moe_batch_item *it = calloc((size_t)n + 1, sizeof *it);
+    if (!st && (!prompts || !next || !seq || !fed || !hash || !it)) st = fp4moe_set_error(FP4MOE_ENOMEM, "out of memory");
+    if (!st) {
+        fp4moe_batch_options o;
+        fp4moe_batch_options_default(&o);
+        o.max_seqs = n > 0 ? n : 1;
+        o.max_step_tokens = a->chunk;
+        o.act_dtype = j->dt;
+        o.route = j->route;
+        cli_parse_cpu_act(CMD, a->cpu_act, j->dev, &o.cpu_act); /* checked in bench() */
+        o.device = j->dev;
+        o.ep = j->g;
+        o.ep_rank = j->rank;
+        st = fp4moe_batch_new(m, &o, &b);
+    }
+    const int64_t V = m ? fp4moe_model_config(m)->vocab : 1;
+    for (int64_t q = 0; !st && q < n; q++) {
+        if (!(prompts[q] = malloc((size_t)P * sizeof(int32_t)))) st = fp4moe_set_error(FP4MOE_ENOMEM, "out of memory");
+        else synthetic_prompt_variant(prompts[q], P, V, (uint64_t)(j->rank + q * j->ranks));
+    }
+    if (st) snprintf(j->err, sizeof j->err, "rank %d: %s", j->rank, fp4moe_last_error());
+    int failed = ep_any(j, st != FP4MOE_OK); /* setup: all ranks go on, or none */
+    for (int64_t r = 0; !failed && r < a->warmup + R; r++) {
+        for (int64_t q = 0; !st && q < n; q++) {
+            st = fp4moe_batch_add(b, &seq[q]);
+            fed[q] = 0;
+            hash[q] = 0xCBF29CE484222325ull;
+        }
+        failed = ep_any(j, st != FP4MOE_OK);
+        double t0 = cli_now();
+        for (int more = 1; more && !failed;) { /* prefill, chunks of at most --chunk tokens a rank */
+            int64_t k = 0, budget = a->chunk;
+            for (int64_t q = 0; q < n && budget > 0; q++) {
+                if (fed[q] >= P) continue;
+                const int64_t c = P - fed[q] < budget ? P - fed[q] : budget;
+                it[k++] = (fp4moe_batch_item){.seq = seq[q], .tokens = prompts[q] + fed[q], .n = c,
+                                              .out_token = fed[q] + c == P ? &next[q] : NULL};
+                budget -= c;
+                fed[q] += c;
+            }
+            st = fp4moe_batch_step(b, it, k);
+            for (int64_t x = 0; !st && x < k; x++)
+                if (it[x].status) st = fp4moe_set_error(it[x].status, "%s", it[x].error);
+            int left = 0;
+            for (int64_t q = 0; q < n; q++) left |= fed[q] < P;
+            failed = ep_any(j, st != FP4MOE_OK ? 2 : left) & 2;
+            more = ep_any(j, left) && !failed;
+        }
+        if (j->rank == 0) j->pf[r] = cli_now() - t0;
+        t0 = cli_now();
+        for (int64_t g = 0; g < G && !failed; g++) {
+            for (int64_t q = 0; q < n; q++) {
+                hash[q] = fnv1a(hash[q], next[q]);
+                it[q] = (fp4moe_batch_item){.seq = seq[q], .tokens = &next[q], .n = 1, .out_token = &next[q]};
+            }
+            st = fp4moe_batch_step(b, it, n);
+            for (int64_t x = 0; !st && x < n; x++)
+                if (it[x].status) st = fp4moe_set_error(it[x].status, "%s", it[x].error);
+            failed = ep_any(j, st != FP4MOE_OK);
+        }
+        if (j->rank == 0) j->dc[r] = cli_now() - t0;
+        for (int64_t q = 0; q < n && !failed; q++) {
+            const int64_t i = j->rank + q * j->ranks;
+            if (r == 0) j->hash0[i] = hash[q];
+            else if (hash[q] != j->hash0[i] && !st)
+                st = fp4moe_set_error(FP4MOE_EFORMAT, "run %lld: sequence %lld generated other tokens than in run 0: "
+                                      "greedy decoding is not deterministic", (long long)r, (long long)i);
+            fp4moe_batch_remove(b, seq[q]);
+        }
+        if (st && !j->err[0]) snprintf(j->err, sizeof j->err, "rank %d: %s", j->rank, fp4moe_last_error());
+        failed |= ep_any(j, st != FP4MOE_OK);
+        if (!failed && !a->json && j->rank == 0)
+            fprintf(stderr, "%s: %s %lld: prefill %.3f s, decode %.3f s (%lld sequences on %d ranks)\n", CMD,
+                    r < a->warmup ? "warm-up" : "repeat", (long long)(r < a->warmup ? r : r - a->warmup), j->pf[r],
+                    j->dc[r], (long long)N, j->ranks);
+    }
+    j->st = st ? st : failed ? FP4MOE_EINVAL : FP4MOE_OK;
+    for (int64_t q = 0; prompts && q < n; q++) free(prompts[q]);
+    free(prompts);
+    free(next);
+    free(seq);
+    free(fed);
+    free(hash);
+    free(it);
+    fp4moe_batch_free(b);
+    fp4moe_model_free(m);
+    return NULL;
+}
+
+static int bench_ep(const bench_args *a, fp4moe_dtype dt, fp4moe_route route, fp4moe_device dev) {
+    const int nccl = a->gpus > 1, W = (int)(nccl ? a->gpus : a->ep_ranks);
+    const int64_t N = a->batch, R = a->repeats;
+    if (nccl && dev != FP4MOE_DEVICE_CUDA) return cli_usage_error(CMD, "--gpus needs --device cuda");
+    if (nccl && fp4moe_cuda_device_count() < W) {
+        fprintf(stderr, "%s: --gpus %d: %d CUDA device%s visible\n", CMD, W, fp4moe_cuda_device_count(),
+                fp4moe_cuda_device_count() == 1 ? " is" : "s are");
+        return FP4MOE_EXIT_USAGE;
+    }
+    fp4moe_ep_group *g = NULL;
+    int st = nccl ? fp4moe_ep_group_new_nccl(W, NULL, &g) : fp4moe_ep_group_new(W, &g);
+    if (st) return cli_fail(CMD, st);
+    ep_job *jobs = calloc((size_t)W, sizeof *jobs);
+    pthread_t *th = calloc((size_t)W, sizeof *th);
+    int *flag = calloc((size_t)W, sizeof *flag);
+    double *pf = calloc((size_t)(R + a->warmup), sizeof *pf), *dc = calloc((size_t)(R + a->warmup), sizeof *dc);
+    uint64_t *hash0 = calloc((size_t)N, sizeof *hash0);
+    pthread_barrier_t bar;
+    if (!jobs || !th || !flag || !pf || !dc || !hash0 || pthread_barrier_init(&bar, NULL, (unsigned)W)) {
+        free(jobs); free(th); free(flag); free(pf); free(dc); free(hash0);
+        fp4moe_ep_group_free(g);
+        return cli_fail(CMD, fp4moe_set_error(FP4MOE_ENOMEM, "out of memory"));
+    }
+    if (!a->json)
+        fprintf(stderr, "%s: %d expert-parallel ranks (%s), %lld sequences\n", CMD, W,
+                nccl ? "NCCL, one GPU each" : "in-process loopback on one device", (long long)N);
+    int started = 0;
+    for (int r = 0; r < W; r++) {
+        jobs[r] = (ep_job){a, r, W, nccl, g, dt, route, dev, &bar, flag, pf, dc, hash0, 0, {0}};
+        if (pthread_create(&th[r], NULL, ep_rank_main, &jobs[r])) break;
+        started++;
+    }
+    for (int r = 0; r < started; r++) pthread_join(th[r], NULL);
+    int rc = FP4MOE_EXIT_OK;
+    if (started < W) {
+        rc = cli_fail(CMD, fp4moe_set_error(FP4MOE_ENOMEM, "cannot start %d rank threads", W)); /* the others wait */
+    } else {
+        for (int r = 0; r < W; r++)
+            if (jobs[r].st && jobs[r].err[0]) {
+                fprintf(stderr, "%s: %s\n", CMD, jobs[r].err);
+                if (rc == FP4MOE_EXIT_OK) rc = cli_fail(CMD, fp4moe_set_error(jobs[r].st, "%s", jobs[r].err));
+            }
+        if (rc == FP4MOE_EXIT_OK && jobs[0].st) rc = cli_fail(CMD, jobs[0].st);
+    }
+    if (rc == FP4MOE_EXIT_OK) {
+        double *v = malloc((size_t)R * sizeof *v);
+        for (int64_t i = 0; i < R; i++) v[i] = (double)(N * a->prompt_tokens) / pf[a->warmup + i];
+        const double pfm = median(v, R);
+        for (int64_t i = 0; i < R; i++) v[i] = (double)(N * a->gen_tokens) / dc[a->warmup + i];
+        const double dcm = median(v, R);
+        free(v);
+        uint64_t all = 0xCBF29CE484222325ull;
+        for (int64_t i = 0; i < N; i++) all = fnv1a(fnv1a(all, (int32_t)hash0[i]), (int32_t)(hash0[i] >> 32));
+        char h[24];
+        snprintf(h, sizeof h, "%016llx", (unsigned long long)all);
+        if (a->json) {
+            cJSON *j = cJSON_CreateObject();
+            cJSON_AddStringToObject(j, "model", a->synthetic ? a->synthetic : a->model);
+            cJSON_AddBoolToObject(j, "synthetic", a->synthetic != NULL);
+            cJSON_AddStringToObject(j, "device", fp4moe_device_name(dev));
+            cJSON_AddStringToObject(j, "dtype", a->dtype);
+            cJSON_AddStringToObject(j, "route", a->route);
+            cJSON_AddStringToObject(j, "ep_transport", nccl ? "nccl" : "loopback");
+            cJSON_AddNumberToObject(j, "ep_ranks", W);
+            cJSON_AddNumberToObject(j, "batch", (double)N);
+            cJSON_AddNumberToObject(j, "prompt_tokens", (double)a->prompt_tokens);
+            cJSON_AddNumberToObject(j, "gen_tokens", (double)a->gen_tokens);
+            cJSON_AddNumberToObject(j, "repeats", (double)R);
+            cJSON_AddNumberToObject(j, "prefill_tok_s_aggregate", pfm);
+            cJSON_AddNumberToObject(j, "decode_tok_s_aggregate", dcm);
+            cJSON_AddNumberToObject(j, "decode_tok_s_per_sequence", dcm / (double)N);
+            cJSON_AddStringToObject(j, "gen_ids_fnv1a_all", h);
+            cJSON *arr = cJSON_CreateArray();
+            for (int64_t i = 0; i < N; i++) {
+                char hi[24];
+                snprintf(hi, sizeof hi, "%016llx", (unsigned long long)hash0[i]);
+                cJSON_AddItemToArray(arr, cJSON_CreateString(hi));
+            }
+            cJSON_AddItemToObject(j, "gen_ids_fnv1a", arr);
+            char *txt = cJSON_Print(j);
+            printf("%s\n", txt);
+            free(txt);
+            cJSON_Delete(j);
+        } else {
+            printf("setup          %lld sequences x (%lld prompt tokens, %lld generated), %d expert-parallel ranks "
+                   "(%s), %s activations, route %s, device %s\n", (long long)N, (long long)a->prompt_tokens,
+                   (long long)a->gen_tokens, W, nccl ? "NCCL" : "loopback", a->dtype, a->route, fp4moe_device_name(dev));
+            printf("prefill        %.2f tok/s aggregate (median)\n", pfm);
+            printf("decode         %.2f tok/s aggregate, %.2f tok/s per sequence (median)\n", dcm, dcm / (double)N);
+            printf("gen ids hash   %s over all sequences (FNV-1a 64)\n", h);
+        }
+    }
+    pthread_barrier_destroy(&bar);
+    free(jobs); free(th); free(flag); free(pf); free(dc); free(hash0);
+    fp4moe_ep_group_free(g);
+    return rc;
+}
+
 /* ---- the benchmark ---------------------------------------------------------------------------- */
 
 static int bench(bench_args *a) {
@@ -400,6 +645,13 @@ static int bench(bench_args *a) {
     if (a->warmup < 0) a->warmup = dev == FP4MOE_DEVICE_CUDA ? 1 : 0;
     if (a->profile && dev != FP4MOE_DEVICE_CUDA)
         return cli_usage_error(CMD, "--profile times device events: it needs --device cuda");
+    if (a->gpus > 1 || a->ep_ranks > 0) { /* expert parallelism: every rank loads its own model */
+        if (a->batch < 1) return cli_usage_error(CMD, "--gpus / --ep-ranks need --batch N (the sequences to spread)");
+        if (a->profile) return cli_usage_error(CMD, "--profile is not available with --gpus / --ep-ranks");
+        if (a->chunk <= 0) a->chunk = dev == FP4MOE_DEVICE_CUDA ? CLI_CUDA_CHUNK : 256;
+        if (a->chunk < a->batch) a->chunk = a->batch;
+        return bench_ep(a, dt, route, dev);
+    }
     fp4moe_model *m = NULL;
     rc = a->synthetic ? cli_load_synthetic(CMD, a->synthetic, (uint64_t)a->seed, dev, &m) : cli_load_model_on(CMD, a->model, !a->no_quantize, dev, &m);
     if (rc) return rc;
@@ -487,6 +739,12 @@ int cmd_bench(int argc, char **argv) {
         {"--batch", NULL, CLI_INT, &a.batch, "N",
          "N concurrent sequences in one batch (each prefills --prompt-tokens, then decodes --gen-tokens): "
          "aggregate and per-sequence tok/s, each sequence's id hash"},
+        {"--gpus", NULL, CLI_INT, &a.gpus, "N",
+         "expert parallelism over N CUDA devices through NCCL (libnccl.so.2 on LD_LIBRARY_PATH): each GPU "
+         "holds 1/N of every MoE layer's routed experts and 1/N of the --batch sequences (default 1)"},
+        {"--ep-ranks", NULL, CLI_INT, &a.ep_ranks, "N",
+         "expert parallelism with N ranks on this one device (in-process loopback): the --gpus path "
+         "without N GPUs, to check it and to time its exchange"},
         {"--profile", NULL, CLI_FLAG, &a.profile, NULL, "cuda: device time by layer kind (prefill, decode per token)"},
         {"--floor-bw", NULL, CLI_DOUBLE, &a.floor_bw, "B/S", "memory bandwidth of the floors, bytes/s (default: cuda 4.2e12, the H200's; cpu: this machine's read bandwidth, measured)"},
         {"--no-quantize", NULL, CLI_FLAG, &a.no_quantize, NULL, "keep dense checkpoints dense"},
@@ -505,6 +763,9 @@ int cmd_bench(int argc, char **argv) {
     if (a.seed < 0) return cli_usage_error(CMD, "--seed must be >= 0");
     if (!a.model == !a.synthetic) return cli_usage_error(CMD, "give exactly one of -m DIR and --synthetic CONFIG");
     if (a.batch < 0 || a.batch > 65535) return cli_usage_error(CMD, "--batch must be in 0 .. 65535");
+    if (a.gpus < 0 || a.gpus > 64 || a.ep_ranks < 0 || a.ep_ranks > 64)
+        return cli_usage_error(CMD, "--gpus and --ep-ranks must be in 1 .. 64");
+    if (a.gpus > 1 && a.ep_ranks > 1) return cli_usage_error(CMD, "give one of --gpus and --ep-ranks");
     if (a.prompt_tokens < 1 || a.gen_tokens < 1 || a.repeats < 1)
         return cli_usage_error(CMD, "--prompt-tokens, --gen-tokens and --repeats must be >= 1");
     if (!(a.floor_bw >= 0.0)) return cli_usage_error(CMD, "--floor-bw must be > 0 (0: the default)");

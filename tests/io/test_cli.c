@@ -956,6 +956,46 @@ static void test_chat(void **state) {
     expect_in(g_out, "/reset");
 }
 
+/* bench --ep-ranks N: the expert-parallel path (N ranks on the in-process loopback, each loading its
+ * share of the experts) generates the ids of one batch holding every sequence (the CPU computes a
+ * row the same wherever it runs), a rank without sequences included; usage errors. */
+static const char *json_str(const char *json, const char *key, char *out, size_t cap) {
+    char pat[64];
+    snprintf(pat, sizeof pat, "\"%s\":", key);
+    const char *p = strstr(json, pat);
+    if (!p) fail_msg("no %s in %s", key, json);
+    p = strchr(p + strlen(pat), '"');
+    assert_non_null(p);
+    size_t n = strcspn(p + 1, "\"");
+    if (n >= cap) n = cap - 1;
+    memcpy(out, p + 1, n);
+    out[n] = 0;
+    return out;
+}
+
+static void test_bench_ep_ranks(void **state) {
+    (void)state;
+    const char *M = "models/nemotron-h-tiny-moe";
+    char ref[32], got[32];
+    EXPECT_RC(0, "bench", "-m", M, "--device", "cpu", "--batch", "5", "--prompt-tokens", "12", "--gen-tokens", "6",
+              "--repeats", "1", "--json");
+    json_str(g_out, "gen_ids_fnv1a_all", ref, sizeof ref);
+    const char *ranks[] = {"1", "2", "3", "7"}; /* 7 > 5 sequences: ranks without sequences */
+    for (size_t i = 0; i < sizeof ranks / sizeof ranks[0]; i++) {
+        EXPECT_RC(0, "bench", "-m", M, "--device", "cpu", "--batch", "5", "--ep-ranks", ranks[i], "--prompt-tokens",
+                  "12", "--gen-tokens", "6", "--repeats", "2", "--json");
+        expect_in(g_out, "\"ep_transport\":\t\"loopback\"");
+        if (strcmp(json_str(g_out, "gen_ids_fnv1a_all", got, sizeof got), ref))
+            fail_msg("--ep-ranks %s: ids hash %s, one batch %s", ranks[i], got, ref);
+    }
+    EXPECT_RC(2, "bench", "-m", M, "--device", "cpu", "--ep-ranks", "2");
+    expect_in(g_err, "--batch");
+    EXPECT_RC(2, "bench", "-m", M, "--device", "cpu", "--batch", "2", "--gpus", "2");
+    expect_in(g_err, "--gpus needs --device cuda");
+    EXPECT_RC(2, "bench", "-m", M, "--device", "cpu", "--batch", "2", "--ep-ranks", "65");
+    EXPECT_RC(2, "bench", "-m", M, "--device", "cpu", "--batch", "2", "--ep-ranks", "2", "--gpus", "2");
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_chat),
@@ -970,6 +1010,7 @@ int main(void) {
         cmocka_unit_test(test_inspect_finds_nan_scale),
         cmocka_unit_test(test_modelopt_dequantize),
         cmocka_unit_test(test_matches_golden_mlx),
+        cmocka_unit_test(test_bench_ep_ranks),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }
