@@ -62,7 +62,8 @@ struct fp4moe_batch {
     fw_seg *segs;
     int64_t *order;                 /* item order in the step */
     int32_t *h_next;                /* cap */
-    void *ep_views;                 /* expert parallelism: this rank's expert views (CPU) */
+    void *ep_views;                 /* expert parallelism: this rank's expert views */
+    fw_ep_scratch ep_ws;            /* and the buffers its MoE layers keep */
 };
 
 const char *fp4moe_cpu_act_name(fp4moe_cpu_act a) {
@@ -293,6 +294,7 @@ void fp4moe_batch_free(fp4moe_batch *b) {
         if (b->conv_pool) b->be->free(b->bc, b->conv_pool);
         if (b->ssm_pool) b->be->free(b->bc, b->ssm_pool);
         if (b->d_pages) b->be->free(b->bc, b->d_pages);
+        fw_ep_scratch_free(b->be, b->bc, &b->ep_ws);
         if (b->cuda) be_cuda_free(b->bc);
         else be_cpu_free(b->bc);
     }
@@ -570,7 +572,8 @@ int fp4moe_batch_step(fp4moe_batch *b, fp4moe_batch_item *items, int64_t n) {
     int want_argmax = 0;
     for (int64_t g = 0; g < nseg; g++) want_argmax |= items[order[g]].out_token != NULL;
     const fw_ctx f = {&b->m->cfg, b->be, b->bc, b->w, &b->bufs, b->state, &step,
-                      want_argmax || pure_decode, b->o.interrupt, ep_group_rank(b->o.ep, b->o.ep_rank)};
+                      want_argmax || pure_decode, b->o.interrupt, ep_group_rank(b->o.ep, b->o.ep_rank),
+                      &b->ep_ws};
     if ((st = b->be->run(b->bc, &step, fw_forward, (void *)&f))) goto done;
     /* 4. outputs: head rows are in segment order */
     if (want_argmax && (st = b->be->download(b->bc, b->h_next, b->bufs.next, (size_t)nh * sizeof(int32_t))))

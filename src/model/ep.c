@@ -109,8 +109,23 @@ static int agree(ep_transport *t, int st) {
     return FP4MOE_OK;
 }
 
+void *ep_scratch_get(ep_scratch *s, int slot, size_t bytes) {
+    if (bytes > s->cap[slot]) {
+        free(s->p[slot]);
+        s->cap[slot] = 0;
+        if (!(s->p[slot] = malloc(bytes))) return NULL;
+        s->cap[slot] = bytes;
+    }
+    return s->p[slot];
+}
+
+void ep_scratch_free(ep_scratch *s) {
+    for (int i = 0; i < 8; i++) free(s->p[i]);
+    memset(s, 0, sizeof *s);
+}
+
 int ep_moe_exchange(ep_transport *t, int64_t E, const uint32_t *idx, const void *xs, int64_t B, size_t in_row,
-                    size_t out_row, ep_expert_fn fn, void *ctx, void *ys) {
+                    size_t out_row, ep_expert_fn fn, void *ctx, void *ys, ep_scratch *ws) {
     const int W = t->world;
     int64_t cnt[64] = {0}, rcnt[64], sb[64], rb[64];
     int st = FP4MOE_OK;
@@ -130,10 +145,12 @@ int ep_moe_exchange(ep_transport *t, int64_t E, const uint32_t *idx, const void 
     if ((st = agree(t, st ? st : tst))) return st;
     int64_t nrecv = 0;
     for (int s = 0; s < W; s++) nrecv += rcnt[s];
-    char *xr = malloc((size_t)nrecv * in_row + 1), *xsort = malloc((size_t)nrecv * in_row + 1);
-    char *yr = malloc((size_t)nrecv * out_row + 1), *ysort = malloc((size_t)nrecv * out_row + 1);
-    uint32_t *ir = malloc((size_t)nrecv * sizeof *ir + 1), *isort = malloc((size_t)nrecv * sizeof *isort + 1);
-    int64_t *perm = malloc((size_t)nrecv * sizeof *perm + 1);
+    ep_scratch own = {{0}, {0}}, *S = ws ? ws : &own;
+    char *xr = ep_scratch_get(S, 0, (size_t)nrecv * in_row + 1), *xsort = ep_scratch_get(S, 1, (size_t)nrecv * in_row + 1);
+    char *yr = ep_scratch_get(S, 2, (size_t)nrecv * out_row + 1), *ysort = ep_scratch_get(S, 3, (size_t)nrecv * out_row + 1);
+    uint32_t *ir = ep_scratch_get(S, 4, (size_t)nrecv * sizeof *ir + 1);
+    uint32_t *isort = ep_scratch_get(S, 5, (size_t)nrecv * sizeof *isort + 1);
+    int64_t *perm = ep_scratch_get(S, 6, (size_t)nrecv * sizeof *perm + 1);
     if (!xr || !xsort || !yr || !ysort || !ir || !isort || !perm)
         st = fp4moe_set_error(FP4MOE_ENOMEM, "ep: %lld received rows", (long long)nrecv);
     if (!(st = agree(t, st))) {
@@ -181,13 +198,7 @@ int ep_moe_exchange(ep_transport *t, int64_t E, const uint32_t *idx, const void 
             if (!st) memset((char *)ys + nin * out_row, 0, (size_t)(B - nin) * out_row);
         }
     }
-    free(xr);
-    free(xsort);
-    free(yr);
-    free(ysort);
-    free(ir);
-    free(isort);
-    free(perm);
+    if (!ws) ep_scratch_free(&own);
     return st;
 }
 

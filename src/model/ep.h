@@ -42,6 +42,15 @@ int ep_nccl_version(void);
  * E / world) (E not divisible by world: some ranks own one expert more; world > E: some none). */
 void ep_expert_range(int64_t E, int world, int rank, int64_t *lo, int64_t *hi);
 
+/* Grow-only buffers kept from one MoE layer to the next (a batch owns one): slot i holds at least
+ * the largest size asked of it. ep_scratch_get returns NULL when out of memory. */
+typedef struct {
+    void *p[8];
+    size_t cap[8];
+} ep_scratch;
+void *ep_scratch_get(ep_scratch *s, int slot, size_t bytes);
+void ep_scratch_free(ep_scratch *s);
+
 /* Computes the rows a rank owns: y (n rows) = the experts idx[i] (global ids, non-decreasing, all
  * in the rank's range) applied to x (n rows). Returns an fp4moe status. */
 typedef int (*ep_expert_fn)(void *ctx, const void *x, const uint32_t *idx, int64_t n, void *y);
@@ -53,9 +62,10 @@ typedef int (*ep_expert_fn)(void *ctx, const void *x, const uint32_t *idx, int64
  * idx >= E are zeros (the gather_qmm contract). Every output byte equals what one rank computing
  * all rows gets whenever fn's result for a row does not depend on the other rows. Errors:
  * FP4MOE_EINVAL (idx not sorted), FP4MOE_ENOMEM, fn's, the transport's; on an error every rank
- * still takes part in every exchange of the step. */
+ * still takes part in every exchange of the step. ws: slots 0..6 for the received rows, their sorted
+ * copies and results (NULL: buffers of this call only). */
 int ep_moe_exchange(ep_transport *t, int64_t E, const uint32_t *idx, const void *xs, int64_t B, size_t in_row,
-                    size_t out_row, ep_expert_fn fn, void *ctx, void *ys);
+                    size_t out_row, ep_expert_fn fn, void *ctx, void *ys, ep_scratch *ws);
 
 /* For a rank that failed before its ep_moe_exchange of a step (st != FP4MOE_OK): takes part in the
  * exchange's first collectives as a rank with no rows and status st, so that every rank's

@@ -177,50 +177,69 @@ typedef struct {
     const fw_ctx *f;
     const fw_layer *d;              /* its experts: views of this rank's experts [lo, hi) */
     int64_t lo;
-    void *hidden;                   /* n x moe_inter act scratch */
-    uint32_t *lidx;                 /* n local expert ids (backend memory) */
-    void *xd, *yd;                  /* device_memory backends: the received rows and their results */
 } ep_experts_ctx;
+
+void fw_ep_scratch_free(const be_ops *be, void *bc, fw_ep_scratch *s) {
+    ep_scratch_free(&s->exchange);
+    ep_scratch_free(&s->stage);
+    for (int i = 0; i < 4; i++)
+        if (s->dev[i]) be->free(bc, s->dev[i]);
+    memset(s, 0, sizeof *s);
+}
+
+/* Backend buffer i of the kept scratch with at least `bytes` (grown: the old one freed first). */
+static int ep_dev(const fw_ctx *f, int i, size_t bytes, void **p) {
+    fw_ep_scratch *s = f->ep_ws;
+    if (bytes > s->dev_cap[i]) {
+        if (s->dev[i]) f->be->free(f->bc, s->dev[i]);
+        s->dev[i] = NULL;
+        s->dev_cap[i] = 0;
+        TRY(f->be->alloc(f->bc, bytes, &s->dev[i]));
+        s->dev_cap[i] = bytes;
+    }
+    *p = s->dev[i];
+    return FP4MOE_OK;
+}
 
 static int ep_experts(void *ctx, const void *x, const uint32_t *idx, int64_t n, void *y) {
     ep_experts_ctx *e = ctx;
-    const be_ops *be = e->f->be;
-    void *bc = e->f->bc;
-    const int64_t row = e->f->cfg->moe_latent ? e->f->cfg->moe_latent : e->f->cfg->hidden;
+    const fw_ctx *f = e->f;
+    const be_ops *be = f->be;
+    void *bc = f->bc;
+    const int64_t row = f->cfg->moe_latent ? f->cfg->moe_latent : f->cfg->hidden;
     int64_t bytes, xbytes;
-    if (fp4moe_mul_overflow(n * e->f->cfg->moe_inter, (int64_t)be->act_size, &bytes) ||
+    if (fp4moe_mul_overflow(n * f->cfg->moe_inter, (int64_t)be->act_size, &bytes) ||
         fp4moe_mul_overflow(n * row, (int64_t)be->act_size, &xbytes))
         return fp4moe_set_error(FP4MOE_EOVERFLOW, "experts: %lld received rows overflow", (long long)n);
-    if (e->hidden || e->lidx) return fp4moe_set_error(FP4MOE_EINVAL, "experts: called twice in one exchange");
-    TRY(be->alloc(bc, (size_t)bytes, &e->hidden));
-    TRY(be->alloc(bc, (size_t)n * sizeof(uint32_t), (void **)&e->lidx));
+    void *hidden, *lidx_b;
+    TRY(ep_dev(f, 2, (size_t)bytes, &hidden));
+    TRY(ep_dev(f, 3, (size_t)n * sizeof(uint32_t), &lidx_b));
     const void *xd = x;
     void *yd = y;
-    uint32_t *lidx = e->lidx;
+    uint32_t *lidx = lidx_b;
     if (be->device_memory) { /* the exchange runs in host memory: the rows go to the device and back */
-        TRY(be->alloc(bc, (size_t)xbytes, &e->xd));
-        TRY(be->alloc(bc, (size_t)xbytes, &e->yd));
-        if (!(lidx = malloc((size_t)n * sizeof *lidx + 1)))
+        void *xb, *yb;
+        TRY(ep_dev(f, 0, (size_t)xbytes, &xb));
+        TRY(ep_dev(f, 1, (size_t)xbytes, &yb));
+        if (!(lidx = ep_scratch_get(&f->ep_ws->stage, 3, (size_t)n * sizeof *lidx + 1)))
             return fp4moe_set_error(FP4MOE_ENOMEM, "experts: %lld received rows", (long long)n);
-        xd = e->xd;
-        yd = e->yd;
+        xd = xb;
+        yd = yb;
     }
     for (int64_t i = 0; i < n; i++) lidx[i] = idx[i] - (uint32_t)e->lo; /* ep_moe_exchange checked the range */
     int st = FP4MOE_OK;
     if (be->device_memory) {
-        st = be->upload(bc, e->xd, x, (size_t)xbytes);
-        if (!st) st = be->upload(bc, e->lidx, lidx, (size_t)n * sizeof *lidx);
-        if (!st) st = be->sync(bc); /* lidx (host) is freed below */
-        free(lidx);
+        st = be->upload(bc, (void *)xd, x, (size_t)xbytes);
+        if (!st) st = be->upload(bc, lidx_b, lidx, (size_t)n * sizeof *lidx);
         if (st) return fp4moe_error_context(st, "experts (rows to the device)");
     }
-    st = be->linear_gather(bc, e->d->experts_up, xd, e->lidx, n, 1, e->hidden);
+    st = be->linear_gather(bc, e->d->experts_up, xd, lidx_b, n, 1, hidden);
     if (st) return fp4moe_error_context(st, "experts up (gather_qmm)");
-    st = be->linear_gather(bc, e->d->experts_down, e->hidden, e->lidx, n, 0, yd);
+    st = be->linear_gather(bc, e->d->experts_down, hidden, lidx_b, n, 0, yd);
     if (st) return fp4moe_error_context(st, "experts down (gather_qmm)");
     if (be->device_memory) {
-        st = be->download(bc, y, e->yd, (size_t)xbytes);
-        if (!st) st = be->sync(bc);
+        st = be->download(bc, y, yd, (size_t)xbytes);
+        if (!st) st = be->sync(bc); /* y is read by the exchange next */
         if (st) return fp4moe_error_context(st, "experts (results to the host)");
     }
     return FP4MOE_OK;
@@ -228,8 +247,8 @@ static int ep_experts(void *ctx, const void *x, const uint32_t *idx, int64_t n, 
 
 /* The routed experts of an expert-parallel rank: ep_moe_exchange on the sorted rows. A backend
  * whose memory the host cannot read (CUDA) stages the rows, their experts and the results through
- * host memory (one download and one upload per MoE layer, a synchronisation each): correct on any
- * transport, not yet fast (docs/EP.md). */
+ * host memory (one download and one upload per MoE layer, a synchronisation each; the buffers are
+ * kept by the batch): correct on any transport, not fast (docs/EP.md). */
 static int ep_routed(const fw_ctx *f, const fw_layer *d, int64_t E, int64_t B, int64_t Hl) {
     const be_ops *be = f->be;
     void *bc = f->bc;
@@ -237,17 +256,16 @@ static int ep_routed(const fw_ctx *f, const fw_layer *d, int64_t E, int64_t B, i
     const size_t rowb = (size_t)Hl * be->act_size;
     int64_t lo, hi;
     ep_expert_range(E, f->ep->world, f->ep->rank, &lo, &hi);
-    ep_experts_ctx ec = {f, d, lo, NULL, NULL, NULL, NULL};
+    ep_experts_ctx ec = {f, d, lo};
     const uint32_t *idx = b->idx;
     const void *xs = b->xs;
     void *ys = b->ys;
-    uint32_t *hidx = NULL;
-    char *hx = NULL, *hy = NULL;
+    char *hy = NULL;
     int st = FP4MOE_OK;
     if (be->device_memory) {
-        hidx = malloc((size_t)B * sizeof *hidx + 1);
-        hx = malloc((size_t)B * rowb + 1);
-        hy = malloc((size_t)B * rowb + 1);
+        uint32_t *hidx = ep_scratch_get(&f->ep_ws->stage, 0, (size_t)B * sizeof *hidx + 1);
+        char *hx = ep_scratch_get(&f->ep_ws->stage, 1, (size_t)B * rowb + 1);
+        hy = ep_scratch_get(&f->ep_ws->stage, 2, (size_t)B * rowb + 1);
         if (!hidx || !hx || !hy) st = fp4moe_set_error(FP4MOE_ENOMEM, "experts: host staging of %lld rows", (long long)B);
         if (!st) st = be->download(bc, hidx, b->idx, (size_t)B * sizeof *hidx);
         if (!st) st = be->download(bc, hx, b->xs, (size_t)B * rowb);
@@ -256,22 +274,14 @@ static int ep_routed(const fw_ctx *f, const fw_layer *d, int64_t E, int64_t B, i
         xs = hx;
         ys = hy;
     }
-    if (st) { /* take part in the step's first exchange as a failing rank: every rank fails */
+    if (st) /* take part in the step's first exchange as a failing rank: every rank fails */
         st = ep_moe_exchange_fail(f->ep, st);
-    } else {
-        st = ep_moe_exchange(f->ep, E, idx, xs, B, rowb, rowb, ep_experts, &ec, ys);
-    }
+    else
+        st = ep_moe_exchange(f->ep, E, idx, xs, B, rowb, rowb, ep_experts, &ec, ys, &f->ep_ws->exchange);
     if (!st && be->device_memory) {
         st = be->upload(bc, b->ys, hy, (size_t)B * rowb);
-        if (!st) st = be->sync(bc); /* hy is freed below */
+        if (!st) st = be->sync(bc); /* hy is reused by the next layer */
     }
-    if (ec.hidden) be->free(bc, ec.hidden);
-    if (ec.lidx) be->free(bc, ec.lidx);
-    if (ec.xd) be->free(bc, ec.xd);
-    if (ec.yd) be->free(bc, ec.yd);
-    free(hidx);
-    free(hx);
-    free(hy);
     return st ? fp4moe_error_context(st, "experts (expert parallel, rank %d of %d)", f->ep->rank, f->ep->world)
               : FP4MOE_OK;
 }

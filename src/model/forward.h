@@ -31,6 +31,16 @@ int fw_bufs_alloc(const be_ops *be, void *bc, const fp4moe_config *c, int64_t ca
                   fw_bufs *b);
 void fw_bufs_free(const be_ops *be, void *bc, const fp4moe_config *c, fw_bufs *b);
 
+/* Expert parallelism: buffers an expert-parallel batch keeps from one MoE layer to the next (grown
+ * to the largest step; zero-initialised; fw_ep_scratch_free after the last forward). */
+typedef struct {
+    ep_scratch exchange;            /* ep_moe_exchange's host buffers */
+    ep_scratch stage;               /* device-memory backends: host copies of idx, rows, results, local ids */
+    void *dev[4];                   /* backend memory: received rows, their results, hidden, local ids */
+    size_t dev_cap[4];
+} fw_ep_scratch;
+void fw_ep_scratch_free(const be_ops *be, void *bc, fw_ep_scratch *s);
+
 /* Everything one forward of a step needs. */
 typedef struct {
     const fp4moe_config *cfg;
@@ -42,7 +52,8 @@ typedef struct {
     const fw_step *st;
     int argmax;                     /* also the greedy token of every head row (b->next) */
     const volatile sig_atomic_t *interrupt;
-    ep_transport *ep;               /* expert parallelism (CPU backend): NULL = every expert here */
+    ep_transport *ep;               /* expert parallelism: NULL = every expert here */
+    fw_ep_scratch *ep_ws;           /* with ep: the batch's kept buffers */
 } fw_ctx;
 
 /* The forward of f->st (arg is a const fw_ctx *): embedding, layers, then the head rows' logits
