@@ -1,9 +1,10 @@
 /* Expert parallelism (issue 13): the exchange of a MoE layer's rows between ranks that each own a
  * contiguous range of the routed experts (vLLM / SGLang "EP": all-to-all dispatch, the experts run
  * where their weights are, all-to-all combine), over a transport interface: an in-process loopback
- * of N ranks (threads; what `make test` runs) now, NCCL (ncclSend/ncclRecv in a group) on
- * multi-GPU machines (not built yet: docs/EP.md). Host memory: the CPU backend's buffers; the forward
- * calls ep_moe_exchange in its MoE layers when the batch is a rank of an fp4moe_ep_group. */
+ * of N ranks (threads; what `make test` runs) and NCCL between the CUDA devices of this process
+ * (ep_nccl.c; docs/EP.md). The exchange moves host memory: the CPU backend's buffers, or CUDA's
+ * staged through the host (forward.c); the forward calls ep_moe_exchange in its MoE layers when the
+ * batch is a rank of an fp4moe_ep_group. */
 #ifndef FP4MOE_MODEL_EP_H
 #define FP4MOE_MODEL_EP_H
 

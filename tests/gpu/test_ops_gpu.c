@@ -9,7 +9,8 @@
  *  - cuda_rmsnorm with the residual add folded in: h + (a + b) bitwise equal to the CPU's (the same
  *    fp32 operations), y within one bf16 step of the CPU's op_rmsnorm (the fp64 sum of squares runs
  *    in another order), y32 the same values as y; H = 2688, 4100 (a row longer than the kept
- *    registers) and 7; T = 1, 3, 64; with a, with a and b, without.
+ *    registers) and 7; T = 1, 3, 64, 300 (from 64 rows the 256-thread form); with a, with a and b,
+ *    without; rows of a many-row call bitwise equal to the same rows normalised alone.
  *  - the relu^2 epilogue of gather_qmm (gather_qmm_cuda_ex): bitwise equal to gather_qmm then
  *    cuda_relu2 on every route and row count that fuses it (qmv decode kernel, qmv fp32-FMA kernel,
  *    batched, qmv tiled), and it reports "not fused" for dequant_gemm (the caller applies relu2).
@@ -198,16 +199,35 @@ static void norm_case(gpu_ctx *g, int64_t T, int64_t H, int na, uint64_t seed) {
         }
     }
     assert_int_equal(bad, 0);
+    /* every row bitwise equal to the same row normalised alone (the many-row form computes the
+     * one-row kernel's arithmetic): rows 0, one in the middle and the last */
+    const int64_t pick[3] = {0, T / 2, T - 1};
+    for (int p = 0; p < 3; p++) {
+        const int64_t t = pick[p];
+        float *h1 = gt_upload(h + t * H, (size_t)H * 4); /* h already holds the residual sum */
+        uint16_t *y1 = gt_upload(NULL, (size_t)H * 2);
+        gt_poison(y1, (size_t)H * 2);
+        assert_int_equal(cuda_rmsnorm(g->stream, h1, NULL, NULL, dw, 1, H, 1e-5f, y1, NULL), FP4MOE_OK);
+        GT_CHECK(cudaStreamSynchronize(g->stream));
+        uint16_t *o1 = malloc((size_t)H * 2);
+        gt_download(o1, y1, (size_t)H * 2);
+        if (memcmp(o1, gy + t * H, (size_t)H * 2))
+            fail_msg("rmsnorm T=%lld H=%lld na=%d: row %lld differs from the row normalised alone", (long long)T,
+                     (long long)H, na, (long long)t);
+        free(o1);
+        gt_free(h1);
+        gt_free(y1);
+    }
     free(h); free(w); free(a); free(b); free(gh); free(gy32); free(ref); free(gy);
     gt_free(dh); gt_free(dw); gt_free(da); gt_free(db); gt_free(dy); gt_free(dy32);
 }
 
 static void test_rmsnorm_residual(void **state) {
     gpu_ctx *g = *state;
-    const int64_t Hs[] = {2688, 4100, 7}, Ts[] = {1, 3, 64};
+    const int64_t Hs[] = {2688, 4100, 7}, Ts[] = {1, 3, 64, 300}; /* >= 64 rows: the 256-thread form */
     uint64_t seed = 1;
     for (size_t i = 0; i < 3; i++)
-        for (size_t j = 0; j < 3; j++)
+        for (size_t j = 0; j < 4; j++)
             for (int na = 0; na <= 2; na++) norm_case(g, Ts[j], Hs[i], na, seed++);
 }
 
