@@ -144,6 +144,11 @@ typedef struct be_ops {
                      uint32_t *pos_of);
     int (*gather_rows)(void *bc, const void *x, int64_t H, const uint32_t *row_of, int64_t B,
                        int64_t k, void *xs);
+    /* Expert parallelism: the stable sort by expert of B rows whose (global) experts ids[b] lie in
+     * [lo, lo + E): row_of, idx (LOCAL ids: expert - lo, non-decreasing), pos_of as moe_route's sort.
+     * An id outside the range is clamped into it (memory-safe; the exchange never sends one). */
+    int (*sort_local)(void *bc, const uint32_t *ids, int64_t B, int64_t lo, int64_t E, uint32_t *row_of,
+                      uint32_t *idx, uint32_t *pos_of);
     int (*moe_combine)(void *bc, const void *ys, int64_t H, const uint32_t *pos_of, const float *wts,
                        int64_t T, int64_t k, void *out);
     /* h += a (+ b): h + (a + b) in fp32 */

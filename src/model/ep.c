@@ -48,6 +48,31 @@ static int lb_alltoallv(ep_transport *t, const void *send, const int64_t *send_b
     return st;
 }
 
+static int lb_alltoallv_dev(ep_transport *t, const void *send, const int64_t *send_bytes, void *recv,
+                            const int64_t *recv_bytes, const ep_dev_io *io) {
+    lb_shared *sh = t->impl;
+    sh->slot[t->rank].send = send;
+    sh->slot[t->rank].send_bytes = send_bytes;
+    pthread_barrier_wait(&sh->bar); /* every rank's pieces are posted (and complete: see ep.h) */
+    int st = FP4MOE_OK;
+    int64_t off = 0;
+    for (int s = 0; s < sh->world; s++) {
+        const int64_t *sb = sh->slot[s].send_bytes;
+        int64_t start = 0;
+        for (int d = 0; d < t->rank; d++) start += sb[d];
+        const int64_t n = sb[t->rank];
+        if (n != recv_bytes[s] && !st)
+            st = fp4moe_set_error(FP4MOE_EINVAL, "ep loopback: rank %d expects %lld bytes from rank %d, which sends "
+                                  "%lld", t->rank, (long long)recv_bytes[s], s, (long long)n);
+        if (n && !st) st = io->copy(io->ctx, (char *)recv + off, sh->slot[s].send + start, (size_t)n);
+        off += recv_bytes[s];
+    }
+    const int wst = io->wait(io->ctx); /* this rank's copies have landed */
+    if (!st) st = wst;
+    pthread_barrier_wait(&sh->bar); /* every rank has copied: the senders may reuse their buffers */
+    return st;
+}
+
 int ep_loopback_create(int world, ep_transport **ranks) {
     if (world < 1 || world > 64) return fp4moe_set_error(FP4MOE_EINVAL, "ep loopback: %d ranks (1..64)", world);
     lb_shared *sh = calloc(1, sizeof *sh);
@@ -59,7 +84,7 @@ int ep_loopback_create(int world, ep_transport **ranks) {
     }
     sh->world = world;
     for (int r = 0; r < world; r++) {
-        t[r] = (ep_transport){r, world, lb_alltoallv, sh};
+        t[r] = (ep_transport){r, world, lb_alltoallv, lb_alltoallv_dev, sh};
         ranks[r] = &t[r];
     }
     return FP4MOE_OK;
@@ -202,13 +227,7 @@ int ep_moe_exchange(ep_transport *t, int64_t E, const uint32_t *idx, const void 
     return st;
 }
 
-int ep_moe_exchange_fail(ep_transport *t, int st) {
-    int64_t cnt[64] = {0}, rcnt[64], sb[64], rb[64];
-    for (int d = 0; d < t->world; d++) sb[d] = (int64_t)sizeof(int64_t);
-    const int tst = t->alltoallv(t, cnt, sb, rcnt, (int64_t)sizeof rcnt, rb); /* ep_moe_exchange's step 1 */
-    const int ast = agree(t, st ? st : tst);
-    return ast ? ast : st;
-}
+int ep_moe_exchange_fail_if(ep_transport *t, int st) { return agree(t, st); }
 
 /* ---- the public group ---------------------------------------------------------------------------- */
 

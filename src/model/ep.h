@@ -12,6 +12,7 @@
 #include <stdint.h>
 
 typedef struct ep_transport ep_transport;
+typedef struct ep_dev_io ep_dev_io;
 struct ep_transport {
     int rank, world;
     /* Collective (every rank of the world calls it, in the same order): send_bytes[d] bytes to each
@@ -20,7 +21,20 @@ struct ep_transport {
      * when more than recv_cap bytes arrive (after taking part, so that no rank waits forever). */
     int (*alltoallv)(ep_transport *t, const void *send, const int64_t *send_bytes, void *recv,
                      int64_t recv_cap, int64_t *recv_bytes);
+    /* The same collective on backend (device) memory with the byte counts known on both sides
+     * (recv_bytes[s]: what rank s sends here, from an alltoallv of the counts): io->copy(io->ctx,
+     * dst, src, n) copies between two ranks' buffers on the calling rank's stream and io->wait
+     * waits for its copies (the loopback uses them; NCCL moves the bytes itself). The caller's
+     * writes to `send` must be complete (waited for) before the call; `recv` is complete when it
+     * returns. */
+    int (*alltoallv_dev)(ep_transport *t, const void *send, const int64_t *send_bytes, void *recv,
+                         const int64_t *recv_bytes, const ep_dev_io *io);
     void *impl;
+};
+struct ep_dev_io {
+    int (*copy)(void *ctx, void *dst, const void *src, size_t bytes);
+    int (*wait)(void *ctx);
+    void *ctx;
 };
 
 /* world (1..64) ranks in one process: ranks[r] for r < world share one exchange, and each must be
@@ -68,10 +82,9 @@ typedef int (*ep_expert_fn)(void *ctx, const void *x, const uint32_t *idx, int64
 int ep_moe_exchange(ep_transport *t, int64_t E, const uint32_t *idx, const void *xs, int64_t B, size_t in_row,
                     size_t out_row, ep_expert_fn fn, void *ctx, void *ys, ep_scratch *ws);
 
-/* For a rank that failed before its ep_moe_exchange of a step (st != FP4MOE_OK): takes part in the
- * exchange's first collectives as a rank with no rows and status st, so that every rank's
- * ep_moe_exchange fails with it instead of waiting. Returns st (or the transport's error). */
-int ep_moe_exchange_fail(ep_transport *t, int st);
+/* The status exchange alone (collective): every rank's st; the first failure (lowest rank) is
+ * returned on every rank, FP4MOE_OK when none failed. */
+int ep_moe_exchange_fail_if(ep_transport *t, int st);
 
 /* The transport of rank `rank` of a public group (fp4moe_ep_group_new), NULL when out of range. */
 struct fp4moe_ep_group;

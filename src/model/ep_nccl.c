@@ -159,6 +159,26 @@ static int nccl_alltoallv(ep_transport *t, const void *send, const int64_t *send
     return FP4MOE_OK;
 }
 
+/* Device memory in and out: the group straight on the caller's buffers, on the rank's NCCL stream
+ * (the caller has waited for its writes; this waits for NCCL before returning). */
+static int nccl_alltoallv_dev(ep_transport *t, const void *send, const int64_t *send_bytes, void *recv,
+                              const int64_t *recv_bytes, const ep_dev_io *io) {
+    (void)io;
+    nccl_rank *r = t->impl;
+    int64_t soff[64], roff[64], so = 0, ro = 0;
+    for (int p = 0; p < t->world; p++) {
+        soff[p] = so;
+        so += send_bytes[p];
+        roff[p] = ro;
+        ro += recv_bytes[p];
+    }
+    CU_TRY(cudaSetDevice(r->device), "cudaSetDevice");
+    const int st = exchange(t, (const char *)send, soff, send_bytes, (char *)recv, roff, recv_bytes);
+    if (st) return st;
+    CU_TRY(cudaStreamSynchronize(r->stream), "exchange");
+    return FP4MOE_OK;
+}
+
 static void rank_free(nccl_rank *r) {
     if (!r) return;
     cudaSetDevice(r->device);
@@ -208,7 +228,7 @@ int ep_nccl_create(int world, const int *devices, ep_transport **ranks) {
     for (int r = 0; r < world; r++) {
         rk[r].comm = comms[r];
         rk[r].device = dev[r];
-        t[r] = (ep_transport){r, world, nccl_alltoallv, &rk[r]};
+        t[r] = (ep_transport){r, world, nccl_alltoallv, nccl_alltoallv_dev, &rk[r]};
         ranks[r] = &t[r];
         if (!st && (cudaSetDevice(dev[r]) != cudaSuccess ||
                     cudaStreamCreateWithFlags(&rk[r].stream, cudaStreamNonBlocking) != cudaSuccess ||

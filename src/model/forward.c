@@ -201,86 +201,142 @@ static int ep_dev(const fw_ctx *f, int i, size_t bytes, void **p) {
     return FP4MOE_OK;
 }
 
+/* The host path (CPU backend): fn of ep_moe_exchange on the rows it received. */
 static int ep_experts(void *ctx, const void *x, const uint32_t *idx, int64_t n, void *y) {
     ep_experts_ctx *e = ctx;
     const fw_ctx *f = e->f;
     const be_ops *be = f->be;
     void *bc = f->bc;
-    const int64_t row = f->cfg->moe_latent ? f->cfg->moe_latent : f->cfg->hidden;
-    int64_t bytes, xbytes;
-    if (fp4moe_mul_overflow(n * f->cfg->moe_inter, (int64_t)be->act_size, &bytes) ||
-        fp4moe_mul_overflow(n * row, (int64_t)be->act_size, &xbytes))
+    int64_t bytes;
+    if (fp4moe_mul_overflow(n * f->cfg->moe_inter, (int64_t)be->act_size, &bytes))
         return fp4moe_set_error(FP4MOE_EOVERFLOW, "experts: %lld received rows overflow", (long long)n);
-    void *hidden, *lidx_b;
+    void *hidden, *lidx_v;
     TRY(ep_dev(f, 2, (size_t)bytes, &hidden));
-    TRY(ep_dev(f, 3, (size_t)n * sizeof(uint32_t), &lidx_b));
-    const void *xd = x;
-    void *yd = y;
-    uint32_t *lidx = lidx_b;
-    if (be->device_memory) { /* the exchange runs in host memory: the rows go to the device and back */
-        void *xb, *yb;
-        TRY(ep_dev(f, 0, (size_t)xbytes, &xb));
-        TRY(ep_dev(f, 1, (size_t)xbytes, &yb));
-        if (!(lidx = ep_scratch_get(&f->ep_ws->stage, 3, (size_t)n * sizeof *lidx + 1)))
-            return fp4moe_set_error(FP4MOE_ENOMEM, "experts: %lld received rows", (long long)n);
-        xd = xb;
-        yd = yb;
-    }
+    TRY(ep_dev(f, 3, (size_t)n * sizeof(uint32_t), &lidx_v));
+    uint32_t *lidx = lidx_v;
     for (int64_t i = 0; i < n; i++) lidx[i] = idx[i] - (uint32_t)e->lo; /* ep_moe_exchange checked the range */
-    int st = FP4MOE_OK;
-    if (be->device_memory) {
-        st = be->upload(bc, (void *)xd, x, (size_t)xbytes);
-        if (!st) st = be->upload(bc, lidx_b, lidx, (size_t)n * sizeof *lidx);
-        if (st) return fp4moe_error_context(st, "experts (rows to the device)");
-    }
-    st = be->linear_gather(bc, e->d->experts_up, xd, lidx_b, n, 1, hidden);
+    int st = be->linear_gather(bc, e->d->experts_up, x, lidx, n, 1, hidden);
     if (st) return fp4moe_error_context(st, "experts up (gather_qmm)");
-    st = be->linear_gather(bc, e->d->experts_down, hidden, lidx_b, n, 0, yd);
-    if (st) return fp4moe_error_context(st, "experts down (gather_qmm)");
-    if (be->device_memory) {
-        st = be->download(bc, y, yd, (size_t)xbytes);
-        if (!st) st = be->sync(bc); /* y is read by the exchange next */
-        if (st) return fp4moe_error_context(st, "experts (results to the host)");
-    }
-    return FP4MOE_OK;
+    st = be->linear_gather(bc, e->d->experts_down, hidden, lidx, n, 0, y);
+    return st ? fp4moe_error_context(st, "experts down (gather_qmm)") : FP4MOE_OK;
 }
 
-/* The routed experts of an expert-parallel rank: ep_moe_exchange on the sorted rows. A backend
- * whose memory the host cannot read (CUDA) stages the rows, their experts and the results through
- * host memory (one download and one upload per MoE layer, a synchronisation each; the buffers are
- * kept by the batch): correct on any transport, not fast (docs/EP.md). */
-static int ep_routed(const fw_ctx *f, const fw_layer *d, int64_t E, int64_t B, int64_t Hl) {
+/* ep_dev_io of the backend: copies on its stream, waits with sync */
+static int ep_io_copy(void *ctx, void *dst, const void *src, size_t n) {
+    const fw_ctx *f = ctx;
+    return f->be->copy(f->bc, dst, src, n);
+}
+static int ep_io_wait(void *ctx) {
+    const fw_ctx *f = ctx;
+    return f->be->sync(f->bc);
+}
+
+/* A collective status: every rank's st, the first failure wins on every rank (the host alltoallv). */
+static int ep_agree(ep_transport *t, int st) { return ep_moe_exchange_fail_if(t, st); }
+
+/* The device path (backends whose memory the host cannot read: CUDA): the rows stay on the device.
+ * Only the row counts per owner go through the host (idx downloaded: B uint32); the experts' ids and
+ * rows go to their owners with alltoallv_dev, the owner sorts what it received stably by expert
+ * (sort_local), gathers the rows, runs up (relu^2) and down, puts the results back into arrival order
+ * and returns them with alltoallv_dev; they land in this rank's row order. The same data flow and
+ * results as ep_moe_exchange (ep.c), whose host version the CPU runs. */
+static int ep_routed_dev(const fw_ctx *f, const fw_layer *d, int64_t E, int64_t B, int64_t Hl) {
     const be_ops *be = f->be;
     void *bc = f->bc;
     const fw_bufs *b = f->b;
+    ep_transport *t = f->ep;
+    fw_ep_scratch *ws = f->ep_ws;
+    const int W = t->world;
     const size_t rowb = (size_t)Hl * be->act_size;
-    int64_t lo, hi;
-    ep_expert_range(E, f->ep->world, f->ep->rank, &lo, &hi);
-    ep_experts_ctx ec = {f, d, lo};
-    const uint32_t *idx = b->idx;
-    const void *xs = b->xs;
-    void *ys = b->ys;
-    char *hy = NULL;
+    const ep_dev_io io = {ep_io_copy, ep_io_wait, (void *)f};
+    int64_t lo, hi, cnt[64] = {0}, rcnt[64], sb[64], rb[64], lo_d[65];
+    ep_expert_range(E, W, t->rank, &lo, &hi);
+    for (int r = 0; r <= W; r++) lo_d[r] = r * E / W; /* ep_expert_range's boundaries */
     int st = FP4MOE_OK;
-    if (be->device_memory) {
-        uint32_t *hidx = ep_scratch_get(&f->ep_ws->stage, 0, (size_t)B * sizeof *hidx + 1);
-        char *hx = ep_scratch_get(&f->ep_ws->stage, 1, (size_t)B * rowb + 1);
-        hy = ep_scratch_get(&f->ep_ws->stage, 2, (size_t)B * rowb + 1);
-        if (!hidx || !hx || !hy) st = fp4moe_set_error(FP4MOE_ENOMEM, "experts: host staging of %lld rows", (long long)B);
-        if (!st) st = be->download(bc, hidx, b->idx, (size_t)B * sizeof *hidx);
-        if (!st) st = be->download(bc, hx, b->xs, (size_t)B * rowb);
-        if (!st) st = be->sync(bc);
-        idx = hidx;
-        xs = hx;
-        ys = hy;
+    /* 1. this rank's rows per owner (idx is sorted: the owners' rows are contiguous) */
+    uint32_t *hidx = ep_scratch_get(&ws->stage, 0, (size_t)B * sizeof *hidx + 1);
+    if (!hidx) st = fp4moe_set_error(FP4MOE_ENOMEM, "experts: %lld row ids", (long long)B);
+    if (!st) st = be->download(bc, hidx, b->idx, (size_t)B * sizeof *hidx);
+    if (!st) st = be->sync(bc);
+    int64_t nin = 0;
+    for (int64_t i = 0, r = 0; !st && i < B; i++) {
+        if (i && hidx[i] < hidx[i - 1]) st = fp4moe_set_error(FP4MOE_EINVAL, "ep: idx not sorted at row %lld", (long long)i);
+        if (hidx[i] >= (uint64_t)E) continue; /* the out-of-range tail stays here (zeros) */
+        while (hidx[i] >= (uint64_t)lo_d[r + 1]) r++;
+        cnt[r]++;
+        nin++;
     }
-    if (st) /* take part in the step's first exchange as a failing rank: every rank fails */
-        st = ep_moe_exchange_fail(f->ep, st);
-    else
-        st = ep_moe_exchange(f->ep, E, idx, xs, B, rowb, rowb, ep_experts, &ec, ys, &f->ep_ws->exchange);
-    if (!st && be->device_memory) {
-        st = be->upload(bc, b->ys, hy, (size_t)B * rowb);
-        if (!st) st = be->sync(bc); /* hy is reused by the next layer */
+    if (st) memset(cnt, 0, sizeof cnt);
+    /* 2. the counts (host), and any failure so far */
+    for (int r = 0; r < W; r++) sb[r] = (int64_t)sizeof(int64_t);
+    const int tst = t->alltoallv(t, cnt, sb, rcnt, (int64_t)sizeof rcnt, rb);
+    if ((st = ep_agree(t, st ? st : tst))) return st;
+    int64_t nrecv = 0;
+    for (int r = 0; r < W; r++) nrecv += rcnt[r];
+    /* 3. buffers: received ids and rows, their sort, the sorted rows, hidden, results */
+    void *ir = NULL, *xr = NULL, *perm = NULL, *xsort, *hidden = NULL, *ysort, *yr;
+    int64_t hb;
+    if (fp4moe_mul_overflow(nrecv * f->cfg->moe_inter, (int64_t)be->act_size, &hb))
+        st = fp4moe_set_error(FP4MOE_EOVERFLOW, "experts: %lld received rows", (long long)nrecv);
+    const size_t nr = (size_t)nrecv + 1;
+    if (!st) st = ep_dev(f, 0, nr * 4 * 3, &perm);           /* row_of, idx (local), pos_of */
+    if (!st) st = ep_dev(f, 1, nr * 4, &ir);
+    if (!st) st = ep_dev(f, 2, (size_t)hb + 1, &hidden);
+    if (!st) st = ep_dev(f, 3, nr * rowb * 4, &xr);          /* xr, xsort, ysort, yr */
+    if ((st = ep_agree(t, st))) return st;
+    xsort = (char *)xr + nr * rowb;
+    ysort = (char *)xsort + nr * rowb;
+    yr = (char *)ysort + nr * rowb;
+    uint32_t *row_of = perm, *lidx = (uint32_t *)perm + nr, *pos_of = (uint32_t *)perm + 2 * nr;
+    /* 4. experts' ids and rows to their owners (this rank's buffers are complete: synced above) */
+    for (int r = 0; r < W; r++) {
+        sb[r] = cnt[r] * 4;
+        rb[r] = rcnt[r] * 4;
+    }
+    st = t->alltoallv_dev(t, b->idx, sb, ir, rb, &io);
+    for (int r = 0; r < W; r++) {
+        sb[r] = cnt[r] * (int64_t)rowb;
+        rb[r] = rcnt[r] * (int64_t)rowb;
+    }
+    const int xst = t->alltoallv_dev(t, b->xs, sb, xr, rb, &io);
+    if (!st) st = xst;
+    /* 5. the owned experts on everything received, sorted stably by expert (arrival order within one) */
+    if (!st && nrecv) {
+        st = be->sort_local(bc, ir, nrecv, lo, hi - lo, row_of, lidx, pos_of);
+        if (!st) st = be->gather_rows(bc, xr, Hl, row_of, nrecv, 1, xsort);
+        if (!st) st = be->linear_gather(bc, d->experts_up, xsort, lidx, nrecv, 1, hidden);
+        if (!st) st = be->linear_gather(bc, d->experts_down, hidden, lidx, nrecv, 0, ysort);
+#ifdef FP4MOE_INJECT_FAULT_EP_ORDER /* deliberate fault (tests must catch it): results back in sorted order */
+        if (!st) st = be->copy(bc, yr, ysort, (size_t)nrecv * rowb);
+#else
+        if (!st) st = be->gather_rows(bc, ysort, Hl, pos_of, nrecv, 1, yr); /* back into arrival order */
+#endif
+        if (!st) st = be->sync(bc);
+        if (st) st = fp4moe_error_context(st, "experts (gather_qmm on the received rows)");
+    }
+    if ((st = ep_agree(t, st))) return st;
+    /* 6. the results back, in the order they came (so in each sender's row order) */
+    for (int r = 0; r < W; r++) {
+        sb[r] = rcnt[r] * (int64_t)rowb;
+        rb[r] = cnt[r] * (int64_t)rowb;
+    }
+    st = t->alltoallv_dev(t, yr, sb, b->ys, rb, &io);
+    if (!st && B > nin) st = be->zero(bc, BE_ACT(be, b->ys, nin * Hl), (size_t)(B - nin) * rowb);
+    return st;
+}
+
+/* The routed experts of an expert-parallel rank. */
+static int ep_routed(const fw_ctx *f, const fw_layer *d, int64_t E, int64_t B, int64_t Hl) {
+    int st;
+    if (f->be->device_memory) {
+        st = ep_routed_dev(f, d, E, B, Hl);
+    } else {
+        int64_t lo, hi;
+        ep_expert_range(E, f->ep->world, f->ep->rank, &lo, &hi);
+        ep_experts_ctx ec = {f, d, lo};
+        const size_t rowb = (size_t)Hl * f->be->act_size;
+        st = ep_moe_exchange(f->ep, E, f->b->idx, f->b->xs, B, rowb, rowb, ep_experts, &ec, f->b->ys,
+                             &f->ep_ws->exchange);
     }
     return st ? fp4moe_error_context(st, "experts (expert parallel, rank %d of %d)", f->ep->rank, f->ep->world)
               : FP4MOE_OK;

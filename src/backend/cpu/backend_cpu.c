@@ -122,6 +122,20 @@ static int cpu_moe_route(void *bc, const fw_router *r, const float *x, int64_t T
     const int st = op_router_topk(&rc, logits, T, ids, wts);
     return st ? st : op_sort_by_expert(ids, T * r->k, r->E, row_of, idx, pos_of);
 }
+static int cpu_sort_local(void *bc, const uint32_t *ids, int64_t B, int64_t lo, int64_t E, uint32_t *row_of,
+                          uint32_t *idx, uint32_t *pos_of) {
+    (void)bc;
+    int32_t *l = malloc((size_t)B * sizeof *l + 1);
+    if (!l) return fp4moe_set_error(FP4MOE_ENOMEM, "sort_local: %lld rows", (long long)B);
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t e = (int64_t)ids[b] - lo;
+        l[b] = (int32_t)(e < 0 ? 0 : e >= E ? E - 1 : e);
+    }
+    const int st = op_sort_by_expert(l, B, E, row_of, idx, pos_of);
+    free(l);
+    return st;
+}
+
 static int cpu_gather_rows(void *bc, const void *xv, int64_t H, const uint32_t *row_of, int64_t B, int64_t k,
                            void *xsv) {
     (void)bc;
@@ -272,6 +286,7 @@ static const be_ops CPU_OPS = {
     .linear_gather = cpu_linear_gather,
     .moe_route = cpu_moe_route,
     .gather_rows = cpu_gather_rows,
+    .sort_local = cpu_sort_local,
     .moe_combine = cpu_moe_combine,
     .residual_add = cpu_residual_add,
     .conv1d_silu = cpu_conv1d_silu,

@@ -585,6 +585,10 @@ static int cu_gather_rows(void *bc, const void *x, int64_t H, const uint32_t *ro
                           void *xs) {
     return cuda_gather_rows(S_(bc), x, H, row_of, B, k, xs);
 }
+static int cu_sort_local(void *bc, const uint32_t *ids, int64_t B, int64_t lo, int64_t E, uint32_t *row_of,
+                         uint32_t *idx, uint32_t *pos_of) {
+    return cuda_sort_local(S_(bc), ids, B, lo, E, row_of, idx, pos_of);
+}
 static int cu_moe_combine(void *bc, const void *ys, int64_t H, const uint32_t *pos_of, const float *wts,
                           int64_t T, int64_t k, void *out) {
     return cuda_moe_combine(S_(bc), ys, H, pos_of, wts, T, k, out);
@@ -680,6 +684,7 @@ static const be_ops CUDA_OPS = {
     .linear_gather = cu_linear_gather,
     .moe_route = cu_moe_route,
     .gather_rows = cu_gather_rows,
+    .sort_local = cu_sort_local,
     .moe_combine = cu_moe_combine,
     .residual_add = cu_residual_add,
     .conv1d_silu = cu_conv1d_silu,

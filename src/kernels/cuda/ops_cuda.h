@@ -254,6 +254,11 @@ int cuda_moe_route(const cuda_ops *o, const cuda_router_cfg *r, const float *x, 
                    uint32_t *pos_of);
 
 /* xs[p] = x[row_of[p] / k] for p < B: rows of H bf16 gathered into expert order. */
+/* The stable sort by expert of B rows with global experts ids[b] in [lo, lo + E) (clamped into it):
+ * row_of, idx (local ids), pos_of as cuda_sort_by_expert (expert parallelism: an owner's received
+ * rows). Errors: as cuda_sort_by_expert, FP4MOE_EINVAL (E < 1 with rows). */
+int cuda_sort_local(void *stream, const uint32_t *ids, int64_t B, int64_t lo, int64_t E, uint32_t *row_of,
+                    uint32_t *idx, uint32_t *pos_of);
 int cuda_gather_rows(void *stream, const uint16_t *x, int64_t H, const uint32_t *row_of, int64_t B,
                      int64_t k, uint16_t *xs);
 

@@ -212,6 +212,27 @@ extern "C" int cuda_sort_by_expert(void *stream, const int32_t *ids, int64_t B, 
     return FP4MOE_OK;
 }
 
+/* local ids (int) of received global experts, clamped into [0, E) */
+__global__ void local_ids_kernel(const uint32_t *ids, int64_t B, int64_t lo, int64_t E, int32_t *out) {
+    for (int64_t b = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; b < B; b += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t e = (int64_t)ids[b] - lo;
+        out[b] = (int32_t)(e < 0 ? 0 : e >= E ? E - 1 : e);
+    }
+}
+
+extern "C" int cuda_sort_local(void *stream, const uint32_t *ids, int64_t B, int64_t lo, int64_t E,
+                               uint32_t *row_of, uint32_t *idx, uint32_t *pos_of) {
+    if (B <= 0) return FP4MOE_OK;
+    if (E < 1) return fp4moe_set_error(FP4MOE_EINVAL, "cuda op sort_local: %lld rows for no expert", (long long)B);
+    /* the local ids live in pos_of: sort_block reads ids[b] only in the thread that later writes
+     * pos_of[b] (its counting pass, then its ranking pass reads ids[b] before writing pos_of[b]) */
+    int32_t *l = (int32_t *)pos_of;
+    local_ids_kernel<<<ops_blocks(B, 256) < 1024 ? ops_blocks(B, 256) : 1024, 256, 0, (cudaStream_t)stream>>>(ids, B, lo,
+                                                                                                          E, l);
+    OPS_LAUNCH_CHECK("sort_local (local ids)");
+    return cuda_sort_by_expert(stream, l, B, E, row_of, idx, pos_of);
+}
+
 /* ---- routing for decode-sized steps ------------------------------------------------------------ */
 
 #define ROUTE_WARPS 8   /* warps per block of the route kernels */
