@@ -235,20 +235,28 @@ extern "C" int cuda_sort_local(void *stream, const uint32_t *ids, int64_t B, int
 
 /* ---- routing for decode-sized steps ------------------------------------------------------------ */
 
-#define ROUTE_WARPS 8   /* warps per block of the route kernels */
-#define ROUTE_PARTS 4   /* warps per expert in the logits kernel (each a contiguous part of H) */
+#define ROUTE_WARPS 8   /* warps per block of the route tail kernel */
+#ifndef ROUTE_LOGITS_WARPS
+#define ROUTE_LOGITS_WARPS 16 /* warps per block of the logits kernel */
+#endif
+#ifndef ROUTE_PARTS
+#define ROUTE_PARTS 16  /* warps per expert in the logits kernel (each a contiguous part of H) */
+#endif
 #define ROUTE_MAX_T 16  /* tokens of the decode route (register accumulators per lane) */
+static_assert(ROUTE_LOGITS_WARPS % ROUTE_PARTS == 0, "an expert's parts in one block");
 
-/* logits (T x E) = x (T x H fp32) @ W^T for T <= ROUTE_MAX_T: ROUTE_PARTS warps per expert each dot
+/* logits (T x E) = x (T x H fp32) @ W^T for T <= ROUTE_MAX_T: ROUTE_PARTS warps per expert (16: one
+ * expert a block of 16 warps, 42 float4 of a 2688-wide row a warp, i.e. one load round a lane; 4
+ * parts in 8-warp blocks took 8.5 us for E = 128, ncu) each dot
  * a contiguous part of the fp32 weight row with the T rows of x (float4 loads, lane partial sums
  * in a fixed order, a warp reduction), the parts added in order: deterministic. cuBLAS's GEMV
  * took two launches (dot + reduce) for this. H % 4 == 0, x and W 16-byte aligned. */
-__global__ void __launch_bounds__(ROUTE_WARPS * 32)
+__global__ void __launch_bounds__(ROUTE_LOGITS_WARPS * 32)
 route_logits_kernel(const float *__restrict__ x, int T, const float *__restrict__ W, int E, int H,
                     float *__restrict__ logits) {
-    __shared__ float part[ROUTE_WARPS][ROUTE_MAX_T];
+    __shared__ float part[ROUTE_LOGITS_WARPS][ROUTE_MAX_T];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int e = blockIdx.x * (ROUTE_WARPS / ROUTE_PARTS) + warp / ROUTE_PARTS, pi = warp % ROUTE_PARTS;
+    const int e = blockIdx.x * (ROUTE_LOGITS_WARPS / ROUTE_PARTS) + warp / ROUTE_PARTS, pi = warp % ROUTE_PARTS;
     const int H4 = H / 4, per = (H4 + ROUTE_PARTS - 1) / ROUTE_PARTS, lo = pi * per, hi = min(H4, lo + per);
     if (e < E) {
         float acc[ROUTE_MAX_T];
@@ -269,8 +277,10 @@ route_logits_kernel(const float *__restrict__ x, int T, const float *__restrict_
         }
 #pragma unroll
         for (int t = 0; t < ROUTE_MAX_T; t++) {
-            const float v = ops_warp_sum(acc[t]);
-            if (lane == 0) part[warp][t] = v;
+            if (t < T) { /* warp-uniform: no reductions of unused accumulators */
+                const float v = ops_warp_sum(acc[t]);
+                if (lane == 0) part[warp][t] = v;
+            }
         }
     }
     __syncthreads();
@@ -347,7 +357,7 @@ extern "C" int cuda_moe_route(const cuda_ops *o, const cuda_router_cfg *r, const
         return st;
     }
     cudaStream_t st = (cudaStream_t)o->stream;
-    route_logits_kernel<<<ops_blocks(r->E, ROUTE_WARPS / ROUTE_PARTS), ROUTE_WARPS * 32, 0, st>>>(
+    route_logits_kernel<<<ops_blocks(r->E, ROUTE_LOGITS_WARPS / ROUTE_PARTS), ROUTE_LOGITS_WARPS * 32, 0, st>>>(
         x, (int)T, W, (int)r->E, (int)H, logits);
     OPS_LAUNCH_CHECK("moe route (router logits)");
     route_tail_kernel<<<1, ROUTE_WARPS * 32, smem, st>>>(*r, (int)T, logits, ids, wts, row_of, idx, pos_of);
