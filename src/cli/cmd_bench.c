@@ -212,6 +212,35 @@ static void report(const bench_args *a, const fp4moe_model *m, fp4moe_device dev
 }
 
 
+/* The aggregate speeds of a --batch run (medians over the counted repeats) and the hash of every
+ * sequence's hash, in sequence order. */
+static void batch_summary(const bench_args *a, const double *pf, const double *dc, const uint64_t *hash0, int64_t N,
+                          double *pfm, double *dcm, uint64_t *all) {
+    const int64_t R = a->repeats;
+    double *v = malloc((size_t)R * sizeof *v);
+    *pfm = *dcm = 0.0;
+    if (v) {
+        for (int64_t i = 0; i < R; i++) v[i] = (double)(N * a->prompt_tokens) / pf[a->warmup + i];
+        *pfm = median(v, R);
+        for (int64_t i = 0; i < R; i++) v[i] = (double)(N * a->gen_tokens) / dc[a->warmup + i];
+        *dcm = median(v, R);
+        free(v);
+    }
+    *all = 0xCBF29CE484222325ull;
+    for (int64_t i = 0; i < N; i++) *all = fnv1a(fnv1a(*all, (int32_t)hash0[i]), (int32_t)(hash0[i] >> 32));
+}
+
+/* ["%016llx", ...] of the N sequences' hashes */
+static cJSON *hash_array(const uint64_t *hash0, int64_t N) {
+    cJSON *arr = cJSON_CreateArray();
+    for (int64_t i = 0; i < N; i++) {
+        char h[24];
+        snprintf(h, sizeof h, "%016llx", (unsigned long long)hash0[i]);
+        cJSON_AddItemToArray(arr, cJSON_CreateString(h));
+    }
+    return arr;
+}
+
 /* ---- --batch N: N concurrent sequences ------------------------------------------------------- */
 
 /* One repeat: N sequences join, their prompts are prefilled in steps of at most max_step_tokens
@@ -308,14 +337,9 @@ static int bench_batch(const bench_args *a, const fp4moe_model *m, fp4moe_dtype 
     }
     int rc = st ? cli_fail(CMD, st) : FP4MOE_EXIT_OK;
     if (!st) {
-        double *v = malloc((size_t)R * sizeof *v);
-        for (int64_t i = 0; i < R; i++) v[i] = (double)(N * a->prompt_tokens) / pf[a->warmup + i];
-        const double pfm = median(v, R);
-        for (int64_t i = 0; i < R; i++) v[i] = (double)(N * a->gen_tokens) / dc[a->warmup + i];
-        const double dcm = median(v, R);
-        free(v);
-        uint64_t all = 0xCBF29CE484222325ull;
-        for (int64_t i = 0; i < N; i++) all = fnv1a(fnv1a(all, (int32_t)hash0[i]), (int32_t)(hash0[i] >> 32));
+        double pfm, dcm;
+        uint64_t all;
+        batch_summary(a, pf, dc, hash0, N, &pfm, &dcm, &all);
         const char *what = a->synthetic ? a->synthetic : a->model;
         if (a->json) {
             cJSON *j = cJSON_CreateObject();
@@ -338,12 +362,7 @@ static int bench_batch(const bench_args *a, const fp4moe_model *m, fp4moe_dtype 
             char h[24];
             snprintf(h, sizeof h, "%016llx", (unsigned long long)all);
             cJSON_AddStringToObject(j, "gen_ids_fnv1a_all", h);
-            cJSON *arr = cJSON_CreateArray();
-            for (int64_t i = 0; i < N; i++) {
-                snprintf(h, sizeof h, "%016llx", (unsigned long long)hash0[i]);
-                cJSON_AddItemToArray(arr, cJSON_CreateString(h));
-            }
-            cJSON_AddItemToObject(j, "gen_ids_fnv1a", arr);
+            cJSON_AddItemToObject(j, "gen_ids_fnv1a", hash_array(hash0, N));
             cJSON_AddItemToObject(j, "gen_ids_0", cJSON_CreateIntArray(ids0, (int)a->gen_tokens));
             if (a->profile) {   /* the last repeat's device time */
                 cJSON_AddItemToObject(j, "prefill_split_ms", split_json(split_pf));
@@ -576,14 +595,9 @@ static int bench_ep(const bench_args *a, fp4moe_dtype dt, fp4moe_route route, fp
         if (rc == FP4MOE_EXIT_OK && jobs[0].st) rc = cli_fail(CMD, jobs[0].st);
     }
     if (rc == FP4MOE_EXIT_OK) {
-        double *v = malloc((size_t)R * sizeof *v);
-        for (int64_t i = 0; i < R; i++) v[i] = (double)(N * a->prompt_tokens) / pf[a->warmup + i];
-        const double pfm = median(v, R);
-        for (int64_t i = 0; i < R; i++) v[i] = (double)(N * a->gen_tokens) / dc[a->warmup + i];
-        const double dcm = median(v, R);
-        free(v);
-        uint64_t all = 0xCBF29CE484222325ull;
-        for (int64_t i = 0; i < N; i++) all = fnv1a(fnv1a(all, (int32_t)hash0[i]), (int32_t)(hash0[i] >> 32));
+        double pfm, dcm;
+        uint64_t all;
+        batch_summary(a, pf, dc, hash0, N, &pfm, &dcm, &all);
         char h[24];
         snprintf(h, sizeof h, "%016llx", (unsigned long long)all);
         if (a->json) {
@@ -603,13 +617,7 @@ static int bench_ep(const bench_args *a, fp4moe_dtype dt, fp4moe_route route, fp
             cJSON_AddNumberToObject(j, "decode_tok_s_aggregate", dcm);
             cJSON_AddNumberToObject(j, "decode_tok_s_per_sequence", dcm / (double)N);
             cJSON_AddStringToObject(j, "gen_ids_fnv1a_all", h);
-            cJSON *arr = cJSON_CreateArray();
-            for (int64_t i = 0; i < N; i++) {
-                char hi[24];
-                snprintf(hi, sizeof hi, "%016llx", (unsigned long long)hash0[i]);
-                cJSON_AddItemToArray(arr, cJSON_CreateString(hi));
-            }
-            cJSON_AddItemToObject(j, "gen_ids_fnv1a", arr);
+            cJSON_AddItemToObject(j, "gen_ids_fnv1a", hash_array(hash0, N));
             char *txt = cJSON_Print(j);
             printf("%s\n", txt);
             free(txt);

@@ -22,34 +22,11 @@ typedef struct {
     } slot[64];
 } lb_shared;
 
-static int lb_alltoallv(ep_transport *t, const void *send, const int64_t *send_bytes, void *recv,
-                        int64_t recv_cap, int64_t *recv_bytes) {
-    lb_shared *sh = t->impl;
-    sh->slot[t->rank].send = send;
-    sh->slot[t->rank].send_bytes = send_bytes;
-    pthread_barrier_wait(&sh->bar); /* every rank's pieces are posted */
-    int st = FP4MOE_OK;
-    int64_t off = 0;
-    for (int s = 0; s < sh->world; s++) {
-        const int64_t *sb = sh->slot[s].send_bytes;
-        int64_t start = 0;
-        for (int d = 0; d < t->rank; d++) start += sb[d];
-        const int64_t n = sb[t->rank];
-        recv_bytes[s] = n;
-        if (off + n > recv_cap) {
-            if (!st) st = fp4moe_set_error(FP4MOE_EOVERFLOW, "ep loopback: rank %d receives more than %lld bytes",
-                                           t->rank, (long long)recv_cap);
-        } else if (n) {
-            memcpy((char *)recv + off, sh->slot[s].send + start, (size_t)n);
-        }
-        off += n;
-    }
-    pthread_barrier_wait(&sh->bar); /* every rank has copied: the senders may reuse their buffers */
-    return st;
-}
-
-static int lb_alltoallv_dev(ep_transport *t, const void *send, const int64_t *send_bytes, void *recv,
-                            const int64_t *recv_bytes, const ep_dev_io *io) {
+/* One exchange: every rank posts its pieces, then copies what is addressed to it. Host memory
+ * (io NULL: memcpy, recv_cap checked, recv_bytes written) or backend memory (io: copies on the
+ * rank's stream, then a wait; expect: the sizes the caller knows, checked). */
+static int lb_exchange(ep_transport *t, const void *send, const int64_t *send_bytes, void *recv, int64_t recv_cap,
+                       int64_t *recv_bytes, const int64_t *expect, const ep_dev_io *io) {
     lb_shared *sh = t->impl;
     sh->slot[t->rank].send = send;
     sh->slot[t->rank].send_bytes = send_bytes;
@@ -61,16 +38,35 @@ static int lb_alltoallv_dev(ep_transport *t, const void *send, const int64_t *se
         int64_t start = 0;
         for (int d = 0; d < t->rank; d++) start += sb[d];
         const int64_t n = sb[t->rank];
-        if (n != recv_bytes[s] && !st)
-            st = fp4moe_set_error(FP4MOE_EINVAL, "ep loopback: rank %d expects %lld bytes from rank %d, which sends "
-                                  "%lld", t->rank, (long long)recv_bytes[s], s, (long long)n);
-        if (n && !st) st = io->copy(io->ctx, (char *)recv + off, sh->slot[s].send + start, (size_t)n);
-        off += recv_bytes[s];
+        if (recv_bytes) recv_bytes[s] = n;
+        if (expect && n != expect[s]) {
+            if (!st) st = fp4moe_set_error(FP4MOE_EINVAL, "ep loopback: rank %d expects %lld bytes from rank %d, "
+                                           "which sends %lld", t->rank, (long long)expect[s], s, (long long)n);
+        } else if (!expect && off + n > recv_cap) {
+            if (!st) st = fp4moe_set_error(FP4MOE_EOVERFLOW, "ep loopback: rank %d receives more than %lld bytes",
+                                           t->rank, (long long)recv_cap);
+        } else if (n && !st) {
+            if (io) st = io->copy(io->ctx, (char *)recv + off, sh->slot[s].send + start, (size_t)n);
+            else memcpy((char *)recv + off, sh->slot[s].send + start, (size_t)n);
+        }
+        off += expect ? expect[s] : n;
     }
-    const int wst = io->wait(io->ctx); /* this rank's copies have landed */
-    if (!st) st = wst;
+    if (io) { /* this rank's copies have landed */
+        const int wst = io->wait(io->ctx);
+        if (!st) st = wst;
+    }
     pthread_barrier_wait(&sh->bar); /* every rank has copied: the senders may reuse their buffers */
     return st;
+}
+
+static int lb_alltoallv(ep_transport *t, const void *send, const int64_t *send_bytes, void *recv,
+                        int64_t recv_cap, int64_t *recv_bytes) {
+    return lb_exchange(t, send, send_bytes, recv, recv_cap, recv_bytes, NULL, NULL);
+}
+
+static int lb_alltoallv_dev(ep_transport *t, const void *send, const int64_t *send_bytes, void *recv,
+                            const int64_t *recv_bytes, const ep_dev_io *io) {
+    return lb_exchange(t, send, send_bytes, recv, 0, NULL, recv_bytes, io);
 }
 
 int ep_loopback_create(int world, ep_transport **ranks) {

@@ -24,69 +24,13 @@
 #include <unistd.h>
 #include <cmocka.h>
 
+#include "../model/ep_model_test.h"
 #include "../model/model_test.h"
 #include "fp4moe/gather_qmm.h"
 #include "gpu_testutil.h"
 #include "testutil.h"
 
 #define DEFAULT_MODEL "models/nemotron-h-tiny-moe"
-#define EP_SEQS 7
-#define EP_GEN 10
-
-typedef struct {
-    const fp4moe_model *m;
-    fp4moe_ep_group *g;     /* NULL: a plain batch */
-    int rank, world;        /* the sequences i with i % world == rank */
-    int32_t *prompts[EP_SEQS];
-    int64_t len[EP_SEQS];
-    int32_t ids[EP_SEQS][EP_GEN];
-    int st;
-    char err[256];
-} job;
-
-static void *run_rank(void *arg) {
-    job *j = arg;
-    fp4moe_batch_options o;
-    fp4moe_batch_options_default(&o);
-    o.device = FP4MOE_DEVICE_CUDA;
-    o.act_dtype = FP4MOE_BF16;
-    o.route = FP4MOE_ROUTE_BATCHED; /* per-row arithmetic independent of the other rows */
-    o.max_seqs = EP_SEQS;
-    o.max_step_tokens = 512;
-    o.ep = j->g;
-    o.ep_rank = j->g ? j->rank : 0;
-    fp4moe_batch *b = NULL;
-    j->st = fp4moe_batch_new(j->m, &o, &b);
-    int64_t seq[EP_SEQS], mine[EP_SEQS], n = 0;
-    fp4moe_batch_item it[EP_SEQS];
-    int32_t next[EP_SEQS];
-    for (int i = 0; i < EP_SEQS && !j->st; i++)
-        if (i % j->world == j->rank) {
-            mine[n] = i;
-            j->st = fp4moe_batch_add(b, &seq[n++]);
-        }
-    for (int step = 0; step <= EP_GEN; step++) { /* every step, even after an error (collectives) */
-        int64_t k = 0;
-        for (int64_t q = 0; q < n && !j->st; q++) {
-            memset(&it[k], 0, sizeof it[k]);
-            it[k].seq = seq[q];
-            it[k].tokens = step ? &next[q] : j->prompts[mine[q]];
-            it[k].n = step ? 1 : j->len[mine[q]];
-            it[k].out_token = &next[q];
-            k++;
-        }
-        const int st = b ? fp4moe_batch_step(b, it, k) : FP4MOE_OK;
-        if (!j->st && st) j->st = st;
-        for (int64_t q = 0; q < k && !j->st; q++) {
-            if (it[q].status) j->st = it[q].status;
-            else if (step < EP_GEN) j->ids[mine[q]][step] = next[q];
-        }
-    }
-    if (j->st) snprintf(j->err, sizeof j->err, "%s", fp4moe_last_error());
-    fp4moe_batch_free(b);
-    return NULL;
-}
-
 static fp4moe_model *load_gpu(const char *dir, int world, int rank) {
     fp4moe_load_options o;
     fp4moe_load_options_default(&o);
@@ -105,11 +49,11 @@ static fp4moe_model *load_gpu(const char *dir, int world, int rank) {
 
 /* nccl: the group is NCCL's (world 1 only here); shares: every rank loads only its experts */
 static void world_case(const fp4moe_model *m, const char *dir, const char *name, int world, int nccl, int shares,
-                       job *ref) {
+                       ep_model_job *ref) {
     fp4moe_ep_group *g = NULL;
     const int gst = nccl ? fp4moe_ep_group_new_nccl(world, NULL, &g) : fp4moe_ep_group_new(world, &g);
     if (gst) fail_msg("%s: group of %d: %s", name, world, fp4moe_last_error());
-    job jobs[4];
+    ep_model_job jobs[4];
     pthread_t th[4];
     fp4moe_model *own[4] = {NULL, NULL, NULL, NULL};
     for (int k = 0; k < world; k++) {
@@ -117,7 +61,7 @@ static void world_case(const fp4moe_model *m, const char *dir, const char *name,
         jobs[k].g = g;
         if (shares) jobs[k].m = own[k] = load_gpu(dir, world, k);
         memset(jobs[k].ids, 0xff, sizeof jobs[k].ids);
-        assert_int_equal(pthread_create(&th[k], NULL, run_rank, &jobs[k]), 0);
+        assert_int_equal(pthread_create(&th[k], NULL, ep_run_rank, &jobs[k]), 0);
     }
     for (int k = 0; k < world; k++) pthread_join(th[k], NULL);
     for (int k = 0; k < world; k++) {
@@ -139,9 +83,12 @@ static void model_case(const char *dir, const char *name) {
     fp4moe_model *m = load_gpu(dir, 0, 0);
     tu_rng r;
     tu_rng_seed(&r, 91);
-    job base;
+    ep_model_job base;
     memset(&base, 0, sizeof base);
     base.m = m;
+    base.device = FP4MOE_DEVICE_CUDA;
+    base.act = FP4MOE_BF16;
+    base.route = FP4MOE_ROUTE_BATCHED; /* per-row arithmetic independent of the other rows */
     const int64_t V = fp4moe_model_config(m)->vocab;
     for (int i = 0; i < EP_SEQS; i++) {
         base.len[i] = 1 + tu_rng_below(&r, 40);
@@ -149,12 +96,12 @@ static void model_case(const char *dir, const char *name) {
         for (int64_t t = 0; t < base.len[i]; t++) base.prompts[i][t] = (int32_t)tu_rng_below(&r, (uint32_t)V);
     }
     for (int world = 1; world <= 4; world++) {
-        job ref[4];
+        ep_model_job ref[4];
         for (int k = 0; k < world; k++) { /* rank k's own sequences in a plain batch */
             ref[k] = base;
             ref[k].rank = k;
             ref[k].world = world;
-            run_rank(&ref[k]);
+            ep_run_rank(&ref[k]);
             if (ref[k].st) fail_msg("%s: reference of rank %d/%d: %s", name, k, world, ref[k].err);
         }
         world_case(m, dir, name, world, 0, 0, ref);

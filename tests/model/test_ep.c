@@ -28,6 +28,7 @@
 #include "common/error.h"
 #include "fp4moe/model.h"
 #include "model/ep.h"
+#include "ep_model_test.h"
 #include "model_test.h"
 #include "testutil.h"
 
@@ -180,63 +181,6 @@ static void test_expert_ranges(void **state) {
 
 /* ---- whole models ------------------------------------------------------------------------------- */
 
-#define EP_SEQS 7
-#define EP_GEN 10
-
-typedef struct {
-    const fp4moe_model *m;
-    fp4moe_ep_group *g;     /* NULL: the reference batch (all sequences) */
-    int rank, world;
-    int32_t *prompts[EP_SEQS];
-    int64_t len[EP_SEQS];
-    int32_t ids[EP_SEQS][EP_GEN];
-    int st;
-    char err[256];
-} model_job;
-
-static void *run_model_rank(void *arg) {
-    model_job *j = arg;
-    fp4moe_batch_options o;
-    fp4moe_batch_options_default(&o);
-    o.device = FP4MOE_DEVICE_CPU;
-    o.route = FP4MOE_ROUTE_QMV;
-    o.max_seqs = EP_SEQS;
-    o.max_step_tokens = 512;
-    o.ep = j->g;
-    o.ep_rank = j->rank;
-    fp4moe_batch *b = NULL;
-    j->st = fp4moe_batch_new(j->m, &o, &b);
-    int64_t seq[EP_SEQS], mine[EP_SEQS], n = 0;
-    fp4moe_batch_item it[EP_SEQS];
-    int32_t next[EP_SEQS];
-    for (int i = 0; i < EP_SEQS && !j->st; i++)
-        if (!j->g || i % j->world == j->rank) { /* round-robin: rank r holds sequences r, r + N, ... */
-            mine[n] = i;
-            j->st = fp4moe_batch_add(b, &seq[n++]);
-        }
-    /* every rank runs 1 + EP_GEN steps even after an error (the collectives): failures show in st */
-    for (int step = 0; step <= EP_GEN; step++) {
-        int64_t k = 0;
-        for (int64_t q = 0; q < n && !j->st; q++) {
-            memset(&it[k], 0, sizeof it[k]);
-            it[k].seq = seq[q];
-            it[k].tokens = step ? &next[q] : j->prompts[mine[q]];
-            it[k].n = step ? 1 : j->len[mine[q]];
-            it[k].out_token = &next[q];
-            k++;
-        }
-        const int st = b ? fp4moe_batch_step(b, it, k) : FP4MOE_OK;
-        if (!j->st && st) j->st = st;
-        for (int64_t q = 0; q < k && !j->st; q++) {
-            if (it[q].status) j->st = it[q].status;
-            else if (step < EP_GEN) j->ids[mine[q]][step] = next[q];
-        }
-    }
-    if (j->st) snprintf(j->err, sizeof j->err, "%s", fp4moe_last_error());
-    fp4moe_batch_free(b);
-    return NULL;
-}
-
 /* The model of directory dir holding rank `rank`'s share of the routed experts only. */
 static fp4moe_model *load_share(const char *dir, int world, int rank) {
     fp4moe_load_options o;
@@ -256,21 +200,25 @@ static fp4moe_model *load_share(const char *dir, int world, int rank) {
 static void model_case(const fp4moe_model *m, const char *name, const char *share_dir) {
     tu_rng r;
     tu_rng_seed(&r, 77);
-    model_job ref;
+    ep_model_job ref;
     memset(&ref, 0, sizeof ref);
     ref.m = m;
+    ref.world = 1; /* the reference: every sequence in one batch */
+    ref.device = FP4MOE_DEVICE_CPU;
+    ref.act = FP4MOE_F32;
+    ref.route = FP4MOE_ROUTE_QMV;
     const int64_t V = fp4moe_model_config(m)->vocab;
     for (int i = 0; i < EP_SEQS; i++) {
         ref.len[i] = 1 + tu_rng_below(&r, 40);
         ref.prompts[i] = malloc((size_t)ref.len[i] * sizeof(int32_t));
         for (int64_t t = 0; t < ref.len[i]; t++) ref.prompts[i][t] = (int32_t)tu_rng_below(&r, (uint32_t)V);
     }
-    run_model_rank(&ref);
+    ep_run_rank(&ref);
     if (ref.st) fail_msg("%s: reference batch: %s", name, ref.err);
     for (int world = 1; world <= 4; world++) {
         fp4moe_ep_group *g = NULL;
         assert_int_equal(fp4moe_ep_group_new(world, &g), FP4MOE_OK);
-        model_job *job = calloc((size_t)world, sizeof *job);
+        ep_model_job *job = calloc((size_t)world, sizeof *job);
         pthread_t th[4];
         fp4moe_model *own[4] = {NULL, NULL, NULL, NULL};
         for (int k = 0; k < world; k++) {
@@ -280,7 +228,7 @@ static void model_case(const fp4moe_model *m, const char *name, const char *shar
             job[k].world = world;
             if (share_dir) job[k].m = own[k] = load_share(share_dir, world, k);
             memset(job[k].ids, 0xff, sizeof job[k].ids);
-            assert_int_equal(pthread_create(&th[k], NULL, run_model_rank, &job[k]), 0);
+            assert_int_equal(pthread_create(&th[k], NULL, ep_run_rank, &job[k]), 0);
         }
         for (int k = 0; k < world; k++) pthread_join(th[k], NULL);
         for (int k = 0; k < world; k++) {
