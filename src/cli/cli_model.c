@@ -78,7 +78,9 @@ int cli_synthetic_quiet(const char *name, uint64_t seed, fp4moe_device dev, fp4m
     free(path);
     if (st) return st;
     fp4moe_synthetic_options o = {.device = dev, .seed = seed};
-    return fp4moe_model_synthetic(&cfg, &o, out);
+    st = fp4moe_model_synthetic(&cfg, &o, out);
+    fp4moe_config_free(&cfg);
+    return st;
 }
 
 int cli_load_synthetic(const char *cmd, const char *name, uint64_t seed, fp4moe_device dev, fp4moe_model **out) {

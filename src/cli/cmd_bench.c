@@ -453,6 +453,7 @@ static void *ep_rank_main(void *arg) {
             lo.device = j->dev;
             lo.expert_share = 1;
             fp4moe_ep_range(cfg.n_experts, j->ranks, j->rank, &lo.expert_lo, &lo.expert_hi);
+            fp4moe_config_free(&cfg);
             st = fp4moe_model_load(a->model, &lo, &m);
         }
     }
