@@ -344,7 +344,7 @@ typedef struct {
     const volatile sig_atomic_t *interrupt;
     fp4moe_cpu_act cpu_act;     /* as fp4moe_session_options */
     fp4moe_ep_group *ep;        /* NULL (default): all experts here; else this batch is rank ep_rank
-                                   of that expert-parallel group (CPU only) */
+                                   of that expert-parallel group (CPU or CUDA) */
     int ep_rank;
 } fp4moe_batch_options;
 
