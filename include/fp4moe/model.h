@@ -237,6 +237,11 @@ typedef struct {
     int profile;                /* CUDA: time each layer kind with device events (see
                                    fp4moe_session_profile); off by default: it adds event records */
     fp4moe_cpu_act cpu_act;     /* CPU: FLOAT (default) or Q8 (W4A8 NVFP4 matmuls) */
+    struct fp4moe_ep_group *ep; /* NULL (default); else the session is rank ep_rank of that
+                                   expert-parallel group (as fp4moe_batch_options.ep): the other
+                                   ranks follow it (fp4moe_ep_follow) and it leaves the group with
+                                   fp4moe_session_ep_leave before they can stop */
+    int ep_rank;
 } fp4moe_session_options;
 
 void fp4moe_session_options_default(fp4moe_session_options *o);
@@ -248,6 +253,8 @@ typedef struct fp4moe_session fp4moe_session;
 int fp4moe_session_new(const fp4moe_model *m, const fp4moe_session_options *opts,
                        fp4moe_session **out);
 void fp4moe_session_free(fp4moe_session *s);
+/* An expert-parallel session's fp4moe_ep_leave (see there). Errors: as fp4moe_ep_leave. */
+int fp4moe_session_ep_leave(fp4moe_session *s);
 
 /* Back to position 0 (clears the KV cache, the conv and SSM states). */
 void fp4moe_session_reset(fp4moe_session *s);
@@ -316,6 +323,16 @@ int fp4moe_nccl_version(void);
 void fp4moe_ep_range(int64_t E, int world, int rank, int64_t *lo, int64_t *hi);
 /* After every batch that uses it is freed. */
 void fp4moe_ep_group_free(fp4moe_ep_group *g);
+/* Every step of an expert-parallel batch (fp4moe_batch_step) is announced to the other ranks first.
+ * fp4moe_ep_follow(b): a rank without sequences of its own takes part in every step the others take
+ * (its experts run the rows sent to it) and returns when no rank steps any more, i.e. every rank
+ * follows or has left (*steps, optional: the steps taken). fp4moe_ep_leave(b): this rank will step
+ * no more (tell the followers; call it when done, before the followers can return; b can still be
+ * freed, not stepped). Ranks that step all together (a bench) need neither. Errors: FP4MOE_EINVAL
+ * (not an expert-parallel batch, stepped after leaving), the exchange's. */
+typedef struct fp4moe_batch fp4moe_batch;
+int fp4moe_ep_follow(fp4moe_batch *b, int64_t *steps);
+int fp4moe_ep_leave(fp4moe_batch *b);
 
 /* ---- batch: many sequences in one forward (continuous batching) ---------------------------------- */
 
@@ -351,7 +368,6 @@ typedef struct {
 /* max_seqs 16, max_step_tokens 256, act f32 (CPU) / bf16 (CUDA) by device, route auto. */
 void fp4moe_batch_options_default(fp4moe_batch_options *o);
 
-typedef struct fp4moe_batch fp4moe_batch;
 
 /* A batch over model m (m outlives it). opts NULL: defaults. Device choice and its errors as
  * fp4moe_session_new. Errors: FP4MOE_EINVAL (bad option), FP4MOE_ENOMEM, FP4MOE_ECUDA. */

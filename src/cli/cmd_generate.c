@@ -3,6 +3,7 @@
  * decode speeds go to stderr. Ctrl-C stops cleanly (between tokens, or between prefill chunks and
  * layers). Also holds the model loading shared with `fp4moe bench` (cli_load_model). */
 #include <cjson/cJSON.h>
+#include <pthread.h>
 #include <signal.h>
 #include <math.h>
 #include <stdio.h>
@@ -168,7 +169,7 @@ int cli_parse_compute(const char *cmd, const char *device, const char *dtype, co
 
 typedef struct {
     const char *model, *prompt, *prompt_ids, *dtype, *device, *cpu_act;
-    int64_t n, chunk, ctx, threads;
+    int64_t n, chunk, ctx, threads, gpus, ep_ranks;
     const char *file;
     cli_sampling smp;
     int no_quantize, ignore_eos, json;
@@ -382,6 +383,70 @@ static int run_generation(const gen_args *a, gen_state *g, const volatile sig_at
     return interrupted ? FP4MOE_EXIT_INTERRUPTED : FP4MOE_EXIT_OK;
 }
 
+/* ---- --gpus N / --ep-ranks N: the routed experts over N expert-parallel ranks ------------------ */
+
+/* Ranks 1 .. N-1 hold no sequence: each loads its share of the experts and follows rank 0's steps
+ * (fp4moe_ep_follow) until it leaves. Two barriers first: every follower ready (or failed), then
+ * rank 0's session made (or failed), so that nobody waits for a rank that is not there. */
+typedef struct {
+    const gen_args *a;
+    int rank, ranks, nccl;
+    fp4moe_ep_group *g;
+    fp4moe_device dev;
+    fp4moe_dtype dt;
+    fp4moe_cpu_act ca;
+    int64_t chunk;
+    pthread_barrier_t *bar;
+    int *failed;                    /* shared: any rank failed to set up */
+    int st;
+    char err[512];
+} gen_follower;
+
+static void *follower_main(void *arg) {
+    gen_follower *f = arg;
+    fp4moe_model *m = NULL;
+    fp4moe_batch *b = NULL;
+    int st = f->nccl ? fp4moe_cuda_set_device(f->rank) : FP4MOE_OK;
+    fp4moe_config cfg;
+    if (!st) st = fp4moe_config_load(f->a->model, &cfg);
+    if (!st) {
+        fp4moe_load_options lo;
+        fp4moe_load_options_default(&lo);
+        lo.quantize = !f->a->no_quantize;
+        lo.device = f->dev;
+        lo.expert_share = 1;
+        fp4moe_ep_range(cfg.n_experts, f->ranks, f->rank, &lo.expert_lo, &lo.expert_hi);
+        fp4moe_config_free(&cfg);
+        st = fp4moe_model_load(f->a->model, &lo, &m);
+    }
+    if (!st) {
+        fp4moe_batch_options o;
+        fp4moe_batch_options_default(&o);
+        o.max_seqs = 1;
+        o.max_step_tokens = f->chunk;
+        o.act_dtype = f->dt;
+        o.cpu_act = f->ca;
+        o.device = f->dev;
+        o.ep = f->g;
+        o.ep_rank = f->rank;
+        st = fp4moe_batch_new(m, &o, &b);
+    }
+    if (st) {
+        snprintf(f->err, sizeof f->err, "rank %d: %s", f->rank, fp4moe_last_error());
+        *f->failed = 1;
+    }
+    pthread_barrier_wait(f->bar); /* 1: the followers */
+    pthread_barrier_wait(f->bar); /* 2: rank 0's session */
+    if (!*f->failed) {
+        st = fp4moe_ep_follow(b, NULL);
+        if (st) snprintf(f->err, sizeof f->err, "rank %d: %s", f->rank, fp4moe_last_error());
+    }
+    f->st = st;
+    fp4moe_batch_free(b);
+    fp4moe_model_free(m);
+    return NULL;
+}
+
 static int generate(const gen_args *a) {
     gen_state g;
     memset(&g, 0, sizeof g);
@@ -429,7 +494,56 @@ static int generate(const gen_args *a) {
     if (dev == FP4MOE_DEVICE_CUDA) so.max_chunk = CLI_CUDA_CHUNK;
     if (a->chunk > 0) so.max_chunk = a->chunk;
     const int64_t V = fp4moe_model_config(g.m)->vocab;
-    int st = fp4moe_session_new(g.m, &so, &g.s);
+    /* expert parallelism: the followers first (each loads its share), then rank 0's session */
+    const int nccl = a->gpus > 1, W = (int)(nccl ? a->gpus : a->ep_ranks);
+    fp4moe_ep_group *grp = NULL;
+    gen_follower *fol = NULL;
+    pthread_t *th = NULL;
+    pthread_barrier_t bar;
+    int failed = 0, nfol = 0, bar_ok = 0, st = FP4MOE_OK;
+    if (W >= 1) {
+        if (nccl && dev != FP4MOE_DEVICE_CUDA) {
+            gen_free(&g);
+            return cli_usage_error(CMD, "--gpus needs --device cuda");
+        }
+        if (nccl && fp4moe_cuda_device_count() < W) {
+            fprintf(stderr, "%s: --gpus %d: %d CUDA device(s) visible\n", CMD, W, fp4moe_cuda_device_count());
+            gen_free(&g);
+            return FP4MOE_EXIT_USAGE;
+        }
+        st = nccl ? fp4moe_ep_group_new_nccl(W, NULL, &grp) : fp4moe_ep_group_new(W, &grp);
+        fol = calloc((size_t)W, sizeof *fol);
+        th = calloc((size_t)W, sizeof *th);
+        if (!st && (!fol || !th || pthread_barrier_init(&bar, NULL, (unsigned)W)))
+            st = fp4moe_set_error(FP4MOE_ENOMEM, "generate: %d expert-parallel ranks", W);
+        else if (!st)
+            bar_ok = 1;
+        for (int r = 1; !st && r < W; r++) {
+            fol[r] = (gen_follower){a, r, W, nccl, grp, dev, dt, ca, so.max_chunk, &bar, &failed, 0, {0}};
+            if (pthread_create(&th[r], NULL, follower_main, &fol[r])) {
+                st = fp4moe_set_error(FP4MOE_ENOMEM, "generate: cannot start rank %d", r);
+                break;
+            }
+            nfol++;
+        }
+        if (st && nfol) { /* the started ones wait at the barriers of W threads: never released */
+            fprintf(stderr, "fp4moe %s: %s\n", CMD, fp4moe_last_error());
+            _exit(FP4MOE_EXIT_FAIL);
+        }
+        if (!st) {
+            pthread_barrier_wait(&bar); /* 1: the followers are ready (or failed) */
+            so.ep = grp;
+            so.ep_rank = 0;
+        }
+    }
+    if (!st && !(W >= 1 && failed)) st = fp4moe_session_new(g.m, &so, &g.s);
+    if (W >= 1 && nfol) {
+        if (st) failed = 1;
+        pthread_barrier_wait(&bar); /* 2: rank 0's session (followers go on only if every rank is set) */
+        for (int r = 1; failed && r < W; r++)
+            if (fol[r].err[0]) fprintf(stderr, "fp4moe %s: %s\n", CMD, fol[r].err);
+        if (failed && !st) st = fp4moe_set_error(FP4MOE_EINVAL, "generate: an expert-parallel rank failed to start");
+    }
     fp4moe_sampler_params sp;   /* stop ids: the tokenizer's EOS and every one of generation_config.json */
     cli_sampling_params(&a->smp, a->model, g.tok, V, a->ignore_eos, &sp);
     srv_text_init(&g.stop, (char *const *)a->stop.v, a->stop.n, 0, 0);
@@ -438,7 +552,21 @@ static int generate(const gen_args *a) {
     g.json = a->json;
     if (!st && a->json && !(g.ids = malloc((size_t)a->n * sizeof(int32_t)))) st = FP4MOE_ENOMEM;
     rc = st ? cli_fail(CMD, st) : run_generation(a, &g, stop);
+    if (grp) {
+        if (g.s) (void)fp4moe_session_ep_leave(g.s); /* the followers return */
+        for (int r = 1; r <= nfol; r++) {
+            pthread_join(th[r], NULL);
+            if (fol[r].st && fol[r].err[0]) {
+                fprintf(stderr, "fp4moe %s: %s\n", CMD, fol[r].err);
+                if (rc == FP4MOE_EXIT_OK) rc = FP4MOE_EXIT_FAIL;
+            }
+        }
+        if (bar_ok) pthread_barrier_destroy(&bar);
+    }
     gen_free(&g);
+    fp4moe_ep_group_free(grp);
+    free(fol);
+    free(th);
     return rc;
 }
 
@@ -460,6 +588,11 @@ int cmd_generate(int argc, char **argv) {
         {"--ignore-eos", NULL, CLI_FLAG, &a.ignore_eos, NULL, "do not stop at the end-of-sequence tokens"},
         {"--stop", NULL, CLI_STRINGS, &a.stop, "TEXT", "stop before this text (repeatable, up to 16)"},
         {"--threads", "-t", CLI_INT, &a.threads, "N", "CPU threads (default: one per core)"},
+        {"--gpus", NULL, CLI_INT, &a.gpus, "N",
+         "expert parallelism over N CUDA devices through NCCL: each holds 1/N of every MoE layer's "
+         "routed experts (libnccl.so.2 on LD_LIBRARY_PATH; default 1)"},
+        {"--ep-ranks", NULL, CLI_INT, &a.ep_ranks, "N",
+         "expert parallelism with N ranks on this one device (in-process loopback)"},
         {"--json", NULL, CLI_FLAG, &a.json, NULL, "print one JSON object (text, ids, finish_reason, seed, timings) at the end"},
     };
     const cli_spec spec = {CMD, "fp4moe generate -m DIR -p TEXT [options]",
@@ -471,6 +604,9 @@ int cmd_generate(int argc, char **argv) {
     if (rc == CLI_HELP) return FP4MOE_EXIT_OK;
     if (rc) return FP4MOE_EXIT_USAGE;
     if (a.chunk < 0) return cli_usage_error(CMD, "--chunk must be >= 1 (0: the default)");
+    if (a.gpus < 0 || a.gpus > 64 || a.ep_ranks < 0 || a.ep_ranks > 64)
+        return cli_usage_error(CMD, "--gpus and --ep-ranks must be in 1 .. 64");
+    if (a.gpus > 1 && a.ep_ranks > 0) return cli_usage_error(CMD, "give one of --gpus and --ep-ranks");
     if (!a.model) return cli_usage_error(CMD, "-m DIR is required");
     if ((a.prompt != NULL) + (a.prompt_ids != NULL) + (a.file != NULL) != 1)
         return cli_usage_error(CMD, "give exactly one of -p TEXT, -f FILE and --prompt-ids IDS");

@@ -64,6 +64,7 @@ struct fp4moe_batch {
     int32_t *h_next;                /* cap */
     void *ep_views;                 /* expert parallelism: this rank's expert views */
     fw_ep_scratch ep_ws;            /* and the buffers its MoE layers keep */
+    int ep_left;                    /* fp4moe_ep_leave was called */
 };
 
 const char *fp4moe_cpu_act_name(fp4moe_cpu_act a) {
@@ -484,8 +485,63 @@ static int head_rows_of(const fp4moe_batch_item *it) {
     return it->logits == FP4MOE_LOGITS_LAST || it->out_token ? 1 : 0;
 }
 
+/* Expert parallelism: every step of an expert-parallel batch starts with a one-byte status from every
+ * rank (EP_STEP: this rank steps; EP_IDLE: it follows, fp4moe_ep_follow; EP_LEFT: it has left,
+ * fp4moe_ep_leave), so that ranks without sequences know when to take part. */
+enum { EP_IDLE = 0, EP_STEP = 1, EP_LEFT = 2 };
+
+/* Sends `mine`; *any_step = 1 when some rank sends EP_STEP. */
+static int ep_flags(fp4moe_batch *b, int mine, int *any_step) {
+    ep_transport *t = ep_group_rank(b->o.ep, b->o.ep_rank);
+    int64_t sb[64], rb[64];
+    unsigned char out[64], in[64];
+    for (int r = 0; r < t->world; r++) {
+        out[r] = (unsigned char)mine;
+        sb[r] = 1;
+    }
+    const int st = t->alltoallv(t, out, sb, in, (int64_t)sizeof in, rb);
+    *any_step = 0;
+    for (int r = 0; !st && r < t->world; r++) *any_step |= in[r] == EP_STEP;
+    return st;
+}
+
+static int batch_step_body(fp4moe_batch *b, fp4moe_batch_item *items, int64_t n);
+
 int fp4moe_batch_step(fp4moe_batch *b, fp4moe_batch_item *items, int64_t n) {
     if (!b || (!items && n)) return fp4moe_set_error(FP4MOE_EINVAL, "batch_step: NULL argument");
+    if (b->o.ep) {
+        if (b->ep_left) return fp4moe_set_error(FP4MOE_EINVAL, "batch_step: this rank has left its expert-parallel group");
+        int any;
+        const int st = ep_flags(b, EP_STEP, &any);
+        if (st) return st;
+    }
+    return batch_step_body(b, items, n);
+}
+
+int fp4moe_ep_follow(fp4moe_batch *b, int64_t *steps) {
+    if (steps) *steps = 0;
+    if (!b || !b->o.ep) return fp4moe_set_error(FP4MOE_EINVAL, "ep_follow: not an expert-parallel batch");
+    if (b->ep_left) return fp4moe_set_error(FP4MOE_EINVAL, "ep_follow: this rank has left its group");
+    for (;;) {
+        int any;
+        int st = ep_flags(b, EP_IDLE, &any);
+        if (st) return st;
+        if (!any) return FP4MOE_OK; /* nobody steps: every rank follows or has left */
+        if ((st = batch_step_body(b, NULL, 0))) return st;
+        if (steps) (*steps)++;
+    }
+}
+
+int fp4moe_ep_leave(fp4moe_batch *b) {
+    if (!b || !b->o.ep) return fp4moe_set_error(FP4MOE_EINVAL, "ep_leave: not an expert-parallel batch");
+    if (b->ep_left) return FP4MOE_OK;
+    int any;
+    const int st = ep_flags(b, EP_LEFT, &any);
+    b->ep_left = 1;
+    return st;
+}
+
+static int batch_step_body(fp4moe_batch *b, fp4moe_batch_item *items, int64_t n) {
     const fp4moe_config *c = &b->m->cfg;
     const int64_t cap = b->o.max_step_tokens, V = c->vocab;
     unsigned char *seen = calloc((size_t)b->o.max_seqs, 1);

@@ -46,6 +46,8 @@ int fp4moe_session_new(const fp4moe_model *m, const fp4moe_session_options *opts
     bo.device = o.device;
     bo.profile = o.profile;
     bo.interrupt = o.interrupt;
+    bo.ep = o.ep;
+    bo.ep_rank = o.ep_rank;
     int st = fp4moe_batch_new(m, &bo, &s->batch);
     if (!st) st = fp4moe_batch_add(s->batch, &s->seq);
     if (st) {
@@ -54,6 +56,11 @@ int fp4moe_session_new(const fp4moe_model *m, const fp4moe_session_options *opts
     }
     *out = s;
     return FP4MOE_OK;
+}
+
+int fp4moe_session_ep_leave(fp4moe_session *s) {
+    if (!s) return fp4moe_set_error(FP4MOE_EINVAL, "session_ep_leave: NULL argument");
+    return fp4moe_ep_leave(s->batch);
 }
 
 void fp4moe_session_free(fp4moe_session *s) {

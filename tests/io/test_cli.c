@@ -958,7 +958,8 @@ static void test_chat(void **state) {
 
 /* bench --ep-ranks N: the expert-parallel path (N ranks on the in-process loopback, each loading its
  * share of the experts) generates the ids of one batch holding every sequence (the CPU computes a
- * row the same wherever it runs), a rank without sequences included; usage errors. */
+ * row the same wherever it runs), a rank without sequences included; generate --ep-ranks N (the
+ * other ranks follow rank 0's session) the ids of plain generate; usage errors. */
 static const char *json_str(const char *json, const char *key, char *out, size_t cap) {
     char pat[64];
     snprintf(pat, sizeof pat, "\"%s\":", key);
@@ -988,6 +989,22 @@ static void test_bench_ep_ranks(void **state) {
         if (strcmp(json_str(g_out, "gen_ids_fnv1a_all", got, sizeof got), ref))
             fail_msg("--ep-ranks %s: ids hash %s, one batch %s", ranks[i], got, ref);
     }
+    /* generate: one sequence on rank 0, the other ranks follow its steps (fp4moe_ep_follow) */
+    EXPECT_RC(0, "generate", "-m", M, "--device", "cpu", "--prompt", "The old lighthouse keeper", "--tokens", "10",
+              "--json");
+    char gref[512];
+    snprintf(gref, sizeof gref, "%s", strstr(g_out, "\"ids\":") ? strstr(g_out, "\"ids\":") : "");
+    char *end = strchr(gref, ']');
+    assert_non_null(end);
+    end[1] = 0;
+    const char *granks[] = {"1", "2", "3"};
+    for (size_t i = 0; i < sizeof granks / sizeof granks[0]; i++) {
+        EXPECT_RC(0, "generate", "-m", M, "--device", "cpu", "--prompt", "The old lighthouse keeper", "--tokens", "10",
+                  "--json", "--ep-ranks", granks[i]);
+        expect_in(g_out, gref);
+    }
+    EXPECT_RC(2, "generate", "-m", M, "--device", "cpu", "--prompt", "x", "--gpus", "2");
+    expect_in(g_err, "--gpus needs --device cuda");
     EXPECT_RC(2, "bench", "-m", M, "--device", "cpu", "--ep-ranks", "2");
     expect_in(g_err, "--batch");
     EXPECT_RC(2, "bench", "-m", M, "--device", "cpu", "--batch", "2", "--gpus", "2");

@@ -283,6 +283,96 @@ static void test_models_greedy_ids(void **state) {
     fp4moe_model_free(m);
 }
 
+/* A session on rank 0 with the other ranks following (fp4moe_ep_follow) until it leaves: its greedy
+ * ids equal a plain session's; the followers took every step; the protocol's errors. */
+typedef struct {
+    fp4moe_model *m;
+    fp4moe_ep_group *g;
+    int rank;
+    int64_t steps;
+    int st;
+} follower_job;
+
+static void *run_follower(void *arg) {
+    follower_job *f = arg;
+    fp4moe_batch_options o;
+    fp4moe_batch_options_default(&o);
+    o.device = FP4MOE_DEVICE_CPU;
+    o.max_seqs = 1;
+    o.ep = f->g;
+    o.ep_rank = f->rank;
+    fp4moe_batch *b = NULL;
+    f->st = fp4moe_batch_new(f->m, &o, &b);
+    if (!f->st) f->st = fp4moe_ep_follow(b, &f->steps);
+    fp4moe_batch_free(b);
+    return NULL;
+}
+
+static void greedy(fp4moe_session *s, const int32_t *prompt, int64_t n, int32_t *ids, int gen) {
+    int32_t next;
+    assert_int_equal(fp4moe_session_forward_argmax(s, prompt, n, &next), FP4MOE_OK);
+    for (int i = 0; i < gen; i++) {
+        ids[i] = next;
+        assert_int_equal(fp4moe_session_forward_argmax(s, &next, 1, &next), FP4MOE_OK);
+    }
+}
+
+static void test_followers(void **state) {
+    (void)state;
+    fp4moe_model *m = NULL;
+    if (fp4moe_model_load("models/nemotron-h-tiny-moe", NULL, &m)) fail_msg("%s", fp4moe_last_error());
+    int32_t prompt[30], ref[12], got[12];
+    for (int i = 0; i < 30; i++) prompt[i] = 3 + (i * 37) % 800;
+    fp4moe_session_options so;
+    fp4moe_session_options_default(&so);
+    so.max_chunk = 16; /* a prefill of two steps */
+    fp4moe_session *s = NULL;
+    assert_int_equal(fp4moe_session_new(m, &so, &s), FP4MOE_OK);
+    greedy(s, prompt, 30, ref, 12);
+    fp4moe_session_free(s);
+    for (int world = 1; world <= 3; world++) {
+        fp4moe_ep_group *g = NULL;
+        assert_int_equal(fp4moe_ep_group_new(world, &g), FP4MOE_OK);
+        follower_job f[3];
+        pthread_t th[3];
+        fp4moe_model *own[3] = {NULL, NULL, NULL};
+        for (int r = 1; r < world; r++) {
+            own[r] = load_share("models/nemotron-h-tiny-moe", world, r);
+            f[r] = (follower_job){own[r], g, r, 0, -1};
+            assert_int_equal(pthread_create(&th[r], NULL, run_follower, &f[r]), 0);
+        }
+        so.ep = g;
+        so.ep_rank = 0;
+        assert_int_equal(fp4moe_session_new(m, &so, &s), FP4MOE_OK);
+        memset(got, 0xff, sizeof got);
+        greedy(s, prompt, 30, got, 12);
+        if (memcmp(got, ref, sizeof ref))
+            fail_msg("world %d: a session with %d followers: greedy ids differ from a plain session", world, world - 1);
+        assert_int_equal(fp4moe_session_ep_leave(s), FP4MOE_OK);
+        assert_int_equal(fp4moe_session_forward_argmax(s, prompt, 1, &got[0]), FP4MOE_EINVAL); /* after leaving */
+        assert_non_null(strstr(fp4moe_last_error(), "left"));
+        for (int r = 1; r < world; r++) {
+            pthread_join(th[r], NULL);
+            assert_int_equal(f[r].st, FP4MOE_OK);
+            assert_int_equal(f[r].steps, 2 + 12); /* the two prefill chunks and every decode step */
+        }
+        fp4moe_session_free(s);
+        so.ep = NULL;
+        for (int r = 1; r < world; r++) fp4moe_model_free(own[r]);
+        fp4moe_ep_group_free(g);
+    }
+    /* not an expert-parallel batch */
+    fp4moe_batch_options o;
+    fp4moe_batch_options_default(&o);
+    o.device = FP4MOE_DEVICE_CPU;
+    fp4moe_batch *b = NULL;
+    assert_int_equal(fp4moe_batch_new(m, &o, &b), FP4MOE_OK);
+    assert_int_equal(fp4moe_ep_follow(b, NULL), FP4MOE_EINVAL);
+    assert_int_equal(fp4moe_ep_leave(b), FP4MOE_EINVAL);
+    fp4moe_batch_free(b);
+    fp4moe_model_free(m);
+}
+
 static void test_group_errors(void **state) {
     (void)state;
     fp4moe_ep_group *g = NULL;
@@ -338,6 +428,7 @@ int main(void) {
         cmocka_unit_test(test_expert_ranges),
         cmocka_unit_test(test_models_greedy_ids),
         cmocka_unit_test(test_group_errors),
+        cmocka_unit_test(test_followers),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
