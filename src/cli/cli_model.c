@@ -83,6 +83,20 @@ int cli_synthetic_quiet(const char *name, uint64_t seed, fp4moe_device dev, fp4m
     return st;
 }
 
+int cli_load_share_quiet(const char *dir, int quantize, fp4moe_device dev, int world, int rank, fp4moe_model **out) {
+    fp4moe_config cfg;
+    int st = fp4moe_config_load(dir, &cfg); /* E, for the share */
+    if (st) return st;
+    fp4moe_load_options lo;
+    fp4moe_load_options_default(&lo);
+    lo.quantize = quantize;
+    lo.device = dev;
+    lo.expert_share = 1;
+    fp4moe_ep_range(cfg.n_experts, world, rank, &lo.expert_lo, &lo.expert_hi);
+    fp4moe_config_free(&cfg);
+    return fp4moe_model_load(dir, &lo, out);
+}
+
 int cli_load_synthetic(const char *cmd, const char *name, uint64_t seed, fp4moe_device dev, fp4moe_model **out) {
     fp4moe_config cfg;
     char *path = NULL;

@@ -230,6 +230,17 @@ static void batch_summary(const bench_args *a, const double *pf, const double *d
     for (int64_t i = 0; i < N; i++) *all = fnv1a(fnv1a(*all, (int32_t)hash0[i]), (int32_t)(hash0[i] >> 32));
 }
 
+/* The fields both --batch reports share: sizes and aggregate speeds. */
+static void batch_json_fields(cJSON *j, const bench_args *a, int64_t N, double pfm, double dcm) {
+    cJSON_AddNumberToObject(j, "batch", (double)N);
+    cJSON_AddNumberToObject(j, "prompt_tokens", (double)a->prompt_tokens);
+    cJSON_AddNumberToObject(j, "gen_tokens", (double)a->gen_tokens);
+    cJSON_AddNumberToObject(j, "repeats", (double)a->repeats);
+    cJSON_AddNumberToObject(j, "prefill_tok_s_aggregate", pfm);
+    cJSON_AddNumberToObject(j, "decode_tok_s_aggregate", dcm);
+    cJSON_AddNumberToObject(j, "decode_tok_s_per_sequence", dcm / (double)N);
+}
+
 /* ["%016llx", ...] of the N sequences' hashes */
 static cJSON *hash_array(const uint64_t *hash0, int64_t N) {
     cJSON *arr = cJSON_CreateArray();
@@ -352,13 +363,7 @@ static int bench_batch(const bench_args *a, const fp4moe_model *m, fp4moe_dtype 
             const char *eb = getenv("FP4MOE_GATHER_EXPERT_BATCHED") ? fp4moe_env_value("FP4MOE_GATHER_EXPERT_BATCHED") : NULL;
             cJSON_AddStringToObject(j, "FP4MOE_GATHER_EXPERT_BATCHED", eb ? eb : "");
             cJSON_AddNumberToObject(j, "threads", omp_get_max_threads());
-            cJSON_AddNumberToObject(j, "batch", (double)N);
-            cJSON_AddNumberToObject(j, "prompt_tokens", (double)a->prompt_tokens);
-            cJSON_AddNumberToObject(j, "gen_tokens", (double)a->gen_tokens);
-            cJSON_AddNumberToObject(j, "repeats", (double)R);
-            cJSON_AddNumberToObject(j, "prefill_tok_s_aggregate", pfm);
-            cJSON_AddNumberToObject(j, "decode_tok_s_aggregate", dcm);
-            cJSON_AddNumberToObject(j, "decode_tok_s_per_sequence", dcm / (double)N);
+            batch_json_fields(j, a, N, pfm, dcm);
             char h[24];
             snprintf(h, sizeof h, "%016llx", (unsigned long long)all);
             cJSON_AddStringToObject(j, "gen_ids_fnv1a_all", h);
@@ -444,18 +449,7 @@ static void *ep_rank_main(void *arg) {
     if (!st && a->synthetic) { /* every GPU makes the whole synthetic model; the rank uses views of its experts */
         st = cli_synthetic_quiet(a->synthetic, (uint64_t)a->seed, j->dev, &m);
     } else if (!st) { /* a checkpoint: each rank loads only its share of the routed experts */
-        fp4moe_load_options lo;
-        fp4moe_load_options_default(&lo);
-        lo.quantize = !a->no_quantize;
-        fp4moe_config cfg;
-        st = fp4moe_config_load(a->model, &cfg); /* E, for the share */
-        if (!st) {
-            lo.device = j->dev;
-            lo.expert_share = 1;
-            fp4moe_ep_range(cfg.n_experts, j->ranks, j->rank, &lo.expert_lo, &lo.expert_hi);
-            fp4moe_config_free(&cfg);
-            st = fp4moe_model_load(a->model, &lo, &m);
-        }
+        st = cli_load_share_quiet(a->model, !a->no_quantize, j->dev, j->ranks, j->rank, &m);
     }
     const int64_t N = a->batch, R = a->repeats, P = a->prompt_tokens, G = a->gen_tokens;
     const int64_t n = N > j->rank ? (N - j->rank + j->ranks - 1) / j->ranks : 0; /* this rank's sequences */
@@ -610,13 +604,7 @@ static int bench_ep(const bench_args *a, fp4moe_dtype dt, fp4moe_route route, fp
             cJSON_AddStringToObject(j, "route", a->route);
             cJSON_AddStringToObject(j, "ep_transport", nccl ? "nccl" : "loopback");
             cJSON_AddNumberToObject(j, "ep_ranks", W);
-            cJSON_AddNumberToObject(j, "batch", (double)N);
-            cJSON_AddNumberToObject(j, "prompt_tokens", (double)a->prompt_tokens);
-            cJSON_AddNumberToObject(j, "gen_tokens", (double)a->gen_tokens);
-            cJSON_AddNumberToObject(j, "repeats", (double)R);
-            cJSON_AddNumberToObject(j, "prefill_tok_s_aggregate", pfm);
-            cJSON_AddNumberToObject(j, "decode_tok_s_aggregate", dcm);
-            cJSON_AddNumberToObject(j, "decode_tok_s_per_sequence", dcm / (double)N);
+            batch_json_fields(j, a, N, pfm, dcm);
             cJSON_AddStringToObject(j, "gen_ids_fnv1a_all", h);
             cJSON_AddItemToObject(j, "gen_ids_fnv1a", hash_array(hash0, N));
             char *txt = cJSON_Print(j);

@@ -407,18 +407,7 @@ static void *follower_main(void *arg) {
     fp4moe_model *m = NULL;
     fp4moe_batch *b = NULL;
     int st = f->nccl ? fp4moe_cuda_set_device(f->rank) : FP4MOE_OK;
-    fp4moe_config cfg;
-    if (!st) st = fp4moe_config_load(f->a->model, &cfg);
-    if (!st) {
-        fp4moe_load_options lo;
-        fp4moe_load_options_default(&lo);
-        lo.quantize = !f->a->no_quantize;
-        lo.device = f->dev;
-        lo.expert_share = 1;
-        fp4moe_ep_range(cfg.n_experts, f->ranks, f->rank, &lo.expert_lo, &lo.expert_hi);
-        fp4moe_config_free(&cfg);
-        st = fp4moe_model_load(f->a->model, &lo, &m);
-    }
+    if (!st) st = cli_load_share_quiet(f->a->model, !f->a->no_quantize, f->dev, f->ranks, f->rank, &m);
     if (!st) {
         fp4moe_batch_options o;
         fp4moe_batch_options_default(&o);

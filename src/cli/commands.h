@@ -68,6 +68,9 @@ int cli_convert_failed(const char *cmd, int status, const char *output, int crea
 int cli_load_synthetic(const char *cmd, const char *name, uint64_t seed, fp4moe_device dev, fp4moe_model **out);
 /* The same without progress or messages (for worker threads): an fp4moe status. */
 int cli_synthetic_quiet(const char *name, uint64_t seed, fp4moe_device dev, fp4moe_model **out);
+/* The model of dir with only rank `rank` of `world`'s share of the routed experts (expert
+ * parallelism), on dev, without progress or messages: an fp4moe status. */
+int cli_load_share_quiet(const char *dir, int quantize, fp4moe_device dev, int world, int rank, fp4moe_model **out);
 /* The chat template text (malloc'd): file `override` when given, else DIR/chat_template.jinja, else
  * the "chat_template" of DIR/tokenizer_config.json (a string, or the "default" of a list). NULL with
  * fp4moe_last_error() set when there is none. */
