@@ -34,10 +34,13 @@ static uint16_t f2bf(float f) {
     return (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
 }
 
-/* Random bf16 in [-a, a] on the device. */
-static void *rand_dev(int64_t n, float a, tu_rng *r) {
+/* Random values in [-a, a] on the device: bf16, or fp16 (f16: the V cache's type). */
+static void *rand_dev(int64_t n, float a, tu_rng *r, int f16) {
     uint16_t *h = malloc((size_t)n * 2);
-    for (int64_t i = 0; i < n; i++) h[i] = f2bf((float)((2.0 * tu_rng_uniform(r) - 1.0) * a));
+    for (int64_t i = 0; i < n; i++) {
+        const float x = (float)((2.0 * tu_rng_uniform(r) - 1.0) * a);
+        h[i] = f16 ? gt_f2h(x) : f2bf(x);
+    }
     void *d = gt_upload(h, (size_t)n * 2);
     free(h);
     return d;
@@ -96,7 +99,7 @@ int main(int argc, char **argv) {
     const int64_t maxtok = 131072 * 2;   /* cache rows: the longest context x the rows sharing it */
     /* one cache: pages in order; decode rows r use pages of their own slot (slot r), all slots
        point at the same physical pages (the data is the same for every row: timing only) */
-    void *k = rand_dev(maxtok * KVS, 1.0f, &r), *v = rand_dev(maxtok * KVS, 1.0f, &r);
+    void *k = rand_dev(maxtok * KVS, 1.0f, &r, 0), *v = rand_dev(maxtok * KVS, 1.0f, &r, 1);
     printf("# fp4moe attention, nq %d nkv %d head_dim %d, bf16, pages of %d tokens\n", NQ, NKV, DH, PAGE);
     for (size_t i = 0; i < sizeof prefill_T / sizeof prefill_T[0]; i++) {
         const int64_t T = prefill_T[i];
@@ -104,7 +107,7 @@ int main(int argc, char **argv) {
         const int64_t np = (T + PAGE - 1) / PAGE;
         int32_t *pg = malloc((size_t)np * 4);
         for (int64_t p = 0; p < np; p++) pg[p] = (int32_t)p;
-        ctx_t c = {.q = rand_dev(T * NQ * DH, 2.0f, &r), .k = k, .v = v, .pages = gt_upload(pg, (size_t)np * 4),
+        ctx_t c = {.q = rand_dev(T * NQ * DH, 2.0f, &r, 0), .k = k, .v = v, .pages = gt_upload(pg, (size_t)np * 4),
                    .out = gt_upload(NULL, (size_t)(T * NQ * DH) * 2), .T = T};
         const float ms = time_ms(do_prefill, &c, quick ? 3 : 7, T >= 8192 ? 3 : 10);
         printf("prefill %lld %.4f\n", (long long)T, ms);
@@ -125,7 +128,7 @@ int main(int argc, char **argv) {
                 pos[s] = (int32_t)(L - 1);
                 for (int64_t p = 0; p < np; p++) pg[s * np + p] = (int32_t)((p + s * 7) % (maxtok / PAGE));
             }
-            ctx_t c = {.q = rand_dev(R * NQ * DH, 2.0f, &r), .k = k, .v = v,
+            ctx_t c = {.q = rand_dev(R * NQ * DH, 2.0f, &r, 0), .k = k, .v = v,
                        .pages = gt_upload(pg, (size_t)(np * R) * 4), .slot = gt_upload(slot, (size_t)R * 4),
                        .pos = gt_upload(pos, (size_t)R * 4), .out = gt_upload(NULL, (size_t)(R * NQ * DH) * 2),
                        .scratch = gt_upload(NULL, cuda_attention_decode_scratch(R, NQ, DH)), .R = R,

@@ -79,7 +79,8 @@ typedef struct {
 typedef struct {
     float *conv, *ssm;              /* Mamba: slot s at conv + s * conv_stride, ssm + s * ssm_stride */
     int64_t conv_stride, ssm_stride;
-    void *k, *v;                    /* attention: page p, token j at (p * FW_PAGE + j) * kvs act elements */
+    void *k, *v;                    /* attention: page p, token j at (p * FW_PAGE + j) * kvs elements of
+                                     * act_size bytes (the backend's types: CUDA keeps V in fp16) */
 } fw_state;
 
 /* Mamba-2 scan arguments (formula: src/kernels/cpu/ops.h op_ssm_scan), rows of the whole step. */

@@ -42,6 +42,26 @@ static inline void gt_download(void *dst, const void *src, size_t n) {
 /* All bytes 0xFF: NaN in f32, f16 and bf16. */
 static inline void gt_poison(void *d, size_t n) { GT_CHECK(cudaMemset(d, 0xFF, n)); }
 
+/* fp32 -> fp16 bits, round to nearest even, saturated at +-65504 (as the CUDA KV append stores V:
+ * src/kernels/cuda/ops_attention.cu). */
+static inline unsigned short gt_f2h(float f) {
+    if (f != f) return 0x7E00;
+    if (f > 65504.0f) f = 65504.0f;
+    if (f < -65504.0f) f = -65504.0f;
+    union { float f; unsigned u; } v = {f};
+    const unsigned sign = (v.u >> 16) & 0x8000u, a = v.u & 0x7FFFFFFFu;
+    if (a < 0x38800000u) {                     /* below 2^-14: a subnormal (or 0) of 2^-24 steps */
+        union { unsigned u; float f; } m = {a};
+        const float x = m.f * 16777216.0f;     /* exact: a power-of-two scaling */
+        unsigned n = (unsigned)x;
+        const float rem = x - (float)n;
+        if (rem > 0.5f || (rem == 0.5f && (n & 1u))) n++;
+        return (unsigned short)(sign | n);
+    }
+    const unsigned r = a + 0xFFFu + ((a >> 13) & 1u) - (112u << 23); /* rebias 127 -> 15, round bit 13 */
+    return (unsigned short)(sign | (r >> 13));
+}
+
 static inline void gt_free(void *d) {
     if (d) GT_CHECK(cudaFree(d));
 }

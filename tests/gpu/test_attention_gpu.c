@@ -2,7 +2,7 @@
  * paged KV caches with pages in random order, several sequences per decode call, context lengths
  * 1, 127, 128, 129, 4097, 20001 and 41000 (decode), prefill chunks (P, T) with and without a cached prefix, GQA ratios 1,
  * 4 and 16, head_dim 64 and 128; the split-KV decode kernel, the per-head decode kernel, the prefill
- * kernel and the paged KV append. Outputs are poisoned (NaN) before every call. Tolerance: bf16
+ * kernel and the paged KV append (V stored as fp16). Outputs are poisoned (NaN) before every call. Tolerance: bf16
  * output rounding plus fp32 accumulation, |gpu - ref| <= 1e-2 * max |ref| of the row (+1e-6). The
  * deliberate-fault builds (FP4MOE_INJECT_FAULT=causal_mask / kv_block) must fail this test
  * (scripts/gpu-check.sh). Needs a CUDA device; exits 77 (skipped) without. */
@@ -79,7 +79,10 @@ static caches make_caches(int64_t nq, int64_t nkv, int64_t dh, const int64_t *le
         c.v[i] = f2bf((float)(2.0 * tu_rng_uniform(r) - 1.0));
     }
     c.dk = gt_upload(c.k, n * 2);
-    c.dv = gt_upload(c.v, n * 2);
+    uint16_t *vh = malloc(n * 2);               /* the device V cache holds fp16 (ops_cuda.h) */
+    for (size_t i = 0; i < n; i++) vh[i] = gt_f2h((float)bf2d(c.v[i]));
+    c.dv = gt_upload(vh, n * 2);
+    free(vh);
     c.dpages = gt_upload(c.pages, sizeof(int32_t) * (size_t)(nseq * c.max_pages));
     return c;
 }

@@ -6,7 +6,9 @@
  * Contracts: ops_cuda.h.
  *
  * The KV cache is paged: pages of ATT_TILE (32) tokens, one key tile each, found through the
- * sequence's page table (src/backend/backend.h, FW_PAGE).
+ * sequence's page table (src/backend/backend.h, FW_PAGE). K is stored in bf16, V in fp16 (converted
+ * once by the append, saturated at +-65504: P V runs on fp16 tensor cores, whose B operand it is, so
+ * the kernels read V as it is stored instead of converting it on every read).
  * Prefill (one sequence's chunk): head_dim 64 / 128 on tensor cores (attn_prefill_mma_kernel);
  * other head sizes: block (query head h, 8 consecutive tokens), one warp per token, K/V tiles staged
  * in shared memory as fp32. Decode (a batch of single-token rows, each its own sequence): head_dim
@@ -22,10 +24,19 @@
 #define ATT_WARPS 8
 #define ATT_TILE 32
 
+/* bf16 -> fp16 of the same value, saturated at +-65504 (round to nearest even below the normal
+ * range); exact for bf16 values inside [2^-14, 65504]. */
+__device__ __forceinline__ uint16_t fa_bf16_to_f16(uint16_t b) {
+    const float f = fminf(fmaxf(ops_bf16_to_f32(b), -65504.0f), 65504.0f);
+    return __half_as_ushort(__float2half_rn(f));
+}
+
+__device__ __forceinline__ float fa_f16_to_f32(uint16_t h) { return __half2float(__ushort_as_half(h)); }
+
 /* ---- KV cache append (paged) ------------------------------------------------------------------ */
 
 /* Row r of k/v goes to position row_pos[r] of slot row_slot[r]: page pages[slot * max_pages +
- * pos / ATT_TILE], row pos % ATT_TILE of it. */
+ * pos / ATT_TILE], row pos % ATT_TILE of it; k as it is (bf16), v converted to fp16. */
 __global__ void kv_append_kernel(const uint16_t *k, const uint16_t *v, int64_t n, int64_t kvs,
                                  const int32_t *row_slot, const int32_t *row_pos, const int32_t *pages,
                                  int64_t max_pages, uint16_t *kc, uint16_t *vc) {
@@ -36,7 +47,7 @@ __global__ void kv_append_kernel(const uint16_t *k, const uint16_t *v, int64_t n
         const int64_t phys = (int64_t)pages[(int64_t)row_slot[r] * max_pages + pos / ATT_TILE] * ATT_TILE +
                              pos % ATT_TILE;
         kc[phys * kvs + d] = k[i];
-        vc[phys * kvs + d] = v[i];
+        vc[phys * kvs + d] = fa_bf16_to_f16(v[i]);
     }
 }
 
@@ -92,7 +103,7 @@ attn_prefill_kernel(const uint16_t *q, const uint16_t *kc, const uint16_t *vc, c
             const int jj = i / dh, d = i % dh, key = j0 + jj;
             const int64_t src = (page + jj) * kvs + (int64_t)kh * dh + d;
             Ks[jj * ld + d] = key < nkeys ? ops_bf16_to_f32(kc[src]) : 0.0f;
-            Vs[jj * ld + d] = key < nkeys ? ops_bf16_to_f32(vc[src]) : 0.0f;
+            Vs[jj * ld + d] = key < nkeys ? fa_f16_to_f32(vc[src]) : 0.0f;
         }
         __syncthreads();
         if (t >= T || j0 > last) continue; /* warp-uniform */
@@ -190,7 +201,7 @@ attn_decode_kernel(const uint16_t *q, const uint16_t *kc, const uint16_t *vc, co
 #pragma unroll
             for (int i = 0; i < DPL; i++) {
                 const int d = lane + 32 * i;
-                if (d < dh) acc[i] = fmaf(pj, ops_bf16_to_f32(vr[d]), acc[i]);
+                if (d < dh) acc[i] = fmaf(pj, fa_f16_to_f32(vr[d]), acc[i]);
             }
         }
         m = mnew;
@@ -280,17 +291,45 @@ attn_combine_kernel(const float *part, const int32_t *row_pos, int nq, int dh, i
 }
 
 
+/* Allows fn `smem` bytes of dynamic shared memory (cudaFuncSetAttribute), once per device: function
+ * attributes belong to a device's context, so each GPU of an expert-parallel run sets its own
+ * (`done`: a bit per device ordinal; ordinals >= 64 set it on every launch). */
+template <typename F>
+static int fa_allow_smem(F *fn, size_t smem, unsigned long long *done) {
+    int dev = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess) dev = 64;
+    if (dev < 64 && (*done >> dev & 1ull)) return FP4MOE_OK;
+    const cudaError_t e = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    if (e != cudaSuccess)
+        return fp4moe_set_error(FP4MOE_ECUDA, "cuda op attention: %zu bytes of shared memory: %s", smem,
+                                cudaGetErrorString(e));
+    if (dev < 64) *done |= 1ull << dev;
+    return FP4MOE_OK;
+}
+#define TRY_OPS(x) do { const int rc_ = (x); if (rc_) return rc_; } while (0)
+
 /* ---- prefill on tensor cores (flash attention) -------------------------------------------------- */
 
-/* Block (query head h, FA_ROWS = 64 consecutive tokens of one sequence), 4 warps of 16 query rows.
- * Per key page (ATT_TILE = 32 keys): K and V (bf16, row-major) copied into shared memory with
- * cp.async, double-buffered (the next page arrives while this one is computed, one barrier per
- * page); S = Q K^T with mma.sync m16n8k16 (bf16 in, fp32 accumulate), causal mask, online softmax
- * in fp32 (base-2 exponent, scale folded in), then O += P V on tensor cores in fp16 (P rounded to
- * fp16, V fragments by ldmatrix.trans converted from bf16: FlashAttention-2's scheme with a finer
- * P). Fragment layouts: PTX ISA "mma.m16n8k16" (g = lane / 4, t = lane % 4). */
+/* Block (query head h, FA_ROWS = 64 consecutive tokens of one sequence), 4 warps of 16 query rows;
+ * the blocks of the last tokens (the most keys) are started first. Per step of FA_KEYS = 64 keys
+ * (two pages): K (bf16) and V (fp16), row-major, copied into shared memory with cp.async,
+ * double-buffered (the next step's pages arrive while this one is computed, one barrier per
+ * step); S = Q K^T with mma.sync m16n8k16 (bf16 in, fp32 accumulate, Q fragments in registers, K
+ * fragments by ldmatrix), the causal mask only on the steps that cross a row's diagonal, online
+ * softmax in fp32 (base-2 exponent, scale folded in), then O += P V on tensor cores in fp16 (P
+ * rounded to fp16, V fragments by ldmatrix.trans: FlashAttention-2's scheme with a finer P).
+ * Fragment layouts: PTX ISA "mma.m16n8k16" (g = lane / 4, t = lane % 4). A candidate with two row
+ * tiles a warp (FA-2's layout: every K and V fragment read from shared memory feeds two mma; this
+ * kernel reads 32 KB of shared memory per 0.5 MFLOP a warp, about the SM's shared-memory bandwidth
+ * at its mma rate) is in bench/gpu_attention_wide.cu, not yet measured. */
 #define FA_ROWS 64
 #define FA_WARPS 4
+#define FA_KEYS 64                 /* keys a step: FA_KEYS / ATT_TILE pages */
+
+template <int DH>
+static constexpr size_t fa_smem_bytes() {         /* 2 stages x (K, V) x FA_KEYS rows of DH + 8 */
+    return (size_t)2 * 2 * FA_KEYS * (DH + 8) * sizeof(uint16_t);
+}
 
 __device__ __forceinline__ void fa_mma(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
                                        uint32_t b0, uint32_t b1) {
@@ -320,18 +359,13 @@ __device__ __forceinline__ uint32_t fa_pack_f16(float lo, float hi) {
     return *reinterpret_cast<const uint32_t *>(&v);
 }
 
-__device__ __forceinline__ uint16_t fa_bf16_to_f16(uint16_t b) {
-    const float f = fminf(fmaxf(ops_bf16_to_f32(b), -65504.0f), 65504.0f);
-    return __half_as_ushort(__float2half_rn(f));
-}
-
-/* One 32-key page of the online softmax (base 2) for the two rows a thread holds, g and g + 8 of
- * its warp's 16: sc holds the page's masked, scaled scores (-inf where masked) in the mma C
- * layout, mx0 / mx1 the thread's own row maxima. The maxima are reduced over the quad that shares
- * a row, m and l updated, o rescaled, sc replaced by p = 2^(s - m). A row with every key so far
- * masked keeps m = -inf and p = 0. */
-template <int NT>
-__device__ __forceinline__ void fa_softmax_page(float (&sc)[4][4], float mx0, float mx1, float &m0, float &m1,
+/* One key tile (NJ x 8 keys: 4 = a page, 8 = two pages) of the online softmax (base 2) for the two
+ * rows a thread holds, g and g + 8 of its warp's 16: sc holds the tile's masked, scaled scores (-inf
+ * where masked) in the mma C layout, mx0 / mx1 the thread's own row maxima. The maxima are reduced
+ * over the quad that shares a row, m and l updated, o rescaled, sc replaced by p = 2^(s - m). A row
+ * with every key so far masked keeps m = -inf and p = 0. */
+template <int NJ, int NT>
+__device__ __forceinline__ void fa_softmax_tile(float (&sc)[NJ][4], float mx0, float mx1, float &m0, float &m1,
                                                 float &l0, float &l1, float (&o)[NT][4]) {
     mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
     mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
@@ -344,7 +378,7 @@ __device__ __forceinline__ void fa_softmax_page(float (&sc)[4][4], float mx0, fl
     m1 = n1;
     float s0 = 0.0f, s1 = 0.0f;
 #pragma unroll
-    for (int j = 0; j < 4; j++) {
+    for (int j = 0; j < NJ; j++) {
         sc[j][0] = exp2f(sc[j][0] - b0);
         sc[j][1] = exp2f(sc[j][1] - b0);
         sc[j][2] = exp2f(sc[j][2] - b1);
@@ -367,11 +401,10 @@ __device__ __forceinline__ void fa_softmax_page(float (&sc)[4][4], float mx0, fl
 
 /* Block (kv head kh, row r, split sp) of DM_WARPS warps; the split's pages (the same ranges as
  * dec_pages_per_split: by the row's length alone) go to the warps in turn. Per page a warp
- * stages K (bf16) and V (converted to fp16, row-major) in its own shared buffers, S = Q K^T with
- * mma m16n8k16 (rows = the group's query heads, zero beyond G), online softmax in fp32 (base 2,
- * scale folded in), O += P V on fp16 tensor cores with P split into two fp16 parts (~22 bits) and
- * the V fragments from ldmatrix.trans (bf16 pairs converted to fp16 in registers, exact inside
- * +-65504). The warps' (m, l, o)
+ * stages K (bf16) and V (fp16, as the cache stores it), row-major, in its own shared buffers, S =
+ * Q K^T with mma m16n8k16 (rows = the group's query heads, zero beyond G; K fragments by
+ * ldmatrix), online softmax in fp32 (base 2, scale folded in), O += P V on fp16 tensor cores with P
+ * split into two fp16 parts (~22 bits) and the V fragments from ldmatrix.trans. The warps' (m, l, o)
  * are merged in shared memory into the split's partial (natural-log m, as the combine kernel
  * reads it). */
 #define DM_WARPS 4
@@ -392,39 +425,43 @@ __device__ __forceinline__ void dm_split_f16(float lo, float hi, uint32_t &h, ui
     l = *reinterpret_cast<const uint32_t *>(&r);
 }
 
-/* A bf16 pair -> the fp16 pair of the same values, saturated at +-65504 (as fa_bf16_to_f16). */
-__device__ __forceinline__ uint32_t dm_bf16x2_to_f16x2(uint32_t u) {
-    const float lo = fminf(fmaxf(__uint_as_float(u << 16), -65504.0f), 65504.0f);
-    const float hi = fminf(fmaxf(__uint_as_float(u & 0xffff0000u), -65504.0f), 65504.0f);
-    return fa_pack_f16(lo, hi);
+__device__ __forceinline__ void fa_ldmatrix_x4(uint32_t (&r)[4], const uint16_t *p) {
+    const unsigned a = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
 }
 
-/* S (this warp's 16 rows x the page's 32 keys, mma C layout) = Q K^T: qa the rows' A fragments
- * (KS = head_dim / 16 of them), Ks the page's keys, bf16, row-major with stride LD. */
-template <int KS, int LD>
-__device__ __forceinline__ void fa_scores_page(float (&sc)[4][4], const uint32_t (&qa)[KS][4], const uint16_t *Ks,
-                                               int g, int tq) {
+/* S (this warp's 16 rows x NJ*8 keys, mma C layout) = Q K^T: qa the rows' A fragments (KS =
+ * head_dim / 16 of them), Ks the tile's keys, bf16, row-major with stride LD. The B fragments come
+ * from ldmatrix (lane L gives row L % 8 = key j*8 + L % 8 of matrix L / 8 = dims kk*16 + (L/8)*8 for
+ * kk, kk + 1: b0, b1 of k-steps kk and kk + 1). */
+template <int NJ, int KS, int LD>
+__device__ __forceinline__ void fa_scores_tile(float (&sc)[NJ][4], const uint32_t (&qa)[KS][4], const uint16_t *Ks,
+                                               int lane) {
 #pragma unroll
-    for (int j = 0; j < 4; j++) {
+    for (int j = 0; j < NJ; j++) {
         sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.0f;
+        const uint16_t *kr = Ks + (j * 8 + (lane & 7)) * LD + (lane >> 3) * 8;
 #pragma unroll
-        for (int kk = 0; kk < KS; kk++) {
-            const uint16_t *kr = Ks + (j * 8 + g) * LD + kk * 16 + 2 * tq;
-            fa_mma(sc[j], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], *(const uint32_t *)kr,
-                   *(const uint32_t *)(kr + 8));
+        for (int kk = 0; kk < KS; kk += 2) {
+            uint32_t b[4];
+            fa_ldmatrix_x4(b, kr + kk * 16);
+            fa_mma(sc[j], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], b[0], b[1]);
+            fa_mma(sc[j], qa[kk + 1][0], qa[kk + 1][1], qa[kk + 1][2], qa[kk + 1][3], b[2], b[3]);
         }
     }
 }
 
-/* O (16 rows x NT*8 dims) += P V on fp16 tensor cores: P = the page's probabilities sc (rounded to
- * fp16; SPLIT: as two fp16 parts hi + lo, ~22 bits), V the page's values, bf16, row-major with
- * stride LD, whose B fragments come from ldmatrix.trans (lane L gives row L % 8 of matrix L / 8 =
- * keys 16 k2 + (L/8 & 1) * 8 + L % 8, dims i*8 + (L/16) * 8: b0, b1 of dim tiles i and i + 1) and
- * are converted to fp16 in registers. */
-template <int NT, int LD, bool SPLIT>
-__device__ __forceinline__ void fa_pv_page(float (&o)[NT][4], const float (&sc)[4][4], const uint16_t *Vs, int lane) {
+/* O (16 rows x NT*8 dims) += P V on fp16 tensor cores: P = the tile's probabilities sc (NJ*8 keys,
+ * rounded to fp16; SPLIT: as two fp16 parts hi + lo, ~22 bits), V the tile's values, fp16,
+ * row-major with stride LD, whose B fragments come from ldmatrix.trans (lane L gives row L % 8 of
+ * matrix L / 8 = keys 16 k2 + (L/8 & 1) * 8 + L % 8, dims i*8 + (L/16) * 8: b0, b1 of dim tiles i
+ * and i + 1). */
+template <int NJ, int NT, int LD, bool SPLIT>
+__device__ __forceinline__ void fa_pv_tile(float (&o)[NT][4], const float (&sc)[NJ][4], const uint16_t *Vs, int lane) {
 #pragma unroll
-    for (int k2 = 0; k2 < 2; k2++) {                   /* keys 16*k2 .. 16*k2+15 */
+    for (int k2 = 0; k2 < NJ / 2; k2++) {              /* keys 16*k2 .. 16*k2+15 */
         uint32_t ah[4], al[4] = {0u, 0u, 0u, 0u};
 #pragma unroll
         for (int h = 0; h < 4; h++) {                  /* A: rows g / g+8 (h odd), keys +8 (h >= 2) */
@@ -437,8 +474,6 @@ __device__ __forceinline__ void fa_pv_page(float (&o)[NT][4], const float (&sc)[
         for (int i = 0; i < NT; i += 2) {
             uint32_t b[4];
             dm_ldmatrix_x4_trans(b, vrow + i * 8);
-#pragma unroll
-            for (int e = 0; e < 4; e++) b[e] = dm_bf16x2_to_f16x2(b[e]);
             fa_mma_f16(o[i], ah[0], ah[1], ah[2], ah[3], b[0], b[1]);
             fa_mma_f16(o[i + 1], ah[0], ah[1], ah[2], ah[3], b[2], b[3]);
             if (SPLIT) {
@@ -523,7 +558,7 @@ attn_decode_mma_kernel(const uint16_t *q, const uint16_t *kc, const uint16_t *vc
         asm volatile("cp.async.wait_group 1;");        /* K of this page */
         __syncwarp();
         float sc[4][4];
-        fa_scores_page<KS, LD>(sc, qa, Ks, g, tq);
+        fa_scores_tile<4, KS, LD>(sc, qa, Ks, lane);
         __syncwarp();                                  /* every lane has read Ks */
         if (next < t1) load_page(Ks, kc, next);
         asm volatile("cp.async.commit_group;");
@@ -538,12 +573,12 @@ attn_decode_mma_kernel(const uint16_t *q, const uint16_t *kc, const uint16_t *vc
                 mx0 = fmaxf(mx0, sc[j][e]);
                 mx1 = fmaxf(mx1, sc[j][2 + e]);
             }
-        fa_softmax_page<NT>(sc, mx0, mx1, m0, m1, l0, l1, o);
+        fa_softmax_tile<4, NT>(sc, mx0, mx1, m0, m1, l0, l1, o);
         asm volatile("cp.async.wait_group 1;");        /* V of this page */
         __syncwarp();
         /* P = P_hi + P_lo, both fp16: ~22 significant bits of P (the scalar fp32 kernel this replaced
          * kept 24; one fp16 P moved near-tied router choices of the bf16 model) */
-        fa_pv_page<NT, LD, true>(o, sc, Vs, lane);
+        fa_pv_tile<4, NT, LD, true>(o, sc, Vs, lane);
         __syncwarp();                                  /* every lane has read Vs */
         if (next < t1) load_page(Vs, vc, next);
         asm volatile("cp.async.commit_group;");
@@ -597,10 +632,9 @@ template <int DH>
 __global__ void __launch_bounds__(FA_WARPS * 32)
 attn_prefill_mma_kernel(const uint16_t *q, const uint16_t *kc, const uint16_t *vc, const int32_t *pages, int P,
                         int T, int nq, int nkv, float scale_log2, uint16_t *out) {
-    constexpr int LD = DH + 8, KS = DH / 16, NT = DH / 8;
-    __shared__ __align__(16) uint16_t Kb[2][ATT_TILE * LD]; /* double-buffered key pages, bf16 */
-    __shared__ __align__(16) uint16_t Vb[2][ATT_TILE * LD]; /* and value pages, bf16, row-major */
-    const int h = blockIdx.x, t0 = blockIdx.y * FA_ROWS, tid = threadIdx.x;
+    constexpr int LD = DH + 8, KS = DH / 16, NT = DH / 8, NJ = FA_KEYS / 8, STAGE = 2 * FA_KEYS * LD;
+    extern __shared__ __align__(16) uint16_t fa_smem[]; /* stage s: K at s * STAGE, V FA_KEYS * LD on */
+    const int h = blockIdx.x, t0 = (gridDim.y - 1 - blockIdx.y) * FA_ROWS, tid = threadIdx.x;
     const int lane = tid & 31, warp = tid >> 5, g = lane >> 2, tq = lane & 3;
     const int kh = h / (nq / nkv);
     const int64_t kvs = (int64_t)nkv * DH, qstride = (int64_t)nq * DH;
@@ -622,57 +656,70 @@ attn_prefill_mma_kernel(const uint16_t *q, const uint16_t *kc, const uint16_t *v
     float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;
     const int pa = P + ra, pb = P + rb;                /* the rows' positions: keys <= pos are visible */
     const int nkeys = P + min(t0 + FA_ROWS, T);
+    const bool active = wr0 < T;                       /* some row of this warp is a token */
 #ifdef FP4MOE_INJECT_FAULT_KV_BLOCK /* deliberate fault (tests must catch it): the first page skipped */
     const int jstart = nkeys > ATT_TILE && t0 >= ATT_TILE ? ATT_TILE : 0;
 #else
     const int jstart = 0;
 #endif
-    /* the next page's K and V are copied (cp.async) while this page is computed */
-    auto load_page = [&](int buf, int j0) {
-        const int nj = min(ATT_TILE, nkeys - j0);
-        const int64_t base = (int64_t)pages[j0 / ATT_TILE] * ATT_TILE;
-        for (int i = tid; i < ATT_TILE * (DH / 8); i += FA_WARPS * 32) {
-            const int jj = i / (DH / 8), c = (i % (DH / 8)) * 8, bytes = jj < nj ? 16 : 0;
-            const int64_t off = (base + (jj < nj ? jj : 0)) * kvs + (int64_t)kh * DH + c;
-            const unsigned dk = (unsigned)__cvta_generic_to_shared(&Kb[buf][jj * LD + c]);
-            const unsigned dv = (unsigned)__cvta_generic_to_shared(&Vb[buf][jj * LD + c]);
-            asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dk), "l"(kc + off), "r"(bytes));
-            asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dv), "l"(vc + off), "r"(bytes));
+    /* the next step's K and V are copied (cp.async) while this step is computed; rows past the last
+     * key (also a whole page past it) are zero-filled, so that P V never meets stale values */
+    auto load_step = [&](int stage, int j0) {
+        uint16_t *Ks = fa_smem + stage * STAGE, *Vs = Ks + FA_KEYS * LD;
+        for (int i = tid; i < FA_KEYS * (DH / 8); i += FA_WARPS * 32) {
+            const int jj = i / (DH / 8), c = (i % (DH / 8)) * 8, key = j0 + jj;
+            const bool v = key < nkeys;
+            const int64_t off = v ? ((int64_t)pages[key / ATT_TILE] * ATT_TILE + key % ATT_TILE) * kvs + (int64_t)kh * DH + c : 0;
+            const unsigned dk = (unsigned)__cvta_generic_to_shared(Ks + jj * LD + c);
+            const unsigned dv = (unsigned)__cvta_generic_to_shared(Vs + jj * LD + c);
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dk), "l"(kc + off), "r"(v ? 16 : 0));
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dv), "l"(vc + off), "r"(v ? 16 : 0));
         }
     };
-    if (jstart < nkeys) load_page(0, jstart);
+    if (jstart < nkeys) load_step(0, jstart);
     asm volatile("cp.async.commit_group;");
-    for (int j0 = jstart, it = 0; j0 < nkeys; j0 += ATT_TILE, it++) {
-        const int buf = it & 1;
-        if (j0 + ATT_TILE < nkeys) load_page(buf ^ 1, j0 + ATT_TILE);
+    for (int j0 = jstart, it = 0; j0 < nkeys; j0 += FA_KEYS, it++) {
+        const int stage = it & 1;
+        if (j0 + FA_KEYS < nkeys) load_step(stage ^ 1, j0 + FA_KEYS);
         asm volatile("cp.async.commit_group;");
-        asm volatile("cp.async.wait_group 1;");        /* this page (the next may still be in flight) */
+        asm volatile("cp.async.wait_group 1;");        /* this step (the next may still be in flight) */
         __syncthreads();
-        if (j0 <= P + wr0 + 15) {                      /* some row of this warp sees a key of the page */
-            const uint16_t *Ks = Kb[buf], *Vs = Vb[buf];
-            float sc[4][4];
-            fa_scores_page<KS, LD>(sc, qa, Ks, g, tq);
-            /* mask, scale, row maxima (a row's 32 keys are spread over the 4 threads of a quad) */
+        if (active && j0 <= P + wr0 + 15) {            /* some row of this warp sees a key of the step */
+            const uint16_t *Ks = fa_smem + stage * STAGE, *Vs = Ks + FA_KEYS * LD;
+            float sc[NJ][4];
+            fa_scores_tile<NJ, KS, LD>(sc, qa, Ks, lane);
             float mx0 = -INFINITY, mx1 = -INFINITY;
+            if (j0 + FA_KEYS - 1 <= P + wr0) {         /* every key visible to every row of the warp */
 #pragma unroll
-            for (int j = 0; j < 4; j++)
-#pragma unroll
-                for (int e = 0; e < 2; e++) {
-                    const int key = j0 + j * 8 + 2 * tq + e;
-#ifdef FP4MOE_INJECT_FAULT_CAUSAL_MASK /* deliberate fault: a row's own key is masked (not key 0) */
-                    const bool va = key <= pa && (key < pa || key == 0), vb = key <= pb && (key < pb || key == 0);
-#else
-                    const bool va = key <= pa, vb = key <= pb;
-#endif
-                    sc[j][e] = va ? sc[j][e] * scale_log2 : -INFINITY;
-                    sc[j][2 + e] = vb ? sc[j][2 + e] * scale_log2 : -INFINITY;
-                    mx0 = fmaxf(mx0, sc[j][e]);
-                    mx1 = fmaxf(mx1, sc[j][2 + e]);
+                for (int j = 0; j < NJ; j++) {
+                    sc[j][0] *= scale_log2;
+                    sc[j][1] *= scale_log2;
+                    sc[j][2] *= scale_log2;
+                    sc[j][3] *= scale_log2;
+                    mx0 = fmaxf(mx0, fmaxf(sc[j][0], sc[j][1]));
+                    mx1 = fmaxf(mx1, fmaxf(sc[j][2], sc[j][3]));
                 }
-            fa_softmax_page<NT>(sc, mx0, mx1, m0, m1, l0, l1, o);
-            fa_pv_page<NT, LD, false>(o, sc, Vs, lane);
+            } else {                                   /* the diagonal: mask, scale, row maxima */
+#pragma unroll
+                for (int j = 0; j < NJ; j++)
+#pragma unroll
+                    for (int e = 0; e < 2; e++) {
+                        const int key = j0 + j * 8 + 2 * tq + e;
+#ifdef FP4MOE_INJECT_FAULT_CAUSAL_MASK /* deliberate fault: a row's own key is masked (not key 0) */
+                        const bool va = key <= pa && (key < pa || key == 0), vb = key <= pb && (key < pb || key == 0);
+#else
+                        const bool va = key <= pa, vb = key <= pb;
+#endif
+                        sc[j][e] = va ? sc[j][e] * scale_log2 : -INFINITY;
+                        sc[j][2 + e] = vb ? sc[j][2 + e] * scale_log2 : -INFINITY;
+                        mx0 = fmaxf(mx0, sc[j][e]);
+                        mx1 = fmaxf(mx1, sc[j][2 + e]);
+                    }
+            }
+            fa_softmax_tile<NJ, NT>(sc, mx0, mx1, m0, m1, l0, l1, o);
+            fa_pv_tile<NJ, NT, LD, false>(o, sc, Vs, lane);
         }
-        __syncthreads();                               /* every warp is done with this buffer */
+        __syncthreads();                               /* every warp is done with this stage */
     }
     asm volatile("cp.async.wait_group 0;");
     l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
@@ -691,9 +738,12 @@ attn_prefill_mma_kernel(const uint16_t *q, const uint16_t *kc, const uint16_t *v
 template <int DH>
 static int launch_prefill_mma(const uint16_t *q, const uint16_t *kc, const uint16_t *vc, const int32_t *pages,
                               int P, int T, int nq, int nkv, uint16_t *out, cudaStream_t st) {
+    static unsigned long long done = 0;
+    constexpr size_t smem = fa_smem_bytes<DH>();
+    TRY_OPS(fa_allow_smem(attn_prefill_mma_kernel<DH>, smem, &done));
     const float scale_log2 = 1.4426950408889634f / sqrtf((float)DH);
     const dim3 grid((unsigned)nq, ops_blocks(T, FA_ROWS));
-    attn_prefill_mma_kernel<DH><<<grid, FA_WARPS * 32, 0, st>>>(q, kc, vc, pages, P, T, nq, nkv, scale_log2, out);
+    attn_prefill_mma_kernel<DH><<<grid, FA_WARPS * 32, smem, st>>>(q, kc, vc, pages, P, T, nq, nkv, scale_log2, out);
     OPS_LAUNCH_CHECK("attention (prefill, tensor cores)");
     return FP4MOE_OK;
 }
@@ -777,16 +827,9 @@ template <int DH>
 static int launch_split_mma(int G, const uint16_t *q, const uint16_t *kc, const uint16_t *vc, const int32_t *row_slot,
                             const int32_t *row_pos, const int32_t *pages, int64_t max_pages, int R, int nq, int nkv,
                             float *part, uint16_t *out, cudaStream_t st) {
-    static bool attr_set = false;
+    static unsigned long long done = 0;
     constexpr size_t smem = dm_smem_bytes<DH>();
-    if (!attr_set) {
-        const cudaError_t e = cudaFuncSetAttribute(attn_decode_mma_kernel<DH>,
-                                                   cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
-        if (e != cudaSuccess)
-            return fp4moe_set_error(FP4MOE_ECUDA, "cuda op attention: %zu bytes of shared memory: %s", smem,
-                                    cudaGetErrorString(e));
-        attr_set = true;
-    }
+    TRY_OPS(fa_allow_smem(attn_decode_mma_kernel<DH>, smem, &done));
     const float scale_log2 = 1.4426950408889634f / sqrtf((float)DH);
     attn_decode_mma_kernel<DH><<<dim3((unsigned)nkv, (unsigned)R, DEC_SPLITS), DM_WARPS * 32, smem, st>>>(
         q, kc, vc, row_slot, row_pos, pages, max_pages, nq, nkv, G, DEC_SPLITS, scale_log2, part);

@@ -188,15 +188,18 @@ int cuda_conv1d_decode(void *stream, const uint16_t *x, int64_t xs, int64_t R, i
 /* ---- attention ------------------------------------------------------------------------------- */
 
 /* The KV cache is paged (src/backend/backend.h): pages of 32 tokens; position p of slot s is row
- * pages[s * max_pages + p / 32] * 32 + p % 32 of the caches (rows of kvs bf16). */
+ * pages[s * max_pages + p / 32] * 32 + p % 32 of the caches: rows of kvs elements, K in bf16, V in
+ * fp16 (the type of the P V tensor-core product; bf16 values inside [2^-14, 65504] are exact in
+ * it, larger ones saturate at +-65504, smaller ones round to fp16's subnormal steps of 2^-24). */
 
-/* Row r of k and v (R rows of kvs bf16) to position row_pos[r] of slot row_slot[r] (device arrays). */
+/* Row r of k and v (R rows of kvs bf16) to position row_pos[r] of slot row_slot[r] (device arrays);
+ * v is stored converted to fp16 (round to nearest even, saturated). */
 int cuda_kv_append(void *stream, const uint16_t *k, const uint16_t *v, int64_t R, int64_t kvs,
                    const int32_t *row_slot, const int32_t *row_pos, const int32_t *pages,
                    int64_t max_pages, uint16_t *k_cache, uint16_t *v_cache);
 
 /* Causal GQA attention without positional encoding (op_attention_causal), fp32 scores, online
- * softmax (flash-attention style tiles of 32 keys = one page):
+ * softmax (flash-attention style tiles of 32 or 64 keys = one or two pages):
  *   out[t][h] = bf16(softmax_{j <= P+t}(q[t][h] . k[j][h/(nq/nkv)] / sqrt(dh)) @ v)
  * prefill: T queries of ONE sequence after P cached positions, `pages` its page table row (device),
  * the caches already holding positions 0 .. P+T-1. decode: R single-token rows, row r of its own
