@@ -333,6 +333,15 @@ void fp4moe_ep_group_free(fp4moe_ep_group *g);
 typedef struct fp4moe_batch fp4moe_batch;
 int fp4moe_ep_follow(fp4moe_batch *b, int64_t *steps);
 int fp4moe_ep_leave(fp4moe_batch *b);
+/* One round of that protocol for a rank with nothing to step now, for ranks that each get work at
+ * any time (a server: each rank its own requests). Every round, every rank calls exactly one of
+ * fp4moe_batch_step (it steps) and fp4moe_ep_idle (it does not): this one announces "idle", or
+ * "stopping" with stop = 1 (this rank will step no more; it keeps calling fp4moe_ep_idle(b, 1, ..)),
+ * takes part in the step of the ranks that step in this round, if any (*stepped = 1, optional), and
+ * sets *done = 1 (optional) when every rank announced "stopping" in this round: the group has ended
+ * and b has left it (as after fp4moe_ep_leave). A rank without work should wait for work between
+ * rounds in which nobody stepped (rather than spin). Errors: as fp4moe_ep_follow. */
+int fp4moe_ep_idle(fp4moe_batch *b, int stop, int *stepped, int *done);
 
 /* ---- batch: many sequences in one forward (continuous batching) ---------------------------------- */
 

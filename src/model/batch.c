@@ -490,8 +490,9 @@ static int head_rows_of(const fp4moe_batch_item *it) {
  * fp4moe_ep_leave), so that ranks without sequences know when to take part. */
 enum { EP_IDLE = 0, EP_STEP = 1, EP_LEFT = 2 };
 
-/* Sends `mine`; *any_step = 1 when some rank sends EP_STEP. */
-static int ep_flags(fp4moe_batch *b, int mine, int *any_step) {
+/* Sends `mine`; *any_step = 1 when some rank sends EP_STEP; *all_left (optional) = 1 when every rank
+ * sends EP_LEFT. */
+static int ep_flags2(fp4moe_batch *b, int mine, int *any_step, int *all_left) {
     ep_transport *t = ep_group_rank(b->o.ep, b->o.ep_rank);
     int64_t sb[64], rb[64];
     unsigned char out[64], in[64];
@@ -501,9 +502,16 @@ static int ep_flags(fp4moe_batch *b, int mine, int *any_step) {
     }
     const int st = t->alltoallv(t, out, sb, in, (int64_t)sizeof in, rb);
     *any_step = 0;
-    for (int r = 0; !st && r < t->world; r++) *any_step |= in[r] == EP_STEP;
+    int left = 0;
+    for (int r = 0; !st && r < t->world; r++) {
+        *any_step |= in[r] == EP_STEP;
+        left += in[r] == EP_LEFT;
+    }
+    if (all_left) *all_left = !st && left == t->world;
     return st;
 }
+
+static int ep_flags(fp4moe_batch *b, int mine, int *any_step) { return ep_flags2(b, mine, any_step, NULL); }
 
 static int batch_step_body(fp4moe_batch *b, fp4moe_batch_item *items, int64_t n);
 
@@ -539,6 +547,25 @@ int fp4moe_ep_leave(fp4moe_batch *b) {
     const int st = ep_flags(b, EP_LEFT, &any);
     b->ep_left = 1;
     return st;
+}
+
+int fp4moe_ep_idle(fp4moe_batch *b, int stop, int *stepped, int *done) {
+    if (stepped) *stepped = 0;
+    if (done) *done = 0;
+    if (!b || !b->o.ep) return fp4moe_set_error(FP4MOE_EINVAL, "ep_idle: not an expert-parallel batch");
+    if (b->ep_left) return fp4moe_set_error(FP4MOE_EINVAL, "ep_idle: this rank has left its group");
+    int any, all;
+    int st = ep_flags2(b, stop ? EP_LEFT : EP_IDLE, &any, &all);
+    if (st) return st;
+    if (all) {                     /* every rank is stopping: nobody steps again */
+        b->ep_left = 1;
+        if (done) *done = 1;
+        return FP4MOE_OK;
+    }
+    if (!any) return FP4MOE_OK;
+    if ((st = batch_step_body(b, NULL, 0))) return st;
+    if (stepped) *stepped = 1;
+    return FP4MOE_OK;
 }
 
 static int batch_step_body(fp4moe_batch *b, fp4moe_batch_item *items, int64_t n) {

@@ -12,7 +12,8 @@
  * loaded with only its share of the experts (MLX stacked in place, ModelOpt per expert, bf16 per
  * expert and a dequantized MLX model's stacked dense experts, both quantized on load): every
  * sequence's greedy ids equal those of one batch holding all. A share model refuses to run outside
- * its rank; a bad range is a load error. */
+ * its rank; a bad range is a load error. Ranks that step at different times with idle rounds in
+ * between (fp4moe_ep_idle, a server's ranks) and end together. */
 #include <limits.h>
 #include <pthread.h>
 #include <unistd.h>
@@ -373,6 +374,110 @@ static void test_followers(void **state) {
     fp4moe_model_free(m);
 }
 
+/* Ranks that each get their own work at different rounds (a server's ranks): every round each rank
+ * calls fp4moe_batch_step (it has work) or fp4moe_ep_idle (it has none, or is stopping once done);
+ * rank r's sequence starts at round start[r] (rank 2 of 3 never gets one); each sequence's greedy
+ * ids equal a plain session's; the group ends in the first round in which every rank is stopping,
+ * for every rank in the same round; after that the batch refuses to step or idle. */
+typedef struct {
+    fp4moe_model *m;
+    fp4moe_ep_group *g;
+    int rank, start, gen;
+    const int32_t *prompt;
+    int64_t np;
+    int32_t ids[12];
+    int64_t rounds, idle_steps;
+    int st;
+} idle_job;
+
+static void *run_idle_rank(void *arg) {
+    idle_job *j = arg;
+    fp4moe_batch_options o;
+    fp4moe_batch_options_default(&o);
+    o.device = FP4MOE_DEVICE_CPU;
+    o.max_seqs = 1;
+    o.ep = j->g;
+    o.ep_rank = j->rank;
+    fp4moe_batch *b = NULL;
+    j->st = fp4moe_batch_new(j->m, &o, &b);
+    int64_t seq = -1;
+    int produced = 0, done = 0;
+    int32_t next = 0;
+    for (int64_t round = 0; !j->st && !done; round++) {
+        if (round >= j->start && produced < j->gen) {
+            fp4moe_batch_item it;
+            memset(&it, 0, sizeof it);
+            if (seq < 0 && (j->st = fp4moe_batch_add(b, &seq))) break;
+            it.seq = seq;
+            it.tokens = produced ? &next : j->prompt;
+            it.n = produced ? 1 : j->np;
+            it.out_token = &next;
+            if ((j->st = fp4moe_batch_step(b, &it, 1)) || (j->st = it.status)) break;
+            j->ids[produced++] = next;
+        } else {
+            int stepped = 0;
+            j->st = fp4moe_ep_idle(b, produced >= j->gen && round >= j->start, &stepped, &done);
+            j->idle_steps += stepped;
+        }
+        j->rounds = round + 1;
+    }
+    if (!j->st && fp4moe_batch_step(b, NULL, 0) != FP4MOE_EINVAL) j->st = -100; /* the group has ended */
+    if (!j->st && fp4moe_ep_idle(b, 1, NULL, NULL) != FP4MOE_EINVAL) j->st = -101;
+    fp4moe_batch_free(b);
+    return NULL;
+}
+
+static void test_idle_rounds(void **state) {
+    (void)state;
+    fp4moe_model *m = NULL;
+    if (fp4moe_model_load("models/nemotron-h-tiny-moe", NULL, &m)) fail_msg("%s", fp4moe_last_error());
+    int32_t prompt[2][20], ref[2][12];
+    fp4moe_session_options so;
+    fp4moe_session_options_default(&so);
+    for (int k = 0; k < 2; k++) {
+        for (int i = 0; i < 20; i++) prompt[k][i] = 3 + (i * 37 + k * 101) % 800;
+        fp4moe_session *s = NULL;
+        assert_int_equal(fp4moe_session_new(m, &so, &s), FP4MOE_OK);
+        greedy(s, prompt[k], 20, ref[k], 12);
+        fp4moe_session_free(s);
+    }
+    const int world = 3, start[3] = {0, 4, 0}, gen[3] = {12, 8, 0};
+    fp4moe_ep_group *g = NULL;
+    assert_int_equal(fp4moe_ep_group_new(world, &g), FP4MOE_OK);
+    idle_job j[3];
+    pthread_t th[3];
+    for (int r = 0; r < world; r++) {
+        memset(&j[r], 0, sizeof j[r]);
+        j[r].m = load_share("models/nemotron-h-tiny-moe", world, r);
+        j[r].g = g;
+        j[r].rank = r;
+        j[r].start = start[r];
+        j[r].gen = gen[r];
+        j[r].prompt = prompt[r & 1];
+        j[r].np = 20;
+        assert_int_equal(pthread_create(&th[r], NULL, run_idle_rank, &j[r]), 0);
+    }
+    for (int r = 0; r < world; r++) pthread_join(th[r], NULL);
+    for (int r = 0; r < world; r++) {
+        if (j[r].st) fail_msg("rank %d: status %d (%s)", r, j[r].st, fp4moe_last_error());
+        assert_int_equal(j[r].rounds, 13); /* rank 1 steps in rounds 4 .. 11, rank 0 in 0 .. 11, all stop in 12 */
+        if (gen[r] && memcmp(j[r].ids, ref[r & 1], sizeof(int32_t) * (size_t)gen[r]))
+            fail_msg("rank %d: greedy ids differ from a plain session's", r);
+        fp4moe_model_free(j[r].m);
+    }
+    assert_int_equal(j[2].idle_steps, 12);     /* rank 2 took part in every step of the others */
+    assert_int_equal(j[1].idle_steps, 4);      /* rank 1 before its own sequence */
+    fp4moe_ep_group_free(g);
+    fp4moe_batch_options o;
+    fp4moe_batch_options_default(&o);
+    o.device = FP4MOE_DEVICE_CPU;
+    fp4moe_batch *b = NULL;
+    assert_int_equal(fp4moe_batch_new(m, &o, &b), FP4MOE_OK);
+    assert_int_equal(fp4moe_ep_idle(b, 0, NULL, NULL), FP4MOE_EINVAL); /* not an expert-parallel batch */
+    fp4moe_batch_free(b);
+    fp4moe_model_free(m);
+}
+
 static void test_group_errors(void **state) {
     (void)state;
     fp4moe_ep_group *g = NULL;
@@ -429,6 +534,7 @@ int main(void) {
         cmocka_unit_test(test_models_greedy_ids),
         cmocka_unit_test(test_group_errors),
         cmocka_unit_test(test_followers),
+        cmocka_unit_test(test_idle_rounds),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
