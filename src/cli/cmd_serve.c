@@ -3,7 +3,9 @@
  * prefix reuse over the batch API (src/server/). --synthetic CONFIG --tokenizer DIR serves random
  * weights of a config's exact shape, for load tests without the checkpoint. SIGINT / SIGTERM stop
  * it: running requests end with a 503 error, then the process exits (0 for SIGTERM, 130 for
- * Ctrl-C, by the shell convention). */
+ * Ctrl-C, by the shell convention). --gpus N / --ep-ranks N: expert parallelism (docs/EP.md): N
+ * ranks, each with 1/N of every MoE layer's routed experts and its own requests (NCCL over N GPUs,
+ * or an in-process loopback on one device). */
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -23,7 +25,7 @@
 typedef struct {
     const char *model, *synthetic, *tokenizer, *chat_template, *host, *api_key, *name, *device, *dtype, *reasoning, *cpu_act;
     int64_t port, ctx, max_seqs, max_step_tokens, max_queue, max_body, prefix_cache_mb, prefix_min_tokens,
-        http_threads, seed, kv_tokens;
+        http_threads, seed, kv_tokens, gpus, ep_ranks;
     int no_quantize, quiet, no_warmup;
     int64_t threads;
 } serve_args;
@@ -70,10 +72,49 @@ static int serve(const serve_args *a) {
     if (!src) fprintf(stderr, "%s: %s has no chat template: /v1/chat/completions will answer 400 (give one with "
                       "--chat-template FILE)\n", CMD, tok_dir);
     free(src);
-    fp4moe_model *m = NULL;
-    rc = a->synthetic ? cli_load_synthetic(CMD, a->synthetic, (uint64_t)a->seed, dev, &m)
-                      : cli_load_model_on(CMD, a->model, !a->no_quantize, dev, &m);
+    /* the model: one, or (expert parallelism) one per rank: rank r's share of the routed experts of a
+       checkpoint; --synthetic: the whole model per GPU (NCCL) or one shared by the loopback ranks */
+    const int nccl = a->gpus > 1, W = nccl ? (int)a->gpus : a->ep_ranks > 1 ? (int)a->ep_ranks : 1;
+    if (nccl && dev != FP4MOE_DEVICE_CUDA) {
+        fp4moe_template_free(tmpl);
+        fp4moe_tokenizer_free(tok);
+        return cli_usage_error(CMD, "--gpus needs --device cuda");
+    }
+    if (nccl && fp4moe_cuda_device_count() < W) {
+        fprintf(stderr, "fp4moe %s: --gpus %d: %d CUDA device(s) visible\n", CMD, W, fp4moe_cuda_device_count());
+        fp4moe_template_free(tmpl);
+        fp4moe_tokenizer_free(tok);
+        return FP4MOE_EXIT_USAGE;
+    }
+    fp4moe_model *m = NULL, *models[64] = {NULL};
+    fp4moe_ep_group *grp = NULL;
+    if (W == 1) {
+        rc = a->synthetic ? cli_load_synthetic(CMD, a->synthetic, (uint64_t)a->seed, dev, &m)
+                          : cli_load_model_on(CMD, a->model, !a->no_quantize, dev, &m);
+        models[0] = m;
+    } else {
+        for (int r = 0; !st && r < W; r++) {
+            const double t0 = cli_now();
+            if (nccl) st = fp4moe_cuda_set_device(r);
+            if (!st && a->synthetic && (nccl || r == 0)) st = cli_synthetic_quiet(a->synthetic, (uint64_t)a->seed, dev, &models[r]);
+            else if (!st && a->synthetic) models[r] = models[0];
+            else if (!st) st = cli_load_share_quiet(a->model, !a->no_quantize, dev, W, r, &models[r]);
+            if (!st) {
+                int64_t lo, hi;
+                fp4moe_ep_range(fp4moe_model_config(models[r])->n_experts, W, r, &lo, &hi);
+                fprintf(stderr, "%s: rank %d%s: routed experts [%lld, %lld) in %.1f s\n", CMD, r,
+                        nccl ? " (GPU)" : "", (long long)lo, (long long)hi, cli_now() - t0);
+            }
+        }
+        if (nccl) (void)fp4moe_cuda_set_device(0);
+        if (!st) st = nccl ? fp4moe_ep_group_new_nccl(W, NULL, &grp) : fp4moe_ep_group_new(W, &grp);
+        m = models[0];
+        rc = st ? cli_fail(CMD, st) : 0;
+    }
     if (rc) {
+        for (int r = 0; r < W; r++)
+            if (models[r] && (r == 0 || models[r] != models[0])) fp4moe_model_free(models[r]);
+        fp4moe_ep_group_free(grp);
         fp4moe_template_free(tmpl);
         fp4moe_tokenizer_free(tok);
         return rc;
@@ -111,11 +152,15 @@ static int serve(const serve_args *a) {
         .prefix_cache_bytes = (a->prefix_cache_mb >= 0 ? a->prefix_cache_mb : dev == FP4MOE_DEVICE_CUDA ? 8192 : 1024) << 20,
         .prefix_min_tokens = a->prefix_min_tokens,
         .kv_tokens = a->kv_tokens,
-        .warmup = dev == FP4MOE_DEVICE_CUDA && a->kv_tokens > 0 && !a->no_warmup,
+        .warmup = dev == FP4MOE_DEVICE_CUDA && a->kv_tokens > 0 && !a->no_warmup && W == 1,
         .log = !a->quiet,
         .device = dev,
         .act_dtype = dt,
         .cpu_act = ca,
+        .ep_ranks = W,
+        .ep = grp,
+        .ep_models = (const fp4moe_model *const *)models,
+        .ep_gpus = nccl,
     };
     if (eo.max_step_tokens < eo.max_seqs) eo.max_step_tokens = eo.max_seqs;
     srv_engine *e = NULL;
@@ -123,7 +168,9 @@ static int serve(const serve_args *a) {
     if (eo.warmup) fprintf(stderr, "%s: warming up CUDA graphs for 1..%lld decode rows ...\n", CMD, (long long)eo.max_seqs);
     if ((st = srv_engine_new(m, tok, pc.model_name, &eo, &e))) {
         cJSON_Delete(special);
-        fp4moe_model_free(m);
+        for (int r = 0; r < W; r++)
+            if (models[r] && (r == 0 || models[r] != models[0])) fp4moe_model_free(models[r]);
+        fp4moe_ep_group_free(grp);
         fp4moe_template_free(tmpl);
         fp4moe_tokenizer_free(tok);
         return cli_fail(CMD, st);
@@ -135,9 +182,14 @@ static int serve(const serve_args *a) {
     sigaction(SIGINT, &sa, NULL);
     sigaction(SIGTERM, &sa, NULL);
     signal(SIGPIPE, SIG_IGN);
-    fprintf(stderr, "%s: model '%s' on %s, context %lld, %lld sequences x %lld tokens per step, prefix cache %lld MiB%s\n",
+    char eps[160] = "";
+    if (W > 1)
+        snprintf(eps, sizeof eps, ", expert parallel over %d ranks (%s; sequences and step tokens per rank)", W,
+                 nccl ? "NCCL, one GPU each" : "in-process loopback");
+    fprintf(stderr, "%s: model '%s' on %s, context %lld, %lld sequences x %lld tokens per step, prefix cache %lld MiB%s%s\n",
             CMD, pc.model_name, fp4moe_device_name(dev), (long long)ctx, (long long)eo.max_seqs,
-            (long long)eo.max_step_tokens, (long long)(eo.prefix_cache_bytes >> 20), a->api_key ? ", API key required" : "");
+            (long long)eo.max_step_tokens, (long long)(eo.prefix_cache_bytes >> 20), eps,
+            a->api_key ? ", API key required" : "");
     srv_http_options ho = {.host = a->host, .port = (int)a->port, .api_key = a->api_key, .max_body = a->max_body,
                            .http_threads = (int)a->http_threads, .stop = &g_stop};
     st = srv_http_run(&ho, e, &pc);
@@ -145,7 +197,9 @@ static int serve(const serve_args *a) {
     else fprintf(stderr, "%s: stopped (%s)\n", CMD, g_signal == SIGTERM ? "SIGTERM" : "Ctrl-C");
     srv_engine_free(e);
     cJSON_Delete(special);
-    fp4moe_model_free(m);
+    for (int r = 0; r < W; r++)
+        if (models[r] && (r == 0 || models[r] != models[0])) fp4moe_model_free(models[r]);
+    fp4moe_ep_group_free(grp);
     fp4moe_template_free(tmpl);
     fp4moe_tokenizer_free(tok);
     if (st) return FP4MOE_EXIT_FAIL;
@@ -183,6 +237,11 @@ int cmd_serve(int argc, char **argv) {
         {"--cpu-act", NULL, CLI_STRING, &a.cpu_act, "MODE", CLI_CPU_ACT_HELP},
         {"--no-quantize", NULL, CLI_FLAG, &a.no_quantize, NULL, "keep dense checkpoints dense"},
         {"--seed", NULL, CLI_INT, &a.seed, "S", "seed of --synthetic weights (default 0)"},
+        {"--gpus", NULL, CLI_INT, &a.gpus, "N",
+         "expert parallelism over N CUDA devices through NCCL (libnccl.so.2 on LD_LIBRARY_PATH): each GPU "
+         "holds 1/N of every MoE layer's routed experts and runs its own requests (--max-seqs each; default 1)"},
+        {"--ep-ranks", NULL, CLI_INT, &a.ep_ranks, "N",
+         "expert parallelism with N ranks on this one device (in-process loopback): the --gpus path without N GPUs"},
     };
     const cli_spec spec = {CMD, "fp4moe serve -m DIR [options] | fp4moe serve --synthetic CONFIG --tokenizer DIR",
                            "OpenAI-compatible HTTP server with continuous batching: POST /v1/chat/completions,\n"
@@ -202,6 +261,9 @@ int cmd_serve(int argc, char **argv) {
     if (a.reasoning && strcmp(a.reasoning, "on") && strcmp(a.reasoning, "off"))
         return cli_usage_error(CMD, "--reasoning must be on or off");
     if (a.api_key && !a.api_key[0]) return cli_usage_error(CMD, "--api-key must not be empty");
+    if (a.gpus < 0 || a.gpus > 64 || a.ep_ranks < 0 || a.ep_ranks > 64)
+        return cli_usage_error(CMD, "--gpus and --ep-ranks must be in 1 .. 64");
+    if (a.gpus > 1 && a.ep_ranks > 1) return cli_usage_error(CMD, "give one of --gpus and --ep-ranks");
     if ((rc = cli_set_threads(CMD, a.threads))) return rc;
     if ((rc = cli_require_model_dir(CMD, a.model))) return rc;
     return serve(&a);

@@ -152,10 +152,18 @@ typedef struct {
     fp4moe_device device;
     fp4moe_dtype act_dtype;
     fp4moe_cpu_act cpu_act;     /* CPU: float or q8 (W4A8) */
+    /* expert parallelism (docs/EP.md): ep_ranks > 1 ranks of group ep, rank r on model ep_models[r]
+       (its share of the experts, on its device); max_seqs and max_step_tokens are per rank, the
+       prefix cache is split over them; no CUDA graph warm-up (EP batches run without graphs) */
+    int ep_ranks;
+    fp4moe_ep_group *ep;
+    const fp4moe_model *const *ep_models;
+    int ep_gpus;                       /* 1: rank r on CUDA device r (its model's; NCCL group) */
 } srv_engine_options;
 
-/* Output sink of a job: called by the engine thread with the job's lock held semantics handled
- * inside srv_engine.c; the HTTP layer reads through srv_job_read. */
+/* The engine: one thread per rank (one without expert parallelism), each with its own batch on
+ * its model (m, or ep_models[r]). The HTTP layer reads jobs' output through srv_job_read. Errors:
+ * fp4moe_batch_new's, FP4MOE_EINVAL (ep_ranks > 1 without a group or models), FP4MOE_ENOMEM. */
 int srv_engine_new(const fp4moe_model *m, const fp4moe_tokenizer *tok, const char *model_name,
                    const srv_engine_options *o, srv_engine **out);
 /* Stops the engine thread (pending jobs end with an error) and frees it. */

@@ -8,7 +8,15 @@
  * device, else fp4moe_sample on the logits), detokenized with a streaming decoder, passed through
  * srv_text (stop strings, reasoning split) and appended to the job's output (SSE chunks, or the
  * final JSON body) under the engine lock; the HTTP side is woken through the job's wake callback.
- * One step failing in the forward fails the jobs of that step only. */
+ * One step failing in the forward fails the jobs of that step only.
+ *
+ * Expert parallelism (ep_ranks > 1, docs/EP.md): one such loop per rank, each on its own thread with
+ * its own batch (its share of the routed experts), its own sequences (a queued request goes to the
+ * rank with the fewest; max_seqs each) and its own prefix cache (prefix_cache_bytes split evenly).
+ * Every round each rank either steps (fp4moe_batch_step) or, without work, takes part in the
+ * others' step (fp4moe_ep_idle); a round in which nobody stepped lets idle ranks wait for an event
+ * (a request, a cancellation, the shutdown). At shutdown every rank ends its jobs, then announces
+ * "stopping" until all have (the group ends in one round). */
 #include <math.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -26,6 +34,7 @@ struct srv_job {
     srv_request r;
     srv_job *next;                            /* queue link */
     /* engine thread only */
+    struct srv_rank *rk;                      /* the rank that runs it (NULL while queued) */
     int phase;
     int64_t seq, fed, cached;
     int32_t next_tok;
@@ -86,31 +95,44 @@ static void histo_add(histo *h, double v) {
     h->sum += v;
 }
 
-struct srv_engine {
-    const fp4moe_model *m;
-    const fp4moe_tokenizer *tok;
-    char *model_name;
-    srv_engine_options o;
+/* One engine thread: a batch and its jobs (one rank of an expert-parallel group, or the only one). */
+typedef struct srv_rank {
+    struct srv_engine *e;
+    int rank;
     fp4moe_batch *b;
-    int64_t V, tok_vocab;
-    int32_t think_open, think_close;
     pthread_t th;
     int th_ok;
-    pthread_mutex_t lock;
-    pthread_cond_t cv;
-    int stopping;
-    srv_job *qhead, *qtail;
-    int64_t n_queued, n_running;
-    uint64_t counter;
-    /* engine thread only */
+    int64_t n_load;                 /* jobs admitted here and not yet dropped (e->lock) */
+    /* this rank's thread only */
     srv_job **act;
     int64_t n_act;
     fp4moe_batch_item *items;
     srv_job **item_job;
     cache_entry *cache;
-    int64_t n_cache;
-    size_t cache_bytes;
+    int64_t n_cache;                /* changed under e->lock (read by the metrics) */
+    size_t cache_bytes;             /* likewise */
+    int64_t cache_budget;           /* bytes: prefix_cache_bytes / ranks */
     uint64_t tick;
+} srv_rank;
+
+struct srv_engine {
+    const fp4moe_model *m;
+    const fp4moe_tokenizer *tok;
+    char *model_name;
+    srv_engine_options o;
+    int64_t V, tok_vocab;
+    int32_t think_open, think_close;
+    pthread_mutex_t lock;
+    pthread_cond_t cv;
+    int lock_ok;
+    int go;                         /* rank threads start their rounds at 1; -1: they exit at once */
+    int stopping;
+    uint64_t events;                /* requests, cancellations, shutdown (idle ranks wait for one) */
+    srv_job *qhead, *qtail;
+    int64_t n_queued, n_running;
+    uint64_t counter;
+    int n_ranks;
+    srv_rank *ranks;
     /* metrics (e->lock) */
     int http_code[16];
     uint64_t http_count[16];
@@ -223,66 +245,68 @@ static void job_unref_locked(srv_job *j);
 
 /* ---- prefix cache (engine thread) ---------------------------------------------------------------- */
 
-static void cache_drop(srv_engine *e, int64_t i) {
-    cache_entry *c = &e->cache[i];
+static void cache_drop(srv_rank *rk, int64_t i) {
+    srv_engine *e = rk->e;
+    cache_entry *c = &rk->cache[i];
     fp4moe_snapshot_free(c->s);
     free(c->tok);
     pthread_mutex_lock(&e->lock);
-    e->cache_bytes -= c->bytes;
-    e->cache[i] = e->cache[--e->n_cache];
+    rk->cache_bytes -= c->bytes;
+    rk->cache[i] = rk->cache[--rk->n_cache];
     pthread_mutex_unlock(&e->lock);
 }
 
 /* Keeps a snapshot of sequence `seq` whose first n tokens are tok (copied). */
-static void cache_put(srv_engine *e, int64_t seq, const int32_t *a, int64_t na, const int32_t *b, int64_t n) {
-    if (e->o.prefix_cache_bytes <= 0 || n < e->o.prefix_min_tokens || n < 1) return;
-    for (int64_t i = 0; i < e->n_cache; i++) {
-        cache_entry *c = &e->cache[i];
+static void cache_put(srv_rank *rk, int64_t seq, const int32_t *a, int64_t na, const int32_t *b, int64_t n) {
+    srv_engine *e = rk->e;
+    if (rk->cache_budget <= 0 || n < e->o.prefix_min_tokens || n < 1) return;
+    for (int64_t i = 0; i < rk->n_cache; i++) {
+        cache_entry *c = &rk->cache[i];
         if (c->n != n) continue;
         const int64_t k = n < na ? n : na;
         if (!memcmp(c->tok, a, (size_t)k * sizeof(int32_t)) &&
             (n <= na || !memcmp(c->tok + na, b, (size_t)(n - na) * sizeof(int32_t)))) {
-            c->used = ++e->tick;
+            c->used = ++rk->tick;
             return;
         }
     }
     fp4moe_snapshot *s = NULL;
-    if (fp4moe_batch_snapshot(e->b, seq, &s)) return;
+    if (fp4moe_batch_snapshot(rk->b, seq, &s)) return;
     const size_t bytes = fp4moe_snapshot_bytes(s) + (size_t)n * sizeof(int32_t);
-    if ((int64_t)bytes > e->o.prefix_cache_bytes) {
+    if ((int64_t)bytes > rk->cache_budget) {
         fp4moe_snapshot_free(s);
         return;
     }
-    while (e->n_cache && (int64_t)(e->cache_bytes + bytes) > e->o.prefix_cache_bytes) {
+    while (rk->n_cache && (int64_t)(rk->cache_bytes + bytes) > rk->cache_budget) {
         int64_t lru = 0;
-        for (int64_t i = 1; i < e->n_cache; i++)
-            if (e->cache[i].used < e->cache[lru].used) lru = i;
-        cache_drop(e, lru);
+        for (int64_t i = 1; i < rk->n_cache; i++)
+            if (rk->cache[i].used < rk->cache[lru].used) lru = i;
+        cache_drop(rk, lru);
     }
-    cache_entry *grown = realloc(e->cache, (size_t)(e->n_cache + 1) * sizeof *grown);
+    cache_entry *grown = realloc(rk->cache, (size_t)(rk->n_cache + 1) * sizeof *grown);
     int32_t *t = malloc((size_t)n * sizeof(int32_t));
     if (!grown || !t) {
-        if (grown) e->cache = grown;
+        if (grown) rk->cache = grown;
         free(t);
         fp4moe_snapshot_free(s);
         return;
     }
-    e->cache = grown;
+    rk->cache = grown;
     const int64_t k = n < na ? n : na;
     memcpy(t, a, (size_t)k * sizeof(int32_t));
     if (n > na) memcpy(t + na, b, (size_t)(n - na) * sizeof(int32_t));
     pthread_mutex_lock(&e->lock);
-    e->cache[e->n_cache++] = (cache_entry){t, n, s, bytes, ++e->tick};
-    e->cache_bytes += bytes;
+    rk->cache[rk->n_cache++] = (cache_entry){t, n, s, bytes, ++rk->tick};
+    rk->cache_bytes += bytes;
     pthread_mutex_unlock(&e->lock);
 }
 
 /* The longest kept prefix of ids[0..n) that leaves at least one token to run, or -1. */
-static int64_t cache_find(srv_engine *e, const int32_t *ids, int64_t n) {
+static int64_t cache_find(srv_rank *rk, const int32_t *ids, int64_t n) {
     int64_t best = -1;
-    for (int64_t i = 0; i < e->n_cache; i++) {
-        const cache_entry *c = &e->cache[i];
-        if (c->n < n && (best < 0 || c->n > e->cache[best].n) && !memcmp(c->tok, ids, (size_t)c->n * sizeof(int32_t)))
+    for (int64_t i = 0; i < rk->n_cache; i++) {
+        const cache_entry *c = &rk->cache[i];
+        if (c->n < n && (best < 0 || c->n > rk->cache[best].n) && !memcmp(c->tok, ids, (size_t)c->n * sizeof(int32_t)))
             best = i;
     }
     return best;
@@ -290,8 +314,8 @@ static int64_t cache_find(srv_engine *e, const int32_t *ids, int64_t n) {
 
 /* ---- job life (engine thread) --------------------------------------------------------------------- */
 
-static void release_seq(srv_engine *e, srv_job *j) {
-    if (j->seq >= 0) fp4moe_batch_remove(e->b, j->seq);
+static void release_seq(srv_job *j) {
+    if (j->seq >= 0) fp4moe_batch_remove(j->rk->b, j->seq);
     j->seq = -1;
 }
 
@@ -311,7 +335,7 @@ static void log_job(const srv_engine *e, const srv_job *j, int http, const char 
 
 /* Ends a job that failed: its HTTP status, an OpenAI error body (or an SSE error event). */
 static void finish_error(srv_engine *e, srv_job *j, int http, const char *msg) {
-    release_seq(e, j);
+    release_seq(j);
     pthread_mutex_lock(&e->lock);
     srv_error er;
     srv_fail(&er, http, NULL, "%s", msg);
@@ -346,10 +370,10 @@ static void finish_ok(srv_engine *e, srv_job *j, int reason /* 0 stop, 1 length 
     srv_text_finish(&j->text, &d);
     /* a snapshot of the whole conversation so far: the next turn may extend it */
     if (j->seq >= 0 && j->r.kind == SRV_CHAT) {   /* chats continue; completions are not kept (the copy costs) */
-        const int64_t pos = fp4moe_batch_pos(e->b, j->seq);
-        if (pos > j->r.n_ids) cache_put(e, j->seq, j->r.ids, j->r.n_ids, j->gen, pos);
+        const int64_t pos = fp4moe_batch_pos(j->rk->b, j->seq);
+        if (pos > j->r.n_ids) cache_put(j->rk, j->seq, j->r.ids, j->r.n_ids, j->gen, pos);
     }
-    release_seq(e, j);
+    release_seq(j);
     pthread_mutex_lock(&e->lock);
     emit(j, &d, j->r.stream ? k_finish_name[reason] : NULL);
     if (j->r.stream) {
@@ -382,7 +406,9 @@ static uint64_t mix64(uint64_t x) {
 }
 
 /* Sets a job up for its first step; 0, or -1 when it already failed. */
-static int admit(srv_engine *e, srv_job *j) {
+static int admit(srv_rank *rk, srv_job *j) {
+    srv_engine *e = rk->e;
+    j->rk = rk;
     j->seq = -1;
     if (!j->r.has_seed) j->r.sp.seed = mix64((uint64_t)time(NULL) ^ mix64(++e->counter)) | 1;
     if (fp4moe_sampler_init_params(&j->smp, e->V, &j->r.sp)) {
@@ -397,18 +423,18 @@ static int admit(srv_engine *e, srv_job *j) {
     fp4moe_tokenizer_stream_init(&j->ts, e->tok, 1);
     j->ts_ok = 1;
     srv_text_init(&j->text, j->r.stop, j->r.n_stop, j->r.reasoning, j->r.reasoning_start);
-    const int64_t hit = cache_find(e, j->r.ids, j->r.n_ids);
+    const int64_t hit = cache_find(rk, j->r.ids, j->r.n_ids);
     int st;
     if (hit >= 0) {
         const double t = now_s();
-        st = fp4moe_batch_add_from_snapshot(e->b, e->cache[hit].s, &j->seq);
+        st = fp4moe_batch_add_from_snapshot(rk->b, rk->cache[hit].s, &j->seq);
         j->ms_restore = 1e3 * (now_s() - t);
         if (!st) {
-            j->fed = j->cached = e->cache[hit].n;
-            e->cache[hit].used = ++e->tick;
+            j->fed = j->cached = rk->cache[hit].n;
+            rk->cache[hit].used = ++rk->tick;
         }
     } else {
-        st = fp4moe_batch_add(e->b, &j->seq);
+        st = fp4moe_batch_add(rk->b, &j->seq);
     }
     if (st) {
         j->seq = -1;
@@ -500,16 +526,27 @@ static void job_unref_locked(srv_job *j) {
 
 /* ---- the loop -------------------------------------------------------------------------------------- */
 
-static void step_once(srv_engine *e) {
+/* 1 when rank rk may take a queued job now: it has the fewest jobs of all ranks (ties: any), e->lock. */
+static int least_loaded(const srv_rank *rk) {
+    const srv_engine *e = rk->e;
+    for (int r = 0; r < e->n_ranks; r++)
+        if (e->ranks[r].n_load < rk->n_load) return 0;
+    return 1;
+}
+
+/* One round of rank rk: admissions, then one step of its jobs, or (expert parallelism, no work)
+ * one idle round; `events` is e->events as read before the round. */
+static void step_once(srv_rank *rk, uint64_t events) {
+    srv_engine *e = rk->e;
     /* 1. cancellations and admissions */
     srv_job *adm[256];
     int n_adm = 0;
     pthread_mutex_lock(&e->lock);
-    for (int64_t i = 0; i < e->n_act;) {
-        srv_job *j = e->act[i];
+    for (int64_t i = 0; i < rk->n_act;) {
+        srv_job *j = rk->act[i];
         if (j->cancelled && !j->done) {
             pthread_mutex_unlock(&e->lock);
-            release_seq(e, j);
+            release_seq(j);
             pthread_mutex_lock(&e->lock);
             j->done = 1;
             j->phase = PH_DONE;
@@ -517,13 +554,14 @@ static void step_once(srv_engine *e) {
             e->finish[2]++;
         }
         if (j->done) {
-            e->act[i] = e->act[--e->n_act];
+            rk->act[i] = rk->act[--rk->n_act];
+            rk->n_load--;
             job_unref_locked(j);
             continue;
         }
         i++;
     }
-    while (e->qhead && e->n_act + n_adm < e->o.max_seqs && n_adm < 256) {
+    while (e->qhead && rk->n_act + n_adm < e->o.max_seqs && n_adm < 256 && least_loaded(rk)) {
         srv_job *j = e->qhead;
         e->qhead = j->next;
         if (!e->qhead) e->qtail = NULL;
@@ -535,23 +573,24 @@ static void step_once(srv_engine *e) {
             continue;
         }
         e->n_running++;
+        rk->n_load++;
         adm[n_adm++] = j;
     }
     pthread_mutex_unlock(&e->lock);
     for (int i = 0; i < n_adm; i++) {
         srv_job *j = adm[i];
-        e->act[e->n_act++] = j;
-        admit(e, j);
+        rk->act[rk->n_act++] = j;
+        admit(rk, j);
     }
     /* 2. the step: decode rows first, then prefill chunks */
     int64_t n_items = 0, rows = 0;
     const int64_t budget = e->o.max_step_tokens;
     for (int pass = 0; pass < 2; pass++) {
-        for (int64_t i = 0; i < e->n_act && rows < budget; i++) {
-            srv_job *j = e->act[i];
+        for (int64_t i = 0; i < rk->n_act && rows < budget; i++) {
+            srv_job *j = rk->act[i];
             if (j->done) continue;
             if (j->phase != (pass == 0 ? PH_DECODE : PH_PREFILL)) continue;
-            fp4moe_batch_item *it = &e->items[n_items];
+            fp4moe_batch_item *it = &rk->items[n_items];
             memset(it, 0, sizeof *it);
             it->seq = j->seq;
             if (pass == 0) {
@@ -561,7 +600,7 @@ static void step_once(srv_engine *e) {
                 int64_t n = j->r.n_ids - j->fed;
                 if (n > budget - rows) n = budget - rows;
                 if (j->r.history > j->fed && j->fed + n > j->r.history && j->r.history >= e->o.prefix_min_tokens &&
-                    e->o.prefix_cache_bytes > 0)
+                    rk->cache_budget > 0)
                     n = j->r.history - j->fed;   /* end a chunk at the history: keep its snapshot */
                 it->tokens = j->r.ids + j->fed;
                 it->n = n;
@@ -575,19 +614,25 @@ static void step_once(srv_engine *e) {
                     it->out_token = &j->next_tok;
                 }
             }
-            e->item_job[n_items++] = j;
+            rk->item_job[n_items++] = j;
             rows += it->n;
         }
     }
     if (n_items == 0) {
+        int stepped = 0;
+        if (e->n_ranks > 1) {                 /* take part in the others' step, if any */
+            if (fp4moe_ep_idle(rk->b, 0, &stepped, NULL))
+                fprintf(stderr, "serve: rank %d: %s\n", rk->rank, fp4moe_last_error());
+        }
+        if (stepped) return;
         pthread_mutex_lock(&e->lock);
-        if (!e->stopping && !e->qhead) {
+        if (!e->stopping && e->events == events) {
             int cancel = 0;
-            for (int64_t i = 0; i < e->n_act; i++) cancel |= e->act[i]->cancelled;
-            if (!cancel) {
+            for (int64_t i = 0; i < rk->n_act; i++) cancel |= rk->act[i]->cancelled;
+            if (!cancel && (e->n_ranks > 1 || !e->qhead)) {
                 struct timespec ts;
                 clock_gettime(CLOCK_REALTIME, &ts);
-                ts.tv_nsec += 200 * 1000000L;
+                ts.tv_nsec += (e->n_ranks > 1 ? 20 : 200) * 1000000L; /* ranks: a short safety net */
                 if (ts.tv_nsec >= 1000000000L) ts.tv_sec++, ts.tv_nsec -= 1000000000L;
                 pthread_cond_timedwait(&e->cv, &e->lock, &ts);
             }
@@ -596,7 +641,7 @@ static void step_once(srv_engine *e) {
         return;
     }
     const double t0 = now_s();
-    const int st = fp4moe_batch_step(e->b, e->items, n_items);
+    const int st = fp4moe_batch_step(rk->b, rk->items, n_items);
     const double dt = now_s() - t0;
     pthread_mutex_lock(&e->lock);
     e->steps++;
@@ -606,8 +651,8 @@ static void step_once(srv_engine *e) {
     char msg[320];
     if (st) snprintf(msg, sizeof msg, "the forward failed: %s", fp4moe_last_error());
     for (int64_t k = 0; k < n_items; k++) {
-        srv_job *j = e->item_job[k];
-        fp4moe_batch_item *it = &e->items[k];
+        srv_job *j = rk->item_job[k];
+        fp4moe_batch_item *it = &rk->items[k];
         if (st || it->status) {
             if (!st) snprintf(msg, sizeof msg, "%s", it->error);
             finish_error(e, j, st ? 500 : (it->status == FP4MOE_EOVERFLOW ? 503 : 500), msg);
@@ -617,7 +662,7 @@ static void step_once(srv_engine *e) {
         if (j->phase == PH_PREFILL) j->n_steps_prefill++;
         if (j->phase == PH_PREFILL && j->fed == j->r.history && j->r.history > j->cached) {
             const double t = now_s();
-            cache_put(e, j->seq, j->r.ids, j->r.history, NULL, j->r.history);
+            cache_put(rk, j->seq, j->r.ids, j->r.history, NULL, j->r.history);
             j->ms_snapshot += 1e3 * (now_s() - t);
         }
         if (!it->out_token && !it->out_logits) continue;
@@ -626,64 +671,83 @@ static void step_once(srv_engine *e) {
     }
 }
 
-static void *engine_main(void *arg) {
-    srv_engine *e = arg;
+static void *rank_main(void *arg) {
+    srv_rank *rk = arg;
+    srv_engine *e = rk->e;
+    pthread_mutex_lock(&e->lock);          /* every rank's thread exists before the first round */
+    while (!e->go) pthread_cond_wait(&e->cv, &e->lock);
+    const int go = e->go;
+    pthread_mutex_unlock(&e->lock);
+    if (go < 0) return NULL;
+    if (e->o.ep_gpus && fp4moe_cuda_set_device(rk->rank))
+        fprintf(stderr, "serve: rank %d: %s\n", rk->rank, fp4moe_last_error());
     for (;;) {
         pthread_mutex_lock(&e->lock);
         const int stop = e->stopping;
+        const uint64_t events = e->events;
         pthread_mutex_unlock(&e->lock);
         if (stop) break;
-        step_once(e);
+        step_once(rk, events);
     }
-    /* shutting down: every job still here ends with 503 */
+    /* shutting down: every job still here (and every queued one, taken by whichever rank comes
+       first) ends with 503 */
     pthread_mutex_lock(&e->lock);
     while (e->qhead) {
         srv_job *j = e->qhead;
         e->qhead = j->next;
+        if (!e->qhead) e->qtail = NULL;
         e->n_queued--;
-        e->act[e->n_act++] = j;   /* act has room: queue entries are bounded by max_queue */
+        rk->act[rk->n_act++] = j; /* act has room: queue entries are bounded by max_queue */
         j->phase = PH_PREFILL;
         e->n_running++;
     }
     pthread_mutex_unlock(&e->lock);
-    for (int64_t i = 0; i < e->n_act; i++) {
-        srv_job *j = e->act[i];
+    for (int64_t i = 0; i < rk->n_act; i++) {
+        srv_job *j = rk->act[i];
         if (!j->done) finish_error(e, j, 503, "the server is shutting down");
         pthread_mutex_lock(&e->lock);
         job_unref_locked(j);
         pthread_mutex_unlock(&e->lock);
     }
-    e->n_act = 0;
+    rk->n_act = 0;
+    /* expert parallelism: "stopping" until every rank is (the others may still be ending theirs) */
+    for (int done = 0; e->n_ranks > 1 && !done;)
+        if (fp4moe_ep_idle(rk->b, 1, NULL, &done)) {
+            fprintf(stderr, "serve: rank %d: %s\n", rk->rank, fp4moe_last_error());
+            break;
+        }
     return NULL;
 }
 
 /* Decode steps of every row count 1..max_seqs, twice each: the CUDA backend captures a graph per
  * row count on its second sight, so serving never waits for a capture (with a fixed KV pool, which
- * is never regrown: a regrow drops the graphs). */
-static int warmup(srv_engine *e) {
+ * is never regrown: a regrow drops the graphs). One rank only (expert-parallel batches run without
+ * graphs). */
+static int warmup(srv_rank *rk) {
+    srv_engine *e = rk->e;
     const int64_t n = e->o.max_seqs;
     int64_t *seq = malloc((size_t)n * sizeof *seq);
     int32_t *tok = malloc((size_t)n * sizeof *tok);
     int st = seq && tok ? FP4MOE_OK : fp4moe_set_error(FP4MOE_ENOMEM, "serve: out of memory");
     int64_t added = 0;
-    for (; !st && added < n; added++) st = fp4moe_batch_add(e->b, &seq[added]);
+    for (; !st && added < n; added++) st = fp4moe_batch_add(rk->b, &seq[added]);
     if (st) added--;
     for (int64_t i = 0; !st && i < n; i++) tok[i] = 1;
     for (int64_t r = 1; !st && r <= n; r++)
         for (int rep = 0; !st && rep < 2; rep++) {
             for (int64_t i = 0; i < r; i++) {
-                memset(&e->items[i], 0, sizeof e->items[i]);
-                e->items[i].seq = seq[i];
-                e->items[i].tokens = &tok[i];
-                e->items[i].n = 1;
-                e->items[i].out_token = &tok[i];
+                memset(&rk->items[i], 0, sizeof rk->items[i]);
+                rk->items[i].seq = seq[i];
+                rk->items[i].tokens = &tok[i];
+                rk->items[i].n = 1;
+                rk->items[i].out_token = &tok[i];
             }
-            st = fp4moe_batch_step(e->b, e->items, r);
+            st = fp4moe_batch_step(rk->b, rk->items, r);
             for (int64_t i = 0; !st && i < r; i++)
-                if (e->items[i].status) st = fp4moe_set_error(e->items[i].status, "warm-up: %s", e->items[i].error);
+                if (rk->items[i].status) st = fp4moe_set_error(rk->items[i].status, "warm-up: %s", rk->items[i].error);
             for (int64_t i = 0; i < r; i++) tok[i] = 1;
         }
-    for (int64_t i = 0; i < added; i++) fp4moe_batch_remove(e->b, seq[i]);
+    for (int64_t i = 0; i < added; i++) fp4moe_batch_remove(rk->b, seq[i]);
     free(seq);
     free(tok);
     return st;
@@ -694,6 +758,9 @@ static int warmup(srv_engine *e) {
 int srv_engine_new(const fp4moe_model *m, const fp4moe_tokenizer *tok, const char *model_name,
                    const srv_engine_options *o, srv_engine **out) {
     *out = NULL;
+    const int W = o->ep_ranks > 1 ? o->ep_ranks : 1;
+    if (W > 1 && (!o->ep || !o->ep_models))
+        return fp4moe_set_error(FP4MOE_EINVAL, "serve: %d expert-parallel ranks need a group and a model each", W);
     srv_engine *e = calloc(1, sizeof *e);
     if (!e) return fp4moe_set_error(FP4MOE_ENOMEM, "serve: out of memory");
     e->m = m;
@@ -708,29 +775,51 @@ int srv_engine_new(const fp4moe_model *m, const fp4moe_tokenizer *tok, const cha
     histo_init(&e->ttft, k_ttft_b, N_TIME_BUCKETS);
     histo_init(&e->itl, k_itl_b, N_TIME_BUCKETS);
     histo_init(&e->step_s, k_itl_b, N_TIME_BUCKETS);
+    pthread_mutex_init(&e->lock, NULL);
+    pthread_cond_init(&e->cv, NULL);
+    e->lock_ok = 1;
+    e->n_ranks = W;
+    e->ranks = calloc((size_t)W, sizeof *e->ranks);
+    int st = !e->model_name || !e->ranks ? fp4moe_set_error(FP4MOE_ENOMEM, "serve: out of memory") : FP4MOE_OK;
     const int64_t cap = o->max_seqs + o->max_queue + 1;
-    e->act = calloc((size_t)cap, sizeof *e->act);
-    e->items = calloc((size_t)o->max_seqs, sizeof *e->items);
-    e->item_job = calloc((size_t)o->max_seqs, sizeof *e->item_job);
-    fp4moe_batch_options bo;
-    fp4moe_batch_options_default(&bo);
-    bo.max_seqs = o->max_seqs;
-    bo.max_step_tokens = o->max_step_tokens;
-    bo.max_context = o->context;
-    bo.max_kv_tokens = o->kv_tokens;
-    bo.device = o->device;
-    bo.act_dtype = o->act_dtype;
-    bo.cpu_act = o->cpu_act;
-    int st = !e->model_name || !e->act || !e->items || !e->item_job
-                 ? fp4moe_set_error(FP4MOE_ENOMEM, "serve: out of memory")
-                 : fp4moe_batch_new(m, &bo, &e->b);
-    if (!st && o->warmup) st = warmup(e);
-    if (!st) {
-        pthread_mutex_init(&e->lock, NULL);
-        pthread_cond_init(&e->cv, NULL);
-        if (pthread_create(&e->th, NULL, engine_main, e)) st = fp4moe_set_error(FP4MOE_ENOMEM, "serve: no thread");
-        else e->th_ok = 1;
+    for (int r = 0; !st && r < W; r++) {
+        srv_rank *rk = &e->ranks[r];
+        rk->e = e;
+        rk->rank = r;
+        rk->cache_budget = o->prefix_cache_bytes / W;
+        rk->act = calloc((size_t)cap, sizeof *rk->act);
+        rk->items = calloc((size_t)o->max_seqs, sizeof *rk->items);
+        rk->item_job = calloc((size_t)o->max_seqs, sizeof *rk->item_job);
+        if (!rk->act || !rk->items || !rk->item_job) {
+            st = fp4moe_set_error(FP4MOE_ENOMEM, "serve: out of memory");
+            break;
+        }
+        fp4moe_batch_options bo;
+        fp4moe_batch_options_default(&bo);
+        bo.max_seqs = o->max_seqs;
+        bo.max_step_tokens = o->max_step_tokens;
+        bo.max_context = o->context;
+        bo.max_kv_tokens = o->kv_tokens;
+        bo.device = o->device;
+        bo.act_dtype = o->act_dtype;
+        bo.cpu_act = o->cpu_act;
+        if (W > 1) {
+            bo.ep = o->ep;
+            bo.ep_rank = r;
+        }
+        if (o->ep_gpus && (st = fp4moe_cuda_set_device(r))) break;
+        st = fp4moe_batch_new(W > 1 ? o->ep_models[r] : m, &bo, &rk->b);
     }
+    if (o->ep_gpus) (void)fp4moe_cuda_set_device(0);
+    if (!st && o->warmup && W == 1) st = warmup(&e->ranks[0]);
+    for (int r = 0; !st && r < W; r++) {
+        if (pthread_create(&e->ranks[r].th, NULL, rank_main, &e->ranks[r])) st = fp4moe_set_error(FP4MOE_ENOMEM, "serve: no thread");
+        else e->ranks[r].th_ok = 1;
+    }
+    pthread_mutex_lock(&e->lock);
+    e->go = st ? -1 : 1;
+    pthread_cond_broadcast(&e->cv);
+    pthread_mutex_unlock(&e->lock);
     if (st) {
         srv_engine_free(e);
         return st;
@@ -741,21 +830,31 @@ int srv_engine_new(const fp4moe_model *m, const fp4moe_tokenizer *tok, const cha
 
 void srv_engine_free(srv_engine *e) {
     if (!e) return;
-    if (e->th_ok) {
+    int threads = 0;
+    for (int r = 0; e->ranks && r < e->n_ranks; r++) threads += e->ranks[r].th_ok;
+    if (threads) {                  /* (threads that never got go = 1 exit without a round) */
         pthread_mutex_lock(&e->lock);
         e->stopping = 1;
-        pthread_cond_signal(&e->cv);
+        e->events++;
+        pthread_cond_broadcast(&e->cv);
         pthread_mutex_unlock(&e->lock);
-        pthread_join(e->th, NULL);
+        for (int r = 0; r < e->n_ranks; r++)
+            if (e->ranks[r].th_ok) pthread_join(e->ranks[r].th, NULL);
+    }
+    for (int r = 0; e->ranks && r < e->n_ranks; r++) {
+        srv_rank *rk = &e->ranks[r];
+        while (rk->n_cache) cache_drop(rk, rk->n_cache - 1);
+        free(rk->cache);
+        fp4moe_batch_free(rk->b);
+        free(rk->act);
+        free(rk->items);
+        free(rk->item_job);
+    }
+    free(e->ranks);
+    if (e->lock_ok) {
         pthread_mutex_destroy(&e->lock);
         pthread_cond_destroy(&e->cv);
     }
-    while (e->n_cache) cache_drop(e, e->n_cache - 1);
-    free(e->cache);
-    fp4moe_batch_free(e->b);
-    free(e->act);
-    free(e->items);
-    free(e->item_job);
     free(e->model_name);
     free(e);
 }
@@ -763,7 +862,8 @@ void srv_engine_free(srv_engine *e) {
 void srv_engine_shutdown(srv_engine *e) {
     pthread_mutex_lock(&e->lock);
     e->stopping = 1;
-    pthread_cond_signal(&e->cv);
+    e->events++;
+    pthread_cond_broadcast(&e->cv);
     pthread_mutex_unlock(&e->lock);
 }
 
@@ -789,7 +889,7 @@ srv_job *srv_engine_submit(srv_engine *e, srv_request *r, void (*wake)(void *), 
         job_free(j);
         return NULL;
     }
-    if (e->n_running + e->n_queued >= e->o.max_seqs + e->o.max_queue) {   /* no free sequence, queue full */
+    if (e->n_running + e->n_queued >= e->n_ranks * e->o.max_seqs + e->o.max_queue) { /* no free sequence, queue full */
         const long long q = (long long)e->n_queued;
         pthread_mutex_unlock(&e->lock);
         srv_fail(err, 429, NULL, "the server is busy: %lld requests are waiting (--max-queue); retry later", q);
@@ -805,7 +905,8 @@ srv_job *srv_engine_submit(srv_engine *e, srv_request *r, void (*wake)(void *), 
     else e->qhead = j;
     e->qtail = j;
     e->n_queued++;
-    pthread_cond_signal(&e->cv);
+    e->events++;
+    pthread_cond_broadcast(&e->cv);
     pthread_mutex_unlock(&e->lock);
     return j;
 }
@@ -847,7 +948,8 @@ void srv_job_cancel(srv_job *j) {
     if (!j->done) {
         j->cancelled = 1;
         j->armed = 0;
-        pthread_cond_signal(&j->e->cv);
+        j->e->events++;
+        pthread_cond_broadcast(&j->e->cv);
     }
     pthread_mutex_unlock(&j->e->lock);
 }
@@ -859,7 +961,8 @@ void srv_job_release(srv_job *j) {
     if (!j->done) {
         j->cancelled = 1;
         j->armed = 0;
-        pthread_cond_signal(&e->cv);
+        e->events++;
+        pthread_cond_broadcast(&e->cv);
     }
     j->wake = NULL;
     job_unref_locked(j);
@@ -892,6 +995,12 @@ static void put_histo(srv_buf *b, const char *name, const char *help, const hist
 char *srv_engine_metrics(srv_engine *e) {
     srv_buf b = {0};
     pthread_mutex_lock(&e->lock);
+    size_t cache_bytes = 0;
+    int64_t n_cache = 0;
+    for (int r = 0; r < e->n_ranks; r++) {
+        cache_bytes += e->ranks[r].cache_bytes;
+        n_cache += e->ranks[r].n_cache;
+    }
     srv_buf_printf(&b, "# HELP fp4moe_requests_total HTTP responses by status code.\n# TYPE fp4moe_requests_total counter\n");
     for (int i = 0; i < e->n_codes; i++)
         srv_buf_printf(&b, "fp4moe_requests_total{code=\"%d\"} %llu\n", e->http_code[i], (unsigned long long)e->http_count[i]);
@@ -914,10 +1023,12 @@ char *srv_engine_metrics(srv_engine *e) {
         "# HELP fp4moe_prefix_cache_bytes Bytes held by kept snapshots.\n# TYPE fp4moe_prefix_cache_bytes gauge\n"
         "fp4moe_prefix_cache_bytes %zu\n"
         "# HELP fp4moe_prefix_cache_entries Kept snapshots.\n# TYPE fp4moe_prefix_cache_entries gauge\n"
-        "fp4moe_prefix_cache_entries %lld\n",
+        "fp4moe_prefix_cache_entries %lld\n"
+        "# HELP fp4moe_ranks Expert-parallel ranks, each with its own requests (1: none).\n# TYPE fp4moe_ranks gauge\n"
+        "fp4moe_ranks %d\n",
         (unsigned long long)e->prompt_tokens, (unsigned long long)e->cached_tokens, (unsigned long long)e->gen_tokens,
-        (unsigned long long)e->steps, (long long)e->n_queued, (long long)e->n_running, e->cache_bytes,
-        (long long)e->n_cache);
+        (unsigned long long)e->steps, (long long)e->n_queued, (long long)e->n_running, cache_bytes,
+        (long long)n_cache, e->n_ranks);
     put_histo(&b, "fp4moe_batch_rows", "Token rows per batch step.", &e->rows);
     put_histo(&b, "fp4moe_step_seconds", "Wall time of one batch step (forward + outputs).", &e->step_s);
     put_histo(&b, "fp4moe_time_to_first_token_seconds", "Time from request to its first token.", &e->ttft);

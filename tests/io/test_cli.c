@@ -1011,6 +1011,13 @@ static void test_bench_ep_ranks(void **state) {
     expect_in(g_err, "--gpus needs --device cuda");
     EXPECT_RC(2, "bench", "-m", M, "--device", "cpu", "--batch", "2", "--ep-ranks", "65");
     EXPECT_RC(2, "bench", "-m", M, "--device", "cpu", "--batch", "2", "--ep-ranks", "2", "--gpus", "2");
+    /* serve's (its requests run in tests/server/test_server.py) */
+    EXPECT_RC(2, "serve", "-m", M, "--device", "cpu", "--gpus", "2");
+    expect_in(g_err, "--gpus needs --device cuda");
+    EXPECT_RC(2, "serve", "-m", M, "--device", "cpu", "--ep-ranks", "65");
+    expect_in(g_err, "--gpus and --ep-ranks must be in 1 .. 64");
+    EXPECT_RC(2, "serve", "-m", M, "--device", "cpu", "--ep-ranks", "2", "--gpus", "2");
+    expect_in(g_err, "give one of --gpus and --ep-ranks");
 }
 
 int main(void) {

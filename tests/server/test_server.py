@@ -279,6 +279,40 @@ def main():
         rc = s.stop(signal.SIGTERM)
     check(rc == 0, "SIGTERM: exit 0 (got %s)" % rc)
 
+    # --- expert parallelism: 3 ranks (in-process loopback, uneven expert split), each with its own
+    # requests; answers equal those of the plain server above ------------------------------------
+    se = Server("--chat-template", TEMPLATE, "--ep-ranks", "3")
+    try:
+        check(se.metric("fp4moe_ranks") == 3, "--ep-ranks 3: fp4moe_ranks 3")
+        sub = reqs[:48]
+
+        def ep_client_job(k):
+            cl = se.client()
+            return [(rq[0], run(rq, cl)) for rq in sub[k::16]]
+
+        t0 = time.time()
+        with cf.ThreadPoolExecutor(16) as ex:
+            ep_got = dict(x for lst in ex.map(ep_client_job, range(16)) for x in lst)
+        diff = [rq[0] for rq in sub if ep_got.get(rq[0]) != alone[rq[0]]]
+        check(len(ep_got) == 48 and not diff, "--ep-ranks 3: 16 clients x 3 requests equal the plain server's answers "
+              "(%d differ, %.1f s)" % (len(diff), time.time() - t0))
+        for i in diff[:3]:
+            print("   request %d: plain %r / ep %r" % (i, alone[i], ep_got.get(i)))
+        e1 = chat(se.client(), turn1, 24, False, **off_kw)
+        e2 = chat(se.client(), turn2, 24, False, **off_kw)
+        check(e1[:3] == a1[:3] and e2[:3] == a2[:3], "--ep-ranks 3: two chat turns (prefix cache per rank) answer as "
+              "the plain server")
+        steps = se.metric("fp4moe_steps_total")
+        time.sleep(0.5)
+        check(se.metric("fp4moe_steps_total") == steps, "--ep-ranks 3: idle ranks do not step while no request runs")
+        sock = open_stream(se.port, p0, 2)      # shutdown while a stream runs on one rank
+    finally:
+        t0 = time.time()
+        rc = se.stop(signal.SIGTERM)
+    check(rc == 0 and time.time() - t0 < 20, "--ep-ranks 3: SIGTERM during a stream: exit 0 in %.1f s (got %s)"
+          % (time.time() - t0, rc))
+    sock.close()
+
     # reference for turn 2 without any cache; API key on this one
     s2 = Server("--chat-template", TEMPLATE, "--prefix-cache-mb", "0", "--api-key", "sekret")
     try:
