@@ -214,6 +214,21 @@ void fp4moe_model_get_stats(const fp4moe_model *m, fp4moe_model_stats *st);
  * docs/PERFORMANCE.md). CPU only: a CUDA session or batch with Q8 is FP4MOE_EINVAL. */
 typedef enum { FP4MOE_CPU_ACT_FLOAT = 0, FP4MOE_CPU_ACT_Q8 = 1 } fp4moe_cpu_act;
 
+/* How the KV cache stores keys and values. AUTO (default): the backend's own types (CPU: fp32;
+ * CUDA: K bf16, V fp16). FP8: E4M3 codes with one fp32 scale per (token, kv head): for the head's
+ * head_dim values x, s = max|x| / 448 (s = 1 when every x is 0; NaN when one is), code =
+ * e4m3(x / s) (round to nearest even, saturating: fp4moe_f32_to_e4m3), read back as
+ * e4m3(code) * s: head_dim + 4 bytes per head and token instead of 4 * head_dim (CPU). The scale is
+ * dynamic (computed from each token's values), not the static per-tensor k_scale / v_scale of
+ * ModelOpt FP8-KV checkpoints, which it does not read. Accuracy: docs/PERFORMANCE.md. CPU only so
+ * far (CUDA batches refuse it). */
+typedef enum { FP4MOE_KV_AUTO = 0, FP4MOE_KV_FP8 = 1 } fp4moe_kv_dtype;
+
+/* "auto", "fp8". */
+const char *fp4moe_kv_dtype_name(fp4moe_kv_dtype k);
+/* Parses the names above. Returns FP4MOE_OK or FP4MOE_EINVAL (message names the accepted ones). */
+int fp4moe_kv_dtype_parse(const char *s, fp4moe_kv_dtype *out);
+
 /* "float", "q8". */
 const char *fp4moe_cpu_act_name(fp4moe_cpu_act a);
 /* Parses the names above. Returns FP4MOE_OK or FP4MOE_EINVAL (message names the accepted ones). */
@@ -237,6 +252,7 @@ typedef struct {
     int profile;                /* CUDA: time each layer kind with device events (see
                                    fp4moe_session_profile); off by default: it adds event records */
     fp4moe_cpu_act cpu_act;     /* CPU: FLOAT (default) or Q8 (W4A8 NVFP4 matmuls) */
+    fp4moe_kv_dtype kv_dtype;   /* KV cache storage: AUTO (default) or FP8 (CPU) */
     struct fp4moe_ep_group *ep; /* NULL (default); else the session is rank ep_rank of that
                                    expert-parallel group (as fp4moe_batch_options.ep): the other
                                    ranks follow it (fp4moe_ep_follow) and it leaves the group with
@@ -369,6 +385,7 @@ typedef struct {
     int profile;
     const volatile sig_atomic_t *interrupt;
     fp4moe_cpu_act cpu_act;     /* as fp4moe_session_options */
+    fp4moe_kv_dtype kv_dtype;   /* as fp4moe_session_options */
     fp4moe_ep_group *ep;        /* NULL (default): all experts here; else this batch is rank ep_rank
                                    of that expert-parallel group (CPU or CUDA) */
     int ep_rank;

@@ -80,7 +80,9 @@ typedef struct {
     float *conv, *ssm;              /* Mamba: slot s at conv + s * conv_stride, ssm + s * ssm_stride */
     int64_t conv_stride, ssm_stride;
     void *k, *v;                    /* attention: page p, token j at (p * FW_PAGE + j) * kvs elements of
-                                     * act_size bytes (the backend's types: CUDA keeps V in fp16) */
+                                     * act_size bytes (the backend's types: CUDA keeps V in fp16), or
+                                     * with kv_fp8 rows of op_kv_fp8_row_bytes (CPU) */
+    int kv_fp8;                     /* FP4MOE_KV_FP8 (fp4moe_kv_dtype) */
 } fw_state;
 
 /* Mamba-2 scan arguments (formula: src/kernels/cpu/ops.h op_ssm_scan), rows of the whole step. */

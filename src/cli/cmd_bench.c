@@ -25,7 +25,8 @@
 #define CMD "bench"
 
 typedef struct {
-    const char *model, *synthetic, *dtype, *route, *device, *cpu_act;
+    const char *model, *synthetic, *dtype, *route, *device, *cpu_act, *kv_cache;
+    fp4moe_kv_dtype kv;             /* kv_cache, parsed in bench() */
     int64_t prompt_tokens, gen_tokens, repeats, chunk, seed, warmup, batch, gpus, ep_ranks;
     double floor_bw;
     int json, no_quantize, profile;
@@ -152,6 +153,7 @@ static void report(const bench_args *a, const fp4moe_model *m, fp4moe_device dev
         cJSON_AddStringToObject(o, "device", fp4moe_device_name(dev));
         cJSON_AddStringToObject(o, "dtype", a->dtype);
         cJSON_AddStringToObject(o, "cpu_act", a->cpu_act);
+        cJSON_AddStringToObject(o, "kv_cache_dtype", a->kv_cache);
         cJSON_AddStringToObject(o, "route", a->route);
         const char *eb = getenv("FP4MOE_GATHER_EXPERT_BATCHED") ? fp4moe_env_value("FP4MOE_GATHER_EXPERT_BATCHED") : NULL;
         cJSON_AddStringToObject(o, "FP4MOE_GATHER_EXPERT_BATCHED", eb ? eb : "");
@@ -320,6 +322,7 @@ static int bench_batch(const bench_args *a, const fp4moe_model *m, fp4moe_dtype 
     o.act_dtype = dt;
     o.route = route;
     cli_parse_cpu_act(CMD, a->cpu_act, dev, &o.cpu_act); /* checked in bench() */
+    o.kv_dtype = a->kv;
     o.device = dev;
     o.interrupt = cli_install_sigint();
     o.profile = a->profile;
@@ -359,6 +362,7 @@ static int bench_batch(const bench_args *a, const fp4moe_model *m, fp4moe_dtype 
             cJSON_AddStringToObject(j, "device", fp4moe_device_name(dev));
             cJSON_AddStringToObject(j, "dtype", a->dtype);
             cJSON_AddStringToObject(j, "cpu_act", a->cpu_act);
+            cJSON_AddStringToObject(j, "kv_cache_dtype", a->kv_cache);
             cJSON_AddStringToObject(j, "route", a->route);
             const char *eb = getenv("FP4MOE_GATHER_EXPERT_BATCHED") ? fp4moe_env_value("FP4MOE_GATHER_EXPERT_BATCHED") : NULL;
             cJSON_AddStringToObject(j, "FP4MOE_GATHER_EXPERT_BATCHED", eb ? eb : "");
@@ -466,6 +470,7 @@ static void *ep_rank_main(void *arg) {
         o.act_dtype = j->dt;
         o.route = j->route;
         cli_parse_cpu_act(CMD, a->cpu_act, j->dev, &o.cpu_act); /* checked in bench() */
+        o.kv_dtype = a->kv;
         o.device = j->dev;
         o.ep = j->g;
         o.ep_rank = j->rank;
@@ -634,7 +639,9 @@ static int bench(bench_args *a) {
     fp4moe_device dev;
     fp4moe_cpu_act ca;
     int rc = cli_parse_compute(CMD, a->device, a->dtype, a->cpu_act, &dev, &dt, &ca);
+    if (!rc) rc = cli_parse_kv_dtype(CMD, a->kv_cache, dev, &a->kv);
     if (rc) return rc;
+    a->kv_cache = fp4moe_kv_dtype_name(a->kv);
     a->dtype = fp4moe_dtype_name(dt);     /* the settings in force, for the report */
     a->cpu_act = fp4moe_cpu_act_name(ca);
     if (fp4moe_route_parse(a->route, &route))
@@ -680,6 +687,7 @@ static int bench(bench_args *a) {
     fp4moe_session_options_default(&so);
     so.act_dtype = dt;
     so.cpu_act = ca;
+    so.kv_dtype = a->kv;
     so.route = route;
     so.interrupt = cli_install_sigint();
     so.device = dev;
@@ -730,6 +738,7 @@ int cmd_bench(int argc, char **argv) {
         {"--warmup", NULL, CLI_INT, &a.warmup, "N", "uncounted runs first (default 1 on cuda, 0 on cpu)"},
         {"--dtype", NULL, CLI_STRING, &a.dtype, "DT", "matmul activations: f32 or bf16 (default f32 on cpu; cuda: bf16 only)"},
         {"--cpu-act", NULL, CLI_STRING, &a.cpu_act, "MODE", CLI_CPU_ACT_HELP},
+        {"--kv-cache-dtype", NULL, CLI_STRING, &a.kv_cache, "T", CLI_KV_HELP},
         {"--route", NULL, CLI_STRING, &a.route, "R", "gather_qmm route: auto, qmv, batched, dequant_gemm (default auto)"},
         {"--chunk", NULL, CLI_INT, &a.chunk, "N", "prefill chunk in tokens (default 256 on cpu, 8192 on cuda)"},
         {"--seed", NULL, CLI_INT, &a.seed, "S", "seed of the synthetic weights (default: fixed)"},

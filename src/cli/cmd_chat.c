@@ -22,7 +22,7 @@
 #define CMD "chat"
 
 typedef struct {
-    const char *model, *chat_template, *system, *think, *device, *dtype, *cpu_act;
+    const char *model, *chat_template, *system, *think, *device, *dtype, *cpu_act, *kv_cache;
     int64_t n, chunk;
     cli_sampling smp;
     int no_quantize;
@@ -90,7 +90,9 @@ static int chat(const chat_args *a) {
     fp4moe_device dev;
     fp4moe_dtype dt;
     fp4moe_cpu_act ca;
+    fp4moe_kv_dtype kv;
     int rc = cli_parse_compute(CMD, a->device, a->dtype, a->cpu_act, &dev, &dt, &ca);
+    if (!rc) rc = cli_parse_kv_dtype(CMD, a->kv_cache, dev, &kv);
     if (rc) return rc;
     char *src = cli_load_chat_template(a->model, a->chat_template);
     if (!src) return cli_fail(CMD, FP4MOE_EINVAL);
@@ -116,6 +118,7 @@ static int chat(const chat_args *a) {
     fp4moe_session_options_default(&so);
     so.act_dtype = dt;
     so.cpu_act = ca;
+    so.kv_dtype = kv;
     so.device = dev;
     so.interrupt = cli_install_sigint();
     if (dev == FP4MOE_DEVICE_CUDA) so.max_chunk = CLI_CUDA_CHUNK;
@@ -182,6 +185,7 @@ int cmd_chat(int argc, char **argv) {
         {"--device", NULL, CLI_STRING, &a.device, "DEV", "cpu, cuda or auto (default auto)"},
         {"--dtype", NULL, CLI_STRING, &a.dtype, "DT", "matmul activations: f32 or bf16 (default f32 on cpu; cuda: bf16)"},
         {"--cpu-act", NULL, CLI_STRING, &a.cpu_act, "MODE", CLI_CPU_ACT_HELP},
+        {"--kv-cache-dtype", NULL, CLI_STRING, &a.kv_cache, "T", CLI_KV_HELP},
         {"--chunk", NULL, CLI_INT, &a.chunk, "N", "prefill chunk in tokens"},
         {"--no-quantize", NULL, CLI_FLAG, &a.no_quantize, NULL, "keep dense checkpoints dense"},
     };

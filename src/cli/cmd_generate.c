@@ -150,6 +150,15 @@ int cli_parse_cpu_act(const char *cmd, const char *s, fp4moe_device dev, fp4moe_
     return FP4MOE_EXIT_OK;
 }
 
+int cli_parse_kv_dtype(const char *cmd, const char *s, fp4moe_device dev, fp4moe_kv_dtype *kv) {
+    *kv = FP4MOE_KV_AUTO;
+    if (!s) return FP4MOE_EXIT_OK;
+    if (fp4moe_kv_dtype_parse(s, kv)) return cli_usage_error(cmd, "--kv-cache-dtype must be auto or fp8 (got '%s')", s);
+    if (*kv == FP4MOE_KV_FP8 && dev == FP4MOE_DEVICE_CUDA)
+        return cli_usage_error(cmd, "--kv-cache-dtype fp8 runs on the CPU only so far (use --device cpu with it)");
+    return FP4MOE_EXIT_OK;
+}
+
 int cli_parse_dtype(const char *cmd, const char *s, fp4moe_dtype *dt) {
     if (fp4moe_dtype_parse(s, dt) || (*dt != FP4MOE_F32 && *dt != FP4MOE_BF16))
         return cli_usage_error(cmd, "--dtype must be bf16 or f32 (got '%s')", s);
@@ -168,7 +177,7 @@ int cli_parse_compute(const char *cmd, const char *device, const char *dtype, co
 /* ---- generate -------------------------------------------------------------------------------- */
 
 typedef struct {
-    const char *model, *prompt, *prompt_ids, *dtype, *device, *cpu_act;
+    const char *model, *prompt, *prompt_ids, *dtype, *device, *cpu_act, *kv_cache;
     int64_t n, chunk, ctx, threads, gpus, ep_ranks;
     const char *file;
     cli_sampling smp;
@@ -367,6 +376,7 @@ static int run_generation(const gen_args *a, gen_state *g, const volatile sig_at
         cJSON_AddNumberToObject(o, "generated_tokens", (double)g->n_ids);
         cJSON_AddStringToObject(o, "finish_reason", reason);
         cJSON_AddStringToObject(o, "cpu_act", g->cpu_act ? g->cpu_act : "float");
+        cJSON_AddStringToObject(o, "kv_cache_dtype", a->kv_cache ? a->kv_cache : "auto");
         cJSON_AddNumberToObject(o, "seed", (double)a->smp.seed);
         cJSON_AddNumberToObject(o, "prefill_seconds", t_prefill);
         cJSON_AddNumberToObject(o, "decode_seconds", t_decode);
@@ -395,6 +405,7 @@ typedef struct {
     fp4moe_device dev;
     fp4moe_dtype dt;
     fp4moe_cpu_act ca;
+    fp4moe_kv_dtype kv;
     int64_t chunk;
     pthread_barrier_t *bar;
     int *failed;                    /* shared: any rank failed to set up */
@@ -415,6 +426,7 @@ static void *follower_main(void *arg) {
         o.max_step_tokens = f->chunk;
         o.act_dtype = f->dt;
         o.cpu_act = f->ca;
+        o.kv_dtype = f->kv;
         o.device = f->dev;
         o.ep = f->g;
         o.ep_rank = f->rank;
@@ -442,7 +454,9 @@ static int generate(const gen_args *a) {
     fp4moe_dtype dt;
     fp4moe_device dev;
     fp4moe_cpu_act ca;
+    fp4moe_kv_dtype kv;
     int rc = cli_parse_compute(CMD, a->device, a->dtype, a->cpu_act, &dev, &dt, &ca);
+    if (!rc) rc = cli_parse_kv_dtype(CMD, a->kv_cache, dev, &kv);
     if (rc) return rc;
     const volatile sig_atomic_t *stop = cli_install_sigint();
     char *text = NULL;                      /* -f FILE / -p -: the prompt text */
@@ -477,6 +491,7 @@ static int generate(const gen_args *a) {
     fp4moe_session_options_default(&so);
     so.act_dtype = dt;
     so.cpu_act = ca;
+    so.kv_dtype = kv;
     g.cpu_act = fp4moe_cpu_act_name(ca);
     so.interrupt = stop;
     so.device = dev;
@@ -508,7 +523,7 @@ static int generate(const gen_args *a) {
         else if (!st)
             bar_ok = 1;
         for (int r = 1; !st && r < W; r++) {
-            fol[r] = (gen_follower){a, r, W, nccl, grp, dev, dt, ca, so.max_chunk, &bar, &failed, 0, {0}};
+            fol[r] = (gen_follower){a, r, W, nccl, grp, dev, dt, ca, kv, so.max_chunk, &bar, &failed, 0, {0}};
             if (pthread_create(&th[r], NULL, follower_main, &fol[r])) {
                 st = fp4moe_set_error(FP4MOE_ENOMEM, "generate: cannot start rank %d", r);
                 break;
@@ -572,6 +587,7 @@ int cmd_generate(int argc, char **argv) {
         {"--device", NULL, CLI_STRING, &a.device, "DEV", "cpu, cuda or auto (default auto: cuda when a GPU is visible)"},
         {"--dtype", NULL, CLI_STRING, &a.dtype, "DT", "matmul activations: f32 or bf16 (default f32 on cpu; cuda: bf16 only)"},
         {"--cpu-act", NULL, CLI_STRING, &a.cpu_act, "MODE", CLI_CPU_ACT_HELP},
+        {"--kv-cache-dtype", NULL, CLI_STRING, &a.kv_cache, "T", CLI_KV_HELP},
         {"--no-quantize", NULL, CLI_FLAG, &a.no_quantize, NULL, "keep dense checkpoints dense (default: NVFP4 on load)"},
         {"--chunk", NULL, CLI_INT, &a.chunk, "N", "prefill chunk in tokens (default 256 on cpu, 8192 on cuda)"},
         {"--ignore-eos", NULL, CLI_FLAG, &a.ignore_eos, NULL, "do not stop at the end-of-sequence tokens"},

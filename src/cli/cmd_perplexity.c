@@ -34,7 +34,7 @@
 #define MAX_TEXT_BYTES ((int64_t)1 << 30)
 
 typedef struct {
-    const char *model, *file, *dtype, *cpu_act;
+    const char *model, *file, *dtype, *cpu_act, *kv_cache;
     int64_t ctx, max_tokens, chunk;
     int json, no_quantize;
     const char *device;
@@ -143,6 +143,7 @@ static void report(const ppl_args *a, const ppl_state *p, int64_t windows, int64
         cJSON_AddStringToObject(o, "file", a->file);
         cJSON_AddStringToObject(o, "dtype", a->dtype);
         cJSON_AddStringToObject(o, "cpu_act", a->cpu_act);
+        cJSON_AddStringToObject(o, "kv_cache_dtype", a->kv_cache ? a->kv_cache : "auto");
         cJSON_AddNumberToObject(o, "threads", omp_get_max_threads());
         cJSON_AddNumberToObject(o, "ctx", (double)a->ctx);
         cJSON_AddNumberToObject(o, "text_tokens", (double)p->n_ids);
@@ -182,7 +183,9 @@ static int perplexity(const ppl_args *a) {
     fp4moe_dtype dt;
     fp4moe_device dev;
     fp4moe_cpu_act ca;
+    fp4moe_kv_dtype kv;
     int rc = cli_parse_compute(CMD, a->device, a->dtype, a->cpu_act, &dev, &dt, &ca);
+    if (!rc) rc = cli_parse_kv_dtype(CMD, a->kv_cache, dev, &kv);
     if (rc) return rc;
     ppl_args resolved = *a;                  /* the dtype in force, for the report */
     resolved.dtype = fp4moe_dtype_name(dt);
@@ -209,6 +212,7 @@ static int perplexity(const ppl_args *a) {
     fp4moe_session_options_default(&so);
     so.act_dtype = dt;
     so.cpu_act = ca;
+    so.kv_dtype = kv;
     so.interrupt = stop;
     so.device = dev;
     /* every row's logits come back (chunk x vocab fp32): CUDA chunks of 2048, not generate's 8192 */
@@ -268,6 +272,7 @@ int cmd_perplexity(int argc, char **argv) {
         {"--max-tokens", NULL, CLI_INT, &a.max_tokens, "N", "use only the first N tokens of the text (default: all)"},
         {"--dtype", NULL, CLI_STRING, &a.dtype, "DT", "matmul activations: f32 or bf16 (default f32 on cpu; cuda: bf16)"},
         {"--cpu-act", NULL, CLI_STRING, &a.cpu_act, "MODE", CLI_CPU_ACT_HELP},
+        {"--kv-cache-dtype", NULL, CLI_STRING, &a.kv_cache, "T", CLI_KV_HELP},
         {"--device", NULL, CLI_STRING, &a.device, "DEV", "cpu, cuda or auto (default cpu; the fp32 reference is cpu with --cpu-act float)"},
         {"--threads", "-t", CLI_INT, &a.threads, "N", "CPU threads (default: one per core)"},
         {"--no-quantize", NULL, CLI_FLAG, &a.no_quantize, NULL, "keep dense checkpoints dense (default: NVFP4 on load)"},

@@ -23,7 +23,8 @@
 #define CMD "serve"
 
 typedef struct {
-    const char *model, *synthetic, *tokenizer, *chat_template, *host, *api_key, *name, *device, *dtype, *reasoning, *cpu_act;
+    const char *model, *synthetic, *tokenizer, *chat_template, *host, *api_key, *name, *device, *dtype, *reasoning, *cpu_act,
+        *kv_cache;
     int64_t port, ctx, max_seqs, max_step_tokens, max_queue, max_body, prefix_cache_mb, prefix_min_tokens,
         http_threads, seed, kv_tokens, gpus, ep_ranks;
     int no_quantize, quiet, no_warmup;
@@ -51,7 +52,9 @@ static int serve(const serve_args *a) {
     fp4moe_device dev;
     fp4moe_dtype dt;
     fp4moe_cpu_act ca;
+    fp4moe_kv_dtype kv;
     int rc = cli_parse_compute(CMD, a->device, a->dtype, a->cpu_act, &dev, &dt, &ca);
+    if (!rc) rc = cli_parse_kv_dtype(CMD, a->kv_cache, dev, &kv);
     if (rc) return rc;
     const char *tok_dir = a->tokenizer ? a->tokenizer : a->model;
     fp4moe_tokenizer *tok = NULL;
@@ -157,6 +160,7 @@ static int serve(const serve_args *a) {
         .device = dev,
         .act_dtype = dt,
         .cpu_act = ca,
+        .kv_dtype = kv,
         .ep_ranks = W,
         .ep = grp,
         .ep_models = (const fp4moe_model *const *)models,
@@ -235,6 +239,7 @@ int cmd_serve(int argc, char **argv) {
         {"--device", NULL, CLI_STRING, &a.device, "DEV", "cpu, cuda or auto (default auto)"},
         {"--dtype", NULL, CLI_STRING, &a.dtype, "DT", "matmul activations: f32 or bf16 (default f32 on cpu; cuda: bf16)"},
         {"--cpu-act", NULL, CLI_STRING, &a.cpu_act, "MODE", CLI_CPU_ACT_HELP},
+        {"--kv-cache-dtype", NULL, CLI_STRING, &a.kv_cache, "T", CLI_KV_HELP},
         {"--no-quantize", NULL, CLI_FLAG, &a.no_quantize, NULL, "keep dense checkpoints dense"},
         {"--seed", NULL, CLI_INT, &a.seed, "S", "seed of --synthetic weights (default 0)"},
         {"--gpus", NULL, CLI_INT, &a.gpus, "N",

@@ -13,6 +13,7 @@
 #include <string.h>
 
 #include "backend/backend.h"
+#include "kernels/cpu/ops.h"
 #include "common/error.h"
 #include "model/forward.h"
 #include "model/ep.h"
@@ -45,6 +46,7 @@ struct fp4moe_batch {
     fw_bufs bufs;
     fw_state *state;                /* per layer */
     int64_t conv_n, ssm_n, kvs;     /* floats per slot and layer; act elements per KV row */
+    size_t kv_row;                  /* bytes per KV row (kv_dtype) */
     int64_t n_mamba, n_attn;
     float *conv_pool, *ssm_pool;    /* n_mamba x slots x conv_n / ssm_n */
     void **kpool, **vpool;          /* per attention layer (index into attn list) */
@@ -69,6 +71,17 @@ struct fp4moe_batch {
 
 const char *fp4moe_cpu_act_name(fp4moe_cpu_act a) {
     return a == FP4MOE_CPU_ACT_Q8 ? "q8" : a == FP4MOE_CPU_ACT_FLOAT ? "float" : "?";
+}
+
+const char *fp4moe_kv_dtype_name(fp4moe_kv_dtype k) {
+    return k == FP4MOE_KV_FP8 ? "fp8" : k == FP4MOE_KV_AUTO ? "auto" : "?";
+}
+
+int fp4moe_kv_dtype_parse(const char *s, fp4moe_kv_dtype *out) {
+    if (s && !strcmp(s, "auto")) *out = FP4MOE_KV_AUTO;
+    else if (s && !strcmp(s, "fp8")) *out = FP4MOE_KV_FP8;
+    else return fp4moe_set_error(FP4MOE_EINVAL, "KV cache type '%s' (auto or fp8)", s ? s : "(null)");
+    return FP4MOE_OK;
 }
 
 int fp4moe_cpu_act_parse(const char *s, fp4moe_cpu_act *out) {
@@ -106,7 +119,7 @@ static int choose_device(const fp4moe_model *m, fp4moe_device d, int *cuda) {
 }
 
 static int alloc_kv_pools(fp4moe_batch *b, int64_t pages, void **k, void **v) {
-    const size_t bytes = (size_t)(pages * FW_PAGE * b->kvs) * b->be->act_size;
+    const size_t bytes = (size_t)(pages * FW_PAGE) * b->kv_row;
     for (int64_t a = 0; a < b->n_attn; a++) {
         int st = b->be->alloc(b->bc, bytes, &k[a]);
         if (!st) st = b->be->alloc(b->bc, bytes, &v[a]);
@@ -138,6 +151,7 @@ static void bind_state(fp4moe_batch *b) {
         } else if (c->layer_types[l] == FP4MOE_LAYER_ATTENTION) {
             s->k = b->kpool[ia];
             s->v = b->vpool[ia];
+            s->kv_fp8 = b->o.kv_dtype == FP4MOE_KV_FP8;
             ia++;
         }
     }
@@ -152,6 +166,8 @@ static int make_pools(fp4moe_batch *b) {
     b->conv_n = (c->conv_kernel - 1) * cd;
     b->ssm_n = di * c->ssm_state;
     b->kvs = c->kv_heads * c->head_dim;
+    b->kv_row = b->o.kv_dtype == FP4MOE_KV_FP8 ? op_kv_fp8_row_bytes(c->kv_heads, c->head_dim)
+                                               : (size_t)b->kvs * b->be->act_size;
     for (int64_t l = 0; l < c->n_layers; l++) {
         b->n_mamba += c->layer_types[l] == FP4MOE_LAYER_MAMBA;
         b->n_attn += c->layer_types[l] == FP4MOE_LAYER_ATTENTION;
@@ -206,6 +222,11 @@ int fp4moe_batch_new(const fp4moe_model *m, const fp4moe_batch_options *opts, fp
     if (cuda && o.cpu_act == FP4MOE_CPU_ACT_Q8)
         return fp4moe_set_error(FP4MOE_EINVAL, "the q8 activation mode (--cpu-act q8) is a CPU mode; "
                                 "this batch runs on CUDA");
+    if (o.kv_dtype != FP4MOE_KV_AUTO && o.kv_dtype != FP4MOE_KV_FP8)
+        return fp4moe_set_error(FP4MOE_EINVAL, "kv_dtype %d (auto or fp8)", (int)o.kv_dtype);
+    if (cuda && o.kv_dtype == FP4MOE_KV_FP8)
+        return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "the FP8 KV cache (--kv-cache-dtype fp8) runs on the CPU "
+                                "only so far; this batch runs on CUDA");
     if (cuda && o.act_dtype != FP4MOE_BF16)
         return fp4moe_set_error(FP4MOE_EINVAL, "CUDA computes with bf16 activations (act_dtype bf16, "
                                 "--dtype bf16); %s asked", fp4moe_dtype_name(o.act_dtype));
@@ -345,7 +366,7 @@ static int grow_pool(fp4moe_batch *b, int64_t need) {
         return fp4moe_set_error(FP4MOE_ENOMEM, "KV cache: out of memory");
     }
     int st = alloc_kv_pools(b, np, k, v);
-    const size_t old = (size_t)(b->n_pages * FW_PAGE * b->kvs) * b->be->act_size;
+    const size_t old = (size_t)(b->n_pages * FW_PAGE) * b->kv_row;
     for (int64_t a = 0; !st && a < b->n_attn; a++) {
         if ((st = b->be->copy(b->bc, k[a], b->kpool[a], old))) break;
         st = b->be->copy(b->bc, v[a], b->vpool[a], old);
@@ -692,7 +713,7 @@ done:
 
 struct fp4moe_snapshot {
     const fp4moe_model *m;
-    size_t act_size;
+    size_t act_size, kv_row;
     int64_t pos;
     size_t bytes;
     unsigned char *data;            /* backend memory (GPU memory for CUDA batches): per Mamba layer
@@ -710,7 +731,7 @@ void fp4moe_snapshot_free(fp4moe_snapshot *s) {
 
 static size_t snapshot_size(const fp4moe_batch *b, int64_t pos) {
     return (size_t)(b->n_mamba * (b->conv_n + b->ssm_n)) * sizeof(float) +
-           (size_t)(2 * b->n_attn * pos * b->kvs) * b->be->act_size;
+           (size_t)(2 * b->n_attn * pos) * b->kv_row;
 }
 
 /* Copies the state of slot `slot` (positions [0, pos)) to (out != 0) or from backend memory `data`:
@@ -718,7 +739,7 @@ static size_t snapshot_size(const fp4moe_batch *b, int64_t pos) {
 static int transfer(fp4moe_batch *b, int32_t slot, int64_t pos, unsigned char *data, int to_host) {
     const fp4moe_config *c = &b->m->cfg;
     int (*xfer)(void *, void *, const void *, size_t) = b->be->copy;
-    const size_t row = (size_t)b->kvs * b->be->act_size;
+    const size_t row = b->kv_row;
     size_t off = 0;
     for (int64_t l = 0; l < c->n_layers; l++) {
         const fw_state *s = &b->state[l];
@@ -763,6 +784,7 @@ int fp4moe_batch_snapshot(fp4moe_batch *b, int64_t seq, fp4moe_snapshot **out) {
     sn->data = data;
     sn->m = b->m;
     sn->act_size = b->be->act_size;
+    sn->kv_row = b->kv_row;
     sn->pos = s->pos;
     sn->bytes = bytes;
     const int st = transfer(b, slot_of(b, s), s->pos, sn->data, 1);
@@ -778,6 +800,9 @@ int fp4moe_batch_add_from_snapshot(fp4moe_batch *b, const fp4moe_snapshot *sn, i
     if (!b || !sn || !seq) return fp4moe_set_error(FP4MOE_EINVAL, "snapshot restore: NULL argument");
     if (sn->m != b->m || sn->act_size != b->be->act_size)
         return fp4moe_set_error(FP4MOE_EINVAL, "snapshot restore: the snapshot is of another model or device");
+    if (sn->kv_row != b->kv_row)
+        return fp4moe_set_error(FP4MOE_EINVAL, "snapshot restore: the snapshot's KV cache type differs from "
+                                "this batch's (kv_dtype)");
     if (sn->pos > b->ctx_limit)
         return fp4moe_set_error(FP4MOE_EOVERFLOW, "snapshot restore: %lld tokens exceed the context limit %lld",
                                 (long long)sn->pos, (long long)b->ctx_limit);

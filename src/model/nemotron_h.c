@@ -43,6 +43,7 @@ int fp4moe_session_new(const fp4moe_model *m, const fp4moe_session_options *opts
     bo.act_dtype = o.act_dtype;
     bo.route = o.route;
     bo.cpu_act = o.cpu_act;
+    bo.kv_dtype = o.kv_dtype;
     bo.device = o.device;
     bo.profile = o.profile;
     bo.interrupt = o.interrupt;

@@ -152,6 +152,7 @@ typedef struct {
     fp4moe_device device;
     fp4moe_dtype act_dtype;
     fp4moe_cpu_act cpu_act;     /* CPU: float or q8 (W4A8) */
+    fp4moe_kv_dtype kv_dtype;   /* KV cache storage (FP8: CPU) */
     /* expert parallelism (docs/EP.md): ep_ranks > 1 ranks of group ep, rank r on model ep_models[r]
        (its share of the experts, on its device); max_seqs and max_step_tokens are per rank, the
        prefix cache is split over them; no CUDA graph warm-up (EP batches run without graphs) */

@@ -803,6 +803,7 @@ int srv_engine_new(const fp4moe_model *m, const fp4moe_tokenizer *tok, const cha
         bo.device = o->device;
         bo.act_dtype = o->act_dtype;
         bo.cpu_act = o->cpu_act;
+        bo.kv_dtype = o->kv_dtype;
         if (W > 1) {
             bo.ep = o->ep;
             bo.ep_rank = r;

@@ -1018,6 +1018,15 @@ static void test_bench_ep_ranks(void **state) {
     expect_in(g_err, "--gpus and --ep-ranks must be in 1 .. 64");
     EXPECT_RC(2, "serve", "-m", M, "--device", "cpu", "--ep-ranks", "2", "--gpus", "2");
     expect_in(g_err, "give one of --gpus and --ep-ranks");
+    /* --kv-cache-dtype (its accuracy: tests/model/test_default_model.c) */
+    EXPECT_RC(2, "generate", "-m", M, "--device", "cpu", "--prompt", "x", "--kv-cache-dtype", "int4");
+    expect_in(g_err, "--kv-cache-dtype must be auto or fp8");
+    EXPECT_RC(0, "generate", "-m", M, "--device", "cpu", "--prompt", "The old lighthouse keeper", "--tokens", "10",
+              "--json", "--kv-cache-dtype", "fp8");
+    expect_in(g_out, "\"kv_cache_dtype\":\t\"fp8\"");
+    EXPECT_RC(0, "bench", "-m", M, "--device", "cpu", "--prompt-tokens", "40", "--gen-tokens", "4", "--repeats", "1",
+              "--json", "--kv-cache-dtype", "fp8");
+    expect_in(g_out, "\"kv_cache_dtype\":\t\"fp8\"");
 }
 
 int main(void) {

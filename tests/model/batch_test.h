@@ -26,6 +26,8 @@ typedef struct {
 
 /* The CPU activation mode of every session and batch these helpers make (tests set it). */
 static fp4moe_cpu_act bt_cpu_act = FP4MOE_CPU_ACT_FLOAT;
+/* And their KV cache type. */
+static fp4moe_kv_dtype bt_kv_dtype = FP4MOE_KV_AUTO;
 
 static inline uint64_t bt_rand(uint64_t *s) {
     *s ^= *s << 13;
@@ -47,6 +49,7 @@ static inline void bt_solo(const fp4moe_model *m, fp4moe_device dev, fp4moe_dtyp
     fp4moe_session_options_default(&o);
     o.act_dtype = act;
     o.cpu_act = bt_cpu_act;
+    o.kv_dtype = bt_kv_dtype;
     o.device = dev;
     fp4moe_session *s;
     bt_check(fp4moe_session_new(m, &o, &s), "solo session");
@@ -84,6 +87,7 @@ static inline double bt_tie_gap(const fp4moe_model *m, fp4moe_device dev, fp4moe
     fp4moe_session_options_default(&o);
     o.act_dtype = act;
     o.cpu_act = bt_cpu_act;
+    o.kv_dtype = bt_kv_dtype;
     o.device = dev;
     fp4moe_session *s;
     bt_check(fp4moe_session_new(m, &o, &s), "solo session");
@@ -125,6 +129,7 @@ static inline int bt_scenario_tol(const fp4moe_model *m, fp4moe_device dev, fp4m
     o.max_seqs = max_seqs;
     o.act_dtype = act;
     o.cpu_act = bt_cpu_act;
+    o.kv_dtype = bt_kv_dtype;
     o.device = dev;
     o.max_step_tokens = 128;
     fp4moe_batch *b;

@@ -1,7 +1,7 @@
 /* The batched runtime on the CPU (include/fp4moe/model.h "batch"): 1, 3 and 17 sequences of random
  * prompt lengths joining and leaving at different steps, prefill chunks next to decode tokens,
  * slots reused, snapshot/restore in the middle: every sequence's greedy ids equal the ids it gets
- * alone (f32). Bad items (pool exhaustion, unknown sequence, bad token, a sequence twice, a full
+ * alone (f32; also with W4A8 and with the FP8 KV cache). Bad items (pool exhaustion, unknown sequence, bad token, a sequence twice, a full
  * step) fail alone: the others in the same step go on and still match their solo runs. */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -62,13 +62,27 @@ static void test_default_model_q8(void **state) {
     fp4moe_model_free(m);
 }
 
-/* A snapshot restored into a second sequence continues exactly like the first (bitwise logits). */
-static void test_snapshot_bitwise(void **state) {
+/* The FP8 KV cache: each token's rows are quantized alone, so batched ids equal solo ids too (the
+ * solo sessions use the FP8 cache as well; its accuracy: tests/model/test_default_model.c). */
+static void test_default_model_fp8_kv(void **state) {
+    (void)state;
+    fp4moe_model *m = load_default();
+    bt_kv_dtype = FP4MOE_KV_FP8;
+    scenarios_range(m, "default model fp8 KV", 1, 1);
+    scenarios_range(m, "default model fp8 KV", 3, 3);
+    bt_kv_dtype = FP4MOE_KV_AUTO;
+    fp4moe_model_free(m);
+}
+
+/* A snapshot restored into a second sequence continues exactly like the first (bitwise logits),
+ * with the f32 and with the FP8 KV cache; a snapshot of one cache type is refused by the other. */
+static void snapshot_case(fp4moe_kv_dtype kv) {
     fp4moe_model *m = load_default();
     const int64_t V = fp4moe_model_config(m)->vocab;
     fp4moe_batch_options o;
     fp4moe_batch_options_default(&o);
     o.max_seqs = 2;
+    o.kv_dtype = kv;
     fp4moe_batch *b;
     assert_int_equal(fp4moe_batch_new(m, &o, &b), FP4MOE_OK);
     int64_t a, c;
@@ -97,11 +111,24 @@ static void test_snapshot_bitwise(void **state) {
     assert_int_equal(fp4moe_batch_add_from_snapshot(b2, sn, &c), FP4MOE_EINVAL);
     fp4moe_batch_free(b2);
     fp4moe_model_free(m2);
+    /* nor into a batch of the same model with the other KV cache type */
+    fp4moe_batch_options o3 = o;
+    o3.kv_dtype = kv == FP4MOE_KV_FP8 ? FP4MOE_KV_AUTO : FP4MOE_KV_FP8;
+    assert_int_equal(fp4moe_batch_new(m, &o3, &b2), FP4MOE_OK);
+    assert_int_equal(fp4moe_batch_add_from_snapshot(b2, sn, &c), FP4MOE_EINVAL);
+    assert_non_null(strstr(fp4moe_last_error(), "KV cache type"));
+    fp4moe_batch_free(b2);
     fp4moe_snapshot_free(sn);
     free(la);
     free(lc);
     fp4moe_batch_free(b);
     fp4moe_model_free(m);
+}
+
+static void test_snapshot_bitwise(void **state) {
+    (void)state;
+    snapshot_case(FP4MOE_KV_AUTO);
+    snapshot_case(FP4MOE_KV_FP8);
 }
 
 /* Greedy ids of prompt + G tokens in a fresh session (the solo reference). */
@@ -207,7 +234,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_golden_a),       cmocka_unit_test(test_golden_b),
         cmocka_unit_test(test_default_model),  cmocka_unit_test(test_default_model_q8),
-        cmocka_unit_test(test_snapshot_bitwise),
+        cmocka_unit_test(test_snapshot_bitwise), cmocka_unit_test(test_default_model_fp8_kv),
         cmocka_unit_test(test_errors_isolated), cmocka_unit_test(test_pool_growth),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

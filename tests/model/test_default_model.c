@@ -14,6 +14,7 @@
  *      prefill logits of the two routes agree within the model tolerance (model_test.h).
  *   4. `fp4moe perplexity --json` (the executable next to this test) gives the reference ppl
  *      within 1e-3 relative, over the same number of scored tokens.
+ *   5. the FP8 KV cache stays close to the f32 one (logits, greedy ids, perplexity).
  * A broken NVFP4 decode, global scale or expert offset changes the argmax within a few tokens (the
  * smallest top-1/top-2 logit gap of the reference continuation is ~0.15, recorded in the file). */
 #include <setjmp.h>
@@ -204,6 +205,67 @@ static void test_perplexity_cli(void **state) {
     free(out);
 }
 
+/* The FP8 KV cache (kv_dtype FP8: E4M3 with a scale per token and kv head) on the real model: the
+ * prefill logits stay close to the f32 cache's, the greedy choices mostly agree, the greedy
+ * continuation of the reference prompt's first tokens is unchanged, and `fp4moe perplexity
+ * --kv-cache-dtype fp8` over heldout_short stays within KV_FP8_PPL_RTOL of the reference (a cache
+ * read without its scales, the kv_fp8_scale fault, moves all of these far outside). */
+#define KV_FP8_PPL_RTOL 0.01
+static void test_fp8_kv_close_to_f32(void **state) {
+    const int64_t V = fp4moe_model_config(g.m)->vocab;
+    float *lf = mt_poisoned(g.T * V), *l8 = mt_poisoned(g.T * V);
+    fp4moe_session *s = mt_session(g.m, FP4MOE_F32, FP4MOE_ROUTE_AUTO, 0);
+    mt_forward(s, g.prompt_ids, g.T, lf, 1);
+    fp4moe_session_free(s);
+    fp4moe_session_options o;
+    fp4moe_session_options_default(&o);
+    o.kv_dtype = FP4MOE_KV_FP8;
+    assert_int_equal(fp4moe_session_new(g.m, &o, &s), FP4MOE_OK);
+    mt_forward(s, g.prompt_ids, g.T, l8, 1);
+    fp4moe_session_reset(s);
+    int32_t *out = malloc((size_t)g.n * sizeof *out);
+    mt_greedy(s, g.prompt_ids, g.T, V, g.n, out);
+    fp4moe_session_free(s);
+    int64_t agree = 0, same = 0;
+    for (int64_t t = 0; t < g.T; t++) {
+        int64_t af = 0, a8 = 0;
+        for (int64_t v = 1; v < V; v++) {
+            if (lf[t * V + v] > lf[t * V + af]) af = v;
+            if (l8[t * V + v] > l8[t * V + a8]) a8 = v;
+        }
+        agree += af == a8;
+    }
+    while (same < g.n && out[same] == g.gen_ids[same]) same++;
+    const double err = mt_max_err(l8, lf, g.T, V);
+    fprintf(stderr, "fp8 KV vs f32 KV prefill logits: rel err %.3g, argmax agrees at %lld of %lld positions; greedy "
+            "continuation equals transformers' for %lld of %lld tokens\n", err, (long long)agree, (long long)g.T,
+            (long long)same, (long long)g.n);
+    if (!(err <= 0.05)) fail_msg("fp8 KV prefill logits: rel err %.3g vs the f32 cache > 0.05", err);
+    if (agree < g.T * 9 / 10) fail_msg("fp8 KV argmax agrees with f32 at %lld of %lld positions", (long long)agree, (long long)g.T);
+    if (same < 8) fail_msg("fp8 KV: the greedy continuation leaves transformers' at token %lld", (long long)same);
+    free(out);
+    free(lf);
+    free(l8);
+    /* perplexity over the held-out text, through the command line */
+    char ctx[32];
+    snprintf(ctx, sizeof ctx, "%lld", (long long)g.ctx);
+    char *const argv[] = {g.cli, "perplexity", "-m", MODEL_DIR, "--cpu-act", "float", "--kv-cache-dtype", "fp8", "--file",
+                          REF_DIR "/heldout_short.txt", "--ctx", ctx, "--json", NULL};
+    char *txt = NULL;
+    const int rc = run_cli(argv, &txt);
+    if (rc != 0) fail_msg("fp4moe perplexity --kv-cache-dtype fp8 exited with %d; stdout: %.2000s", rc, txt);
+    cJSON *j = cJSON_Parse(txt);
+    if (!j) fail_msg("not JSON: %.2000s", txt);
+    const double ppl = json_num(j, "ppl");
+    fprintf(stderr, "perplexity with the fp8 KV cache: %.6f, reference (f32) %.6f: %+.3f%%\n", ppl, g.ppl,
+            100.0 * (ppl - g.ppl) / g.ppl);
+    assert_string_equal(cJSON_GetStringValue(cJSON_GetObjectItem(j, "kv_cache_dtype")), "fp8");
+    if (!(fabs(ppl - g.ppl) <= KV_FP8_PPL_RTOL * g.ppl))
+        fail_msg("fp8 KV ppl %.6f, reference %.6f: relative difference over %g", ppl, g.ppl, KV_FP8_PPL_RTOL);
+    cJSON_Delete(j);
+    free(txt);
+}
+
 static int setup(void **state) {
     if (access(MODEL_DIR "/model.safetensors", R_OK) || access(REF_DIR "/reference.json", R_OK)) {
         fprintf(stderr, "default model or reference missing (run from the repository root)\n");
@@ -255,6 +317,7 @@ int main(void) {
         cmocka_unit_test(test_greedy_batched_vs_qmv),
         cmocka_unit_test(test_q8_close_to_f32),
         cmocka_unit_test(test_perplexity_cli),
+        cmocka_unit_test(test_fp8_kv_close_to_f32),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }

@@ -1,7 +1,7 @@
 /* The dense CPU ops of the forward pass (src/kernels/cpu/ops.h) against straightforward fp64
  * references on random data, the router's contract (correction bias for choice only, group
  * masking, deterministic ties, normalisation, routed scaling), the stable expert sort, state
- * carry-over of the conv and the scan, and the sampler. */
+ * carry-over of the conv and the scan, the FP8 KV cache's rows, and the sampler. */
 #include <math.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -267,6 +267,50 @@ static void test_rmsnorm_gated(void **state) {
 
 /* ---- attention ------------------------------------------------------------------------------ */
 
+/* The FP8 KV cache's rows (op_kv_fp8_*): per (token, kv head) scale max|x| / 448, every value within
+ * half an E4M3 step of the original (2^-4 relative in the normal range, 2^-10 s below it), the max
+ * exactly representable, heads of widely different magnitudes kept apart, an all-zero head exact, a
+ * NaN making its own head NaN only, odd head_dim (padding) and the row size. */
+static void test_kv_fp8_rows(void **state) {
+    (void)state;
+    tu_rng r;
+    tu_rng_seed(&r, 29);
+    const int64_t dims[] = {64, 128, 5};
+    for (size_t di = 0; di < sizeof dims / sizeof dims[0]; di++) {
+        const int64_t nkv = 4, dh = dims[di], n = nkv * dh;
+        assert_int_equal(op_kv_fp8_row_bytes(nkv, dh), (size_t)((n + 3) / 4 * 4 + 4 * nkv));
+        float *x = rnd(&r, n, 1.0), *y = poison(n);
+        for (int64_t i = 0; i < dh; i++) x[dh + i] *= 1e-6f;          /* head 1: tiny */
+        for (int64_t i = 0; i < dh; i++) x[2 * dh + i] = 0.0f;        /* head 2: zeros */
+        x[3 * dh] = 3e4f;                                             /* head 3: one outlier */
+        uint8_t *row = malloc(op_kv_fp8_row_bytes(nkv, dh));
+        memset(row, 0xAB, op_kv_fp8_row_bytes(nkv, dh));
+        op_kv_fp8_store(x, nkv, dh, row);
+        op_kv_fp8_load(row, nkv, dh, y);
+        for (int64_t h = 0; h < nkv; h++) {
+            double amax = 0;
+            for (int64_t i = 0; i < dh; i++) amax = fmax(amax, fabs(x[h * dh + i]));
+            const double s = amax > 0 ? amax / 448.0 : 1.0;
+            for (int64_t i = 0; i < dh; i++) {
+                const double a = x[h * dh + i], b = y[h * dh + i];
+                if (!(fabs(a - b) <= 0.0625 * fabs(a) + s * (1.0 / 1024) * 1.0001))
+                    fail_msg("dh %lld head %lld [%lld]: %g -> %g (scale %g)", (long long)dh, (long long)h, (long long)i,
+                             a, b, s);
+                if (fabs(a) == amax && fabs(fabs(b) - amax) > 1e-6 * amax)
+                    fail_msg("dh %lld head %lld: the max %g came back as %g", (long long)dh, (long long)h, a, b);
+            }
+        }
+        for (int64_t i = 0; i < dh; i++) assert_true(y[2 * dh + i] == 0.0f);
+        x[dh + 1] = NAN;                                              /* a NaN: its head only */
+        op_kv_fp8_store(x, nkv, dh, row);
+        op_kv_fp8_load(row, nkv, dh, y);
+        for (int64_t i = 0; i < n; i++) assert_true((i / dh == 1) == isnan(y[i]));
+        free(x);
+        free(y);
+        free(row);
+    }
+}
+
 static void test_attention_gqa_cache(void **state) {
     tu_rng r;
     tu_rng_seed(&r, 13);
@@ -470,6 +514,7 @@ int main(void) {
         cmocka_unit_test(test_ssm_scan),
         cmocka_unit_test(test_rmsnorm_gated),
         cmocka_unit_test(test_attention_gqa_cache),
+        cmocka_unit_test(test_kv_fp8_rows),
         cmocka_unit_test(test_linear_dense_and_nvfp4),
         cmocka_unit_test(test_sampler),
     };

@@ -233,11 +233,18 @@ static int cpu_attention(void *bcv, const fw_step *s, const void *qv, const void
     cpu_ctx *bc = bcv;
     const float *q = qv, *k = kv, *v = vv;
     float *out = outv, *kc = st->k, *vc = st->v;
+    uint8_t *kb = st->k, *vb = st->v;                        /* the FP8 cache: rows of rb bytes */
     const int64_t kvs = nkv * dh, qs = nq * dh;
+    const size_t rb = st->kv_fp8 ? op_kv_fp8_row_bytes(nkv, dh) : 0;
     for (int64_t i = 0; i < s->nseg; i++) {
         const fw_seg *g = &s->seg[i];
         for (int64_t t = 0; t < g->n; t++) {
             const int64_t row = kv_row(s, g->slot, g->pos0 + t);
+            if (st->kv_fp8) {
+                op_kv_fp8_store(k + (g->row0 + t) * kvs, nkv, dh, kb + (size_t)row * rb);
+                op_kv_fp8_store(v + (g->row0 + t) * kvs, nkv, dh, vb + (size_t)row * rb);
+                continue;
+            }
             memcpy(kc + row * kvs, k + (g->row0 + t) * kvs, (size_t)kvs * sizeof(float));
             memcpy(vc + row * kvs, v + (g->row0 + t) * kvs, (size_t)kvs * sizeof(float));
         }
@@ -252,6 +259,13 @@ static int cpu_attention(void *bcv, const fw_step *s, const void *qv, const void
         float *K = bc->kv, *V = bc->kv + n * kvs;
         for (int64_t p0 = 0; p0 < n; p0 += FW_PAGE) {        /* page by page */
             const int64_t m = n - p0 < FW_PAGE ? n - p0 : FW_PAGE, row = kv_row(s, g->slot, p0);
+            if (st->kv_fp8) {
+                for (int64_t j = 0; j < m; j++) {
+                    op_kv_fp8_load(kb + (size_t)(row + j) * rb, nkv, dh, K + (p0 + j) * kvs);
+                    op_kv_fp8_load(vb + (size_t)(row + j) * rb, nkv, dh, V + (p0 + j) * kvs);
+                }
+                continue;
+            }
             memcpy(K + p0 * kvs, kc + row * kvs, (size_t)(m * kvs) * sizeof(float));
             memcpy(V + p0 * kvs, vc + row * kvs, (size_t)(m * kvs) * sizeof(float));
         }

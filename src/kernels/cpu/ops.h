@@ -108,6 +108,16 @@ void op_ssm_scan(const op_ssm_args *a);
 
 /* ---- attention ---------------------------------------------------------------------------- */
 
+/* The FP8 KV cache's rows (fp4moe_kv_dtype FP4MOE_KV_FP8, include/fp4moe/model.h): one token's
+ * nkv x dh values as nkv*dh E4M3 codes (padded to a multiple of 4 bytes), then nkv fp32 scales,
+ * s_h = max_i |x[h][i]| / 448 (1 when the head is all zeros, NaN when a value is NaN), code =
+ * fp4moe_f32_to_e4m3(x / s_h). op_kv_fp8_row_bytes: the row's bytes; op_kv_fp8_store: x (nkv*dh
+ * fp32) -> row; op_kv_fp8_load: row -> x = e4m3(code) * s_h. Per value the round trip errs by at
+ * most half an E4M3 step: |x - x'| <= 2^-4 |x| + 2^-10 s_h (the subnormal step is 2^-9 s_h). */
+size_t op_kv_fp8_row_bytes(int64_t nkv, int64_t dh);
+void op_kv_fp8_store(const float *x, int64_t nkv, int64_t dh, uint8_t *row);
+void op_kv_fp8_load(const uint8_t *row, int64_t nkv, int64_t dh, float *x);
+
 /* Causal GQA attention without positional encoding for T new queries after P cached positions:
  *   out[t][h] = softmax_j<=P+t (q[t][h] . k[j][h/(nq/nkv)] / sqrt(dh)) @ v
  * q: T rows of stride qs (nq*dh used); k, v: P+T rows of nkv*dh; out: T x nq*dh. fp32.

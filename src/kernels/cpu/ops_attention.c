@@ -3,9 +3,58 @@
 #include "kernels/cpu/ops.h"
 
 #include <math.h>
+#include <pthread.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "common/error.h"
+#include "fp4moe/nvfp4.h"
+
+/* ---- the FP8 KV cache's rows (contract: ops.h) ----------------------------------------------- */
+
+static float g_e4m3[256];
+static pthread_once_t g_e4m3_once = PTHREAD_ONCE_INIT;
+static void e4m3_table(void) {
+    for (int i = 0; i < 256; i++) g_e4m3[i] = fp4moe_e4m3_to_f32((uint8_t)i);
+}
+
+static size_t fp8_codes_bytes(int64_t nkv, int64_t dh) { return ((size_t)(nkv * dh) + 3) / 4 * 4; }
+
+size_t op_kv_fp8_row_bytes(int64_t nkv, int64_t dh) {
+    return fp8_codes_bytes(nkv, dh) + (size_t)nkv * sizeof(float);
+}
+
+void op_kv_fp8_store(const float *x, int64_t nkv, int64_t dh, uint8_t *row) {
+    const size_t cb = fp8_codes_bytes(nkv, dh);
+    memset(row + nkv * dh, 0, cb - (size_t)(nkv * dh));
+    for (int64_t h = 0; h < nkv; h++) {
+        const float *xh = x + h * dh;
+        float amax = 0.0f;
+        for (int64_t i = 0; i < dh; i++) {
+            const float a = fabsf(xh[i]);
+            if (a != a) amax = NAN;
+            else if (a > amax) amax = a;    /* (NaN stays: a > NaN is false) */
+        }
+        const float s = amax == 0.0f ? 1.0f : amax / 448.0f;
+        for (int64_t i = 0; i < dh; i++) row[h * dh + i] = fp4moe_f32_to_e4m3(xh[i] / s);
+        memcpy(row + cb + (size_t)h * sizeof(float), &s, sizeof s);
+    }
+}
+
+void op_kv_fp8_load(const uint8_t *row, int64_t nkv, int64_t dh, float *x) {
+    pthread_once(&g_e4m3_once, e4m3_table);
+    const size_t cb = fp8_codes_bytes(nkv, dh);
+    for (int64_t h = 0; h < nkv; h++) {
+        float s;
+        memcpy(&s, row + cb + (size_t)h * sizeof(float), sizeof s);
+#ifdef FP4MOE_INJECT_FAULT_KV_FP8_SCALE /* deliberate fault (tests must catch it): the scale ignored */
+        s = 1.0f;
+#endif
+        const uint8_t *c = row + h * dh;
+        float *xh = x + h * dh;
+        for (int64_t i = 0; i < dh; i++) xh[i] = g_e4m3[c[i]] * s;
+    }
+}
 
 /* One query row against keys 0..n-1 of kv head `kh`: out = softmax(q.k * scale) @ v. */
 static void attend_one(const float *q, const float *k, const float *v, int64_t n, int64_t kvs,
