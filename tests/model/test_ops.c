@@ -334,6 +334,19 @@ static void test_attention_gqa_cache(void **state) {
         }
     assert_int_equal(op_attention_causal(q, qs, k, v, P, T, nq, nkv, dh, out), FP4MOE_OK);
     close_f64(out, ref, T * nq * dh, 1e-5, "attention");
+    /* the paged form: the same rows scattered over pages of 3 in a shuffled order (the rows see 6..9
+       keys: runs that end inside a page), read in place: bitwise equal to the contiguous call */
+    const int64_t page = 3, np = (P + T + page - 1) / page;
+    int32_t pages[8] = {4, 0, 2, 1, 3, 5, 6, 7};
+    float *kp = poison((np + 5) * page * kvs), *vp = poison((np + 5) * page * kvs), *outp = poison(T * nq * dh);
+    for (int64_t j = 0; j < P + T; j++) {
+        memcpy(kp + (pages[j / page] * page + j % page) * kvs, k + j * kvs, (size_t)kvs * sizeof(float));
+        memcpy(vp + (pages[j / page] * page + j % page) * kvs, v + j * kvs, (size_t)kvs * sizeof(float));
+    }
+    assert_int_equal(op_attention_causal_paged(q, qs, kp, vp, pages, page, P, T, nq, nkv, dh, outp), FP4MOE_OK);
+    assert_memory_equal(out, outp, (size_t)(T * nq * dh) * sizeof(float));
+    assert_int_equal(op_attention_causal_paged(q, qs, kp, vp, NULL, page, P, T, nq, nkv, dh, outp), FP4MOE_EINVAL);
+    free(kp); free(vp); free(outp);
     free(q); free(k); free(v); free(out); free(ref);
 }
 

@@ -3,7 +3,8 @@
  * exactly where the single-sequence CPU runtime rounded (each matmul's input and output, the
  * attention output, the MoE combine), so a step of one sequence reproduces its bits. Weights are
  * used in place (the model's op_linear descriptors). Per-sequence ops loop over the step's
- * segments; the paged KV cache is gathered into contiguous scratch for op_attention_causal. */
+ * segments; attention reads the paged f32 KV cache in place (op_attention_causal_paged) and
+ * dequantizes the FP8 one into contiguous scratch for op_attention_causal. */
 #include "backend/backend.h"
 
 #include <stdlib.h>
@@ -249,6 +250,14 @@ static int cpu_attention(void *bcv, const fw_step *s, const void *qv, const void
             memcpy(vc + row * kvs, v + (g->row0 + t) * kvs, (size_t)kvs * sizeof(float));
         }
         const int64_t n = g->pos0 + g->n;
+        if (!st->kv_fp8) {   /* the f32 cache is read in place, page by page */
+            const int st2 = op_attention_causal_paged(q + g->row0 * qs, qs, kc, vc,
+                                                      s->h_pages + (int64_t)g->slot * s->max_pages, FW_PAGE,
+                                                      g->pos0, g->n, nq, nkv, dh, out + g->row0 * qs);
+            if (st2) return st2;
+            continue;
+        }
+        /* the FP8 cache: dequantized once into contiguous scratch for the segment's T rows */
         const size_t need = (size_t)(2 * n * kvs);
         if (need > bc->kv_cap) {
             float *p = realloc(bc->kv, need * sizeof(float));
@@ -259,15 +268,10 @@ static int cpu_attention(void *bcv, const fw_step *s, const void *qv, const void
         float *K = bc->kv, *V = bc->kv + n * kvs;
         for (int64_t p0 = 0; p0 < n; p0 += FW_PAGE) {        /* page by page */
             const int64_t m = n - p0 < FW_PAGE ? n - p0 : FW_PAGE, row = kv_row(s, g->slot, p0);
-            if (st->kv_fp8) {
-                for (int64_t j = 0; j < m; j++) {
-                    op_kv_fp8_load(kb + (size_t)(row + j) * rb, nkv, dh, K + (p0 + j) * kvs);
-                    op_kv_fp8_load(vb + (size_t)(row + j) * rb, nkv, dh, V + (p0 + j) * kvs);
-                }
-                continue;
+            for (int64_t j = 0; j < m; j++) {
+                op_kv_fp8_load(kb + (size_t)(row + j) * rb, nkv, dh, K + (p0 + j) * kvs);
+                op_kv_fp8_load(vb + (size_t)(row + j) * rb, nkv, dh, V + (p0 + j) * kvs);
             }
-            memcpy(K + p0 * kvs, kc + row * kvs, (size_t)(m * kvs) * sizeof(float));
-            memcpy(V + p0 * kvs, vc + row * kvs, (size_t)(m * kvs) * sizeof(float));
         }
         const int st2 = op_attention_causal(q + g->row0 * qs, qs, K, V, g->pos0, g->n, nq, nkv, dh,
                                             out + g->row0 * qs);

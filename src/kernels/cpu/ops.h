@@ -124,6 +124,12 @@ void op_kv_fp8_load(const uint8_t *row, int64_t nkv, int64_t dh, float *x);
  * Errors: FP4MOE_ENOMEM. */
 int op_attention_causal(const float *q, int64_t qs, const float *k, const float *v, int64_t P,
                         int64_t T, int64_t nq, int64_t nkv, int64_t dh, float *out);
+/* The same over a paged cache, read in place: key/value j is row pages[j / page] * page + j % page
+ * of k and v (rows of nkv*dh floats); the same arithmetic in the same order (bitwise equal to
+ * op_attention_causal on the keys gathered). Memory: one score row of P+T floats per thread.
+ * Errors: FP4MOE_EINVAL (pages NULL, page < 1), FP4MOE_ENOMEM. */
+int op_attention_causal_paged(const float *q, int64_t qs, const float *k, const float *v, const int32_t *pages,
+                              int64_t page, int64_t P, int64_t T, int64_t nq, int64_t nkv, int64_t dh, float *out);
 
 /* ---- MoE routing -------------------------------------------------------------------------- */
 

@@ -56,17 +56,23 @@ void op_kv_fp8_load(const uint8_t *row, int64_t nkv, int64_t dh, float *x) {
     }
 }
 
-/* One query row against keys 0..n-1 of kv head `kh`: out = softmax(q.k * scale) @ v. */
-static void attend_one(const float *q, const float *k, const float *v, int64_t n, int64_t kvs,
-                       int64_t dh, float scale, float *sc, float *out) {
+/* One query row against keys 0..n-1 of kv head `kh`: out = softmax(q.k * scale) @ v. Keys are read
+ * a run of `page` at a time: run r at row pages[r] * page (contiguous: pages NULL, rows j). */
+static void attend_one(const float *q, const float *k, const float *v, const int32_t *pages, int64_t page,
+                       int64_t n, int64_t kvs, int64_t dh, float scale, float *sc, float *out) {
+    if (!pages) page = n > 0 ? n : 1;
     float mx = -INFINITY;
-    for (int64_t j = 0; j < n; j++) {
-        const float *kj = k + j * kvs;
-        float d = 0.0f;
+    for (int64_t j0 = 0; j0 < n; j0 += page) {
+        const float *kp = k + (pages ? (int64_t)pages[j0 / page] * page : j0) * kvs;
+        const int64_t m = n - j0 < page ? n - j0 : page;
+        for (int64_t jj = 0; jj < m; jj++) {
+            const float *kj = kp + jj * kvs;
+            float d = 0.0f;
 #pragma omp simd reduction(+ : d)
-        for (int64_t i = 0; i < dh; i++) d += q[i] * kj[i];
-        sc[j] = d * scale;
-        if (sc[j] > mx) mx = sc[j];
+            for (int64_t i = 0; i < dh; i++) d += q[i] * kj[i];
+            sc[j0 + jj] = d * scale;
+            if (sc[j0 + jj] > mx) mx = sc[j0 + jj];
+        }
     }
     float sum = 0.0f;
     for (int64_t j = 0; j < n; j++) {
@@ -75,15 +81,19 @@ static void attend_one(const float *q, const float *k, const float *v, int64_t n
     }
     const float inv = 1.0f / sum;
     for (int64_t i = 0; i < dh; i++) out[i] = 0.0f;
-    for (int64_t j = 0; j < n; j++) {
-        const float p = sc[j] * inv;
-        const float *vj = v + j * kvs;
-        for (int64_t i = 0; i < dh; i++) out[i] += p * vj[i];
+    for (int64_t j0 = 0; j0 < n; j0 += page) {
+        const float *vp = v + (pages ? (int64_t)pages[j0 / page] * page : j0) * kvs;
+        const int64_t m = n - j0 < page ? n - j0 : page;
+        for (int64_t jj = 0; jj < m; jj++) {
+            const float p = sc[j0 + jj] * inv;
+            const float *vj = vp + jj * kvs;
+            for (int64_t i = 0; i < dh; i++) out[i] += p * vj[i];
+        }
     }
 }
 
-int op_attention_causal(const float *q, int64_t qs, const float *k, const float *v, int64_t P,
-                        int64_t T, int64_t nq, int64_t nkv, int64_t dh, float *out) {
+static int attention(const float *q, int64_t qs, const float *k, const float *v, const int32_t *pages,
+                     int64_t page, int64_t P, int64_t T, int64_t nq, int64_t nkv, int64_t dh, float *out) {
     const int64_t kvs = nkv * dh, rep = nq / nkv;
     const float scale = 1.0f / sqrtf((float)dh);
     int failed = 0;
@@ -96,11 +106,22 @@ int op_attention_causal(const float *q, int64_t qs, const float *k, const float 
             for (int64_t h = 0; h < nq; h++) {
                 if (!sc) continue;
                 const int64_t kh = h / rep;
-                attend_one(q + t * qs + h * dh, k + kh * dh, v + kh * dh, P + t + 1, kvs, dh,
+                attend_one(q + t * qs + h * dh, k + kh * dh, v + kh * dh, pages, page, P + t + 1, kvs, dh,
                            scale, sc, out + t * nq * dh + h * dh);
             }
         free(sc);
     }
     if (failed) return fp4moe_set_error(FP4MOE_ENOMEM, "attention: out of memory for scores");
     return FP4MOE_OK;
+}
+
+int op_attention_causal(const float *q, int64_t qs, const float *k, const float *v, int64_t P,
+                        int64_t T, int64_t nq, int64_t nkv, int64_t dh, float *out) {
+    return attention(q, qs, k, v, NULL, 1, P, T, nq, nkv, dh, out);
+}
+
+int op_attention_causal_paged(const float *q, int64_t qs, const float *k, const float *v, const int32_t *pages,
+                              int64_t page, int64_t P, int64_t T, int64_t nq, int64_t nkv, int64_t dh, float *out) {
+    if (!pages || page < 1) return fp4moe_set_error(FP4MOE_EINVAL, "attention: no page table");
+    return attention(q, qs, k, v, pages, page, P, T, nq, nkv, dh, out);
 }
