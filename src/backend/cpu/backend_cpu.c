@@ -266,7 +266,8 @@ static int cpu_attention(void *bcv, const fw_step *s, const void *qv, const void
             bc->kv_cap = need;
         }
         float *K = bc->kv, *V = bc->kv + n * kvs;
-        for (int64_t p0 = 0; p0 < n; p0 += FW_PAGE) {        /* page by page */
+#pragma omp parallel for schedule(static)
+        for (int64_t p0 = 0; p0 < n; p0 += FW_PAGE) {        /* page by page, pages over the threads */
             const int64_t m = n - p0 < FW_PAGE ? n - p0 : FW_PAGE, row = kv_row(s, g->slot, p0);
             for (int64_t j = 0; j < m; j++) {
                 op_kv_fp8_load(kb + (size_t)(row + j) * rb, nkv, dh, K + (p0 + j) * kvs);
