@@ -457,6 +457,8 @@ static int generate(const gen_args *a) {
     fp4moe_kv_dtype kv;
     int rc = cli_parse_compute(CMD, a->device, a->dtype, a->cpu_act, &dev, &dt, &ca);
     if (!rc) rc = cli_parse_kv_dtype(CMD, a->kv_cache, dev, &kv);
+    if (!rc && a->gpus > 1 && dev != FP4MOE_DEVICE_CUDA)   /* before any loading */
+        rc = cli_usage_error(CMD, "--gpus needs --device cuda%s", fp4moe_cuda_available() ? "" : " (no CUDA device is visible)");
     if (rc) return rc;
     const volatile sig_atomic_t *stop = cli_install_sigint();
     char *text = NULL;                      /* -f FILE / -p -: the prompt text */

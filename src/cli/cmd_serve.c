@@ -90,6 +90,16 @@ static int serve(const serve_args *a) {
         return FP4MOE_EXIT_USAGE;
     }
     fp4moe_model *m = NULL, *models[64] = {NULL};
+    if (W > 1) {
+        fp4moe_config c0;
+        if (!fp4moe_config_load(a->synthetic ? a->synthetic : a->model, &c0)) {
+            if (c0.n_experts < W)
+                fprintf(stderr, "%s: warning: %d ranks for %lld routed experts: %lld rank(s) hold no expert (their "
+                        "requests still run; their MoE layers only send rows away)\n", CMD, W,
+                        (long long)c0.n_experts, (long long)(W - c0.n_experts));
+            fp4moe_config_free(&c0);
+        }
+    }
     fp4moe_ep_group *grp = NULL;
     if (W == 1) {
         rc = a->synthetic ? cli_load_synthetic(CMD, a->synthetic, (uint64_t)a->seed, dev, &m)
@@ -188,7 +198,8 @@ static int serve(const serve_args *a) {
     signal(SIGPIPE, SIG_IGN);
     char eps[160] = "";
     if (W > 1)
-        snprintf(eps, sizeof eps, ", expert parallel over %d ranks (%s; sequences and step tokens per rank)", W,
+        snprintf(eps, sizeof eps, ", expert parallel over %d ranks (%s; sequences and step tokens per rank, "
+                 "the prefix cache split over them)", W,
                  nccl ? "NCCL, one GPU each" : "in-process loopback");
     fprintf(stderr, "%s: model '%s' on %s, context %lld, %lld sequences x %lld tokens per step, prefix cache %lld MiB%s%s\n",
             CMD, pc.model_name, fp4moe_device_name(dev), (long long)ctx, (long long)eo.max_seqs,
@@ -223,11 +234,11 @@ int cmd_serve(int argc, char **argv) {
         {"--api-key", NULL, CLI_STRING, &a.api_key, "KEY", "require 'Authorization: Bearer KEY' on /v1/*"},
         {"--served-model-name", NULL, CLI_STRING, &a.name, "NAME", "model id of the API (default: the directory name)"},
         {"--ctx", NULL, CLI_INT, &a.ctx, "N", "tokens per request, prompt + output (default: max_position_embeddings)"},
-        {"--max-seqs", NULL, CLI_INT, &a.max_seqs, "N", "requests computed at once (default 16 cpu, 64 cuda)"},
-        {"--max-step-tokens", NULL, CLI_INT, &a.max_step_tokens, "N", "tokens per batch step (default 256 cpu, 2048 cuda)"},
+        {"--max-seqs", NULL, CLI_INT, &a.max_seqs, "N", "requests computed at once, per expert-parallel rank (default 16 cpu, 64 cuda)"},
+        {"--max-step-tokens", NULL, CLI_INT, &a.max_step_tokens, "N", "tokens per batch step, per expert-parallel rank (default 256 cpu, 2048 cuda)"},
         {"--max-queue", NULL, CLI_INT, &a.max_queue, "N", "requests waiting beyond --max-seqs before 429 (default 256)"},
         {"--max-body", NULL, CLI_INT, &a.max_body, "BYTES", "largest request body (default 8388608)"},
-        {"--prefix-cache-mb", NULL, CLI_INT, &a.prefix_cache_mb, "MB", "memory for kept conversation states (GPU memory on cuda); 0 = off (default 1024 cpu, 8192 cuda)"},
+        {"--prefix-cache-mb", NULL, CLI_INT, &a.prefix_cache_mb, "MB", "memory for kept conversation states (GPU memory on cuda), split evenly over expert-parallel ranks; 0 = off (default 1024 cpu, 8192 cuda)"},
         {"--kv-cache-tokens", NULL, CLI_INT, &a.kv_tokens, "N", "KV cache pool over all requests, fixed (CUDA: graphs "
          "warmed up at start); 0 = grown on demand (default)"},
         {"--no-warmup", NULL, CLI_FLAG, &a.no_warmup, NULL, "skip the CUDA graph warm-up"},
@@ -244,7 +255,7 @@ int cmd_serve(int argc, char **argv) {
         {"--seed", NULL, CLI_INT, &a.seed, "S", "seed of --synthetic weights (default 0)"},
         {"--gpus", NULL, CLI_INT, &a.gpus, "N",
          "expert parallelism over N CUDA devices through NCCL (libnccl.so.2 on LD_LIBRARY_PATH): each GPU "
-         "holds 1/N of every MoE layer's routed experts and runs its own requests (--max-seqs each; default 1)"},
+         "holds 1/N of every MoE layer's routed experts and runs its own requests (--max-seqs each). Default: 1 GPU, no expert parallelism"},
         {"--ep-ranks", NULL, CLI_INT, &a.ep_ranks, "N",
          "expert parallelism with N ranks on this one device (in-process loopback): the --gpus path without N GPUs"},
     };

@@ -51,7 +51,7 @@ int cli_parse_compute(const char *cmd, const char *device, const char *dtype, co
 /* --kv-cache-dtype: NULL or "auto" -> AUTO, "fp8" -> FP8 (the CPU only: on cuda a usage error);
  * else a usage error (exit code 2). dev: the resolved device. */
 int cli_parse_kv_dtype(const char *cmd, const char *s, fp4moe_device dev, fp4moe_kv_dtype *kv);
-#define CLI_KV_HELP "KV cache storage: auto (the backend's: fp32 on the cpu) or fp8 (E4M3 with a scale per token and kv head: ~4x smaller on the cpu; accuracy in docs/PERFORMANCE.md; cpu only so far)"
+#define CLI_KV_HELP "KV cache storage: auto (the backend's: fp32 on the cpu; cuda: K bf16, V fp16) or fp8 (E4M3 with a scale per token and kv head: ~4x smaller on the cpu; accuracy in docs/PERFORMANCE.md; cpu only so far)"
 /* The --cpu-act option's help text (one place for every command). */
 #define CLI_CPU_ACT_HELP "CPU NVFP4 matmuls: q8 (the CPU default: W4A8, the activations, after --dtype's rounding, as int8 per 16-element block; integer dot products; +0.03% held-out perplexity on the default model, docs/PERFORMANCE.md) or float (activations at --dtype: the f32 contract, equal to transformers); cuda: float only"
 /* Installs a SIGINT handler; the returned flag becomes 1 on Ctrl-C. */

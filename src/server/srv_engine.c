@@ -326,8 +326,10 @@ static void log_job(const srv_engine *e, const srv_job *j, int http, const char 
     if (!e->o.log) return;
     const double now = now_s(), ttft = j->n_gen ? j->t_first - j->t_submit : now - j->t_submit;
     const double dec = j->n_gen > 1 ? (double)(j->n_gen - 1) / (j->t_last - j->t_first) : 0.0;
-    fprintf(stderr, "serve: %s %d prompt %lld (cached %lld) output %lld (%s) queue %.1f ms ttft %.1f ms "
-            "decode %.1f tok/s total %.1f ms (prefill steps %d, restore %.1f ms, snapshot %.1f ms)\n", j->id, http,
+    char rank[24] = "";
+    if (e->n_ranks > 1 && j->rk) snprintf(rank, sizeof rank, " rank %d", j->rk->rank);
+    fprintf(stderr, "serve: %s %d%s prompt %lld (cached %lld) output %lld (%s) queue %.1f ms ttft %.1f ms "
+            "decode %.1f tok/s total %.1f ms (prefill steps %d, restore %.1f ms, snapshot %.1f ms)\n", j->id, http, rank,
             (long long)j->r.n_ids, (long long)j->cached, (long long)j->n_gen, finish,
             1e3 * ((j->t_admit > 0 ? j->t_admit : now) - j->t_submit), 1e3 * ttft, dec, 1e3 * (now - j->t_submit),
             j->n_steps_prefill, j->ms_restore, j->ms_snapshot);
@@ -1030,6 +1032,12 @@ char *srv_engine_metrics(srv_engine *e) {
         (unsigned long long)e->prompt_tokens, (unsigned long long)e->cached_tokens, (unsigned long long)e->gen_tokens,
         (unsigned long long)e->steps, (long long)e->n_queued, (long long)e->n_running, cache_bytes,
         (long long)n_cache, e->n_ranks);
+    if (e->n_ranks > 1) {
+        srv_buf_printf(&b, "# HELP fp4moe_rank_sequences Requests held by each expert-parallel rank.\n"
+                       "# TYPE fp4moe_rank_sequences gauge\n");
+        for (int r = 0; r < e->n_ranks; r++)
+            srv_buf_printf(&b, "fp4moe_rank_sequences{rank=\"%d\"} %lld\n", r, (long long)e->ranks[r].n_load);
+    }
     put_histo(&b, "fp4moe_batch_rows", "Token rows per batch step.", &e->rows);
     put_histo(&b, "fp4moe_step_seconds", "Wall time of one batch step (forward + outputs).", &e->step_s);
     put_histo(&b, "fp4moe_time_to_first_token_seconds", "Time from request to its first token.", &e->ttft);

@@ -305,6 +305,8 @@ def main():
         steps = se.metric("fp4moe_steps_total")
         time.sleep(0.5)
         check(se.metric("fp4moe_steps_total") == steps, "--ep-ranks 3: idle ranks do not step while no request runs")
+        held = [se.metric('fp4moe_rank_sequences{rank="%d"}' % r) for r in range(3)]
+        check(held == [0, 0, 0], "--ep-ranks 3: fp4moe_rank_sequences per rank, all 0 when idle (%s)" % held)
         sock = open_stream(se.port, p0, 2)      # shutdown while a stream runs on one rank
     finally:
         t0 = time.time()
