@@ -23,54 +23,6 @@
 #define PAGE 32
 #define KVS (NKV * DH)
 
-static int cmp_float(const void *a, const void *b) {
-    const float x = *(const float *)a, y = *(const float *)b;
-    return (x > y) - (x < y);
-}
-
-static uint16_t f2bf(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    return (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
-}
-
-/* Random values in [-a, a] on the device: bf16, or fp16 (f16: the V cache's type). */
-static void *rand_dev(int64_t n, float a, tu_rng *r, int f16) {
-    uint16_t *h = malloc((size_t)n * 2);
-    for (int64_t i = 0; i < n; i++) {
-        const float x = (float)((2.0 * tu_rng_uniform(r) - 1.0) * a);
-        h[i] = f16 ? gt_f2h(x) : f2bf(x);
-    }
-    void *d = gt_upload(h, (size_t)n * 2);
-    free(h);
-    return d;
-}
-
-/* Median ms of one call of fn over `reps` batches of `inner` calls. */
-typedef int (*call_fn)(void *ctx);
-static float time_ms(call_fn fn, void *ctx, int reps, int inner) {
-    cudaEvent_t a, b;
-    GT_CHECK(cudaEventCreate(&a));
-    GT_CHECK(cudaEventCreate(&b));
-    float ms[32];
-    if (fn(ctx)) {
-        fprintf(stderr, "gpu_attention: %s\n", fp4moe_last_error());
-        exit(1);
-    }
-    for (int r = 0; r < reps; r++) {
-        GT_CHECK(cudaEventRecord(a, 0));
-        for (int i = 0; i < inner; i++) fn(ctx);
-        GT_CHECK(cudaEventRecord(b, 0));
-        GT_CHECK(cudaEventSynchronize(b));
-        GT_CHECK(cudaEventElapsedTime(&ms[r], a, b));
-        ms[r] /= (float)inner;
-    }
-    cudaEventDestroy(a);
-    cudaEventDestroy(b);
-    qsort(ms, (size_t)reps, sizeof(float), cmp_float);
-    return ms[reps / 2];
-}
-
 typedef struct {
     void *q, *k, *v, *pages, *slot, *pos, *out;
     float *scratch;
@@ -99,7 +51,7 @@ int main(int argc, char **argv) {
     const int64_t maxtok = 131072 * 2;   /* cache rows: the longest context x the rows sharing it */
     /* one cache: pages in order; decode rows r use pages of their own slot (slot r), all slots
        point at the same physical pages (the data is the same for every row: timing only) */
-    void *k = rand_dev(maxtok * KVS, 1.0f, &r, 0), *v = rand_dev(maxtok * KVS, 1.0f, &r, 1);
+    void *k = gt_rand_dev(maxtok * KVS, 1.0f, &r, 0), *v = gt_rand_dev(maxtok * KVS, 1.0f, &r, 1);
     printf("# fp4moe attention, nq %d nkv %d head_dim %d, bf16, pages of %d tokens\n", NQ, NKV, DH, PAGE);
     for (size_t i = 0; i < sizeof prefill_T / sizeof prefill_T[0]; i++) {
         const int64_t T = prefill_T[i];
@@ -107,9 +59,9 @@ int main(int argc, char **argv) {
         const int64_t np = (T + PAGE - 1) / PAGE;
         int32_t *pg = malloc((size_t)np * 4);
         for (int64_t p = 0; p < np; p++) pg[p] = (int32_t)p;
-        ctx_t c = {.q = rand_dev(T * NQ * DH, 2.0f, &r, 0), .k = k, .v = v, .pages = gt_upload(pg, (size_t)np * 4),
+        ctx_t c = {.q = gt_rand_dev(T * NQ * DH, 2.0f, &r, 0), .k = k, .v = v, .pages = gt_upload(pg, (size_t)np * 4),
                    .out = gt_upload(NULL, (size_t)(T * NQ * DH) * 2), .T = T};
-        const float ms = time_ms(do_prefill, &c, quick ? 3 : 7, T >= 8192 ? 3 : 10);
+        const float ms = gt_time_ms(do_prefill, &c, quick ? 3 : 7, T >= 8192 ? 3 : 10);
         printf("prefill %lld %.4f\n", (long long)T, ms);
         fflush(stdout);
         gt_free(c.q);
@@ -128,12 +80,12 @@ int main(int argc, char **argv) {
                 pos[s] = (int32_t)(L - 1);
                 for (int64_t p = 0; p < np; p++) pg[s * np + p] = (int32_t)((p + s * 7) % (maxtok / PAGE));
             }
-            ctx_t c = {.q = rand_dev(R * NQ * DH, 2.0f, &r, 0), .k = k, .v = v,
+            ctx_t c = {.q = gt_rand_dev(R * NQ * DH, 2.0f, &r, 0), .k = k, .v = v,
                        .pages = gt_upload(pg, (size_t)(np * R) * 4), .slot = gt_upload(slot, (size_t)R * 4),
                        .pos = gt_upload(pos, (size_t)R * 4), .out = gt_upload(NULL, (size_t)(R * NQ * DH) * 2),
                        .scratch = gt_upload(NULL, cuda_attention_decode_scratch(R, NQ, DH)), .R = R,
                        .max_pages = np};
-            const float ms = time_ms(do_decode, &c, quick ? 3 : 7, 20);
+            const float ms = gt_time_ms(do_decode, &c, quick ? 3 : 7, 20);
             printf("decode %lld %lld %.4f\n", (long long)L, (long long)R, ms);
             fflush(stdout);
             gt_free(c.q);

@@ -205,29 +205,11 @@ static int wide(const uint16_t *q, const uint16_t *kc, const uint16_t *vc, const
                      : launch_wide<64>(q, kc, vc, pages, P, T, nq, nkv, out);
 }
 
-static uint16_t h_f2bf(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    return (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
-}
-
 static float h_bf2f(uint16_t b) {
     const uint32_t u = (uint32_t)b << 16;
     float f;
     memcpy(&f, &u, 4);
     return f;
-}
-
-/* Random values in [-a, a]: n bf16 (or fp16: f16) on the device. */
-static void *rand_dev(int64_t n, float a, tu_rng *r, int f16) {
-    uint16_t *h = (uint16_t *)malloc((size_t)n * 2);
-    for (int64_t i = 0; i < n; i++) {
-        const float x = (float)((2.0 * tu_rng_uniform(r) - 1.0) * a);
-        h[i] = f16 ? gt_f2h(x) : h_f2bf(x);
-    }
-    void *d = gt_upload(h, (size_t)n * 2);
-    free(h);
-    return d;
 }
 
 typedef struct {
@@ -237,37 +219,13 @@ typedef struct {
     uint16_t *out;
 } call_t;
 
-static int run_prod(const call_t *c) {
+static int run_prod(void *p) {
+    const call_t *c = (const call_t *)p;
     return cuda_attention_prefill(NULL, c->q, c->k, c->v, c->pages, c->P, c->T, c->nq, c->nkv, c->dh, c->out);
 }
-static int run_wide(const call_t *c) { return wide(c->q, c->k, c->v, c->pages, c->P, c->T, c->nq, c->nkv, c->dh, c->out); }
-
-static float time_ms(int (*fn)(const call_t *), const call_t *c, int reps, int inner) {
-    cudaEvent_t a, b;
-    GT_CHECK(cudaEventCreate(&a));
-    GT_CHECK(cudaEventCreate(&b));
-    float ms[16];
-    if (fn(c)) {
-        fprintf(stderr, "gpu_attention_wide: %s\n", fp4moe_last_error());
-        exit(1);
-    }
-    for (int r = 0; r < reps; r++) {
-        GT_CHECK(cudaEventRecord(a, 0));
-        for (int i = 0; i < inner; i++) fn(c);
-        GT_CHECK(cudaEventRecord(b, 0));
-        GT_CHECK(cudaEventSynchronize(b));
-        GT_CHECK(cudaEventElapsedTime(&ms[r], a, b));
-        ms[r] /= (float)inner;
-    }
-    cudaEventDestroy(a);
-    cudaEventDestroy(b);
-    for (int i = 1; i < reps; i++)
-        for (int j = i; j > 0 && ms[j] < ms[j - 1]; j--) {
-            const float t = ms[j];
-            ms[j] = ms[j - 1];
-            ms[j - 1] = t;
-        }
-    return ms[reps / 2];
+static int run_wide(void *p) {
+    const call_t *c = (const call_t *)p;
+    return wide(c->q, c->k, c->v, c->pages, c->P, c->T, c->nq, c->nkv, c->dh, c->out);
 }
 
 /* Pages of a sequence of n positions, in a shuffled order over n_pages physical pages. */
@@ -289,8 +247,8 @@ static int32_t *shuffled_pages(int64_t n, int64_t n_pages, tu_rng *r) {
 /* The candidate against the production kernel on one (shape, P, T); returns the worst row error. */
 static double check_case(int nq, int nkv, int dh, int P, int T, tu_rng *r) {
     const int64_t kvs = (int64_t)nkv * dh, n = P + T, n_pages = (n + 31) / 32 + 5;
-    void *k = rand_dev(n_pages * 32 * kvs, 1.0f, r, 0), *v = rand_dev(n_pages * 32 * kvs, 1.0f, r, 1);
-    void *q = rand_dev((int64_t)T * nq * dh, 2.0f, r, 0);
+    void *k = gt_rand_dev(n_pages * 32 * kvs, 1.0f, r, 0), *v = gt_rand_dev(n_pages * 32 * kvs, 1.0f, r, 1);
+    void *q = gt_rand_dev((int64_t)T * nq * dh, 2.0f, r, 0);
     int32_t *pg = shuffled_pages(n, n_pages, r);
     const size_t on = (size_t)T * nq * dh;
     uint16_t *d_ref = (uint16_t *)gt_upload(NULL, on * 2), *d_new = (uint16_t *)gt_upload(NULL, on * 2);
@@ -342,13 +300,13 @@ int main(void) {
     for (size_t i = 0; i < sizeof Ts / sizeof Ts[0]; i++) {
         const int T = Ts[i], nq = 32, nkv = 2, dh = 128;
         const int64_t kvs = nkv * dh, n_pages = (T + 31) / 32;
-        void *k = rand_dev(n_pages * 32 * kvs, 1.0f, &r, 0), *v = rand_dev(n_pages * 32 * kvs, 1.0f, &r, 1);
-        void *q = rand_dev((int64_t)T * nq * dh, 2.0f, &r, 0);
+        void *k = gt_rand_dev(n_pages * 32 * kvs, 1.0f, &r, 0), *v = gt_rand_dev(n_pages * 32 * kvs, 1.0f, &r, 1);
+        void *q = gt_rand_dev((int64_t)T * nq * dh, 2.0f, &r, 0);
         int32_t *pg = shuffled_pages(T, n_pages, &r);
         void *o = gt_upload(NULL, (size_t)T * nq * dh * 2);
         const call_t c = {(const uint16_t *)q, (const uint16_t *)k, (const uint16_t *)v, pg, 0, T, nq, nkv, dh, (uint16_t *)o};
         const int inner = T >= 8192 ? 3 : 10;
-        const float a = time_ms(run_prod, &c, 7, inner), b = time_ms(run_wide, &c, 7, inner);
+        const float a = gt_time_ms(run_prod, (void *)&c, 7, inner), b = gt_time_ms(run_wide, (void *)&c, 7, inner);
         printf("| %d | %.4f | %.4f | %.2f |\n", T, a, b, b / a);
         gt_free(k); gt_free(v); gt_free(q); gt_free(pg); gt_free(o);
     }

@@ -48,6 +48,12 @@ static const char *base_name(const char *path) {
     return buf;
 }
 
+/* The ranks' models (loopback ranks of a --synthetic model share models[0]). */
+static void free_models(fp4moe_model **models, int W) {
+    for (int r = 0; r < W; r++)
+        if (models[r] && (r == 0 || models[r] != models[0])) fp4moe_model_free(models[r]);
+}
+
 static int serve(const serve_args *a) {
     fp4moe_device dev;
     fp4moe_dtype dt;
@@ -125,8 +131,7 @@ static int serve(const serve_args *a) {
         rc = st ? cli_fail(CMD, st) : 0;
     }
     if (rc) {
-        for (int r = 0; r < W; r++)
-            if (models[r] && (r == 0 || models[r] != models[0])) fp4moe_model_free(models[r]);
+        free_models(models, W);
         fp4moe_ep_group_free(grp);
         fp4moe_template_free(tmpl);
         fp4moe_tokenizer_free(tok);
@@ -182,8 +187,7 @@ static int serve(const serve_args *a) {
     if (eo.warmup) fprintf(stderr, "%s: warming up CUDA graphs for 1..%lld decode rows ...\n", CMD, (long long)eo.max_seqs);
     if ((st = srv_engine_new(m, tok, pc.model_name, &eo, &e))) {
         cJSON_Delete(special);
-        for (int r = 0; r < W; r++)
-            if (models[r] && (r == 0 || models[r] != models[0])) fp4moe_model_free(models[r]);
+        free_models(models, W);
         fp4moe_ep_group_free(grp);
         fp4moe_template_free(tmpl);
         fp4moe_tokenizer_free(tok);
@@ -212,8 +216,7 @@ static int serve(const serve_args *a) {
     else fprintf(stderr, "%s: stopped (%s)\n", CMD, g_signal == SIGTERM ? "SIGTERM" : "Ctrl-C");
     srv_engine_free(e);
     cJSON_Delete(special);
-    for (int r = 0; r < W; r++)
-        if (models[r] && (r == 0 || models[r] != models[0])) fp4moe_model_free(models[r]);
+    free_models(models, W);
     fp4moe_ep_group_free(grp);
     fp4moe_template_free(tmpl);
     fp4moe_tokenizer_free(tok);

@@ -9,6 +9,7 @@
 #include <cuda_runtime_api.h>
 
 #include "fp4moe/gather_qmm.h"
+#include "testutil.h"
 
 #define GT_CHECK(call)                                                                             \
     do {                                                                                           \
@@ -60,6 +61,59 @@ static inline unsigned short gt_f2h(float f) {
     }
     const unsigned r = a + 0xFFFu + ((a >> 13) & 1u) - (112u << 23); /* rebias 127 -> 15, round bit 13 */
     return (unsigned short)(sign | (r >> 13));
+}
+
+/* fp32 -> bf16 bits, round to nearest even. */
+static inline unsigned short gt_f2bf(float f) {
+    union { float f; unsigned u; } v = {f};
+    return (unsigned short)((v.u + 0x7FFFu + ((v.u >> 16) & 1u)) >> 16);
+}
+
+/* n values uniform in [-a, a] on the device: bf16, or fp16 with f16 (the CUDA V cache's type). */
+static inline void *gt_rand_dev(int64_t n, float a, tu_rng *r, int f16) {
+    unsigned short *h = (unsigned short *)malloc((size_t)n * 2);
+    if (!h) {
+        fprintf(stderr, "gt_rand_dev: out of memory\n");
+        exit(1);
+    }
+    for (int64_t i = 0; i < n; i++) {
+        const float x = (float)((2.0 * tu_rng_uniform(r) - 1.0) * a);
+        h[i] = f16 ? gt_f2h(x) : gt_f2bf(x);
+    }
+    void *d = gt_upload(h, (size_t)n * 2);
+    free(h);
+    return d;
+}
+
+/* Median milliseconds of one fn(ctx) call over reps (<= 32) batches of `inner` calls timed with CUDA
+ * events on the default stream, after one untimed call (a failure there prints the error, exit 1). */
+static inline float gt_time_ms(int (*fn)(void *), void *ctx, int reps, int inner) {
+    cudaEvent_t a, b;
+    float ms[32];
+    if (reps > 32) reps = 32;
+    GT_CHECK(cudaEventCreate(&a));
+    GT_CHECK(cudaEventCreate(&b));
+    if (fn(ctx)) {
+        fprintf(stderr, "timed call: %s\n", fp4moe_last_error());
+        exit(1);
+    }
+    for (int r = 0; r < reps; r++) {
+        GT_CHECK(cudaEventRecord(a, 0));
+        for (int i = 0; i < inner; i++) fn(ctx);
+        GT_CHECK(cudaEventRecord(b, 0));
+        GT_CHECK(cudaEventSynchronize(b));
+        GT_CHECK(cudaEventElapsedTime(&ms[r], a, b));
+        ms[r] /= (float)inner;
+    }
+    cudaEventDestroy(a);
+    cudaEventDestroy(b);
+    for (int i = 1; i < reps; i++)          /* insertion sort: reps is small */
+        for (int j = i; j > 0 && ms[j] < ms[j - 1]; j--) {
+            const float t = ms[j];
+            ms[j] = ms[j - 1];
+            ms[j - 1] = t;
+        }
+    return ms[reps / 2];
 }
 
 static inline void gt_free(void *d) {

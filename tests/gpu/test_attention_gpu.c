@@ -24,12 +24,6 @@
 #define PAGE 32
 #define RTOL 1e-2
 
-static uint16_t f2bf(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    u += 0x7FFF + ((u >> 16) & 1);
-    return (uint16_t)(u >> 16);
-}
 static double bf2d(uint16_t b) {
     const uint32_t u = (uint32_t)b << 16;
     float f;
@@ -75,8 +69,8 @@ static caches make_caches(int64_t nq, int64_t nkv, int64_t dh, const int64_t *le
     c.k = malloc(n * 2);
     c.v = malloc(n * 2);
     for (size_t i = 0; i < n; i++) {
-        c.k[i] = f2bf((float)(2.0 * tu_rng_uniform(r) - 1.0));
-        c.v[i] = f2bf((float)(2.0 * tu_rng_uniform(r) - 1.0));
+        c.k[i] = gt_f2bf((float)(2.0 * tu_rng_uniform(r) - 1.0));
+        c.v[i] = gt_f2bf((float)(2.0 * tu_rng_uniform(r) - 1.0));
     }
     c.dk = gt_upload(c.k, n * 2);
     uint16_t *vh = malloc(n * 2);               /* the device V cache holds fp16 (ops_cuda.h) */
@@ -149,7 +143,7 @@ static void test_decode(void **state) {
         caches c = make_caches(sh.nq, sh.nkv, sh.dh, lens, nseq, &r);
         const int64_t qn = nseq * sh.nq * sh.dh;
         uint16_t *q = malloc((size_t)qn * 2), *out = malloc((size_t)qn * 2);
-        for (int64_t i = 0; i < qn; i++) q[i] = f2bf((float)(4.0 * tu_rng_uniform(&r) - 2.0));
+        for (int64_t i = 0; i < qn; i++) q[i] = gt_f2bf((float)(4.0 * tu_rng_uniform(&r) - 2.0));
         int32_t slot[7], pos[7];
         for (int i = 0; i < nseq; i++) {
             slot[i] = (int32_t)((i * 5 + 1) % nseq);    /* rows in another order than the slots */
@@ -205,8 +199,8 @@ static void test_prefill(void **state) {
             for (int64_t t = 0; t < T; t++) {
                 pos[t] = (int32_t)(P + t);
                 for (int64_t i = 0; i < c.kvs; i++) {
-                    kn[t * c.kvs + i] = f2bf((float)(2.0 * tu_rng_uniform(&r) - 1.0));
-                    vn[t * c.kvs + i] = f2bf((float)(2.0 * tu_rng_uniform(&r) - 1.0));
+                    kn[t * c.kvs + i] = gt_f2bf((float)(2.0 * tu_rng_uniform(&r) - 1.0));
+                    vn[t * c.kvs + i] = gt_f2bf((float)(2.0 * tu_rng_uniform(&r) - 1.0));
                     c.k[row_of(&c, 0, P + t) * c.kvs + i] = kn[t * c.kvs + i];
                     c.v[row_of(&c, 0, P + t) * c.kvs + i] = vn[t * c.kvs + i];
                 }
@@ -217,7 +211,7 @@ static void test_prefill(void **state) {
                 fail_msg("kv append: %s", fp4moe_last_error());
             const int64_t qn = T * sh.nq * sh.dh;
             uint16_t *q = malloc((size_t)qn * 2), *out = malloc((size_t)qn * 2);
-            for (int64_t i = 0; i < qn; i++) q[i] = f2bf((float)(4.0 * tu_rng_uniform(&r) - 2.0));
+            for (int64_t i = 0; i < qn; i++) q[i] = gt_f2bf((float)(4.0 * tu_rng_uniform(&r) - 2.0));
             void *dq = gt_upload(q, (size_t)qn * 2), *dout = gt_upload(NULL, (size_t)qn * 2);
             gt_poison(dout, (size_t)qn * 2);
             if (cuda_attention_prefill(NULL, dq, c.dk, c.dv, c.dpages, P, T, sh.nq, sh.nkv, sh.dh, dout))

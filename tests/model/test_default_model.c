@@ -125,6 +125,20 @@ static void test_greedy_batched_vs_qmv(void **state) {
     free(lg_off);
 }
 
+/* Positions t < T (rows of V logits) where a and b have the same argmax (lowest id on ties). */
+static int64_t argmax_agree(const float *a, const float *b, int64_t T, int64_t V) {
+    int64_t agree = 0;
+    for (int64_t t = 0; t < T; t++) {
+        int64_t ia = 0, ib = 0;
+        for (int64_t v = 1; v < V; v++) {
+            if (a[t * V + v] > a[t * V + ia]) ia = v;
+            if (b[t * V + v] > b[t * V + ib]) ib = v;
+        }
+        agree += ia == ib;
+    }
+    return agree;
+}
+
 /* W4A8 (cpu_act q8) on the real model: the prefill logits stay close to the f32 ones and the greedy
  * choices mostly agree (int8 activations move a logit by ~1% of the row's range; the reference
  * continuation's smallest top-1/top-2 gap is ~0.15, so a few flips are expected, not many), and a
@@ -141,15 +155,7 @@ static void test_q8_close_to_f32(void **state) {
     assert_int_equal(fp4moe_session_new(g.m, &o, &s), FP4MOE_OK);
     mt_forward(s, g.prompt_ids, g.T, lq, 1);
     fp4moe_session_free(s);
-    int64_t agree = 0;
-    for (int64_t t = 0; t < g.T; t++) {
-        int64_t af = 0, aq = 0;
-        for (int64_t v = 1; v < V; v++) {
-            if (lf[t * V + v] > lf[t * V + af]) af = v;
-            if (lq[t * V + v] > lq[t * V + aq]) aq = v;
-        }
-        agree += af == aq;
-    }
+    const int64_t agree = argmax_agree(lf, lq, g.T, V);
     const double err = mt_max_err(lq, lf, g.T, V);
     fprintf(stderr, "q8 vs f32 prefill logits: rel err %.3g, argmax agrees at %lld of %lld positions\n", err,
             (long long)agree, (long long)g.T);
@@ -226,15 +232,8 @@ static void test_fp8_kv_close_to_f32(void **state) {
     int32_t *out = malloc((size_t)g.n * sizeof *out);
     mt_greedy(s, g.prompt_ids, g.T, V, g.n, out);
     fp4moe_session_free(s);
-    int64_t agree = 0, same = 0;
-    for (int64_t t = 0; t < g.T; t++) {
-        int64_t af = 0, a8 = 0;
-        for (int64_t v = 1; v < V; v++) {
-            if (lf[t * V + v] > lf[t * V + af]) af = v;
-            if (l8[t * V + v] > l8[t * V + a8]) a8 = v;
-        }
-        agree += af == a8;
-    }
+    const int64_t agree = argmax_agree(lf, l8, g.T, V);
+    int64_t same = 0;
     while (same < g.n && out[same] == g.gen_ids[same]) same++;
     const double err = mt_max_err(l8, lf, g.T, V);
     fprintf(stderr, "fp8 KV vs f32 KV prefill logits: rel err %.3g, argmax agrees at %lld of %lld positions; greedy "

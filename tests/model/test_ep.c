@@ -294,16 +294,22 @@ typedef struct {
     int st;
 } follower_job;
 
-static void *run_follower(void *arg) {
-    follower_job *f = arg;
+/* A CPU batch of one sequence as rank `rank` of group g. */
+static int rank_batch(const fp4moe_model *m, fp4moe_ep_group *g, int rank, fp4moe_batch **b) {
     fp4moe_batch_options o;
     fp4moe_batch_options_default(&o);
     o.device = FP4MOE_DEVICE_CPU;
     o.max_seqs = 1;
-    o.ep = f->g;
-    o.ep_rank = f->rank;
+    o.ep = g;
+    o.ep_rank = rank;
+    *b = NULL;
+    return fp4moe_batch_new(m, &o, b);
+}
+
+static void *run_follower(void *arg) {
+    follower_job *f = arg;
     fp4moe_batch *b = NULL;
-    f->st = fp4moe_batch_new(f->m, &o, &b);
+    f->st = rank_batch(f->m, f->g, f->rank, &b);
     if (!f->st) f->st = fp4moe_ep_follow(b, &f->steps);
     fp4moe_batch_free(b);
     return NULL;
@@ -392,14 +398,8 @@ typedef struct {
 
 static void *run_idle_rank(void *arg) {
     idle_job *j = arg;
-    fp4moe_batch_options o;
-    fp4moe_batch_options_default(&o);
-    o.device = FP4MOE_DEVICE_CPU;
-    o.max_seqs = 1;
-    o.ep = j->g;
-    o.ep_rank = j->rank;
     fp4moe_batch *b = NULL;
-    j->st = fp4moe_batch_new(j->m, &o, &b);
+    j->st = rank_batch(j->m, j->g, j->rank, &b);
     int64_t seq = -1;
     int produced = 0, done = 0;
     int32_t next = 0;

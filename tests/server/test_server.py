@@ -185,13 +185,16 @@ def main():
                 return chat(cl, [{"role": "user", "content": p}], n, stream)[:3]
             return complete(cl, p, n, stream)[:2]
 
-        def client_job(k):
-            cl = s.client()
-            return [(rq[0], run(rq, cl)) for rq in reqs[k::32]]
+        def concurrent(srv, rqs, n):
+            """rqs over n concurrent clients of srv (client k sends rqs[k::n] in turn): {index: answer}"""
+            def client_job(k):
+                cl = srv.client()
+                return [(rq[0], run(rq, cl)) for rq in rqs[k::n]]
+            with cf.ThreadPoolExecutor(n) as ex:
+                return dict(x for lst in ex.map(client_job, range(n)) for x in lst)
 
         t0 = time.time()
-        with cf.ThreadPoolExecutor(32) as ex:
-            together = dict(x for lst in ex.map(client_job, range(32)) for x in lst)
+        together = concurrent(s, reqs, 32)
         t_conc = time.time() - t0
         t0 = time.time()
         alone = {rq[0]: run(rq, c) for rq in reqs}
@@ -285,14 +288,8 @@ def main():
     try:
         check(se.metric("fp4moe_ranks") == 3, "--ep-ranks 3: fp4moe_ranks 3")
         sub = reqs[:48]
-
-        def ep_client_job(k):
-            cl = se.client()
-            return [(rq[0], run(rq, cl)) for rq in sub[k::16]]
-
         t0 = time.time()
-        with cf.ThreadPoolExecutor(16) as ex:
-            ep_got = dict(x for lst in ex.map(ep_client_job, range(16)) for x in lst)
+        ep_got = concurrent(se, sub, 16)
         diff = [rq[0] for rq in sub if ep_got.get(rq[0]) != alone[rq[0]]]
         check(len(ep_got) == 48 and not diff, "--ep-ranks 3: 16 clients x 3 requests equal the plain server's answers "
               "(%d differ, %.1f s)" % (len(diff), time.time() - t0))
