@@ -8,6 +8,10 @@
 #   BIN        packed programs (scripts/gpu-batch-check.sh --package BIN)
 #   OLD_FP4MOE an fp4moe binary of an earlier commit, for the same-run comparison (optional)
 #   FAULT_DIR  test_attention_gpu-causal_mask / -kv_block binaries (FP4MOE_INJECT_FAULT builds)
+# Environment: CANDIDATES: a folder of candidate-kernel programs (NAME or NAME.xz: a bench/ source built
+# with each variant's macros, checking itself against the production kernel and timing both), each
+# run in turn; its "check ... PASS" count goes to the table, its "|" lines to the end of the output.
+# (2026-12-02: the two-row-tile prefill kernel, measured so, is now the production one.)
 set -u
 cd "$(dirname "$0")/.."
 GP_NAME=batch
@@ -47,6 +51,17 @@ if [ -n "$CS" ]; then
     rc=$?
     row "racecheck test_attention_gpu" "$([ $rc = 0 ] && echo CLEAN || echo "FAIL($rc)")" $((SECONDS - t0)) "$(grep -m1 'RACECHECK SUMMARY' "$OUT/racecheck.log")"
 fi
+WIDE_TABLES=""
+for w in ${CANDIDATES:+"$CANDIDATES"/*}; do
+    [ -e "$w" ] || continue
+    n=$(basename "$w" .xz)
+    case $w in *.xz) xz -dc "$w" >"$BIN/$n" && chmod +x "$BIN/$n" ;; *) cp "$w" "$BIN/$n" ;; esac
+    t0=$SECONDS
+    timeout 200 "$BIN/$n" >"$OUT/$n.log" 2>&1
+    rc=$?
+    row "$n" "$([ $rc = 0 ] && echo PASS || echo "FAIL($rc)")" $((SECONDS - t0)) "$(grep -c 'PASS$' "$OUT/$n.log") checks pass"
+    WIDE_TABLES="$WIDE_TABLES $OUT/$n.log"
+done
 e2e() { # NAME BINARY ARGS...
     local name=$1 fp=$2; shift 2
     local t0=$SECONDS
@@ -75,4 +90,5 @@ if p:
     print("32k split, prefill ms: " + ", ".join(f"{k} {v:.1f}" for k, v in p["prefill_split_ms"].items()))
     print("32k split, decode ms/token: " + ", ".join(f"{k} {v:.3f}" for k, v in p["decode_split_ms_per_token"].items()))
 PY
+for f in $WIDE_TABLES; do echo "== $(basename "$f" .log)"; grep '^|' "$f"; done
 printf '%s\n' "${ROWS[@]}"

@@ -55,6 +55,10 @@ t0=$SECONDS
 timeout 200 "$BIN/test_ops_gpu" >"$OUT/ops.log" 2>&1
 rc=$?
 row "GPU fused ops tests" "$([ $rc = 0 ] && echo PASS || echo "FAIL($rc)")" $((SECONDS - t0))
+t0=$SECONDS
+timeout 200 "$BIN/test_ep_gpu" >"$OUT/ep.log" 2>&1
+rc=$?
+row "GPU expert-parallel tests" "$([ $rc = 0 ] && echo PASS || echo "FAIL($rc)")" $((SECONDS - t0)) "$(grep -c '^\[       OK' "$OUT/ep.log") ok"
 
 CS=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null)
 if [ -n "$CS" ]; then

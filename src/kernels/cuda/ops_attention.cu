@@ -310,25 +310,27 @@ static int fa_allow_smem(F *fn, size_t smem, unsigned long long *done) {
 
 /* ---- prefill on tensor cores (flash attention) -------------------------------------------------- */
 
-/* Block (query head h, FA_ROWS = 64 consecutive tokens of one sequence), 4 warps of 16 query rows;
- * the blocks of the last tokens (the most keys) are started first. Per step of FA_KEYS = 64 keys
- * (two pages): K (bf16) and V (fp16), row-major, copied into shared memory with cp.async,
- * double-buffered (the next step's pages arrive while this one is computed, one barrier per
- * step); S = Q K^T with mma.sync m16n8k16 (bf16 in, fp32 accumulate, Q fragments in registers, K
- * fragments by ldmatrix), the causal mask only on the steps that cross a row's diagonal, online
- * softmax in fp32 (base-2 exponent, scale folded in), then O += P V on tensor cores in fp16 (P
- * rounded to fp16, V fragments by ldmatrix.trans: FlashAttention-2's scheme with a finer P).
- * Fragment layouts: PTX ISA "mma.m16n8k16" (g = lane / 4, t = lane % 4). A candidate with two row
- * tiles a warp (FA-2's layout: every K and V fragment read from shared memory feeds two mma; this
- * kernel reads 32 KB of shared memory per 0.5 MFLOP a warp, about the SM's shared-memory bandwidth
- * at its mma rate) is in bench/gpu_attention_wide.cu, not yet measured. */
-#define FA_ROWS 64
+/* Block (query head h, FA_ROWS = 128 consecutive tokens of one sequence), 4 warps of 32 query rows
+ * each (two m16 row tiles: FlashAttention-2's layout, so that every K and V fragment read from
+ * shared memory feeds two mma); the blocks of the last tokens (the most keys) are started first.
+ * The block's Q rows are copied into shared memory once (zero beyond T) and read by ldmatrix. Per
+ * step of FA_KEYS = 64 keys (two pages): K (bf16) and V (fp16), row-major, copied into shared
+ * memory with cp.async, double-buffered (the next step's pages arrive while this one is computed,
+ * one barrier per step); S = Q K^T with mma.sync m16n8k16 (bf16 in, fp32 accumulate, K fragments
+ * by ldmatrix), the causal mask only on the steps that cross a row's diagonal, online softmax in
+ * fp32 (base-2 exponent, scale folded in), then O += P V on tensor cores in fp16 (P rounded to
+ * fp16, V fragments by ldmatrix.trans). Fragment layouts: PTX ISA "mma.m16n8k16" (g = lane / 4,
+ * t = lane % 4). Measured on the H200 (2026-12-01, a candidate program against the previous
+ * one-row-tile kernel, whose 32 KB of shared-memory reads per 0.5 MFLOP a warp made it bound by
+ * shared-memory bandwidth): 0.63-1.04x its time at T = 32k .. 512; 32 keys a step or 2 warps a
+ * block were slower at T >= 2k. head_dim 128 needs 255 registers (96 bytes spilled). */
+#define FA_ROWS 128
 #define FA_WARPS 4
 #define FA_KEYS 64                 /* keys a step: FA_KEYS / ATT_TILE pages */
 
 template <int DH>
-static constexpr size_t fa_smem_bytes() {         /* 2 stages x (K, V) x FA_KEYS rows of DH + 8 */
-    return (size_t)2 * 2 * FA_KEYS * (DH + 8) * sizeof(uint16_t);
+static constexpr size_t fa_smem_bytes() {         /* Q (FA_ROWS rows), 2 stages x (K, V) x FA_KEYS rows; of DH + 8 */
+    return ((size_t)FA_ROWS + (size_t)2 * 2 * FA_KEYS) * (DH + 8) * sizeof(uint16_t);
 }
 
 __device__ __forceinline__ void fa_mma(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
@@ -633,28 +635,13 @@ __global__ void __launch_bounds__(FA_WARPS * 32)
 attn_prefill_mma_kernel(const uint16_t *q, const uint16_t *kc, const uint16_t *vc, const int32_t *pages, int P,
                         int T, int nq, int nkv, float scale_log2, uint16_t *out) {
     constexpr int LD = DH + 8, KS = DH / 16, NT = DH / 8, NJ = FA_KEYS / 8, STAGE = 2 * FA_KEYS * LD;
-    extern __shared__ __align__(16) uint16_t fa_smem[]; /* stage s: K at s * STAGE, V FA_KEYS * LD on */
+    extern __shared__ __align__(16) uint16_t fa_smem[]; /* Q, then stage s: K at s * STAGE, V after it */
+    uint16_t *const Qs = fa_smem, *const stages = fa_smem + FA_ROWS * LD;
     const int h = blockIdx.x, t0 = (gridDim.y - 1 - blockIdx.y) * FA_ROWS, tid = threadIdx.x;
     const int lane = tid & 31, warp = tid >> 5, g = lane >> 2, tq = lane & 3;
     const int kh = h / (nq / nkv);
     const int64_t kvs = (int64_t)nkv * DH, qstride = (int64_t)nq * DH;
-    const int wr0 = t0 + warp * 16;                    /* this warp's first token */
-    const int ra = wr0 + g, rb = wr0 + g + 8;          /* the two rows this thread holds */
-    uint32_t qa[KS][4];                                /* Q fragments (A operand), zero beyond T */
-#pragma unroll
-    for (int kk = 0; kk < KS; kk++) {
-        const int d = kk * 16 + 2 * tq;
-        const uint16_t *qra = q + (int64_t)ra * qstride + (int64_t)h * DH, *qrb = q + (int64_t)rb * qstride + (int64_t)h * DH;
-        qa[kk][0] = ra < T ? *(const uint32_t *)(qra + d) : 0u;
-        qa[kk][1] = rb < T ? *(const uint32_t *)(qrb + d) : 0u;
-        qa[kk][2] = ra < T ? *(const uint32_t *)(qra + d + 8) : 0u;
-        qa[kk][3] = rb < T ? *(const uint32_t *)(qrb + d + 8) : 0u;
-    }
-    float o[NT][4];
-#pragma unroll
-    for (int i = 0; i < NT; i++) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
-    float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;
-    const int pa = P + ra, pb = P + rb;                /* the rows' positions: keys <= pos are visible */
+    const int wr0 = t0 + warp * 32;                    /* this warp's first token: rows wr0 .. wr0 + 31 */
     const int nkeys = P + min(t0 + FA_ROWS, T);
     const bool active = wr0 < T;                       /* some row of this warp is a token */
 #ifdef FP4MOE_INJECT_FAULT_KV_BLOCK /* deliberate fault (tests must catch it): the first page skipped */
@@ -662,10 +649,17 @@ attn_prefill_mma_kernel(const uint16_t *q, const uint16_t *kc, const uint16_t *v
 #else
     const int jstart = 0;
 #endif
+    /* Q rows (zero beyond T) into shared memory, in the first cp.async group */
+    for (int i = tid; i < FA_ROWS * (DH / 8); i += FA_WARPS * 32) {
+        const int rr = i / (DH / 8), c = (i % (DH / 8)) * 8, t = t0 + rr;
+        const uint16_t *src = q + (int64_t)(t < T ? t : 0) * qstride + (int64_t)h * DH + c;
+        const unsigned dq = (unsigned)__cvta_generic_to_shared(Qs + rr * LD + c);
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dq), "l"(src), "r"(t < T ? 16 : 0));
+    }
     /* the next step's K and V are copied (cp.async) while this step is computed; rows past the last
      * key (also a whole page past it) are zero-filled, so that P V never meets stale values */
     auto load_step = [&](int stage, int j0) {
-        uint16_t *Ks = fa_smem + stage * STAGE, *Vs = Ks + FA_KEYS * LD;
+        uint16_t *Ks = stages + stage * STAGE, *Vs = Ks + FA_KEYS * LD;
         for (int i = tid; i < FA_KEYS * (DH / 8); i += FA_WARPS * 32) {
             const int jj = i / (DH / 8), c = (i % (DH / 8)) * 8, key = j0 + jj;
             const bool v = key < nkeys;
@@ -678,60 +672,121 @@ attn_prefill_mma_kernel(const uint16_t *q, const uint16_t *kc, const uint16_t *v
     };
     if (jstart < nkeys) load_step(0, jstart);
     asm volatile("cp.async.commit_group;");
+    float o[2][NT][4];
+#pragma unroll
+    for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+        for (int i = 0; i < NT; i++) o[mt][i][0] = o[mt][i][1] = o[mt][i][2] = o[mt][i][3] = 0.0f;
+    float m[2][2] = {{-INFINITY, -INFINITY}, {-INFINITY, -INFINITY}}, l[2][2] = {{0.0f, 0.0f}, {0.0f, 0.0f}};
+    /* ldmatrix addresses of this lane: Q rows (A fragments: row lane % 16, dims + (lane / 16) * 8),
+     * K rows (B: key lane % 8, dims + (lane / 8) * 8), V rows (B by .trans) */
+    const uint16_t *qrow = Qs + (warp * 32 + (lane & 15)) * LD + (lane >> 4) * 8;
+    const int koff = (lane & 7) * LD + (lane >> 3) * 8;
+    const int voff = (((lane >> 3) & 1) * 8 + (lane & 7)) * LD + (lane >> 4) * 8;
     for (int j0 = jstart, it = 0; j0 < nkeys; j0 += FA_KEYS, it++) {
         const int stage = it & 1;
         if (j0 + FA_KEYS < nkeys) load_step(stage ^ 1, j0 + FA_KEYS);
         asm volatile("cp.async.commit_group;");
-        asm volatile("cp.async.wait_group 1;");        /* this step (the next may still be in flight) */
+        asm volatile("cp.async.wait_group 1;");        /* this step (and Q; the next may be in flight) */
         __syncthreads();
-        if (active && j0 <= P + wr0 + 15) {            /* some row of this warp sees a key of the step */
-            const uint16_t *Ks = fa_smem + stage * STAGE, *Vs = Ks + FA_KEYS * LD;
-            float sc[NJ][4];
-            fa_scores_tile<NJ, KS, LD>(sc, qa, Ks, lane);
-            float mx0 = -INFINITY, mx1 = -INFINITY;
-            if (j0 + FA_KEYS - 1 <= P + wr0) {         /* every key visible to every row of the warp */
+        if (active && j0 <= P + wr0 + 31) {            /* some row of this warp sees a key of the step */
+            const uint16_t *Ks = stages + stage * STAGE, *Vs = Ks + FA_KEYS * LD;
+            float sc[2][NJ][4];
+#pragma unroll
+            for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+                for (int j = 0; j < NJ; j++) sc[mt][j][0] = sc[mt][j][1] = sc[mt][j][2] = sc[mt][j][3] = 0.0f;
+#pragma unroll
+            for (int kk = 0; kk < KS; kk += 2) {       /* S = Q K^T, two k-steps of 16 dims at a time */
+                uint32_t qa[2][2][4];
+#pragma unroll
+                for (int mt = 0; mt < 2; mt++) {
+                    fa_ldmatrix_x4(qa[mt][0], qrow + mt * 16 * LD + kk * 16);
+                    fa_ldmatrix_x4(qa[mt][1], qrow + mt * 16 * LD + kk * 16 + 16);
+                }
 #pragma unroll
                 for (int j = 0; j < NJ; j++) {
-                    sc[j][0] *= scale_log2;
-                    sc[j][1] *= scale_log2;
-                    sc[j][2] *= scale_log2;
-                    sc[j][3] *= scale_log2;
-                    mx0 = fmaxf(mx0, fmaxf(sc[j][0], sc[j][1]));
-                    mx1 = fmaxf(mx1, fmaxf(sc[j][2], sc[j][3]));
-                }
-            } else {                                   /* the diagonal: mask, scale, row maxima */
+                    uint32_t b[4];
+                    fa_ldmatrix_x4(b, Ks + j * 8 * LD + koff + kk * 16);
 #pragma unroll
-                for (int j = 0; j < NJ; j++)
-#pragma unroll
-                    for (int e = 0; e < 2; e++) {
-                        const int key = j0 + j * 8 + 2 * tq + e;
-#ifdef FP4MOE_INJECT_FAULT_CAUSAL_MASK /* deliberate fault: a row's own key is masked (not key 0) */
-                        const bool va = key <= pa && (key < pa || key == 0), vb = key <= pb && (key < pb || key == 0);
-#else
-                        const bool va = key <= pa, vb = key <= pb;
-#endif
-                        sc[j][e] = va ? sc[j][e] * scale_log2 : -INFINITY;
-                        sc[j][2 + e] = vb ? sc[j][2 + e] * scale_log2 : -INFINITY;
-                        mx0 = fmaxf(mx0, sc[j][e]);
-                        mx1 = fmaxf(mx1, sc[j][2 + e]);
+                    for (int mt = 0; mt < 2; mt++) {
+                        fa_mma(sc[mt][j], qa[mt][0][0], qa[mt][0][1], qa[mt][0][2], qa[mt][0][3], b[0], b[1]);
+                        fa_mma(sc[mt][j], qa[mt][1][0], qa[mt][1][1], qa[mt][1][2], qa[mt][1][3], b[2], b[3]);
                     }
+                }
             }
-            fa_softmax_tile<NJ, NT>(sc, mx0, mx1, m0, m1, l0, l1, o);
-            fa_pv_tile<NJ, NT, LD, false>(o, sc, Vs, lane);
+            const bool full = j0 + FA_KEYS - 1 <= P + wr0; /* every key visible to every row of the warp */
+#pragma unroll
+            for (int mt = 0; mt < 2; mt++) {
+                float mx0 = -INFINITY, mx1 = -INFINITY;
+                if (full) {
+#pragma unroll
+                    for (int j = 0; j < NJ; j++) {
+                        sc[mt][j][0] *= scale_log2;
+                        sc[mt][j][1] *= scale_log2;
+                        sc[mt][j][2] *= scale_log2;
+                        sc[mt][j][3] *= scale_log2;
+                        mx0 = fmaxf(mx0, fmaxf(sc[mt][j][0], sc[mt][j][1]));
+                        mx1 = fmaxf(mx1, fmaxf(sc[mt][j][2], sc[mt][j][3]));
+                    }
+                } else {                               /* the diagonal: mask, scale, row maxima */
+                    const int pa = P + wr0 + mt * 16 + g, pb = pa + 8; /* keys <= pos are visible */
+#pragma unroll
+                    for (int j = 0; j < NJ; j++)
+#pragma unroll
+                        for (int e = 0; e < 2; e++) {
+                            const int key = j0 + j * 8 + 2 * tq + e;
+#ifdef FP4MOE_INJECT_FAULT_CAUSAL_MASK /* deliberate fault: a row's own key is masked (not key 0) */
+                            const bool va = key <= pa && (key < pa || key == 0), vb = key <= pb && (key < pb || key == 0);
+#else
+                            const bool va = key <= pa, vb = key <= pb;
+#endif
+                            sc[mt][j][e] = va ? sc[mt][j][e] * scale_log2 : -INFINITY;
+                            sc[mt][j][2 + e] = vb ? sc[mt][j][2 + e] * scale_log2 : -INFINITY;
+                            mx0 = fmaxf(mx0, sc[mt][j][e]);
+                            mx1 = fmaxf(mx1, sc[mt][j][2 + e]);
+                        }
+                }
+                fa_softmax_tile<NJ, NT>(sc[mt], mx0, mx1, m[mt][0], m[mt][1], l[mt][0], l[mt][1], o[mt]);
+            }
+#pragma unroll
+            for (int k2 = 0; k2 < NJ / 2; k2++) {      /* O += P V, keys 16*k2 .. 16*k2+15 */
+                uint32_t ah[2][4];
+#pragma unroll
+                for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+                    for (int hh = 0; hh < 4; hh++)     /* A: rows g / g+8 (hh odd), keys +8 (hh >= 2) */
+                        ah[mt][hh] = fa_pack_f16(sc[mt][2 * k2 + hh / 2][2 * (hh & 1)], sc[mt][2 * k2 + hh / 2][2 * (hh & 1) + 1]);
+#pragma unroll
+                for (int i = 0; i < NT; i += 2) {
+                    uint32_t b[4];
+                    dm_ldmatrix_x4_trans(b, Vs + k2 * 16 * LD + voff + i * 8);
+#pragma unroll
+                    for (int mt = 0; mt < 2; mt++) {
+                        fa_mma_f16(o[mt][i], ah[mt][0], ah[mt][1], ah[mt][2], ah[mt][3], b[0], b[1]);
+                        fa_mma_f16(o[mt][i + 1], ah[mt][0], ah[mt][1], ah[mt][2], ah[mt][3], b[2], b[3]);
+                    }
+                }
+            }
         }
         __syncthreads();                               /* every warp is done with this stage */
     }
     asm volatile("cp.async.wait_group 0;");
-    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
-    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
-    const float i0 = l0 > 0.0f ? 1.0f / l0 : 0.0f, i1 = l1 > 0.0f ? 1.0f / l1 : 0.0f;
 #pragma unroll
-    for (int i = 0; i < NT; i++) {
-        const int d = i * 8 + 2 * tq;
-        if (ra < T) *(uint32_t *)(out + (int64_t)ra * qstride + (int64_t)h * DH + d) = fa_pack(o[i][0] * i0, o[i][1] * i0);
-        if (rb < T) *(uint32_t *)(out + (int64_t)rb * qstride + (int64_t)h * DH + d) = fa_pack(o[i][2] * i1, o[i][3] * i1);
+    for (int mt = 0; mt < 2; mt++) {
+        float l0 = l[mt][0], l1 = l[mt][1];
+        l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+        l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+        l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+        l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+        const float i0 = l0 > 0.0f ? 1.0f / l0 : 0.0f, i1 = l1 > 0.0f ? 1.0f / l1 : 0.0f;
+        const int ra = wr0 + mt * 16 + g, rb = ra + 8;
+#pragma unroll
+        for (int i = 0; i < NT; i++) {
+            const int d = i * 8 + 2 * tq;
+            if (ra < T) *(uint32_t *)(out + (int64_t)ra * qstride + (int64_t)h * DH + d) = fa_pack(o[mt][i][0] * i0, o[mt][i][1] * i0);
+            if (rb < T) *(uint32_t *)(out + (int64_t)rb * qstride + (int64_t)h * DH + d) = fa_pack(o[mt][i][2] * i1, o[mt][i][3] * i1);
+        }
     }
 }
 
