@@ -5,7 +5,10 @@
  *    own logits (ids exact, weights within 4e-7: the device's expf), and row_of / idx / pos_of
  *    (exact) equal to op_sort_by_expert of those ids. T from 1
  *    to 40 (the warp sort <= 32 rows, the block sort above, the cuBLAS path), E = 128 top-6 with a
- *    correction bias, E = 8 top-2 with 4 groups (2 kept), H not a multiple of 4 (cuBLAS path).
+ *    correction bias, E = 8 top-2 with 4 groups (2 kept), H not a multiple of 4 (cuBLAS path); the
+ *    one-group top-k in registers (E <= 256) with E = 40 / 96 / 200 / 256, k = E, exact ties (zero
+ *    weights: every score 0.5, lowest ids first) with and without a bias, and E = 300 (the
+ *    shared-memory top-k). Fault `route_tie` (ties to the higher id) must fail it.
  *  - cuda_rmsnorm with the residual add folded in: h + (a + b) bitwise equal to the CPU's (the same
  *    fp32 operations), y within one bf16 step of the CPU's op_rmsnorm (the fp64 sum of squares runs
  *    in another order), y32 the same values as y; H = 2688, 4100 (a row longer than the kept
@@ -87,11 +90,11 @@ static void ctx_free(gpu_ctx *g) {
 
 /* ---- cuda_moe_route ------------------------------------------------------------------------ */
 
-static void route_case(gpu_ctx *g, int64_t T, int64_t E, int64_t k, int64_t G, int64_t TG, int64_t H, int bias,
-                       uint64_t seed) {
+static void route_case_w(gpu_ctx *g, int64_t T, int64_t E, int64_t k, int64_t G, int64_t TG, int64_t H, int bias,
+                         uint64_t seed, double wscale) {
     tu_rng r;
     tu_rng_seed(&r, seed);
-    float *x = randf(&r, T * H, 1.0), *W = randf(&r, E * H, 0.05), *b = bias ? randf(&r, E, 0.5) : NULL;
+    float *x = randf(&r, T * H, 1.0), *W = randf(&r, E * H, wscale), *b = bias ? randf(&r, E, 0.5) : NULL;
     const int64_t B = T * k;
     float *dx = gt_upload(x, (size_t)(T * H) * 4), *dW = gt_upload(W, (size_t)(E * H) * 4);
     float *db = b ? gt_upload(b, (size_t)E * 4) : NULL;
@@ -151,8 +154,23 @@ static void route_case(gpu_ctx *g, int64_t T, int64_t E, int64_t k, int64_t G, i
     gt_free(drow); gt_free(didx); gt_free(dpos);
 }
 
+static void route_case(gpu_ctx *g, int64_t T, int64_t E, int64_t k, int64_t G, int64_t TG, int64_t H, int bias,
+                       uint64_t seed) {
+    route_case_w(g, T, E, k, G, TG, H, bias, seed, 0.05);
+}
+
 static void test_moe_route(void **state) {
     gpu_ctx *g = *state;
+    /* one group, the register top-k (E <= 256): E not a multiple of 32, 8 experts a lane, ties (zero
+     * weights: every score 0.5, the lowest ids win; with a bias the bias decides), k = E; and the
+     * shared-memory top-k beyond 256 experts */
+    route_case(g, 1, 200, 8, 1, 1, 64, 1, 400);
+    route_case(g, 3, 256, 6, 1, 1, 64, 0, 401);
+    route_case_w(g, 2, 128, 6, 1, 1, 64, 0, 402, 0.0);
+    route_case_w(g, 2, 96, 6, 1, 1, 64, 1, 403, 0.0);
+    route_case(g, 1, 40, 40, 1, 1, 32, 1, 404);
+    route_case(g, 17, 300, 6, 1, 1, 64, 1, 405);
+    route_case_w(g, 1, 300, 6, 1, 1, 64, 0, 406, 0.0);
     const int64_t Ts[] = {1, 2, 5, 6, 11, 16, 17, 40};
     for (size_t i = 0; i < sizeof Ts / sizeof Ts[0]; i++) {
         route_case(g, Ts[i], 128, 6, 1, 1, 2688, 1, 100 + i); /* Nemotron: warp sort to T = 5 */

@@ -36,12 +36,82 @@ __host__ __device__ inline size_t router_warp_smem(int64_t E, int64_t G) {
     return ((size_t)E * 4 + (size_t)(E + G) * 5 + 15) & ~(size_t)15;
 }
 
+#define ROUTER_REG_SLOTS 8 /* router_token_reg: experts per lane (E <= 256) */
+
+/* router_token for one group (n_group 1) and E <= 32 * ROUTER_REG_SLOTS, with the scores in
+ * registers: lane L holds experts L, L + 32, ... (the order in which warp_argmax_free visits them,
+ * so the same expert wins every round, ties included), all logits and biases are loaded before any
+ * is used (one memory latency instead of one per expert a lane: the scratch pointers may alias the
+ * logits, so the compiler kept the loads in order), and a round of the top-k reads no shared memory.
+ * Same arithmetic and order as router_token's general path, hence the same ids and weights. */
+__device__ __forceinline__ void router_token_reg(const cuda_router_cfg &r, const float *logits, int t, int32_t *ids, float *wts) {
+    const int E = (int)r.E, k = (int)r.k, lane = threadIdx.x & 31;
+    const float *lg = logits + (int64_t)t * E;
+    float lv[ROUTER_REG_SLOTS], bv[ROUTER_REG_SLOTS], sig[ROUTER_REG_SLOTS], ch[ROUTER_REG_SLOTS];
+#pragma unroll
+    for (int i = 0; i < ROUTER_REG_SLOTS; i++) {
+        const int e = lane + 32 * i;
+        lv[i] = e < E ? __ldcg(lg + e) : 0.0f;
+        bv[i] = e < E && r.bias ? __ldg(r.bias + e) : 0.0f;
+    }
+    unsigned freem = 0; /* bit i: expert lane + 32 i exists and is not taken */
+#pragma unroll
+    for (int i = 0; i < ROUTER_REG_SLOTS; i++) {
+        sig[i] = sigmoid_f(lv[i]);
+        ch[i] = __fadd_rn(sig[i], bv[i]);
+        if (lane + 32 * i < E) freem |= 1u << i;
+    }
+    float sum = 0.0f;
+    int32_t *it = ids + (int64_t)t * k;
+    float *wt = wts + (int64_t)t * k;
+    for (int j = 0; j < k; j++) {
+        int bi = -1;
+        float best = 0.0f;
+#pragma unroll
+        for (int i = 0; i < ROUTER_REG_SLOTS; i++) /* ascending expert ids, as warp_argmax_free */
+            if ((freem >> i & 1u) && (bi < 0 || ch[i] > best)) { bi = lane + 32 * i; best = ch[i]; }
+        for (int o = 16; o > 0; o >>= 1) {
+            const float ov = __shfl_xor_sync(0xffffffffu, best, o);
+            const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+#ifdef FP4MOE_INJECT_FAULT_ROUTE_TIE /* deliberate fault (tests must catch it): ties to the higher id */
+            if (oi >= 0 && (bi < 0 || ov > best || (ov == best && oi > bi))) { bi = oi; best = ov; }
+#else
+            if (oi >= 0 && (bi < 0 || ov > best || (ov == best && oi < bi))) { bi = oi; best = ov; }
+#endif
+        }
+        /* lane 0's winner (the lanes agree unless scores are NaN; the general path uses lane 0's):
+         * its owner lane clears it and hands out its s */
+        bi = __shfl_sync(0xffffffffu, bi, 0);
+        float s = 0.0f;
+#pragma unroll
+        for (int i = 0; i < ROUTER_REG_SLOTS; i++)
+            if (bi == lane + 32 * i) { freem &= ~(1u << i); s = sig[i]; }
+        s = __shfl_sync(0xffffffffu, s, bi & 31);
+        if (lane == 0) {
+            it[j] = bi;
+            wt[j] = s; /* the weight is s, never the choice score */
+            sum = __fadd_rn(sum, s);
+        }
+    }
+    if (lane == 0)
+        for (int j = 0; j < k; j++) {
+            float x = wt[j];
+            if (r.norm_topk_prob) x = __fdiv_rn(x, __fadd_rn(sum, 1e-20f));
+            wt[j] = __fmul_rn(x, r.scaling);
+        }
+    __syncwarp();
+}
+
 /* The router of token t by one warp (every lane calls it), scratch: router_warp_smem bytes. The
  * logits are read once, with ld.global.cg (in the fused route kernel other blocks wrote them). */
-__device__ void router_token(const cuda_router_cfg &r, const float *logits, int t, int32_t *ids, float *wts,
+__device__ __forceinline__ void router_token(const cuda_router_cfg &r, const float *logits, int t, int32_t *ids, float *wts,
                              char *scratch) {
     const int E = (int)r.E, G = (int)r.n_group, k = (int)r.k;
     const int lane = threadIdx.x & 31;
+    if (G <= 1 && E <= 32 * ROUTER_REG_SLOTS) {
+        router_token_reg(r, logits, t, ids, wts);
+        return;
+    }
     float *sig = (float *)scratch, *choice = sig + E, *gscore = choice + E;
     unsigned char *taken = (unsigned char *)(gscore + G), *gtaken = taken + E;
     const float *lg = logits + (int64_t)t * E;
