@@ -41,8 +41,9 @@ __host__ __device__ inline size_t router_warp_smem(int64_t E, int64_t G) {
 /* router_token for one group (n_group 1) and E <= 32 * ROUTER_REG_SLOTS, with the scores in
  * registers: lane L holds experts L, L + 32, ... (the order in which warp_argmax_free visits them,
  * so the same expert wins every round, ties included), all logits and biases are loaded before any
- * is used (one memory latency instead of one per expert a lane: the scratch pointers may alias the
- * logits, so the compiler kept the loads in order), and a round of the top-k reads no shared memory.
+ * is used (one memory latency, where the general path's stores to scratch - which the compiler
+ * cannot prove apart from the logits - may hold each lane's next load back), and a round of the
+ * top-k reads no shared memory (measured: 7.5 -> 6.1 us for a decode token, docs/GPU-NOTES.md).
  * Same arithmetic and order as router_token's general path, hence the same ids and weights. */
 __device__ __forceinline__ void router_token_reg(const cuda_router_cfg &r, const float *logits, int t, int32_t *ids, float *wts) {
     const int E = (int)r.E, k = (int)r.k, lane = threadIdx.x & 31;
