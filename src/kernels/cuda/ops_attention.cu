@@ -491,14 +491,15 @@ static constexpr size_t dm_smem_bytes() {
     return (size_t)DM_WARPS * 2 * ATT_TILE * (DH + 8) * sizeof(uint16_t);
 }
 
+/* Split sp of block (kv head blockIdx.x, row blockIdx.y); false when the split has no page (nor
+ * has any later one). */
 template <int DH>
-__global__ void __launch_bounds__(DM_WARPS * 32)
-attn_decode_mma_kernel(const uint16_t *q, const uint16_t *kc, const uint16_t *vc, const int32_t *row_slot,
-                       const int32_t *row_pos, const int32_t *pages_all, int64_t max_pages, int nq, int nkv,
-                       int G, int splits, float scale_log2, float *part) {
+__device__ __forceinline__ bool dm_split(const uint16_t *q, const uint16_t *kc, const uint16_t *vc,
+                                         const int32_t *row_slot, const int32_t *row_pos, const int32_t *pages_all,
+                                         int64_t max_pages, int nq, int nkv, int G, int splits, float scale_log2,
+                                         float *part, uint16_t *dm_smem, int sp) {
     constexpr int LD = DH + 8, KS = DH / 16, NT = DH / 8;
-    extern __shared__ __align__(16) uint16_t dm_smem[];
-    const int kh = blockIdx.x, sp = blockIdx.z, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int kh = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, tq = lane & 3;
     const int64_t r = blockIdx.y;
 #ifdef FP4MOE_INJECT_FAULT_CAUSAL_MASK /* deliberate fault (tests must catch it): the current key masked */
@@ -508,7 +509,7 @@ attn_decode_mma_kernel(const uint16_t *q, const uint16_t *kc, const uint16_t *vc
 #endif
     const int ntiles = (n + ATT_TILE - 1) / ATT_TILE;
     const int per = dec_pages_per_split(ntiles, splits);
-    if (sp * per >= ntiles) return;                   /* no page for this split (short contexts) */
+    if (sp * per >= ntiles) return false;             /* no page for this split (short contexts) */
 #ifdef FP4MOE_INJECT_FAULT_KV_BLOCK /* deliberate fault (tests must catch it): the first page dropped */
     const int t0 = max(sp * per, ntiles > 1 ? 1 : 0), t1 = min(ntiles, sp * per + per);
 #else
@@ -627,6 +628,25 @@ attn_decode_mma_kernel(const uint16_t *q, const uint16_t *kc, const uint16_t *vc
             pp[DH] = M * 0.69314718055994531f;         /* base 2 -> natural log */
             pp[DH + 1] = L;
         }
+    }
+    return true;
+}
+
+/* The splits sp = blockIdx.z, blockIdx.z + gridDim.z, ... of (kv head, row) in turn: the grid's z
+ * extent follows the batch (dec_grid_splits), so that 64 rows at a short context launch ~2k
+ * blocks instead of 32k that mostly find no page; every split's arithmetic is that of its own block
+ * before (the same ranges, the same partials). */
+template <int DH>
+__global__ void __launch_bounds__(DM_WARPS * 32)
+attn_decode_mma_kernel(const uint16_t *q, const uint16_t *kc, const uint16_t *vc, const int32_t *row_slot,
+                       const int32_t *row_pos, const int32_t *pages_all, int64_t max_pages, int nq, int nkv,
+                       int G, int splits, float scale_log2, float *part) {
+    extern __shared__ __align__(16) uint16_t dm_smem[];
+    for (int sp = blockIdx.z; sp < splits; sp += gridDim.z) {
+        if (!dm_split<DH>(q, kc, vc, row_slot, row_pos, pages_all, max_pages, nq, nkv, G, splits, scale_log2, part,
+                          dm_smem, sp))
+            break;                                     /* block-uniform: later splits are empty too */
+        __syncthreads();                               /* the merge's reads of shared memory are done */
     }
 }
 
@@ -878,6 +898,13 @@ extern "C" int cuda_attention_decode(void *stream, const uint16_t *q, const uint
     return launch_decode<8>(q, k_cache, v_cache, row_slot, row_pos, pages, max_pages, r, a, b, d, out, st);
 }
 
+/* The decode grid's z extent: DEC_SPLITS for few rows (one block a split, the most parallelism for
+ * one long row), fewer as rows are added (~2,048 blocks), each block then taking several splits. */
+static unsigned dec_grid_splits(int nkv, int R) {
+    const int64_t rows = (int64_t)nkv * R, z = (2048 + rows - 1) / rows;
+    return (unsigned)(z < 1 ? 1 : z > DEC_SPLITS ? DEC_SPLITS : z);
+}
+
 template <int DH>
 static int launch_split_mma(int G, const uint16_t *q, const uint16_t *kc, const uint16_t *vc, const int32_t *row_slot,
                             const int32_t *row_pos, const int32_t *pages, int64_t max_pages, int R, int nq, int nkv,
@@ -886,7 +913,7 @@ static int launch_split_mma(int G, const uint16_t *q, const uint16_t *kc, const 
     constexpr size_t smem = dm_smem_bytes<DH>();
     TRY_OPS(fa_allow_smem(attn_decode_mma_kernel<DH>, smem, &done));
     const float scale_log2 = 1.4426950408889634f / sqrtf((float)DH);
-    attn_decode_mma_kernel<DH><<<dim3((unsigned)nkv, (unsigned)R, DEC_SPLITS), DM_WARPS * 32, smem, st>>>(
+    attn_decode_mma_kernel<DH><<<dim3((unsigned)nkv, (unsigned)R, dec_grid_splits(nkv, R)), DM_WARPS * 32, smem, st>>>(
         q, kc, vc, row_slot, row_pos, pages, max_pages, nq, nkv, G, DEC_SPLITS, scale_log2, part);
     OPS_LAUNCH_CHECK("attention (decode, split keys, tensor cores)");
     attn_combine_kernel<<<dim3((unsigned)nq, (unsigned)R), COMB_WARPS * 32, 0, st>>>(part, row_pos, nq, DH,
