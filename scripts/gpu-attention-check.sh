@@ -4,6 +4,8 @@
 # built with each deliberate attention fault (it must FAIL), compute-sanitizer memcheck of the test,
 # then end to end on the synthetic Nemotron-3-Nano-30B-A3B shape: a 32,768-token prompt and decode
 # at that context, with this build and (when given) an older fp4moe binary in the same run.
+# (The 32k runs take bench's default warm-up run first: a cold first run pays the process's first-use
+# costs and reads ~40% slower, docs/PERFORMANCE.md; the profile run stays cold, for its split only.)
 # Usage: scripts/gpu-attention-check.sh BIN [OLD_FP4MOE [FAULT_DIR]]
 #   BIN        packed programs (scripts/gpu-batch-check.sh --package BIN)
 #   OLD_FP4MOE an fp4moe binary of an earlier commit, for the same-run comparison (optional)
@@ -69,10 +71,10 @@ e2e() { # NAME BINARY ARGS...
     local rc=$?
     row "bench $name" "$([ $rc = 0 ] && echo DONE || echo "FAIL($rc)")" $((SECONDS - t0))
 }
-e2e ctx32k "$BIN/fp4moe" --prompt-tokens 32768 --gen-tokens 32 --repeats 1 --warmup 0
+e2e ctx32k "$BIN/fp4moe" --prompt-tokens 32768 --gen-tokens 32 --repeats 2
 e2e ctx32k_profile "$BIN/fp4moe" --prompt-tokens 32768 --gen-tokens 32 --repeats 1 --warmup 0 --profile
 e2e short "$BIN/fp4moe" --prompt-tokens 512 --gen-tokens 128 --repeats 3
-[ -n "$OLD" ] && e2e ctx32k_old "$OLD" --prompt-tokens 32768 --gen-tokens 32 --repeats 1 --warmup 0
+[ -n "$OLD" ] && e2e ctx32k_old "$OLD" --prompt-tokens 32768 --gen-tokens 32 --repeats 2
 [ -n "$OLD" ] && e2e short_old "$OLD" --prompt-tokens 512 --gen-tokens 128 --repeats 3
 python3 - "$OUT" <<'PY'
 import json, os, sys
