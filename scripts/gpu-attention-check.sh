@@ -5,8 +5,8 @@
 # then end to end on the synthetic Nemotron-3-Nano-30B-A3B shape: a 32,768-token prompt and decode
 # at that context, with this build and (when given) an older fp4moe binary in the same run.
 # (The 32k runs take bench's default warm-up run first: a cold first run pays the process's first-use
-# costs: 13,385 against 27,783 tok/s at 32k on one build, docs/PERFORMANCE.md; the profile run stays
-# cold, for its split only.)
+# costs - a cold 32k run read 13,385 tok/s where warm runs of nearby builds read 27,783-28,347,
+# docs/PERFORMANCE.md; the profile run stays cold, for its split only.)
 # Usage: scripts/gpu-attention-check.sh BIN [OLD_FP4MOE [FAULT_DIR]]
 #   BIN        packed programs (scripts/gpu-batch-check.sh --package BIN)
 #   OLD_FP4MOE an fp4moe binary of an earlier commit, for the same-run comparison (optional)
