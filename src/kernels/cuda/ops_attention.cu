@@ -872,7 +872,8 @@ extern "C" int cuda_attention_prefill(void *stream, const uint16_t *q, const uin
     if (e) return e;
     cudaStream_t st = (cudaStream_t)stream;
     const int p = (int)P, t = (int)T, a = (int)nq, b = (int)nkv, d = (int)dh;
-    if (T <= (int64_t)65535 * FA_ROWS) {               /* tensor cores for the head sizes of the family */
+    if (T <= (int64_t)65535 * FA_ROWS && ((uintptr_t)q & 15) == 0) { /* tensor cores: the family's head sizes; */
+        /* Q is copied in 16-byte pieces (rows of nq * dh bf16: 16-byte multiples for dh 64 / 128) */
         if (dh == 128) return launch_prefill_mma<128>(q, k_cache, v_cache, pages, p, t, a, b, out, st);
         if (dh == 64) return launch_prefill_mma<64>(q, k_cache, v_cache, pages, p, t, a, b, out, st);
     }

@@ -203,7 +203,9 @@ int cuda_kv_append(void *stream, const uint16_t *k, const uint16_t *v, int64_t R
  *   out[t][h] = bf16(softmax_{j <= P+t}(q[t][h] . k[j][h/(nq/nkv)] / sqrt(dh)) @ v)
  * prefill: T queries of ONE sequence after P cached positions, `pages` its page table row (device),
  * the caches already holding positions 0 .. P+T-1. decode: R single-token rows, row r of its own
- * sequence (slot row_slot[r], P = row_pos[r]). q, out: rows of nq*dh bf16. dh <= 256. */
+ * sequence (slot row_slot[r], P = row_pos[r]). q, out: rows of nq*dh bf16. dh <= 256. Prefill
+ * with dh 64 / 128 and q 16-byte aligned runs on tensor cores (Q copied in 16-byte pieces); other
+ * head sizes or an unaligned q take the CUDA-core kernel (same function, slower). */
 int cuda_attention_prefill(void *stream, const uint16_t *q, const uint16_t *k_cache,
                            const uint16_t *v_cache, const int32_t *pages, int64_t P, int64_t T,
                            int64_t nq, int64_t nkv, int64_t dh, uint16_t *out);
