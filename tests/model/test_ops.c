@@ -350,6 +350,51 @@ static void test_attention_gqa_cache(void **state) {
     free(q); free(k); free(v); free(out); free(ref);
 }
 
+/* The FP8 cache read in place (op_attention_causal_paged_fp8): bitwise equal to op_attention_causal
+ * on the rows dequantized by op_kv_fp8_load, for GQA 3:1 with pages of 3 (runs ending inside a
+ * page) and 16:1 with pages of 32 and a long prefix; the errors. */
+static void fp8_attention_case(int64_t P, int64_t T, int64_t nq, int64_t nkv, int64_t dh, int64_t page, uint64_t seed) {
+    tu_rng r;
+    tu_rng_seed(&r, seed);
+    const int64_t qs = nq * dh + 5, kvs = nkv * dh, n = P + T, np = (n + page - 1) / page, npool = np + 3;
+    const size_t rb = op_kv_fp8_row_bytes(nkv, dh);
+    float *q = rnd(&r, T * qs, 1.0), *k = rnd(&r, n * kvs, 1.0), *v = rnd(&r, n * kvs, 1.0);
+    float *kd = poison(n * kvs), *vd = poison(n * kvs), *out = poison(T * nq * dh), *outp = poison(T * nq * dh);
+    int32_t *pages = malloc(sizeof(int32_t) * (size_t)npool);
+    for (int64_t i = 0; i < npool; i++) pages[i] = (int32_t)i;
+    for (int64_t i = npool - 1; i > 0; i--) { /* shuffled pages */
+        const int64_t j = (int64_t)tu_rng_below(&r, (uint32_t)(i + 1));
+        const int32_t t = pages[i];
+        pages[i] = pages[j];
+        pages[j] = t;
+    }
+    uint8_t *kb = malloc(rb * (size_t)(npool * page)), *vb = malloc(rb * (size_t)(npool * page));
+    memset(kb, 0xEE, rb * (size_t)(npool * page));
+    memset(vb, 0xEE, rb * (size_t)(npool * page));
+    for (int64_t j = 0; j < n; j++) {
+        const int64_t row = (int64_t)pages[j / page] * page + j % page;
+        op_kv_fp8_store(k + j * kvs, nkv, dh, kb + (size_t)row * rb);
+        op_kv_fp8_store(v + j * kvs, nkv, dh, vb + (size_t)row * rb);
+        op_kv_fp8_load(kb + (size_t)row * rb, nkv, dh, kd + j * kvs);
+        op_kv_fp8_load(vb + (size_t)row * rb, nkv, dh, vd + j * kvs);
+    }
+    assert_int_equal(op_attention_causal(q, qs, kd, vd, P, T, nq, nkv, dh, out), FP4MOE_OK);
+    assert_int_equal(op_attention_causal_paged_fp8(q, qs, kb, vb, pages, page, P, T, nq, nkv, dh, outp), FP4MOE_OK);
+    assert_memory_equal(out, outp, (size_t)(T * nq * dh) * sizeof(float));
+    assert_int_equal(op_attention_causal_paged_fp8(q, qs, kb, vb, NULL, page, P, T, nq, nkv, dh, outp), FP4MOE_EINVAL);
+    free(q); free(k); free(v); free(kd); free(vd); free(out); free(outp); free(pages); free(kb); free(vb);
+}
+
+static void test_attention_fp8_cache(void **state) {
+    fp8_attention_case(5, 4, 6, 2, 8, 3, 21);
+    fp8_attention_case(70, 3, 32, 2, 64, 32, 22);
+    fp8_attention_case(0, 37, 4, 4, 16, 32, 23);
+    float q[4] = {0};
+    uint8_t row[8] = {0};
+    int32_t pg[1] = {0};
+    assert_int_equal(op_attention_causal_paged_fp8(q, 130, row, row, pg, 1, 0, 1, 130, 1, 1, q), FP4MOE_EUNSUPPORTED);
+}
+
 /* ---- linear --------------------------------------------------------------------------------- */
 
 static void test_linear_dense_and_nvfp4(void **state) {
@@ -528,6 +573,7 @@ int main(void) {
         cmocka_unit_test(test_rmsnorm_gated),
         cmocka_unit_test(test_attention_gqa_cache),
         cmocka_unit_test(test_kv_fp8_rows),
+        cmocka_unit_test(test_attention_fp8_cache),
         cmocka_unit_test(test_linear_dense_and_nvfp4),
         cmocka_unit_test(test_sampler),
     };

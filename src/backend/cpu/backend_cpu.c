@@ -3,8 +3,8 @@
  * exactly where the single-sequence CPU runtime rounded (each matmul's input and output, the
  * attention output, the MoE combine), so a step of one sequence reproduces its bits. Weights are
  * used in place (the model's op_linear descriptors). Per-sequence ops loop over the step's
- * segments; attention reads the paged f32 KV cache in place (op_attention_causal_paged) and
- * dequantizes the FP8 one into contiguous scratch for op_attention_causal. */
+ * segments; attention reads the paged KV cache in place: f32 (op_attention_causal_paged) or FP8
+ * (op_attention_causal_paged_fp8: a page of a kv head dequantized at a time). */
 #include "backend/backend.h"
 
 #include <stdlib.h>
@@ -17,8 +17,6 @@
 
 typedef struct {
     ops_ctx ops;
-    float *kv;                      /* attention scratch: the keys and values of one sequence */
-    size_t kv_cap;                  /* floats */
 } cpu_ctx;
 
 static const be_ops CPU_OPS;
@@ -249,33 +247,13 @@ static int cpu_attention(void *bcv, const fw_step *s, const void *qv, const void
             memcpy(kc + row * kvs, k + (g->row0 + t) * kvs, (size_t)kvs * sizeof(float));
             memcpy(vc + row * kvs, v + (g->row0 + t) * kvs, (size_t)kvs * sizeof(float));
         }
-        const int64_t n = g->pos0 + g->n;
-        if (!st->kv_fp8) {   /* the f32 cache is read in place, page by page */
-            const int st2 = op_attention_causal_paged(q + g->row0 * qs, qs, kc, vc,
-                                                      s->h_pages + (int64_t)g->slot * s->max_pages, FW_PAGE,
-                                                      g->pos0, g->n, nq, nkv, dh, out + g->row0 * qs);
-            if (st2) return st2;
-            continue;
-        }
-        /* the FP8 cache: dequantized once into contiguous scratch for the segment's T rows */
-        const size_t need = (size_t)(2 * n * kvs);
-        if (need > bc->kv_cap) {
-            float *p = realloc(bc->kv, need * sizeof(float));
-            if (!p) return fp4moe_set_error(FP4MOE_ENOMEM, "attention: no memory for %lld keys", (long long)n);
-            bc->kv = p;
-            bc->kv_cap = need;
-        }
-        float *K = bc->kv, *V = bc->kv + n * kvs;
-#pragma omp parallel for schedule(static)
-        for (int64_t p0 = 0; p0 < n; p0 += FW_PAGE) {        /* page by page, pages over the threads */
-            const int64_t m = n - p0 < FW_PAGE ? n - p0 : FW_PAGE, row = kv_row(s, g->slot, p0);
-            for (int64_t j = 0; j < m; j++) {
-                op_kv_fp8_load(kb + (size_t)(row + j) * rb, nkv, dh, K + (p0 + j) * kvs);
-                op_kv_fp8_load(vb + (size_t)(row + j) * rb, nkv, dh, V + (p0 + j) * kvs);
-            }
-        }
-        const int st2 = op_attention_causal(q + g->row0 * qs, qs, K, V, g->pos0, g->n, nq, nkv, dh,
-                                            out + g->row0 * qs);
+        /* the cache is read in place, page by page (FP8: a page of a kv head dequantized at a time) */
+        const int32_t *pt = s->h_pages + (int64_t)g->slot * s->max_pages;
+        const int st2 = st->kv_fp8
+            ? op_attention_causal_paged_fp8(q + g->row0 * qs, qs, kb, vb, pt, FW_PAGE, g->pos0, g->n, nq, nkv, dh,
+                                            out + g->row0 * qs)
+            : op_attention_causal_paged(q + g->row0 * qs, qs, kc, vc, pt, FW_PAGE, g->pos0, g->n, nq, nkv, dh,
+                                        out + g->row0 * qs);
         if (st2) return st2;
     }
     op_round_act(bc->ops.act, out, s->R * qs);
@@ -331,7 +309,6 @@ void be_cpu_free(void *bcv) {
     cpu_ctx *c = bcv;
     if (!c) return;
     ops_ctx_free(&c->ops);
-    free(c->kv);
     free(c);
 }
 

@@ -130,6 +130,16 @@ int op_attention_causal(const float *q, int64_t qs, const float *k, const float 
  * Errors: FP4MOE_EINVAL (pages NULL, page < 1), FP4MOE_ENOMEM. */
 int op_attention_causal_paged(const float *q, int64_t qs, const float *k, const float *v, const int32_t *pages,
                               int64_t page, int64_t P, int64_t T, int64_t nq, int64_t nkv, int64_t dh, float *out);
+/* The same over a paged FP8 cache (rows of op_kv_fp8_row_bytes(nkv, dh) bytes, as op_kv_fp8_store
+ * writes them), read in place: each page's keys and values of a kv head dequantized once (as
+ * op_kv_fp8_load does) into a page-sized buffer and used by the nq/nkv query heads of that kv head;
+ * per head the same arithmetic in the same order as op_attention_causal on the dequantized rows
+ * (bitwise equal to it). Memory per thread: nq/nkv score rows of P+T floats and one page of dh
+ * floats; no copy of the context. Errors: FP4MOE_EINVAL (pages NULL, page < 1), FP4MOE_EUNSUPPORTED
+ * (more than 64 query heads a kv head), FP4MOE_ENOMEM. */
+int op_attention_causal_paged_fp8(const float *q, int64_t qs, const uint8_t *k, const uint8_t *v,
+                                  const int32_t *pages, int64_t page, int64_t P, int64_t T, int64_t nq, int64_t nkv,
+                                  int64_t dh, float *out);
 
 /* ---- MoE routing -------------------------------------------------------------------------- */
 

@@ -115,6 +115,98 @@ static int attention(const float *q, int64_t qs, const float *k, const float *v,
     return FP4MOE_OK;
 }
 
+/* Head kh of an FP8 cache row as fp32: op_kv_fp8_load's arithmetic for one head. */
+static void fp8_load_head(const uint8_t *row, size_t cb, int64_t kh, int64_t dh, float *x) {
+    float s;
+    memcpy(&s, row + cb + (size_t)kh * sizeof(float), sizeof s);
+#ifdef FP4MOE_INJECT_FAULT_KV_FP8_SCALE /* deliberate fault (tests must catch it): the scale ignored */
+    s = 1.0f;
+#endif
+    const uint8_t *c = row + kh * dh;
+    for (int64_t i = 0; i < dh; i++) x[i] = g_e4m3[c[i]] * s;
+}
+
+/* Query row t's `rep` heads of kv head kh against keys 0..n-1 of the FP8 cache, read in place:
+ * each page's rows of head kh dequantized once into kbuf / vbuf (page x dh) and used by all rep
+ * heads. Per head the arithmetic of attend_one on the dequantized keys, in the same order. sc:
+ * rep x n scores. */
+static void attend_fp8_group(const float *q, int64_t qh_stride, const uint8_t *kb, const uint8_t *vb, size_t rb,
+                             size_t cb, const int32_t *pages, int64_t page, int64_t n, int64_t kh, int64_t rep,
+                             int64_t dh, float scale, float *sc, float *kbuf, float *out, int64_t oh_stride) {
+    float mxs[64];
+    for (int64_t hr = 0; hr < rep; hr++) mxs[hr] = -INFINITY;
+    for (int64_t j0 = 0; j0 < n; j0 += page) {
+        const int64_t base = (int64_t)pages[j0 / page] * page, m = n - j0 < page ? n - j0 : page;
+        for (int64_t jj = 0; jj < m; jj++) fp8_load_head(kb + (size_t)(base + jj) * rb, cb, kh, dh, kbuf + jj * dh);
+        for (int64_t hr = 0; hr < rep; hr++) {
+            const float *qh = q + hr * qh_stride;
+            float *sh = sc + hr * n;
+            float mx = mxs[hr];
+            for (int64_t jj = 0; jj < m; jj++) {
+                const float *kj = kbuf + jj * dh;
+                float d = 0.0f;
+#pragma omp simd reduction(+ : d)
+                for (int64_t i = 0; i < dh; i++) d += qh[i] * kj[i];
+                sh[j0 + jj] = d * scale;
+                if (sh[j0 + jj] > mx) mx = sh[j0 + jj];
+            }
+            mxs[hr] = mx;
+        }
+    }
+    float invs[64];
+    for (int64_t hr = 0; hr < rep; hr++) {
+        float *sh = sc + hr * n, sum = 0.0f;
+        for (int64_t j = 0; j < n; j++) {
+            sh[j] = expf(sh[j] - mxs[hr]);
+            sum += sh[j];
+        }
+        invs[hr] = 1.0f / sum;
+        for (int64_t i = 0; i < dh; i++) out[hr * oh_stride + i] = 0.0f;
+    }
+    for (int64_t j0 = 0; j0 < n; j0 += page) {
+        const int64_t base = (int64_t)pages[j0 / page] * page, m = n - j0 < page ? n - j0 : page;
+        for (int64_t jj = 0; jj < m; jj++) fp8_load_head(vb + (size_t)(base + jj) * rb, cb, kh, dh, kbuf + jj * dh);
+        for (int64_t hr = 0; hr < rep; hr++) {
+            const float *sh = sc + hr * n;
+            float *o = out + hr * oh_stride;
+            for (int64_t jj = 0; jj < m; jj++) {
+                const float p = sh[j0 + jj] * invs[hr];
+                const float *vj = kbuf + jj * dh;
+                for (int64_t i = 0; i < dh; i++) o[i] += p * vj[i];
+            }
+        }
+    }
+}
+
+int op_attention_causal_paged_fp8(const float *q, int64_t qs, const uint8_t *k, const uint8_t *v,
+                                  const int32_t *pages, int64_t page, int64_t P, int64_t T, int64_t nq, int64_t nkv,
+                                  int64_t dh, float *out) {
+    if (!pages || page < 1) return fp4moe_set_error(FP4MOE_EINVAL, "attention: no page table");
+    const int64_t rep = nq / nkv;
+    if (rep > 64) return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "attention (fp8 cache): %lld query heads a kv head "
+                                          "(at most 64)", (long long)rep);
+    pthread_once(&g_e4m3_once, e4m3_table);
+    const size_t rb = op_kv_fp8_row_bytes(nkv, dh), cb = fp8_codes_bytes(nkv, dh);
+    const float scale = 1.0f / sqrtf((float)dh);
+    int failed = 0;
+#pragma omp parallel reduction(| : failed)
+    {
+        float *sc = malloc((size_t)(rep * (P + T)) * sizeof(float)), *kbuf = malloc((size_t)(page * dh) * sizeof(float));
+        if (!sc || !kbuf) failed = 1;
+#pragma omp for collapse(2) schedule(dynamic, 1)
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t kh = 0; kh < nkv; kh++) {
+                if (!sc || !kbuf) continue;
+                attend_fp8_group(q + t * qs + kh * rep * dh, dh, k, v, rb, cb, pages, page, P + t + 1, kh, rep, dh,
+                                 scale, sc, kbuf, out + t * nq * dh + kh * rep * dh, dh);
+            }
+        free(sc);
+        free(kbuf);
+    }
+    if (failed) return fp4moe_set_error(FP4MOE_ENOMEM, "attention: out of memory for scores");
+    return FP4MOE_OK;
+}
+
 int op_attention_causal(const float *q, int64_t qs, const float *k, const float *v, int64_t P,
                         int64_t T, int64_t nq, int64_t nkv, int64_t dh, float *out) {
     return attention(q, qs, k, v, NULL, 1, P, T, nq, nkv, dh, out);
