@@ -56,6 +56,40 @@ void op_kv_fp8_load(const uint8_t *row, int64_t nkv, int64_t dh, float *x) {
     }
 }
 
+/* The three steps of one query row's softmax attention, shared by the f32 and FP8 readers so that
+ * both do the same arithmetic in the same order:
+ * run_scores: sc[jj] = (q . k_jj) * scale for the m keys of a run (k_jj at kp + jj * stride), returns
+ * the running max; softmax_row: sc = exp(sc - mx) over n keys, returns 1 / sum; run_accumulate:
+ * out += (sc[jj] * inv) * v_jj over a run of m values. */
+static inline float run_scores(const float *q, const float *kp, int64_t m, int64_t stride, int64_t dh, float scale,
+                               float *sc, float mx) {
+    for (int64_t jj = 0; jj < m; jj++) {
+        const float *kj = kp + jj * stride;
+        float d = 0.0f;
+#pragma omp simd reduction(+ : d)
+        for (int64_t i = 0; i < dh; i++) d += q[i] * kj[i];
+        sc[jj] = d * scale;
+        if (sc[jj] > mx) mx = sc[jj];
+    }
+    return mx;
+}
+static inline float softmax_row(float *sc, int64_t n, float mx) {
+    float sum = 0.0f;
+    for (int64_t j = 0; j < n; j++) {
+        sc[j] = expf(sc[j] - mx);
+        sum += sc[j];
+    }
+    return 1.0f / sum;
+}
+static inline void run_accumulate(const float *sc, float inv, const float *vp, int64_t m, int64_t stride, int64_t dh,
+                                  float *out) {
+    for (int64_t jj = 0; jj < m; jj++) {
+        const float p = sc[jj] * inv;
+        const float *vj = vp + jj * stride;
+        for (int64_t i = 0; i < dh; i++) out[i] += p * vj[i];
+    }
+}
+
 /* One query row against keys 0..n-1 of kv head `kh`: out = softmax(q.k * scale) @ v. Keys are read
  * a run of `page` at a time: run r at row pages[r] * page (contiguous: pages NULL, rows j). */
 static void attend_one(const float *q, const float *k, const float *v, const int32_t *pages, int64_t page,
@@ -64,31 +98,13 @@ static void attend_one(const float *q, const float *k, const float *v, const int
     float mx = -INFINITY;
     for (int64_t j0 = 0; j0 < n; j0 += page) {
         const float *kp = k + (pages ? (int64_t)pages[j0 / page] * page : j0) * kvs;
-        const int64_t m = n - j0 < page ? n - j0 : page;
-        for (int64_t jj = 0; jj < m; jj++) {
-            const float *kj = kp + jj * kvs;
-            float d = 0.0f;
-#pragma omp simd reduction(+ : d)
-            for (int64_t i = 0; i < dh; i++) d += q[i] * kj[i];
-            sc[j0 + jj] = d * scale;
-            if (sc[j0 + jj] > mx) mx = sc[j0 + jj];
-        }
+        mx = run_scores(q, kp, n - j0 < page ? n - j0 : page, kvs, dh, scale, sc + j0, mx);
     }
-    float sum = 0.0f;
-    for (int64_t j = 0; j < n; j++) {
-        sc[j] = expf(sc[j] - mx);
-        sum += sc[j];
-    }
-    const float inv = 1.0f / sum;
+    const float inv = softmax_row(sc, n, mx);
     for (int64_t i = 0; i < dh; i++) out[i] = 0.0f;
     for (int64_t j0 = 0; j0 < n; j0 += page) {
         const float *vp = v + (pages ? (int64_t)pages[j0 / page] * page : j0) * kvs;
-        const int64_t m = n - j0 < page ? n - j0 : page;
-        for (int64_t jj = 0; jj < m; jj++) {
-            const float p = sc[j0 + jj] * inv;
-            const float *vj = vp + jj * kvs;
-            for (int64_t i = 0; i < dh; i++) out[i] += p * vj[i];
-        }
+        run_accumulate(sc + j0, inv, vp, n - j0 < page ? n - j0 : page, kvs, dh, out);
     }
 }
 
@@ -127,54 +143,29 @@ static void fp8_load_head(const uint8_t *row, size_t cb, int64_t kh, int64_t dh,
 }
 
 /* Query row t's `rep` heads of kv head kh against keys 0..n-1 of the FP8 cache, read in place:
- * each page's rows of head kh dequantized once into kbuf / vbuf (page x dh) and used by all rep
- * heads. Per head the arithmetic of attend_one on the dequantized keys, in the same order. sc:
- * rep x n scores. */
+ * each page's rows of head kh dequantized once into kbuf (page x dh; the keys, later the values)
+ * and used by all rep heads. Per head attend_one's steps (run_scores, softmax_row, run_accumulate)
+ * on the dequantized rows, in the same order. sc: rep x n scores. */
 static void attend_fp8_group(const float *q, int64_t qh_stride, const uint8_t *kb, const uint8_t *vb, size_t rb,
                              size_t cb, const int32_t *pages, int64_t page, int64_t n, int64_t kh, int64_t rep,
                              int64_t dh, float scale, float *sc, float *kbuf, float *out, int64_t oh_stride) {
-    float mxs[64];
+    float mxs[64], invs[64];
     for (int64_t hr = 0; hr < rep; hr++) mxs[hr] = -INFINITY;
     for (int64_t j0 = 0; j0 < n; j0 += page) {
         const int64_t base = (int64_t)pages[j0 / page] * page, m = n - j0 < page ? n - j0 : page;
         for (int64_t jj = 0; jj < m; jj++) fp8_load_head(kb + (size_t)(base + jj) * rb, cb, kh, dh, kbuf + jj * dh);
-        for (int64_t hr = 0; hr < rep; hr++) {
-            const float *qh = q + hr * qh_stride;
-            float *sh = sc + hr * n;
-            float mx = mxs[hr];
-            for (int64_t jj = 0; jj < m; jj++) {
-                const float *kj = kbuf + jj * dh;
-                float d = 0.0f;
-#pragma omp simd reduction(+ : d)
-                for (int64_t i = 0; i < dh; i++) d += qh[i] * kj[i];
-                sh[j0 + jj] = d * scale;
-                if (sh[j0 + jj] > mx) mx = sh[j0 + jj];
-            }
-            mxs[hr] = mx;
-        }
+        for (int64_t hr = 0; hr < rep; hr++)
+            mxs[hr] = run_scores(q + hr * qh_stride, kbuf, m, dh, dh, scale, sc + hr * n + j0, mxs[hr]);
     }
-    float invs[64];
     for (int64_t hr = 0; hr < rep; hr++) {
-        float *sh = sc + hr * n, sum = 0.0f;
-        for (int64_t j = 0; j < n; j++) {
-            sh[j] = expf(sh[j] - mxs[hr]);
-            sum += sh[j];
-        }
-        invs[hr] = 1.0f / sum;
+        invs[hr] = softmax_row(sc + hr * n, n, mxs[hr]);
         for (int64_t i = 0; i < dh; i++) out[hr * oh_stride + i] = 0.0f;
     }
     for (int64_t j0 = 0; j0 < n; j0 += page) {
         const int64_t base = (int64_t)pages[j0 / page] * page, m = n - j0 < page ? n - j0 : page;
         for (int64_t jj = 0; jj < m; jj++) fp8_load_head(vb + (size_t)(base + jj) * rb, cb, kh, dh, kbuf + jj * dh);
-        for (int64_t hr = 0; hr < rep; hr++) {
-            const float *sh = sc + hr * n;
-            float *o = out + hr * oh_stride;
-            for (int64_t jj = 0; jj < m; jj++) {
-                const float p = sh[j0 + jj] * invs[hr];
-                const float *vj = kbuf + jj * dh;
-                for (int64_t i = 0; i < dh; i++) o[i] += p * vj[i];
-            }
-        }
+        for (int64_t hr = 0; hr < rep; hr++)
+            run_accumulate(sc + hr * n + j0, invs[hr], kbuf, m, dh, dh, out + hr * oh_stride);
     }
 }
 
