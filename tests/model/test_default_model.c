@@ -143,26 +143,35 @@ static int64_t argmax_agree(const float *a, const float *b, int64_t T, int64_t V
  * choices mostly agree (int8 activations move a logit by ~1% of the row's range; the reference
  * continuation's smallest top-1/top-2 gap is ~0.15, so a few flips are expected, not many), and a
  * broken W4A8 kernel (a dropped correction, wrong scale) moves them far outside these bounds. */
-static void test_q8_close_to_f32(void **state) {
+/* Prefill logits of the reference prompt with session options o (lo) next to the f32 reference
+ * (lf, default options, f32 activations): within rel_err, argmax equal at >= 90% of positions.
+ * Returns the session (for more checks) when keep, else frees it. */
+static fp4moe_session *close_to_f32(const char *what, const fp4moe_session_options *o, double rel_err, int keep) {
     const int64_t V = fp4moe_model_config(g.m)->vocab;
-    float *lf = mt_poisoned(g.T * V), *lq = mt_poisoned(g.T * V);
+    float *lf = mt_poisoned(g.T * V), *lo = mt_poisoned(g.T * V);
     fp4moe_session *s = mt_session(g.m, FP4MOE_F32, FP4MOE_ROUTE_AUTO, 0);
     mt_forward(s, g.prompt_ids, g.T, lf, 1);
     fp4moe_session_free(s);
+    assert_int_equal(fp4moe_session_new(g.m, o, &s), FP4MOE_OK);
+    mt_forward(s, g.prompt_ids, g.T, lo, 1);
+    const int64_t agree = argmax_agree(lf, lo, g.T, V);
+    const double err = mt_max_err(lo, lf, g.T, V);
+    fprintf(stderr, "%s vs f32 prefill logits: rel err %.3g, argmax agrees at %lld of %lld positions\n", what, err,
+            (long long)agree, (long long)g.T);
+    if (!(err <= rel_err)) fail_msg("%s prefill logits: rel err %.3g vs f32 > %g", what, err, rel_err);
+    if (agree < g.T * 9 / 10) fail_msg("%s argmax agrees with f32 at %lld of %lld positions", what, (long long)agree, (long long)g.T);
+    free(lf);
+    free(lo);
+    if (keep) return s;
+    fp4moe_session_free(s);
+    return NULL;
+}
+
+static void test_q8_close_to_f32(void **state) {
     fp4moe_session_options o;
     fp4moe_session_options_default(&o);
     o.cpu_act = FP4MOE_CPU_ACT_Q8;
-    assert_int_equal(fp4moe_session_new(g.m, &o, &s), FP4MOE_OK);
-    mt_forward(s, g.prompt_ids, g.T, lq, 1);
-    fp4moe_session_free(s);
-    const int64_t agree = argmax_agree(lf, lq, g.T, V);
-    const double err = mt_max_err(lq, lf, g.T, V);
-    fprintf(stderr, "q8 vs f32 prefill logits: rel err %.3g, argmax agrees at %lld of %lld positions\n", err,
-            (long long)agree, (long long)g.T);
-    if (!(err <= 0.05)) fail_msg("q8 prefill logits: rel err %.3g vs f32 > 0.05", err);
-    if (agree < g.T * 9 / 10) fail_msg("q8 argmax agrees with f32 at %lld of %lld positions", (long long)agree, (long long)g.T);
-    free(lf);
-    free(lq);
+    close_to_f32("q8", &o, 0.05, 0);
 }
 
 /* Runs the fp4moe executable with argv (NULL-terminated, argv[0] ignored); stdout into a malloc'd
@@ -219,32 +228,20 @@ static void test_perplexity_cli(void **state) {
 #define KV_FP8_PPL_RTOL 0.01
 static void test_fp8_kv_close_to_f32(void **state) {
     const int64_t V = fp4moe_model_config(g.m)->vocab;
-    float *lf = mt_poisoned(g.T * V), *l8 = mt_poisoned(g.T * V);
-    fp4moe_session *s = mt_session(g.m, FP4MOE_F32, FP4MOE_ROUTE_AUTO, 0);
-    mt_forward(s, g.prompt_ids, g.T, lf, 1);
-    fp4moe_session_free(s);
     fp4moe_session_options o;
     fp4moe_session_options_default(&o);
     o.kv_dtype = FP4MOE_KV_FP8;
-    assert_int_equal(fp4moe_session_new(g.m, &o, &s), FP4MOE_OK);
-    mt_forward(s, g.prompt_ids, g.T, l8, 1);
+    fp4moe_session *s = close_to_f32("fp8 KV", &o, 0.05, 1);
     fp4moe_session_reset(s);
     int32_t *out = malloc((size_t)g.n * sizeof *out);
     mt_greedy(s, g.prompt_ids, g.T, V, g.n, out);
     fp4moe_session_free(s);
-    const int64_t agree = argmax_agree(lf, l8, g.T, V);
     int64_t same = 0;
     while (same < g.n && out[same] == g.gen_ids[same]) same++;
-    const double err = mt_max_err(l8, lf, g.T, V);
-    fprintf(stderr, "fp8 KV vs f32 KV prefill logits: rel err %.3g, argmax agrees at %lld of %lld positions; greedy "
-            "continuation equals transformers' for %lld of %lld tokens\n", err, (long long)agree, (long long)g.T,
-            (long long)same, (long long)g.n);
-    if (!(err <= 0.05)) fail_msg("fp8 KV prefill logits: rel err %.3g vs the f32 cache > 0.05", err);
-    if (agree < g.T * 9 / 10) fail_msg("fp8 KV argmax agrees with f32 at %lld of %lld positions", (long long)agree, (long long)g.T);
+    fprintf(stderr, "fp8 KV: greedy continuation equals transformers' for %lld of %lld tokens\n", (long long)same,
+            (long long)g.n);
     if (same < 8) fail_msg("fp8 KV: the greedy continuation leaves transformers' at token %lld", (long long)same);
     free(out);
-    free(lf);
-    free(l8);
     /* perplexity over the held-out text, through the command line */
     char ctx[32];
     snprintf(ctx, sizeof ctx, "%lld", (long long)g.ctx);

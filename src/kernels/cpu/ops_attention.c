@@ -41,19 +41,21 @@ void op_kv_fp8_store(const float *x, int64_t nkv, int64_t dh, uint8_t *row) {
     }
 }
 
+/* Head kh of an FP8 cache row as fp32: e4m3(code) * s_kh (cb: the row's code bytes). */
+static void fp8_load_head(const uint8_t *row, size_t cb, int64_t kh, int64_t dh, float *x) {
+    float s;
+    memcpy(&s, row + cb + (size_t)kh * sizeof(float), sizeof s);
+#ifdef FP4MOE_INJECT_FAULT_KV_FP8_SCALE /* deliberate fault (tests must catch it): the scale ignored */
+    s = 1.0f;
+#endif
+    const uint8_t *c = row + kh * dh;
+    for (int64_t i = 0; i < dh; i++) x[i] = g_e4m3[c[i]] * s;
+}
+
 void op_kv_fp8_load(const uint8_t *row, int64_t nkv, int64_t dh, float *x) {
     pthread_once(&g_e4m3_once, e4m3_table);
     const size_t cb = fp8_codes_bytes(nkv, dh);
-    for (int64_t h = 0; h < nkv; h++) {
-        float s;
-        memcpy(&s, row + cb + (size_t)h * sizeof(float), sizeof s);
-#ifdef FP4MOE_INJECT_FAULT_KV_FP8_SCALE /* deliberate fault (tests must catch it): the scale ignored */
-        s = 1.0f;
-#endif
-        const uint8_t *c = row + h * dh;
-        float *xh = x + h * dh;
-        for (int64_t i = 0; i < dh; i++) xh[i] = g_e4m3[c[i]] * s;
-    }
+    for (int64_t h = 0; h < nkv; h++) fp8_load_head(row, cb, h, dh, x + h * dh);
 }
 
 /* The three steps of one query row's softmax attention, shared by the f32 and FP8 readers so that
@@ -129,17 +131,6 @@ static int attention(const float *q, int64_t qs, const float *k, const float *v,
     }
     if (failed) return fp4moe_set_error(FP4MOE_ENOMEM, "attention: out of memory for scores");
     return FP4MOE_OK;
-}
-
-/* Head kh of an FP8 cache row as fp32: op_kv_fp8_load's arithmetic for one head. */
-static void fp8_load_head(const uint8_t *row, size_t cb, int64_t kh, int64_t dh, float *x) {
-    float s;
-    memcpy(&s, row + cb + (size_t)kh * sizeof(float), sizeof s);
-#ifdef FP4MOE_INJECT_FAULT_KV_FP8_SCALE /* deliberate fault (tests must catch it): the scale ignored */
-    s = 1.0f;
-#endif
-    const uint8_t *c = row + kh * dh;
-    for (int64_t i = 0; i < dh; i++) x[i] = g_e4m3[c[i]] * s;
 }
 
 /* Query row t's `rep` heads of kv head kh against keys 0..n-1 of the FP8 cache, read in place:
