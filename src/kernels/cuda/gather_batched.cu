@@ -43,6 +43,7 @@
 #include <type_traits>
 
 #include "kernels/cuda/gather_cuda.cuh"
+#include "kernels/cuda/cuda_launch.cuh"
 
 #define BT_KSTEP 128   /* K per pipeline step */
 #define BT_XROW 288    /* bytes per token row of the x tile: 256 + swizzle room + padding */
@@ -316,6 +317,7 @@ template <int MT> struct bt_cfg {
 template <typename T, typename TY, int MT, bool FAST, int MINB, int V>
 __global__ void __launch_bounds__(bt_cfg<MT>::THREADS, MINB)
 gq_batched_kernel(gq_args a, const int *__restrict__ starts, const int *__restrict__ tile_off) {
+    cu_pdl_entry();
     typedef bt_cfg<MT> cfg;
     constexpr int THREADS = cfg::THREADS, NTILE = cfg::NTILE;
     extern __shared__ __align__(16) uint8_t smem[];
@@ -445,8 +447,12 @@ gq_batched_kernel(gq_args a, const int *__restrict__ starts, const int *__restri
 int gq_batched_row_tile(const gq_args *a, fp4moe_dtype dtype) {
     (void)dtype;
     /* 64-row tiles halve the weight re-reads and dequantizations of long runs; 32-row tiles keep
-     * more items (and fewer wasted n8 tiles) when runs are short (docs/GPU-NOTES.md). */
-    return (int64_t)a->B > 48ll * a->E ? 64 : 32;
+     * more items (and fewer wasted n8 tiles) when runs are short (docs/GPU-NOTES.md); runs of at
+     * most 8 rows on average (batched decode: 64 sequences x top-6 over 128 experts is 3 a run)
+     * take 8-row tiles, whose 4-warp blocks fit 4 an SM: measured 4,383 against 4,026 aggregate
+     * decode tok/s at 64 sequences (docs/PERFORMANCE.md, 2026-12-02). */
+    if ((int64_t)a->B > 48ll * a->E) return 64;
+    return (int64_t)a->B <= 8ll * a->E ? GQ_QMV_TILE_ROWS : 32;
 }
 
 template <typename T, typename TY, int MT, bool FAST, int V, int MINB = bt_cfg<MT>::MINBLOCKS>
@@ -467,7 +473,8 @@ static int launch(const gq_args *a, const int *starts, const int *tile_off, cuda
     const int64_t bound = ((int64_t)a->B / MT + 1 + (a->E < a->B ? a->E : a->B)) * NT;
     int64_t grid = (int64_t)sms * (occ > 0 ? occ : 1);
     if (grid > bound) grid = bound;
-    gq_batched_kernel<T, TY, MT, FAST, MINB, V><<<(unsigned)grid, cfg::THREADS, cfg::SMEM, st>>>(*a, starts, tile_off);
+    cu_launch(gq_batched_kernel<T, TY, MT, FAST, MINB, V>, (unsigned)grid, cfg::THREADS, cfg::SMEM, st, *a, starts,
+              tile_off);
     FP4MOE_CUDA_TRY("gather_qmm_cuda", cudaGetLastError(), "launch of the expert-batched kernel");
     return FP4MOE_OK;
 }

@@ -189,8 +189,8 @@ template <typename T> __device__ __forceinline__ T cu_out(float v, int relu2) {
 /* Checks a CUDA runtime status; on failure sets the fp4moe error ("gather_qmm_cuda: <what>: <msg>")
  * and returns FP4MOE_ECUDA from the calling function. */
 
-/* Rows per row-tile of the expert-batched kernel for this call (32 or 64, see gather_batched.cu);
- * the runs kernel counts tiles with the same value. */
+/* Rows per row-tile of the expert-batched kernel for this call (8, 32 or 64 by the mean run length,
+ * see gather_batched.cu); the runs kernel counts tiles with the same value. */
 int gq_batched_row_tile(const gq_args *a, fp4moe_dtype dtype);
 
 /* The expert-batched kernel with bf16 x and fp32 y (a.y: B x N floats): the lm_head's prefill rows,

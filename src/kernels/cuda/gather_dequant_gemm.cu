@@ -18,6 +18,7 @@
 
 #include "kernels/cuda/gather_cuda.cuh"
 #include "kernels/gather_common.h"
+#include "kernels/cuda/cuda_launch.cuh"
 
 #define FP4MOE_DQ_SCRATCH_BYTES (1ull << 30) /* dequantized experts per batch: at most 1 GiB */
 #define DQ_MAX_DEVICES 64
@@ -27,6 +28,7 @@
 template <typename T>
 __global__ void gq_dequant_kernel(const uint8_t *__restrict__ codes, const uint8_t *__restrict__ scales,
                                   int E, int N, int K, const int *__restrict__ starts, int e0, T *__restrict__ out) {
+    cu_pdl_entry();
     const int e = e0 + blockIdx.y;
     if (starts && starts[e + 1] <= starts[e]) return; /* no rows: not needed (NULL: every expert) */
     const int64_t nblocks = (int64_t)N * (K >> 4);
@@ -125,8 +127,8 @@ static int dequant_gemm(const gq_args *a, fp4moe_dtype dtype, cudaStream_t st) {
         if (h_starts[e0 + ne] <= h_starts[e0]) continue; /* no rows in this batch */
         const int64_t nblocks = (int64_t)a->N * (a->K >> 4);
         const dim3 grid((unsigned)((nblocks + 255) / 256), (unsigned)ne);
-        gq_dequant_kernel<T><<<grid, 256, 0, st>>>(a->codes, a->scales, a->E, a->N, a->K, d_starts, e0,
-                                                   (T *)g_dq[dev].scratch);
+        cu_launch(gq_dequant_kernel<T>, grid, 256, 0, st, a->codes, a->scales, a->E, a->N, a->K, d_starts, e0,
+                  (T *)g_dq[dev].scratch);
         FP4MOE_CUDA_TRY_GOTO("gather_qmm_cuda", cudaGetLastError(), "launch of the dequantize kernel", rc, done);
         for (int e = e0; e < e0 + ne; e++) {
             const int len = h_starts[e + 1] - h_starts[e];
@@ -184,8 +186,8 @@ int gq_dense_dequant_gemm(const gq_args *a, cudaStream_t st, void *blas, gq_dens
         dq->bytes = bytes;
     }
     const int64_t nblocks = per_expert >> 4;
-    gq_dequant_kernel<__nv_bfloat16><<<dim3((unsigned)((nblocks + 255) / 256), 1), 256, 0, st>>>(
-        a->codes, a->scales, 1, a->N, a->K, NULL, 0, (__nv_bfloat16 *)dq->p);
+    cu_launch(gq_dequant_kernel<__nv_bfloat16>, dim3((unsigned)((nblocks + 255) / 256), 1), 256, 0, st, a->codes,
+              a->scales, 1, a->N, a->K, nullptr, 0, (__nv_bfloat16 *)dq->p);
     FP4MOE_CUDA_TRY("gather_qmm_cuda", cudaGetLastError(), "launch of the dequantize kernel");
     /* y^T (N x B, ld N) = W (K x N, ld K)^T * x^T (K x B, ld K), alpha = the global scale (read by
      * cuBLAS from device memory: no copy to the host), beta = 0, fp32 compute, one rounding */

@@ -34,6 +34,7 @@
 #include "kernels/cuda/gather_cuda.cuh"
 #include "kernels/cuda/ops_cuda.h"
 #include "kernels/gather_common.h"
+#include "kernels/cuda/cuda_launch.cuh"
 
 /* ---- expert runs on the device ------------------------------------------------------------- */
 #define RUNS_THREADS 1024
@@ -41,6 +42,7 @@
 __global__ void __launch_bounds__(RUNS_THREADS)
 gq_runs_kernel(const uint32_t *__restrict__ idx, int B, int E, int row_tile, int *__restrict__ starts,
                int *__restrict__ tile_off) {
+    cu_pdl_entry();
     /* starts[e] = lower bound of e in idx (first b with idx[b] >= e) */
     for (int e = threadIdx.x; e <= E; e += blockDim.x) {
         int lo = 0, hi = B;
@@ -93,7 +95,7 @@ gq_runs_kernel(const uint32_t *__restrict__ idx, int B, int E, int row_tile, int
 }
 
 int gq_launch_runs(const gq_args *a, int row_tile, int *starts, int *tile_off, cudaStream_t st) {
-    gq_runs_kernel<<<1, RUNS_THREADS, 0, st>>>(a->idx, a->B, a->E, row_tile, starts, tile_off);
+    cu_launch(gq_runs_kernel, 1, RUNS_THREADS, 0, st, a->idx, a->B, a->E, row_tile, starts, tile_off);
     FP4MOE_CUDA_TRY("gather_qmm_cuda", cudaGetLastError(), "launch of the expert-runs kernel");
     return FP4MOE_OK;
 }

@@ -13,6 +13,7 @@
  * chunk the block handles (segment slot), so that the segments of one chunk - e.g. the 6 experts
  * of one decode token - run in parallel. Rows with idx >= E are written as zeros. */
 #include "kernels/cuda/gather_cuda.cuh"
+#include "kernels/cuda/cuda_launch.cuh"
 
 #define QMV_WARPS 8  /* warps per block = consecutive output features */
 #define QMV_CHUNK 32 /* rows per chunk */
@@ -189,6 +190,7 @@ __device__ __forceinline__ void qmv_segment(const gq_args &a, const T *__restric
 
 template <typename T, int BPL, int G, int NF, int V>
 __global__ void __launch_bounds__(QMV_WARPS * 32, 2) gq_qmv_kernel(gq_args a, int slots) {
+    cu_pdl_entry();
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int nblk = (a.N + QMV_WARPS * NF - 1) / (QMV_WARPS * NF);
     const int slot = blockIdx.x / nblk;
@@ -290,6 +292,7 @@ __device__ __forceinline__ void qmma_step(float (&acc)[4], const uint4 wa, const
 template <typename TY, int W>
 __global__ void __launch_bounds__(W * 32, (QMMA_MINB * 4 / W) > 0 ? (QMMA_MINB * 4 / W) : 1)
 gq_qmv_mma_kernel(gq_args a, int slots) {
+    cu_pdl_entry();
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, r = lane >> 2, q = lane & 3;
     const int ntile = (a.N + 15) >> 4;
     const int n0 = (int)(blockIdx.x % ntile) * 16, slot = (int)(blockIdx.x / ntile);
@@ -388,9 +391,9 @@ static int launch_mma(const gq_args *a, int slots, cudaStream_t st) {
     while (w < 16 && blocks * w < (int64_t)QMMA_WPSM * sms && 2 * w <= nsteps) w *= 2;
 #endif
     const unsigned grid = (unsigned)blocks;
-    if (w == 16) gq_qmv_mma_kernel<TY, 16><<<grid, 16 * 32, 0, st>>>(*a, slots);
-    else if (w == 8) gq_qmv_mma_kernel<TY, 8><<<grid, 8 * 32, 0, st>>>(*a, slots);
-    else gq_qmv_mma_kernel<TY, 4><<<grid, 4 * 32, 0, st>>>(*a, slots);
+    if (w == 16) cu_launch(gq_qmv_mma_kernel<TY, 16>, grid, 16 * 32, 0, st, *a, slots);
+    else if (w == 8) cu_launch(gq_qmv_mma_kernel<TY, 8>, grid, 8 * 32, 0, st, *a, slots);
+    else cu_launch(gq_qmv_mma_kernel<TY, 4>, grid, 4 * 32, 0, st, *a, slots);
     FP4MOE_CUDA_TRY("gather_qmm_cuda", cudaGetLastError(), "launch of the qmv (mma) kernel");
     return FP4MOE_OK;
 }
@@ -412,8 +415,8 @@ static int launch_g(const gq_args *a, cudaStream_t st) {
         return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "gather_qmm_cuda: qmv grid too large (N=%d)", a->N);
     const dim3 grid((unsigned)(nblk * slots), (unsigned)(chunks < 65535 ? chunks : 65535));
     const bool v16 = (a->K % 32) == 0 && ((uintptr_t)a->codes & 15) == 0;
-    if (v16) gq_qmv_kernel<T, 2, G, NF, V><<<grid, QMV_WARPS * 32, 0, st>>>(*a, slots);
-    else gq_qmv_kernel<T, 1, G, NF, V><<<grid, QMV_WARPS * 32, 0, st>>>(*a, slots);
+    if (v16) cu_launch(gq_qmv_kernel<T, 2, G, NF, V>, grid, QMV_WARPS * 32, 0, st, *a, slots);
+    else cu_launch(gq_qmv_kernel<T, 1, G, NF, V>, grid, QMV_WARPS * 32, 0, st, *a, slots);
     FP4MOE_CUDA_TRY("gather_qmm_cuda", cudaGetLastError(), "launch of the qmv kernel");
     return FP4MOE_OK;
 }

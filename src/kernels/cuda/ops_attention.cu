@@ -20,6 +20,7 @@
 #include <cuda_fp16.h>
 
 #include "kernels/cuda/ops_cuda.h"
+#include "kernels/cuda/cuda_launch.cuh"
 
 #define ATT_WARPS 8
 #define ATT_TILE 32
@@ -40,6 +41,7 @@ __device__ __forceinline__ float fa_f16_to_f32(uint16_t h) { return __half2float
 __global__ void kv_append_kernel(const uint16_t *k, const uint16_t *v, int64_t n, int64_t kvs,
                                  const int32_t *row_slot, const int32_t *row_pos, const int32_t *pages,
                                  int64_t max_pages, uint16_t *kc, uint16_t *vc) {
+    cu_pdl_entry();
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
          i += (int64_t)gridDim.x * blockDim.x) {
         const int64_t r = i / kvs, d = i % kvs;
@@ -57,8 +59,8 @@ extern "C" int cuda_kv_append(void *stream, const uint16_t *k, const uint16_t *v
     const int64_t n = R * kvs;
     if (n <= 0) return FP4MOE_OK;
     const int64_t b = (n + 255) / 256;
-    kv_append_kernel<<<(unsigned)(b < 65536 ? b : 65536), 256, 0, (cudaStream_t)stream>>>(
-        k, v, n, kvs, row_slot, row_pos, pages, max_pages, k_cache, v_cache);
+    cu_launch(kv_append_kernel, (unsigned)(b < 65536 ? b : 65536), 256, 0, (cudaStream_t)stream, k, v, n, kvs,
+              row_slot, row_pos, pages, max_pages, k_cache, v_cache);
     OPS_LAUNCH_CHECK("kv cache append");
     return FP4MOE_OK;
 }
@@ -70,6 +72,7 @@ template <int DPL>
 __global__ void __launch_bounds__(ATT_WARPS * 32)
 attn_prefill_kernel(const uint16_t *q, const uint16_t *kc, const uint16_t *vc, const int32_t *pages,
                     int P, int T, int nq, int nkv, int dh, float scale, uint16_t *out) {
+    cu_pdl_entry();
     extern __shared__ float sm[];
     const int ld = dh + 1;
     float *qs = sm, *Ks = qs + ATT_WARPS * dh, *Vs = Ks + ATT_TILE * ld;
@@ -153,6 +156,7 @@ __global__ void __launch_bounds__(ATT_WARPS * 32)
 attn_decode_kernel(const uint16_t *q, const uint16_t *kc, const uint16_t *vc, const int32_t *row_slot,
                    const int32_t *row_pos, const int32_t *pages_all, int64_t max_pages, int nq, int nkv,
                    int dh, float scale, uint16_t *out) {
+    cu_pdl_entry();
     extern __shared__ float sm[];
     float *qs = sm, *part = qs + dh;              /* part: ATT_WARPS x (dh + 2): acc, m, l */
     const int h = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -250,6 +254,7 @@ __device__ __forceinline__ int dec_pages_per_split(int ntiles, int splits) {
 #define COMB_WARPS 8
 __global__ void __launch_bounds__(COMB_WARPS * 32)
 attn_combine_kernel(const float *part, const int32_t *row_pos, int nq, int dh, int splits, uint16_t *out) {
+    cu_pdl_entry();
     __shared__ float sO[COMB_WARPS][256 + 1];
     __shared__ float sM[COMB_WARPS];
     const int h = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -641,6 +646,7 @@ __global__ void __launch_bounds__(DM_WARPS * 32)
 attn_decode_mma_kernel(const uint16_t *q, const uint16_t *kc, const uint16_t *vc, const int32_t *row_slot,
                        const int32_t *row_pos, const int32_t *pages_all, int64_t max_pages, int nq, int nkv,
                        int G, int splits, float scale_log2, float *part) {
+    cu_pdl_entry();
     extern __shared__ __align__(16) uint16_t dm_smem[];
     for (int sp = blockIdx.z; sp < splits; sp += gridDim.z) {
         if (!dm_split<DH>(q, kc, vc, row_slot, row_pos, pages_all, max_pages, nq, nkv, G, splits, scale_log2, part,
@@ -654,6 +660,7 @@ template <int DH>
 __global__ void __launch_bounds__(FA_WARPS * 32)
 attn_prefill_mma_kernel(const uint16_t *q, const uint16_t *kc, const uint16_t *vc, const int32_t *pages, int P,
                         int T, int nq, int nkv, float scale_log2, uint16_t *out) {
+    cu_pdl_entry();
     constexpr int LD = DH + 8, KS = DH / 16, NT = DH / 8, NJ = FA_KEYS / 8, STAGE = 2 * FA_KEYS * LD;
     extern __shared__ __align__(16) uint16_t fa_smem[]; /* Q, then stage s: K at s * STAGE, V after it */
     uint16_t *const Qs = fa_smem, *const stages = fa_smem + FA_ROWS * LD;
@@ -818,7 +825,8 @@ static int launch_prefill_mma(const uint16_t *q, const uint16_t *kc, const uint1
     TRY_OPS(fa_allow_smem(attn_prefill_mma_kernel<DH>, smem, &done));
     const float scale_log2 = 1.4426950408889634f / sqrtf((float)DH);
     const dim3 grid((unsigned)nq, ops_blocks(T, FA_ROWS));
-    attn_prefill_mma_kernel<DH><<<grid, FA_WARPS * 32, smem, st>>>(q, kc, vc, pages, P, T, nq, nkv, scale_log2, out);
+    cu_launch(attn_prefill_mma_kernel<DH>, grid, FA_WARPS * 32, smem, st, q, kc, vc, pages, P, T, nq, nkv, scale_log2,
+              out);
     OPS_LAUNCH_CHECK("attention (prefill, tensor cores)");
     return FP4MOE_OK;
 }
@@ -838,8 +846,8 @@ static int launch_prefill(const uint16_t *q, const uint16_t *kc, const uint16_t 
                                     smem, cudaGetErrorString(e));
     }
     const dim3 grid((unsigned)nq, ops_blocks(T, ATT_WARPS));
-    attn_prefill_kernel<DPL><<<grid, ATT_WARPS * 32, smem, st>>>(q, kc, vc, pages, P, T, nq, nkv, dh, scale,
-                                                                 out);
+    cu_launch(attn_prefill_kernel<DPL>, grid, ATT_WARPS * 32, smem, st, q, kc, vc, pages, P, T, nq, nkv, dh, scale,
+              out);
     OPS_LAUNCH_CHECK("attention (prefill)");
     return FP4MOE_OK;
 }
@@ -850,8 +858,8 @@ static int launch_decode(const uint16_t *q, const uint16_t *kc, const uint16_t *
                          int nkv, int dh, uint16_t *out, cudaStream_t st) {
     const float scale = 1.0f / sqrtf((float)dh);
     const size_t smem = ((size_t)dh + (size_t)ATT_WARPS * (dh + 2)) * sizeof(float);
-    attn_decode_kernel<DPL><<<dim3((unsigned)nq, (unsigned)R), ATT_WARPS * 32, smem, st>>>(
-        q, kc, vc, row_slot, row_pos, pages, max_pages, nq, nkv, dh, scale, out);
+    cu_launch(attn_decode_kernel<DPL>, dim3((unsigned)nq, (unsigned)R), ATT_WARPS * 32, smem, st, q, kc, vc, row_slot,
+              row_pos, pages, max_pages, nq, nkv, dh, scale, out);
     OPS_LAUNCH_CHECK("attention (decode)");
     return FP4MOE_OK;
 }
@@ -914,11 +922,11 @@ static int launch_split_mma(int G, const uint16_t *q, const uint16_t *kc, const 
     constexpr size_t smem = dm_smem_bytes<DH>();
     TRY_OPS(fa_allow_smem(attn_decode_mma_kernel<DH>, smem, &done));
     const float scale_log2 = 1.4426950408889634f / sqrtf((float)DH);
-    attn_decode_mma_kernel<DH><<<dim3((unsigned)nkv, (unsigned)R, dec_grid_splits(nkv, R)), DM_WARPS * 32, smem, st>>>(
-        q, kc, vc, row_slot, row_pos, pages, max_pages, nq, nkv, G, DEC_SPLITS, scale_log2, part);
+    cu_launch(attn_decode_mma_kernel<DH>, dim3((unsigned)nkv, (unsigned)R, dec_grid_splits(nkv, R)), DM_WARPS * 32,
+              smem, st, q, kc, vc, row_slot, row_pos, pages, max_pages, nq, nkv, G, DEC_SPLITS, scale_log2, part);
     OPS_LAUNCH_CHECK("attention (decode, split keys, tensor cores)");
-    attn_combine_kernel<<<dim3((unsigned)nq, (unsigned)R), COMB_WARPS * 32, 0, st>>>(part, row_pos, nq, DH,
-                                                                                   DEC_SPLITS, out);
+    cu_launch(attn_combine_kernel, dim3((unsigned)nq, (unsigned)R), COMB_WARPS * 32, 0, st, part, row_pos, nq, DH,
+              DEC_SPLITS, out);
     OPS_LAUNCH_CHECK("attention (decode, combine)");
     return FP4MOE_OK;
 }

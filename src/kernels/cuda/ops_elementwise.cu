@@ -10,6 +10,7 @@
 #include <cuda_fp16.h>
 
 #include "kernels/cuda/ops_cuda.h"
+#include "kernels/cuda/cuda_launch.cuh"
 
 #define NORM_THREADS 256
 
@@ -51,6 +52,7 @@ __device__ __forceinline__ float e4m3_value(uint32_t b) {
 
 __global__ void embed_kernel(const void *table, int kind, const uint8_t *codes, const uint8_t *scales,
                              const float *gs, const int32_t *tokens, int64_t H, float *h) {
+    cu_pdl_entry();
     const int64_t t = blockIdx.x, id = tokens[t];
     float *out = h + t * H;
     for (int64_t i = threadIdx.x; i < H; i += blockDim.x) {
@@ -75,8 +77,8 @@ extern "C" int cuda_embed(void *stream, const cuda_linear *e, const int32_t *tok
                           float *h) {
     if (T <= 0) return FP4MOE_OK;
     const int kind = e->nvfp4 ? 3 : (int)e->dtype;
-    embed_kernel<<<(unsigned)T, NORM_THREADS, 0, (cudaStream_t)stream>>>(
-        e->dense, kind, e->q.codes, e->q.scales, e->q.global_scale, tokens, e->K, h);
+    cu_launch(embed_kernel, (unsigned)T, NORM_THREADS, 0, (cudaStream_t)stream, e->dense, kind, e->q.codes,
+              e->q.scales, e->q.global_scale, tokens, e->K, h);
     OPS_LAUNCH_CHECK("embedding");
     return FP4MOE_OK;
 }
@@ -98,6 +100,7 @@ __device__ __forceinline__ float inv_rms_from(double ss, int64_t n, float eps) {
 __global__ void rmsnorm_kernel(float *__restrict__ x, const uint16_t *__restrict__ ra, const uint16_t *__restrict__ rb,
                                const float *__restrict__ w, int64_t H, float eps, uint16_t *__restrict__ y,
                                float *__restrict__ y32, const int32_t *__restrict__ rows) {
+    cu_pdl_entry();
     const int64_t t = blockIdx.x;
     float *xt = x + (rows ? (int64_t)rows[t] : t) * H;
     const int64_t step = blockDim.x;
@@ -160,6 +163,7 @@ __global__ void __launch_bounds__(RMSNORM_WIDE_THREADS)
 rmsnorm_wide_kernel(float *__restrict__ x, const uint16_t *__restrict__ ra, const uint16_t *__restrict__ rb,
                     const float *__restrict__ w, int64_t H, float eps, uint16_t *__restrict__ y,
                     float *__restrict__ y32, const int32_t *__restrict__ rows) {
+    cu_pdl_entry();
     const int64_t t = blockIdx.x;
     float *xt = x + (rows ? (int64_t)rows[t] : t) * H;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -242,9 +246,9 @@ rmsnorm_wide_kernel(float *__restrict__ x, const uint16_t *__restrict__ ra, cons
 static void rmsnorm_launch(cudaStream_t st, float *x, const uint16_t *a, const uint16_t *b, const float *w,
                            int64_t T, int64_t H, float eps, uint16_t *y, float *y32, const int32_t *rows) {
     if (T >= RMSNORM_WIDE_ROWS)
-        rmsnorm_wide_kernel<<<(unsigned)T, RMSNORM_WIDE_THREADS, 0, st>>>(x, a, b, w, H, eps, y, y32, rows);
+        cu_launch(rmsnorm_wide_kernel, (unsigned)T, RMSNORM_WIDE_THREADS, 0, st, x, a, b, w, H, eps, y, y32, rows);
     else
-        rmsnorm_kernel<<<(unsigned)T, RMSNORM_THREADS, 0, st>>>(x, a, b, w, H, eps, y, y32, rows);
+        cu_launch(rmsnorm_kernel, (unsigned)T, RMSNORM_THREADS, 0, st, x, a, b, w, H, eps, y, y32, rows);
 }
 
 extern "C" int cuda_rmsnorm(void *stream, float *x, const uint16_t *a, const uint16_t *b, const float *w,
@@ -261,6 +265,7 @@ extern "C" int cuda_rmsnorm(void *stream, float *x, const uint16_t *a, const uin
 __global__ void rmsnorm_gated_kernel(const float *__restrict__ y, const uint16_t *__restrict__ z, int64_t zs,
                                      const float *__restrict__ w, int64_t D, int64_t gsz, float eps,
                                      uint16_t *__restrict__ out) {
+    cu_pdl_entry();
     const int64_t t = blockIdx.x, g0 = (int64_t)blockIdx.y * gsz;
     const float *yt = y + t * D + g0;
     const uint16_t *zt = z + t * zs + g0;
@@ -317,8 +322,7 @@ extern "C" int cuda_rmsnorm_gated(void *stream, const float *y, const uint16_t *
         return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "cuda op rmsnorm_gated: %lld groups of %lld channels",
                                 (long long)G, (long long)D);
     const dim3 grid((unsigned)T, (unsigned)G);
-    rmsnorm_gated_kernel<<<grid, NORM_THREADS, 0, (cudaStream_t)stream>>>(y, z, zs, w, D, D / G, eps,
-                                                                           out);
+    cu_launch(rmsnorm_gated_kernel, grid, NORM_THREADS, 0, (cudaStream_t)stream, y, z, zs, w, D, D / G, eps, out);
     OPS_LAUNCH_CHECK("rmsnorm_gated");
     return FP4MOE_OK;
 }
@@ -333,6 +337,7 @@ __device__ __forceinline__ uint16_t relu2_1(uint16_t b) {
 
 /* n8 = n / 8 pieces of 8 bf16 (16 bytes) when x is 16-byte aligned, else n8 = 0; the tail elementwise. */
 __global__ void relu2_kernel(uint16_t *x, int64_t n, int64_t n8) {
+    cu_pdl_entry();
     const int64_t i0 = blockIdx.x * (int64_t)blockDim.x + threadIdx.x, step = (int64_t)gridDim.x * blockDim.x;
     for (int64_t i = i0; i < n8; i += step) {
         uint4 q = reinterpret_cast<uint4 *>(x)[i];
@@ -354,13 +359,14 @@ static unsigned stride_blocks(int64_t n) {
 extern "C" int cuda_relu2(void *stream, uint16_t *x, int64_t n) {
     if (n <= 0) return FP4MOE_OK;
     const int64_t n8 = ((uintptr_t)x & 15) ? 0 : n / 8;
-    relu2_kernel<<<stride_blocks(n8 ? n8 : n), 256, 0, (cudaStream_t)stream>>>(x, n, n8);
+    cu_launch(relu2_kernel, stride_blocks(n8 ? n8 : n), 256, 0, (cudaStream_t)stream, x, n, n8);
     OPS_LAUNCH_CHECK("relu2");
     return FP4MOE_OK;
 }
 
 __global__ void residual_kernel(float *__restrict__ h, const uint16_t *__restrict__ a,
                                 const uint16_t *__restrict__ b, int64_t n) {
+    cu_pdl_entry();
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
          i += (int64_t)gridDim.x * blockDim.x) {
         float o = ops_bf16_to_f32(a[i]);
@@ -372,7 +378,7 @@ __global__ void residual_kernel(float *__restrict__ h, const uint16_t *__restric
 extern "C" int cuda_residual_add(void *stream, float *h, const uint16_t *a, const uint16_t *b,
                                  int64_t n) {
     if (n <= 0) return FP4MOE_OK;
-    residual_kernel<<<stride_blocks(n), 256, 0, (cudaStream_t)stream>>>(h, a, b, n);
+    cu_launch(residual_kernel, stride_blocks(n), 256, 0, (cudaStream_t)stream, h, a, b, n);
     OPS_LAUNCH_CHECK("residual add");
     return FP4MOE_OK;
 }
@@ -422,6 +428,7 @@ __device__ void block_argmax(float v, int i, float *bv, int *bi) {
 #define ARGMAX_UNROLL 8
 __global__ void __launch_bounds__(ARGMAX_THREADS)
 argmax_rows_kernel(const float *__restrict__ x, int n, int vec, int32_t *__restrict__ out) {
+    cu_pdl_entry();
     const float *xr = x + (int64_t)blockIdx.x * n;
     float bv = __int_as_float(0x7fc00000);
     int bi = INT_MAX;
@@ -464,7 +471,7 @@ extern "C" int cuda_argmax_rows_f32(void *stream, const float *x, int64_t rows, 
         return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "cuda op argmax rows: %lld x %lld", (long long)rows,
                                 (long long)n);
     const int vec = (n % 4) == 0 && ((uintptr_t)x & 15) == 0;
-    argmax_rows_kernel<<<(unsigned)rows, ARGMAX_THREADS, 0, (cudaStream_t)stream>>>(x, (int)n, vec, out);
+    cu_launch(argmax_rows_kernel, (unsigned)rows, ARGMAX_THREADS, 0, (cudaStream_t)stream, x, (int)n, vec, out);
     OPS_LAUNCH_CHECK("argmax rows");
     return FP4MOE_OK;
 }

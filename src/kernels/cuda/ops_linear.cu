@@ -6,6 +6,7 @@
 #include <cublas_v2.h>
 
 #include "kernels/cuda/ops_cuda.h"
+#include "kernels/cuda/cuda_launch.cuh"
 
 #define BLAS_TRY(call, what)                                                                       \
     do {                                                                                           \
@@ -56,22 +57,26 @@ static unsigned grid_for(int64_t n) {
 }
 
 __global__ void widen_kernel(const uint16_t *x, int64_t n, float *y) {
+    cu_pdl_entry();
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
         y[i] = ops_bf16_to_f32(x[i]);
 }
 
 __global__ void narrow_kernel(const float *x, int64_t n, uint16_t *y) {
+    cu_pdl_entry();
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
         y[i] = ops_f32_to_bf16(x[i]);
 }
 
 __global__ void bias_kernel(uint16_t *y, const float *bias, int64_t T, int64_t N) {
+    cu_pdl_entry();
     const int64_t n = T * N;
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
         y[i] = ops_f32_to_bf16(__fadd_rn(ops_bf16_to_f32(y[i]), bias[i % N]));
 }
 
 __global__ void bias_f32_kernel(float *y, const float *bias, int64_t T, int64_t N) {
+    cu_pdl_entry();
     const int64_t n = T * N;
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
         y[i] = __fadd_rn(y[i], bias[i % N]);
@@ -80,6 +85,7 @@ __global__ void bias_f32_kernel(float *y, const float *bias, int64_t T, int64_t 
 /* Dense experts: warp per (row b, feature n), fp32 dot product; rows with idx >= E are zeros. */
 __global__ void dense_gather_kernel(const void *W, int f32, int64_t E, int64_t N, int64_t K,
                                     const uint16_t *x, const uint32_t *idx, uint16_t *y) {
+    cu_pdl_entry();
     const int lane = threadIdx.x & 31;
     const int64_t n = (int64_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), b = blockIdx.y;
     if (n >= N) return;
@@ -98,7 +104,7 @@ __global__ void dense_gather_kernel(const void *W, int f32, int64_t E, int64_t N
 
 static int add_bias(const cuda_ops *o, const cuda_linear *w, int64_t T, uint16_t *y) {
     if (!w->bias) return FP4MOE_OK;
-    bias_kernel<<<grid_for(T * w->N), 256, 0, (cudaStream_t)o->stream>>>(y, w->bias, T, w->N);
+    cu_launch(bias_kernel, grid_for(T * w->N), 256, 0, (cudaStream_t)o->stream, y, w->bias, T, w->N);
     OPS_LAUNCH_CHECK("linear bias");
     return FP4MOE_OK;
 }
@@ -140,12 +146,12 @@ extern "C" int cuda_linear_forward(const cuda_ops *o, const cuda_linear *w, cons
             return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "cuda linear: f32 weights (%lld x %lld) need "
                                     "%lld staging floats, have %lld", (long long)w->N, (long long)w->K,
                                     (long long)(T * (w->K > w->N ? w->K : w->N)), (long long)o->f32_n);
-        widen_kernel<<<grid_for(T * w->K), 256, 0, st>>>(x, T * w->K, o->f32_x);
+        cu_launch(widen_kernel, grid_for(T * w->K), 256, 0, st, x, T * w->K, o->f32_x);
         OPS_LAUNCH_CHECK("linear (widen x to f32)");
         rc = gemm_xwt((cublasHandle_t)o->blas, w->dense, o->f32_x, o->f32_y, CUDA_R_32F, CUDA_R_32F, T,
                       w->N, w->K, "linear (cublasGemmEx f32)");
         if (rc) return rc;
-        narrow_kernel<<<grid_for(T * w->N), 256, 0, st>>>(o->f32_y, T * w->N, y);
+        cu_launch(narrow_kernel, grid_for(T * w->N), 256, 0, st, o->f32_y, T * w->N, y);
         OPS_LAUNCH_CHECK("linear (round y to bf16)");
     }
     if (rc) return rc;
@@ -165,7 +171,7 @@ extern "C" int cuda_linear_forward_f32out(const cuda_ops *o, const cuda_linear *
             return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "cuda linear (f32 out): x of %lld x %lld needs "
                                     "%lld staging floats, have %lld", (long long)T, (long long)w->K,
                                     (long long)(T * w->K), (long long)o->f32_n);
-        widen_kernel<<<grid_for(T * w->K), 256, 0, st>>>(x, T * w->K, o->f32_x);
+        cu_launch(widen_kernel, grid_for(T * w->K), 256, 0, st, x, T * w->K, o->f32_x);
         OPS_LAUNCH_CHECK("linear (widen x to f32)");
     }
     if (w->nvfp4) {
@@ -178,7 +184,7 @@ extern "C" int cuda_linear_forward_f32out(const cuda_ops *o, const cuda_linear *
                       "linear (cublasGemmEx f32)");
     }
     if (rc || !w->bias) return rc;
-    bias_f32_kernel<<<grid_for(T * w->N), 256, 0, st>>>(y, w->bias, T, w->N);
+    cu_launch(bias_f32_kernel, grid_for(T * w->N), 256, 0, st, y, w->bias, T, w->N);
     OPS_LAUNCH_CHECK("linear bias");
     return FP4MOE_OK;
 }
@@ -194,8 +200,8 @@ extern "C" int cuda_linear_gather(const cuda_ops *o, const cuda_linear *w, const
             return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "cuda linear gather: %lld rows on dense "
                                     "(unquantized) experts; at most 65535", (long long)B);
         const dim3 grid(ops_blocks(w->N, 8), (unsigned)B);
-        dense_gather_kernel<<<grid, 256, 0, (cudaStream_t)o->stream>>>(
-            w->dense, w->dtype == FP4MOE_F32, w->E, w->N, w->K, x, idx, y);
+        cu_launch(dense_gather_kernel, grid, 256, 0, (cudaStream_t)o->stream, w->dense, w->dtype == FP4MOE_F32, w->E,
+                  w->N, w->K, x, idx, y);
         OPS_LAUNCH_CHECK("linear gather (dense experts)");
         rc = FP4MOE_OK;
     }

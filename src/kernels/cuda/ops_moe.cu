@@ -7,6 +7,7 @@
 #include <math.h>
 
 #include "kernels/cuda/ops_cuda.h"
+#include "kernels/cuda/cuda_launch.cuh"
 
 /* ---- router ----------------------------------------------------------------------------------- */
 
@@ -169,6 +170,7 @@ __device__ __forceinline__ void router_token(const cuda_router_cfg &r, const flo
 /* One warp per token. */
 __global__ void __launch_bounds__(ROUTER_WARPS * 32)
 router_kernel(cuda_router_cfg r, const float *logits, int T, int32_t *ids, float *wts) {
+    cu_pdl_entry();
     extern __shared__ float sm[];
     const int warp = threadIdx.x >> 5, t = blockIdx.x * ROUTER_WARPS + warp;
     if (t >= T) return; /* warp-uniform; no block-wide barrier below */
@@ -189,8 +191,8 @@ extern "C" int cuda_router_topk(void *stream, const cuda_router_cfg *r, const fl
                                 "n_group=%lld, topk_group=%lld", (long long)r->E, (long long)r->k,
                                 (long long)r->n_group, (long long)r->topk_group);
     const size_t per_warp = router_warp_smem(r->E, r->n_group);
-    router_kernel<<<ops_blocks(T, ROUTER_WARPS), ROUTER_WARPS * 32, ROUTER_WARPS * per_warp,
-                    (cudaStream_t)stream>>>(*r, logits, (int)T, ids, wts);
+    cu_launch(router_kernel, ops_blocks(T, ROUTER_WARPS), ROUTER_WARPS * 32, ROUTER_WARPS * per_warp,
+              (cudaStream_t)stream, *r, logits, (int)T, ids, wts);
     OPS_LAUNCH_CHECK("router top-k");
     return FP4MOE_OK;
 }
@@ -262,6 +264,7 @@ __device__ void sort_block(const int32_t *ids, int B, int E, uint32_t *row_of, u
 
 __global__ void __launch_bounds__(SORT_THREADS)
 sort_kernel(const int32_t *ids, int B, int E, uint32_t *row_of, uint32_t *idx, uint32_t *pos_of) {
+    cu_pdl_entry();
     extern __shared__ int cnt[]; /* W x E, then start[E] */
     sort_block(ids, B, E, row_of, idx, pos_of, cnt);
 }
@@ -278,13 +281,14 @@ extern "C" int cuda_sort_by_expert(void *stream, const int32_t *ids, int64_t B, 
         return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "cuda op sort by expert: E=%lld (at most 6143), "
                                 "B=%lld", (long long)E, (long long)B);
     const size_t smem = (size_t)(W + 1) * (size_t)E * sizeof(int);
-    sort_kernel<<<1, W * 32, smem, (cudaStream_t)stream>>>(ids, (int)B, (int)E, row_of, idx, pos_of);
+    cu_launch(sort_kernel, 1, W * 32, smem, (cudaStream_t)stream, ids, (int)B, (int)E, row_of, idx, pos_of);
     OPS_LAUNCH_CHECK("sort by expert");
     return FP4MOE_OK;
 }
 
 /* local ids (int) of received global experts, clamped into [0, E) */
 __global__ void local_ids_kernel(const uint32_t *ids, int64_t B, int64_t lo, int64_t E, int32_t *out) {
+    cu_pdl_entry();
     for (int64_t b = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; b < B; b += (int64_t)gridDim.x * blockDim.x) {
         const int64_t e = (int64_t)ids[b] - lo;
         out[b] = (int32_t)(e < 0 ? 0 : e >= E ? E - 1 : e);
@@ -298,8 +302,8 @@ extern "C" int cuda_sort_local(void *stream, const uint32_t *ids, int64_t B, int
     /* the local ids live in pos_of: sort_block reads ids[b] only in the thread that later writes
      * pos_of[b] (its counting pass, then its ranking pass reads ids[b] before writing pos_of[b]) */
     int32_t *l = (int32_t *)pos_of;
-    local_ids_kernel<<<ops_blocks(B, 256) < 1024 ? ops_blocks(B, 256) : 1024, 256, 0, (cudaStream_t)stream>>>(ids, B, lo,
-                                                                                                          E, l);
+    cu_launch(local_ids_kernel, ops_blocks(B, 256) < 1024 ? ops_blocks(B, 256) : 1024, 256, 0, (cudaStream_t)stream,
+              ids, B, lo, E, l);
     OPS_LAUNCH_CHECK("sort_local (local ids)");
     return cuda_sort_by_expert(stream, l, B, E, row_of, idx, pos_of);
 }
@@ -325,6 +329,7 @@ static_assert(ROUTE_LOGITS_WARPS % ROUTE_PARTS == 0, "an expert's parts in one b
 __global__ void __launch_bounds__(ROUTE_LOGITS_WARPS * 32)
 route_logits_kernel(const float *__restrict__ x, int T, const float *__restrict__ W, int E, int H,
                     float *__restrict__ logits) {
+    cu_pdl_entry();
     __shared__ float part[ROUTE_LOGITS_WARPS][ROUTE_MAX_T];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int e = blockIdx.x * (ROUTE_LOGITS_WARPS / ROUTE_PARTS) + warp / ROUTE_PARTS, pi = warp % ROUTE_PARTS;
@@ -396,6 +401,7 @@ __host__ __device__ inline size_t route_scratch_bytes(int64_t E, int64_t G) {
 __global__ void __launch_bounds__(ROUTE_WARPS * 32)
 route_tail_kernel(cuda_router_cfg r, int T, const float *logits, int32_t *ids, float *wts, uint32_t *row_of,
                   uint32_t *idx, uint32_t *pos_of) {
+    cu_pdl_entry();
     extern __shared__ __align__(16) char route_sm[];
     const int warp = threadIdx.x >> 5, B = T * (int)r.k;
     int32_t *sids = (int32_t *)(route_sm + route_scratch_bytes(r.E, r.n_group));
@@ -428,10 +434,10 @@ extern "C" int cuda_moe_route(const cuda_ops *o, const cuda_router_cfg *r, const
         return st;
     }
     cudaStream_t st = (cudaStream_t)o->stream;
-    route_logits_kernel<<<ops_blocks(r->E, ROUTE_LOGITS_WARPS / ROUTE_PARTS), ROUTE_LOGITS_WARPS * 32, 0, st>>>(
-        x, (int)T, W, (int)r->E, (int)H, logits);
+    cu_launch(route_logits_kernel, ops_blocks(r->E, ROUTE_LOGITS_WARPS / ROUTE_PARTS), ROUTE_LOGITS_WARPS * 32, 0, st,
+              x, (int)T, W, (int)r->E, (int)H, logits);
     OPS_LAUNCH_CHECK("moe route (router logits)");
-    route_tail_kernel<<<1, ROUTE_WARPS * 32, smem, st>>>(*r, (int)T, logits, ids, wts, row_of, idx, pos_of);
+    cu_launch(route_tail_kernel, 1, ROUTE_WARPS * 32, smem, st, *r, (int)T, logits, ids, wts, row_of, idx, pos_of);
     OPS_LAUNCH_CHECK("moe route (top-k and sort)");
     return FP4MOE_OK;
 }
@@ -440,6 +446,7 @@ extern "C" int cuda_moe_route(const cuda_ops *o, const cuda_router_cfg *r, const
 
 __global__ void gather_rows_kernel(const uint16_t *x, int64_t H, const uint32_t *row_of, int64_t k,
                                    uint16_t *xs) {
+    cu_pdl_entry();
     const int64_t p = blockIdx.x, src = (int64_t)(row_of[p] / (uint32_t)k);
     const uint16_t *in = x + src * H;
     uint16_t *out = xs + p * H;
@@ -456,7 +463,7 @@ extern "C" int cuda_gather_rows(void *stream, const uint16_t *x, int64_t H, cons
     if (B <= 0) return FP4MOE_OK;
     if (B > 0x7fffffff)
         return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "cuda op gather rows: B=%lld", (long long)B);
-    gather_rows_kernel<<<(unsigned)B, 128, 0, (cudaStream_t)stream>>>(x, H, row_of, k, xs);
+    cu_launch(gather_rows_kernel, (unsigned)B, 128, 0, (cudaStream_t)stream, x, H, row_of, k, xs);
     OPS_LAUNCH_CHECK("gather rows");
     return FP4MOE_OK;
 }
@@ -469,6 +476,7 @@ extern "C" int cuda_gather_rows(void *stream, const uint16_t *x, int64_t H, cons
 #define COMBINE_J 8 /* slots per batch */
 __global__ void combine_kernel(const uint16_t *__restrict__ ys, int64_t H, const uint32_t *__restrict__ pos_of,
                                const float *__restrict__ wts, int64_t k, uint16_t *__restrict__ out) {
+    cu_pdl_entry();
     __shared__ float sw[COMBINE_MAX_K];
     __shared__ const uint16_t *sy[COMBINE_MAX_K];
     const int64_t t = blockIdx.x;
@@ -509,7 +517,7 @@ extern "C" int cuda_moe_combine(void *stream, const uint16_t *ys, int64_t H, con
         return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "cuda op moe combine: top-k %lld (1..%d)", (long long)k,
                                 COMBINE_MAX_K);
     /* decode-sized steps: 1024 threads a row (fewer batches of loads per thread) */
-    combine_kernel<<<(unsigned)T, T <= 64 ? 1024 : 256, 0, (cudaStream_t)stream>>>(ys, H, pos_of, wts, k, out);
+    cu_launch(combine_kernel, (unsigned)T, T <= 64 ? 1024 : 256, 0, (cudaStream_t)stream, ys, H, pos_of, wts, k, out);
     OPS_LAUNCH_CHECK("moe combine");
     return FP4MOE_OK;
 }

@@ -4,6 +4,7 @@
  * Contracts: ops_cuda.h. */
 #include "kernels/cuda/ops_cuda.h"
 #include "kernels/synthetic.h"
+#include "kernels/cuda/cuda_launch.cuh"
 
 static unsigned fill_blocks(int64_t n) {
     const int64_t b = (n + 255) / 256;
@@ -13,6 +14,7 @@ static unsigned fill_blocks(int64_t n) {
 /* One thread per NVFP4 block: 8 code bytes (one 8-byte store) and 1 scale byte. */
 __global__ void synth_nvfp4_kernel(uint64_t key, int64_t n_blocks, int64_t blocks_per_row, float sigma,
                                    float enc, uint8_t *codes, uint8_t *scales) {
+    cu_pdl_entry();
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n_blocks;
          i += (int64_t)gridDim.x * blockDim.x) {
         uint8_t c[8], s;
@@ -33,13 +35,14 @@ extern "C" int cuda_synth_nvfp4(void *stream, uint64_t seed, uint64_t tensor_id,
         return fp4moe_set_error(FP4MOE_EINVAL, "cuda op synth nvfp4: %lld blocks per row", (long long)blocks_per_row);
     if ((uintptr_t)codes & 7)
         return fp4moe_set_error(FP4MOE_EINVAL, "cuda op synth nvfp4: codes not 8-byte aligned");
-    synth_nvfp4_kernel<<<fill_blocks(n_blocks), 256, 0, (cudaStream_t)stream>>>(
-        syn_key(seed, tensor_id), n_blocks, blocks_per_row, sigma, enc, codes, scales);
+    cu_launch(synth_nvfp4_kernel, fill_blocks(n_blocks), 256, 0, (cudaStream_t)stream, syn_key(seed, tensor_id),
+              n_blocks, blocks_per_row, sigma, enc, codes, scales);
     OPS_LAUNCH_CHECK("synthetic nvfp4 weights");
     return FP4MOE_OK;
 }
 
 __global__ void synth_bf16_kernel(uint64_t key, int64_t n, float sigma, uint16_t *out) {
+    cu_pdl_entry();
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
          i += (int64_t)gridDim.x * blockDim.x)
         out[i] = syn_bf16(key, i, sigma);
@@ -48,8 +51,8 @@ __global__ void synth_bf16_kernel(uint64_t key, int64_t n, float sigma, uint16_t
 extern "C" int cuda_synth_bf16(void *stream, uint64_t seed, uint64_t tensor_id, int64_t n, float sigma,
                                uint16_t *out) {
     if (n <= 0) return FP4MOE_OK;
-    synth_bf16_kernel<<<fill_blocks(n), 256, 0, (cudaStream_t)stream>>>(syn_key(seed, tensor_id), n,
-                                                                         sigma, out);
+    cu_launch(synth_bf16_kernel, fill_blocks(n), 256, 0, (cudaStream_t)stream, syn_key(seed, tensor_id), n, sigma,
+              out);
     OPS_LAUNCH_CHECK("synthetic bf16 weights");
     return FP4MOE_OK;
 }

@@ -22,6 +22,7 @@
 #include <string.h>
 
 #include "kernels/cuda/ops_cuda.h"
+#include "kernels/cuda/cuda_launch.cuh"
 
 #define CONV_KMAX 8
 #define CONV_THREADS 128
@@ -35,6 +36,7 @@
 __global__ void conv1d_kernel(const uint16_t *__restrict__ x, int64_t xs, int T, int C, const float *__restrict__ w,
                               const float *__restrict__ b, int Kc, const float *__restrict__ state,
                               float *__restrict__ y) {
+    cu_pdl_entry();
     const int c = blockIdx.x * CONV_THREADS + threadIdx.x;
     if (c >= C) return;
     const int P = Kc - 1, t0 = blockIdx.y * CONV_TOKENS;
@@ -71,6 +73,7 @@ __global__ void conv1d_kernel(const uint16_t *__restrict__ x, int64_t xs, int T,
 
 /* New state: the last P inputs of (state ++ x); ascending i reads row T+i > i first (in place). */
 __global__ void conv_state_kernel(const uint16_t *x, int64_t xs, int T, int C, int Kc, float *state) {
+    cu_pdl_entry();
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= C) return;
     const int P = Kc - 1;
@@ -87,6 +90,7 @@ __global__ void conv1d_decode_kernel(const uint16_t *__restrict__ x, int64_t xs,
                                      const float *__restrict__ w, const float *__restrict__ b, int Kc,
                                      const int32_t *__restrict__ row_slot, int64_t state_stride,
                                      float *__restrict__ state, float *__restrict__ y) {
+    cu_pdl_entry();
     const int c = blockIdx.x * CONV_THREADS + threadIdx.x, r = blockIdx.y;
     if (c >= C || r >= R) return;
     const int P = Kc - 1;
@@ -110,8 +114,8 @@ extern "C" int cuda_conv1d_decode(void *stream, const uint16_t *x, int64_t xs, i
         return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "cuda op conv1d decode: conv_kernel=%lld, %lld channels, "
                                 "%lld rows", (long long)Kc, (long long)C, (long long)R);
     const dim3 grid(ops_blocks(C, CONV_THREADS), (unsigned)R);
-    conv1d_decode_kernel<<<grid, CONV_THREADS, 0, (cudaStream_t)stream>>>(x, xs, (int)R, (int)C, w, b, (int)Kc,
-                                                                          row_slot, state_stride, state, y);
+    cu_launch(conv1d_decode_kernel, grid, CONV_THREADS, 0, (cudaStream_t)stream, x, xs, (int)R, (int)C, w, b, (int)Kc,
+              row_slot, state_stride, state, y);
     OPS_LAUNCH_CHECK("conv1d decode");
     return FP4MOE_OK;
 }
@@ -128,10 +132,10 @@ extern "C" int cuda_conv1d_causal(void *stream, const uint16_t *x, int64_t xs, i
     if (grid.y > 65535)
         return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "cuda op conv1d: %lld tokens in one call",
                                 (long long)T);
-    conv1d_kernel<<<grid, CONV_THREADS, 0, st>>>(x, xs, (int)T, (int)C, w, b, (int)Kc, state, y);
+    cu_launch(conv1d_kernel, grid, CONV_THREADS, 0, st, x, xs, (int)T, (int)C, w, b, (int)Kc, state, y);
     OPS_LAUNCH_CHECK("conv1d");
     if (Kc > 1) {
-        conv_state_kernel<<<ops_blocks(C, 256), 256, 0, st>>>(x, xs, (int)T, (int)C, (int)Kc, state);
+        cu_launch(conv_state_kernel, ops_blocks(C, 256), 256, 0, st, x, xs, (int)T, (int)C, (int)Kc, state);
         OPS_LAUNCH_CHECK("conv1d state update");
     }
     return FP4MOE_OK;
@@ -151,6 +155,7 @@ __device__ __forceinline__ float softplus_f(float v) { return v > 20.0f ? v : lo
 template <int NPL, int LPP>
 __global__ void __launch_bounds__(SCAN_WARPS * 32)
 ssm_scan_kernel(cuda_ssm_args a, int TC) {
+    cu_pdl_entry();
     constexpr int PW = 32 / LPP, PB = SCAN_WARPS * PW;
     if (a.row_slot) { /* batch of single-token sequences: row z with the state of its slot */
         const int64_t z = blockIdx.z;
@@ -232,7 +237,7 @@ static int launch_scan(const cuda_ssm_args *a, cudaStream_t st) {
     TC = TC < 8 ? 8 : (TC > 64 ? 64 : TC);
     const size_t smem = ((size_t)2 * TC * a->S + 2 * TC + (size_t)TC * PB) * sizeof(float);
     const dim3 grid(ops_blocks(a->hd, PB), (unsigned)a->nh, a->row_slot ? (unsigned)a->nb : 1u);
-    ssm_scan_kernel<NPL, LPP><<<grid, SCAN_WARPS * 32, smem, st>>>(*a, TC);
+    cu_launch(ssm_scan_kernel<NPL, LPP>, grid, SCAN_WARPS * 32, smem, st, *a, TC);
     OPS_LAUNCH_CHECK("ssm scan");
     return FP4MOE_OK;
 }
@@ -298,6 +303,7 @@ struct ts_geom {
 template <int S_, int PR, int W>
 __global__ void __launch_bounds__(W * 32)
 ssm_scan_tiled_kernel(cuda_ssm_args a, int vec) {
+    cu_pdl_entry();
     using Gm = ts_geom<S_, PR, W>;
     constexpr int NR = Gm::NR, K4 = Gm::K4, NL = Gm::NL, PW = Gm::PW, PB = Gm::PB, TT = Gm::TT,
                   V = Gm::V, R = Gm::R, LT = Gm::LT, STAGE = Gm::STAGE;
@@ -462,7 +468,7 @@ static int launch_tiled(const cuda_ssm_args *a, cudaStream_t st) {
     const int vec = ((uintptr_t)a->B % 16 == 0) && ((uintptr_t)a->C % 16 == 0) &&
                     ((uintptr_t)a->x % 16 == 0) && a->bcs % 4 == 0 && a->xs % 4 == 0 && a->hd % 4 == 0;
     const dim3 grid(ops_blocks(a->hd, Gm::PB), (unsigned)a->nh);
-    ssm_scan_tiled_kernel<S_, PR, W><<<grid, W * 32, smem, st>>>(*a, vec);
+    cu_launch(ssm_scan_tiled_kernel<S_, PR, W>, grid, W * 32, smem, st, *a, vec);
     OPS_LAUNCH_CHECK("ssm scan (tiled)");
     return FP4MOE_OK;
 }
