@@ -7,8 +7,10 @@ the kernel before it is still running; it is exact only because every kernel bod
 cu_pdl_entry() (griddepcontrol.wait) before touching global memory. This script fails, naming file
 and line, when a __global__ function under src/kernels/cuda does not begin with cu_pdl_entry();, or
 when a kernel there is launched with <<<...>>> instead of cu_launch() (bench/ programs are exempt).
-It first runs itself on two deliberately broken sources (a kernel without the entry, a <<<>>>
-launch) and fails if it does not flag them.
+A kernel may instead begin with a helper named *_pdl_entry whose body ends with cu_pdl_entry();
+(a prologue reading only memory that no kernel writes, e.g. weights). It first runs itself on
+deliberately broken sources (a kernel without the entry, a <<<>>> launch, a helper whose
+cu_pdl_entry() is conditional) and fails if it does not flag them.
 Usage: scripts/lint_cuda_launch.py [DIR]   (default: src/kernels/cuda next to this script)
 """
 import os
@@ -39,6 +41,18 @@ def strip_comments(s):
 def check_source(name, text):
     errors = []
     s = strip_comments(text)
+    # helpers "X_pdl_entry(...)" whose body calls cu_pdl_entry() unconditionally at its end may
+    # come first instead (a prologue that touches only memory no kernel writes, e.g. weights)
+    helpers = set()
+    for m in re.finditer(r"\b(\w+_pdl_entry)\s*\([^)]*\)\s*\{", s):
+        d, k = 0, m.end() - 1
+        for k in range(m.end() - 1, len(s)):
+            d += s[k] == "{"
+            d -= s[k] == "}"
+            if d == 0:
+                break
+        if re.search(r"\n    cu_pdl_entry\(\);\s*\}$", s[m.end() - 1:k + 1]):
+            helpers.add(m.group(1))
     for m in re.finditer(r"\b__global__\b", s):
         line = s.count("\n", 0, m.start()) + 1
         j = s.find("(", m.end())
@@ -54,7 +68,10 @@ def check_source(name, text):
                 continue  # a declaration
             errors.append(f"{name}:{line}: cannot find the body of the kernel")
             continue
-        if not re.match(r"\s*cu_pdl_entry\(\);", s[b + 1:]):
+        first = re.match(r"\s*(\w*pdl_entry)\(", s[b + 1:])
+        if first and first.group(1) != "cu_pdl_entry" and first.group(1) not in helpers:
+            errors.append(f"{name}:{line}: {first.group(1)} is not a *_pdl_entry helper that calls cu_pdl_entry()")
+        if not first:
             kname = s[m.end():j].split()[-1] if s[m.end():j].split() else "?"
             errors.append(f"{name}:{line}: kernel {kname} does not begin with cu_pdl_entry();")
     for m in re.finditer(r"<<<", s):
@@ -67,7 +84,12 @@ def self_test():
     good = "__global__ void __launch_bounds__(256, 2) k(int *x) {\n    cu_pdl_entry();\n    x[0] = 1;\n}\n"
     bad_entry = "__global__ void k(int *x) {\n    x[0] = 1; /* cu_pdl_entry(); */\n}\n"
     bad_launch = good + "void f(int *x) { k<<<1, 32, 0, 0>>>(x); }\n"
-    ok = not check_source("good", good) and check_source("bad_entry", bad_entry) and check_source("bad_launch", bad_launch)
+    helper = ("__device__ void x_pdl_entry(int *p) {\n    if (p) p[0] = 0;\n    cu_pdl_entry();\n}\n"
+              "__global__ void k(int *x) {\n    x_pdl_entry(x);\n}\n")
+    bad_helper = ("__device__ void x_pdl_entry(int *p) {\n    if (p) cu_pdl_entry();\n    p[0] = 0;\n}\n"
+                  "__global__ void k(int *x) {\n    x_pdl_entry(x);\n}\n")
+    ok = (not check_source("good", good) and not check_source("helper", helper) and check_source("bad_entry", bad_entry)
+          and check_source("bad_launch", bad_launch) and check_source("bad_helper", bad_helper))
     if not ok:
         print("lint_cuda_launch: self-test failed (a broken source was not flagged, or a good one was)")
     return ok

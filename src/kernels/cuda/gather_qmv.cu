@@ -289,10 +289,39 @@ __device__ __forceinline__ void qmma_step(float (&acc)[4], const uint4 wa, const
     }
 }
 
+#ifndef QMMA_PDL_PREFETCH
+#define QMMA_PDL_PREFETCH 1 /* 0: no weight prefetch before the PDL wait (measured variant) */
+#endif
+
+/* The kernel's PDL entry. pf (set by the launcher for a plain linear, E = 1, launched with PDL): the
+ * block's weight codes - 16 rows x K/2 bytes, one contiguous range - are requested into L2 by one
+ * cp.async.bulk.prefetch.L2 before the wait, i.e. while the previous kernel (a norm, the conv, a
+ * combine: little DRAM traffic) still runs. Weights are uploaded once and never written by a
+ * kernel, so reading them early is safe; x, idx and y are touched only after cu_pdl_entry(). Only
+ * the slot-0 block of a tile asks (the others read the same rows). PTX ISA "cp.async.bulk.prefetch":
+ * 16-byte aligned address (gq_qmv_mma_fits: codes % 16 == 0) and size (K % 32 == 0). */
+__device__ __forceinline__ void qmma_pdl_entry(const gq_args &a, int pf) {
+#if QMMA_PDL_PREFETCH
+    if (pf && threadIdx.x == 0) {
+        const int ntile = (a.N + 15) >> 4;
+        if ((int)(blockIdx.x / ntile) == 0) {
+            const int n0 = (int)(blockIdx.x % ntile) * 16, rows = min(16, a.N - n0);
+            const uint8_t *p = a.codes + (int64_t)n0 * (a.K >> 1);
+            asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"((uint32_t)rows * (uint32_t)(a.K >> 1))
+                         : "memory");
+        }
+    }
+#else
+    (void)a;
+    (void)pf;
+#endif
+    cu_pdl_entry();
+}
+
 template <typename TY, int W>
 __global__ void __launch_bounds__(W * 32, (QMMA_MINB * 4 / W) > 0 ? (QMMA_MINB * 4 / W) : 1)
-gq_qmv_mma_kernel(gq_args a, int slots) {
-    cu_pdl_entry();
+gq_qmv_mma_kernel(gq_args a, int slots, int pf) {
+    qmma_pdl_entry(a, pf);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, r = lane >> 2, q = lane & 3;
     const int ntile = (a.N + 15) >> 4;
     const int n0 = (int)(blockIdx.x % ntile) * 16, slot = (int)(blockIdx.x / ntile);
@@ -391,9 +420,10 @@ static int launch_mma(const gq_args *a, int slots, cudaStream_t st) {
     while (w < 16 && blocks * w < (int64_t)QMMA_WPSM * sms && 2 * w <= nsteps) w *= 2;
 #endif
     const unsigned grid = (unsigned)blocks;
-    if (w == 16) cu_launch(gq_qmv_mma_kernel<TY, 16>, grid, 16 * 32, 0, st, *a, slots);
-    else if (w == 8) cu_launch(gq_qmv_mma_kernel<TY, 8>, grid, 8 * 32, 0, st, *a, slots);
-    else cu_launch(gq_qmv_mma_kernel<TY, 4>, grid, 4 * 32, 0, st, *a, slots);
+    const int pf = a->E == 1 && cu_pdl_on(st); /* qmma_pdl_entry: weights into L2 before the wait */
+    if (w == 16) cu_launch(gq_qmv_mma_kernel<TY, 16>, grid, 16 * 32, 0, st, *a, slots, pf);
+    else if (w == 8) cu_launch(gq_qmv_mma_kernel<TY, 8>, grid, 8 * 32, 0, st, *a, slots, pf);
+    else cu_launch(gq_qmv_mma_kernel<TY, 4>, grid, 4 * 32, 0, st, *a, slots, pf);
     FP4MOE_CUDA_TRY("gather_qmm_cuda", cudaGetLastError(), "launch of the qmv (mma) kernel");
     return FP4MOE_OK;
 }
