@@ -171,6 +171,16 @@ typedef struct be_ops {
     int (*argmax_rows)(void *bc, const float *x, int64_t n, int64_t V, int32_t *out);
     /* profiling mark (fp4moe_prof_kind) ending a segment of work; may be NULL */
     int (*mark)(void *bc, int kind);
+    /* Overlap (optional; NULL: not offered). side_begin asks that the ops issued from now until
+     * side_end run on a second queue: after everything issued before side_begin, beside what is
+     * issued after side_end; side_join makes what is issued after it wait for them. w: the nw
+     * linears those ops use, rows: their rows. *on = 0: declined (profiling, too many rows, a weight
+     * the second queue cannot run, the option off): the ops then stay in order and side_end /
+     * side_join are not called. After side_begin with *on = 1, side_end and side_join are always
+     * called (also on an error), in that order. The results never depend on it. */
+    int (*side_begin)(void *bc, int64_t rows, const void *const *w, int nw, int *on);
+    int (*side_end)(void *bc);
+    int (*side_join)(void *bc);
 } be_ops;
 
 #define BE_ACT(be, p, n) ((void *)((char *)(p) + (size_t)(n) * (be)->act_size))

@@ -20,6 +20,12 @@ static const fp4moe_env_var k_vars[ENV_COUNT] = {
                         "0: decode steps launched op by op instead of replaying a CUDA graph"},
     [ENV_QUANTIZE_STASH_MB] = {"FP4MOE_QUANTIZE_STASH_MB", "integer >= 0", "1024",
                                "fp4moe quantize: MiB of block scales kept between its two passes (0: recompute)"},
+    [ENV_CUDA_PDL] = {"FP4MOE_CUDA_PDL", "0|1|graph", "graph",
+                      "CUDA programmatic dependent launch: on the launches captured into decode graphs "
+                      "(graph), every launch (1) or none (0); same results"},
+    [ENV_CUDA_SIDE_STREAM] = {"FP4MOE_CUDA_SIDE_STREAM", "0|1", "0",
+                              "1: in decode steps the shared expert runs on a second CUDA stream, beside "
+                              "the routed experts (not yet measured: off by default); same results"},
 };
 
 static int allowed(const fp4moe_env_var *v, const char *val) {

@@ -14,6 +14,8 @@ typedef enum {
     ENV_CPU_ISA,                   /* "auto" | "portable" | "avx2" | "avx512" */
     ENV_CUDA_GRAPH,                /* "0" | "1" */
     ENV_QUANTIZE_STASH_MB,         /* integer >= 0 */
+    ENV_CUDA_PDL,                  /* "0" | "1" | "graph" */
+    ENV_CUDA_SIDE_STREAM,          /* "0" | "1" */
     ENV_COUNT
 } env_id;
 

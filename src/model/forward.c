@@ -342,8 +342,9 @@ static int ep_routed(const fw_ctx *f, const fw_layer *d, int64_t E, int64_t B, i
               : FP4MOE_OK;
 }
 
-/* The MoE mixer; its output is *out_a (+ *out_b, the shared expert's, or NULL). */
-static int moe(const fw_ctx *f, const fw_layer *d, const void **out_a, const void **out_b) {
+/* The routed experts of a MoE layer: routing, the expert matmuls, the weighted combine (and the
+ * latent projections); *routed: the result. */
+static int moe_routed(const fw_ctx *f, const fw_layer *d, const void **routed) {
     const fp4moe_config *c = f->cfg;
     const be_ops *be = f->be;
     void *bc = f->bc;
@@ -371,11 +372,41 @@ static int moe(const fw_ctx *f, const fw_layer *d, const void **out_a, const voi
             return fp4moe_error_context(st, "experts down (gather_qmm)");
     }
     TRY(be->moe_combine(bc, b->ys, Hl, b->pos_of, b->wts, R, k, b->comb));
-    const void *routed = b->comb;
+    *routed = b->comb;
     if (c->moe_latent) {
         if ((st = be->linear(bc, d->latent_out, b->comb, R, 0, b->out_a))) return fp4moe_error_context(st, "fc2_latent_proj");
-        routed = b->out_a;
+        *routed = b->out_a;
     }
+    return FP4MOE_OK;
+}
+
+/* The MoE mixer; its output is *out_a (+ *out_b, the shared expert's, or NULL). Where the backend
+ * offers a second queue (be_ops side_begin: the CUDA backend in decode steps, FP4MOE_CUDA_SIDE_STREAM)
+ * the shared expert is issued first, on it, and runs beside the routing and the routed experts;
+ * the buffers of the two parts are disjoint (xn is read by both), and the results are the same. */
+static int moe(const fw_ctx *f, const fw_layer *d, const void **out_a, const void **out_b) {
+    const be_ops *be = f->be;
+    void *bc = f->bc;
+    const fw_bufs *b = f->b;
+    const int64_t R = f->st->R;
+    int side = 0, st;
+    if (d->shared_up && !f->ep && be->side_begin) {
+        const void *sw[2] = {d->shared_up, d->shared_down};
+        TRY(be->side_begin(bc, R, sw, 2, &side));
+    }
+    if (side) {
+        st = mlp(f, d->shared_up, d->shared_down, b->xn, b->shh, b->out_b);
+        const int se = be->side_end(bc);
+        if (!st) st = se;
+        if (!st) st = moe_routed(f, d, out_a);
+        const int sj = be->side_join(bc);
+        if (!st) st = sj;
+        if (st) return fp4moe_error_context(st, "moe (shared expert beside the routed experts)");
+        *out_b = b->out_b;
+        TRY(mark(f, FP4MOE_PROF_MOE_ROUTED));
+        return mark(f, FP4MOE_PROF_MOE_SHARED);
+    }
+    TRY(moe_routed(f, d, out_a));
     TRY(mark(f, FP4MOE_PROF_MOE_ROUTED));
     const void *shared = NULL;
     if (d->shared_up) {
@@ -383,7 +414,6 @@ static int moe(const fw_ctx *f, const fw_layer *d, const void **out_a, const voi
             return fp4moe_error_context(st, "shared expert");
         shared = b->out_b;
     }
-    *out_a = routed;
     *out_b = shared;
     return mark(f, FP4MOE_PROF_MOE_SHARED);
 }

@@ -9,6 +9,9 @@
  *   - identical greedy tokens, step by step (both runtimes fed the CPU's id; a different id is
  *     accepted only at a near tie of the (fp32) logits, and counted);
  *   - the decode CUDA graph against launch-by-launch decode (FP4MOE_CUDA_GRAPH=0): identical bits;
+ *   - the shared expert on a second stream (FP4MOE_CUDA_SIDE_STREAM=1), graph and eager, against
+ *     one stream: identical bits (the fault build FP4MOE_INJECT_FAULT_SIDE_JOIN, which drops the
+ *     join, must fail it);
  *   - route auto against qmv (FP4MOE_GATHER_EXPERT_BATCHED=0's route), chunked against one-shot
  *     prefill, reset, KV cache growth past its first capacity (graph re-captured; bit-identical to
  *     a session whose cache never grows);
@@ -397,6 +400,37 @@ static void test_graph_vs_eager(void **state) {
     fp4moe_model_free(m);
 }
 
+/* The shared expert beside the routed experts on a second stream (decode steps of <= 16 rows), in a
+ * graph and launch by launch, against one stream: the same kernels on the same inputs, so the same
+ * bits, for one sequence and for a batch of 3 decoding together. */
+static void test_side_stream(void **state) {
+    (void)state;
+    fp4moe_model *m = load_on(MT_GOLDEN "/tiny-b-mlx", 1, FP4MOE_DEVICE_CUDA);
+    const int64_t V = fp4moe_model_config(m)->vocab, n = 40;
+    fp4moe_session *one = gpu_session(m);
+    tu_setenv("FP4MOE_CUDA_SIDE_STREAM", "1");
+    fp4moe_session *side = gpu_session(m);
+    tu_setenv("FP4MOE_CUDA_GRAPH", "0");
+    fp4moe_session *side_eager = gpu_session(m);
+    tu_setenv("FP4MOE_CUDA_GRAPH", NULL);
+    tu_setenv("FP4MOE_CUDA_SIDE_STREAM", NULL);
+    int32_t *p = make_prompt(70, V, 5), *ia = calloc(n, 4), *ib = calloc(n, 4);
+    float *la = malloc((size_t)(n * V) * 4), *lb = malloc((size_t)(n * V) * 4);
+    greedy(one, p, 70, V, n, ia, la);
+    greedy(side, p, 70, V, n, ib, lb);
+    assert_memory_equal(ia, ib, (size_t)n * 4);
+    assert_memory_equal(la, lb, (size_t)(n * V) * 4);
+    greedy(side_eager, p, 70, V, n, ib, lb);
+    assert_memory_equal(ia, ib, (size_t)n * 4);
+    assert_memory_equal(la, lb, (size_t)(n * V) * 4);
+    print_message("side stream: %lld steps (graph and eager), identical ids and logits bits\n", (long long)n);
+    free(p); free(ia); free(ib); free(la); free(lb);
+    fp4moe_session_free(side_eager);
+    fp4moe_session_free(side);
+    fp4moe_session_free(one);
+    fp4moe_model_free(m);
+}
+
 /* Route auto (expert-batched for >= 64 sorted rows) against qmv, and a prefill in chunks of 7
  * against one chunk: greedy identical, logits within tolerance. */
 static void test_routes_and_chunks(void **state) {
@@ -565,7 +599,7 @@ static void test_batch(void **state) {
 
 int main(void) {
     gt_require_gpu("test_model_gpu");
-    struct CMUnitTest tests[N_GOLDEN + 9];
+    struct CMUnitTest tests[N_GOLDEN + 10];
     static char names[N_GOLDEN][96];
     size_t n = 0;
     for (size_t i = 0; i < N_GOLDEN; i++) {
@@ -576,6 +610,7 @@ int main(void) {
     tests[n++] = (struct CMUnitTest){"synthetic", test_synthetic, NULL, NULL, NULL};
     tests[n++] = (struct CMUnitTest){"synthetic_global_scales", test_synthetic_global_scales, NULL, NULL, NULL};
     tests[n++] = (struct CMUnitTest){"graph_vs_eager", test_graph_vs_eager, NULL, NULL, NULL};
+    tests[n++] = (struct CMUnitTest){"side_stream", test_side_stream, NULL, NULL, NULL};
     tests[n++] = (struct CMUnitTest){"routes_and_chunks", test_routes_and_chunks, NULL, NULL, NULL};
     tests[n++] = (struct CMUnitTest){"kv_growth", test_kv_growth, NULL, NULL, NULL};
     tests[n++] = (struct CMUnitTest){"profile", test_profile, NULL, NULL, NULL};

@@ -1,6 +1,7 @@
 /* The CUDA backend (src/backend/backend.h): the weights uploaded (or generated) once into one device
  * allocation and exposed to the forward as fw_weights; the backend ops as launches of
- * src/kernels/cuda/ on one stream (no host synchronisation inside a forward, no allocation per
+ * src/kernels/cuda/ on one stream (with FP4MOE_CUDA_SIDE_STREAM=1 the shared expert of decode steps on a
+ * second one, cu_side_begin; no host synchronisation inside a forward, no allocation per
  * step); decode-only steps captured once per row count as a CUDA graph and replayed; optional
  * device timers by layer kind. "act" buffers are bf16: every matmul reads and writes bf16,
  * everything else is fp32, the CPU backend's rounding with act_dtype = bf16. NVFP4 matmuls go
@@ -413,6 +414,11 @@ typedef struct {
     float *att_scratch;             /* split-KV decode partials */
     graph_slot graphs[MAX_GRAPHS];
     int n_graphs, graph_off, capturing;
+    /* the second queue of side_begin (FP4MOE_CUDA_SIDE_STREAM=1): stream and fork / join events;
+     * while side ops are issued, stream and ops.stream are `side` (main keeps the session's) */
+    cudaStream_t main, side;
+    cudaEvent_t ev_fork, ev_join;
+    int in_side;
     /* profiling */
     int prof;
     cudaEvent_t *ev;
@@ -554,6 +560,47 @@ static int cu_run(void *bcv, const fw_step *st, int (*fn)(void *), void *arg) {
 
 #define CX(bc) ((cuda_ctx *)(bc))
 
+/* be_ops side_begin / side_end / side_join: the ops in between go to c->side, ordered after the main
+ * stream's work by ev_fork and joined back by ev_join (in a graph capture these become the edges of
+ * a fork and a join). Offered for decode-sized steps (rows <= SIDE_MAX_ROWS) whose linears are all
+ * NVFP4 and take the qmv route: those launch only kernels of their own on the current stream (no
+ * cuBLAS, whose handle is bound to the main stream, and no shared scratch). Not while profiling
+ * (the marks time one stream). */
+#define SIDE_MAX_ROWS 16
+static int cu_side_begin(void *bcv, int64_t rows, const void *const *w, int nw, int *on) {
+    cuda_ctx *c = bcv;
+    *on = 0;
+    if (!c->side || c->in_side || c->prof || rows > SIDE_MAX_ROWS || c->ops.route == FP4MOE_ROUTE_DEQUANT_GEMM)
+        return FP4MOE_OK;
+    for (int i = 0; i < nw; i++) {
+        const cuda_linear *l = w[i];
+        if (!l || !l->nvfp4 || l->E != 1) return FP4MOE_OK;
+    }
+    FP4MOE_CUDA_TRY("cuda", cudaEventRecord(c->ev_fork, c->stream), "side stream fork (record)");
+    FP4MOE_CUDA_TRY("cuda", cudaStreamWaitEvent(c->side, c->ev_fork, 0), "side stream fork (wait)");
+    c->main = c->stream;
+    c->stream = c->ops.stream = c->side;
+    c->in_side = 1;
+    *on = 1;
+    return FP4MOE_OK;
+}
+static int cu_side_end(void *bcv) {
+    cuda_ctx *c = bcv;
+    if (!c->in_side) return fp4moe_set_error(FP4MOE_EINVAL, "cuda: side_end without side_begin");
+    c->stream = c->ops.stream = c->main;
+    c->in_side = 0;
+    FP4MOE_CUDA_TRY("cuda", cudaEventRecord(c->ev_join, c->side), "side stream join (record)");
+    return FP4MOE_OK;
+}
+static int cu_side_join(void *bcv) {
+    cuda_ctx *c = bcv;
+#ifdef FP4MOE_INJECT_FAULT_SIDE_JOIN /* deliberate fault (tests must catch it): no join */
+    return FP4MOE_OK;
+#endif
+    FP4MOE_CUDA_TRY("cuda", cudaStreamWaitEvent(c->stream, c->ev_join, 0), "side stream join (wait)");
+    return FP4MOE_OK;
+}
+
 static int cu_embed(void *bc, const void *E, const int32_t *tokens, int64_t R, float *h) {
     return cuda_embed(S_(bc), E, tokens, R, h);
 }
@@ -693,6 +740,9 @@ static const be_ops CUDA_OPS = {
     .attention = cu_attention,
     .argmax_rows = cu_argmax_rows,
     .mark = cu_mark,
+    .side_begin = cu_side_begin,
+    .side_end = cu_side_end,
+    .side_join = cu_side_join,
 };
 
 /* Rows x width of f32 staging that the model needs (0 when none): max(N, K) of its dense f32
@@ -730,6 +780,12 @@ void be_cuda_free(void *bcv) {
     cudaFree(c->ops.f32_x);
     cudaFree(c->ops.f32_y);
     cudaFree(c->dq.p);
+    if (c->side) {
+        cudaStreamSynchronize(c->side);
+        cudaStreamDestroy(c->side);
+    }
+    if (c->ev_fork) cudaEventDestroy(c->ev_fork);
+    if (c->ev_join) cudaEventDestroy(c->ev_join);
     if (c->stream) cudaStreamDestroy(c->stream);
     free(c);
 }
@@ -773,6 +829,11 @@ int be_cuda_new(const fp4moe_model *m, fp4moe_route route, int64_t cap, int64_t 
         for (int i = 0; i < c->cap_ev; i++) FP4MOE_CUDA_TRY("cuda", cudaEventCreate(&c->ev[i]), "profile events");
     }
     c->graph_off = !strcmp(env_get(ENV_CUDA_GRAPH), "0") || route == FP4MOE_ROUTE_DEQUANT_GEMM;
+    if (!strcmp(env_get(ENV_CUDA_SIDE_STREAM), "1")) {
+        FP4MOE_CUDA_TRY("cuda", cudaStreamCreateWithFlags(&c->side, cudaStreamNonBlocking), "side stream");
+        FP4MOE_CUDA_TRY("cuda", cudaEventCreateWithFlags(&c->ev_fork, cudaEventDisableTiming), "side stream events");
+        FP4MOE_CUDA_TRY("cuda", cudaEventCreateWithFlags(&c->ev_join, cudaEventDisableTiming), "side stream events");
+    }
     FP4MOE_CUDA_TRY("cuda", cudaStreamSynchronize(c->stream), "backend setup");
     return FP4MOE_OK;
 }

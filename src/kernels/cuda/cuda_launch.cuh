@@ -17,7 +17,7 @@
  * lint/cuda_launch) checks that every __global__ kernel under src/kernels/cuda calls it first.
  * Arguments are forwarded: pass nullptr, not NULL (an integer once forwarded), for a null pointer.
  *
- * Where it is set (FP4MOE_CUDA_PDL, read once per process and translation unit): by default only on
+ * Where it is set (FP4MOE_CUDA_PDL, read once per process, src/common/env.c): by default only on
  * launches captured into a CUDA graph, i.e. the decode steps; FP4MOE_CUDA_PDL=1 on every launch on a
  * stream; FP4MOE_CUDA_PDL=0 never (ordinary stream order). The kernels and their arithmetic are the
  * same in every mode (same greedy hashes). Measured on the H200 (2026-12-02, docs/PERFORMANCE.md,
@@ -27,9 +27,9 @@
 #ifndef FP4MOE_KERNELS_CUDA_LAUNCH_CUH
 #define FP4MOE_KERNELS_CUDA_LAUNCH_CUH
 
-#include <stdlib.h>
-
 #include <cuda_runtime.h>
+
+#include "common/env.h"
 
 #include <utility>
 
@@ -42,15 +42,11 @@ __device__ __forceinline__ void cu_pdl_entry() {
 #endif
 }
 
-/* FP4MOE_CUDA_PDL: "0" -> 0 (off), "1" -> 1 (every launch on a stream), unset or anything else ->
- * 2 (only launches captured into a graph: the decode steps) (cached on first use). */
+/* FP4MOE_CUDA_PDL (src/common/env.c): "0" -> 0 (off), "1" -> 1 (every launch on a stream),
+ * "graph" (the default) -> 2 (only launches captured into a graph: the decode steps). */
 static inline int cu_pdl_mode(void) {
-    static int cached = -1;
-    if (cached < 0) {
-        const char *s = getenv("FP4MOE_CUDA_PDL");
-        cached = !s || s[0] == '\0' || s[1] != '\0' ? 2 : s[0] == '0' ? 0 : s[0] == '1' ? 1 : 2;
-    }
-    return cached;
+    const char *s = env_get(ENV_CUDA_PDL);
+    return s[0] == '0' ? 0 : s[0] == '1' ? 1 : 2;
 }
 
 static inline bool cu_pdl_on(cudaStream_t st) {
