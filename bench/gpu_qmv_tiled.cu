@@ -188,7 +188,7 @@ static gq_args args_of(const weights_t *w, int copy, bool tiled, const void *x, 
     a.scales = w->scales + copy * w->sbytes;
     a.gs = w->gs;
     a.E = w->E; a.N = w->N; a.K = w->K;
-    a.x = x; a.y = y; a.idx = idx; a.B = B; a.relu2 = 0;
+    a.x = x; a.y = y; a.idx = idx; a.B = B; a.relu2 = 0; a.tiled = 0; /* the candidate kernel reads a.codes as tiled itself */
     return a;
 }
 

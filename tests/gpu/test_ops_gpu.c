@@ -270,9 +270,9 @@ static void relu2_case(gpu_ctx *g, int64_t E, int64_t N, int64_t K, int64_t B, t
     gt_poison(y2, (size_t)(B * N) * 2);
     const int sorted = pat != TU_IDX_UNSORTED;
     int fused = -1, plain = -1;
-    assert_int_equal(gather_qmm_cuda_ex(&w, dx, FP4MOE_BF16, didx, B, sorted, route, 1, y1, g->stream, &fused),
+    assert_int_equal(gather_qmm_cuda_ex(&w, 0, dx, FP4MOE_BF16, didx, B, sorted, route, 1, y1, g->stream, &fused),
                      FP4MOE_OK);
-    assert_int_equal(gather_qmm_cuda_ex(&w, dx, FP4MOE_BF16, didx, B, sorted, route, 0, y2, g->stream, &plain),
+    assert_int_equal(gather_qmm_cuda_ex(&w, 0, dx, FP4MOE_BF16, didx, B, sorted, route, 0, y2, g->stream, &plain),
                      FP4MOE_OK);
     assert_int_equal(plain, 0);
     assert_int_equal(fused, expect_fused);

@@ -243,6 +243,14 @@ __device__ __forceinline__ void bt_issue(bt_slot *slot, const uint8_t *crow0, co
     bt_cp4(bt_smem_addr(&slot->s1), srow1 + sbc, ss);
 }
 
+/* Tiled layout (gather_cuda.cuh): the thread's 16 + 16 code bytes and its scale word (blocks 2c, 2c+1
+ * of row g in the low half, of row g + 8 in the high half) from the step's piece. */
+__device__ __forceinline__ void bt_issue_tiled(bt_slot *slot, const uint8_t *piece, int lane) {
+    bt_cp16(bt_smem_addr(&slot->c0), piece + lane * 16, 16);
+    bt_cp16(bt_smem_addr(&slot->c1), piece + 512 + lane * 16, 16);
+    bt_cp4(bt_smem_addr(&slot->s0), piece + 1024 + lane * 4, 4);
+}
+
 /* One 128-K step of one warp: 16 features x (8 * NTV) token rows. w0/w1: code words of rows g and
  * g+8 (blocks 2t, 2t+1); sa/sb: their packed scales; xb: this thread's x fragment base. */
 template <typename T, int NTV, int MT, int V>
@@ -313,8 +321,10 @@ template <int MT> struct bt_cfg {
     static constexpr int MINBLOCKS = MT == 32 ? 2 : MT == 64 ? 3 : 4;    /* 128 / 168 / 128 registers */
 };
 
-/* TY: the output type, T or float (the lm_head: bf16 x, fp32 logits). */
-template <typename T, typename TY, int MT, bool FAST, int MINB, int V>
+/* TY: the output type, T or float (the lm_head: bf16 x, fp32 logits). TL: the weights in the tiled
+ * layout (FAST only): each thread's step is its own 36 bytes of one piece; the same values reach the
+ * same registers, so the same bits. */
+template <typename T, typename TY, int MT, bool FAST, int MINB, int V, bool TL = false>
 __global__ void __launch_bounds__(bt_cfg<MT>::THREADS, MINB)
 gq_batched_kernel(gq_args a, const int *__restrict__ starts, const int *__restrict__ tile_off) {
     cu_pdl_entry();
@@ -352,6 +362,7 @@ gq_batched_kernel(gq_args a, const int *__restrict__ starts, const int *__restri
         const int64_t wr0 = we * N + min(nw + g, N - 1), wr1 = we * N + min(nw + g + 8, N - 1);
         const uint8_t *crow0 = a.codes + wr0 * (K >> 1), *crow1 = a.codes + wr1 * (K >> 1);
         const uint8_t *srow0 = a.scales + wr0 * KB, *srow1 = a.scales + wr1 * KB;
+        const uint8_t *tpiece = TL ? gq_tiled_piece(a.codes, we, nw >> 4, 0, N, K) : nullptr; /* step 0's */
 
         float acc[MT / 8][4];
 #pragma unroll
@@ -363,7 +374,10 @@ gq_batched_kernel(gq_args a, const int *__restrict__ starts, const int *__restri
         if constexpr (FAST) {
 #pragma unroll
             for (int p = 0; p < BT_STAGES - 1; p++) {
-                if (p < nsteps) bt_issue(ring + p * THREADS, crow0, crow1, srow0, srow1, p, t, KB);
+                if (p < nsteps) {
+                    if (TL) bt_issue_tiled(ring + p * THREADS, tpiece + (int64_t)p * GQ_TILE_PIECE, lane);
+                    else bt_issue(ring + p * THREADS, crow0, crow1, srow0, srow1, p, t, KB);
+                }
                 bt_cp_commit();
             }
         } else {
@@ -379,7 +393,8 @@ gq_batched_kernel(gq_args a, const int *__restrict__ starts, const int *__restri
                 bt_cp_wait<BT_STAGES - 2>(); /* this thread's copies of step s have landed */
                 const bt_slot *sl = ring + (s % BT_STAGES) * THREADS;
                 const uint4 c0 = sl->c0, c1 = sl->c1;
-                const uint32_t sw0 = sl->s0 >> (16 * (t & 1)), sw1 = sl->s1 >> (16 * (t & 1));
+                const uint32_t sw0 = TL ? sl->s0 & 0xffffu : sl->s0 >> (16 * (t & 1));
+                const uint32_t sw1 = TL ? sl->s0 >> 16 : sl->s1 >> (16 * (t & 1));
                 w0[0] = c0.x; w0[1] = c0.y; w0[2] = c0.z; w0[3] = c0.w;
                 w1[0] = c1.x; w1[1] = c1.y; w1[2] = c1.z; w1[3] = c1.w;
                 if constexpr (V == 4) {
@@ -394,7 +409,10 @@ gq_batched_kernel(gq_args a, const int *__restrict__ starts, const int *__restri
                 }
                 /* refill the slot read in step s-1 with step s + BT_STAGES - 1 */
                 const int nxt = s + BT_STAGES - 1;
-                if (nxt < nsteps) bt_issue(ring + (nxt % BT_STAGES) * THREADS, crow0, crow1, srow0, srow1, nxt, t, KB);
+                if (nxt < nsteps) {
+                    if (TL) bt_issue_tiled(ring + (nxt % BT_STAGES) * THREADS, tpiece + (int64_t)nxt * GQ_TILE_PIECE, lane);
+                    else bt_issue(ring + (nxt % BT_STAGES) * THREADS, crow0, crow1, srow0, srow1, nxt, t, KB);
+                }
                 bt_cp_commit();
             } else {
                 w0[0] = cur.c0.x; w0[1] = cur.c0.y; w0[2] = cur.c0.z; w0[3] = cur.c0.w;
@@ -455,17 +473,17 @@ int gq_batched_row_tile(const gq_args *a, fp4moe_dtype dtype) {
     return (int64_t)a->B <= 8ll * a->E ? GQ_QMV_TILE_ROWS : 32;
 }
 
-template <typename T, typename TY, int MT, bool FAST, int V, int MINB = bt_cfg<MT>::MINBLOCKS>
+template <typename T, typename TY, int MT, bool FAST, int V, bool TL = false, int MINB = bt_cfg<MT>::MINBLOCKS>
 static int launch(const gq_args *a, const int *starts, const int *tile_off, cudaStream_t st) {
     typedef bt_cfg<MT> cfg;
     int dev = 0, sms = 0, occ = 0;
     FP4MOE_CUDA_TRY("gather_qmm_cuda", cudaGetDevice(&dev), "cudaGetDevice");
     FP4MOE_CUDA_TRY("gather_qmm_cuda", cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), "cudaDeviceGetAttribute");
     /* > 48 KB of dynamic shared memory needs the opt-in (idempotent, cheap) */
-    FP4MOE_CUDA_TRY("gather_qmm_cuda", cudaFuncSetAttribute(gq_batched_kernel<T, TY, MT, FAST, MINB, V>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    FP4MOE_CUDA_TRY("gather_qmm_cuda", cudaFuncSetAttribute(gq_batched_kernel<T, TY, MT, FAST, MINB, V, TL>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                      cfg::SMEM),
                 "cudaFuncSetAttribute (dynamic shared memory)");
-    FP4MOE_CUDA_TRY("gather_qmm_cuda", cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, gq_batched_kernel<T, TY, MT, FAST, MINB, V>, cfg::THREADS,
+    FP4MOE_CUDA_TRY("gather_qmm_cuda", cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, gq_batched_kernel<T, TY, MT, FAST, MINB, V, TL>, cfg::THREADS,
                                                               cfg::SMEM),
                 "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
     /* upper bound on the items: sum over experts of ceil(len/MT) <= B/MT + min(E, B) */
@@ -473,7 +491,7 @@ static int launch(const gq_args *a, const int *starts, const int *tile_off, cuda
     const int64_t bound = ((int64_t)a->B / MT + 1 + (a->E < a->B ? a->E : a->B)) * NT;
     int64_t grid = (int64_t)sms * (occ > 0 ? occ : 1);
     if (grid > bound) grid = bound;
-    cu_launch(gq_batched_kernel<T, TY, MT, FAST, MINB, V>, (unsigned)grid, cfg::THREADS, cfg::SMEM, st, *a, starts,
+    cu_launch(gq_batched_kernel<T, TY, MT, FAST, MINB, V, TL>, (unsigned)grid, cfg::THREADS, cfg::SMEM, st, *a, starts,
               tile_off);
     FP4MOE_CUDA_TRY("gather_qmm_cuda", cudaGetLastError(), "launch of the expert-batched kernel");
     return FP4MOE_OK;
@@ -483,6 +501,13 @@ template <typename T, typename TY, int V>
 static int launch_dtype(const gq_args *a, int mt, const int *starts, const int *tile_off, cudaStream_t st) {
     /* fast path: cp.async of 16 code bytes and a 4-byte scale word per row and step */
     const bool fast = (a->K % 64) == 0 && ((uintptr_t)a->codes & 15) == 0 && ((uintptr_t)a->scales & 3) == 0;
+    if (a->tiled) { /* the tiled layout: the fast path only */
+        if (!fast)
+            return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "gather_qmm_cuda: tiled weights need K %% 64 == 0 (K=%d)", a->K);
+        if (mt == 64) return launch<T, TY, 64, true, V, true>(a, starts, tile_off, st);
+        if (mt == GQ_QMV_TILE_ROWS) return launch<T, TY, GQ_QMV_TILE_ROWS, true, V, true>(a, starts, tile_off, st);
+        return launch<T, TY, 32, true, V, true>(a, starts, tile_off, st);
+    }
     if (mt == 64) return fast ? launch<T, TY, 64, true, V>(a, starts, tile_off, st) : launch<T, TY, 64, false, V>(a, starts, tile_off, st);
     if (mt == GQ_QMV_TILE_ROWS)
         return fast ? launch<T, TY, GQ_QMV_TILE_ROWS, true, V>(a, starts, tile_off, st)

@@ -36,7 +36,28 @@ struct gq_args {
     const uint32_t *idx;    /* B expert indices */
     int B;
     int relu2;              /* epilogue: y = relu(y)^2, each rounded to the output dtype (bf16/f16) */
+    int tiled;              /* 1: codes holds the tiled layout (gq_relayout_tiled; scales unused) */
 };
+
+/* ---- the tiled weight layout (the CUDA backend's, FP4MOE_CUDA_WEIGHT_LAYOUT=tiled) -------------
+ * Expert e's weights as pieces of GQ_TILE_PIECE bytes, one per (16-feature tile, 128-K step), in
+ * the order [e][tile][step]: the codes of rows r = tile*16 + lane/4 (16 bytes a lane, lanes in
+ * order: 512 bytes), then of rows r + 8 (512 bytes), then a 4-byte scale word a lane (the E4M3
+ * block scales 2c, 2c+1 of row r, then of row r + 8; c = 4 step + lane % 4 the lane's 32-K chunk);
+ * zeros past N and past K. Lane (g, t) of a warp reads exactly its own 16 + 16 + 4 bytes: the
+ * qmv (tensor cores) and expert-batched kernels give every lane the rows g, g + 8 and chunk
+ * 4 step + t. Measured on the H200 (bench/gpu_qmv_tiled, 2026-12-02): the decode qmv 0.89-0.92x the
+ * time of the checkpoint layout's, bitwise equal. K % 32 == 0. */
+#define GQ_TILE_PIECE 1152
+__host__ __device__ __forceinline__ int64_t gq_tiled_nsteps(int64_t K) { return (K / 32 + 3) / 4; }
+__host__ __device__ __forceinline__ int64_t gq_tiled_expert_bytes(int64_t N, int64_t K) {
+    return ((N + 15) / 16) * gq_tiled_nsteps(K) * GQ_TILE_PIECE;
+}
+/* The piece (expert we, 16-feature tile, step) of a tiled weight. */
+__device__ __forceinline__ const uint8_t *gq_tiled_piece(const uint8_t *codes, int64_t we, int64_t tile, int64_t step,
+                                                         int N, int K) {
+    return codes + ((we * ((N + 15) / 16) + tile) * gq_tiled_nsteps(K) + step) * GQ_TILE_PIECE;
+}
 
 /* ---- deliberate faults (FP4MOE_INJECT_FAULT, see src/kernels/gather_common.h) ---------------- */
 __host__ __device__ __forceinline__ int64_t cu_weight_expert(int64_t e, int64_t E) {
@@ -220,6 +241,10 @@ int gq_launch_batched(const gq_args *a, fp4moe_dtype dtype, cudaStream_t st);
  * FP4MOE_GATHER_EXPERT_BATCHED does not change the numbers on this path. */
 #define GQ_QMV_TILE_ROWS 8
 int gq_launch_qmv_tiled(const gq_args *a, fp4moe_dtype dtype, cudaStream_t st);
+/* E stacked (N, K) NVFP4 weights (checkpoint layout: codes E*N*K/2, scales E*N*K/16 bytes) into the
+ * tiled layout at out (E * gq_tiled_expert_bytes(N, K) bytes). K % 32 == 0. Asynchronous. */
+int gq_relayout_tiled(const uint8_t *codes, const uint8_t *scales, int64_t E, int64_t N, int64_t K, uint8_t *out,
+                      cudaStream_t st);
 int gq_run_dequant_gemm(const gq_args *a, fp4moe_dtype dtype, cudaStream_t st);
 /* dequant_gemm for a plain linear (E = 1, bf16, every row's idx 0, so no runs): the weights
  * dequantized into dq (grown here, outside graph captures only), one cublasGemmEx on `blas` (bound

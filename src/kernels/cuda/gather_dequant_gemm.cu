@@ -24,19 +24,31 @@
 #define DQ_MAX_DEVICES 64
 
 /* w[e][n][k] for the experts e0 .. e0+ne-1 that have rows, into out[(e - e0)][n][k] (dtype T).
- * One thread per NVFP4 block (16 weights: one 8-byte code load, one scale byte). */
+ * One thread per NVFP4 block (16 weights: one 8-byte code load, one scale byte). tiled: the codes
+ * and scale bytes of block (n, kb) are read from its piece of the tiled layout (gather_cuda.cuh). */
 template <typename T>
 __global__ void gq_dequant_kernel(const uint8_t *__restrict__ codes, const uint8_t *__restrict__ scales,
-                                  int E, int N, int K, const int *__restrict__ starts, int e0, T *__restrict__ out) {
+                                  int E, int N, int K, const int *__restrict__ starts, int e0, int tiled,
+                                  T *__restrict__ out) {
     cu_pdl_entry();
     const int e = e0 + blockIdx.y;
     if (starts && starts[e + 1] <= starts[e]) return; /* no rows: not needed (NULL: every expert) */
     const int64_t nblocks = (int64_t)N * (K >> 4);
     const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= nblocks) return;
-    const int64_t src = cu_weight_expert(e, E) * nblocks + i; /* block index within all experts */
-    const uint2 c = cu_ld_stream8(codes + src * 8);
-    const float s = cu_e4m3_to_float(__ldg(scales + src));
+    uint2 c;
+    float s;
+    if (tiled) {
+        const int n = (int)(i / (K >> 4)), kb = (int)(i % (K >> 4)), ch = kb >> 1, r16 = n & 15;
+        const int lane = (r16 & 7) * 4 + (ch & 3), hb = r16 >> 3; /* hb: row r + 8 of the tile */
+        const uint8_t *p = gq_tiled_piece(codes, cu_weight_expert(e, E), n >> 4, ch >> 2, N, K);
+        c = cu_ld_stream8(p + hb * 512 + lane * 16 + (kb & 1) * 8);
+        s = cu_e4m3_to_float(__ldg(p + 1024 + lane * 4 + hb * 2 + (kb & 1)));
+    } else {
+        const int64_t src = cu_weight_expert(e, E) * nblocks + i; /* block index within all experts */
+        c = cu_ld_stream8(codes + src * 8);
+        s = cu_e4m3_to_float(__ldg(scales + src));
+    }
     const uint32_t cw[2] = {c.x, c.y};
     union {
         T v[16];
@@ -127,7 +139,7 @@ static int dequant_gemm(const gq_args *a, fp4moe_dtype dtype, cudaStream_t st) {
         if (h_starts[e0 + ne] <= h_starts[e0]) continue; /* no rows in this batch */
         const int64_t nblocks = (int64_t)a->N * (a->K >> 4);
         const dim3 grid((unsigned)((nblocks + 255) / 256), (unsigned)ne);
-        cu_launch(gq_dequant_kernel<T>, grid, 256, 0, st, a->codes, a->scales, a->E, a->N, a->K, d_starts, e0,
+        cu_launch(gq_dequant_kernel<T>, grid, 256, 0, st, a->codes, a->scales, a->E, a->N, a->K, d_starts, e0, a->tiled,
                   (T *)g_dq[dev].scratch);
         FP4MOE_CUDA_TRY_GOTO("gather_qmm_cuda", cudaGetLastError(), "launch of the dequantize kernel", rc, done);
         for (int e = e0; e < e0 + ne; e++) {
@@ -187,7 +199,7 @@ int gq_dense_dequant_gemm(const gq_args *a, cudaStream_t st, void *blas, gq_dens
     }
     const int64_t nblocks = per_expert >> 4;
     cu_launch(gq_dequant_kernel<__nv_bfloat16>, dim3((unsigned)((nblocks + 255) / 256), 1), 256, 0, st, a->codes,
-              a->scales, 1, a->N, a->K, nullptr, 0, (__nv_bfloat16 *)dq->p);
+              a->scales, 1, a->N, a->K, nullptr, 0, a->tiled, (__nv_bfloat16 *)dq->p);
     FP4MOE_CUDA_TRY("gather_qmm_cuda", cudaGetLastError(), "launch of the dequantize kernel");
     /* y^T (N x B, ld N) = W (K x N, ld K)^T * x^T (K x B, ld K), alpha = the global scale (read by
      * cuBLAS from device memory: no copy to the host), beta = 0, fp32 compute, one rounding */

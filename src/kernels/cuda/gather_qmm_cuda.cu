@@ -180,7 +180,7 @@ static int check_call(const fp4moe_nvfp4_weights *w, const void *x, fp4moe_dtype
     return FP4MOE_OK;
 }
 
-extern "C" int gather_qmm_cuda_ex(const fp4moe_nvfp4_weights *w, const void *x, fp4moe_dtype dtype,
+extern "C" int gather_qmm_cuda_ex(const fp4moe_nvfp4_weights *w, int tiled, const void *x, fp4moe_dtype dtype,
                                   const uint32_t *idx, int64_t B, int sorted, fp4moe_route route, int relu2,
                                   void *y, void *stream, int *fused) {
     *fused = 0;
@@ -190,7 +190,7 @@ extern "C" int gather_qmm_cuda_ex(const fp4moe_nvfp4_weights *w, const void *x, 
     /* the epilogue: every kernel but dequant_gemm's cuBLAS GEMM, on f16/bf16 outputs */
     const int ep = relu2 && dtype != FP4MOE_F32 && route != FP4MOE_ROUTE_DEQUANT_GEMM;
     const gq_args a = {w->codes, w->scales, w->global_scale, (int)w->E, (int)w->N, (int)w->K,
-                       x, y, idx, (int)B, ep};
+                       x, y, idx, (int)B, ep, tiled};
     cudaStream_t s = (cudaStream_t)stream;
     switch (route) {
     case FP4MOE_ROUTE_BATCHED:
@@ -201,8 +201,9 @@ extern "C" int gather_qmm_cuda_ex(const fp4moe_nvfp4_weights *w, const void *x, 
         /* qmv: sorted prefill-sized f16/bf16 batches take "qmv, tiled by 8 rows" (bitwise equal to
          * the batched route); decode-sized, unsorted and f32 batches the fp32 FMA kernel (the f32
          * batched route runs that kernel too) */
-        st = dtype != FP4MOE_F32 && sorted && B >= FP4MOE_BATCHED_MIN_ROWS ? gq_launch_qmv_tiled(&a, dtype, s)
-                                                                          : gq_launch_qmv(&a, dtype, s);
+        st = dtype != FP4MOE_F32 && sorted && (B >= FP4MOE_BATCHED_MIN_ROWS || (tiled && !gq_qmv_mma_fits(&a)))
+                 ? gq_launch_qmv_tiled(&a, dtype, s)
+                 : gq_launch_qmv(&a, dtype, s);
         break;
     }
     if (st != FP4MOE_OK)
@@ -212,7 +213,7 @@ extern "C" int gather_qmm_cuda_ex(const fp4moe_nvfp4_weights *w, const void *x, 
     return FP4MOE_OK;
 }
 
-extern "C" int gather_qmm_cuda_linear(const fp4moe_nvfp4_weights *w, const void *x, fp4moe_dtype dtype,
+extern "C" int gather_qmm_cuda_linear(const fp4moe_nvfp4_weights *w, int tiled, const void *x, fp4moe_dtype dtype,
                                       const uint32_t *zero_idx, int64_t B, fp4moe_route route, int relu2, void *y,
                                       void *stream, void *blas, gq_dense_scratch *dq, const float *d_zero,
                                       int *fused) {
@@ -221,8 +222,8 @@ extern "C" int gather_qmm_cuda_linear(const fp4moe_nvfp4_weights *w, const void 
     if (st != FP4MOE_OK || B == 0) return st;
     const fp4moe_route r = route == FP4MOE_ROUTE_AUTO ? choose_route(B, w->E, 1) : route;
     if (r != FP4MOE_ROUTE_DEQUANT_GEMM || w->E != 1 || dtype != FP4MOE_BF16 || !blas || !dq || !d_zero)
-        return gather_qmm_cuda_ex(w, x, dtype, zero_idx, B, 1, route, relu2, y, stream, fused);
-    const gq_args a = {w->codes, w->scales, w->global_scale, 1, (int)w->N, (int)w->K, x, y, zero_idx, (int)B, 0};
+        return gather_qmm_cuda_ex(w, tiled, x, dtype, zero_idx, B, 1, route, relu2, y, stream, fused);
+    const gq_args a = {w->codes, w->scales, w->global_scale, 1, (int)w->N, (int)w->K, x, y, zero_idx, (int)B, 0, tiled};
     st = gq_dense_dequant_gemm(&a, (cudaStream_t)stream, blas, dq, d_zero);
     return st ? fp4moe_error_context(st, "gather_qmm_cuda (route dequant_gemm, dense N=%d K=%d B=%d)", a.N, a.K, a.B)
               : FP4MOE_OK;
@@ -232,7 +233,7 @@ extern "C" int fp4moe_gather_qmm_cuda_route(const fp4moe_nvfp4_weights *w, const
                                             fp4moe_dtype dtype, const uint32_t *idx, int64_t B,
                                             int sorted, fp4moe_route route, void *y, void *stream) {
     int fused;
-    return gather_qmm_cuda_ex(w, x, dtype, idx, B, sorted, route, 0, y, stream, &fused);
+    return gather_qmm_cuda_ex(w, 0, x, dtype, idx, B, sorted, route, 0, y, stream, &fused);
 }
 
 extern "C" int fp4moe_gather_qmm_cuda(const fp4moe_nvfp4_weights *w, const void *x, fp4moe_dtype dtype,
@@ -266,7 +267,7 @@ extern "C" int fp4moe_cuda_set_device(int device) {
     return FP4MOE_OK;
 }
 
-extern "C" int gather_qmm_cuda_bf16_f32out(const fp4moe_nvfp4_weights *w, const void *x, const uint32_t *idx,
+extern "C" int gather_qmm_cuda_bf16_f32out(const fp4moe_nvfp4_weights *w, int tiled, const void *x, const uint32_t *idx,
                                            int64_t B, float *y, void *stream) {
     int st = fp4moe_gather_qmm_check(w, x, idx, B, y);
     if (st != FP4MOE_OK) return st;
@@ -278,7 +279,8 @@ extern "C" int gather_qmm_cuda_bf16_f32out(const fp4moe_nvfp4_weights *w, const 
     if (misaligned(x, 16) || misaligned(w->codes, 8) || misaligned(y, 4) || misaligned(idx, 4) ||
         misaligned(w->global_scale, 4))
         return fp4moe_set_error(FP4MOE_EINVAL, "gather_qmm_cuda (f32 out): misaligned device pointer");
-    const gq_args a = {w->codes, w->scales, w->global_scale, (int)w->E, (int)w->N, (int)w->K, x, y, idx, (int)B, 0};
+    const gq_args a = {w->codes, w->scales, w->global_scale, (int)w->E, (int)w->N, (int)w->K, x, y, idx, (int)B, 0,
+                       tiled};
     /* decode-sized rows: the qmv v5 kernel with fp32 output; else the expert-batched kernel */
     st = gq_qmv_mma_fits(&a) ? gq_launch_qmv_mma(&a, true, (cudaStream_t)stream)
                              : gq_launch_bf16_f32out(&a, (cudaStream_t)stream);

@@ -12,6 +12,8 @@
  * segment are read from L1 after the first warp); blockIdx.x also selects which segments of the
  * chunk the block handles (segment slot), so that the segments of one chunk - e.g. the 6 experts
  * of one decode token - run in parallel. Rows with idx >= E are written as zeros. */
+#include <limits.h>
+
 #include "kernels/cuda/gather_cuda.cuh"
 #include "kernels/cuda/cuda_launch.cuh"
 
@@ -305,10 +307,12 @@ __device__ __forceinline__ void qmma_pdl_entry(const gq_args &a, int pf) {
     if (pf && threadIdx.x == 0) {
         const int ntile = (a.N + 15) >> 4;
         if ((int)(blockIdx.x / ntile) == 0) {
-            const int n0 = (int)(blockIdx.x % ntile) * 16, rows = min(16, a.N - n0);
-            const uint8_t *p = a.codes + (int64_t)n0 * (a.K >> 1);
-            asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"((uint32_t)rows * (uint32_t)(a.K >> 1))
-                         : "memory");
+            const int tile = (int)(blockIdx.x % ntile), n0 = tile * 16, rows = min(16, a.N - n0);
+            /* tiled: the tile's pieces, codes and scales, are one range too */
+            const uint8_t *p = a.tiled ? gq_tiled_piece(a.codes, 0, tile, 0, a.N, a.K) : a.codes + (int64_t)n0 * (a.K >> 1);
+            const uint32_t bytes = a.tiled ? (uint32_t)(gq_tiled_nsteps(a.K) * GQ_TILE_PIECE)
+                                           : (uint32_t)rows * (uint32_t)(a.K >> 1);
+            asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
         }
     }
 #else
@@ -318,7 +322,10 @@ __device__ __forceinline__ void qmma_pdl_entry(const gq_args &a, int pf) {
     cu_pdl_entry();
 }
 
-template <typename TY, int W>
+/* TL: the weights in the tiled layout (gather_cuda.cuh): a lane's step is two 16-byte loads and one
+ * 4-byte load from one 1,152-byte piece; the same decode, mma chain, warp order and epilogue, so the
+ * same bits as the checkpoint layout's (bench/gpu_qmv_tiled measured it so). */
+template <typename TY, int W, bool TL>
 __global__ void __launch_bounds__(W * 32, (QMMA_MINB * 4 / W) > 0 ? (QMMA_MINB * 4 / W) : 1)
 gq_qmv_mma_kernel(gq_args a, int slots, int pf) {
     qmma_pdl_entry(a, pf);
@@ -344,7 +351,18 @@ gq_qmv_mma_kernel(gq_args a, int slots, int pf) {
         const int len = (rest ? __ffs(rest) - 1 : nrows) - s;
         const uint32_t e = __shfl_sync(FULL, v, s);
         float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        if (e < (uint32_t)a.E) {
+        if (TL && e < (uint32_t)a.E) {
+            const uint8_t *tb = gq_tiled_piece(a.codes, cu_weight_expert(e, a.E), n0 >> 4, 0, a.N, K);
+            const bool hasx = r < len;
+            const __nv_bfloat16 *xr = x + (int64_t)(s + (hasx ? r : 0)) * K;
+            for (int stp = warp; stp < nsteps; stp += QMMA_WARPS) {
+                const uint8_t *sp = tb + (int64_t)stp * GQ_TILE_PIECE;
+                const uint4 wa = cu_ld_stream16(sp + lane * 16), wb = cu_ld_stream16(sp + 512 + lane * 16);
+                const uint32_t sr = __ldg(reinterpret_cast<const uint32_t *>(sp + 1024) + lane);
+                const int c = stp * 4 + q;
+                qmma_step(acc, wa, wb, sr, c < nchunk && hasx ? xr + (int64_t)c * 32 : nullptr);
+            }
+        } else if (!TL && e < (uint32_t)a.E) {
             const int64_t wrow = cu_weight_expert(e, a.E) * a.N;
             const int fa = min(n0 + r, a.N - 1), fb = min(n0 + r + 8, a.N - 1);
             const uint8_t *ca = a.codes + (wrow + fa) * (int64_t)(K >> 1), *cb = a.codes + (wrow + fb) * (int64_t)(K >> 1);
@@ -421,9 +439,15 @@ static int launch_mma(const gq_args *a, int slots, cudaStream_t st) {
 #endif
     const unsigned grid = (unsigned)blocks;
     const int pf = a->E == 1 && cu_pdl_on(st); /* qmma_pdl_entry: weights into L2 before the wait */
-    if (w == 16) cu_launch(gq_qmv_mma_kernel<TY, 16>, grid, 16 * 32, 0, st, *a, slots, pf);
-    else if (w == 8) cu_launch(gq_qmv_mma_kernel<TY, 8>, grid, 8 * 32, 0, st, *a, slots, pf);
-    else cu_launch(gq_qmv_mma_kernel<TY, 4>, grid, 4 * 32, 0, st, *a, slots, pf);
+    if (a->tiled) {
+        if (w == 16) cu_launch(gq_qmv_mma_kernel<TY, 16, true>, grid, 16 * 32, 0, st, *a, slots, pf);
+        else if (w == 8) cu_launch(gq_qmv_mma_kernel<TY, 8, true>, grid, 8 * 32, 0, st, *a, slots, pf);
+        else cu_launch(gq_qmv_mma_kernel<TY, 4, true>, grid, 4 * 32, 0, st, *a, slots, pf);
+    } else {
+        if (w == 16) cu_launch(gq_qmv_mma_kernel<TY, 16, false>, grid, 16 * 32, 0, st, *a, slots, pf);
+        else if (w == 8) cu_launch(gq_qmv_mma_kernel<TY, 8, false>, grid, 8 * 32, 0, st, *a, slots, pf);
+        else cu_launch(gq_qmv_mma_kernel<TY, 4, false>, grid, 4 * 32, 0, st, *a, slots, pf);
+    }
     FP4MOE_CUDA_TRY("gather_qmm_cuda", cudaGetLastError(), "launch of the qmv (mma) kernel");
     return FP4MOE_OK;
 }
@@ -460,6 +484,11 @@ static int launch(const gq_args *a, cudaStream_t st) {
 }
 
 int gq_launch_qmv(const gq_args *a, fp4moe_dtype dtype, cudaStream_t st) {
+    if (a->tiled) { /* only the tensor-core qmv reads the tiled layout */
+        if (dtype == FP4MOE_BF16 && gq_qmv_mma_fits(a)) return gq_launch_qmv_mma(a, false, st);
+        return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "gather_qmm_cuda: tiled weights on the qmv route need bf16 x, "
+                                "at most %d rows and K %% 32 == 0 (B=%d K=%d)", QMV_CHUNK, a->B, a->K);
+    }
     switch (dtype) {
     case FP4MOE_F32: return launch<float>(a, st);
     case FP4MOE_F16: return launch<__half>(a, st);
@@ -467,4 +496,46 @@ int gq_launch_qmv(const gq_args *a, fp4moe_dtype dtype, cudaStream_t st) {
         if (gq_qmv_mma_fits(a)) return gq_launch_qmv_mma(a, false, st);
         return launch<__nv_bfloat16>(a, st);
     }
+}
+
+/* ---- the tiled layout (gather_cuda.cuh) ---------------------------------------------------------- */
+
+/* Thread (e, tile, step, lane) writes the lane's 16 + 16 code bytes and its scale word. */
+__global__ void gq_relayout_kernel(const uint8_t *__restrict__ codes, const uint8_t *__restrict__ scales, int64_t E,
+                                   int N, int K, uint8_t *__restrict__ out) {
+    cu_pdl_entry();
+    const int64_t ntile = (N + 15) >> 4, nchunk = K >> 5, nsteps = gq_tiled_nsteps(K), KB = K >> 4;
+    const int64_t total = E * ntile * nsteps * 32;
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < total; i += (int64_t)gridDim.x * blockDim.x) {
+        const int lane = (int)(i & 31), r = lane >> 2, q = lane & 3;
+        const int64_t piece = i >> 5; /* (e * ntile + tile) * nsteps + step */
+        const int64_t step = piece % nsteps, tile = (piece / nsteps) % ntile, e = piece / nsteps / ntile;
+        const int64_t c = step * 4 + q, fa = tile * 16 + r, fb = fa + 8;
+        uint4 wa = make_uint4(0, 0, 0, 0), wb = make_uint4(0, 0, 0, 0);
+        uint32_t sr = 0;
+        if (c < nchunk) {
+            if (fa < N) {
+                wa = *reinterpret_cast<const uint4 *>(codes + (e * N + fa) * (int64_t)(K >> 1) + c * 16);
+                sr |= (uint32_t)scales[(e * N + fa) * KB + 2 * c] | (uint32_t)scales[(e * N + fa) * KB + 2 * c + 1] << 8;
+            }
+            if (fb < N) {
+                wb = *reinterpret_cast<const uint4 *>(codes + (e * N + fb) * (int64_t)(K >> 1) + c * 16);
+                sr |= (uint32_t)scales[(e * N + fb) * KB + 2 * c] << 16 | (uint32_t)scales[(e * N + fb) * KB + 2 * c + 1] << 24;
+            }
+        }
+        uint8_t *p = out + piece * GQ_TILE_PIECE;
+        *reinterpret_cast<uint4 *>(p + lane * 16) = wa;
+        *reinterpret_cast<uint4 *>(p + 512 + lane * 16) = wb;
+        *reinterpret_cast<uint32_t *>(p + 1024 + lane * 4) = sr;
+    }
+}
+
+int gq_relayout_tiled(const uint8_t *codes, const uint8_t *scales, int64_t E, int64_t N, int64_t K, uint8_t *out,
+                      cudaStream_t st) {
+    if (K % 32 != 0 || N <= 0 || E <= 0 || N > INT_MAX || K > INT_MAX || ((uintptr_t)codes & 15) || ((uintptr_t)out & 15))
+        return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "gather_qmm_cuda: tiled layout of E=%lld N=%lld K=%lld (K %% 32 "
+                                "== 0 and 16-byte aligned codes needed)", (long long)E, (long long)N, (long long)K);
+    cu_launch(gq_relayout_kernel, 2048, 256, 0, st, codes, scales, E, (int)N, (int)K, out);
+    FP4MOE_CUDA_TRY("gather_qmm_cuda", cudaGetLastError(), "launch of the tiled-layout kernel");
+    return FP4MOE_OK;
 }

@@ -32,6 +32,7 @@ extern "C" {
 typedef struct {
     int64_t E, N, K;
     int nvfp4;                  /* 1: q holds device codes/scales/global scales */
+    int tiled;                  /* NVFP4: q.codes holds the tiled layout (gq_relayout_tiled) */
     fp4moe_nvfp4_weights q;
     fp4moe_dtype dtype;         /* dense: FP4MOE_BF16 or FP4MOE_F32 (f16 is uploaded as f32) */
     const void *dense;          /* dense: E*N*K elements, expert-major */
@@ -73,11 +74,17 @@ void cuda_blas_destroy(void *blas);
 int cuda_linear_forward(const cuda_ops *o, const cuda_linear *w, const uint16_t *x, int64_t T, int relu2,
                         uint16_t *y);
 
+/* tiled (the three functions below): 1 when w->codes holds the tiled layout of gq_relayout_tiled
+ * (src/kernels/cuda/gather_cuda.cuh; w->scales is then not read); the kernels give the same bits
+ * as on the checkpoint layout. Routes that cannot read it (the fp32 qmv kernel, K % 64 != 0 on the
+ * expert-batched kernel) fail with FP4MOE_EUNSUPPORTED; a sorted call that would take the fp32 qmv
+ * kernel takes the expert-batched kernel with 8-row tiles instead. */
 /* fp4moe_gather_qmm_cuda_route with an epilogue: relu2 != 0 asks for y = relu(y)^2 (f16/bf16 y,
  * each rounded: the relu2 op's arithmetic); *fused tells whether the chosen kernel did it
  * (dequant_gemm's cuBLAS GEMM and f32 do not: the caller then applies it). */
-int gather_qmm_cuda_ex(const fp4moe_nvfp4_weights *w, const void *x, fp4moe_dtype dtype, const uint32_t *idx,
-                       int64_t B, int sorted, fp4moe_route route, int relu2, void *y, void *stream, int *fused);
+int gather_qmm_cuda_ex(const fp4moe_nvfp4_weights *w, int tiled, const void *x, fp4moe_dtype dtype,
+                       const uint32_t *idx, int64_t B, int sorted, fp4moe_route route, int relu2, void *y,
+                       void *stream, int *fused);
 
 /* gather_qmm_cuda_ex for a plain NVFP4 linear: w->E == 1 and zero_idx[0..B) all 0 (the caller's
  * promise). Where the route resolves to dequant_gemm (auto: B >= 256 rows; or forced) and x is bf16,
@@ -85,13 +92,13 @@ int gather_qmm_cuda_ex(const fp4moe_nvfp4_weights *w, const void *x, fp4moe_dtyp
  * `blas`, which must be bound to `stream`; d_zero: a device 0.0f): no runs and no host
  * synchronisation, so it neither stalls the host nor breaks a graph capture. Otherwise exactly
  * gather_qmm_cuda_ex. Errors: as gather_qmm_cuda_ex. */
-int gather_qmm_cuda_linear(const fp4moe_nvfp4_weights *w, const void *x, fp4moe_dtype dtype,
+int gather_qmm_cuda_linear(const fp4moe_nvfp4_weights *w, int tiled, const void *x, fp4moe_dtype dtype,
                            const uint32_t *zero_idx, int64_t B, fp4moe_route route, int relu2, void *y,
                            void *stream, void *blas, gq_dense_scratch *dq, const float *d_zero, int *fused);
 
 /* gather_qmm (sorted idx) with bf16 x and fp32 y: the expert-batched tensor-core kernel, whose
  * per-row arithmetic does not depend on the other rows (src/kernels/cuda/gather_qmm_cuda.cu). */
-int gather_qmm_cuda_bf16_f32out(const fp4moe_nvfp4_weights *w, const void *x, const uint32_t *idx,
+int gather_qmm_cuda_bf16_f32out(const fp4moe_nvfp4_weights *w, int tiled, const void *x, const uint32_t *idx,
                                 int64_t B, float *y, void *stream);
 
 /* As cuda_linear_forward, but y (T x N) is fp32: fp32 accumulation, never rounded to bf16 (the

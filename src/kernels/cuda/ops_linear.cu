@@ -115,7 +115,7 @@ static int add_bias(const cuda_ops *o, const cuda_linear *w, int64_t T, uint16_t
  * where the chosen kernel can (*fused), else by the caller. */
 static int nvfp4_call(const cuda_ops *o, const cuda_linear *w, const uint16_t *x, const uint32_t *idx,
                       int64_t B, int relu2, uint16_t *y, int *fused) {
-    return gather_qmm_cuda_ex(&w->q, x, FP4MOE_BF16, idx, B, 1, o->route, relu2, y, o->stream, fused);
+    return gather_qmm_cuda_ex(&w->q, w->tiled, x, FP4MOE_BF16, idx, B, 1, o->route, relu2, y, o->stream, fused);
 }
 
 /* bias, then relu^2 unless already done */
@@ -136,7 +136,7 @@ extern "C" int cuda_linear_forward(const cuda_ops *o, const cuda_linear *w, cons
                                     (long long)T, (long long)o->zero_n);
         /* E = 1, idx all 0: the dense dequant_gemm form where that route is chosen (no host
          * synchronisation); beta = 0.0f read from the zeros of zero_idx (bit pattern 0) */
-        rc = gather_qmm_cuda_linear(&w->q, x, FP4MOE_BF16, o->zero_idx, T, o->route, relu2 && !w->bias, y,
+        rc = gather_qmm_cuda_linear(&w->q, w->tiled, x, FP4MOE_BF16, o->zero_idx, T, o->route, relu2 && !w->bias, y,
                                     o->stream, o->blas, o->dq, (const float *)(const void *)o->zero_idx, &fused);
     } else if (w->dtype == FP4MOE_BF16) {
         rc = gemm_xwt((cublasHandle_t)o->blas, w->dense, x, y, CUDA_R_16BF, CUDA_R_16BF, T, w->N, w->K,
@@ -175,7 +175,7 @@ extern "C" int cuda_linear_forward_f32out(const cuda_ops *o, const cuda_linear *
         OPS_LAUNCH_CHECK("linear (widen x to f32)");
     }
     if (w->nvfp4) {
-        rc = gather_qmm_cuda_bf16_f32out(&w->q, x, o->zero_idx, T, y, o->stream);
+        rc = gather_qmm_cuda_bf16_f32out(&w->q, w->tiled, x, o->zero_idx, T, y, o->stream);
     } else if (w->dtype == FP4MOE_BF16) {
         rc = gemm_xwt((cublasHandle_t)o->blas, w->dense, x, y, CUDA_R_16BF, CUDA_R_32F, T, w->N, w->K,
                       "linear (cublasGemmEx bf16, f32 out)");
