@@ -26,6 +26,9 @@ static const fp4moe_env_var k_vars[ENV_COUNT] = {
     [ENV_CUDA_SIDE_STREAM] = {"FP4MOE_CUDA_SIDE_STREAM", "0|1", "0",
                               "1: in decode steps the shared expert runs on a second CUDA stream, beside "
                               "the routed experts (not yet measured: off by default); same results"},
+    [ENV_CUDA_WEIGHT_LAYOUT] = {"FP4MOE_CUDA_WEIGHT_LAYOUT", "rows|tiled", "rows",
+                                "NVFP4 weights on the GPU as in the checkpoint (rows) or re-laid for the kernels' "
+                                "loads (tiled; not yet measured end to end: rows by default); same results"},
 };
 
 static int allowed(const fp4moe_env_var *v, const char *val) {

@@ -16,6 +16,7 @@ typedef enum {
     ENV_QUANTIZE_STASH_MB,         /* integer >= 0 */
     ENV_CUDA_PDL,                  /* "0" | "1" | "graph" */
     ENV_CUDA_SIDE_STREAM,          /* "0" | "1" */
+    ENV_CUDA_WEIGHT_LAYOUT,        /* "rows" | "tiled" */
     ENV_COUNT
 } env_id;
 

@@ -9,6 +9,8 @@
  *   - identical greedy tokens, step by step (both runtimes fed the CPU's id; a different id is
  *     accepted only at a near tie of the (fp32) logits, and counted);
  *   - the decode CUDA graph against launch-by-launch decode (FP4MOE_CUDA_GRAPH=0): identical bits;
+ *   - the tiled NVFP4 weight layout (FP4MOE_CUDA_WEIGHT_LAYOUT=tiled) against the checkpoint's:
+ *     identical bits (the fault build FP4MOE_INJECT_FAULT_TILED_SCALE must fail it);
  *   - the shared expert on a second stream (FP4MOE_CUDA_SIDE_STREAM=1), graph and eager, against
  *     one stream: identical bits (the fault build FP4MOE_INJECT_FAULT_SIDE_JOIN, which drops the
  *     join, must fail it);
@@ -434,6 +436,40 @@ static void test_side_stream(void **state) {
     fp4moe_model_free(m);
 }
 
+/* The tiled weight layout (FP4MOE_CUDA_WEIGHT_LAYOUT=tiled: the NVFP4 linears with K % 64 == 0
+ * re-laid at load) against the checkpoint layout: the kernels read the same values into the same
+ * registers, so the same bits - greedy decoding after a 70-token prompt (the expert-batched and
+ * tensor-core qmv kernels) and after a 300-token one (the dense linears' dequant_gemm). On the
+ * default model (hidden 384: most linears are re-laid; its experts' down projections, K = 96,
+ * are not). The fault build FP4MOE_INJECT_FAULT_TILED_SCALE (a tile's two row scales swapped)
+ * must fail it. */
+static void test_tiled_layout(void **state) {
+    (void)state;
+    if (access(DEFAULT_MODEL "/config.json", R_OK)) {
+        print_message("%s not present: skipped\n", DEFAULT_MODEL);
+        return;
+    }
+    fp4moe_model *rows = load_on(DEFAULT_MODEL, 1, FP4MOE_DEVICE_CUDA);
+    tu_setenv("FP4MOE_CUDA_WEIGHT_LAYOUT", "tiled");
+    fp4moe_model *tiled = load_on(DEFAULT_MODEL, 1, FP4MOE_DEVICE_CUDA);
+    tu_setenv("FP4MOE_CUDA_WEIGHT_LAYOUT", NULL);
+    const int64_t V = fp4moe_model_config(rows)->vocab, n = 24;
+    fp4moe_session *a = gpu_session(rows), *b = gpu_session(tiled);
+    const int64_t Ts[2] = {70, 300};
+    for (int i = 0; i < 2; i++) {
+        int32_t *p = make_prompt(Ts[i], V, 11 + i), *ia = calloc(n, 4);
+        float *la = malloc((size_t)(n * V) * 4);
+        greedy(a, p, Ts[i], V, n, ia, la);
+        expect_same_greedy(b, p, Ts[i], V, n, ia, la);
+        free(p); free(ia); free(la);
+    }
+    print_message("tiled layout: %lld steps after 70 and 300 tokens, identical ids and logits bits\n", (long long)n);
+    fp4moe_session_free(b);
+    fp4moe_session_free(a);
+    fp4moe_model_free(tiled);
+    fp4moe_model_free(rows);
+}
+
 /* Route auto (expert-batched for >= 64 sorted rows) against qmv, and a prefill in chunks of 7
  * against one chunk: greedy identical, logits within tolerance. */
 static void test_routes_and_chunks(void **state) {
@@ -602,7 +638,7 @@ static void test_batch(void **state) {
 
 int main(void) {
     gt_require_gpu("test_model_gpu");
-    struct CMUnitTest tests[N_GOLDEN + 10];
+    struct CMUnitTest tests[N_GOLDEN + 11];
     static char names[N_GOLDEN][96];
     size_t n = 0;
     for (size_t i = 0; i < N_GOLDEN; i++) {
@@ -614,6 +650,7 @@ int main(void) {
     tests[n++] = (struct CMUnitTest){"synthetic_global_scales", test_synthetic_global_scales, NULL, NULL, NULL};
     tests[n++] = (struct CMUnitTest){"graph_vs_eager", test_graph_vs_eager, NULL, NULL, NULL};
     tests[n++] = (struct CMUnitTest){"side_stream", test_side_stream, NULL, NULL, NULL};
+    tests[n++] = (struct CMUnitTest){"tiled_layout", test_tiled_layout, NULL, NULL, NULL};
     tests[n++] = (struct CMUnitTest){"routes_and_chunks", test_routes_and_chunks, NULL, NULL, NULL};
     tests[n++] = (struct CMUnitTest){"kv_growth", test_kv_growth, NULL, NULL, NULL};
     tests[n++] = (struct CMUnitTest){"profile", test_profile, NULL, NULL, NULL};

@@ -309,6 +309,98 @@ static void test_relu2_epilogue(void **state) {
     relu2_case(g, 8, 100, 64, 3072, TU_IDX_DUPLICATES, FP4MOE_ROUTE_DEQUANT_GEMM, 0, 6);
 }
 
+/* ---- the tiled weight layout (cuda_nvfp4_relayout_tiled) ------------------------------------------ */
+
+/* gather_qmm on the same weights in the checkpoint layout and re-laid (tiled): bitwise equal
+ * outputs (the kernels read the same values into the same registers). kind 0: gather_qmm_cuda_ex
+ * (route), 1: the f32-out form, 2: the plain-linear form (E = 1, idx 0: dequant_gemm from 256 rows),
+ * 3: a call no kernel can take on the tiled layout (unsorted, > 32 rows): FP4MOE_EUNSUPPORTED.
+ * The weights are poisoned between the two calls' uploads so that the tiled call cannot read them. */
+static void tiled_case(gpu_ctx *g, int64_t E, int64_t N, int64_t K, int64_t B, tu_idx_pattern pat, fp4moe_route route,
+                       int kind, uint64_t seed) {
+    tu_rng r;
+    tu_rng_seed(&r, seed);
+    tu_weights tw;
+    assert_int_equal(tu_weights_random(&tw, E, N, K, 1, &r), 0);
+    fp4moe_nvfp4_weights w = tw.w, wt;
+    w.codes = gt_upload(tw.codes, (size_t)(E * N * K / 2));
+    w.scales = gt_upload(tw.scales, (size_t)(E * N * K / 16));
+    w.global_scale = gt_upload(tw.gs, (size_t)E * 4);
+    const size_t tb = (size_t)(E * cuda_nvfp4_tiled_expert_bytes(N, K));
+    uint8_t *dt = gt_upload(NULL, tb);
+    gt_poison(dt, tb);
+    assert_int_equal(cuda_nvfp4_relayout_tiled(g->stream, w.codes, w.scales, E, N, K, dt), FP4MOE_OK);
+    wt = w;
+    wt.codes = dt;
+    wt.scales = dt;
+    void *x = tu_random_x(FP4MOE_BF16, B, K, &r);
+    uint32_t *idx = kind == 2 ? calloc((size_t)B, 4) : tu_make_idx(pat, B, E, 6, &r);
+    void *dx = gt_upload(x, (size_t)(B * K) * 2);
+    uint32_t *didx = gt_upload(idx, (size_t)B * 4);
+    const size_t yb = (size_t)(B * N) * (kind == 1 ? 4 : 2);
+    void *y1 = gt_upload(NULL, yb), *y2 = gt_upload(NULL, yb);
+    gt_poison(y1, yb);
+    gt_poison(y2, yb);
+    const int sorted = pat != TU_IDX_UNSORTED;
+    int f1 = -1, f2 = -1;
+    if (kind == 3) {
+        assert_int_equal(gather_qmm_cuda_ex(&wt, 1, dx, FP4MOE_BF16, didx, B, sorted, route, 0, y2, g->stream, &f2),
+                         FP4MOE_EUNSUPPORTED);
+        assert_non_null(strstr(fp4moe_last_error(), "tiled weights"));
+        fp4moe_clear_error();
+        GT_CHECK(cudaMemcpy(y1, y2, yb, cudaMemcpyDeviceToDevice)); /* nothing to compare */
+    } else if (kind == 0) {
+        assert_int_equal(gather_qmm_cuda_ex(&w, 0, dx, FP4MOE_BF16, didx, B, sorted, route, 1, y1, g->stream, &f1), FP4MOE_OK);
+        GT_CHECK(cudaStreamSynchronize(g->stream));
+        gt_poison((void *)w.codes, (size_t)(E * N * K / 2));
+        assert_int_equal(gather_qmm_cuda_ex(&wt, 1, dx, FP4MOE_BF16, didx, B, sorted, route, 1, y2, g->stream, &f2),
+                         FP4MOE_OK);
+        assert_int_equal(f1, f2);
+    } else if (kind == 1) {
+        assert_int_equal(gather_qmm_cuda_bf16_f32out(&w, 0, dx, didx, B, y1, g->stream), FP4MOE_OK);
+        GT_CHECK(cudaStreamSynchronize(g->stream));
+        gt_poison((void *)w.codes, (size_t)(E * N * K / 2));
+        assert_int_equal(gather_qmm_cuda_bf16_f32out(&wt, 1, dx, didx, B, y2, g->stream), FP4MOE_OK);
+    } else {
+        assert_int_equal(gather_qmm_cuda_linear(&w, 0, dx, FP4MOE_BF16, didx, B, route, 0, y1, g->stream, g->ops.blas,
+                                                &g->dq, (const float *)(const void *)didx, &f1),
+                         FP4MOE_OK);
+        GT_CHECK(cudaStreamSynchronize(g->stream));
+        gt_poison((void *)w.codes, (size_t)(E * N * K / 2));
+        assert_int_equal(gather_qmm_cuda_linear(&wt, 1, dx, FP4MOE_BF16, didx, B, route, 0, y2, g->stream, g->ops.blas,
+                                                &g->dq, (const float *)(const void *)didx, &f2),
+                         FP4MOE_OK);
+    }
+    GT_CHECK(cudaStreamSynchronize(g->stream));
+    uint8_t *h1 = malloc(yb), *h2 = malloc(yb);
+    gt_download(h1, y1, yb);
+    gt_download(h2, y2, yb);
+    if (memcmp(h1, h2, yb))
+        fail_msg("tiled layout (kind %d, route %s, E=%lld N=%lld K=%lld B=%lld) differs from the checkpoint layout", kind,
+                 fp4moe_route_name(route), (long long)E, (long long)N, (long long)K, (long long)B);
+    free(h1); free(h2); free(x); free(idx);
+    gt_free(dx); gt_free(didx); gt_free(y1); gt_free(y2); gt_free(dt);
+    gt_free((void *)w.codes); gt_free((void *)w.scales); gt_free((void *)w.global_scale);
+    tu_weights_free(&tw);
+}
+
+static void test_tiled_layout(void **state) {
+    gpu_ctx *g = *state;
+    /* N % 16 != 0, K % 128 == 64, several experts, rows out of range, one expert, duplicates */
+    tiled_case(g, 5, 40, 192, 13, TU_IDX_OOR_TAIL, FP4MOE_ROUTE_AUTO, 0, 1);         /* qmv (tensor cores) */
+    tiled_case(g, 128, 1856, 2688, 6, TU_IDX_TOPK_SORTED, FP4MOE_ROUTE_AUTO, 0, 2);   /* decode shape */
+    tiled_case(g, 8, 72, 128, 48, TU_IDX_TOPK_SORTED, FP4MOE_ROUTE_QMV, 0, 3);        /* 48 sorted rows: 8-row tiles */
+    tiled_case(g, 8, 72, 128, 40, TU_IDX_UNSORTED, FP4MOE_ROUTE_QMV, 3, 12);          /* unsorted > 32 rows: refused */
+    tiled_case(g, 16, 200, 320, 600, TU_IDX_OOR_TAIL, FP4MOE_ROUTE_BATCHED, 0, 4);    /* 32-row tiles */
+    tiled_case(g, 4, 100, 256, 900, TU_IDX_ONE_EXPERT, FP4MOE_ROUTE_BATCHED, 0, 5);   /* 64-row tiles */
+    tiled_case(g, 16, 200, 320, 600, TU_IDX_DUPLICATES, FP4MOE_ROUTE_QMV, 0, 6);      /* qmv, tiled by 8 rows */
+    tiled_case(g, 6, 90, 192, 700, TU_IDX_EMPTY_EXPERTS, FP4MOE_ROUTE_DEQUANT_GEMM, 0, 7);
+    tiled_case(g, 1, 300, 384, 5, TU_IDX_TOPK_SORTED, FP4MOE_ROUTE_AUTO, 1, 8);       /* f32 out, qmv */
+    tiled_case(g, 1, 300, 384, 70, TU_IDX_TOPK_SORTED, FP4MOE_ROUTE_AUTO, 1, 9);      /* f32 out, batched */
+    tiled_case(g, 1, 136, 448, 300, TU_IDX_TOPK_SORTED, FP4MOE_ROUTE_AUTO, 2, 10);    /* dense dequant_gemm */
+    tiled_case(g, 1, 136, 448, 40, TU_IDX_TOPK_SORTED, FP4MOE_ROUTE_AUTO, 2, 11);     /* linear, 40 rows */
+}
+
 /* ---- cuda_moe_combine ------------------------------------------------------------------------------ */
 
 static void combine_case(gpu_ctx *g, int64_t T, int64_t H, int64_t k, uint64_t seed) {
@@ -458,6 +550,7 @@ int main(void) {
         cmocka_unit_test(test_moe_route),
         cmocka_unit_test(test_rmsnorm_residual),
         cmocka_unit_test(test_relu2_epilogue),
+        cmocka_unit_test(test_tiled_layout),
         cmocka_unit_test(test_combine),
         cmocka_unit_test(test_dense_linear),
     };

@@ -141,7 +141,34 @@ static float synth_enc(const op_linear *h) {
     return h->q.global_scale ? 2688.0f / (SYN_SIGMA * SYN_AMAX_SIGMAS) : 1.0f;
 }
 
-static int put_linear(placer *p, const op_linear *h, cuda_linear *d, uint64_t tensor_id) {
+/* The tiled layout (FP4MOE_CUDA_WEIGHT_LAYOUT=tiled; src/kernels/cuda/gather_cuda.cuh): the codes and
+ * scales go to a temporary device buffer (uploaded or generated there), then into the layout at the
+ * reserved place; the checkpoint layout is not kept. */
+static int put_tiled(placer *p, const op_linear *h, uint64_t tensor_id, void **tiled) {
+    const size_t n = (size_t)(h->E * h->N * h->K), cb = (n / 2 + 255) & ~(size_t)255;
+    reserve(p, (size_t)(h->E * cuda_nvfp4_tiled_expert_bytes(h->N, h->K)), tiled);
+    if (!p->fill) return FP4MOE_OK;
+    uint8_t *tmp = NULL;
+    FP4MOE_CUDA_TRY("cuda", cudaMalloc((void **)&tmp, cb + n / 16), "staging of a weight for the tiled layout");
+    int st = FP4MOE_OK;
+    if (p->synth) {
+        st = cuda_synth_nvfp4(p->stream, p->seed, tensor_id, (int64_t)(n / 16), h->K / 16, SYN_SIGMA, synth_enc(h),
+                              tmp, tmp + cb);
+    } else {
+        cudaError_t ce = cudaMemcpy(tmp, h->q.codes, n / 2, cudaMemcpyHostToDevice);
+        if (ce == cudaSuccess) ce = cudaMemcpy(tmp + cb, h->q.scales, n / 16, cudaMemcpyHostToDevice);
+        if (ce != cudaSuccess) st = fp4moe_set_error(FP4MOE_ECUDA, "cuda: upload of the weights: %s", cudaGetErrorString(ce));
+    }
+    if (!st) st = cuda_nvfp4_relayout_tiled(p->stream, tmp, tmp + cb, h->E, h->N, h->K, *tiled);
+    const cudaError_t se = cudaStreamSynchronize(p->stream);
+    if (!st && se != cudaSuccess) st = FP4MOE_CUDA_STATUS(se, "cuda", "tiled layout of the weights");
+    cudaFree(tmp);
+    report(p, n / 2 + n / 16);
+    return st;
+}
+
+/* may_tile: 0 for the embedding (its rows are looked up in the checkpoint layout) */
+static int put_linear_as(placer *p, const op_linear *h, cuda_linear *d, uint64_t tensor_id, int may_tile) {
     memset(d, 0, sizeof *d);
     if (!h->N) return FP4MOE_OK;
     d->E = h->E;
@@ -151,7 +178,11 @@ static int put_linear(placer *p, const op_linear *h, cuda_linear *d, uint64_t te
     if (h->nvfp4) {
         const size_t n = (size_t)(h->E * h->N * h->K);
         void *codes, *scales, *gs = NULL;
-        if (p->synth) {
+        d->tiled = may_tile && h->K % 64 == 0 && !strcmp(env_get(ENV_CUDA_WEIGHT_LAYOUT), "tiled");
+        if (d->tiled) {
+            TRY(put_tiled(p, h, tensor_id, &codes));
+            scales = codes; /* in the pieces */
+        } else if (p->synth) {
             reserve(p, n / 2, &codes);
             reserve(p, n / 16, &scales);
             if (p->fill) {
@@ -172,10 +203,14 @@ static int put_linear(placer *p, const op_linear *h, cuda_linear *d, uint64_t te
     return put_f32(p, h->bias, h->N, &d->bias);
 }
 
+static int put_linear(placer *p, const op_linear *h, cuda_linear *d, uint64_t tensor_id) {
+    return put_linear_as(p, h, d, tensor_id, 1);
+}
+
 static int put_embedding(placer *p, const fp4moe_model *m, struct gpu_model *g) {
     const op_linear *e = &m->embed;
     cuda_linear *d = &g->embed;
-    if (e->nvfp4) return put_linear(p, e, d, SYN_EMBED);
+    if (e->nvfp4) return put_linear_as(p, e, d, SYN_EMBED, 0);
     memset(d, 0, sizeof *d);
     d->E = 1;
     d->N = e->N;
@@ -288,8 +323,13 @@ static void expert_view(const cuda_linear *v, int64_t lo, int64_t hi, cuda_linea
     out->E = hi - lo;
     if (v->nvfp4) {
         out->q.E = hi - lo;
-        out->q.codes += (size_t)(lo * v->N * v->K / 2);
-        out->q.scales += (size_t)(lo * v->N * v->K / 16);
+        if (v->tiled) { /* the experts' pieces, codes and scales together */
+            out->q.codes += (size_t)(lo * cuda_nvfp4_tiled_expert_bytes(v->N, v->K));
+            out->q.scales = out->q.codes;
+        } else {
+            out->q.codes += (size_t)(lo * v->N * v->K / 2);
+            out->q.scales += (size_t)(lo * v->N * v->K / 16);
+        }
 #ifndef FP4MOE_INJECT_FAULT_EP_VIEW_GS /* deliberate fault (tests must catch it): global scales not offset */
         if (v->q.global_scale) out->q.global_scale += lo;
 #endif

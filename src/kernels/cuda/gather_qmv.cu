@@ -523,6 +523,9 @@ __global__ void gq_relayout_kernel(const uint8_t *__restrict__ codes, const uint
                 sr |= (uint32_t)scales[(e * N + fb) * KB + 2 * c] << 16 | (uint32_t)scales[(e * N + fb) * KB + 2 * c + 1] << 24;
             }
         }
+#ifdef FP4MOE_INJECT_FAULT_TILED_SCALE /* deliberate fault (tests must catch it): rows r / r + 8 scales swapped */
+        sr = sr >> 16 | sr << 16;
+#endif
         uint8_t *p = out + piece * GQ_TILE_PIECE;
         *reinterpret_cast<uint4 *>(p + lane * 16) = wa;
         *reinterpret_cast<uint4 *>(p + 512 + lane * 16) = wb;
@@ -538,4 +541,11 @@ int gq_relayout_tiled(const uint8_t *codes, const uint8_t *scales, int64_t E, in
     cu_launch(gq_relayout_kernel, 2048, 256, 0, st, codes, scales, E, (int)N, (int)K, out);
     FP4MOE_CUDA_TRY("gather_qmm_cuda", cudaGetLastError(), "launch of the tiled-layout kernel");
     return FP4MOE_OK;
+}
+
+extern "C" int64_t cuda_nvfp4_tiled_expert_bytes(int64_t N, int64_t K) { return gq_tiled_expert_bytes(N, K); }
+
+extern "C" int cuda_nvfp4_relayout_tiled(void *stream, const uint8_t *codes, const uint8_t *scales, int64_t E,
+                                         int64_t N, int64_t K, void *out) {
+    return gq_relayout_tiled(codes, scales, E, N, K, (uint8_t *)out, (cudaStream_t)stream);
 }

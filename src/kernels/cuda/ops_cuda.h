@@ -74,11 +74,18 @@ void cuda_blas_destroy(void *blas);
 int cuda_linear_forward(const cuda_ops *o, const cuda_linear *w, const uint16_t *x, int64_t T, int relu2,
                         uint16_t *y);
 
+/* The tiled NVFP4 layout of the CUDA kernels (src/kernels/cuda/gather_cuda.cuh): bytes of one
+ * expert of (N, K) weights, and E stacked (N, K) weights in the checkpoint layout (device codes
+ * E*N*K/2 bytes, scales E*N*K/16, 16-byte aligned) into it at out (asynchronous on stream).
+ * K % 32 == 0, else FP4MOE_EUNSUPPORTED. */
+int64_t cuda_nvfp4_tiled_expert_bytes(int64_t N, int64_t K);
+int cuda_nvfp4_relayout_tiled(void *stream, const uint8_t *codes, const uint8_t *scales, int64_t E, int64_t N,
+                              int64_t K, void *out);
+
 /* tiled (the three functions below): 1 when w->codes holds the tiled layout of gq_relayout_tiled
  * (src/kernels/cuda/gather_cuda.cuh; w->scales is then not read); the kernels give the same bits
  * as on the checkpoint layout. Routes that cannot read it (the fp32 qmv kernel, K % 64 != 0 on the
- * expert-batched kernel) fail with FP4MOE_EUNSUPPORTED; a sorted call that would take the fp32 qmv
- * kernel takes the expert-batched kernel with 8-row tiles instead. */
+ * expert-batched kernel, unsorted calls of more than 32 rows) fail with FP4MOE_EUNSUPPORTED. */
 /* fp4moe_gather_qmm_cuda_route with an epilogue: relu2 != 0 asks for y = relu(y)^2 (f16/bf16 y,
  * each rounded: the relu2 op's arithmetic); *fused tells whether the chosen kernel did it
  * (dequant_gemm's cuBLAS GEMM and f32 do not: the caller then applies it). */
