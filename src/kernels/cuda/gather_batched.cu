@@ -362,7 +362,9 @@ gq_batched_kernel(gq_args a, const int *__restrict__ starts, const int *__restri
         const int64_t wr0 = we * N + min(nw + g, N - 1), wr1 = we * N + min(nw + g + 8, N - 1);
         const uint8_t *crow0 = a.codes + wr0 * (K >> 1), *crow1 = a.codes + wr1 * (K >> 1);
         const uint8_t *srow0 = a.scales + wr0 * KB, *srow1 = a.scales + wr1 * KB;
-        const uint8_t *tpiece = TL ? gq_tiled_piece(a.codes, we, nw >> 4, 0, N, K) : nullptr; /* step 0's */
+        /* tiled: step 0's piece of the warp's 16-feature tile; a tile past N (a block's last warps)
+         * reads the last one, as the rows layout reads row N - 1 (results discarded) */
+        const uint8_t *tpiece = TL ? gq_tiled_piece(a.codes, we, min(nw >> 4, (N - 1) >> 4), 0, N, K) : nullptr;
 
         float acc[MT / 8][4];
 #pragma unroll
