@@ -6,8 +6,8 @@
  *                                    cores (qmv v5: 16 features x a segment of <= 8 rows of one
  *                                    expert per mma tile, K split over a block's warps); otherwise
  *                                    a warp per (segment, output features), fp32 CUDA-core FMA.
- *                                    Sorted f16/bf16 input of more than 32 rows (2026-12-02; before:
- *                                    B >= FP4MOE_BATCHED_MIN_ROWS, the fp32 kernel below that):
+ *                                    Sorted f16/bf16 input with B >= FP4MOE_BATCHED_MIN_ROWS (on
+ *                                    tiled weights: more than 32 rows):
  *                                    "qmv, tiled by 8 rows" (gq_launch_qmv_tiled), the batched
  *                                    kernel with 8-row tiles (weights re-read every 8 rows), bitwise
  *                                    equal to the batched route, so FP4MOE_GATHER_EXPERT_BATCHED=0
@@ -199,11 +199,13 @@ extern "C" int gather_qmm_cuda_ex(const fp4moe_nvfp4_weights *w, int tiled, cons
         break;
     case FP4MOE_ROUTE_DEQUANT_GEMM: st = gq_run_dequant_gemm(&a, dtype, s); break;
     default:
-        /* qmv: sorted f16/bf16 batches of more rows than the tensor-core qmv takes (> 32) run
-         * "qmv, tiled by 8 rows" (bitwise equal to the batched route; the same kernel for both
-         * weight layouts); decode-sized batches the tensor-core qmv (bf16) or the fp32 FMA kernel
-         * (f16), unsorted and f32 batches the fp32 FMA kernel (the f32 batched route runs it too) */
-        st = dtype != FP4MOE_F32 && sorted && (B >= FP4MOE_BATCHED_MIN_ROWS || !gq_qmv_mma_fits(&a))
+        /* qmv: sorted prefill-sized f16/bf16 batches take "qmv, tiled by 8 rows" (bitwise equal to
+         * the batched route); decode-sized, unsorted and f32 batches the fp32 FMA kernel (the f32
+         * batched route runs that kernel too), bf16 ones of <= 32 rows the tensor-core qmv. On
+         * tiled weights, which the fp32 kernel cannot read, sorted calls of 33-63 rows take the
+         * 8-row-tile kernel too (within tolerance of the checkpoint layout's fp32 kernel, not
+         * bitwise) */
+        st = dtype != FP4MOE_F32 && sorted && (B >= FP4MOE_BATCHED_MIN_ROWS || (tiled && !gq_qmv_mma_fits(&a)))
                  ? gq_launch_qmv_tiled(&a, dtype, s)
                  : gq_launch_qmv(&a, dtype, s);
         break;
