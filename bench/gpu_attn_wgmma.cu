@@ -26,8 +26,9 @@
  * first; bf16 outputs within 2e-2 of max|production| per head, since the summation order differs)
  * on awkward shapes (T = 1, 127, 129, 1000; P = 0 and 100; GQA 16) and times the ones that pass at
  * T = 512, 2k, 8k, 32k. Prints "check ... PASS/FAIL" lines and a table; exit 1 when no choice passes
- * (2 when a choice faults: the CUDA context is then lost, so run one choice a process).
- * Usage: gpu_attn_wgmma [CHOICE]   (0..3: only that choice; default all four in this process) */
+ * (2 when a choice faults: the CUDA context is then lost, so each choice runs in a process of its own).
+ * Usage: gpu_attn_wgmma [CHOICE]   (0..3: only that choice, in this process; default: each of the four
+ * in a child process of its own, in turn, exit 0 when one passed) */
 #include "kernels/cuda/ops_attention.cu"
 
 extern "C" {
@@ -270,13 +271,25 @@ static int run_one(void *p) {
 
 int main(int argc, char **argv) {
     gt_require_gpu("gpu_attn_wgmma");
-    const int only = argc > 1 ? atoi(argv[1]) : -1;
+    if (argc == 1) { /* each choice in a process of its own (a wrong descriptor may fault) */
+        int passed = 0;
+        for (int mode = 0; mode < 4; mode++) {
+            char cmd[4096];
+            snprintf(cmd, sizeof cmd, "'%s' %d", argv[0], mode);
+            fflush(stdout);
+            const int rc = system(cmd);
+            printf("choice %d (%s): exit %d\n", mode, k_mode[mode], rc);
+            passed += rc == 0;
+        }
+        return passed ? 0 : 1;
+    }
+    const int only = atoi(argv[1]);
     tu_rng r;
     tu_rng_seed(&r, 11);
     const int shapes[][2] = {{0, 1}, {0, 127}, {0, 129}, {100, 29}, {0, 1000}, {100, 1000}};
     int pass[4] = {0, 0, 0, 0}, any = 0;
     for (int mode = 0; mode < 4; mode++) {
-        if (only >= 0 && mode != only) continue;
+        if (mode != only) continue;
         int ok = 1;
         for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
             const double e = compare(mode, shapes[s][0], shapes[s][1], &r);
