@@ -1,24 +1,17 @@
-/* gpu_qmv_tiled: a candidate for the decode matmul (issue 12), measured against the production qmv
- * kernel (src/kernels/cuda/gather_qmv.cu, gq_qmv_mma_kernel) on the same inputs in one run. Not in
- * the production path: if this run shows it bitwise equal and faster at the decode shapes, the
- * load-time re-layout goes into the CUDA weight upload and every CUDA kernel that reads NVFP4
- * codes (qmv, the expert-batched kernel, the dequantization) reads the new layout; then this file
- * goes.
+/* gpu_qmv_tiled: the decode matmul (issue 12) on the two NVFP4 weight layouts of the CUDA kernels,
+ * in one run: the checkpoint layout (rows of codes, rows of scales) and the tiled layout
+ * (gather_cuda.cuh, gq_relayout_tiled; FP4MOE_CUDA_WEIGHT_LAYOUT=tiled), both through the
+ * production tensor-core qmv (gq_launch_qmv_mma; gq_args.tiled selects the layout).
  *
- * The hypothesis (docs/GPU-NOTES.md, "Session 8, issue 12"): the decode qmv reaches ~1.4 TB/s not
- * for want of bytes in flight (an L2 bulk prefetch of whole tiles made it 5% slower) but because
- * of its access pattern: in a K step each warp reads 64 bytes from each of 16 weight rows 1,344
- * bytes apart (K = 2688), plus 2 scale bytes of each row per lane by four byte loads, so a block
- * touches 16 DRAM rows at once in 64-byte pieces. Here the codes and scales are re-laid once so that
- * a warp's K step is one contiguous 1,152-byte piece: [expert][16-feature tile][128-K step]
- * { codes of rows r (lanes' 16 bytes in lane order, 512 B), codes of rows r + 8 (512 B), the
- * lanes' 4 scale bytes (128 B) }, zero-padded past N and K. Per lane and step: two coalesced
- * 16-byte loads and one 4-byte load instead of two scattered 16-byte loads and four byte loads;
- * a tile is one contiguous stream of nsteps x 1,152 bytes. Everything else (the lanes' K order,
- * the decode, the mma chain, the warps' partial sums in warp order, the epilogue) is the production
- * kernel's, so y must be bitwise equal.
+ * Written 2026-12-02 as a candidate with its own copy of the kernel; measured on the H200 the same
+ * day: bitwise equal, 0.89-0.92x the time at every decode shape (docs/PERFORMANCE.md). The kernels
+ * now read the tiled layout themselves, so this program compares the production paths.
+ * Why the layout: in a K step each warp of the checkpoint layout reads 64 bytes from each of 16
+ * weight rows 1,344 bytes apart (K = 2688) plus 2 scale bytes of each row per lane by four byte
+ * loads; in the tiled one a warp's K step is one contiguous 1,152-byte piece (two coalesced 16-byte
+ * loads and one 4-byte load a lane).
  *
- * Checks: y of both kernels memcmp-equal (outputs poisoned first) for awkward shapes: N % 16 != 0,
+ * Checks: y of both layouts memcmp-equal (outputs poisoned first) for awkward shapes: N % 16 != 0,
  * K % 128 != 0 (K = 96, 160, 2720), several experts per call and segments of several rows, rows with
  * idx >= E (zeros), E = 1; bf16 and fp32 outputs. Then median us per call at the 30B-A3B decode
  * shapes (6 experts' up and down projections, in_proj, out_proj, lm_head), each call on other
@@ -30,112 +23,6 @@
 extern "C" {
 #include "gpu_testutil.h"
 #include "testutil.h"
-}
-
-#define TQ_STEP 1152 /* bytes of one 128-K step of a 16-feature tile */
-
-/* Re-layout: thread (e, tile, step, lane) writes the lane's 16 + 16 code bytes and 4 scale bytes. */
-__global__ void tq_relayout_kernel(const uint8_t *codes, const uint8_t *scales, int E, int N, int K, uint8_t *out) {
-    const int ntile = (N + 15) >> 4, nchunk = K >> 5, nsteps = (nchunk + 3) >> 2, KB = K >> 4;
-    const int64_t total = (int64_t)E * ntile * nsteps * 32;
-    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < total; i += (int64_t)gridDim.x * blockDim.x) {
-        const int lane = (int)(i & 31), r = lane >> 2, q = lane & 3;
-        const int64_t piece = i >> 5; /* (e * ntile + tile) * nsteps + step */
-        const int step = (int)(piece % nsteps), tile = (int)((piece / nsteps) % ntile);
-        const int64_t e = piece / nsteps / ntile;
-        const int c = step * 4 + q, fa = tile * 16 + r, fb = fa + 8;
-        uint4 wa = make_uint4(0, 0, 0, 0), wb = make_uint4(0, 0, 0, 0);
-        uint32_t sr = 0;
-        if (c < nchunk) {
-            if (fa < N) {
-                wa = *(const uint4 *)(codes + ((e * N + fa) * (int64_t)(K >> 1)) + (int64_t)c * 16);
-                sr |= (uint32_t)scales[(e * N + fa) * KB + 2 * c] | (uint32_t)scales[(e * N + fa) * KB + 2 * c + 1] << 8;
-            }
-            if (fb < N) {
-                wb = *(const uint4 *)(codes + ((e * N + fb) * (int64_t)(K >> 1)) + (int64_t)c * 16);
-                sr |= (uint32_t)scales[(e * N + fb) * KB + 2 * c] << 16 | (uint32_t)scales[(e * N + fb) * KB + 2 * c + 1] << 24;
-            }
-        }
-        uint8_t *p = out + piece * TQ_STEP;
-        *(uint4 *)(p + lane * 16) = wa;
-        *(uint4 *)(p + 512 + lane * 16) = wb;
-        *(uint32_t *)(p + 1024 + lane * 4) = sr;
-    }
-}
-
-/* gq_qmv_mma_kernel with the weights read from the tiled layout (a.codes = the tiled buffer). */
-template <typename TY, int W>
-__global__ void __launch_bounds__(W * 32, (QMMA_MINB * 4 / W) > 0 ? (QMMA_MINB * 4 / W) : 1)
-tq_qmv_kernel(gq_args a, int slots) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, r = lane >> 2, q = lane & 3;
-    const int ntile = (a.N + 15) >> 4;
-    const int tile = (int)(blockIdx.x % ntile), n0 = tile * 16, slot = (int)(blockIdx.x / ntile);
-    const int K = a.K, nchunk = K >> 5, nsteps = (nchunk + 3) >> 2;
-    const __nv_bfloat16 *x = static_cast<const __nv_bfloat16 *>(a.x);
-    TY *y = static_cast<TY *>(a.y);
-    __shared__ float red[W - 1][4][32];
-    const int nrows = a.B;
-    const bool valid = lane < nrows;
-    const uint32_t v = valid ? __ldg(a.idx + lane) : 0xffffffffu;
-    const uint32_t prev = __shfl_up_sync(FULL, v, 1);
-    const uint32_t heads = __ballot_sync(FULL, valid && (lane == 0 || v != prev));
-    const int run0 = 31 - __clz(heads & (FULL >> (31 - lane)));
-    uint32_t segs = __ballot_sync(FULL, valid && ((lane - run0) % 8) == 0);
-    for (int i = 0; i < slot && segs; i++) segs &= segs - 1;
-    while (segs) {
-        const int s = __ffs(segs) - 1;
-        const uint32_t rest = segs & (segs - 1);
-        const int len = (rest ? __ffs(rest) - 1 : nrows) - s;
-        const uint32_t e = __shfl_sync(FULL, v, s);
-        float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        if (e < (uint32_t)a.E) {
-            const uint8_t *tb = a.codes + ((int64_t)cu_weight_expert(e, a.E) * ntile + tile) * nsteps * (int64_t)TQ_STEP;
-            const bool hasx = r < len;
-            const __nv_bfloat16 *xr = x + (int64_t)(s + (hasx ? r : 0)) * K;
-            for (int stp = warp; stp < nsteps; stp += W) {
-                const uint8_t *sp = tb + (int64_t)stp * TQ_STEP;
-                const uint4 wa = cu_ld_stream16(sp + lane * 16), wb = cu_ld_stream16(sp + 512 + lane * 16);
-                const uint32_t sr = __ldg(reinterpret_cast<const uint32_t *>(sp + 1024) + lane);
-                const int c = stp * 4 + q;
-                qmma_step(acc, wa, wb, sr, c < nchunk && hasx ? xr + (int64_t)c * 32 : nullptr);
-            }
-        }
-        if (warp > 0)
-#pragma unroll
-            for (int i = 0; i < 4; i++) red[warp - 1][i][lane] = acc[i];
-        __syncthreads();
-        if (warp == 0) {
-#pragma unroll
-            for (int w = 1; w < W; w++)
-#pragma unroll
-                for (int i = 0; i < 4; i++) acc[i] += red[w - 1][i][lane];
-            const float mult = e < (uint32_t)a.E ? cu_expert_gs(a.gs, e) * 0x1p8f : 0.0f;
-#pragma unroll
-            for (int i = 0; i < 4; i++) {
-                const int f = n0 + r + (i >> 1) * 8, t = 2 * q + (i & 1);
-                if (t < len && f < a.N) y[(int64_t)(s + t) * a.N + f] = cu_out<TY>(e < (uint32_t)a.E ? acc[i] * mult : 0.0f, a.relu2);
-            }
-        }
-        __syncthreads();
-        for (int i = 0; i < slots && segs; i++) segs &= segs - 1;
-    }
-}
-
-/* The production launcher's choice of warps per block (launch_mma), for the same blocks. */
-template <typename TY>
-static int tq_launch(const gq_args *a, cudaStream_t st) {
-    int dev = 0, sms = 0;
-    cudaGetDevice(&dev);
-    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-    const int slots = a->B < QMV_SLOTS ? a->B : QMV_SLOTS;
-    const int64_t blocks = (int64_t)((a->N + 15) / 16) * slots;
-    const int nsteps = (a->K / 32 + 3) / 4;
-    int w = 4;
-    while (w < 16 && blocks * w < (int64_t)QMMA_WPSM * sms && 2 * w <= nsteps) w *= 2;
-    if (w == 16) tq_qmv_kernel<TY, 16><<<(unsigned)blocks, 16 * 32, 0, st>>>(*a, slots);
-    else if (w == 8) tq_qmv_kernel<TY, 8><<<(unsigned)blocks, 8 * 32, 0, st>>>(*a, slots);
-    else tq_qmv_kernel<TY, 4><<<(unsigned)blocks, 4 * 32, 0, st>>>(*a, slots);
-    return cudaGetLastError() == cudaSuccess ? 0 : 1;
 }
 
 /* ---- host side ---------------------------------------------------------------------------------- */
@@ -151,8 +38,7 @@ static void make_weights(weights_t *w, int E, int N, int K, int copies, tu_rng *
     w->E = E; w->N = N; w->K = K; w->copies = copies;
     w->cbytes = (int64_t)E * N * (K / 2);
     w->sbytes = (int64_t)E * N * (K / 16);
-    const int ntile = (N + 15) / 16, nsteps = (K / 32 + 3) / 4;
-    w->tbytes = (int64_t)E * ntile * nsteps * TQ_STEP;
+    w->tbytes = (int64_t)E * gq_tiled_expert_bytes(N, K);
     uint8_t *h = (uint8_t *)malloc((size_t)(w->cbytes > w->sbytes ? w->cbytes : w->sbytes));
     GT_CHECK(cudaMalloc((void **)&w->codes, (size_t)(w->cbytes * copies)));
     GT_CHECK(cudaMalloc((void **)&w->scales, (size_t)(w->sbytes * copies)));
@@ -166,9 +52,10 @@ static void make_weights(weights_t *w, int E, int N, int K, int copies, tu_rng *
         GT_CHECK(cudaMemcpy(w->codes + c * w->cbytes, h, (size_t)w->cbytes, cudaMemcpyHostToDevice));
         for (int64_t i = 0; i < w->sbytes; i++) h[i] = (uint8_t)(0x28 + tu_rng_below(r, 24)); /* E4M3 ~0.06 .. 0.9 */
         GT_CHECK(cudaMemcpy(w->scales + c * w->sbytes, h, (size_t)w->sbytes, cudaMemcpyHostToDevice));
-        tq_relayout_kernel<<<1024, 256>>>(w->codes + c * w->cbytes, w->scales + c * w->sbytes, E, N, K,
-                                          w->tiled + c * w->tbytes);
-        GT_CHECK(cudaGetLastError());
+        if (gq_relayout_tiled(w->codes + c * w->cbytes, w->scales + c * w->sbytes, E, N, K, w->tiled + c * w->tbytes, 0)) {
+            fprintf(stderr, "relayout: %s\n", fp4moe_last_error());
+            exit(1);
+        }
     }
     float *g = (float *)malloc(sizeof(float) * (size_t)E);
     for (int e = 0; e < E; e++) g[e] = (float)(0.5 + tu_rng_uniform(r));
@@ -188,7 +75,7 @@ static gq_args args_of(const weights_t *w, int copy, bool tiled, const void *x, 
     a.scales = w->scales + copy * w->sbytes;
     a.gs = w->gs;
     a.E = w->E; a.N = w->N; a.K = w->K;
-    a.x = x; a.y = y; a.idx = idx; a.B = B; a.relu2 = 0; a.tiled = 0; /* the candidate kernel reads a.codes as tiled itself */
+    a.x = x; a.y = y; a.idx = idx; a.B = B; a.relu2 = 0; a.tiled = tiled;
     return a;
 }
 
@@ -203,7 +90,7 @@ static int check_case(const char *what, const weights_t *w, const uint32_t *hidx
     gq_args a0 = args_of(w, 0, false, x, y0, didx, B), a1 = args_of(w, 0, true, x, y1, didx, B);
     if (!gq_qmv_mma_fits(&a0)) { fprintf(stderr, "%s: not a qmv-mma shape\n", what); exit(1); }
     if (gq_launch_qmv_mma(&a0, f32out, 0)) { fprintf(stderr, "%s: %s\n", what, fp4moe_last_error()); exit(1); }
-    const int bad_launch = f32out ? tq_launch<float>(&a1, 0) : tq_launch<__nv_bfloat16>(&a1, 0);
+    const int bad_launch = gq_launch_qmv_mma(&a1, f32out, 0);
     GT_CHECK(cudaDeviceSynchronize());
     uint8_t *h0 = (uint8_t *)malloc(yb), *h1 = (uint8_t *)malloc(yb);
     gt_download(h0, y0, yb);
@@ -232,7 +119,6 @@ static int run_one(void *p) {
     const int k = c->i++;
     const int copy = k % c->w->copies, set = k % c->nsets;
     gq_args a = args_of(c->w, copy, c->tiled, c->x, c->y, c->idx + (int64_t)set * c->B, c->B);
-    if (c->tiled) return c->f32out ? tq_launch<float>(&a, 0) : tq_launch<__nv_bfloat16>(&a, 0);
     return gq_launch_qmv_mma(&a, c->f32out, 0);
 }
 
@@ -272,7 +158,7 @@ int main(void) {
         {"Mamba out_proj (2688 x 4096), 12 copies", 1, 2688, 4096, 1, 12, false},
         {"lm_head (131072 x 2688, fp32 out)", 1, 131072, 2688, 1, 1, true},
     };
-    printf("| case | MB per call | production us | candidate us | candidate / production | production GB/s | candidate GB/s |\n");
+    printf("| case | MB per call | checkpoint layout us | tiled us | tiled / checkpoint | checkpoint GB/s | tiled GB/s |\n");
     printf("|---|---:|---:|---:|---:|---:|---:|\n");
     for (size_t ci = 0; ci < sizeof cases / sizeof cases[0]; ci++) {
         weights_t w;
