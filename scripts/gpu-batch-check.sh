@@ -21,8 +21,7 @@ set -u
 cd "$(dirname "$0")/.."
 GP_NAME=batch
 GP_BUILD=build-gpum
-GP_PROGS="fp4moe test_model_gpu test_ssm_gpu test_gather_qmm_gpu test_attention_gpu test_ops_gpu test_ep_gpu"
-GP_TARGETS="fp4moe_cli test_model_gpu test_ssm_gpu test_gather_qmm_gpu test_attention_gpu test_ops_gpu test_ep_gpu"
+# GP_PROGS / GP_TARGETS: the batch package's defaults (scripts/gpu-pack.sh)
 . scripts/gpu-pack.sh
 CFG=nemotron-3-nano-30b-a3b
 

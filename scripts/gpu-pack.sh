@@ -3,11 +3,15 @@
 # needs no build. The caller sets, before sourcing:
 #   GP_NAME   package name (the file is BIN/$GP_NAME.tar.xz), also used in messages
 #   GP_BUILD  build directory (cmake, RelWithDebInfo)
-#   GP_PROGS  programs to pack (names of build outputs)
-#   GP_TARGETS cmake targets that build them
+#   GP_PROGS  programs to pack (names of build outputs); unset: the batch package's (fp4moe and every
+#             GPU test: scripts/gpu-batch-check.sh, scripts/gpu-staged-check.sh)
+#   GP_TARGETS cmake targets that build them (unset: the batch package's)
 # and then calls gp_main "$@": `--package BIN` packs and exits; otherwise it leaves the directory of
 # runnable programs in GP_BIN (BIN = $1, default $GP_BUILD/$GP_NAME-bin when packed there, else a
 # build here) with LD_LIBRARY_PATH set up (packed libraries, CUDA, pip-wheel CUDA libraries).
+
+GP_PROGS=${GP_PROGS:-fp4moe test_model_gpu test_ssm_gpu test_gather_qmm_gpu test_attention_gpu test_ops_gpu test_ep_gpu}
+GP_TARGETS=${GP_TARGETS:-fp4moe_cli test_model_gpu test_ssm_gpu test_gather_qmm_gpu test_attention_gpu test_ops_gpu test_ep_gpu}
 
 gp_build() { # configure + build the targets into GP_BUILD
     cmake -S . -B "$GP_BUILD" -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null &&
