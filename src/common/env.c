@@ -23,12 +23,15 @@ static const fp4moe_env_var k_vars[ENV_COUNT] = {
     [ENV_CUDA_PDL] = {"FP4MOE_CUDA_PDL", "0|1|graph", "graph",
                       "CUDA programmatic dependent launch: on the launches captured into decode graphs "
                       "(graph), every launch (1) or none (0); same results"},
-    [ENV_CUDA_SIDE_STREAM] = {"FP4MOE_CUDA_SIDE_STREAM", "0|1", "0",
+    [ENV_CUDA_SIDE_STREAM] = {"FP4MOE_CUDA_SIDE_STREAM", "0|1", "1",
                               "1: in decode steps the shared expert runs on a second CUDA stream, beside "
-                              "the routed experts (not yet measured: off by default); same results"},
-    [ENV_CUDA_WEIGHT_LAYOUT] = {"FP4MOE_CUDA_WEIGHT_LAYOUT", "rows|tiled", "rows",
-                                "NVFP4 weights on the GPU as in the checkpoint (rows) or re-laid for the kernels' "
-                                "loads (tiled; not yet measured end to end: rows by default); same results"},
+                              "the routed experts; 0: one stream; same results"},
+    [ENV_CUDA_WEIGHT_LAYOUT] = {"FP4MOE_CUDA_WEIGHT_LAYOUT", "rows|tiled", "tiled",
+                                "NVFP4 weights on the GPU re-laid at load for the kernels' loads (tiled) or as in "
+                                "the checkpoint (rows); same results"},
+    [ENV_CUDA_SIDE_DELAY_US] = {"FP4MOE_CUDA_SIDE_DELAY_US", "integer >= 0", "0",
+                                "diagnostic: the side stream (FP4MOE_CUDA_SIDE_STREAM) waits this many "
+                                "microseconds before its work, so that a missing join shows (tests); same results"},
 };
 
 static int allowed(const fp4moe_env_var *v, const char *val) {

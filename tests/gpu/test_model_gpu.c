@@ -409,15 +409,20 @@ static void test_graph_vs_eager(void **state) {
     fp4moe_model_free(m);
 }
 
-/* The shared expert beside the routed experts on a second stream (decode steps of <= 16 rows), in a
- * graph and launch by launch, against one stream: the same kernels on the same inputs, so the same
- * bits. */
+/* The shared expert beside the routed experts on a second stream (decode steps of <= 16 rows; the
+ * default), in a graph and launch by launch, against one stream: the same kernels on the same
+ * inputs, so the same bits. The side stream is held back 300 us before its work
+ * (FP4MOE_CUDA_SIDE_DELAY_US), so that the next layer's norm would read the shared expert's output
+ * before it is written if the join were missing (the fault build FP4MOE_INJECT_FAULT_SIDE_JOIN
+ * must fail this test; without the delay the routed experts outlast the shared one and it passed). */
 static void test_side_stream(void **state) {
     (void)state;
     fp4moe_model *m = load_on(MT_GOLDEN "/tiny-b-mlx", 1, FP4MOE_DEVICE_CUDA);
     const int64_t V = fp4moe_model_config(m)->vocab, n = 40;
+    tu_setenv("FP4MOE_CUDA_SIDE_STREAM", "0");
     fp4moe_session *one = gpu_session(m);
     tu_setenv("FP4MOE_CUDA_SIDE_STREAM", "1");
+    tu_setenv("FP4MOE_CUDA_SIDE_DELAY_US", "300");
     fp4moe_session *side = gpu_session(m);
     tu_setenv("FP4MOE_CUDA_GRAPH", "0");
     fp4moe_session *side_eager = gpu_session(m);
@@ -428,6 +433,7 @@ static void test_side_stream(void **state) {
     greedy(one, p, 70, V, n, ia, la);
     expect_same_greedy(side, p, 70, V, n, ia, la);
     expect_same_greedy(side_eager, p, 70, V, n, ia, la);
+    tu_setenv("FP4MOE_CUDA_SIDE_DELAY_US", NULL);
     print_message("side stream: %lld steps (graph and eager), identical ids and logits bits\n", (long long)n);
     free(p); free(ia); free(la);
     fp4moe_session_free(side_eager);
@@ -449,6 +455,7 @@ static void test_tiled_layout(void **state) {
         print_message("%s not present: skipped\n", DEFAULT_MODEL);
         return;
     }
+    tu_setenv("FP4MOE_CUDA_WEIGHT_LAYOUT", "rows");
     fp4moe_model *rows = load_on(DEFAULT_MODEL, 1, FP4MOE_DEVICE_CUDA);
     tu_setenv("FP4MOE_CUDA_WEIGHT_LAYOUT", "tiled");
     fp4moe_model *tiled = load_on(DEFAULT_MODEL, 1, FP4MOE_DEVICE_CUDA);

@@ -618,6 +618,7 @@ static int cu_side_begin(void *bcv, int64_t rows, const void *const *w, int nw, 
     }
     FP4MOE_CUDA_TRY("cuda", cudaEventRecord(c->ev_fork, c->stream), "side stream fork (record)");
     FP4MOE_CUDA_TRY("cuda", cudaStreamWaitEvent(c->side, c->ev_fork, 0), "side stream fork (wait)");
+    TRY(cuda_spin(c->side, env_get_int(ENV_CUDA_SIDE_DELAY_US))); /* diagnostic: a missing join shows */
     c->main = c->stream;
     c->stream = c->ops.stream = c->side;
     c->in_side = 1;

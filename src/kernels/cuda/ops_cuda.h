@@ -146,6 +146,10 @@ int cuda_rmsnorm(void *stream, float *x, const uint16_t *a, const uint16_t *b, c
 int cuda_rmsnorm_gated(void *stream, const float *y, const uint16_t *z, int64_t zs, const float *w,
                        int64_t T, int64_t D, int64_t G, float eps, uint16_t *out);
 
+/* A kernel that only waits `us` microseconds on the stream (us <= 0: nothing launched): the
+ * diagnostic delay of the side stream (FP4MOE_CUDA_SIDE_DELAY_US). */
+int cuda_spin(void *stream, int64_t us);
+
 /* x (T x N bf16) = bf16(max(x, 0)^2) in place (op_relu2 followed by the next matmul's rounding). */
 int cuda_relu2(void *stream, uint16_t *x, int64_t n);
 

@@ -350,6 +350,24 @@ __global__ void relu2_kernel(uint16_t *x, int64_t n, int64_t n8) {
     for (int64_t i = n8 * 8 + i0; i < n; i += step) x[i] = relu2_1(x[i]);
 }
 
+/* One thread waits ns nanoseconds of the GPU's global timer (cuda_spin). */
+__global__ void spin_kernel(uint64_t ns) {
+    cu_pdl_entry();
+    uint64_t t0, t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    do {
+        __nanosleep(1000);
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    } while (t - t0 < ns);
+}
+
+extern "C" int cuda_spin(void *stream, int64_t us) {
+    if (us <= 0) return FP4MOE_OK;
+    cu_launch(spin_kernel, 1, 1, 0, (cudaStream_t)stream, (uint64_t)us * 1000u);
+    OPS_LAUNCH_CHECK("spin");
+    return FP4MOE_OK;
+}
+
 /* Grid size for a grid-stride loop over n elements. */
 static unsigned stride_blocks(int64_t n) {
     const int64_t b = (n + 255) / 256;
