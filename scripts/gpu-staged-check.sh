@@ -1,23 +1,23 @@
 #!/usr/bin/env bash
-# scripts/gpu-staged-check.sh: the two options staged off by default until measured on the H200
-# (issue 12), in ONE command on the GPU machine:
-#   FP4MOE_CUDA_SIDE_STREAM=1    the shared expert of decode steps on a second stream (be_ops side_begin)
-#   FP4MOE_CUDA_WEIGHT_LAYOUT=tiled  the NVFP4 linears re-laid at load for the kernels' loads
-#                                (bench/gpu_qmv_tiled measured the decode qmv 0.89-0.92x on it)
-#   1. the GPU tests: test_model_gpu with each option off and on (its side_stream and tiled_layout
-#      cases compare bits against the default), test_ops_gpu (tiled_layout: every route, bitwise),
-#      test_gather_qmm_gpu, test_ep_gpu with the tiled layout (expert views);
-#   2. the deliberate faults, each must FAIL: FP4MOE_INJECT_FAULT_SIDE_JOIN (test_model_gpu),
-#      FP4MOE_INJECT_FAULT_TILED_SCALE (test_ops_gpu and test_model_gpu);
-#   3. compute-sanitizer memcheck of a solo decode of the default model with both options on;
-#   4. end to end on the synthetic Nemotron-3-Nano-30B-A3B shape, one binary, the settings
-#      alternated (bench/gpu-compare.sh): 512 + 128 (4 rounds), 64 sequences and 2,048 + 32 (2
-#      rounds each); greedy hashes must be equal across settings. A decode rate that falls to the
-#      eager one means the graph capture refused the side stream's fork.
+# scripts/gpu-staged-check.sh: the changes of a GPU round checked, fault-built and measured in ONE
+# command on the GPU machine (2026-12-03: the side stream and the tiled layout made the defaults, the
+# 64-row tiles of bf16 gather_qmm calls on wgmma):
+#   1. the GPU tests: test_model_gpu (its side_stream case with the diagnostic delay, tiled_layout,
+#      batched == solo), test_gather_qmm_gpu (every route against the fp64 reference, the bitwise
+#      route switch), test_ops_gpu (tiled layout, every route, bitwise), test_ep_gpu, test_ssm_gpu;
+#   2. the deliberate faults, each must FAIL: FP4MOE_INJECT_FAULT_SIDE_JOIN (test_model_gpu);
+#   3. compute-sanitizer memcheck: the small gather_qmm cases (FP4MOE_TEST_SANITIZE=1) and a batched
+#      decode of the default model;
+#   4. end to end on the synthetic Nemotron-3-Nano-30B-A3B shape, the builds alternated in rounds
+#      (bench/gpu-compare.sh): OLD (an earlier package's fp4moe, with OLD_ENV) against this one, at
+#      512 + 128 tokens, 64 sequences, 2,048 + 32 and 8,192 + 16; this build with
+#      FP4MOE_GATHER_EXPERT_BATCHED=0 too: the greedy hashes of a row must be equal across builds;
+#   5. candidate programs (CAND, a folder: bench/build-bench-variants.sh), each run, their tables last.
 # A short table is printed last; logs in $OUT (default gpu-staged-out/).
-# Usage: scripts/gpu-staged-check.sh BIN              on the GPU machine (BIN from --package)
-#        scripts/gpu-staged-check.sh --package BIN    here: build build-gpum, pack the programs and the
-#                                                     fault builds into BIN (carry BIN)
+# Usage: scripts/gpu-staged-check.sh BIN [OLD_BIN [CAND]]   on the GPU machine (BIN from --package)
+#        scripts/gpu-staged-check.sh --package BIN           here: build build-gpum, pack the programs and
+#                                                           the fault builds into BIN (carry BIN)
+# Environment: OLD_ENV (default empty): settings for the OLD build, e.g. "FP4MOE_CUDA_SIDE_STREAM=1".
 set -u
 cd "$(dirname "$0")/.."
 GP_NAME=batch
@@ -26,17 +26,16 @@ GP_BUILD=build-gpum
 . scripts/gpu-pack.sh
 if [ "${1:-}" = "--package" ]; then
     BINP=${2:?usage: --package BIN}
+    gp_build || exit 1
     TARGET=test_model_gpu PROG=test_model_gpu bench/build-variants.sh "$BINP/f_side" src/backend/cuda/backend_cuda.c \
         -DFP4MOE_INJECT_FAULT_SIDE_JOIN=1 || exit 1
-    TARGET=test_ops_gpu PROG=test_ops_gpu bench/build-variants.sh "$BINP/f_tiled_ops" src/kernels/cuda/gather_qmv.cu \
-        -DFP4MOE_INJECT_FAULT_TILED_SCALE=1 || exit 1
-    TARGET=test_model_gpu PROG=test_model_gpu bench/build-variants.sh "$BINP/f_tiled_model" src/kernels/cuda/gather_qmv.cu \
-        -DFP4MOE_INJECT_FAULT_TILED_SCALE=1 || exit 1
     gp_main --package "$BINP"
 fi
 OUT=${OUT:-gpu-staged-out}
 mkdir -p "$OUT"
 PKG=$1
+OLDPKG=${2:-}
+CAND=${3:-}
 gp_main "$PKG"
 BIN=$GP_BIN
 declare -a ROWS
@@ -55,12 +54,11 @@ t() { # NAME LOG ENV... -- PROGRAM
     row "$name" "$(verdict $rc)" $((SECONDS - t0)) "$(grep -c '^\[       OK' "$OUT/$log") ok"
 }
 t "test_model_gpu" model.log -- "$BIN/test_model_gpu"
-t "test_model_gpu, side stream on" model_side.log FP4MOE_CUDA_SIDE_STREAM=1 -- "$BIN/test_model_gpu"
-t "test_model_gpu, tiled layout" model_tiled.log FP4MOE_CUDA_WEIGHT_LAYOUT=tiled -- "$BIN/test_model_gpu"
-t "test_ops_gpu" ops.log -- "$BIN/test_ops_gpu"
 t "test_gather_qmm_gpu" gather.log -- "$BIN/test_gather_qmm_gpu"
-t "test_ep_gpu, tiled layout" ep_tiled.log FP4MOE_CUDA_WEIGHT_LAYOUT=tiled -- "$BIN/test_ep_gpu"
-for f in f_side/0/test_model_gpu f_tiled_ops/0/test_ops_gpu f_tiled_model/0/test_model_gpu; do
+t "test_ops_gpu" ops.log -- "$BIN/test_ops_gpu"
+t "test_ep_gpu" ep.log -- "$BIN/test_ep_gpu"
+t "test_ssm_gpu" ssm.log -- "$BIN/test_ssm_gpu"
+for f in f_side/0/test_model_gpu; do
     [ -f "$PKG/$f.xz" ] || continue
     n=$(echo "$f" | tr / _)
     xz -dc "$PKG/$f.xz" >"$BIN/$n" && chmod +x "$BIN/$n"
@@ -72,24 +70,47 @@ done
 CS=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null)
 if [ -n "$CS" ]; then
     t0=$SECONDS
-    FP4MOE_CUDA_SIDE_STREAM=1 FP4MOE_CUDA_WEIGHT_LAYOUT=tiled timeout 200 "$CS" --tool memcheck --error-exitcode 9 \
-        "$BIN/fp4moe" bench -m models/nemotron-h-tiny-moe --device cuda --prompt-tokens 40 --gen-tokens 8 --repeats 1 \
-        --warmup 0 >"$OUT/memcheck.log" 2>&1
+    FP4MOE_TEST_SANITIZE=1 timeout 300 "$CS" --tool memcheck --error-exitcode 9 "$BIN/test_gather_qmm_gpu" \
+        >"$OUT/memcheck_gather.log" 2>&1
     rc=$?
-    row "memcheck solo decode (both options on)" "$([ $rc = 0 ] && echo CLEAN || echo "FAIL($rc)")" $((SECONDS - t0)) \
+    row "memcheck gather_qmm small cases" "$([ $rc = 0 ] && echo CLEAN || echo "FAIL($rc)")" $((SECONDS - t0)) \
+        "$(grep -m1 'ERROR SUMMARY' "$OUT/memcheck_gather.log")"
+    t0=$SECONDS
+    timeout 200 "$CS" --tool memcheck --error-exitcode 9 "$BIN/fp4moe" bench -m models/nemotron-h-tiny-moe \
+        --device cuda --batch 5 --prompt-tokens 70 --gen-tokens 8 --repeats 1 --warmup 0 >"$OUT/memcheck.log" 2>&1
+    rc=$?
+    row "memcheck batched decode (default model)" "$([ $rc = 0 ] && echo CLEAN || echo "FAIL($rc)")" $((SECONDS - t0)) \
         "$(grep -m1 'ERROR SUMMARY' "$OUT/memcheck.log")"
 fi
-wrap() { printf '#!/bin/sh\nexec env %s %s/fp4moe "$@"\n' "$2" "$BIN" >"$BIN/$1" && chmod +x "$BIN/$1"; }
-wrap side FP4MOE_CUDA_SIDE_STREAM=1
-wrap tiled FP4MOE_CUDA_WEIGHT_LAYOUT=tiled
-wrap both "FP4MOE_CUDA_SIDE_STREAM=1 FP4MOE_CUDA_WEIGHT_LAYOUT=tiled"
+wrap() { printf '#!/bin/sh\nexec env %s %s "$@"\n' "$3" "$2" >"$BIN/$1" && chmod +x "$BIN/$1"; }
+B="new=$BIN/fp4moe"
+if [ -n "$OLDPKG" ]; then
+    OLDB=$(GP_NAME=batch gp_unpack "$OLDPKG")
+    wrap old "$OLDB/fp4moe" "${OLD_ENV:-FP4MOE_X=0}"
+    B="old=$BIN/old $B"
+fi
+wrap off "$BIN/fp4moe" FP4MOE_GATHER_EXPERT_BATCHED=0
 A="--synthetic nemotron-3-nano-30b-a3b --device cuda"
-B="base=$BIN/fp4moe side=$BIN/side tiled=$BIN/tiled both=$BIN/both"
-# shellcheck disable=SC2086
-OUT=$OUT/cmp1 timeout 300 bench/gpu-compare.sh "$BIN" 4 "$A --prompt-tokens 512 --gen-tokens 128 --repeats 3" $B >"$OUT/cmp1.txt" 2>&1
-# shellcheck disable=SC2086
-OUT=$OUT/cmp64 timeout 200 bench/gpu-compare.sh "$BIN" 2 "$A --batch 64 --prompt-tokens 256 --gen-tokens 64 --repeats 2" $B >"$OUT/cmp64.txt" 2>&1
-# shellcheck disable=SC2086
-OUT=$OUT/cmp2k timeout 120 bench/gpu-compare.sh "$BIN" 2 "$A --prompt-tokens 2048 --gen-tokens 32 --repeats 2" $B >"$OUT/cmp2k.txt" 2>&1
-for f in cmp1 cmp64 cmp2k; do echo "== $f"; grep '^|' "$OUT/$f.txt"; grep -v '^|' "$OUT/$f.txt" | head -5; done
+cmp() { # NAME ROUNDS LIMIT ARGS
+    local t0=$SECONDS
+    # shellcheck disable=SC2086
+    OUT=$OUT/$1 timeout "$3" bench/gpu-compare.sh "$BIN" "$2" "$A $4" $B off=$BIN/off >"$OUT/$1.txt" 2>&1
+    row "compare $1" DONE $((SECONDS - t0))
+}
+cmp p512 3 200 "--prompt-tokens 512 --gen-tokens 128 --repeats 3"
+cmp b64 2 150 "--batch 64 --prompt-tokens 256 --gen-tokens 64 --repeats 2"
+cmp p2k 2 120 "--prompt-tokens 2048 --gen-tokens 32 --repeats 2"
+cmp p8k 1 120 "--prompt-tokens 8192 --gen-tokens 16 --repeats 2"
+for f in p512 b64 p2k p8k; do echo "== $f"; grep '^|' "$OUT/$f.txt"; grep -v '^|' "$OUT/$f.txt" | head -3; done
+for w in ${CAND:+"$CAND"/*}; do
+    [ -e "$w" ] || continue
+    n=$(basename "$w" .xz)
+    case $w in *.xz) xz -dc "$w" >"$BIN/$n" ;; *) cp "$w" "$BIN/$n" ;; esac
+    chmod +x "$BIN/$n"
+    t0=$SECONDS
+    timeout 150 "$BIN/$n" >"$OUT/$n.log" 2>&1
+    rc=$?
+    row "$n" "$(verdict $rc)" $((SECONDS - t0)) "$(grep -c 'PASS$' "$OUT/$n.log") checks pass"
+    echo "== $n"; grep 'FAIL' "$OUT/$n.log" | head -3; grep '^|' "$OUT/$n.log"
+done
 printf '%s\n' "${ROWS[@]}"

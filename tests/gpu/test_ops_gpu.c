@@ -393,6 +393,7 @@ static void test_tiled_layout(void **state) {
     tiled_case(g, 8, 72, 128, 40, TU_IDX_UNSORTED, FP4MOE_ROUTE_QMV, 3, 12);          /* unsorted > 32 rows: refused */
     tiled_case(g, 16, 200, 320, 600, TU_IDX_OOR_TAIL, FP4MOE_ROUTE_BATCHED, 0, 4);    /* 32-row tiles */
     tiled_case(g, 4, 100, 256, 900, TU_IDX_ONE_EXPERT, FP4MOE_ROUTE_BATCHED, 0, 5);   /* 64-row tiles */
+    tiled_case(g, 8, 200, 320, 3072, TU_IDX_EMPTY_EXPERTS, FP4MOE_ROUTE_BATCHED, 0, 13); /* 64-row tiles, K % 128 = 64 */
     tiled_case(g, 16, 200, 320, 600, TU_IDX_DUPLICATES, FP4MOE_ROUTE_QMV, 0, 6);      /* qmv, tiled by 8 rows */
     tiled_case(g, 6, 90, 192, 700, TU_IDX_EMPTY_EXPERTS, FP4MOE_ROUTE_DEQUANT_GEMM, 0, 7);
     tiled_case(g, 1, 300, 384, 5, TU_IDX_TOPK_SORTED, FP4MOE_ROUTE_AUTO, 1, 8);       /* f32 out, qmv */

@@ -44,6 +44,7 @@
 
 #include "kernels/cuda/gather_cuda.cuh"
 #include "kernels/cuda/cuda_launch.cuh"
+#include "kernels/cuda/wgmma_rs.cuh"
 
 #define BT_KSTEP 128   /* K per pipeline step */
 #define BT_XROW 288    /* bytes per token row of the x tile: 256 + swizzle room + padding */
@@ -499,17 +500,256 @@ static int launch(const gq_args *a, const int *starts, const int *tile_off, cuda
     return FP4MOE_OK;
 }
 
+/* ---- 64-row tiles of bf16 calls on the warpgroup matrix instruction (wgmma, sm_90a) ------------
+ * For runs longer than 32 rows (bf16 x and y, fast path, both layouts) the items are computed by
+ * wgmma.m64nNk16 instead of mma.sync: measured 0.75-0.78x the mma.sync kernel's time at 2,048 and
+ * 8,192 tokens of the 30B-A3B MoE shapes and bitwise equal to it (bench/gpu_gather_wg.cu,
+ * docs/PERFORMANCE.md, 2026-12-03); at 32- and 8-row tiles it was not faster (1.02x / 1.12-1.32x),
+ * so those keep mma.sync. The arithmetic is the mma.sync kernel's: the same ring of weight copies
+ * (bt_issue / bt_issue_tiled), the same decode into the same A registers (the A fragment of
+ * wgmma's register form is mma.m16n8k16's for each warp's 16 rows), the same k16 order and fp32
+ * accumulation from 0, the same epilogue.
+ * Block = 2 warpgroups (256 threads), 128 features (warpgroup: 64, warp: 16 as the mma.sync warp);
+ * the item's rows, rounded up to 8, are the N of the instruction (one function per N, so that each
+ * has one accumulator set and ptxas keeps the wgmma pipeline: a runtime switch over N inside one
+ * loop made it serialize them). The x tile of a 128-K step is stored, through registers, as the
+ * K-major core matrices wgmma reads from shared memory (8 rows x 16 bytes each; the K-direction
+ * neighbour 128 bytes on = the descriptor's leading byte offset, the next 8 rows 256 bytes on =
+ * its stride byte offset; the other reading failed the check, CUTLASS's cute "INTERLEAVE" atom
+ * says the same), with the K permutation of the decoded pairs: the 16-byte piece x[32t + 8q ..
+ * +7] of a row goes, as 4-byte pairs (x0,x4) (x1,x5) (x2,x6) (x3,x7), to k16 steps 2q, 2q, 2q+1,
+ * 2q+1, core matrices 0, 1, 0, 1, byte 4t. A step's 8 wgmma are one commit group, waited for
+ * before its x buffer is written again. PTX ISA "wgmma.mma_async", "Matrix Descriptor Format". */
+#define GW_THREADS 256
+#define GW_NTILE 128
+#define GW_MT 64
+#define GW_KS (GW_MT * 32)                   /* bytes of one k16 step's B tile */
+#define GW_XBYTES (8 * GW_KS)                /* one 128-K step of x: 64 rows x 128 bf16 */
+#define GW_SMEM (2 * GW_XBYTES + BT_STAGES * GW_THREADS * (int)sizeof(bt_slot))
+
+__device__ __forceinline__ uint32_t gw_xoff(int ks, int c8, int n) {
+    return (uint32_t)(ks * GW_KS + (n >> 3) * 256 + c8 * 128 + (n & 7) * 16);
+}
+
+/* x staging: thread (t = tid % 4, nlo = tid / 4 % 8, q = tid / 32 % 4, nhi = tid / 128) moves the
+ * pieces of rows 16 i + 8 nhi + nlo at K offset 32 t + 8 q of every step (a warp's 4-byte stores
+ * fall on 32 banks). */
+struct gw_xstage {
+    static constexpr int NP = GW_MT / 16;
+    const __nv_bfloat16 *src[NP];
+    uint4 v[NP];
+    int kc;
+    __device__ __forceinline__ void init(const __nv_bfloat16 *x, int64_t row0, int rows, int rows_pad, int K) {
+        const int tid = threadIdx.x, t = tid & 3, nlo = (tid >> 2) & 7, q = (tid >> 5) & 3, nhi = tid >> 7;
+        kc = 32 * t + 8 * q;
+#pragma unroll
+        for (int i = 0; i < NP; i++) {
+            const int r = i * 16 + nhi * 8 + nlo, rr = r < rows ? r : rows - 1;
+            src[i] = r < rows_pad ? x + (row0 + rr) * K + kc : nullptr;
+        }
+    }
+    __device__ __forceinline__ void load(int k0, int K) {
+        const bool kok = k0 + kc < K;
+#pragma unroll
+        for (int i = 0; i < NP; i++) {
+            v[i] = make_uint4(0, 0, 0, 0);
+            if (src[i] && kok) v[i] = __ldg(reinterpret_cast<const uint4 *>(src[i] + k0));
+        }
+    }
+    __device__ __forceinline__ void store(uint8_t *xs) const {
+        const int tid = threadIdx.x, t = tid & 3, nlo = (tid >> 2) & 7, q = (tid >> 5) & 3, nhi = tid >> 7;
+#pragma unroll
+        for (int i = 0; i < NP; i++) {
+            if (src[i]) {
+                const uint4 w = v[i];
+                const int n = i * 16 + nhi * 8 + nlo;
+                *reinterpret_cast<uint32_t *>(xs + gw_xoff(2 * q, 0, n) + 4 * t) = __byte_perm(w.x, w.z, 0x5410);
+                *reinterpret_cast<uint32_t *>(xs + gw_xoff(2 * q, 1, n) + 4 * t) = __byte_perm(w.x, w.z, 0x7632);
+                *reinterpret_cast<uint32_t *>(xs + gw_xoff(2 * q + 1, 0, n) + 4 * t) = __byte_perm(w.y, w.w, 0x5410);
+                *reinterpret_cast<uint32_t *>(xs + gw_xoff(2 * q + 1, 1, n) + 4 * t) = __byte_perm(w.y, w.w, 0x7632);
+            }
+        }
+    }
+};
+
+/* One 128-K step of a warpgroup: the decode of bt_step (V = 4, bf16) and 8 wgmma, one commit group. */
+template <int N>
+__device__ __forceinline__ void gw_step(float (&d)[N / 2], const uint32_t (&w0)[4], const uint32_t (&w1)[4],
+                                        const uint32_t (&sa)[2], const uint32_t (&sb)[2], uint32_t xbuf) {
+#pragma unroll
+    for (int q = 0; q < 4; q++) {
+        uint32_t pa[4], pb[4];
+        bt_dec4<__nv_bfloat16>::pairs(w0[q], pa);
+        bt_dec4<__nv_bfloat16>::pairs(w1[q], pb);
+        const uint32_t s0 = sa[q >> 1], s1 = sb[q >> 1];
+        const uint32_t ra0 = cu_mul_bf16x2(pa[0], s0), ra1 = cu_mul_bf16x2(pa[1], s0);
+        const uint32_t ra2 = cu_mul_bf16x2(pa[2], s0), ra3 = cu_mul_bf16x2(pa[3], s0);
+        const uint32_t rb0 = cu_mul_bf16x2(pb[0], s1), rb1 = cu_mul_bf16x2(pb[1], s1);
+        const uint32_t rb2 = cu_mul_bf16x2(pb[2], s1), rb3 = cu_mul_bf16x2(pb[3], s1);
+        wg_fence(); /* the A registers were just written */
+        wg_rs<N, false>::mma(d, ra0, rb0, ra1, rb1, wg_desc(xbuf + (2 * q) * GW_KS, 128, 256), 1);
+        wg_rs<N, false>::mma(d, ra2, rb2, ra3, rb3, wg_desc(xbuf + (2 * q + 1) * GW_KS, 128, 256), 1);
+    }
+    wg_commit();
+}
+
+/* One item (expert e, rows row0 .. row0 + rows - 1, features from nw for this warp) with N = rows
+ * rounded up to 8. */
+template <int N, bool TL>
+__device__ __forceinline__ void gw_item(const gq_args &a, int e, int64_t row0, int rows, int nw, uint8_t *smem) {
+    uint8_t *xs0 = smem, *xs1 = smem + GW_XBYTES;
+    const uint32_t xa0 = bt_smem_addr(xs0), xa1 = bt_smem_addr(xs1);
+    bt_slot *ring = reinterpret_cast<bt_slot *>(smem + 2 * GW_XBYTES) + threadIdx.x;
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int NF = a.N, K = a.K, KB = K >> 4, nsteps = (K + BT_KSTEP - 1) / BT_KSTEP;
+    const __nv_bfloat16 *x = static_cast<const __nv_bfloat16 *>(a.x);
+    __nv_bfloat16 *y = static_cast<__nv_bfloat16 *>(a.y);
+    const int64_t we = cu_weight_expert(e, a.E);
+    const int64_t wr0 = we * NF + min(nw + g, NF - 1), wr1 = we * NF + min(nw + g + 8, NF - 1);
+    const uint8_t *crow0 = a.codes + wr0 * (K >> 1), *crow1 = a.codes + wr1 * (K >> 1);
+    const uint8_t *srow0 = a.scales + wr0 * KB, *srow1 = a.scales + wr1 * KB;
+    const uint8_t *tpiece = TL ? gq_tiled_piece(a.codes, we, min(nw >> 4, (NF - 1) >> 4), 0, NF, K) : nullptr;
+
+    float acc[N / 2];
+#pragma unroll
+    for (int i = 0; i < N / 2; i++) acc[i] = 0.0f;
+    gw_xstage xr;
+    xr.init(x, row0, rows, N, K);
+#pragma unroll
+    for (int p = 0; p < BT_STAGES - 1; p++) {
+        if (p < nsteps) {
+            if (TL) bt_issue_tiled(ring + p * GW_THREADS, tpiece + (int64_t)p * GQ_TILE_PIECE, lane);
+            else bt_issue(ring + p * GW_THREADS, crow0, crow1, srow0, srow1, p, t, KB);
+        }
+        bt_cp_commit();
+    }
+    xr.load(0, K);
+    xr.store(xs0);
+    wg_fence_async_smem();
+    __syncthreads();
+
+    for (int s = 0; s < nsteps; s++) {
+        uint32_t w0[4], w1[4], sa[2], sb[2];
+        bt_cp_wait<BT_STAGES - 2>();
+        const bt_slot *sl = ring + (s % BT_STAGES) * GW_THREADS;
+        const uint4 c0 = sl->c0, c1 = sl->c1;
+        const uint32_t sw0 = TL ? sl->s0 & 0xffffu : sl->s0 >> (16 * (t & 1));
+        const uint32_t sw1 = TL ? sl->s0 >> 16 : sl->s1 >> (16 * (t & 1));
+        w0[0] = c0.x; w0[1] = c0.y; w0[2] = c0.z; w0[3] = c0.w;
+        w1[0] = c1.x; w1[1] = c1.y; w1[2] = c1.z; w1[3] = c1.w;
+        const auto pa = bt_dec4<__nv_bfloat16>::scales(sw0), pb = bt_dec4<__nv_bfloat16>::scales(sw1);
+        sa[0] = bt_dec4<__nv_bfloat16>::lo2(pa); sa[1] = bt_dec4<__nv_bfloat16>::hi2(pa);
+        sb[0] = bt_dec4<__nv_bfloat16>::lo2(pb); sb[1] = bt_dec4<__nv_bfloat16>::hi2(pb);
+        const int nxt = s + BT_STAGES - 1;
+        if (nxt < nsteps) {
+            if (TL) bt_issue_tiled(ring + (nxt % BT_STAGES) * GW_THREADS, tpiece + (int64_t)nxt * GQ_TILE_PIECE, lane);
+            else bt_issue(ring + (nxt % BT_STAGES) * GW_THREADS, crow0, crow1, srow0, srow1, nxt, t, KB);
+        }
+        bt_cp_commit();
+        if (s + 1 < nsteps) xr.load((s + 1) * BT_KSTEP, K);
+        gw_step<N>(acc, w0, w1, sa, sb, (s & 1) ? xa1 : xa0);
+        wg_wait<0>(); /* this step's products are done: the other x buffer may be written */
+        if (s + 1 < nsteps) {
+            xr.store((s & 1) ? xs0 : xs1);
+            wg_fence_async_smem();
+        }
+        __syncthreads();
+    }
+#pragma unroll
+    for (int i = 0; i < N / 2; i++) asm volatile("" : "+f"(acc[i])::"memory"); /* read after the wait */
+
+    /* epilogue: thread (g, t) of the warp holds features nw + g (acc[4i + h]) and nw + g + 8
+     * (acc[4i + 2 + h]) of rows 8i + 2t + h */
+    const float mult = cu_expert_gs(a.gs, e) * bt_ops<__nv_bfloat16>::kUndo;
+    const int na = nw + g, nb = nw + g + 8;
+#pragma unroll
+    for (int i = 0; i < N / 8; i++) {
+        const int r = i * 8 + 2 * t;
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            if (r + h < rows) {
+                __nv_bfloat16 *yr = y + (row0 + r + h) * NF;
+                if (na < NF) yr[na] = cu_out<__nv_bfloat16>(acc[4 * i + h] * mult, a.relu2);
+                if (nb < NF) yr[nb] = cu_out<__nv_bfloat16>(acc[4 * i + 2 + h] * mult, a.relu2);
+            }
+        }
+    }
+    __syncthreads(); /* the x buffers and the ring are reused by the next item */
+}
+
+template <bool TL>
+__global__ void __launch_bounds__(GW_THREADS, 2)
+gq_batched_wg_kernel(gq_args a, const int *__restrict__ starts, const int *__restrict__ tile_off) {
+    cu_pdl_entry();
+    extern __shared__ __align__(128) uint8_t smem[];
+    const int warp = threadIdx.x >> 5, wg = warp >> 2, wq = warp & 3;
+    const int NT = (a.N + GW_NTILE - 1) / GW_NTILE;
+    const int64_t total = (int64_t)tile_off[a.E] * NT;
+    for (int64_t item = blockIdx.x; item < total; item += gridDim.x) {
+        int lo = 0, hi = a.E; /* the expert: the largest e with tile_off[e] * NT <= item */
+        while (hi - lo > 1) {
+            const int mid = (lo + hi) >> 1;
+            if ((int64_t)tile_off[mid] * NT <= item) lo = mid;
+            else hi = mid;
+        }
+        const int e = lo, tiles = tile_off[e + 1] - tile_off[e];
+        const int64_t local = item - (int64_t)tile_off[e] * NT;
+        const int ntile = (int)(local / tiles), rtile = (int)(local % tiles);
+        const int64_t row0 = (int64_t)starts[e] + (int64_t)rtile * GW_MT;
+        const int rows = (int)min((int64_t)GW_MT, (int64_t)starts[e + 1] - row0);
+        const int nw = ntile * GW_NTILE + wg * 64 + wq * 16;
+        switch ((rows + 7) >> 3) {
+        case 1: gw_item<8, TL>(a, e, row0, rows, nw, smem); break;
+        case 2: gw_item<16, TL>(a, e, row0, rows, nw, smem); break;
+        case 3: gw_item<24, TL>(a, e, row0, rows, nw, smem); break;
+        case 4: gw_item<32, TL>(a, e, row0, rows, nw, smem); break;
+        case 5: gw_item<40, TL>(a, e, row0, rows, nw, smem); break;
+        case 6: gw_item<48, TL>(a, e, row0, rows, nw, smem); break;
+        case 7: gw_item<56, TL>(a, e, row0, rows, nw, smem); break;
+        default: gw_item<64, TL>(a, e, row0, rows, nw, smem); break;
+        }
+    }
+    /* rows with idx >= E (the sorted tail [starts[E], B)) are zeros */
+    __nv_bfloat16 *y = static_cast<__nv_bfloat16 *>(a.y);
+    const __nv_bfloat16 zero = cu_from_float<__nv_bfloat16>(0.0f);
+    const int64_t end = (int64_t)a.B * a.N;
+    for (int64_t i = (int64_t)starts[a.E] * a.N + (int64_t)blockIdx.x * GW_THREADS + threadIdx.x; i < end;
+         i += (int64_t)gridDim.x * GW_THREADS)
+        y[i] = zero;
+}
+
+template <bool TL>
+static int launch_wg(const gq_args *a, const int *starts, const int *tile_off, cudaStream_t st) {
+    int dev = 0, sms = 0, occ = 0;
+    FP4MOE_CUDA_TRY("gather_qmm_cuda", cudaGetDevice(&dev), "cudaGetDevice");
+    FP4MOE_CUDA_TRY("gather_qmm_cuda", cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), "cudaDeviceGetAttribute");
+    FP4MOE_CUDA_TRY("gather_qmm_cuda", cudaFuncSetAttribute(gq_batched_wg_kernel<TL>, cudaFuncAttributeMaxDynamicSharedMemorySize, GW_SMEM),
+                    "cudaFuncSetAttribute (dynamic shared memory)");
+    FP4MOE_CUDA_TRY("gather_qmm_cuda", cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, gq_batched_wg_kernel<TL>, GW_THREADS, GW_SMEM),
+                    "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
+    const int64_t NT = (a->N + GW_NTILE - 1) / GW_NTILE;
+    const int64_t bound = ((int64_t)a->B / GW_MT + 1 + (a->E < a->B ? a->E : a->B)) * NT;
+    int64_t grid = (int64_t)sms * (occ > 0 ? occ : 1);
+    if (grid > bound) grid = bound;
+    cu_launch(gq_batched_wg_kernel<TL>, (unsigned)grid, GW_THREADS, GW_SMEM, st, *a, starts, tile_off);
+    FP4MOE_CUDA_TRY("gather_qmm_cuda", cudaGetLastError(), "launch of the expert-batched kernel (wgmma)");
+    return FP4MOE_OK;
+}
+
 template <typename T, typename TY, int V>
 static int launch_dtype(const gq_args *a, int mt, const int *starts, const int *tile_off, cudaStream_t st) {
     /* fast path: cp.async of 16 code bytes and a 4-byte scale word per row and step */
     const bool fast = (a->K % 64) == 0 && ((uintptr_t)a->codes & 15) == 0 && ((uintptr_t)a->scales & 3) == 0;
+    constexpr bool WG = std::is_same<T, __nv_bfloat16>::value && std::is_same<TY, __nv_bfloat16>::value;
     if (a->tiled) { /* the tiled layout: the fast path only */
         if (!fast)
             return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "gather_qmm_cuda: tiled weights need K %% 64 == 0 (K=%d)", a->K);
+        if (mt == 64 && WG) return launch_wg<true>(a, starts, tile_off, st);
         if (mt == 64) return launch<T, TY, 64, true, V, true>(a, starts, tile_off, st);
         if (mt == GQ_QMV_TILE_ROWS) return launch<T, TY, GQ_QMV_TILE_ROWS, true, V, true>(a, starts, tile_off, st);
         return launch<T, TY, 32, true, V, true>(a, starts, tile_off, st);
     }
+    if (mt == 64 && WG && fast) return launch_wg<false>(a, starts, tile_off, st);
     if (mt == 64) return fast ? launch<T, TY, 64, true, V>(a, starts, tile_off, st) : launch<T, TY, 64, false, V>(a, starts, tile_off, st);
     if (mt == GQ_QMV_TILE_ROWS)
         return fast ? launch<T, TY, GQ_QMV_TILE_ROWS, true, V>(a, starts, tile_off, st)
