@@ -160,6 +160,20 @@ static int cpu_residual_add(void *bc, float *h, const void *av, const void *bv, 
     }
     return FP4MOE_OK;
 }
+/* moe_combine and rmsnorm, a row at a time (the combined row in a scratch row): the same arithmetic */
+static int cpu_rmsnorm_combine(void *bc, float *x, const fw_comb *c, const void *bv, const float *w, int64_t T,
+                               int64_t H, float eps, void *y, float *y32) {
+    float *row = malloc((size_t)(H > 0 ? H : 1) * sizeof(float));
+    if (!row) return fp4moe_set_error(FP4MOE_ENOMEM, "cpu rmsnorm combine: %lld floats", (long long)H);
+    const float *b = bv;
+    for (int64_t t = 0; t < T; t++) {
+        op_moe_combine(c->ys, H, c->pos_of + t * c->k, c->wts + t * c->k, 1, c->k, row);
+        op_round_act(act_of(bc), row, H);
+        cpu_residual_add(bc, x + t * H, row, b ? b + t * H : NULL, H);
+    }
+    free(row);
+    return cpu_rmsnorm(bc, x, NULL, NULL, w, T, H, eps, y, y32);
+}
 static int cpu_rmsnorm_gated(void *bc, const float *y, const void *z, int64_t zs, const float *w, int64_t T,
                              int64_t D, int64_t G, float eps, void *out) {
     op_rmsnorm_gated(y, D, z, zs, w, T, D, G, eps, out);
@@ -277,6 +291,7 @@ static const be_ops CPU_OPS = {
     .invalidate = cpu_invalidate,
     .embed = cpu_embed,
     .rmsnorm = cpu_rmsnorm,
+    .rmsnorm_combine = cpu_rmsnorm_combine,
     .rmsnorm_rows = cpu_rmsnorm_rows,
     .linear = cpu_linear,
     .linear_f32out = cpu_linear_f32out,
