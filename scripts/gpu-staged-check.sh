@@ -9,12 +9,13 @@
 #   3. compute-sanitizer memcheck: the small gather_qmm cases (FP4MOE_TEST_SANITIZE=1) and a batched
 #      decode of the default model;
 #   4. end to end on the synthetic Nemotron-3-Nano-30B-A3B shape, the builds alternated in rounds
-#      (bench/gpu-compare.sh): OLD (an earlier package's fp4moe, with OLD_ENV) against this one, at
+#      (bench/gpu-compare.sh): OLD (an earlier commit's fp4moe, with OLD_ENV) against this one, at
 #      512 + 128 tokens, 64 sequences, 2,048 + 32 and 8,192 + 16; this build with
 #      FP4MOE_GATHER_EXPERT_BATCHED=0 too: the greedy hashes of a row must be equal across builds;
 #   5. candidate programs (CAND, a folder: bench/build-bench-variants.sh), each run, their tables last.
 # A short table is printed last; logs in $OUT (default gpu-staged-out/).
-# Usage: scripts/gpu-staged-check.sh BIN [OLD_BIN [CAND]]   on the GPU machine (BIN from --package)
+# Usage: scripts/gpu-staged-check.sh BIN [OLD [CAND]]       on the GPU machine (BIN from --package; OLD an
+#                                                           earlier commit's fp4moe or fp4moe.xz)
 #        scripts/gpu-staged-check.sh --package BIN           here: build build-gpum, pack the programs and
 #                                                           the fault builds into BIN (carry BIN)
 # Environment: OLD_ENV (default empty): settings for the OLD build, e.g. "FP4MOE_CUDA_SIDE_STREAM=1".
@@ -84,9 +85,10 @@ if [ -n "$CS" ]; then
 fi
 wrap() { printf '#!/bin/sh\nexec env %s %s "$@"\n' "$3" "$2" >"$BIN/$1" && chmod +x "$BIN/$1"; }
 B="new=$BIN/fp4moe"
-if [ -n "$OLDPKG" ]; then
-    OLDB=$(GP_NAME=batch gp_unpack "$OLDPKG")
-    wrap old "$OLDB/fp4moe" "${OLD_ENV:-FP4MOE_X=0}"
+if [ -n "$OLDPKG" ]; then # an earlier commit's fp4moe (or .xz of it; the same libraries as this package's)
+    case $OLDPKG in *.xz) xz -dc "$OLDPKG" >"$BIN/old_fp4moe" ;; *) cp "$OLDPKG" "$BIN/old_fp4moe" ;; esac
+    chmod +x "$BIN/old_fp4moe"
+    wrap old "$BIN/old_fp4moe" "${OLD_ENV:-FP4MOE_X=0}"
     B="old=$BIN/old $B"
 fi
 wrap off "$BIN/fp4moe" FP4MOE_GATHER_EXPERT_BATCHED=0
