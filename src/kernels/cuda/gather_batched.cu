@@ -322,6 +322,41 @@ template <int MT> struct bt_cfg {
     static constexpr int MINBLOCKS = MT == 32 ? 2 : MT == 64 ? 3 : 4;    /* 128 / 168 / 128 registers */
 };
 
+/* Work item `item` of a persistent grid over (expert, N-tile, row-tile) (NT N-tiles, MT-row tiles):
+ * the expert e (the largest with tile_off[e] * NT <= item: it has tiles), its N-tile and first row,
+ * and the item's rows (<= MT). */
+struct bt_item {
+    int e, ntile, rows;
+    int64_t row0;
+};
+template <int MT>
+__device__ __forceinline__ bt_item bt_item_of(int64_t item, int E, int NT, const int *starts, const int *tile_off) {
+    int lo = 0, hi = E;
+    while (hi - lo > 1) {
+        const int mid = (lo + hi) >> 1;
+        if ((int64_t)tile_off[mid] * NT <= item) lo = mid;
+        else hi = mid;
+    }
+    bt_item it;
+    it.e = lo;
+    const int tiles = tile_off[lo + 1] - tile_off[lo];
+    const int64_t local = item - (int64_t)tile_off[lo] * NT;
+    it.ntile = (int)(local / tiles);
+    it.row0 = (int64_t)starts[lo] + (int64_t)(local % tiles) * MT;
+    it.rows = (int)min((int64_t)MT, (int64_t)starts[lo + 1] - it.row0);
+    return it;
+}
+
+/* rows with idx >= E (the sorted tail [starts[E], B) of y, rows of N) are zeros; the grid strides */
+template <typename TY>
+__device__ __forceinline__ void bt_zero_tail(TY *y, const int *starts, int E, int B, int N) {
+    const TY zero = cu_from_float<TY>(0.0f);
+    const int64_t end = (int64_t)B * N;
+    for (int64_t i = (int64_t)starts[E] * N + (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < end;
+         i += (int64_t)gridDim.x * blockDim.x)
+        y[i] = zero;
+}
+
 /* TY: the output type, T or float (the lm_head: bf16 x, fp32 logits). TL: the weights in the tiled
  * layout (FAST only): each thread's step is its own 36 bytes of one piece; the same values reach the
  * same registers, so the same bits. */
@@ -344,20 +379,11 @@ gq_batched_kernel(gq_args a, const int *__restrict__ starts, const int *__restri
     const int xoff = g * BT_XROW + t * 64 + (t >> 1) * 16; /* this thread's fragment base in x tile */
 
     for (int64_t item = blockIdx.x; item < total; item += gridDim.x) {
-        /* the expert: the largest e with tile_off[e] * NT <= item (it has tiles) */
-        int lo = 0, hi = a.E;
-        while (hi - lo > 1) {
-            const int mid = (lo + hi) >> 1;
-            if ((int64_t)tile_off[mid] * NT <= item) lo = mid;
-            else hi = mid;
-        }
-        const int e = lo, tiles = tile_off[e + 1] - tile_off[e];
-        const int64_t local = item - (int64_t)tile_off[e] * NT;
-        const int ntile = (int)(local / tiles), rtile = (int)(local % tiles);
-        const int64_t row0 = (int64_t)starts[e] + (int64_t)rtile * MT;
-        const int rows = (int)min((int64_t)MT, (int64_t)starts[e + 1] - row0);
+        const bt_item it = bt_item_of<MT>(item, a.E, NT, starts, tile_off);
+        const int e = it.e, rows = it.rows;
+        const int64_t row0 = it.row0;
         const int ntv = (rows + 7) >> 3, rows_pad = ntv * 8;
-        const int nw = ntile * NTILE + warp * 16;
+        const int nw = it.ntile * NTILE + warp * 16;
 
         const int64_t we = cu_weight_expert(e, a.E);
         const int64_t wr0 = we * N + min(nw + g, N - 1), wr1 = we * N + min(nw + g + 8, N - 1);
@@ -457,12 +483,7 @@ gq_batched_kernel(gq_args a, const int *__restrict__ starts, const int *__restri
         }
     }
 
-    /* rows with idx >= E (the sorted tail [starts[E], B)) are zeros */
-    const TY zero = cu_from_float<TY>(0.0f);
-    const int64_t end = (int64_t)a.B * N;
-    for (int64_t i = (int64_t)starts[a.E] * N + (int64_t)blockIdx.x * THREADS + threadIdx.x; i < end;
-         i += (int64_t)gridDim.x * THREADS)
-        y[i] = zero;
+    bt_zero_tail(y, starts, a.E, a.B, N);
 }
 
 int gq_batched_row_tile(const gq_args *a, fp4moe_dtype dtype) {
@@ -474,30 +495,6 @@ int gq_batched_row_tile(const gq_args *a, fp4moe_dtype dtype) {
      * decode tok/s at 64 sequences (docs/PERFORMANCE.md, 2026-12-02). */
     if ((int64_t)a->B > 48ll * a->E) return 64;
     return (int64_t)a->B <= 8ll * a->E ? GQ_QMV_TILE_ROWS : 32;
-}
-
-template <typename T, typename TY, int MT, bool FAST, int V, bool TL = false, int MINB = bt_cfg<MT>::MINBLOCKS>
-static int launch(const gq_args *a, const int *starts, const int *tile_off, cudaStream_t st) {
-    typedef bt_cfg<MT> cfg;
-    int dev = 0, sms = 0, occ = 0;
-    FP4MOE_CUDA_TRY("gather_qmm_cuda", cudaGetDevice(&dev), "cudaGetDevice");
-    FP4MOE_CUDA_TRY("gather_qmm_cuda", cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), "cudaDeviceGetAttribute");
-    /* > 48 KB of dynamic shared memory needs the opt-in (idempotent, cheap) */
-    FP4MOE_CUDA_TRY("gather_qmm_cuda", cudaFuncSetAttribute(gq_batched_kernel<T, TY, MT, FAST, MINB, V, TL>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                     cfg::SMEM),
-                "cudaFuncSetAttribute (dynamic shared memory)");
-    FP4MOE_CUDA_TRY("gather_qmm_cuda", cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, gq_batched_kernel<T, TY, MT, FAST, MINB, V, TL>, cfg::THREADS,
-                                                              cfg::SMEM),
-                "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
-    /* upper bound on the items: sum over experts of ceil(len/MT) <= B/MT + min(E, B) */
-    const int64_t NT = (a->N + cfg::NTILE - 1) / cfg::NTILE;
-    const int64_t bound = ((int64_t)a->B / MT + 1 + (a->E < a->B ? a->E : a->B)) * NT;
-    int64_t grid = (int64_t)sms * (occ > 0 ? occ : 1);
-    if (grid > bound) grid = bound;
-    cu_launch(gq_batched_kernel<T, TY, MT, FAST, MINB, V, TL>, (unsigned)grid, cfg::THREADS, cfg::SMEM, st, *a, starts,
-              tile_off);
-    FP4MOE_CUDA_TRY("gather_qmm_cuda", cudaGetLastError(), "launch of the expert-batched kernel");
-    return FP4MOE_OK;
 }
 
 /* ---- 64-row tiles of bf16 calls on the warpgroup matrix instruction (wgmma, sm_90a) ------------
@@ -522,20 +519,23 @@ static int launch(const gq_args *a, const int *starts, const int *tile_off, cuda
  * before its x buffer is written again. PTX ISA "wgmma.mma_async", "Matrix Descriptor Format". */
 #define GW_THREADS 256
 #define GW_NTILE 128
-#define GW_MT 64
-#define GW_KS (GW_MT * 32)                   /* bytes of one k16 step's B tile */
-#define GW_XBYTES (8 * GW_KS)                /* one 128-K step of x: 64 rows x 128 bf16 */
-#define GW_SMEM (2 * GW_XBYTES + BT_STAGES * GW_THREADS * (int)sizeof(bt_slot))
+/* MT: the row tile (production: 64; bench/gpu_gather_wg measures 128) */
+template <int MT> struct gw_cfg {
+    static_assert(MT == 64 || MT == 128, "row tile 64 or 128");
+    static constexpr int KS = MT * 32;  /* bytes of one k16 step's B tile: MT / 8 groups x 256 */
+    static constexpr int XBYTES = 8 * KS; /* one 128-K step of x: MT rows x 128 bf16 */
+    static constexpr int SMEM = 2 * XBYTES + BT_STAGES * GW_THREADS * (int)sizeof(bt_slot);
+};
 
-__device__ __forceinline__ uint32_t gw_xoff(int ks, int c8, int n) {
-    return (uint32_t)(ks * GW_KS + (n >> 3) * 256 + c8 * 128 + (n & 7) * 16);
+__device__ __forceinline__ uint32_t gw_xoff(int KS, int ks, int c8, int n) {
+    return (uint32_t)(ks * KS + (n >> 3) * 256 + c8 * 128 + (n & 7) * 16);
 }
 
 /* x staging: thread (t = tid % 4, nlo = tid / 4 % 8, q = tid / 32 % 4, nhi = tid / 128) moves the
  * pieces of rows 16 i + 8 nhi + nlo at K offset 32 t + 8 q of every step (a warp's 4-byte stores
  * fall on 32 banks). */
-struct gw_xstage {
-    static constexpr int NP = GW_MT / 16;
+template <int MT> struct gw_xstage {
+    static constexpr int NP = MT / 16;
     const __nv_bfloat16 *src[NP];
     uint4 v[NP];
     int kc;
@@ -563,17 +563,18 @@ struct gw_xstage {
             if (src[i]) {
                 const uint4 w = v[i];
                 const int n = i * 16 + nhi * 8 + nlo;
-                *reinterpret_cast<uint32_t *>(xs + gw_xoff(2 * q, 0, n) + 4 * t) = __byte_perm(w.x, w.z, 0x5410);
-                *reinterpret_cast<uint32_t *>(xs + gw_xoff(2 * q, 1, n) + 4 * t) = __byte_perm(w.x, w.z, 0x7632);
-                *reinterpret_cast<uint32_t *>(xs + gw_xoff(2 * q + 1, 0, n) + 4 * t) = __byte_perm(w.y, w.w, 0x5410);
-                *reinterpret_cast<uint32_t *>(xs + gw_xoff(2 * q + 1, 1, n) + 4 * t) = __byte_perm(w.y, w.w, 0x7632);
+                constexpr int KS = gw_cfg<MT>::KS;
+                *reinterpret_cast<uint32_t *>(xs + gw_xoff(KS, 2 * q, 0, n) + 4 * t) = __byte_perm(w.x, w.z, 0x5410);
+                *reinterpret_cast<uint32_t *>(xs + gw_xoff(KS, 2 * q, 1, n) + 4 * t) = __byte_perm(w.x, w.z, 0x7632);
+                *reinterpret_cast<uint32_t *>(xs + gw_xoff(KS, 2 * q + 1, 0, n) + 4 * t) = __byte_perm(w.y, w.w, 0x5410);
+                *reinterpret_cast<uint32_t *>(xs + gw_xoff(KS, 2 * q + 1, 1, n) + 4 * t) = __byte_perm(w.y, w.w, 0x7632);
             }
         }
     }
 };
 
 /* One 128-K step of a warpgroup: the decode of bt_step (V = 4, bf16) and 8 wgmma, one commit group. */
-template <int N>
+template <int N, int KS>
 __device__ __forceinline__ void gw_step(float (&d)[N / 2], const uint32_t (&w0)[4], const uint32_t (&w1)[4],
                                         const uint32_t (&sa)[2], const uint32_t (&sb)[2], uint32_t xbuf) {
 #pragma unroll
@@ -587,19 +588,20 @@ __device__ __forceinline__ void gw_step(float (&d)[N / 2], const uint32_t (&w0)[
         const uint32_t rb0 = cu_mul_bf16x2(pb[0], s1), rb1 = cu_mul_bf16x2(pb[1], s1);
         const uint32_t rb2 = cu_mul_bf16x2(pb[2], s1), rb3 = cu_mul_bf16x2(pb[3], s1);
         wg_fence(); /* the A registers were just written */
-        wg_rs<N, false>::mma(d, ra0, rb0, ra1, rb1, wg_desc(xbuf + (2 * q) * GW_KS, 128, 256), 1);
-        wg_rs<N, false>::mma(d, ra2, rb2, ra3, rb3, wg_desc(xbuf + (2 * q + 1) * GW_KS, 128, 256), 1);
+        wg_rs<N, false>::mma(d, ra0, rb0, ra1, rb1, wg_desc(xbuf + (2 * q) * KS, 128, 256), 1);
+        wg_rs<N, false>::mma(d, ra2, rb2, ra3, rb3, wg_desc(xbuf + (2 * q + 1) * KS, 128, 256), 1);
     }
     wg_commit();
 }
 
 /* One item (expert e, rows row0 .. row0 + rows - 1, features from nw for this warp) with N = rows
  * rounded up to 8. */
-template <int N, bool TL>
+template <int N, int MT, bool TL>
 __device__ __forceinline__ void gw_item(const gq_args &a, int e, int64_t row0, int rows, int nw, uint8_t *smem) {
-    uint8_t *xs0 = smem, *xs1 = smem + GW_XBYTES;
+    typedef gw_cfg<MT> cfg;
+    uint8_t *xs0 = smem, *xs1 = smem + cfg::XBYTES;
     const uint32_t xa0 = bt_smem_addr(xs0), xa1 = bt_smem_addr(xs1);
-    bt_slot *ring = reinterpret_cast<bt_slot *>(smem + 2 * GW_XBYTES) + threadIdx.x;
+    bt_slot *ring = reinterpret_cast<bt_slot *>(smem + 2 * cfg::XBYTES) + threadIdx.x;
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int NF = a.N, K = a.K, KB = K >> 4, nsteps = (K + BT_KSTEP - 1) / BT_KSTEP;
     const __nv_bfloat16 *x = static_cast<const __nv_bfloat16 *>(a.x);
@@ -613,7 +615,7 @@ __device__ __forceinline__ void gw_item(const gq_args &a, int e, int64_t row0, i
     float acc[N / 2];
 #pragma unroll
     for (int i = 0; i < N / 2; i++) acc[i] = 0.0f;
-    gw_xstage xr;
+    gw_xstage<MT> xr;
     xr.init(x, row0, rows, N, K);
 #pragma unroll
     for (int p = 0; p < BT_STAGES - 1; p++) {
@@ -647,7 +649,7 @@ __device__ __forceinline__ void gw_item(const gq_args &a, int e, int64_t row0, i
         }
         bt_cp_commit();
         if (s + 1 < nsteps) xr.load((s + 1) * BT_KSTEP, K);
-        gw_step<N>(acc, w0, w1, sa, sb, (s & 1) ? xa1 : xa0);
+        gw_step<N, cfg::KS>(acc, w0, w1, sa, sb, (s & 1) ? xa1 : xa0);
         wg_wait<0>(); /* this step's products are done: the other x buffer may be written */
         if (s + 1 < nsteps) {
             xr.store((s & 1) ? xs0 : xs1);
@@ -677,8 +679,28 @@ __device__ __forceinline__ void gw_item(const gq_args &a, int e, int64_t row0, i
     __syncthreads(); /* the x buffers and the ring are reused by the next item */
 }
 
-template <bool TL>
-__global__ void __launch_bounds__(GW_THREADS, 2)
+/* gw_item for N = 8 * n8 (1 <= n8 <= MT / 8) */
+template <int MT, bool TL>
+__device__ __forceinline__ void gw_item_n(int n8, const gq_args &a, int e, int64_t row0, int rows, int nw, uint8_t *smem) {
+#define GW_CASE(n) case n: gw_item<8 * n, MT, TL>(a, e, row0, rows, nw, smem); break
+    static_assert(MT == 64 || MT == 128, "row tile 64 or 128");
+    switch (n8) {
+    GW_CASE(1); GW_CASE(2); GW_CASE(3); GW_CASE(4); GW_CASE(5); GW_CASE(6); GW_CASE(7);
+    default:
+        if constexpr (MT == 64) {
+            gw_item<64, MT, TL>(a, e, row0, rows, nw, smem);
+        } else {
+            switch (n8) {
+            GW_CASE(8); GW_CASE(9); GW_CASE(10); GW_CASE(11); GW_CASE(12); GW_CASE(13); GW_CASE(14); GW_CASE(15);
+            default: gw_item<MT, MT, TL>(a, e, row0, rows, nw, smem); break;
+            }
+        }
+    }
+#undef GW_CASE
+}
+
+template <int MT, bool TL, int MINB>
+__global__ void __launch_bounds__(GW_THREADS, MINB)
 gq_batched_wg_kernel(gq_args a, const int *__restrict__ starts, const int *__restrict__ tile_off) {
     cu_pdl_entry();
     extern __shared__ __align__(128) uint8_t smem[];
@@ -686,53 +708,54 @@ gq_batched_wg_kernel(gq_args a, const int *__restrict__ starts, const int *__res
     const int NT = (a.N + GW_NTILE - 1) / GW_NTILE;
     const int64_t total = (int64_t)tile_off[a.E] * NT;
     for (int64_t item = blockIdx.x; item < total; item += gridDim.x) {
-        int lo = 0, hi = a.E; /* the expert: the largest e with tile_off[e] * NT <= item */
-        while (hi - lo > 1) {
-            const int mid = (lo + hi) >> 1;
-            if ((int64_t)tile_off[mid] * NT <= item) lo = mid;
-            else hi = mid;
-        }
-        const int e = lo, tiles = tile_off[e + 1] - tile_off[e];
-        const int64_t local = item - (int64_t)tile_off[e] * NT;
-        const int ntile = (int)(local / tiles), rtile = (int)(local % tiles);
-        const int64_t row0 = (int64_t)starts[e] + (int64_t)rtile * GW_MT;
-        const int rows = (int)min((int64_t)GW_MT, (int64_t)starts[e + 1] - row0);
-        const int nw = ntile * GW_NTILE + wg * 64 + wq * 16;
-        switch ((rows + 7) >> 3) {
-        case 1: gw_item<8, TL>(a, e, row0, rows, nw, smem); break;
-        case 2: gw_item<16, TL>(a, e, row0, rows, nw, smem); break;
-        case 3: gw_item<24, TL>(a, e, row0, rows, nw, smem); break;
-        case 4: gw_item<32, TL>(a, e, row0, rows, nw, smem); break;
-        case 5: gw_item<40, TL>(a, e, row0, rows, nw, smem); break;
-        case 6: gw_item<48, TL>(a, e, row0, rows, nw, smem); break;
-        case 7: gw_item<56, TL>(a, e, row0, rows, nw, smem); break;
-        default: gw_item<64, TL>(a, e, row0, rows, nw, smem); break;
-        }
+        const bt_item it = bt_item_of<MT>(item, a.E, NT, starts, tile_off);
+        gw_item_n<MT, TL>((it.rows + 7) >> 3, a, it.e, it.row0, it.rows, it.ntile * GW_NTILE + wg * 64 + wq * 16, smem);
     }
-    /* rows with idx >= E (the sorted tail [starts[E], B)) are zeros */
-    __nv_bfloat16 *y = static_cast<__nv_bfloat16 *>(a.y);
-    const __nv_bfloat16 zero = cu_from_float<__nv_bfloat16>(0.0f);
-    const int64_t end = (int64_t)a.B * a.N;
-    for (int64_t i = (int64_t)starts[a.E] * a.N + (int64_t)blockIdx.x * GW_THREADS + threadIdx.x; i < end;
-         i += (int64_t)gridDim.x * GW_THREADS)
-        y[i] = zero;
+    bt_zero_tail(static_cast<__nv_bfloat16 *>(a.y), starts, a.E, a.B, a.N);
 }
 
-template <bool TL>
-static int launch_wg(const gq_args *a, const int *starts, const int *tile_off, cudaStream_t st) {
+/* A persistent grid for `kernel` (threads, smem dynamic shared memory): blocks an SM by the occupancy
+ * calculator, at most `bound` (the items' upper bound). */
+template <typename K>
+static int persistent_grid(K kernel, int threads, int smem, int64_t bound, unsigned *grid) {
     int dev = 0, sms = 0, occ = 0;
     FP4MOE_CUDA_TRY("gather_qmm_cuda", cudaGetDevice(&dev), "cudaGetDevice");
     FP4MOE_CUDA_TRY("gather_qmm_cuda", cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), "cudaDeviceGetAttribute");
-    FP4MOE_CUDA_TRY("gather_qmm_cuda", cudaFuncSetAttribute(gq_batched_wg_kernel<TL>, cudaFuncAttributeMaxDynamicSharedMemorySize, GW_SMEM),
+    /* > 48 KB of dynamic shared memory needs the opt-in (idempotent, cheap) */
+    FP4MOE_CUDA_TRY("gather_qmm_cuda", cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
                     "cudaFuncSetAttribute (dynamic shared memory)");
-    FP4MOE_CUDA_TRY("gather_qmm_cuda", cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, gq_batched_wg_kernel<TL>, GW_THREADS, GW_SMEM),
+    FP4MOE_CUDA_TRY("gather_qmm_cuda", cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kernel, threads, smem),
                     "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
+    int64_t g = (int64_t)sms * (occ > 0 ? occ : 1);
+    *grid = (unsigned)(g < bound ? g : bound);
+    return FP4MOE_OK;
+}
+
+/* the wgmma kernel with MT-row tiles (starts / tile_off from gq_launch_runs with row tile MT) */
+template <int MT, bool TL, int MINB = 2>
+static int launch_wg(const gq_args *a, const int *starts, const int *tile_off, cudaStream_t st) {
     const int64_t NT = (a->N + GW_NTILE - 1) / GW_NTILE;
-    const int64_t bound = ((int64_t)a->B / GW_MT + 1 + (a->E < a->B ? a->E : a->B)) * NT;
-    int64_t grid = (int64_t)sms * (occ > 0 ? occ : 1);
-    if (grid > bound) grid = bound;
-    cu_launch(gq_batched_wg_kernel<TL>, (unsigned)grid, GW_THREADS, GW_SMEM, st, *a, starts, tile_off);
+    const int64_t bound = ((int64_t)a->B / MT + 1 + (a->E < a->B ? a->E : a->B)) * NT;
+    unsigned grid = 0;
+    const int rc = persistent_grid(gq_batched_wg_kernel<MT, TL, MINB>, GW_THREADS, gw_cfg<MT>::SMEM, bound, &grid);
+    if (rc) return rc;
+    cu_launch(gq_batched_wg_kernel<MT, TL, MINB>, grid, GW_THREADS, gw_cfg<MT>::SMEM, st, *a, starts, tile_off);
     FP4MOE_CUDA_TRY("gather_qmm_cuda", cudaGetLastError(), "launch of the expert-batched kernel (wgmma)");
+    return FP4MOE_OK;
+}
+
+template <typename T, typename TY, int MT, bool FAST, int V, bool TL = false, int MINB = bt_cfg<MT>::MINBLOCKS>
+static int launch(const gq_args *a, const int *starts, const int *tile_off, cudaStream_t st) {
+    typedef bt_cfg<MT> cfg;
+    /* upper bound on the items: sum over experts of ceil(len/MT) <= B/MT + min(E, B) */
+    const int64_t NT = (a->N + cfg::NTILE - 1) / cfg::NTILE;
+    const int64_t bound = ((int64_t)a->B / MT + 1 + (a->E < a->B ? a->E : a->B)) * NT;
+    unsigned grid = 0;
+    const int rc = persistent_grid(gq_batched_kernel<T, TY, MT, FAST, MINB, V, TL>, cfg::THREADS, cfg::SMEM, bound, &grid);
+    if (rc) return rc;
+    cu_launch(gq_batched_kernel<T, TY, MT, FAST, MINB, V, TL>, grid, cfg::THREADS, cfg::SMEM, st, *a, starts,
+              tile_off);
+    FP4MOE_CUDA_TRY("gather_qmm_cuda", cudaGetLastError(), "launch of the expert-batched kernel");
     return FP4MOE_OK;
 }
 
@@ -744,12 +767,12 @@ static int launch_dtype(const gq_args *a, int mt, const int *starts, const int *
     if (a->tiled) { /* the tiled layout: the fast path only */
         if (!fast)
             return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "gather_qmm_cuda: tiled weights need K %% 64 == 0 (K=%d)", a->K);
-        if (mt == 64 && WG) return launch_wg<true>(a, starts, tile_off, st);
+        if (mt == 64 && WG) return launch_wg<64, true>(a, starts, tile_off, st);
         if (mt == 64) return launch<T, TY, 64, true, V, true>(a, starts, tile_off, st);
         if (mt == GQ_QMV_TILE_ROWS) return launch<T, TY, GQ_QMV_TILE_ROWS, true, V, true>(a, starts, tile_off, st);
         return launch<T, TY, 32, true, V, true>(a, starts, tile_off, st);
     }
-    if (mt == 64 && WG && fast) return launch_wg<false>(a, starts, tile_off, st);
+    if (mt == 64 && WG && fast) return launch_wg<64, false>(a, starts, tile_off, st);
     if (mt == 64) return fast ? launch<T, TY, 64, true, V>(a, starts, tile_off, st) : launch<T, TY, 64, false, V>(a, starts, tile_off, st);
     if (mt == GQ_QMV_TILE_ROWS)
         return fast ? launch<T, TY, GQ_QMV_TILE_ROWS, true, V>(a, starts, tile_off, st)
