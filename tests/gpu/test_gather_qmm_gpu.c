@@ -73,6 +73,7 @@ static const gg_case k_cases[] = {
     /* bf16 64-row tiles (the wgmma kernel): N % 128 = 72, K % 128 = 64, empty experts, part tiles */
     {8, 200, 320, 3072, TU_IDX_EMPTY_EXPERTS, 1, FP4MOE_BF16, 1},
     {3, 136, 192, 700, TU_IDX_OOR_TAIL, 0, FP4MOE_BF16, 1},
+    {4, 200, 320, 40000, TU_IDX_EMPTY_EXPERTS, 1, FP4MOE_BF16, 0},    /* many items a block */
     /* qmv v5 (bf16, B <= 32, K % 32 == 0, tensor cores): K % 128 != 0 (a part step), N % 16 != 0
      * (a part tile), segments of 8 rows (one expert), B = 1 with E = 1 (a decode linear), the
      * smallest K (one 32-code chunk), rows out of range, 32 rows in 4 slots */

@@ -17,6 +17,8 @@
 
 typedef struct {
     ops_ctx ops;
+    float *comb;        /* rmsnorm_combine's combined rows (grown, kept) */
+    size_t comb_cap;    /* floats */
 } cpu_ctx;
 
 static const be_ops CPU_OPS;
@@ -163,19 +165,20 @@ static int cpu_residual_add(void *bc, float *h, const void *av, const void *bv, 
     }
     return FP4MOE_OK;
 }
-/* moe_combine and rmsnorm, a row at a time (the combined row in a scratch row): the same arithmetic */
-static int cpu_rmsnorm_combine(void *bc, float *x, const fw_comb *c, const void *bv, const float *w, int64_t T,
+/* moe_combine into a kept scratch, then rmsnorm with it as the residual's first addend: the two ops'
+ * arithmetic */
+static int cpu_rmsnorm_combine(void *bcv, float *x, const fw_comb *c, const void *b, const float *w, int64_t T,
                                int64_t H, float eps, void *y, float *y32) {
-    float *row = malloc((size_t)(H > 0 ? H : 1) * sizeof(float));
-    if (!row) return fp4moe_set_error(FP4MOE_ENOMEM, "cpu rmsnorm combine: %lld floats", (long long)H);
-    const float *b = bv;
-    for (int64_t t = 0; t < T; t++) {
-        op_moe_combine(c->ys, H, c->pos_of + t * c->k, c->wts + t * c->k, 1, c->k, row);
-        op_round_act(act_of(bc), row, H);
-        cpu_residual_add(bc, x + t * H, row, b ? b + t * H : NULL, H);
+    cpu_ctx *bc = bcv;
+    const size_t n = (size_t)(T * H > 0 ? T * H : 1);
+    if (n > bc->comb_cap) {
+        float *p = realloc(bc->comb, n * sizeof(float));
+        if (!p) return fp4moe_set_error(FP4MOE_ENOMEM, "cpu rmsnorm combine: %zu floats", n);
+        bc->comb = p;
+        bc->comb_cap = n;
     }
-    free(row);
-    return cpu_rmsnorm(bc, x, NULL, NULL, w, T, H, eps, y, y32);
+    cpu_moe_combine(bc, c->ys, H, c->pos_of, c->wts, T, c->k, bc->comb);
+    return cpu_rmsnorm(bc, x, bc->comb, b, w, T, H, eps, y, y32);
 }
 static int cpu_rmsnorm_gated(void *bc, const float *y, const void *z, int64_t zs, const float *w, int64_t T,
                              int64_t D, int64_t G, float eps, void *out) {
@@ -327,6 +330,7 @@ void be_cpu_free(void *bcv) {
     cpu_ctx *c = bcv;
     if (!c) return;
     ops_ctx_free(&c->ops);
+    free(c->comb);
     free(c);
 }
 

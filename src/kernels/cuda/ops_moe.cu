@@ -398,6 +398,7 @@ __host__ __device__ inline size_t route_scratch_bytes(int64_t E, int64_t G) {
 /* xs[p] = xa[row_of[p] / k] (rows of Ha bf16) by the whole block: the pieces of up to 8 rows'
  * 16-byte chunks loaded before any is stored (gather_rows_kernel's copy). */
 #define ROUTE_GATHER_U 8
+#define ROUTE_GATHER_MAX_BYTES (64 * 1024) /* rows the route's block copies itself, at most */
 __device__ void route_gather(const uint16_t *__restrict__ xa, int64_t Ha, const uint32_t *row_of, int B, int k,
                              uint16_t *__restrict__ xs) {
     if ((Ha & 7) == 0) {
@@ -471,9 +472,13 @@ extern "C" int cuda_moe_route(const cuda_ops *o, const cuda_router_cfg *r, const
     cu_launch(route_logits_kernel, ops_blocks(r->E, ROUTE_LOGITS_WARPS / ROUTE_PARTS), ROUTE_LOGITS_WARPS * 32, 0, st,
               x, (int)T, W, (int)r->E, (int)H, logits);
     OPS_LAUNCH_CHECK("moe route (router logits)");
+    /* the one block copies the rows only while they are few (one decoding sequence: 6 x 5.4 KB);
+     * more rows go to gather_rows' block a row */
+    const bool fuse = xs && (int64_t)T * r->k * Ha * 2 <= ROUTE_GATHER_MAX_BYTES;
     cu_launch(route_tail_kernel, 1, ROUTE_WARPS * 32, smem, st, *r, (int)T, logits, ids, wts, row_of, idx, pos_of, xa,
-              Ha, xs);
+              Ha, fuse ? xs : nullptr);
     OPS_LAUNCH_CHECK("moe route (top-k and sort)");
+    if (xs && !fuse) return cuda_gather_rows(st, xa, Ha, row_of, T * r->k, r->k, xs);
     return FP4MOE_OK;
 }
 
