@@ -104,15 +104,6 @@ typedef struct {
     const float *bias;
 } fw_router;
 
-/* A MoE layer's weighted combine left to the next norm (be_ops rmsnorm_combine): the rows of
- * moe_combine(ys, pos_of, wts, T, k); ys == NULL: none pending. */
-typedef struct {
-    const void *ys;
-    const uint32_t *pos_of;
-    const float *wts;
-    int64_t k;
-} fw_comb;
-
 typedef struct be_ops {
     const char *name;
     size_t act_size;                /* bytes of one act element: 4 (CPU fp32), 2 (CUDA bf16) */
@@ -138,11 +129,6 @@ typedef struct be_ops {
      * rmsnorm(x) * w, rows of H; y32 (optional) the same rounded values as fp32 */
     int (*rmsnorm)(void *bc, float *x, const void *a, const void *b, const float *w, int64_t T, int64_t H,
                    float eps, void *y, float *y32);
-    /* rmsnorm with the residual's first addend a = moe_combine(c->ys, H, c->pos_of, c->wts, T, c->k)
-     * computed in the same launch (optional; NULL: not offered): the results of moe_combine then
-     * rmsnorm, bit for bit, without the combined rows' round trip */
-    int (*rmsnorm_combine)(void *bc, float *x, const fw_comb *c, const void *b, const float *w, int64_t T,
-                           int64_t H, float eps, void *y, float *y32);
     /* y (act) = rmsnorm(x[rows[i]]) * w for i < n (the lm_head's input rows) */
     int (*rmsnorm_rows)(void *bc, const float *x, const int32_t *rows, int64_t n, const float *w,
                         int64_t H, float eps, void *y);

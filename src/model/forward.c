@@ -343,10 +343,8 @@ static int ep_routed(const fw_ctx *f, const fw_layer *d, int64_t E, int64_t B, i
 }
 
 /* The routed experts of a MoE layer: routing, the expert matmuls, the weighted combine (and the
- * latent projections); *routed: the result. Where the backend offers rmsnorm_combine and no latent
- * projection follows, the combine is left to the next norm: *routed = NULL and *comb says what to
- * combine (the same numbers; one launch and the combined rows' round trip less). */
-static int moe_routed(const fw_ctx *f, const fw_layer *d, const void **routed, fw_comb *comb) {
+ * latent projections); *routed: the result. */
+static int moe_routed(const fw_ctx *f, const fw_layer *d, const void **routed) {
     const fp4moe_config *c = f->cfg;
     const be_ops *be = f->be;
     void *bc = f->bc;
@@ -372,11 +370,6 @@ static int moe_routed(const fw_ctx *f, const fw_layer *d, const void **routed, f
         if ((st = be->linear_gather(bc, d->experts_down, b->hs, b->idx, B, 0, b->ys)))
             return fp4moe_error_context(st, "experts down (gather_qmm)");
     }
-    if (be->rmsnorm_combine && !c->moe_latent) {
-        *comb = (fw_comb){b->ys, b->pos_of, b->wts, k};
-        *routed = NULL;
-        return FP4MOE_OK;
-    }
     TRY(be->moe_combine(bc, b->ys, Hl, b->pos_of, b->wts, R, k, b->comb));
     *routed = b->comb;
     if (c->moe_latent) {
@@ -386,12 +379,11 @@ static int moe_routed(const fw_ctx *f, const fw_layer *d, const void **routed, f
     return FP4MOE_OK;
 }
 
-/* The MoE mixer; its output is *out_a (+ *out_b, the shared expert's, or NULL; *out_a NULL: the
- * routed part is the pending combine *comb, moe_routed). Where the backend
+/* The MoE mixer; its output is *out_a (+ *out_b, the shared expert's, or NULL). Where the backend
  * offers a second queue (be_ops side_begin: the CUDA backend in decode steps, FP4MOE_CUDA_SIDE_STREAM)
  * the shared expert is issued first, on it, and runs beside the routing and the routed experts;
  * the buffers of the two parts are disjoint (xn is read by both), and the results are the same. */
-static int moe(const fw_ctx *f, const fw_layer *d, const void **out_a, const void **out_b, fw_comb *comb) {
+static int moe(const fw_ctx *f, const fw_layer *d, const void **out_a, const void **out_b) {
     const be_ops *be = f->be;
     void *bc = f->bc;
     const fw_bufs *b = f->b;
@@ -405,7 +397,7 @@ static int moe(const fw_ctx *f, const fw_layer *d, const void **out_a, const voi
         st = mlp(f, d->shared_up, d->shared_down, b->xn, b->shh, b->out_b);
         const int se = be->side_end(bc);
         if (!st) st = se;
-        if (!st) st = moe_routed(f, d, out_a, comb);
+        if (!st) st = moe_routed(f, d, out_a);
         const int sj = be->side_join(bc);
         if (!st) st = sj;
         if (st) return fp4moe_error_context(st, "moe (shared expert beside the routed experts)");
@@ -413,7 +405,7 @@ static int moe(const fw_ctx *f, const fw_layer *d, const void **out_a, const voi
         TRY(mark(f, FP4MOE_PROF_MOE_ROUTED));
         return mark(f, FP4MOE_PROF_MOE_SHARED);
     }
-    TRY(moe_routed(f, d, out_a, comb));
+    TRY(moe_routed(f, d, out_a));
     TRY(mark(f, FP4MOE_PROF_MOE_ROUTED));
     const void *shared = NULL;
     if (d->shared_up) {
@@ -426,14 +418,13 @@ static int moe(const fw_ctx *f, const fw_layer *d, const void **out_a, const voi
 }
 
 /* One layer's mixer on xn = rmsnorm(h) * norm (made by the previous layer's residual step); its
- * output is *a (+ *b); *a NULL with comb->ys set: a MoE layer's combine is pending (moe_routed). */
-static int layer(const fw_ctx *f, int64_t l, const void **a, const void **b2, fw_comb *comb) {
+ * output is *a (+ *b). */
+static int layer(const fw_ctx *f, int64_t l, const void **a, const void **b2) {
     const fw_layer *d = &f->w->layers[l];
     const fw_bufs *b = f->b;
     int st = FP4MOE_OK;
     *a = b->out_a;
     *b2 = NULL;
-    comb->ys = NULL;
     switch (d->type) {
     case FP4MOE_LAYER_MAMBA:
         st = mamba(f, d, &f->state[l]);
@@ -444,7 +435,7 @@ static int layer(const fw_ctx *f, int64_t l, const void **a, const void **b2, fw
         if (!st) st = mark(f, FP4MOE_PROF_ATTENTION);
         break;
     case FP4MOE_LAYER_MOE:
-        st = moe(f, d, a, b2, comb);
+        st = moe(f, d, a, b2);
         break;
     default:
         st = mlp(f, d->up, d->down, b->xn, b->hm, b->out_a);
@@ -455,15 +446,11 @@ static int layer(const fw_ctx *f, int64_t l, const void **a, const void **b2, fw
 }
 
 /* xn (and xn32 when layer l is MoE: the router's fp32 input) = rmsnorm(h) * layer l's norm, after
- * h += a (+ b) when a is not NULL (the previous layer's residual, in the same launch), or h += the
- * pending combine comb (+ b). */
-static int norm_for(const fw_ctx *f, int64_t l, const void *a, const void *b2, const fw_comb *comb) {
+ * h += a (+ b) when a is not NULL (the previous layer's residual, in the same launch). */
+static int norm_for(const fw_ctx *f, int64_t l, const void *a, const void *b2) {
     const fw_layer *d = &f->w->layers[l];
-    float *y32 = d->type == FP4MOE_LAYER_MOE ? f->b->xn32 : NULL;
-    const int st = comb->ys ? f->be->rmsnorm_combine(f->bc, f->b->h, comb, b2, d->norm, f->st->R, f->cfg->hidden,
-                                                     f->cfg->eps, f->b->xn, y32)
-                            : f->be->rmsnorm(f->bc, f->b->h, a, b2, d->norm, f->st->R, f->cfg->hidden, f->cfg->eps,
-                                             f->b->xn, y32);
+    const int st = f->be->rmsnorm(f->bc, f->b->h, a, b2, d->norm, f->st->R, f->cfg->hidden, f->cfg->eps, f->b->xn,
+                                  d->type == FP4MOE_LAYER_MOE ? f->b->xn32 : NULL);
     return st ? fp4moe_error_context(st, "layer %lld (norm)", (long long)l) : FP4MOE_OK;
 }
 
@@ -477,16 +464,11 @@ int fw_forward(void *arg) {
     TRY(be->embed(f->bc, f->w->embed, s->d_tokens, s->R, b->h));
     TRY(mark(f, FP4MOE_PROF_OTHER));
     const void *a = NULL, *a2 = NULL; /* the residual of the layer before */
-    fw_comb comb = {0};               /* or its pending combine */
     for (int64_t l = 0; l < c->n_layers; l++) {
         if (f->interrupt && *f->interrupt)
             return fp4moe_set_error(FP4MOE_EINTERRUPTED, "forward: interrupted");
-        TRY(norm_for(f, l, a, a2, &comb));
-        TRY(layer(f, l, &a, &a2, &comb));
-    }
-    if (comb.ys) { /* the last layer's combine */
-        TRY(be->moe_combine(f->bc, comb.ys, c->hidden, comb.pos_of, comb.wts, s->R, comb.k, b->comb));
-        a = b->comb;
+        TRY(norm_for(f, l, a, a2));
+        TRY(layer(f, l, &a, &a2));
     }
     if (c->n_layers > 0) TRY(be->residual_add(f->bc, b->h, a, a2, s->R * c->hidden));
     if (s->n_head > 0) {

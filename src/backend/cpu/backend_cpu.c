@@ -17,8 +17,6 @@
 
 typedef struct {
     ops_ctx ops;
-    float *comb;        /* rmsnorm_combine's combined rows (grown, kept) */
-    size_t comb_cap;    /* floats */
 } cpu_ctx;
 
 static const be_ops CPU_OPS;
@@ -165,21 +163,6 @@ static int cpu_residual_add(void *bc, float *h, const void *av, const void *bv, 
     }
     return FP4MOE_OK;
 }
-/* moe_combine into a kept scratch, then rmsnorm with it as the residual's first addend: the two ops'
- * arithmetic */
-static int cpu_rmsnorm_combine(void *bcv, float *x, const fw_comb *c, const void *b, const float *w, int64_t T,
-                               int64_t H, float eps, void *y, float *y32) {
-    cpu_ctx *bc = bcv;
-    const size_t n = (size_t)(T * H > 0 ? T * H : 1);
-    if (n > bc->comb_cap) {
-        float *p = realloc(bc->comb, n * sizeof(float));
-        if (!p) return fp4moe_set_error(FP4MOE_ENOMEM, "cpu rmsnorm combine: %zu floats", n);
-        bc->comb = p;
-        bc->comb_cap = n;
-    }
-    cpu_moe_combine(bc, c->ys, H, c->pos_of, c->wts, T, c->k, bc->comb);
-    return cpu_rmsnorm(bc, x, bc->comb, b, w, T, H, eps, y, y32);
-}
 static int cpu_rmsnorm_gated(void *bc, const float *y, const void *z, int64_t zs, const float *w, int64_t T,
                              int64_t D, int64_t G, float eps, void *out) {
     op_rmsnorm_gated(y, D, z, zs, w, T, D, G, eps, out);
@@ -297,7 +280,6 @@ static const be_ops CPU_OPS = {
     .invalidate = cpu_invalidate,
     .embed = cpu_embed,
     .rmsnorm = cpu_rmsnorm,
-    .rmsnorm_combine = cpu_rmsnorm_combine,
     .rmsnorm_rows = cpu_rmsnorm_rows,
     .linear = cpu_linear,
     .linear_f32out = cpu_linear_f32out,
@@ -330,7 +312,6 @@ void be_cpu_free(void *bcv) {
     cpu_ctx *c = bcv;
     if (!c) return;
     ops_ctx_free(&c->ops);
-    free(c->comb);
     free(c);
 }
 

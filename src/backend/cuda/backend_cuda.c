@@ -649,10 +649,6 @@ static int cu_rmsnorm(void *bc, float *x, const void *a, const void *b, const fl
                       float eps, void *y, float *y32) {
     return cuda_rmsnorm(S_(bc), x, a, b, w, T, H, eps, y, y32);
 }
-static int cu_rmsnorm_combine(void *bc, float *x, const fw_comb *cm, const void *b, const float *w, int64_t T,
-                              int64_t H, float eps, void *y, float *y32) {
-    return cuda_rmsnorm_combine(S_(bc), x, cm->ys, cm->pos_of, cm->wts, cm->k, b, w, T, H, eps, y, y32);
-}
 static int cu_rmsnorm_rows(void *bc, const float *x, const int32_t *rows, int64_t n, const float *w,
                            int64_t H, float eps, void *y) {
     return cuda_rmsnorm_rows(S_(bc), x, rows, n, w, H, eps, y);
@@ -770,7 +766,6 @@ static const be_ops CUDA_OPS = {
     .invalidate = cu_invalidate,
     .embed = cu_embed,
     .rmsnorm = cu_rmsnorm,
-    .rmsnorm_combine = cu_rmsnorm_combine,
     .rmsnorm_rows = cu_rmsnorm_rows,
     .linear = cu_linear,
     .linear_f32out = cu_linear_f32out,

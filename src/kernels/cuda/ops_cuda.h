@@ -150,13 +150,6 @@ int cuda_rmsnorm_gated(void *stream, const float *y, const uint16_t *z, int64_t 
  * diagnostic delay of the side stream (FP4MOE_CUDA_SIDE_DELAY_US). */
 int cuda_spin(void *stream, int64_t us);
 
-/* cuda_rmsnorm with the residual's first addend a = cuda_moe_combine(ys, pos_of, wts, T, k) computed in
- * the norm's launch (bitwise the two ops in sequence; no combined buffer): x (T x H fp32) += a (+ b);
- * y (bf16) = rmsnorm(x) * w; y32 optional. k in 1..64. */
-int cuda_rmsnorm_combine(void *stream, float *x, const uint16_t *ys, const uint32_t *pos_of, const float *wts,
-                         int64_t k, const uint16_t *b, const float *w, int64_t T, int64_t H, float eps, uint16_t *y,
-                         float *y32);
-
 /* x (T x N bf16) = bf16(max(x, 0)^2) in place (op_relu2 followed by the next matmul's rounding). */
 int cuda_relu2(void *stream, uint16_t *x, int64_t n);
 

@@ -90,37 +90,6 @@ __device__ __forceinline__ float inv_rms_from(double ss, int64_t n, float eps) {
     return __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn((float)(ss / (double)n), eps)));
 }
 
-/* The residual's first addend of element i of row t: ra[t][i], or (cmb.k > 0) the MoE combine of the
- * row computed here - moe combine's arithmetic (combine_kernel, ops_moe.cu): o = 0, then for the
- * slots j in order o = o + wts[t][j] * ys[pos_of[t][j]][i] (fp32, each rounded), rounded to bf16 -
- * so the fused norm is bitwise the combine followed by the norm (cuda_rmsnorm_combine). */
-struct norm_comb {
-    const uint16_t *ys;
-    const uint32_t *pos_of;
-    const float *wts;
-    int k; /* 0: none */
-};
-#define NORM_CJ 8 /* combine slots loaded at once */
-__device__ __forceinline__ float norm_addend(const uint16_t *__restrict__ ra, const norm_comb &c, int64_t t, int64_t H,
-                                             int64_t i) {
-    if (!c.k) return ops_bf16_to_f32(ra[t * H + i]);
-    float o = 0.0f;
-    for (int j0 = 0; j0 < c.k; j0 += NORM_CJ) {
-        uint16_t v[NORM_CJ];
-        float w[NORM_CJ];
-#pragma unroll
-        for (int j = 0; j < NORM_CJ; j++) { /* the batch's loads first */
-            const bool in = j0 + j < c.k;
-            w[j] = in ? __ldg(c.wts + t * c.k + j0 + j) : 0.0f;
-            v[j] = in ? c.ys[(int64_t)__ldg(c.pos_of + t * c.k + j0 + j) * H + i] : 0;
-        }
-#pragma unroll
-        for (int j = 0; j < NORM_CJ; j++)
-            if (j0 + j < c.k) o = __fadd_rn(o, __fmul_rn(w[j], ops_bf16_to_f32(v[j])));
-    }
-    return ops_bf16_to_f32(ops_f32_to_bf16(o));
-}
-
 /* One block of RMSNORM_THREADS per row. The elements are read in batches of NORM_U per thread, all
  * loads of a batch before any use (a plain loop waits one memory round trip per element: 11 us for
  * one row), and the second pass reuses the first pass's registers when the row fits
@@ -130,7 +99,7 @@ __device__ __forceinline__ float norm_addend(const uint16_t *__restrict__ ra, co
 #define RMSNORM_THREADS 1024
 __global__ void rmsnorm_kernel(float *__restrict__ x, const uint16_t *__restrict__ ra, const uint16_t *__restrict__ rb,
                                const float *__restrict__ w, int64_t H, float eps, uint16_t *__restrict__ y,
-                               float *__restrict__ y32, const int32_t *__restrict__ rows, norm_comb cmb) {
+                               float *__restrict__ y32, const int32_t *__restrict__ rows) {
     cu_pdl_entry();
     const int64_t t = blockIdx.x;
     float *xt = x + (rows ? (int64_t)rows[t] : t) * H;
@@ -145,12 +114,12 @@ __global__ void rmsnorm_kernel(float *__restrict__ x, const uint16_t *__restrict
             xv[u] = i < H ? xt[i] : 0.0f;
             if (kept) wv[u] = i < H ? w[i] : 0.0f; /* with the first loads: one round trip less */
         }
-        if (ra || cmb.k) { /* the residual add first (residual_kernel's arithmetic), written back */
+        if (ra) { /* the residual add first (residual_kernel's arithmetic), written back */
 #pragma unroll
             for (int u = 0; u < NORM_U; u++) {
                 const int64_t i = i0 + u * step;
                 if (i < H) {
-                    float o = norm_addend(ra, cmb, t, H, i);
+                    float o = ops_bf16_to_f32(ra[t * H + i]);
                     if (rb) o = __fadd_rn(o, ops_bf16_to_f32(rb[t * H + i]));
                     xv[u] = __fadd_rn(xv[u], o);
                     xt[i] = xv[u];
@@ -193,7 +162,7 @@ __global__ void rmsnorm_kernel(float *__restrict__ x, const uint16_t *__restrict
 __global__ void __launch_bounds__(RMSNORM_WIDE_THREADS)
 rmsnorm_wide_kernel(float *__restrict__ x, const uint16_t *__restrict__ ra, const uint16_t *__restrict__ rb,
                     const float *__restrict__ w, int64_t H, float eps, uint16_t *__restrict__ y,
-                    float *__restrict__ y32, const int32_t *__restrict__ rows, norm_comb cmb) {
+                    float *__restrict__ y32, const int32_t *__restrict__ rows) {
     cu_pdl_entry();
     const int64_t t = blockIdx.x;
     float *xt = x + (rows ? (int64_t)rows[t] : t) * H;
@@ -213,12 +182,12 @@ rmsnorm_wide_kernel(float *__restrict__ x, const uint16_t *__restrict__ ra, cons
                 xv[q][u] = i < H ? xt[i] : 0.0f;
                 if (kept) wv[q][u] = i < H ? w[i] : 0.0f;
             }
-            if (ra || cmb.k) {
+            if (ra) {
 #pragma unroll
                 for (int u = 0; u < NORM_U; u++) {
                     const int64_t i = i0 + u * VSTEP;
                     if (i < H) {
-                        float o = norm_addend(ra, cmb, t, H, i);
+                        float o = ops_bf16_to_f32(ra[t * H + i]);
                         if (rb) o = __fadd_rn(o, ops_bf16_to_f32(rb[t * H + i]));
                         xv[q][u] = __fadd_rn(xv[q][u], o);
                         xt[i] = xv[q][u];
@@ -275,12 +244,11 @@ rmsnorm_wide_kernel(float *__restrict__ x, const uint16_t *__restrict__ ra, cons
 #define RMSNORM_WIDE_ROWS 64
 
 static void rmsnorm_launch(cudaStream_t st, float *x, const uint16_t *a, const uint16_t *b, const float *w,
-                           int64_t T, int64_t H, float eps, uint16_t *y, float *y32, const int32_t *rows,
-                           norm_comb cmb = norm_comb{nullptr, nullptr, nullptr, 0}) {
+                           int64_t T, int64_t H, float eps, uint16_t *y, float *y32, const int32_t *rows) {
     if (T >= RMSNORM_WIDE_ROWS)
-        cu_launch(rmsnorm_wide_kernel, (unsigned)T, RMSNORM_WIDE_THREADS, 0, st, x, a, b, w, H, eps, y, y32, rows, cmb);
+        cu_launch(rmsnorm_wide_kernel, (unsigned)T, RMSNORM_WIDE_THREADS, 0, st, x, a, b, w, H, eps, y, y32, rows);
     else
-        cu_launch(rmsnorm_kernel, (unsigned)T, RMSNORM_THREADS, 0, st, x, a, b, w, H, eps, y, y32, rows, cmb);
+        cu_launch(rmsnorm_kernel, (unsigned)T, RMSNORM_THREADS, 0, st, x, a, b, w, H, eps, y, y32, rows);
 }
 
 extern "C" int cuda_rmsnorm(void *stream, float *x, const uint16_t *a, const uint16_t *b, const float *w,
@@ -288,17 +256,6 @@ extern "C" int cuda_rmsnorm(void *stream, float *x, const uint16_t *a, const uin
     if (T <= 0) return FP4MOE_OK;
     rmsnorm_launch((cudaStream_t)stream, x, a, a ? b : NULL, w, T, H, eps, y, y32, NULL);
     OPS_LAUNCH_CHECK("rmsnorm");
-    return FP4MOE_OK;
-}
-
-extern "C" int cuda_rmsnorm_combine(void *stream, float *x, const uint16_t *ys, const uint32_t *pos_of,
-                                    const float *wts, int64_t k, const uint16_t *b, const float *w, int64_t T,
-                                    int64_t H, float eps, uint16_t *y, float *y32) {
-    if (T <= 0) return FP4MOE_OK;
-    if (k < 1 || k > 64)
-        return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "cuda op rmsnorm combine: top-k %lld (1..64)", (long long)k);
-    rmsnorm_launch((cudaStream_t)stream, x, NULL, b, w, T, H, eps, y, y32, NULL, norm_comb{ys, pos_of, wts, (int)k});
-    OPS_LAUNCH_CHECK("rmsnorm combine");
     return FP4MOE_OK;
 }
 

@@ -398,7 +398,9 @@ __host__ __device__ inline size_t route_scratch_bytes(int64_t E, int64_t G) {
 /* xs[p] = xa[row_of[p] / k] (rows of Ha bf16) by the whole block: the pieces of up to 8 rows'
  * 16-byte chunks loaded before any is stored (gather_rows_kernel's copy). */
 #define ROUTE_GATHER_U 8
+#ifndef ROUTE_GATHER_MAX_BYTES
 #define ROUTE_GATHER_MAX_BYTES (64 * 1024) /* rows the route's block copies itself, at most */
+#endif
 __device__ void route_gather(const uint16_t *__restrict__ xa, int64_t Ha, const uint32_t *row_of, int B, int k,
                              uint16_t *__restrict__ xs) {
     if ((Ha & 7) == 0) {
