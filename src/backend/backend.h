@@ -141,12 +141,10 @@ typedef struct be_ops {
                          void *y);
     /* The routing of a MoE layer: logits (T x E fp32) = x (T x H fp32) @ W^T (router weights, E x H
      * fp32); ids, wts (T x k) = the router's top-k (fw_router); then the stable sort of the T * k
-     * (token, slot) rows by expert: row_of, idx (sorted experts), pos_of (B = T * k each). xs not
-     * NULL: then also gather_rows(xa, Ha, row_of, B, k, xs) (the experts' input rows; the CUDA
-     * backend copies them in the sort's launch for decode-sized steps). */
+     * (token, slot) rows by expert: row_of, idx (sorted experts), pos_of (B = T * k each). */
     int (*moe_route)(void *bc, const fw_router *r, const float *x, int64_t T, const float *W, int64_t H,
                      float *logits, int32_t *ids, float *wts, uint32_t *row_of, uint32_t *idx,
-                     uint32_t *pos_of, const void *xa, int64_t Ha, void *xs);
+                     uint32_t *pos_of);
     int (*gather_rows)(void *bc, const void *x, int64_t H, const uint32_t *row_of, int64_t B,
                        int64_t k, void *xs);
     /* Expert parallelism: the stable sort by expert of B rows whose (global) experts ids[b] lie in

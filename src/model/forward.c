@@ -354,14 +354,15 @@ static int moe_routed(const fw_ctx *f, const fw_layer *d, const void **routed) {
     const int64_t Hl = c->moe_latent ? c->moe_latent : H;
     const fw_router rc = {E, k, c->n_group, c->topk_group, c->norm_topk_prob, c->routed_scaling,
                           d->router_bias};
-    /* the experts' input rows are gathered by the routing, but from the latent projection's output */
     TRY(be->moe_route(bc, &rc, b->xn32, R, d->router_w, H, b->rlogits, b->ids, b->wts, b->row_of, b->idx,
-                      b->pos_of, b->xn, H, c->moe_latent ? NULL : b->xs));
+                      b->pos_of));
+    const void *xin = b->xn;
     int st;
     if (c->moe_latent) {
         if ((st = be->linear(bc, d->latent_in, b->xn, R, 0, b->xl))) return fp4moe_error_context(st, "fc1_latent_proj");
-        TRY(be->gather_rows(bc, b->xl, Hl, b->row_of, B, k, b->xs));
+        xin = b->xl;
     }
+    TRY(be->gather_rows(bc, xin, Hl, b->row_of, B, k, b->xs));
     if (f->ep) { /* the rows go to the ranks that own their experts and come back (src/model/ep.c) */
         TRY(ep_routed(f, d, E, B, Hl));
     } else {

@@ -112,17 +112,14 @@ static int cpu_linear_gather(void *bc, const void *W, const void *x, const uint3
     const int st = op_linear_gather(&((cpu_ctx *)bc)->ops, W, x, idx, B, y);
     return st || !relu2 ? st : cpu_relu2(bc, y, B * ((const op_linear *)W)->N);
 }
-static int cpu_gather_rows(void *bc, const void *xv, int64_t H, const uint32_t *row_of, int64_t B, int64_t k,
-                           void *xsv);
 static int cpu_moe_route(void *bc, const fw_router *r, const float *x, int64_t T, const float *W, int64_t H,
                          float *logits, int32_t *ids, float *wts, uint32_t *row_of, uint32_t *idx,
-                         uint32_t *pos_of, const void *xa, int64_t Ha, void *xs) {
+                         uint32_t *pos_of) {
+    (void)bc;
     op_matmul_f32(x, T, W, r->E, H, logits, r->E);
     const op_router_cfg rc = {r->E, r->k, r->n_group, r->topk_group, r->norm_topk_prob, r->scaling, r->bias};
-    int st = op_router_topk(&rc, logits, T, ids, wts);
-    if (!st) st = op_sort_by_expert(ids, T * r->k, r->E, row_of, idx, pos_of);
-    if (!st && xs) st = cpu_gather_rows(bc, xa, Ha, row_of, T * r->k, r->k, xs);
-    return st;
+    const int st = op_router_topk(&rc, logits, T, ids, wts);
+    return st ? st : op_sort_by_expert(ids, T * r->k, r->E, row_of, idx, pos_of);
 }
 static int cpu_sort_local(void *bc, const uint32_t *ids, int64_t B, int64_t lo, int64_t E, uint32_t *row_of,
                           uint32_t *idx, uint32_t *pos_of) {

@@ -665,9 +665,9 @@ static int cu_linear_gather(void *bc, const void *W, const void *x, const uint32
 }
 static int cu_moe_route(void *bc, const fw_router *r, const float *x, int64_t T, const float *W, int64_t H,
                         float *logits, int32_t *ids, float *wts, uint32_t *row_of, uint32_t *idx,
-                        uint32_t *pos_of, const void *xa, int64_t Ha, void *xs) {
+                        uint32_t *pos_of) {
     const cuda_router_cfg rc = {r->E, r->k, r->n_group, r->topk_group, r->norm_topk_prob, r->scaling, r->bias};
-    return cuda_moe_route(&CX(bc)->ops, &rc, x, T, W, H, logits, ids, wts, row_of, idx, pos_of, xa, Ha, xs);
+    return cuda_moe_route(&CX(bc)->ops, &rc, x, T, W, H, logits, ids, wts, row_of, idx, pos_of);
 }
 static int cu_gather_rows(void *bc, const void *x, int64_t H, const uint32_t *row_of, int64_t B, int64_t k,
                           void *xs) {

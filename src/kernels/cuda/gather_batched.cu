@@ -763,7 +763,11 @@ template <typename T, typename TY, int V>
 static int launch_dtype(const gq_args *a, int mt, const int *starts, const int *tile_off, cudaStream_t st) {
     /* fast path: cp.async of 16 code bytes and a 4-byte scale word per row and step */
     const bool fast = (a->K % 64) == 0 && ((uintptr_t)a->codes & 15) == 0 && ((uintptr_t)a->scales & 3) == 0;
-    constexpr bool WG = std::is_same<T, __nv_bfloat16>::value && std::is_same<TY, __nv_bfloat16>::value;
+    /* the wgmma kernel: bf16 in and out, experts (E > 1). A plain linear (E = 1) of 49..255 rows has
+     * one row tile, i.e. N / 128 items of 2 warpgroups for 132 SMs: the mma.sync kernel's 64-feature
+     * items measured faster there (64-sequence decode 4,307 vs 4,695 tok/s, docs/PERFORMANCE.md). */
+    constexpr bool WGT = std::is_same<T, __nv_bfloat16>::value && std::is_same<TY, __nv_bfloat16>::value;
+    const bool WG = WGT && a->E > 1;
     if (a->tiled) { /* the tiled layout: the fast path only */
         if (!fast)
             return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "gather_qmm_cuda: tiled weights need K %% 64 == 0 (K=%d)", a->K);

@@ -272,12 +272,11 @@ int cuda_sort_by_expert(void *stream, const int32_t *ids, int64_t B, int64_t E, 
 
 /* The whole routing of a MoE layer: logits (T x E, fp32) = x (T x H fp32) @ W^T (W: E x H fp32),
  * then cuda_router_topk, then cuda_sort_by_expert of the T * k rows (same results and errors as
- * those); xs not NULL: then cuda_gather_rows(xa, Ha, row_of, T * k, k, xs) too (bf16 rows). T <= 16
- * (decode-sized steps): two launches (the logits in a fixed dot-product order of its own, not
- * cuBLAS's; then the top-k, the sort and the gather in one block); larger T: cuBLAS + the kernels. */
+ * those). T <= 16 (decode-sized steps): two launches (the logits in a fixed dot-product order of
+ * its own, not cuBLAS's; then the top-k and sort in one block); larger T: cuBLAS + the two kernels. */
 int cuda_moe_route(const cuda_ops *o, const cuda_router_cfg *r, const float *x, int64_t T, const float *W,
                    int64_t H, float *logits, int32_t *ids, float *wts, uint32_t *row_of, uint32_t *idx,
-                   uint32_t *pos_of, const uint16_t *xa, int64_t Ha, uint16_t *xs);
+                   uint32_t *pos_of);
 
 /* xs[p] = x[row_of[p] / k] for p < B: rows of H bf16 gathered into expert order. */
 /* The stable sort by expert of B rows with global experts ids[b] in [lo, lo + E) (clamped into it):

@@ -395,43 +395,12 @@ __host__ __device__ inline size_t route_scratch_bytes(int64_t E, int64_t G) {
     return ((a > b ? a : b) + 15) & ~(size_t)15;
 }
 
-/* xs[p] = xa[row_of[p] / k] (rows of Ha bf16) by the whole block: the pieces of up to 8 rows'
- * 16-byte chunks loaded before any is stored (gather_rows_kernel's copy). */
-#define ROUTE_GATHER_U 8
-#ifndef ROUTE_GATHER_MAX_BYTES
-#define ROUTE_GATHER_MAX_BYTES (64 * 1024) /* rows the route's block copies itself, at most */
-#endif
-__device__ void route_gather(const uint16_t *__restrict__ xa, int64_t Ha, const uint32_t *row_of, int B, int k,
-                             uint16_t *__restrict__ xs) {
-    if ((Ha & 7) == 0) {
-        const int64_t n8 = Ha / 8, total = (int64_t)B * n8;
-        for (int64_t i0 = threadIdx.x; i0 < total; i0 += (int64_t)blockDim.x * ROUTE_GATHER_U) {
-            uint4 v[ROUTE_GATHER_U];
-#pragma unroll
-            for (int u = 0; u < ROUTE_GATHER_U; u++) {
-                const int64_t i = i0 + (int64_t)u * blockDim.x, p = i / n8;
-                if (i < total) v[u] = reinterpret_cast<const uint4 *>(xa + (int64_t)(row_of[p] / (uint32_t)k) * Ha)[i - p * n8];
-            }
-#pragma unroll
-            for (int u = 0; u < ROUTE_GATHER_U; u++) {
-                const int64_t i = i0 + (int64_t)u * blockDim.x;
-                if (i < total) reinterpret_cast<uint4 *>(xs)[i] = v[u];
-            }
-        }
-    } else {
-        for (int64_t i = threadIdx.x; i < (int64_t)B * Ha; i += blockDim.x) {
-            const int64_t p = i / Ha;
-            xs[i] = xa[(int64_t)(row_of[p] / (uint32_t)k) * Ha + (i - p * Ha)];
-        }
-    }
-}
-
 /* One block: the top-k of each token (router_token, warp per token), then the sort of the T * k
  * rows (one warp for <= 32 rows, else sort_block), ids and weights kept in shared memory between
- * the two (a chain of global round trips otherwise); then (xs not NULL) the experts' input rows. */
+ * the two (a chain of global round trips otherwise). */
 __global__ void __launch_bounds__(ROUTE_WARPS * 32)
 route_tail_kernel(cuda_router_cfg r, int T, const float *logits, int32_t *ids, float *wts, uint32_t *row_of,
-                  uint32_t *idx, uint32_t *pos_of, const uint16_t *xa, int64_t Ha, uint16_t *xs) {
+                  uint32_t *idx, uint32_t *pos_of) {
     cu_pdl_entry();
     extern __shared__ __align__(16) char route_sm[];
     const int warp = threadIdx.x >> 5, B = T * (int)r.k;
@@ -449,16 +418,11 @@ route_tail_kernel(cuda_router_cfg r, int T, const float *logits, int32_t *ids, f
     } else {
         sort_block(sids, B, (int)r.E, row_of, idx, pos_of, (int *)route_sm);
     }
-    if (xs) {
-        __syncthreads(); /* row_of, written by the sort, is read by every thread */
-        route_gather(xa, Ha, row_of, B, (int)r.k, xs);
-    }
 }
 
 extern "C" int cuda_moe_route(const cuda_ops *o, const cuda_router_cfg *r, const float *x, int64_t T,
                               const float *W, int64_t H, float *logits, int32_t *ids, float *wts,
-                              uint32_t *row_of, uint32_t *idx, uint32_t *pos_of, const uint16_t *xa, int64_t Ha,
-                              uint16_t *xs) {
+                              uint32_t *row_of, uint32_t *idx, uint32_t *pos_of) {
     if (T <= 0) return FP4MOE_OK;
     const size_t smem = route_scratch_bytes(r->E, r->n_group) + (size_t)(T * r->k) * 8;
     const bool small = T <= ROUTE_MAX_T && smem <= 48 * 1024 && H <= 0x7fffffff && H % 4 == 0 &&
@@ -467,20 +431,14 @@ extern "C" int cuda_moe_route(const cuda_ops *o, const cuda_router_cfg *r, const
         int st = cuda_matmul_f32(o, x, T, W, r->E, H, logits);
         if (!st) st = cuda_router_topk(o->stream, r, logits, T, ids, wts);
         if (!st) st = cuda_sort_by_expert(o->stream, ids, T * r->k, r->E, row_of, idx, pos_of);
-        if (!st && xs) st = cuda_gather_rows(o->stream, xa, Ha, row_of, T * r->k, r->k, xs);
         return st;
     }
     cudaStream_t st = (cudaStream_t)o->stream;
     cu_launch(route_logits_kernel, ops_blocks(r->E, ROUTE_LOGITS_WARPS / ROUTE_PARTS), ROUTE_LOGITS_WARPS * 32, 0, st,
               x, (int)T, W, (int)r->E, (int)H, logits);
     OPS_LAUNCH_CHECK("moe route (router logits)");
-    /* the one block copies the rows only while they are few (one decoding sequence: 6 x 5.4 KB);
-     * more rows go to gather_rows' block a row */
-    const bool fuse = xs && (int64_t)T * r->k * Ha * 2 <= ROUTE_GATHER_MAX_BYTES;
-    cu_launch(route_tail_kernel, 1, ROUTE_WARPS * 32, smem, st, *r, (int)T, logits, ids, wts, row_of, idx, pos_of, xa,
-              Ha, fuse ? xs : nullptr);
+    cu_launch(route_tail_kernel, 1, ROUTE_WARPS * 32, smem, st, *r, (int)T, logits, ids, wts, row_of, idx, pos_of);
     OPS_LAUNCH_CHECK("moe route (top-k and sort)");
-    if (xs && !fuse) return cuda_gather_rows(st, xa, Ha, row_of, T * r->k, r->k, xs);
     return FP4MOE_OK;
 }
 
