@@ -498,7 +498,7 @@ int gq_batched_row_tile(const gq_args *a, fp4moe_dtype dtype) {
 }
 
 /* ---- 64-row tiles of bf16 calls on the warpgroup matrix instruction (wgmma, sm_90a) ------------
- * For runs longer than 32 rows (bf16 x and y, fast path, both layouts) the items are computed by
+ * For experts' runs longer than 32 rows (E > 1, bf16 x and y, fast path, both layouts) the items are computed by
  * wgmma.m64nNk16 instead of mma.sync: measured 0.75-0.78x the mma.sync kernel's time at 2,048 and
  * 8,192 tokens of the 30B-A3B MoE shapes and bitwise equal to it (bench/gpu_gather_wg.cu,
  * docs/PERFORMANCE.md, 2026-12-03); at 32- and 8-row tiles it was not faster (1.02x / 1.12-1.32x),
