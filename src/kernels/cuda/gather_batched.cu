@@ -126,6 +126,15 @@ template <> struct bt_dec4<__nv_bfloat16> {
     }
 };
 
+/* The packed scale pairs of a step (bt_step's sa / sb) from the two scale bytes of rows g (sw0) and
+ * g + 8 (sw1), low byte: block 2t. */
+template <typename T>
+__device__ __forceinline__ void bt_scales4(uint32_t sw0, uint32_t sw1, uint32_t (&sa)[2], uint32_t (&sb)[2]) {
+    const auto pa = bt_dec4<T>::scales(sw0), pb = bt_dec4<T>::scales(sw1);
+    sa[0] = bt_dec4<T>::lo2(pa); sa[1] = bt_dec4<T>::hi2(pa);
+    sb[0] = bt_dec4<T>::lo2(pb); sb[1] = bt_dec4<T>::hi2(pb);
+}
+
 /* One step's weights of one thread: blocks 2t, 2t+1 of rows g (c0) and g+8 (c1), scale bytes. */
 struct bt_w {
     uint4 c0, c1;
@@ -251,6 +260,28 @@ __device__ __forceinline__ void bt_issue_tiled(bt_slot *slot, const uint8_t *pie
     bt_cp16(bt_smem_addr(&slot->c1), piece + 512 + lane * 16, 16);
     bt_cp4(bt_smem_addr(&slot->s0), piece + 1024 + lane * 4, 4);
 }
+
+/* A thread's weight stream of one item (fast path): its rows' codes and scales (checkpoint layout) or
+ * the step-0 piece of its warp's tile (tiled layout). issue: step `step`'s copies into its ring slot
+ * (none past the last step; the caller commits); read: the slot's code words and the thread's two
+ * scale bytes of each row. */
+template <bool TL> struct bt_wstream {
+    const uint8_t *crow0, *crow1, *srow0, *srow1, *tpiece;
+    int t, lane, KB;
+    __device__ __forceinline__ void issue(bt_slot *slot, int step, int nsteps) const {
+        if (step >= nsteps) return;
+        if (TL) bt_issue_tiled(slot, tpiece + (int64_t)step * GQ_TILE_PIECE, lane);
+        else bt_issue(slot, crow0, crow1, srow0, srow1, step, t, KB);
+    }
+    __device__ __forceinline__ void read(const bt_slot *sl, uint32_t (&w0)[4], uint32_t (&w1)[4], uint32_t &sw0,
+                                         uint32_t &sw1) const {
+        const uint4 c0 = sl->c0, c1 = sl->c1;
+        sw0 = TL ? sl->s0 & 0xffffu : sl->s0 >> (16 * (t & 1));
+        sw1 = TL ? sl->s0 >> 16 : sl->s1 >> (16 * (t & 1));
+        w0[0] = c0.x; w0[1] = c0.y; w0[2] = c0.z; w0[3] = c0.w;
+        w1[0] = c1.x; w1[1] = c1.y; w1[2] = c1.z; w1[3] = c1.w;
+    }
+};
 
 /* One 128-K step of one warp: 16 features x (8 * NTV) token rows. w0/w1: code words of rows g and
  * g+8 (blocks 2t, 2t+1); sa/sb: their packed scales; xb: this thread's x fragment base. */
@@ -392,6 +423,7 @@ gq_batched_kernel(gq_args a, const int *__restrict__ starts, const int *__restri
         /* tiled: step 0's piece of the warp's 16-feature tile; a tile past N (a block's last warps)
          * reads the last one, as the rows layout reads row N - 1 (results discarded) */
         const uint8_t *tpiece = TL ? gq_tiled_piece(a.codes, we, min(nw >> 4, (N - 1) >> 4), 0, N, K) : nullptr;
+        const bt_wstream<TL> ws = {crow0, crow1, srow0, srow1, tpiece, t, lane, KB};
 
         float acc[MT / 8][4];
 #pragma unroll
@@ -403,10 +435,7 @@ gq_batched_kernel(gq_args a, const int *__restrict__ starts, const int *__restri
         if constexpr (FAST) {
 #pragma unroll
             for (int p = 0; p < BT_STAGES - 1; p++) {
-                if (p < nsteps) {
-                    if (TL) bt_issue_tiled(ring + p * THREADS, tpiece + (int64_t)p * GQ_TILE_PIECE, lane);
-                    else bt_issue(ring + p * THREADS, crow0, crow1, srow0, srow1, p, t, KB);
-                }
+                ws.issue(ring + p * THREADS, p, nsteps);
                 bt_cp_commit();
             }
         } else {
@@ -420,16 +449,10 @@ gq_batched_kernel(gq_args a, const int *__restrict__ starts, const int *__restri
             uint32_t w0[4], w1[4], sa[2], sb[2];
             if constexpr (FAST) {
                 bt_cp_wait<BT_STAGES - 2>(); /* this thread's copies of step s have landed */
-                const bt_slot *sl = ring + (s % BT_STAGES) * THREADS;
-                const uint4 c0 = sl->c0, c1 = sl->c1;
-                const uint32_t sw0 = TL ? sl->s0 & 0xffffu : sl->s0 >> (16 * (t & 1));
-                const uint32_t sw1 = TL ? sl->s0 >> 16 : sl->s1 >> (16 * (t & 1));
-                w0[0] = c0.x; w0[1] = c0.y; w0[2] = c0.z; w0[3] = c0.w;
-                w1[0] = c1.x; w1[1] = c1.y; w1[2] = c1.z; w1[3] = c1.w;
+                uint32_t sw0, sw1;
+                ws.read(ring + (s % BT_STAGES) * THREADS, w0, w1, sw0, sw1);
                 if constexpr (V == 4) {
-                    const auto pa = bt_dec4<T>::scales(sw0), pb = bt_dec4<T>::scales(sw1);
-                    sa[0] = bt_dec4<T>::lo2(pa); sa[1] = bt_dec4<T>::hi2(pa);
-                    sb[0] = bt_dec4<T>::lo2(pb); sb[1] = bt_dec4<T>::hi2(pb);
+                    bt_scales4<T>(sw0, sw1, sa, sb);
                 } else {
                     sa[0] = ops::scale2(cu_e4m3_to_float(sw0 & 0xff));
                     sa[1] = ops::scale2(cu_e4m3_to_float((sw0 >> 8) & 0xff));
@@ -438,10 +461,7 @@ gq_batched_kernel(gq_args a, const int *__restrict__ starts, const int *__restri
                 }
                 /* refill the slot read in step s-1 with step s + BT_STAGES - 1 */
                 const int nxt = s + BT_STAGES - 1;
-                if (nxt < nsteps) {
-                    if (TL) bt_issue_tiled(ring + (nxt % BT_STAGES) * THREADS, tpiece + (int64_t)nxt * GQ_TILE_PIECE, lane);
-                    else bt_issue(ring + (nxt % BT_STAGES) * THREADS, crow0, crow1, srow0, srow1, nxt, t, KB);
-                }
+                ws.issue(ring + (nxt % BT_STAGES) * THREADS, nxt, nsteps);
                 bt_cp_commit();
             } else {
                 w0[0] = cur.c0.x; w0[1] = cur.c0.y; w0[2] = cur.c0.z; w0[3] = cur.c0.w;
@@ -611,6 +631,7 @@ __device__ __forceinline__ void gw_item(const gq_args &a, int e, int64_t row0, i
     const uint8_t *crow0 = a.codes + wr0 * (K >> 1), *crow1 = a.codes + wr1 * (K >> 1);
     const uint8_t *srow0 = a.scales + wr0 * KB, *srow1 = a.scales + wr1 * KB;
     const uint8_t *tpiece = TL ? gq_tiled_piece(a.codes, we, min(nw >> 4, (NF - 1) >> 4), 0, NF, K) : nullptr;
+    const bt_wstream<TL> ws = {crow0, crow1, srow0, srow1, tpiece, t, lane, KB};
 
     float acc[N / 2];
 #pragma unroll
@@ -619,10 +640,7 @@ __device__ __forceinline__ void gw_item(const gq_args &a, int e, int64_t row0, i
     xr.init(x, row0, rows, N, K);
 #pragma unroll
     for (int p = 0; p < BT_STAGES - 1; p++) {
-        if (p < nsteps) {
-            if (TL) bt_issue_tiled(ring + p * GW_THREADS, tpiece + (int64_t)p * GQ_TILE_PIECE, lane);
-            else bt_issue(ring + p * GW_THREADS, crow0, crow1, srow0, srow1, p, t, KB);
-        }
+        ws.issue(ring + p * GW_THREADS, p, nsteps);
         bt_cp_commit();
     }
     xr.load(0, K);
@@ -633,20 +651,11 @@ __device__ __forceinline__ void gw_item(const gq_args &a, int e, int64_t row0, i
     for (int s = 0; s < nsteps; s++) {
         uint32_t w0[4], w1[4], sa[2], sb[2];
         bt_cp_wait<BT_STAGES - 2>();
-        const bt_slot *sl = ring + (s % BT_STAGES) * GW_THREADS;
-        const uint4 c0 = sl->c0, c1 = sl->c1;
-        const uint32_t sw0 = TL ? sl->s0 & 0xffffu : sl->s0 >> (16 * (t & 1));
-        const uint32_t sw1 = TL ? sl->s0 >> 16 : sl->s1 >> (16 * (t & 1));
-        w0[0] = c0.x; w0[1] = c0.y; w0[2] = c0.z; w0[3] = c0.w;
-        w1[0] = c1.x; w1[1] = c1.y; w1[2] = c1.z; w1[3] = c1.w;
-        const auto pa = bt_dec4<__nv_bfloat16>::scales(sw0), pb = bt_dec4<__nv_bfloat16>::scales(sw1);
-        sa[0] = bt_dec4<__nv_bfloat16>::lo2(pa); sa[1] = bt_dec4<__nv_bfloat16>::hi2(pa);
-        sb[0] = bt_dec4<__nv_bfloat16>::lo2(pb); sb[1] = bt_dec4<__nv_bfloat16>::hi2(pb);
+        uint32_t sw0, sw1;
+        ws.read(ring + (s % BT_STAGES) * GW_THREADS, w0, w1, sw0, sw1);
+        bt_scales4<__nv_bfloat16>(sw0, sw1, sa, sb);
         const int nxt = s + BT_STAGES - 1;
-        if (nxt < nsteps) {
-            if (TL) bt_issue_tiled(ring + (nxt % BT_STAGES) * GW_THREADS, tpiece + (int64_t)nxt * GQ_TILE_PIECE, lane);
-            else bt_issue(ring + (nxt % BT_STAGES) * GW_THREADS, crow0, crow1, srow0, srow1, nxt, t, KB);
-        }
+        ws.issue(ring + (nxt % BT_STAGES) * GW_THREADS, nxt, nsteps);
         bt_cp_commit();
         if (s + 1 < nsteps) xr.load((s + 1) * BT_KSTEP, K);
         gw_step<N, cfg::KS>(acc, w0, w1, sa, sb, (s & 1) ? xa1 : xa0);
