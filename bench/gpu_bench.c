@@ -7,7 +7,8 @@
  * over the time) and the fraction of the floor (those bytes at the measured device-to-device copy
  * rate, over the time). Then decode: 1 token (6 rows, 6 distinct experts, unsorted), up + down with
  * the automatic route, median latency of single calls.
- * Usage: gpu_bench [--quick]   (--quick: 512 tokens only, fewer repetitions). The kernel versions
+ * Usage: gpu_bench [--quick] [--tokens T[,T...]]   (--quick: 512 tokens only, fewer repetitions;
+ * --tokens: those token counts only (at most 8), e.g. under a profiler). The kernel versions
  * 3 and 4 were compared here in round 4 (docs/GPU-NOTES.md); only version 4 remains. */
 #include <math.h>
 #include <stdint.h>
@@ -106,7 +107,26 @@ static double copy_bandwidth(void) {
 
 int main(int argc, char **argv) {
     gt_require_gpu("gpu_bench");
-    const int quick = argc > 1 && !strcmp(argv[1], "--quick");
+    int quick = 0, only[8], n_only = 0;
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--quick")) {
+            quick = 1;
+        } else if (!strcmp(argv[i], "--tokens") && i + 1 < argc) {
+            for (char *p = argv[++i]; *p && n_only < 8;) {
+                char *end;
+                const long v = strtol(p, &end, 10);
+                if (end == p || v < 1 || v > 8192) {
+                    fprintf(stderr, "gpu_bench: --tokens takes counts 1..8192 separated by commas\n");
+                    return 2;
+                }
+                only[n_only++] = (int)v;
+                p = *end == ',' ? end + 1 : end;
+            }
+        } else {
+            fprintf(stderr, "usage: gpu_bench [--quick] [--tokens T[,T...]]\n");
+            return 2;
+        }
+    }
     struct cudaDeviceProp prop;
     GT_CHECK(cudaGetDeviceProperties(&prop, 0));
     const double bw = copy_bandwidth();
@@ -117,8 +137,8 @@ int main(int argc, char **argv) {
     tu_rng_seed(&r, 2024);
     const proj up = make_proj(I, H, &r), down = make_proj(H, I, &r);
     const int tokens_all[] = {128, 512, 2048, 4096, 8192};
-    const int ntok = quick ? 1 : 5;
-    const int64_t Bmax = (int64_t)TOPK * (quick ? 512 : 8192);
+    const int ntok = n_only ? n_only : quick ? 1 : 5;
+    const int64_t Bmax = (int64_t)TOPK * (quick && !n_only ? 512 : 8192);
     void *xh = tu_random_x(FP4MOE_BF16, Bmax, H, &r);
     void *dx = gt_upload(xh, (size_t)Bmax * H * 2), *dy = gt_upload(NULL, (size_t)Bmax * H * 2);
     free(xh);
@@ -129,7 +149,7 @@ int main(int argc, char **argv) {
     printf("\n| tokens | rows | route | up ms | down ms | up+down ms | weight GB/s | floor ms | of floor |\n");
     printf("|---|---|---|---|---|---|---|---|---|\n");
     for (int ti = 0; ti < ntok; ti++) {
-        const int tokens = quick ? 512 : tokens_all[ti];
+        const int tokens = n_only ? only[ti] : quick ? 512 : tokens_all[ti];
         const int64_t B = (int64_t)TOPK * tokens;
         uint32_t *idx = tu_make_idx(TU_IDX_TOPK_SORTED, B, E, TOPK, &r);
         int used = 0;

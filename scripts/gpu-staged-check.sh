@@ -10,9 +10,11 @@
 #      decode of the default model;
 #   4. end to end on the synthetic Nemotron-3-Nano-30B-A3B shape, the builds alternated in rounds
 #      (bench/gpu-compare.sh): OLD (an earlier commit's fp4moe, with OLD_ENV) against this one, at
-#      512 + 128 tokens, 64 sequences, 2,048 + 32 and 8,192 + 16; this build with
-#      FP4MOE_GATHER_EXPERT_BATCHED=0 too: the greedy hashes of a row must be equal across builds;
-#   5. candidate programs (CAND, a folder: bench/build-bench-variants.sh), each run, their tables last.
+#      512 + 128 tokens, 64 sequences, 2,048 + 32 and 8,192 + 16 (CMPS: which of p512 b64 p2k p8k); this
+#      build with FP4MOE_GATHER_EXPERT_BATCHED=0 too: the greedy hashes of a row must be equal across
+#      builds;
+#   5. candidate programs (CAND, a folder: bench/build-bench-variants.sh), each run (with the
+#      arguments CAND_ARGS), their tables last.
 # A short table is printed last; logs in $OUT (default gpu-staged-out/).
 # Usage: scripts/gpu-staged-check.sh BIN [OLD [CAND]]       on the GPU machine (BIN from --package; OLD an
 #                                                           earlier commit's fp4moe or fp4moe.xz)
@@ -99,18 +101,24 @@ cmp() { # NAME ROUNDS LIMIT ARGS
     OUT=$OUT/$1 timeout "$3" bench/gpu-compare.sh "$BIN" "$2" "$A $4" $B off=$BIN/off >"$OUT/$1.txt" 2>&1
     row "compare $1" DONE $((SECONDS - t0))
 }
-cmp p512 3 200 "--prompt-tokens 512 --gen-tokens 128 --repeats 3"
-cmp b64 2 150 "--batch 64 --prompt-tokens 256 --gen-tokens 64 --repeats 2"
-cmp p2k 2 120 "--prompt-tokens 2048 --gen-tokens 32 --repeats 2"
-cmp p8k 1 120 "--prompt-tokens 8192 --gen-tokens 16 --repeats 2"
-for f in p512 b64 p2k p8k; do echo "== $f"; grep '^|' "$OUT/$f.txt"; grep -v '^|' "$OUT/$f.txt" | head -3; done
+CMPS=${CMPS:-p512 b64 p2k p8k}
+for f in $CMPS; do
+    case $f in
+    p512) cmp p512 3 200 "--prompt-tokens 512 --gen-tokens 128 --repeats 3" ;;
+    b64) cmp b64 2 150 "--batch 64 --prompt-tokens 256 --gen-tokens 64 --repeats 2" ;;
+    p2k) cmp p2k 2 120 "--prompt-tokens 2048 --gen-tokens 32 --repeats 2" ;;
+    p8k) cmp p8k 1 120 "--prompt-tokens 8192 --gen-tokens 16 --repeats 2" ;;
+    esac
+done
+for f in $CMPS; do echo "== $f"; grep '^|' "$OUT/$f.txt"; grep -v '^|' "$OUT/$f.txt" | head -3; done
 for w in ${CAND:+"$CAND"/*}; do
     [ -e "$w" ] || continue
     n=$(basename "$w" .xz)
     case $w in *.xz) xz -dc "$w" >"$BIN/$n" ;; *) cp "$w" "$BIN/$n" ;; esac
     chmod +x "$BIN/$n"
     t0=$SECONDS
-    timeout 150 "$BIN/$n" >"$OUT/$n.log" 2>&1
+    # shellcheck disable=SC2086
+    timeout 150 "$BIN/$n" ${CAND_ARGS:-} >"$OUT/$n.log" 2>&1
     rc=$?
     row "$n" "$(verdict $rc)" $((SECONDS - t0)) "$(grep -c 'PASS$' "$OUT/$n.log") checks pass"
     echo "== $n"; grep 'FAIL' "$OUT/$n.log" | head -3; grep '^|' "$OUT/$n.log"
