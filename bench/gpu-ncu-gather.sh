@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # bench/gpu-ncu-gather.sh: Nsight Compute's view of one expert-batched gather_qmm launch (issue 12):
-# speed of light, warp states (stall reasons), scheduler issue rate, tensor pipe use, for the first
+# speed of light, warp states, scheduler issue rate, pipe use (and the per-reason stall metrics where
+# this ncu accepts them by regex; on the H200 image of 2026-12-03 it did not), for the first
 # launch whose name matches REGEX in `gpu_bench --tokens T` (the up projection's first warm-up call
 # of the batched route). On the GPU machine, with the batch package's libraries.
 # Usage: bench/gpu-ncu-gather.sh PKG GPU_BENCH[.xz] T REGEX   e.g. gpu-bin/new gpu-bin/cand/gb_v0.xz 2048 gq_batched_wg

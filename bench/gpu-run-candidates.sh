@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # bench/gpu-run-candidates.sh: on the GPU machine, runs every candidate program of DIR (NAME or
-# NAME.xz, e.g. from bench/build-bench-variants.sh) in turn (with the arguments CAND_ARGS, if set) with the batch package's libraries
-# (PKG: scripts/gpu-staged-check.sh --package PKG), each under a time limit, its whole output to
-# $OUT/<name>.log; then prints each program's "check" failures and its "|" table lines, headed by
-# its name. Usage: bench/gpu-run-candidates.sh PKG DIR [SECONDS_EACH]
+# NAME.xz, e.g. from bench/build-bench-variants.sh) in turn, with the arguments CAND_ARGS if set and
+# the batch package's libraries (PKG: scripts/gpu-staged-check.sh --package PKG), each under a time
+# limit, its whole output to $OUT/<name>.log; then prints each program's "check" failures and its
+# "|" table lines, headed by its name. Usage: bench/gpu-run-candidates.sh PKG DIR [SECONDS_EACH]
 set -u
 cd "$(dirname "$0")/.."
 GP_NAME=batch

@@ -106,17 +106,16 @@ static double copy_bandwidth(void) {
 }
 
 int main(int argc, char **argv) {
-    gt_require_gpu("gpu_bench");
     int quick = 0, only[8], n_only = 0;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--quick")) {
             quick = 1;
         } else if (!strcmp(argv[i], "--tokens") && i + 1 < argc) {
-            for (char *p = argv[++i]; *p && n_only < 8;) {
+            for (char *p = argv[++i]; *p;) {
                 char *end;
                 const long v = strtol(p, &end, 10);
-                if (end == p || v < 1 || v > 8192) {
-                    fprintf(stderr, "gpu_bench: --tokens takes counts 1..8192 separated by commas\n");
+                if (end == p || v < 1 || v > 8192 || n_only == 8 || (*end && *end != ',')) {
+                    fprintf(stderr, "gpu_bench: --tokens takes 1 to 8 counts of 1..8192 separated by commas\n");
                     return 2;
                 }
                 only[n_only++] = (int)v;
@@ -127,6 +126,7 @@ int main(int argc, char **argv) {
             return 2;
         }
     }
+    gt_require_gpu("gpu_bench");
     struct cudaDeviceProp prop;
     GT_CHECK(cudaGetDeviceProperties(&prop, 0));
     const double bw = copy_bandwidth();
