@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Writes src/kernels/cuda/wgmma_rs.cuh: the wgmma.mma_async wrappers with A from registers (RS form)
 used by the CUDA kernels, one per N (multiples of 8 up to NMAX), bf16 and f16 inputs, fp32
-accumulators, B from shared memory K-major (imm-trans-b = 0). The inline asm needs one operand per
+accumulators, B from shared memory K-major (imm-trans-b = 0); and for the attention kernels the SS form
+(both operands in shared memory) and the RS form with B MN-major (imm-trans-b = 1). The inline asm needs one operand per
 accumulator register, so the wrappers are generated. Usage: scripts/gen_wgmma.py > src/kernels/cuda/wgmma_rs.cuh
 PTX ISA: "Asynchronous Warpgroup Level Matrix Multiply-Accumulate Instructions: wgmma.mma_async"."""
 NMAX = 128
@@ -33,6 +34,41 @@ for f16 in (False, True):
         print('                     : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(scale_d));')
         print("    }")
         print("};")
+# the attention kernels' forms (ops_attention.cu): S = Q K^T with both operands in shared memory, K-major
+# (SS, bf16), and O += P V with P from registers and V in shared memory MN-major (imm-trans-b = 1, f16)
+print("""
+/* SS form: d (64 x N fp32) (+)= A (64 x 16, shared memory, K-major, desc_a) * B (16 x N, shared memory,
+ * K-major, desc_b), bf16 inputs. */
+template <int N> struct wg_ss;""")
+for n in (64, 128):
+    r = n // 2
+    regs = ", ".join("%%%d" % i for i in range(r))
+    outs = ", ".join('"+f"(d[%d])' % i for i in range(r))
+    print("template <> struct wg_ss<%d> {" % n)
+    print("    __device__ __forceinline__ static void mma(float (&d)[%d], uint64_t desc_a, uint64_t desc_b, int scale_d) {" % r)
+    print('        asm volatile("{\\n.reg .pred p;\\nsetp.ne.b32 p, %%%d, 0;\\n"' % (r + 2))
+    print('                     "wgmma.mma_async.sync.aligned.m64n%dk16.f32.bf16.bf16 {%s}, %%%d, %%%d, p, 1, 1, 0, 0;\\n}\\n"' % (n, regs, r, r + 1))
+    print("                     : %s" % outs)
+    print('                     : "l"(desc_a), "l"(desc_b), "r"(scale_d));')
+    print("    }")
+    print("};")
+print("""
+/* RS form with B MN-major (imm-trans-b = 1): d (64 x N fp32) (+)= A (64 x 16 f16, registers as wg_rs) *
+ * B (16 x N f16, shared memory, N contiguous). */
+template <int N> struct wg_rs_mn;""")
+for n in (64, 128):
+    r = n // 2
+    regs = ", ".join("%%%d" % i for i in range(r))
+    a = ", ".join("%%%d" % (r + i) for i in range(4))
+    outs = ", ".join('"+f"(d[%d])' % i for i in range(r))
+    print("template <> struct wg_rs_mn<%d> {" % n)
+    print("    __device__ __forceinline__ static void mma(float (&d)[%d], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint64_t desc, int scale_d) {" % r)
+    print('        asm volatile("{\\n.reg .pred p;\\nsetp.ne.b32 p, %%%d, 0;\\n"' % (r + 5))
+    print('                     "wgmma.mma_async.sync.aligned.m64n%dk16.f32.f16.f16 {%s}, {%s}, %%%d, p, 1, 1, 1;\\n}\\n"' % (n, regs, a, r + 4))
+    print("                     : %s" % outs)
+    print('                     : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(scale_d));')
+    print("    }")
+    print("};")
 print("""
 /* the shared-memory matrix descriptor, no swizzle (PTX ISA "Matrix Descriptor Format"): start address,
  * leading-dimension byte offset, stride-dimension byte offset, each >> 4 */

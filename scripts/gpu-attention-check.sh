@@ -9,8 +9,10 @@
 # docs/PERFORMANCE.md; the profile run stays cold, for its split only.)
 # Usage: scripts/gpu-attention-check.sh BIN [OLD_FP4MOE [FAULT_DIR]]
 #   BIN        packed programs (scripts/gpu-batch-check.sh --package BIN)
-#   OLD_FP4MOE an fp4moe binary of an earlier commit, for the same-run comparison (optional)
-#   FAULT_DIR  test_attention_gpu-causal_mask / -kv_block binaries (FP4MOE_INJECT_FAULT builds)
+#   OLD_FP4MOE an fp4moe binary of an earlier commit, for the same-run comparison (optional; "self":
+#              this build's, run with OLD_ENV, e.g. OLD_ENV=FP4MOE_CUDA_ATTENTION=mma)
+#   FAULT_DIR  test_attention_gpu-causal_mask / -kv_block binaries (FP4MOE_INJECT_FAULT builds; or
+#              the same names with .xz)
 # Environment: CANDIDATES: a folder of candidate-kernel programs (NAME or NAME.xz: a bench/ source built
 # with each variant's macros, checking itself against the production kernel and timing both), each
 # run in turn; its "check ... PASS" count goes to the table, its "|" lines to the end of the output.
@@ -27,6 +29,7 @@ mkdir -p "$OUT"
 gp_main "$1"
 BIN=$GP_BIN
 OLD=${2:-}
+[ "$OLD" = self ] && OLD=$BIN/fp4moe
 FAULTS=${3:-}
 CFG=nemotron-3-nano-30b-a3b
 declare -a ROWS
@@ -37,9 +40,14 @@ timeout 200 "$BIN/test_attention_gpu" >"$OUT/attention.log" 2>&1
 rc=$?
 row "attention tests" "$([ $rc = 0 ] && echo PASS || echo "FAIL($rc)")" $((SECONDS - t0)) "$(grep -m1 'worst' "$OUT/attention.log")"
 for f in causal_mask kv_block; do
-    [ -n "$FAULTS" ] && [ -x "$FAULTS/test_attention_gpu-$f" ] || continue
+    fb=$FAULTS/test_attention_gpu-$f
+    if [ -n "$FAULTS" ] && [ -f "$fb.xz" ]; then
+        xz -dc "$fb.xz" >"$BIN/test_attention_gpu-$f" && chmod +x "$BIN/test_attention_gpu-$f"
+        fb=$BIN/test_attention_gpu-$f
+    fi
+    [ -n "$FAULTS" ] && [ -x "$fb" ] || continue
     t0=$SECONDS
-    timeout 200 "$FAULTS/test_attention_gpu-$f" >"$OUT/fault-$f.log" 2>&1
+    timeout 200 "$fb" >"$OUT/fault-$f.log" 2>&1
     rc=$?
     row "fault $f" "$([ $rc != 0 ] && echo "CAUGHT" || echo "MISSED")" $((SECONDS - t0)) "$(grep -m1 'error' "$OUT/fault-$f.log" | cut -c1-60)"
 done
@@ -65,10 +73,12 @@ for w in ${CANDIDATES:+"$CANDIDATES"/*}; do
     row "$n" "$([ $rc = 0 ] && echo PASS || echo "FAIL($rc)")" $((SECONDS - t0)) "$(grep -c 'PASS$' "$OUT/$n.log") checks pass"
     WIDE_TABLES="$WIDE_TABLES $OUT/$n.log"
 done
-e2e() { # NAME BINARY ARGS...
+e2e() { # NAME BINARY ARGS...   (the OLD binary's runs with OLD_ENV)
     local name=$1 fp=$2; shift 2
-    local t0=$SECONDS
-    timeout 200 "$fp" bench --synthetic "$CFG" --device cuda "$@" --json >"$OUT/$name.json" 2>"$OUT/$name.log"
+    local t0=$SECONDS envs=FP4MOE_X=0
+    case $name in *_old) envs=${OLD_ENV:-FP4MOE_X=0} ;; esac
+    # shellcheck disable=SC2086
+    env $envs timeout 200 "$fp" bench --synthetic "$CFG" --device cuda "$@" --json >"$OUT/$name.json" 2>"$OUT/$name.log"
     local rc=$?
     row "bench $name" "$([ $rc = 0 ] && echo DONE || echo "FAIL($rc)")" $((SECONDS - t0))
 }

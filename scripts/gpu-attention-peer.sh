@@ -4,7 +4,8 @@
 # T = 512 .. 32,768 (causal, one sequence), decode at contexts 512 .. 131,072 (1 row) and up to
 # 32,768 (64 rows). One attention layer; ratio = fp4moe ms / torch ms (<= 1: fp4moe no slower).
 # The kernels' correctness test (test_attention_gpu, against fp64) runs first; with OLD (the package
-# of an earlier commit) its gpu_attention runs in the same run too (column "before").
+# of an earlier commit) its gpu_attention runs in the same run too (column "before"); or, with
+# BEFORE_ENV (e.g. FP4MOE_CUDA_ATTENTION=mma), this build's with that setting.
 # Usage: scripts/gpu-attention-peer.sh [BIN [OLD]]  (BIN holds the programs, e.g. from --package)
 #        scripts/gpu-attention-peer.sh --package BIN
 set -u
@@ -22,7 +23,10 @@ timeout 300 "$GP_BIN/test_attention_gpu" > "$OUT/test.txt" 2>&1
 echo "test_attention_gpu: $([ $? = 0 ] && echo PASS || echo FAIL) ($(grep -h 'worst' "$OUT/test.txt" | tr '\n' ' '))"
 "$GP_BIN/gpu_attention" > "$OUT/fp4moe.txt" 2>&1 || { cat "$OUT/fp4moe.txt"; exit 1; }
 : > "$OUT/before.txt"
-if [ -n "${2:-}" ]; then
+if [ -n "${BEFORE_ENV:-}" ]; then # this build with a setting, e.g. BEFORE_ENV=FP4MOE_CUDA_ATTENTION=mma
+    # shellcheck disable=SC2086
+    env $BEFORE_ENV "$GP_BIN/gpu_attention" > "$OUT/before.txt" 2>&1 || echo "gpu_attention ($BEFORE_ENV) failed"
+elif [ -n "${2:-}" ]; then
     OLD_BIN=$(gp_unpack "$2") && "$OLD_BIN/gpu_attention" > "$OUT/before.txt" 2>&1 || echo "old gpu_attention failed"
 fi
 python3 scripts/attention_peer.py > "$OUT/torch.txt" 2>&1 || { cat "$OUT/torch.txt"; exit 1; }

@@ -32,6 +32,9 @@ static const fp4moe_env_var k_vars[ENV_COUNT] = {
     [ENV_CUDA_SIDE_DELAY_US] = {"FP4MOE_CUDA_SIDE_DELAY_US", "integer >= 0", "0",
                                 "diagnostic: the side stream (FP4MOE_CUDA_SIDE_STREAM) waits this many "
                                 "microseconds before its work, so that a missing join shows (tests); same results"},
+    [ENV_CUDA_ATTENTION] = {"FP4MOE_CUDA_ATTENTION", "wgmma|mma", "wgmma",
+                            "CUDA prefill attention of head_dim 128 (even query heads a kv head): the Hopper "
+                            "warpgroup kernel (wgmma) or the mma.sync one (mma); results within the tolerance"},
 };
 
 static int allowed(const fp4moe_env_var *v, const char *val) {

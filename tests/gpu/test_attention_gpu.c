@@ -183,10 +183,13 @@ static void test_decode(void **state) {
 
 /* Prefill: T new tokens of a sequence after P cached ones: the T keys/values appended by
  * cuda_kv_append (the host copy updated the same way), then causal attention. */
-static void test_prefill(void **state) {
+/* the prefill of one kernel choice (FP4MOE_CUDA_ATTENTION: "wgmma" for head_dim 128 with an even group,
+ * "mma" the mma.sync kernel); (300, 517): several 64-token blocks, diagonals across 128-key steps */
+static void prefill_kernel(const char *kernel) {
+    tu_setenv("FP4MOE_CUDA_ATTENTION", kernel);
     tu_rng r;
     tu_rng_seed(&r, 37);
-    const int64_t cases[][2] = {{0, 1}, {0, 127}, {0, 128}, {0, 129}, {100, 29}, {4000, 97}, {31, 1}};
+    const int64_t cases[][2] = {{0, 1}, {0, 127}, {0, 128}, {0, 129}, {100, 29}, {4000, 97}, {31, 1}, {300, 517}};
     double worst = 0;
     for (size_t si = 0; si < sizeof k_shapes / sizeof k_shapes[0]; si++) {
         const shape sh = k_shapes[si];
@@ -232,8 +235,15 @@ static void test_prefill(void **state) {
             free_caches(&c);
         }
     }
-    printf("prefill: (P, T) in {(0,1) (0,127) (0,128) (0,129) (100,29) (4000,97) (31,1)} x 5 shapes, worst row "
-           "error %.3g\n", worst);
+    printf("prefill (%s): (P, T) in {(0,1) (0,127) (0,128) (0,129) (100,29) (4000,97) (31,1) (300,517)} x 5 shapes, "
+           "worst row error %.3g\n", kernel, worst);
+}
+
+static void test_prefill(void **state) {
+    (void)state;
+    prefill_kernel("wgmma");
+    prefill_kernel("mma");
+    tu_setenv("FP4MOE_CUDA_ATTENTION", NULL);
 }
 
 int main(void) {

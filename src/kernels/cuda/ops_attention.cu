@@ -16,11 +16,13 @@
  * heads are the 16 mma rows) plus one combine; other shapes: block per (query head, row), its 8
  * warps take interleaved key tiles straight from global memory and combine in shared memory. */
 #include <math.h>
+#include <string.h>
 
 #include <cuda_fp16.h>
 
 #include "kernels/cuda/ops_cuda.h"
 #include "kernels/cuda/cuda_launch.cuh"
+#include "kernels/cuda/wgmma_rs.cuh"
 
 #define ATT_WARPS 8
 #define ATT_TILE 32
@@ -851,6 +853,261 @@ static int launch_prefill_mma(const uint16_t *q, const uint16_t *kc, const uint1
     return FP4MOE_OK;
 }
 
+/* ---- prefill on wgmma (head_dim 128): FlashAttention-3's structure ---------------------------------
+ * Block = (query heads 2x, 2x + 1 of one kv group, 64 tokens t0 .. t0 + 63), 3 warpgroups: warpgroup 0
+ * the producer (cp.async of each 128-key step's K and V into a 2-stage ring; completion signalled by
+ * cp.async.mbarrier.arrive.noinc on the stage's "full" barrier), warpgroups 1 and 2 the consumers, one
+ * query head each (so both see the same keys and share every K / V tile). A consumer's step j:
+ * S = Q K_j^T (8 x wgmma m64n128k16, both operands in shared memory), issued together with
+ * O += P_{j-1} V_{j-1} (8 x wgmma m64n128k16, P from registers in fp16, V fp16 MN-major); the online
+ * softmax of S_j (base 2, scale folded into the exponent's FFMA, as the mma.sync kernel) runs while
+ * the P V products are in flight; then O is rescaled and the step-(j-1) stage released ("empty"
+ * barrier, one arrive per consumer warp). Registers: setmaxnreg 40 (producer) / 232 (consumers).
+ * Shared memory (no swizzle, 8 x 16-byte core matrices): Q 2 x 64 x 128, each stage K and V 128 x
+ * 128, 160 KB. Layouts and descriptor strides: those checked by bench/gpu_attn_wgmma (session 10:
+ * "lbo = K direction"). Sources: PTX ISA "wgmma.mma_async", "mbarrier", "cp.async.mbarrier.arrive",
+ * "setmaxnreg"; FlashAttention-3 (Shah et al., 2024), algorithm 1 (warp specialisation) and 2
+ * (intra-warpgroup overlap of softmax and GEMMs). */
+#define WA_ROWS 64                /* tokens a block (a consumer warpgroup's wgmma M) */
+#define WA_KEYS 128               /* keys a step */
+#define WA_DH 128
+#define WA_QBYTES (WA_ROWS * WA_DH * 2)   /* one consumer's Q tile: 16 KB */
+#define WA_KVBYTES (WA_KEYS * WA_DH * 2)  /* one K or V tile: 32 KB */
+#define WA_SMEM (2 * WA_QBYTES + 2 * 2 * WA_KVBYTES + 64)
+
+/* byte offset of 16-byte piece (row, 8-element chunk c) of a tile of R rows: core matrix (c, row / 8)
+ * at (c * R / 8 + row / 8) * 128, its row at 16 x (row % 8) */
+template <int R> __device__ __forceinline__ uint32_t wa_off(int row, int c) {
+    return (uint32_t)((c * (R / 8) + (row >> 3)) * 128 + (row & 7) * 16);
+}
+__device__ __forceinline__ void wa_mbar_init(uint32_t bar, int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void wa_mbar_wait(uint32_t bar, int parity) {
+    asm volatile("{\n.reg .pred P1;\nWA_WAIT:\n"
+                 "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n"
+                 "@!P1 bra WA_WAIT;\n}\n" ::"r"(bar), "r"(parity) : "memory");
+}
+__device__ __forceinline__ void wa_mbar_arrive(uint32_t bar) {
+    asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(bar) : "memory");
+}
+
+/* o (accumulators) and p (A operands) of wgmma in flight stay in their registers until after the wait
+ * (the compiler sees an asm statement as done when issued): they are "read and written" here */
+__device__ __forceinline__ void wa_keep(float (&o)[64], uint32_t (&p)[8][4]) {
+#pragma unroll
+    for (int i = 0; i < 64; i++) asm volatile("" : "+f"(o[i])::"memory");
+#pragma unroll
+    for (int k = 0; k < 8; k++)
+#pragma unroll
+        for (int x = 0; x < 4; x++) asm volatile("" : "+r"(p[k][x])::"memory");
+    __syncwarp();
+}
+
+__device__ __forceinline__ void wa_keep_s(float (&s)[64]) {
+#pragma unroll
+    for (int i = 0; i < 64; i++) asm volatile("" : "+f"(s[i])::"memory");
+}
+
+__global__ void __launch_bounds__(384, 1)
+attn_prefill_wg_kernel(const uint16_t *q, const uint16_t *kc, const uint16_t *vc, const int32_t *pages, int P,
+                       int T, int nq, int nkv, float scale_log2, uint16_t *out) {
+    cu_pdl_entry();
+    extern __shared__ __align__(1024) uint8_t wa_smem[];
+    const uint32_t sbase = (uint32_t)__cvta_generic_to_shared(wa_smem);
+    const uint32_t sq = sbase, skv = sbase + 2 * WA_QBYTES;       /* stage s: K at skv + 2s KV, V after */
+    const uint32_t bars = skv + 4 * WA_KVBYTES;                    /* full[2], empty[2] */
+    const int wg = threadIdx.x >> 7, tid = threadIdx.x & 127;
+    const int t0 = (gridDim.y - 1 - blockIdx.y) * WA_ROWS;         /* the longest blocks first */
+    const int G = nq / nkv, kh = (2 * blockIdx.x) / G;
+    const int64_t kvs = (int64_t)nkv * WA_DH, qstride = (int64_t)nq * WA_DH;
+    const int nkeys = P + min(t0 + WA_ROWS, T), nb = (nkeys + WA_KEYS - 1) / WA_KEYS;
+#ifdef FP4MOE_INJECT_FAULT_KV_BLOCK /* deliberate fault (tests must catch it): the first page skipped */
+    const int kstart = nkeys > ATT_TILE && t0 >= ATT_TILE ? ATT_TILE : 0;
+#else
+    const int kstart = 0;
+#endif
+    if (threadIdx.x == 0) {
+        wa_mbar_init(bars, 128);
+        wa_mbar_init(bars + 8, 128);
+        wa_mbar_init(bars + 16, 8);
+        wa_mbar_init(bars + 24, 8);
+    }
+    __syncthreads();
+    if (wg == 0) { /* producer: key kstart + j * 128 + tid of step j, its K and V rows (16 pieces each) */
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+        for (int j = 0; j < nb; j++) {
+            const int st = j & 1;
+            if (j >= 2) wa_mbar_wait(bars + 16 + 8 * st, ((j >> 1) - 1) & 1);
+            const int key = kstart + j * WA_KEYS + tid;
+            const bool v = key < nkeys;
+            const int64_t off = v ? ((int64_t)pages[key / ATT_TILE] * ATT_TILE + key % ATT_TILE) * kvs + (int64_t)kh * WA_DH : 0;
+            const uint32_t dk = skv + st * 2 * WA_KVBYTES + wa_off<WA_KEYS>(tid, 0), dv = dk + WA_KVBYTES;
+#pragma unroll
+            for (int c = 0; c < WA_DH / 8; c++) {
+                asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dk + c * (WA_KEYS / 8) * 128),
+                             "l"(kc + off + c * 8), "r"(v ? 16 : 0) : "memory");
+                asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dv + c * (WA_KEYS / 8) * 128),
+                             "l"(vc + off + c * 8), "r"(v ? 16 : 0) : "memory");
+            }
+            asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bars + 8 * st) : "memory");
+        }
+        asm volatile("cp.async.wait_all;" ::: "memory");
+        return;
+    }
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+    const int c = wg - 1, h = 2 * blockIdx.x + c, warp = tid >> 5, lane = tid & 31, g = lane >> 2, tq = lane & 3;
+    const uint32_t qt = sq + c * WA_QBYTES;
+    for (int i = tid; i < WA_ROWS * (WA_DH / 8); i += 128) { /* Q rows (zero beyond T) */
+        const int rr = i % WA_ROWS, ch = i / WA_ROWS, t = t0 + rr;
+        const uint16_t *src = q + (int64_t)(t < T ? t : 0) * qstride + (int64_t)h * WA_DH + ch * 8;
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(qt + wa_off<WA_ROWS>(rr, ch)), "l"(src),
+                     "r"(t < T ? 16 : 0) : "memory");
+    }
+    asm volatile("cp.async.wait_all;" ::: "memory");
+    wg_fence_async_smem();
+    asm volatile("bar.sync %0, 128;" ::"r"(1 + c) : "memory");
+
+    float o[64], s[64];
+#pragma unroll
+    for (int i = 0; i < 64; i++) o[i] = s[i] = 0.0f;
+    uint32_t p[8][4];
+    float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;
+    const int ra = t0 + warp * 16 + g, rb = ra + 8;            /* this thread's two tokens */
+    const int pa = P + ra, pb = P + rb;                        /* their last visible keys */
+    /* S = Q K_j^T issued (the stage's data first made visible to the async proxy) */
+    auto issue_s = [&](int j) {
+        const int st = j & 1;
+        wa_mbar_wait(bars + 8 * st, (j >> 1) & 1);
+        wg_fence_async_smem(); /* the producer's cp.async data -> the async proxy (wgmma) */
+        const uint32_t ks = skv + st * 2 * WA_KVBYTES;
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < WA_DH / 16; kk++)
+            wg_ss<128>::mma(s, wg_desc(qt + kk * 2 * (WA_ROWS / 8) * 128, (WA_ROWS / 8) * 128, 128),
+                            wg_desc(ks + kk * 2 * (WA_KEYS / 8) * 128, (WA_KEYS / 8) * 128, 128), kk > 0);
+        wg_commit();
+    };
+    /* O += P V_j issued */
+    auto issue_pv = [&](int j) {
+        const uint32_t vs = skv + (j & 1) * 2 * WA_KVBYTES + WA_KVBYTES;
+#pragma unroll
+        for (int k2 = 0; k2 < WA_KEYS / 16; k2++)
+            wg_rs_mn<128>::mma(o, p[k2][0], p[k2][1], p[k2][2], p[k2][3], wg_desc(vs + k2 * 256, 128, (WA_KEYS / 8) * 128), 1);
+        wg_commit();
+    };
+    /* the online softmax of S_j (done): m, l updated, s = its probabilities, (c0, c1) the rows' rescale
+     * factors of O */
+    float c0, c1;
+    auto softmax = [&](int j) {
+        const int j0 = kstart + j * WA_KEYS;
+        float mx0 = -INFINITY, mx1 = -INFINITY;
+        if (j0 + WA_KEYS - 1 <= P + t0) { /* every key visible to every row of the block */
+#pragma unroll
+            for (int i = 0; i < 16; i++) {
+                mx0 = fmaxf(mx0, fmaxf(s[4 * i], s[4 * i + 1]));
+                mx1 = fmaxf(mx1, fmaxf(s[4 * i + 2], s[4 * i + 3]));
+            }
+        } else {
+#pragma unroll
+            for (int i = 0; i < 16; i++)
+#pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    const int key = j0 + i * 8 + 2 * tq + e;
+#ifdef FP4MOE_INJECT_FAULT_CAUSAL_MASK /* deliberate fault: a row's own key is masked (not key 0) */
+                    const bool va = key <= pa && (key < pa || key == 0), vb = key <= pb && (key < pb || key == 0);
+#else
+                    const bool va = key <= pa, vb = key <= pb;
+#endif
+                    s[4 * i + e] = va ? s[4 * i + e] : -INFINITY;
+                    s[4 * i + 2 + e] = vb ? s[4 * i + 2 + e] : -INFINITY;
+                    mx0 = fmaxf(mx0, s[4 * i + e]);
+                    mx1 = fmaxf(mx1, s[4 * i + 2 + e]);
+                }
+        }
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+        const float n0 = fmaxf(m0, mx0 * scale_log2), n1 = fmaxf(m1, mx1 * scale_log2);
+        const float b0 = n0 == -INFINITY ? 0.0f : n0, b1 = n1 == -INFINITY ? 0.0f : n1;
+        c0 = fa_ex2(m0 - b0);
+        c1 = fa_ex2(m1 - b1);
+        m0 = n0;
+        m1 = n1;
+        float s0 = 0.0f, s1 = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 16; i++) {
+            const float e0 = fa_ex2(fmaf(s[4 * i], scale_log2, -b0)), e1 = fa_ex2(fmaf(s[4 * i + 1], scale_log2, -b0));
+            const float e2 = fa_ex2(fmaf(s[4 * i + 2], scale_log2, -b1)), e3 = fa_ex2(fmaf(s[4 * i + 3], scale_log2, -b1));
+            s0 += e0 + e1;
+            s1 += e2 + e3;
+            s[4 * i] = e0;
+            s[4 * i + 1] = e1;
+            s[4 * i + 2] = e2;
+            s[4 * i + 3] = e3;
+        }
+        l0 = l0 * c0 + s0;
+        l1 = l1 * c1 + s1;
+    };
+    auto take_p = [&]() { /* P (fp16 A fragments: rows g (0, 2), g + 8 (1, 3), keys + 8 (2, 3)) from s */
+#pragma unroll
+        for (int i = 0; i < 16; i++) {
+            p[i >> 1][(i & 1) * 2] = fa_pack_f16(s[4 * i], s[4 * i + 1]);
+            p[i >> 1][(i & 1) * 2 + 1] = fa_pack_f16(s[4 * i + 2], s[4 * i + 3]);
+        }
+    };
+    issue_s(0);
+    wg_wait<0>();
+    wa_keep_s(s);
+    softmax(0);
+    take_p();
+    for (int j = 1; j < nb; j++) { /* S_j and P_{j-1} V_{j-1} in flight together; the softmax of S_j */
+        issue_s(j);
+        issue_pv(j - 1);
+        wg_wait<1>(); /* S_j done (P V of step j - 1 may still run) */
+        wa_keep_s(s);
+        softmax(j);
+        wg_wait<0>(); /* P V of step j - 1 done: its stage is free, O may be rescaled */
+        wa_keep(o, p);
+        if (lane == 0) wa_mbar_arrive(bars + 16 + 8 * ((j - 1) & 1));
+#pragma unroll
+        for (int i = 0; i < 16; i++) {
+            o[4 * i] *= c0;
+            o[4 * i + 1] *= c0;
+            o[4 * i + 2] *= c1;
+            o[4 * i + 3] *= c1;
+        }
+        take_p();
+    }
+    wg_fence(); /* o and p were written */
+    issue_pv(nb - 1);
+    wg_wait<0>();
+    wa_keep(o, p);
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+    const float i0 = l0 > 0.0f ? 1.0f / l0 : 0.0f, i1 = l1 > 0.0f ? 1.0f / l1 : 0.0f;
+#pragma unroll
+    for (int i = 0; i < 16; i++) {
+        const int d = i * 8 + 2 * tq;
+        if (ra < T) *(uint32_t *)(out + (int64_t)ra * qstride + (int64_t)h * WA_DH + d) = fa_pack(o[4 * i] * i0, o[4 * i + 1] * i0);
+        if (rb < T) *(uint32_t *)(out + (int64_t)rb * qstride + (int64_t)h * WA_DH + d) = fa_pack(o[4 * i + 2] * i1, o[4 * i + 3] * i1);
+    }
+}
+
+static int launch_prefill_wg(const uint16_t *q, const uint16_t *kc, const uint16_t *vc, const int32_t *pages, int P,
+                             int T, int nq, int nkv, uint16_t *out, cudaStream_t st) {
+    static unsigned long long done = 0;
+    TRY_OPS(fa_allow_smem(attn_prefill_wg_kernel, WA_SMEM, &done));
+    const float scale_log2 = 1.4426950408889634f / sqrtf((float)WA_DH);
+    const dim3 grid((unsigned)(nq / 2), ops_blocks(T, WA_ROWS));
+    cu_launch(attn_prefill_wg_kernel, grid, 384, WA_SMEM, st, q, kc, vc, pages, P, T, nq, nkv, scale_log2, out);
+    OPS_LAUNCH_CHECK("attention (prefill, wgmma)");
+    return FP4MOE_OK;
+}
+
 /* ---- launch ----------------------------------------------------------------------------------- */
 
 template <int DPL>
@@ -902,6 +1159,9 @@ extern "C" int cuda_attention_prefill(void *stream, const uint16_t *q, const uin
     const int p = (int)P, t = (int)T, a = (int)nq, b = (int)nkv, d = (int)dh;
     if (T <= (int64_t)65535 * FA_ROWS && ((uintptr_t)q & 15) == 0) { /* tensor cores: the family's head sizes; */
         /* Q is copied in 16-byte pieces (rows of nq * dh bf16: 16-byte multiples for dh 64 / 128) */
+        /* the wgmma kernel pairs two query heads of one kv head in a block */
+        if (dh == 128 && a % 2 == 0 && (a / b) % 2 == 0 && strcmp(env_get(ENV_CUDA_ATTENTION), "mma"))
+            return launch_prefill_wg(q, k_cache, v_cache, pages, p, t, a, b, out, st);
         if (dh == 128) return launch_prefill_mma<128>(q, k_cache, v_cache, pages, p, t, a, b, out, st);
         if (dh == 64) return launch_prefill_mma<64>(q, k_cache, v_cache, pages, p, t, a, b, out, st);
     }
