@@ -6,7 +6,8 @@
  * Median milliseconds of one call (CUDA events around batches of calls). The same shapes run in
  * torch's scaled_dot_product_attention by scripts/attention_peer.py; scripts/gpu-attention-peer.sh
  * runs both and prints the ratio. Prints one line per case: "prefill T ms" / "decode L R ms".
- * Usage: gpu_attention [--quick] */
+ * Usage: gpu_attention [--quick | --prefill]   (--quick: T and L up to 2,048 / 8,192, fewer repeats;
+ * --prefill: the prefill cases only) */
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -42,7 +43,11 @@ static int do_decode(void *p) {
 
 int main(int argc, char **argv) {
     gt_require_gpu("gpu_attention");
-    const int quick = argc > 1 && !strcmp(argv[1], "--quick");
+    const int quick = argc > 1 && !strcmp(argv[1], "--quick"), prefill_only = argc > 1 && !strcmp(argv[1], "--prefill");
+    if (argc > 2 || (argc > 1 && !quick && !prefill_only)) {
+        fprintf(stderr, "usage: gpu_attention [--quick | --prefill]\n");
+        return 2;
+    }
     tu_rng r;
     tu_rng_seed(&r, 5);
     const int64_t prefill_T[] = {512, 2048, 8192, 32768};
@@ -69,7 +74,7 @@ int main(int argc, char **argv) {
         gt_free(c.out);
         free(pg);
     }
-    for (size_t ri = 0; ri < sizeof decode_R / sizeof decode_R[0]; ri++)
+    for (size_t ri = 0; ri < sizeof decode_R / sizeof decode_R[0] && !prefill_only; ri++)
         for (size_t i = 0; i < sizeof decode_L / sizeof decode_L[0]; i++) {
             const int64_t L = decode_L[i], R = decode_R[ri];
             if ((quick && L > 8192) || (R > 1 && L > 32768)) break;

@@ -252,5 +252,7 @@ int main(void) {
         cmocka_unit_test(test_decode),
         cmocka_unit_test(test_prefill),
     };
+    const char *filter = getenv("FP4MOE_TEST_FILTER"); /* e.g. test_prefill: that test only */
+    if (filter && *filter) cmocka_set_test_filter(filter);
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -873,7 +873,13 @@ static int launch_prefill_mma(const uint16_t *q, const uint16_t *kc, const uint1
 #define WA_DH 128
 #define WA_QBYTES (WA_ROWS * WA_DH * 2)   /* one consumer's Q tile: 16 KB */
 #define WA_KVBYTES (WA_KEYS * WA_DH * 2)  /* one K or V tile: 32 KB */
-#define WA_SMEM (2 * WA_QBYTES + 2 * 2 * WA_KVBYTES + 64)
+#ifndef WA_STAGES
+#define WA_STAGES 2               /* K / V ring depth */
+#endif
+#ifndef WA_PINGPONG
+#define WA_PINGPONG 1             /* the consumers take turns issuing their products (named barriers) */
+#endif
+#define WA_SMEM (2 * WA_QBYTES + WA_STAGES * 2 * WA_KVBYTES + 4 * WA_STAGES * 8)
 
 /* byte offset of 16-byte piece (row, 8-element chunk c) of a tile of R rows: core matrix (c, row / 8)
  * at (c * R / 8 + row / 8) * 128, its row at 16 x (row % 8) */
@@ -915,8 +921,13 @@ attn_prefill_wg_kernel(const uint16_t *q, const uint16_t *kc, const uint16_t *vc
     cu_pdl_entry();
     extern __shared__ __align__(1024) uint8_t wa_smem[];
     const uint32_t sbase = (uint32_t)__cvta_generic_to_shared(wa_smem);
-    const uint32_t sq = sbase, skv = sbase + 2 * WA_QBYTES;       /* stage s: K at skv + 2s KV, V after */
-    const uint32_t bars = skv + 4 * WA_KVBYTES;                    /* full[2], empty[2] */
+    /* Q tiles, the K ring, the V ring, then the barriers: K full, V full, K empty, V empty (WA_STAGES each) */
+    constexpr int NS = WA_STAGES;
+    const uint32_t sq = sbase, sk = sbase + 2 * WA_QBYTES, sv = sk + NS * WA_KVBYTES, bars = sv + NS * WA_KVBYTES;
+    auto full_k = [&](int st) { return bars + 8 * st; };
+    auto full_v = [&](int st) { return bars + 8 * (NS + st); };
+    auto empty_k = [&](int st) { return bars + 8 * (2 * NS + st); };
+    auto empty_v = [&](int st) { return bars + 8 * (3 * NS + st); };
     const int wg = threadIdx.x >> 7, tid = threadIdx.x & 127;
     const int t0 = (gridDim.y - 1 - blockIdx.y) * WA_ROWS;         /* the longest blocks first */
     const int G = nq / nkv, kh = (2 * blockIdx.x) / G;
@@ -927,30 +938,29 @@ attn_prefill_wg_kernel(const uint16_t *q, const uint16_t *kc, const uint16_t *vc
 #else
     const int kstart = 0;
 #endif
-    if (threadIdx.x == 0) {
-        wa_mbar_init(bars, 128);
-        wa_mbar_init(bars + 8, 128);
-        wa_mbar_init(bars + 16, 8);
-        wa_mbar_init(bars + 24, 8);
-    }
+    if (threadIdx.x == 0)
+        for (int i = 0; i < 4 * NS; i++) wa_mbar_init(bars + 8 * i, 128 * (i < 2 * NS ? 1 : 2));
     __syncthreads();
     if (wg == 0) { /* producer: key kstart + j * 128 + tid of step j, its K and V rows (16 pieces each) */
         asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
         for (int j = 0; j < nb; j++) {
-            const int st = j & 1;
-            if (j >= 2) wa_mbar_wait(bars + 16 + 8 * st, ((j >> 1) - 1) & 1);
+            const int st = j % NS, par = (j / NS - 1) & 1;
             const int key = kstart + j * WA_KEYS + tid;
             const bool v = key < nkeys;
             const int64_t off = v ? ((int64_t)pages[key / ATT_TILE] * ATT_TILE + key % ATT_TILE) * kvs + (int64_t)kh * WA_DH : 0;
-            const uint32_t dk = skv + st * 2 * WA_KVBYTES + wa_off<WA_KEYS>(tid, 0), dv = dk + WA_KVBYTES;
+            const uint32_t o16 = wa_off<WA_KEYS>(tid, 0);
+            if (j >= NS) wa_mbar_wait(empty_k(st), par);
 #pragma unroll
-            for (int c = 0; c < WA_DH / 8; c++) {
-                asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dk + c * (WA_KEYS / 8) * 128),
+            for (int c = 0; c < WA_DH / 8; c++)
+                asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(sk + st * WA_KVBYTES + o16 + c * (WA_KEYS / 8) * 128),
                              "l"(kc + off + c * 8), "r"(v ? 16 : 0) : "memory");
-                asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dv + c * (WA_KEYS / 8) * 128),
+            asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(full_k(st)) : "memory");
+            if (j >= NS) wa_mbar_wait(empty_v(st), par);
+#pragma unroll
+            for (int c = 0; c < WA_DH / 8; c++)
+                asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(sv + st * WA_KVBYTES + o16 + c * (WA_KEYS / 8) * 128),
                              "l"(vc + off + c * 8), "r"(v ? 16 : 0) : "memory");
-            }
-            asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bars + 8 * st) : "memory");
+            asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(full_v(st)) : "memory");
         }
         asm volatile("cp.async.wait_all;" ::: "memory");
         return;
@@ -976,12 +986,11 @@ attn_prefill_wg_kernel(const uint16_t *q, const uint16_t *kc, const uint16_t *vc
     const int ra = t0 + warp * 16 + g, rb = ra + 8;            /* this thread's two tokens */
     const int pa = P + ra, pb = P + rb;                        /* their last visible keys */
     /* S = Q K_j^T issued (the stage's data first made visible to the async proxy) */
+    /* the stages' data: K_j (ks), V_j (vs) waited for and made visible to the async proxy (wgmma) */
+    auto wait_k = [&](int j) { wa_mbar_wait(full_k(j % NS), (j / NS) & 1); };
+    auto wait_v = [&](int j) { wa_mbar_wait(full_v(j % NS), (j / NS) & 1); };
     auto issue_s = [&](int j) {
-        const int st = j & 1;
-        wa_mbar_wait(bars + 8 * st, (j >> 1) & 1);
-        wg_fence_async_smem(); /* the producer's cp.async data -> the async proxy (wgmma) */
-        const uint32_t ks = skv + st * 2 * WA_KVBYTES;
-        wg_fence();
+        const uint32_t ks = sk + (j % NS) * WA_KVBYTES;
 #pragma unroll
         for (int kk = 0; kk < WA_DH / 16; kk++)
             wg_ss<128>::mma(s, wg_desc(qt + kk * 2 * (WA_ROWS / 8) * 128, (WA_ROWS / 8) * 128, 128),
@@ -990,7 +999,7 @@ attn_prefill_wg_kernel(const uint16_t *q, const uint16_t *kc, const uint16_t *vc
     };
     /* O += P V_j issued */
     auto issue_pv = [&](int j) {
-        const uint32_t vs = skv + (j & 1) * 2 * WA_KVBYTES + WA_KVBYTES;
+        const uint32_t vs = sv + (j % NS) * WA_KVBYTES;
 #pragma unroll
         for (int k2 = 0; k2 < WA_KEYS / 16; k2++)
             wg_rs_mn<128>::mma(o, p[k2][0], p[k2][1], p[k2][2], p[k2][3], wg_desc(vs + k2 * 256, 128, (WA_KEYS / 8) * 128), 1);
@@ -1057,20 +1066,44 @@ attn_prefill_wg_kernel(const uint16_t *q, const uint16_t *kc, const uint16_t *vc
             p[i >> 1][(i & 1) * 2 + 1] = fa_pack_f16(s[4 * i + 2], s[4 * i + 3]);
         }
     };
+    /* ping-pong (FlashAttention-3): consumer c issues its products after named barrier 3 + c, then lets
+     * the other one go (barrier 4 - c), so that one's softmax runs beside the other's products.
+     * Consumer 0 goes first; consumer 1 skips its last "go" (the counts then match; consumer 0's last one
+     * comes after its wait, outside the products' pipeline stage, where a divergent path serialises them). */
+    auto my_turn = [&]() {
+        if (WA_PINGPONG) asm volatile("bar.sync %0, 256;" ::"r"(3 + c) : "memory");
+    };
+    auto your_turn = [&]() {
+        if (WA_PINGPONG) asm volatile("bar.arrive %0, 256;" ::"r"(4 - c) : "memory");
+    };
+    if (c == 1) your_turn();
+    wait_k(0);
+    wg_fence_async_smem();
+    my_turn();
+    wg_fence();
     issue_s(0);
+    your_turn();
     wg_wait<0>();
     wa_keep_s(s);
+    wa_mbar_arrive(empty_k(0)); /* (every consumer thread: no divergent path among the wgmma) */
     softmax(0);
     take_p();
     for (int j = 1; j < nb; j++) { /* S_j and P_{j-1} V_{j-1} in flight together; the softmax of S_j */
+        wait_k(j);
+        wait_v(j - 1);
+        wg_fence_async_smem();
+        my_turn();
+        wg_fence();
         issue_s(j);
         issue_pv(j - 1);
-        wg_wait<1>(); /* S_j done (P V of step j - 1 may still run) */
+        your_turn();
+        wg_wait<1>(); /* S_j done (P V of step j - 1 may still run): K_j is free */
         wa_keep_s(s);
+        wa_mbar_arrive(empty_k(j % NS));
         softmax(j);
-        wg_wait<0>(); /* P V of step j - 1 done: its stage is free, O may be rescaled */
+        wg_wait<0>(); /* P V of step j - 1 done: V_{j-1} is free, O may be rescaled */
         wa_keep(o, p);
-        if (lane == 0) wa_mbar_arrive(bars + 16 + 8 * ((j - 1) & 1));
+        wa_mbar_arrive(empty_v((j - 1) % NS));
 #pragma unroll
         for (int i = 0; i < 16; i++) {
             o[4 * i] *= c0;
@@ -1080,9 +1113,13 @@ attn_prefill_wg_kernel(const uint16_t *q, const uint16_t *kc, const uint16_t *vc
         }
         take_p();
     }
+    wait_v(nb - 1);
+    wg_fence_async_smem();
+    my_turn();
     wg_fence(); /* o and p were written */
     issue_pv(nb - 1);
     wg_wait<0>();
+    if (c == 0) your_turn();
     wa_keep(o, p);
     l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
     l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
