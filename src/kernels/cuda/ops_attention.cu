@@ -9,7 +9,9 @@
  * sequence's page table (src/backend/backend.h, FW_PAGE). K is stored in bf16, V in fp16 (converted
  * once by the append, saturated at +-65504: P V runs on fp16 tensor cores, whose B operand it is, so
  * the kernels read V as it is stored instead of converting it on every read).
- * Prefill (one sequence's chunk): head_dim 64 / 128 on tensor cores (attn_prefill_mma_kernel);
+ * Prefill (one sequence's chunk): head_dim 128 with an even query group on Hopper's warpgroup MMA
+ * (attn_prefill_wg_kernel; FP4MOE_CUDA_ATTENTION=mma: the next one), head_dim 64 / 128 on mma.sync
+ * tensor cores (attn_prefill_mma_kernel);
  * other head sizes: block (query head h, 8 consecutive tokens), one warp per token, K/V tiles staged
  * in shared memory as fp32. Decode (a batch of single-token rows, each its own sequence): head_dim
  * 64 / 128 with nq/nkv <= 16 split-KV on tensor cores (attn_decode_mma_kernel: the group's query
@@ -855,19 +857,25 @@ static int launch_prefill_mma(const uint16_t *q, const uint16_t *kc, const uint1
 
 /* ---- prefill on wgmma (head_dim 128): FlashAttention-3's structure ---------------------------------
  * Block = (query heads 2x, 2x + 1 of one kv group, 64 tokens t0 .. t0 + 63), 3 warpgroups: warpgroup 0
- * the producer (cp.async of each 128-key step's K and V into a 2-stage ring; completion signalled by
- * cp.async.mbarrier.arrive.noinc on the stage's "full" barrier), warpgroups 1 and 2 the consumers, one
- * query head each (so both see the same keys and share every K / V tile). A consumer's step j:
- * S = Q K_j^T (8 x wgmma m64n128k16, both operands in shared memory), issued together with
- * O += P_{j-1} V_{j-1} (8 x wgmma m64n128k16, P from registers in fp16, V fp16 MN-major); the online
- * softmax of S_j (base 2, scale folded into the exponent's FFMA, as the mma.sync kernel) runs while
- * the P V products are in flight; then O is rescaled and the step-(j-1) stage released ("empty"
- * barrier, one arrive per consumer warp). Registers: setmaxnreg 40 (producer) / 232 (consumers).
- * Shared memory (no swizzle, 8 x 16-byte core matrices): Q 2 x 64 x 128, each stage K and V 128 x
- * 128, 160 KB. Layouts and descriptor strides: those checked by bench/gpu_attn_wgmma (session 10:
- * "lbo = K direction"). Sources: PTX ISA "wgmma.mma_async", "mbarrier", "cp.async.mbarrier.arrive",
- * "setmaxnreg"; FlashAttention-3 (Shah et al., 2024), algorithm 1 (warp specialisation) and 2
- * (intra-warpgroup overlap of softmax and GEMMs). */
+ * the producer (cp.async of each 128-key step's K and V rows into a K ring and a V ring of WA_STAGES;
+ * completion signalled by cp.async.mbarrier.arrive.noinc on the slot's "full" barrier), warpgroups 1
+ * and 2 the consumers, one query head each (so both see the same keys and share every K / V tile).
+ * A consumer's step j: S = Q K_j^T (8 x wgmma m64n128k16, both operands in shared memory), issued
+ * together with O += P_{j-1} V_{j-1} (8 x wgmma m64n128k16, P from registers in fp16, V fp16
+ * MN-major); then K_j is released (its "empty" barrier), the online softmax of S_j (base 2, the scale
+ * folded into the exponent's FFMA, as the mma.sync kernel) runs while the P V products are in
+ * flight; then V_{j-1} is released and O rescaled. The two consumers take turns issuing their
+ * products (named barriers 3 and 4, WA_PINGPONG), so that one's softmax runs beside the other's
+ * products. Every consumer thread arrives on the empty barriers and every wait comes before the
+ * step's wgmma.fence: a divergent path among the wgmma makes ptxas serialise them (C7520).
+ * Registers: setmaxnreg 40 (producer) / 232 (consumers); ptxas: 168, no spills. Shared memory (no
+ * swizzle, 8 x 16-byte core matrices): Q 2 x 64 x 128, K and V 128 x 128 a slot: 160 KB at 2 slots.
+ * Layouts and descriptor strides: those checked by the session-10 candidate (docs/PERFORMANCE.md,
+ * "lbo = K direction"). Measured on the H200 (docs/PERFORMANCE.md, session 12): 0.80 / 0.98 / 0.90 /
+ * 0.89x the mma.sync kernel's time at T = 512 / 2k / 8k / 32k (334 TFLOP/s at 32k); 3 slots or no
+ * ping-pong measured no faster. Sources: PTX ISA "wgmma.mma_async", "mbarrier",
+ * "cp.async.mbarrier.arrive", "setmaxnreg"; FlashAttention-3 (Shah et al., 2024), algorithm 1 (warp
+ * specialisation), 2 (intra-warpgroup overlap of softmax and GEMMs) and the ping-pong schedule. */
 #define WA_ROWS 64                /* tokens a block (a consumer warpgroup's wgmma M) */
 #define WA_KEYS 128               /* keys a step */
 #define WA_DH 128

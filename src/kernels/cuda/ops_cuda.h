@@ -224,8 +224,11 @@ int cuda_kv_append(void *stream, const uint16_t *k, const uint16_t *v, int64_t R
  * prefill: T queries of ONE sequence after P cached positions, `pages` its page table row (device),
  * the caches already holding positions 0 .. P+T-1. decode: R single-token rows, row r of its own
  * sequence (slot row_slot[r], P = row_pos[r]). q, out: rows of nq*dh bf16. dh <= 256. Prefill
- * with dh 64 / 128 and q 16-byte aligned runs on tensor cores (Q copied in 16-byte pieces); other
- * head sizes or an unaligned q take the CUDA-core kernel (same function, slower). */
+ * with dh 64 / 128 and q 16-byte aligned runs on tensor cores (Q copied in 16-byte pieces): dh 128
+ * with an even nq / nkv on Hopper's wgmma (128-key steps; FP4MOE_CUDA_ATTENTION=mma: on mma.sync
+ * like dh 64); other head sizes or an unaligned q take the CUDA-core kernel (same function, slower).
+ * The kernels agree with the fp64 reference within the attention tolerance (tests/gpu/
+ * test_attention_gpu.c: 1e-2 of a row's largest value; measured 3.8e-3), not bitwise with each other. */
 int cuda_attention_prefill(void *stream, const uint16_t *q, const uint16_t *k_cache,
                            const uint16_t *v_cache, const int32_t *pages, int64_t P, int64_t T,
                            int64_t nq, int64_t nkv, int64_t dh, uint16_t *out);
