@@ -941,7 +941,8 @@ attn_prefill_wg_kernel(const uint16_t *q, const uint16_t *kc, const uint16_t *vc
     const int G = nq / nkv, kh = (2 * blockIdx.x) / G;
     const int64_t kvs = (int64_t)nkv * WA_DH, qstride = (int64_t)nq * WA_DH;
     const int nkeys = P + min(t0 + WA_ROWS, T), nb = (nkeys + WA_KEYS - 1) / WA_KEYS;
-#ifdef FP4MOE_INJECT_FAULT_KV_BLOCK /* deliberate fault (tests must catch it): the first page skipped */
+#if defined(FP4MOE_INJECT_FAULT_KV_BLOCK) || defined(FP4MOE_INJECT_FAULT_WG_KV_BLOCK) /* deliberate fault
+    (tests must catch it; the _WG_ form in this kernel only): the first page skipped */
     const int kstart = nkeys > ATT_TILE && t0 >= ATT_TILE ? ATT_TILE : 0;
 #else
     const int kstart = 0;
@@ -1031,7 +1032,8 @@ attn_prefill_wg_kernel(const uint16_t *q, const uint16_t *kc, const uint16_t *vc
 #pragma unroll
                 for (int e = 0; e < 2; e++) {
                     const int key = j0 + i * 8 + 2 * tq + e;
-#ifdef FP4MOE_INJECT_FAULT_CAUSAL_MASK /* deliberate fault: a row's own key is masked (not key 0) */
+#if defined(FP4MOE_INJECT_FAULT_CAUSAL_MASK) || defined(FP4MOE_INJECT_FAULT_WG_CAUSAL_MASK) /* deliberate
+                    fault: a row's own key is masked (not key 0); the _WG_ form in this kernel only */
                     const bool va = key <= pa && (key < pa || key == 0), vb = key <= pb && (key < pb || key == 0);
 #else
                     const bool va = key <= pa, vb = key <= pb;
