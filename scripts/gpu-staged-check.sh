@@ -13,6 +13,7 @@
 #      512 + 128 tokens, 64 sequences, 2,048 + 32 and 8,192 + 16 (CMPS: which of p512 b64 p2k p8k); this
 #      build with FP4MOE_GATHER_EXPERT_BATCHED=0 too: the greedy hashes of a row must be equal across
 #      builds;
+#      VARIANTS (e.g. "mma=FP4MOE_CUDA_ATTENTION=mma"): this build with one setting, compared too;
 #   5. candidate programs (CAND, a folder: bench/build-bench-variants.sh), each run (with the
 #      arguments CAND_ARGS), their tables last.
 # A short table is printed last; logs in $OUT (default gpu-staged-out/).
@@ -94,6 +95,10 @@ if [ -n "$OLDPKG" ]; then # an earlier commit's fp4moe (or .xz of it; the same l
     B="old=$BIN/old $B"
 fi
 wrap off "$BIN/fp4moe" FP4MOE_GATHER_EXPERT_BATCHED=0
+for v in ${VARIANTS:-}; do # NAME=VAR=VALUE: this build with one setting, compared too
+    wrap "${v%%=*}" "$BIN/fp4moe" "${v#*=}"
+    B="$B ${v%%=*}=$BIN/${v%%=*}"
+done
 A="--synthetic nemotron-3-nano-30b-a3b --device cuda"
 cmp() { # NAME ROUNDS LIMIT ARGS
     local t0=$SECONDS
