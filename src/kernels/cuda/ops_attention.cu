@@ -887,7 +887,11 @@ static int launch_prefill_mma(const uint16_t *q, const uint16_t *kc, const uint1
 #ifndef WA_PINGPONG
 #define WA_PINGPONG 1             /* the consumers take turns issuing their products (named barriers) */
 #endif
-#define WA_SMEM (2 * WA_QBYTES + WA_STAGES * 2 * WA_KVBYTES + 4 * WA_STAGES * 8)
+#ifndef WA_QREG
+#define WA_QREG 0                 /* 1: Q in registers (the S product in RS form), no Q tiles in shared memory */
+#endif
+#define WA_QTILES (WA_QREG ? 0 : 2 * WA_QBYTES)
+#define WA_SMEM (WA_QTILES + WA_STAGES * 2 * WA_KVBYTES + 4 * WA_STAGES * 8)
 
 /* byte offset of 16-byte piece (row, 8-element chunk c) of a tile of R rows: core matrix (c, row / 8)
  * at (c * R / 8 + row / 8) * 128, its row at 16 x (row % 8) */
@@ -931,7 +935,7 @@ attn_prefill_wg_kernel(const uint16_t *q, const uint16_t *kc, const uint16_t *vc
     const uint32_t sbase = (uint32_t)__cvta_generic_to_shared(wa_smem);
     /* Q tiles, the K ring, the V ring, then the barriers: K full, V full, K empty, V empty (WA_STAGES each) */
     constexpr int NS = WA_STAGES;
-    const uint32_t sq = sbase, sk = sbase + 2 * WA_QBYTES, sv = sk + NS * WA_KVBYTES, bars = sv + NS * WA_KVBYTES;
+    const uint32_t sq = sbase, sk = sbase + WA_QTILES, sv = sk + NS * WA_KVBYTES, bars = sv + NS * WA_KVBYTES;
     auto full_k = [&](int st) { return bars + 8 * st; };
     auto full_v = [&](int st) { return bars + 8 * (NS + st); };
     auto empty_k = [&](int st) { return bars + 8 * (2 * NS + st); };
@@ -977,6 +981,22 @@ attn_prefill_wg_kernel(const uint16_t *q, const uint16_t *kc, const uint16_t *vc
     asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
     const int c = wg - 1, h = 2 * blockIdx.x + c, warp = tid >> 5, lane = tid & 31, g = lane >> 2, tq = lane & 3;
     const uint32_t qt = sq + c * WA_QBYTES;
+#if WA_QREG
+    uint32_t qa[WA_DH / 16][4]; /* the A fragments of the warp's 16 rows (zero beyond T) */
+    {
+        const int r0 = t0 + warp * 16 + g, r1 = r0 + 8;
+        const uint16_t *q0 = q + (int64_t)(r0 < T ? r0 : 0) * qstride + (int64_t)h * WA_DH;
+        const uint16_t *q1 = q + (int64_t)(r1 < T ? r1 : 0) * qstride + (int64_t)h * WA_DH;
+#pragma unroll
+        for (int kk = 0; kk < WA_DH / 16; kk++) {
+            const int d = kk * 16 + 2 * tq;
+            qa[kk][0] = r0 < T ? *(const uint32_t *)(q0 + d) : 0u;
+            qa[kk][1] = r1 < T ? *(const uint32_t *)(q1 + d) : 0u;
+            qa[kk][2] = r0 < T ? *(const uint32_t *)(q0 + d + 8) : 0u;
+            qa[kk][3] = r1 < T ? *(const uint32_t *)(q1 + d + 8) : 0u;
+        }
+    }
+#else
     for (int i = tid; i < WA_ROWS * (WA_DH / 8); i += 128) { /* Q rows (zero beyond T) */
         const int rr = i % WA_ROWS, ch = i / WA_ROWS, t = t0 + rr;
         const uint16_t *src = q + (int64_t)(t < T ? t : 0) * qstride + (int64_t)h * WA_DH + ch * 8;
@@ -986,6 +1006,7 @@ attn_prefill_wg_kernel(const uint16_t *q, const uint16_t *kc, const uint16_t *vc
     asm volatile("cp.async.wait_all;" ::: "memory");
     wg_fence_async_smem();
     asm volatile("bar.sync %0, 128;" ::"r"(1 + c) : "memory");
+#endif
 
     float o[64], s[64];
 #pragma unroll
@@ -1002,8 +1023,13 @@ attn_prefill_wg_kernel(const uint16_t *q, const uint16_t *kc, const uint16_t *vc
         const uint32_t ks = sk + (j % NS) * WA_KVBYTES;
 #pragma unroll
         for (int kk = 0; kk < WA_DH / 16; kk++)
+#if WA_QREG
+            wg_rs<128, false>::mma(s, qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3],
+                                   wg_desc(ks + kk * 2 * (WA_KEYS / 8) * 128, (WA_KEYS / 8) * 128, 128), kk > 0);
+#else
             wg_ss<128>::mma(s, wg_desc(qt + kk * 2 * (WA_ROWS / 8) * 128, (WA_ROWS / 8) * 128, 128),
                             wg_desc(ks + kk * 2 * (WA_KEYS / 8) * 128, (WA_KEYS / 8) * 128, 128), kk > 0);
+#endif
         wg_commit();
     };
     /* O += P V_j issued */
