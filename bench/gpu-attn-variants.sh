@@ -6,7 +6,8 @@
 # `gpu_attention --prefill` over the variants in turn (variant 0 also with FP4MOE_CUDA_ATTENTION=mma:
 # the mma.sync kernel, "mma"), and a table of the median ms per T last.
 # Usage: bench/gpu-attn-variants.sh PKG DIR [ROUNDS]   (PKG: scripts/gpu-staged-check.sh --package PKG,
-#        for the shared libraries)
+#        for the shared libraries). GA_ARGS: gpu_attention's arguments (default --prefill; empty: the
+#        decode cases too, then each variant's whole test_attention_gpu runs, not only test_prefill).
 set -u
 cd "$(dirname "$0")/.."
 GP_NAME=batch
@@ -23,14 +24,16 @@ for d in "$DIR"/*/; do
     for p in gpu_attention test_attention_gpu; do
         xz -dc "$d/$p.xz" >"$GP_BIN/$p-$i" && chmod +x "$GP_BIN/$p-$i"
     done
-    FP4MOE_TEST_FILTER=test_prefill timeout 200 "$GP_BIN/test_attention_gpu-$i" >"$OUT/test-$i.log" 2>&1
+    FP4MOE_TEST_FILTER=${GA_ARGS-test_prefill} timeout 300 "$GP_BIN/test_attention_gpu-$i" >"$OUT/test-$i.log" 2>&1
     echo "variant $i: test_prefill $([ $? = 0 ] && echo PASS || echo FAIL): $(grep -h 'worst' "$OUT/test-$i.log" | tr '\n' ' ')"
     names="$names $i"
 done
 for r in $(seq "$ROUNDS"); do
-    for i in $names; do timeout 120 "$GP_BIN/gpu_attention-$i" --prefill >"$OUT/time-$i-$r.txt" 2>&1; done
+    # shellcheck disable=SC2086
+    for i in $names; do timeout 120 "$GP_BIN/gpu_attention-$i" ${GA_ARGS---prefill} >"$OUT/time-$i-$r.txt" 2>&1; done
     set -- $names
-    FP4MOE_CUDA_ATTENTION=mma timeout 120 "$GP_BIN/gpu_attention-$1" --prefill >"$OUT/time-mma-$r.txt" 2>&1
+    # shellcheck disable=SC2086
+    FP4MOE_CUDA_ATTENTION=mma timeout 120 "$GP_BIN/gpu_attention-$1" ${GA_ARGS---prefill} >"$OUT/time-mma-$r.txt" 2>&1
 done
 python3 - "$OUT" $names mma <<'PY'
 import glob, os, statistics, sys
@@ -41,7 +44,12 @@ for n in names:
         for l in open(f):
             x = l.split()
             if len(x) == 3 and x[0] == "prefill": ms.setdefault((n, int(x[1])), []).append(float(x[2]))
-Ts = sorted({t for (_, t) in ms})
+            if len(x) == 4 and x[0] == "decode": ms.setdefault((n, (int(x[1]), int(x[2]))), []).append(float(x[3]))
+Ts = sorted({t for (_, t) in ms if isinstance(t, int)})
+Ds = sorted({t for (_, t) in ms if isinstance(t, tuple)})
+for n in names if Ds else []:
+    print("decode %s: " % n + ", ".join("L=%d R=%d %.4f ms" % (L, R, statistics.median(ms[(n, (L, R))]))
+                                      for (L, R) in Ds if (n, (L, R)) in ms))
 print("| variant | " + " | ".join("T=%d ms (TFLOP/s)" % t for t in Ts) + " |")
 print("|---|" + "---:|" * len(Ts))
 for n in names:
