@@ -26,7 +26,7 @@ for d in "$DIR"/*/; do
     done
     filt=""; [ "${GA_ARGS---prefill}" = --prefill ] && filt=test_prefill
     FP4MOE_TEST_FILTER=$filt timeout 300 "$GP_BIN/test_attention_gpu-$i" >"$OUT/test-$i.log" 2>&1
-    echo "variant $i: test_prefill $([ $? = 0 ] && echo PASS || echo FAIL): $(grep -h 'worst' "$OUT/test-$i.log" | tr '\n' ' ')"
+    echo "variant $i: test ${filt:-all} $([ $? = 0 ] && echo PASS || echo FAIL): $(grep -h 'worst' "$OUT/test-$i.log" | tr '\n' ' ')"
     names="$names $i"
 done
 for r in $(seq "$ROUNDS"); do
