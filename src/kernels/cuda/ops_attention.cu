@@ -1235,7 +1235,8 @@ extern "C" int cuda_attention_prefill(void *stream, const uint16_t *q, const uin
     if (T <= (int64_t)65535 * FA_ROWS && ((uintptr_t)q & 15) == 0) { /* tensor cores: the family's head sizes; */
         /* Q is copied in 16-byte pieces (rows of nq * dh bf16: 16-byte multiples for dh 64 / 128) */
         /* the wgmma kernel pairs two query heads of one kv head in a block */
-        if (dh == 128 && a % 2 == 0 && (a / b) % 2 == 0 && strcmp(env_get(ENV_CUDA_ATTENTION), "mma"))
+        if (dh == 128 && a % 2 == 0 && (a / b) % 2 == 0 && T <= (int64_t)65535 * WA_ROWS &&
+            strcmp(env_get(ENV_CUDA_ATTENTION), "mma"))
             return launch_prefill_wg(q, k_cache, v_cache, pages, p, t, a, b, out, st);
         if (dh == 128) return launch_prefill_mma<128>(q, k_cache, v_cache, pages, p, t, a, b, out, st);
         if (dh == 64) return launch_prefill_mma<64>(q, k_cache, v_cache, pages, p, t, a, b, out, st);
