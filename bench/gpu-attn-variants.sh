@@ -7,7 +7,7 @@
 # the mma.sync kernel, "mma"), and a table of the median ms per T last.
 # Usage: bench/gpu-attn-variants.sh PKG DIR [ROUNDS]   (PKG: scripts/gpu-staged-check.sh --package PKG,
 #        for the shared libraries). GA_ARGS: gpu_attention's arguments (default --prefill; empty: the
-#        decode cases too, then each variant's whole test_attention_gpu runs, not only test_prefill*).
+#        decode cases too, then each variant's whole test_attention_gpu runs, not only the test_prefill tests).
 set -u
 cd "$(dirname "$0")/.."
 GP_NAME=batch
@@ -24,7 +24,7 @@ for d in "$DIR"/*/; do
     for p in gpu_attention test_attention_gpu; do
         xz -dc "$d/$p.xz" >"$GP_BIN/$p-$i" && chmod +x "$GP_BIN/$p-$i"
     done
-    filt=""; [ "${GA_ARGS---prefill}" = --prefill ] && filt='test_prefill*'
+    filt=""; [ "${GA_ARGS---prefill}" = --prefill ] && filt=test_prefill
     FP4MOE_TEST_FILTER=$filt timeout 300 "$GP_BIN/test_attention_gpu-$i" >"$OUT/test-$i.log" 2>&1
     echo "variant $i: test ${filt:-all} $([ $? = 0 ] && echo PASS || echo FAIL): $(grep -h 'worst' "$OUT/test-$i.log" | tr '\n' ' ')"
     names="$names $i"
