@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Writes src/kernels/cuda/wgmma_rs.cuh: the wgmma.mma_async wrappers with A from registers (RS form)
 used by the CUDA kernels, one per N (multiples of 8 up to NMAX), bf16 and f16 inputs, fp32
-accumulators, B from shared memory K-major (imm-trans-b = 0); and for the attention kernels the SS form
-(both operands in shared memory) and the RS form with B MN-major (imm-trans-b = 1). The inline asm needs one operand per
+accumulators, B from shared memory K-major (imm-trans-b = 0); and for the attention kernels the RS form
+with B MN-major (imm-trans-b = 1). The inline asm needs one operand per
 accumulator register, so the wrappers are generated. Usage: scripts/gen_wgmma.py > src/kernels/cuda/wgmma_rs.cuh
 PTX ISA: "Asynchronous Warpgroup Level Matrix Multiply-Accumulate Instructions: wgmma.mma_async"."""
 NMAX = 128
@@ -48,14 +48,8 @@ def wrapper(head, n, ty, ss, trans_b):
 for f16 in (False, True):
     for n in range(8, NMAX + 1, 8):
         wrapper("wg_rs<%d, %s>" % (n, "true" if f16 else "false"), n, "f16" if f16 else "bf16", False, 0)
-# the attention kernels' forms (ops_attention.cu): S = Q K^T with both operands in shared memory, K-major
-# (SS, bf16), and O += P V with P from registers and V in shared memory MN-major (imm-trans-b = 1, f16)
-print("""
-/* SS form: d (64 x N fp32) (+)= A (64 x 16, shared memory, K-major, desc_a) * B (16 x N, shared memory,
- * K-major, desc_b), bf16 inputs. */
-template <int N> struct wg_ss;""")
-for n in (64, 128):
-    wrapper("wg_ss<%d>" % n, n, "bf16", True, 0)
+# the attention kernels' second form (ops_attention.cu; S = Q K^T uses wg_rs, Q in registers): O += P V
+# with P from registers and V in shared memory MN-major (imm-trans-b = 1, f16)
 print("""
 /* RS form with B MN-major (imm-trans-b = 1): d (64 x N fp32) (+)= A (64 x 16 f16, registers as wg_rs) *
  * B (16 x N f16, shared memory, N contiguous). */

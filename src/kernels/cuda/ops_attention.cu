@@ -242,16 +242,16 @@ attn_decode_kernel(const uint16_t *q, const uint16_t *kc, const uint16_t *vc, co
  * so a row gets the same numbers alone or in a batch; attn_decode_mma_kernel (below, with the
  * tensor-core helpers) writes one partial (m, l, o[dh]) per split, attn_combine_kernel merges them. */
 #define DEC_SPLITS CUDA_ATT_SPLITS /* fixed: a row's split ranges depend on its length only */
-/* Pages per split: the row's pages over DEC_SPLITS splits, but at least DEC_MIN_PAGES (16, the best
- * of 4 / 8 / 16 / 32 measured for 1 and 64 rows: docs/PERFORMANCE.md), so that short and middle
- * contexts do not spread one page per block and write a partial (dh + 2 floats) per page: with 64
- * rows at 8,192 tokens those partials were 272 MB a layer, half the K/V bytes. A function of the
- * row's length only. */
-#ifndef DEC_MIN_PAGES
-#define DEC_MIN_PAGES 16 /* (a macro: the session-13 list measures 8 again since the batch-sized grid) */
-#endif
+/* Pages per split: the row's pages over DEC_SPLITS splits, but at least 16 pages (the best of 4 / 8 /
+ * 16 / 32 measured for 1 and 64 rows: docs/PERFORMANCE.md), so that middle contexts do not spread one
+ * page per block and write a partial (dh + 2 floats) per page: with 64 rows at 8,192 tokens those
+ * partials were 272 MB a layer, half the K/V bytes. Rows of at most DEC_SHORT_PAGES pages (1,024
+ * tokens) take splits of 8 pages: one row at 512 tokens 14.9 -> 11.5 us, 64 rows 23.9 -> 23.6 us
+ * (session 13; at 2,048 tokens 8-page splits cost the 64 rows 3.5%). A function of the row's length
+ * only, so a row gets the same numbers alone or in a batch. */
+#define DEC_SHORT_PAGES 32
 __device__ __forceinline__ int dec_pages_per_split(int ntiles, int splits) {
-    return max((ntiles + splits - 1) / splits, DEC_MIN_PAGES);
+    return max((ntiles + splits - 1) / splits, ntiles <= DEC_SHORT_PAGES ? 8 : 16);
 }
 
 /* out[r][h] = bf16(sum_s o_s e^(m_s - M) / sum_s l_s e^(m_s - M)) over the splits that hold keys,
@@ -881,7 +881,6 @@ static int launch_prefill_mma(const uint16_t *q, const uint16_t *kc, const uint1
 #define WA_ROWS 64                /* tokens a block (a consumer warpgroup's wgmma M) */
 #define WA_KEYS 128               /* keys a step */
 #define WA_DH 128
-#define WA_QBYTES (WA_ROWS * WA_DH * 2)   /* one consumer's Q tile: 16 KB */
 #define WA_KVBYTES (WA_KEYS * WA_DH * 2)  /* one K or V tile: 32 KB */
 #ifndef WA_STAGES
 #define WA_STAGES 2               /* K / V ring depth */
@@ -889,11 +888,7 @@ static int launch_prefill_mma(const uint16_t *q, const uint16_t *kc, const uint1
 #ifndef WA_PINGPONG
 #define WA_PINGPONG 1             /* the consumers take turns issuing their products (named barriers) */
 #endif
-#ifndef WA_QREG
-#define WA_QREG 0                 /* 1: Q in registers (the S product in RS form), no Q tiles in shared memory */
-#endif
-#define WA_QTILES (WA_QREG ? 0 : 2 * WA_QBYTES)
-#define WA_SMEM (WA_QTILES + WA_STAGES * 2 * WA_KVBYTES + 4 * WA_STAGES * 8)
+#define WA_SMEM (WA_STAGES * 2 * WA_KVBYTES + 4 * WA_STAGES * 8)
 
 /* byte offset of 16-byte piece (row, 8-element chunk c) of a tile of R rows: core matrix (c, row / 8)
  * at (c * R / 8 + row / 8) * 128, its row at 16 x (row % 8) */
@@ -937,7 +932,7 @@ attn_prefill_wg_kernel(const uint16_t *q, const uint16_t *kc, const uint16_t *vc
     const uint32_t sbase = (uint32_t)__cvta_generic_to_shared(wa_smem);
     /* Q tiles, the K ring, the V ring, then the barriers: K full, V full, K empty, V empty (WA_STAGES each) */
     constexpr int NS = WA_STAGES;
-    const uint32_t sq = sbase, sk = sbase + WA_QTILES, sv = sk + NS * WA_KVBYTES, bars = sv + NS * WA_KVBYTES;
+    const uint32_t sk = sbase, sv = sk + NS * WA_KVBYTES, bars = sv + NS * WA_KVBYTES;
     auto full_k = [&](int st) { return bars + 8 * st; };
     auto full_v = [&](int st) { return bars + 8 * (NS + st); };
     auto empty_k = [&](int st) { return bars + 8 * (2 * NS + st); };
@@ -982,8 +977,6 @@ attn_prefill_wg_kernel(const uint16_t *q, const uint16_t *kc, const uint16_t *vc
     }
     asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
     const int c = wg - 1, h = 2 * blockIdx.x + c, warp = tid >> 5, lane = tid & 31, g = lane >> 2, tq = lane & 3;
-    const uint32_t qt = sq + c * WA_QBYTES;
-#if WA_QREG
     uint32_t qa[WA_DH / 16][4]; /* the A fragments of the warp's 16 rows (zero beyond T) */
     {
         const int r0 = t0 + warp * 16 + g, r1 = r0 + 8;
@@ -998,17 +991,6 @@ attn_prefill_wg_kernel(const uint16_t *q, const uint16_t *kc, const uint16_t *vc
             qa[kk][3] = r1 < T ? *(const uint32_t *)(q1 + d + 8) : 0u;
         }
     }
-#else
-    for (int i = tid; i < WA_ROWS * (WA_DH / 8); i += 128) { /* Q rows (zero beyond T) */
-        const int rr = i % WA_ROWS, ch = i / WA_ROWS, t = t0 + rr;
-        const uint16_t *src = q + (int64_t)(t < T ? t : 0) * qstride + (int64_t)h * WA_DH + ch * 8;
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(qt + wa_off<WA_ROWS>(rr, ch)), "l"(src),
-                     "r"(t < T ? 16 : 0) : "memory");
-    }
-    asm volatile("cp.async.wait_all;" ::: "memory");
-    wg_fence_async_smem();
-    asm volatile("bar.sync %0, 128;" ::"r"(1 + c) : "memory");
-#endif
 
     float o[64], s[64];
 #pragma unroll
@@ -1025,13 +1007,8 @@ attn_prefill_wg_kernel(const uint16_t *q, const uint16_t *kc, const uint16_t *vc
         const uint32_t ks = sk + (j % NS) * WA_KVBYTES;
 #pragma unroll
         for (int kk = 0; kk < WA_DH / 16; kk++)
-#if WA_QREG
             wg_rs<128, false>::mma(s, qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3],
                                    wg_desc(ks + kk * 2 * (WA_KEYS / 8) * 128, (WA_KEYS / 8) * 128, 128), kk > 0);
-#else
-            wg_ss<128>::mma(s, wg_desc(qt + kk * 2 * (WA_ROWS / 8) * 128, (WA_ROWS / 8) * 128, 128),
-                            wg_desc(ks + kk * 2 * (WA_KEYS / 8) * 128, (WA_KEYS / 8) * 128, 128), kk > 0);
-#endif
         wg_commit();
     };
     /* O += P V_j issued */
