@@ -5,7 +5,8 @@
 #   1. the GPU tests: test_model_gpu (its side_stream case with the diagnostic delay, tiled_layout,
 #      batched == solo), test_gather_qmm_gpu (every route against the fp64 reference, the bitwise
 #      route switch), test_ops_gpu (tiled layout, every route, bitwise), test_ep_gpu, test_ssm_gpu;
-#   2. the deliberate faults, each must FAIL: FP4MOE_INJECT_FAULT_SIDE_JOIN (test_model_gpu);
+#   2. the deliberate faults, each must FAIL: FP4MOE_INJECT_FAULT_SIDE_JOIN and
+#      FP4MOE_INJECT_FAULT_DENSE_COPY (test_model_gpu);
 #   3. compute-sanitizer memcheck: the small gather_qmm cases (FP4MOE_TEST_SANITIZE=1) and a batched
 #      decode of the default model;
 #   4. end to end on the synthetic Nemotron-3-Nano-30B-A3B shape, the builds alternated in rounds
@@ -33,6 +34,8 @@ if [ "${1:-}" = "--package" ]; then
     gp_build || exit 1
     TARGET=test_model_gpu PROG=test_model_gpu bench/build-variants.sh "$BINP/f_side" src/backend/cuda/backend_cuda.c \
         -DFP4MOE_INJECT_FAULT_SIDE_JOIN=1 || exit 1
+    TARGET=test_model_gpu PROG=test_model_gpu bench/build-variants.sh "$BINP/f_dense" src/backend/cuda/backend_cuda.c \
+        -DFP4MOE_INJECT_FAULT_DENSE_COPY=1 || exit 1
     gp_main --package "$BINP"
 fi
 OUT=${OUT:-gpu-staged-out}
@@ -62,7 +65,7 @@ t "test_gather_qmm_gpu" gather.log -- "$BIN/test_gather_qmm_gpu"
 t "test_ops_gpu" ops.log -- "$BIN/test_ops_gpu"
 t "test_ep_gpu" ep.log -- "$BIN/test_ep_gpu"
 t "test_ssm_gpu" ssm.log -- "$BIN/test_ssm_gpu"
-for f in f_side/0/test_model_gpu; do
+for f in f_side/0/test_model_gpu f_dense/0/test_model_gpu; do
     [ -f "$PKG/$f.xz" ] || continue
     n=$(echo "$f" | tr / _)
     xz -dc "$PKG/$f.xz" >"$BIN/$n" && chmod +x "$BIN/$n"

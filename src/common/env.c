@@ -35,6 +35,10 @@ static const fp4moe_env_var k_vars[ENV_COUNT] = {
     [ENV_CUDA_ATTENTION] = {"FP4MOE_CUDA_ATTENTION", "wgmma|mma", "wgmma",
                             "CUDA prefill attention of head_dim 128 (even query heads a kv head): the Hopper "
                             "warpgroup kernel (wgmma) or the mma.sync one (mma); results within the tolerance"},
+    [ENV_CUDA_DENSE_BF16] = {"FP4MOE_CUDA_DENSE_BF16", "auto|0|1", "auto",
+                             "bf16 copies of the plain NVFP4 linears (not the experts) made once at load, so "
+                             "that prefill GEMMs skip their dequantization: 1 always, 0 never, auto when the "
+                             "weights and copies take at most half of the free GPU memory; same results"},
 };
 
 static int allowed(const fp4moe_env_var *v, const char *val) {

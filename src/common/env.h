@@ -19,6 +19,7 @@ typedef enum {
     ENV_CUDA_WEIGHT_LAYOUT,        /* "rows" | "tiled" */
     ENV_CUDA_SIDE_DELAY_US,        /* integer >= 0 */
     ENV_CUDA_ATTENTION,            /* "wgmma" | "mma" */
+    ENV_CUDA_DENSE_BF16,           /* "auto" | "0" | "1" */
     ENV_COUNT
 } env_id;
 

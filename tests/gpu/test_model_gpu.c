@@ -477,6 +477,39 @@ static void test_tiled_layout(void **state) {
     fp4moe_model_free(rows);
 }
 
+/* The bf16 copies of the plain NVFP4 linears (FP4MOE_CUDA_DENSE_BF16=1: dequantized once at load,
+ * read by the prefill GEMMs) against none (0: dequantized at each call): the same bits - greedy
+ * decoding after a 300-token prompt (the dense linears on dequant_gemm) and a 70-token one (their
+ * other kernels, which never read the copies). The fault build FP4MOE_INJECT_FAULT_DENSE_COPY (the
+ * copies made as if the layout were the other one) must fail it. */
+static void test_dense_bf16(void **state) {
+    (void)state;
+    if (access(DEFAULT_MODEL "/config.json", R_OK)) {
+        print_message("%s not present: skipped\n", DEFAULT_MODEL);
+        return;
+    }
+    tu_setenv("FP4MOE_CUDA_DENSE_BF16", "0");
+    fp4moe_model *plain = load_on(DEFAULT_MODEL, 1, FP4MOE_DEVICE_CUDA);
+    tu_setenv("FP4MOE_CUDA_DENSE_BF16", "1");
+    fp4moe_model *copies = load_on(DEFAULT_MODEL, 1, FP4MOE_DEVICE_CUDA);
+    tu_setenv("FP4MOE_CUDA_DENSE_BF16", NULL);
+    const int64_t V = fp4moe_model_config(plain)->vocab, n = 24;
+    fp4moe_session *a = gpu_session(plain), *b = gpu_session(copies);
+    const int64_t Ts[2] = {300, 70};
+    for (int i = 0; i < 2; i++) {
+        int32_t *p = make_prompt(Ts[i], V, 21 + i), *ia = calloc(n, 4);
+        float *la = malloc((size_t)(n * V) * 4);
+        greedy(a, p, Ts[i], V, n, ia, la);
+        expect_same_greedy(b, p, Ts[i], V, n, ia, la);
+        free(p); free(ia); free(la);
+    }
+    print_message("dense bf16 copies: %lld steps after 300 and 70 tokens, identical ids and logits bits\n", (long long)n);
+    fp4moe_session_free(b);
+    fp4moe_session_free(a);
+    fp4moe_model_free(copies);
+    fp4moe_model_free(plain);
+}
+
 /* Route auto (expert-batched for >= 64 sorted rows) against qmv, and a prefill in chunks of 7
  * against one chunk: greedy identical, logits within tolerance. */
 static void test_routes_and_chunks(void **state) {
@@ -645,7 +678,7 @@ static void test_batch(void **state) {
 
 int main(void) {
     gt_require_gpu("test_model_gpu");
-    struct CMUnitTest tests[N_GOLDEN + 11];
+    struct CMUnitTest tests[N_GOLDEN + 12];
     static char names[N_GOLDEN][96];
     size_t n = 0;
     for (size_t i = 0; i < N_GOLDEN; i++) {
@@ -658,6 +691,7 @@ int main(void) {
     tests[n++] = (struct CMUnitTest){"graph_vs_eager", test_graph_vs_eager, NULL, NULL, NULL};
     tests[n++] = (struct CMUnitTest){"side_stream", test_side_stream, NULL, NULL, NULL};
     tests[n++] = (struct CMUnitTest){"tiled_layout", test_tiled_layout, NULL, NULL, NULL};
+    tests[n++] = (struct CMUnitTest){"dense_bf16", test_dense_bf16, NULL, NULL, NULL};
     tests[n++] = (struct CMUnitTest){"routes_and_chunks", test_routes_and_chunks, NULL, NULL, NULL};
     tests[n++] = (struct CMUnitTest){"kv_growth", test_kv_growth, NULL, NULL, NULL};
     tests[n++] = (struct CMUnitTest){"profile", test_profile, NULL, NULL, NULL};

@@ -314,7 +314,10 @@ static void test_relu2_epilogue(void **state) {
 /* gather_qmm on the same weights in the checkpoint layout and re-laid (tiled): bitwise equal
  * outputs (the kernels read the same values into the same registers). kind 0: gather_qmm_cuda_ex
  * (route), 1: the f32-out form, 2: the plain-linear form (E = 1, idx 0: dequant_gemm from 256 rows),
- * 3: a call no kernel can take on the tiled layout (unsorted, > 32 rows): FP4MOE_EUNSUPPORTED.
+ * 3: a call no kernel can take on the tiled layout (unsorted, > 32 rows): FP4MOE_EUNSUPPORTED,
+ * 4 / 5: the plain-linear form against the same with the weights dequantized once beforehand
+ * (cuda_nvfp4_dequant_bf16, the load-time copy; from the tiled layout for 4, from the checkpoint
+ * layout for 5), every code and scale poisoned before the second call (it must read the copy).
  * The weights are poisoned between the two calls' uploads so that the tiled call cannot read them. */
 static void tiled_case(gpu_ctx *g, int64_t E, int64_t N, int64_t K, int64_t B, tu_idx_pattern pat, fp4moe_route route,
                        int kind, uint64_t seed) {
@@ -334,7 +337,7 @@ static void tiled_case(gpu_ctx *g, int64_t E, int64_t N, int64_t K, int64_t B, t
     wt.codes = dt;
     wt.scales = dt;
     void *x = tu_random_x(FP4MOE_BF16, B, K, &r);
-    uint32_t *idx = kind == 2 ? calloc((size_t)B, 4) : tu_make_idx(pat, B, E, 6, &r);
+    uint32_t *idx = kind == 2 || kind >= 4 ? calloc((size_t)B, 4) : tu_make_idx(pat, B, E, 6, &r);
     void *dx = gt_upload(x, (size_t)(B * K) * 2);
     uint32_t *didx = gt_upload(idx, (size_t)B * 4);
     const size_t yb = (size_t)(B * N) * (kind == 1 ? 4 : 2);
@@ -343,6 +346,7 @@ static void tiled_case(gpu_ctx *g, int64_t E, int64_t N, int64_t K, int64_t B, t
     gt_poison(y2, yb);
     const int sorted = pat != TU_IDX_UNSORTED;
     int f1 = -1, f2 = -1;
+    void *wb = NULL;
     if (kind == 3) {
         assert_int_equal(gather_qmm_cuda_ex(&wt, 1, dx, FP4MOE_BF16, didx, B, sorted, route, 0, y2, g->stream, &f2),
                          FP4MOE_EUNSUPPORTED);
@@ -363,12 +367,22 @@ static void tiled_case(gpu_ctx *g, int64_t E, int64_t N, int64_t K, int64_t B, t
         assert_int_equal(gather_qmm_cuda_bf16_f32out(&wt, 1, dx, didx, B, y2, g->stream), FP4MOE_OK);
     } else {
         assert_int_equal(gather_qmm_cuda_linear(&w, 0, dx, FP4MOE_BF16, didx, B, route, 0, y1, g->stream, g->ops.blas,
-                                                &g->dq, (const float *)(const void *)didx, &f1),
+                                                &g->dq, NULL, (const float *)(const void *)didx, &f1),
                          FP4MOE_OK);
         GT_CHECK(cudaStreamSynchronize(g->stream));
+        if (kind >= 4) {
+            const size_t wbb = (size_t)(N * K) * 2;
+            wb = gt_upload(NULL, wbb);
+            gt_poison(wb, wbb);
+            assert_int_equal(cuda_nvfp4_dequant_bf16(g->stream, kind == 4 ? dt : w.codes, w.scales, kind == 4, N, K, wb),
+                             FP4MOE_OK);
+            GT_CHECK(cudaStreamSynchronize(g->stream));
+            gt_poison(dt, tb);
+            gt_poison((void *)w.scales, (size_t)(E * N * K / 16));
+        }
         gt_poison((void *)w.codes, (size_t)(E * N * K / 2));
         assert_int_equal(gather_qmm_cuda_linear(&wt, 1, dx, FP4MOE_BF16, didx, B, route, 0, y2, g->stream, g->ops.blas,
-                                                &g->dq, (const float *)(const void *)didx, &f2),
+                                                &g->dq, wb, (const float *)(const void *)didx, &f2),
                          FP4MOE_OK);
     }
     GT_CHECK(cudaStreamSynchronize(g->stream));
@@ -380,6 +394,7 @@ static void tiled_case(gpu_ctx *g, int64_t E, int64_t N, int64_t K, int64_t B, t
                  fp4moe_route_name(route), (long long)E, (long long)N, (long long)K, (long long)B);
     free(h1); free(h2); free(x); free(idx);
     gt_free(dx); gt_free(didx); gt_free(y1); gt_free(y2); gt_free(dt);
+    if (wb) gt_free(wb);
     gt_free((void *)w.codes); gt_free((void *)w.scales); gt_free((void *)w.global_scale);
     tu_weights_free(&tw);
 }
@@ -400,6 +415,8 @@ static void test_tiled_layout(void **state) {
     tiled_case(g, 1, 300, 384, 70, TU_IDX_TOPK_SORTED, FP4MOE_ROUTE_AUTO, 1, 9);      /* f32 out, batched */
     tiled_case(g, 1, 136, 448, 300, TU_IDX_TOPK_SORTED, FP4MOE_ROUTE_AUTO, 2, 10);    /* dense dequant_gemm */
     tiled_case(g, 1, 136, 448, 70, TU_IDX_TOPK_SORTED, FP4MOE_ROUTE_AUTO, 2, 11);     /* linear, 70 rows */
+    tiled_case(g, 1, 136, 448, 300, TU_IDX_TOPK_SORTED, FP4MOE_ROUTE_AUTO, 4, 14);    /* load-time copy (tiled) */
+    tiled_case(g, 1, 200, 320, 257, TU_IDX_TOPK_SORTED, FP4MOE_ROUTE_AUTO, 5, 15);    /* load-time copy (checkpoint) */
 }
 
 /* ---- cuda_moe_combine ------------------------------------------------------------------------------ */

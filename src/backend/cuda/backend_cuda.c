@@ -50,6 +50,7 @@ struct gpu_model {
     int device;                     /* the CUDA device holding the weights (current at the upload) */
     void *base;                     /* one cudaMalloc for every weight */
     size_t bytes;
+    size_t copy_bytes;              /* of which the bf16 copies of plain NVFP4 linears (cuda_linear.wbf16) */
     cuda_linear embed, lm_head;     /* embed: dense of its checkpoint dtype (bf16/f16/f32) or NVFP4 */
     const float *norm_f;
     gpu_layer *layers;
@@ -68,6 +69,8 @@ typedef struct {
     fp4moe_progress_fn progress;
     void *ctx;
     int64_t total;
+    int dense_copy;                 /* bf16 copies of the plain NVFP4 linears (FP4MOE_CUDA_DENSE_BF16) */
+    size_t copy_bytes;              /* their bytes */
 } placer;
 
 static void report(placer *p, size_t bytes) {
@@ -167,8 +170,10 @@ static int put_tiled(placer *p, const op_linear *h, uint64_t tensor_id, void **t
     return st;
 }
 
-/* may_tile: 0 for the embedding (its rows are looked up in the checkpoint layout) */
-static int put_linear_as(placer *p, const op_linear *h, cuda_linear *d, uint64_t tensor_id, int may_tile) {
+/* may_tile: 0 for the embedding (its rows are looked up in the checkpoint layout). copy: a plain NVFP4
+ * linear gets a bf16 copy of its dequantized weights when p->dense_copy (cuda_linear.wbf16; not the
+ * embedding, nor the lm_head, which never sees a prefill-sized batch) */
+static int put_linear_as(placer *p, const op_linear *h, cuda_linear *d, uint64_t tensor_id, int may_tile, int copy) {
     memset(d, 0, sizeof *d);
     if (!h->N) return FP4MOE_OK;
     d->E = h->E;
@@ -196,6 +201,18 @@ static int put_linear_as(placer *p, const op_linear *h, cuda_linear *d, uint64_t
         }
         if (h->q.global_scale) TRY(put(p, h->q.global_scale, (size_t)h->E * sizeof(float), &gs));
         d->q = (fp4moe_nvfp4_weights){codes, scales, gs, h->E, h->N, h->K};
+        if (copy && p->dense_copy && h->E == 1 && h->K % 16 == 0) {
+            void *wb;
+            reserve(p, n * 2, &wb);
+            p->copy_bytes += n * 2;
+#ifdef FP4MOE_INJECT_FAULT_DENSE_COPY /* deliberate fault (test_model_gpu dense_bf16 must catch it) */
+            const int copy_tiled = !d->tiled;
+#else
+            const int copy_tiled = d->tiled;
+#endif
+            if (p->fill) TRY(cuda_nvfp4_dequant_bf16(p->stream, codes, scales, copy_tiled, h->N, h->K, wb));
+            d->wbf16 = wb;
+        }
     } else {
         if (p->synth) return fp4moe_set_error(FP4MOE_EINVAL, "synthetic: dense module");
         TRY(put_dense(p, h, d));
@@ -204,13 +221,13 @@ static int put_linear_as(placer *p, const op_linear *h, cuda_linear *d, uint64_t
 }
 
 static int put_linear(placer *p, const op_linear *h, cuda_linear *d, uint64_t tensor_id) {
-    return put_linear_as(p, h, d, tensor_id, 1);
+    return put_linear_as(p, h, d, tensor_id, 1, 1);
 }
 
 static int put_embedding(placer *p, const fp4moe_model *m, struct gpu_model *g) {
     const op_linear *e = &m->embed;
     cuda_linear *d = &g->embed;
-    if (e->nvfp4) return put_linear_as(p, e, d, SYN_EMBED, 0);
+    if (e->nvfp4) return put_linear_as(p, e, d, SYN_EMBED, 0, 0);
     memset(d, 0, sizeof *d);
     d->E = 1;
     d->N = e->N;
@@ -241,7 +258,7 @@ static int put_head(placer *p, const fp4moe_model *m, struct gpu_model *g) {
         g->lm_head = g->embed;
         return FP4MOE_OK;
     }
-    return put_linear(p, hd, &g->lm_head, SYN_LM_HEAD);
+    return put_linear_as(p, hd, &g->lm_head, SYN_LM_HEAD, 1, 0);
 }
 
 static int put_layer(placer *p, const fp4moe_model *m, int64_t l, gpu_layer *d) {
@@ -383,9 +400,24 @@ static int build_gpu_model(fp4moe_model *m, int synth, uint64_t seed, fp4moe_pro
         (void)cudaGetLastError();
         g->device = 0;
     }
-    placer p = {.synth = synth, .seed = seed, .progress = progress, .ctx = ctx};
+    const char *copies = env_get(ENV_CUDA_DENSE_BF16);
+    placer p = {.synth = synth, .seed = seed, .progress = progress, .ctx = ctx, .dense_copy = strcmp(copies, "0") != 0};
     int st = place_model(&p, m, g);                      /* pass 1: count */
+    if (!st && p.dense_copy && !strcmp(copies, "auto")) { /* the copies only where memory is plentiful */
+        size_t free_b = 0, total_b = 0;
+        if (cudaMemGetInfo(&free_b, &total_b) != cudaSuccess) {
+            (void)cudaGetLastError();
+            free_b = 0;
+        }
+        if (p.used > free_b / 2) {
+            p.dense_copy = 0;
+            p.used = 0;
+            p.copy_bytes = 0;
+            st = place_model(&p, m, g);
+        }
+    }
     if (!st) {
+        g->copy_bytes = p.copy_bytes;
         g->bytes = p.used;
         const cudaError_t ce = cudaMalloc(&g->base, g->bytes ? g->bytes : 1);
         if (ce != cudaSuccess) {
@@ -399,6 +431,7 @@ static int build_gpu_model(fp4moe_model *m, int synth, uint64_t seed, fp4moe_pro
         p.fill = 1;
         p.base = g->base;
         p.used = 0;
+        p.copy_bytes = 0;
         p.total = (int64_t)g->bytes;
         st = place_model(&p, m, g);
         const cudaError_t ce = cudaDeviceSynchronize();  /* the generator kernels */

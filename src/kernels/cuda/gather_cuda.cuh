@@ -249,8 +249,9 @@ int gq_run_dequant_gemm(const gq_args *a, fp4moe_dtype dtype, cudaStream_t st);
 /* dequant_gemm for a plain linear (E = 1, bf16, every row's idx 0, so no runs): the weights
  * dequantized into dq (grown here, outside graph captures only), one cublasGemmEx on `blas` (bound
  * to st) with the global scale read from device memory and beta from d_zero (a device 0.0f); no
- * host synchronisation, capturable. Same arithmetic as gq_run_dequant_gemm. */
-int gq_dense_dequant_gemm(const gq_args *a, cudaStream_t st, void *blas, gq_dense_scratch *dq,
+ * host synchronisation, capturable. Same arithmetic as gq_run_dequant_gemm. wbf16 (or NULL): the
+ * weights already dequantized (cuda_nvfp4_dequant_bf16), read in place of dq. */
+int gq_dense_dequant_gemm(const gq_args *a, cudaStream_t st, void *blas, gq_dense_scratch *dq, const void *wbf16,
                           const float *d_zero);
 
 /* cudaMallocAsync on the stream (from the device's default pool, whose release threshold is raised

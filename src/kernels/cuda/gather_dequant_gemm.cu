@@ -176,13 +176,15 @@ done:
 
 /* The plain-linear form (E = 1, every row's idx 0; gq_dense_dequant_gemm in gather_cuda.cuh): no
  * runs, no host synchronisation, the caller's stream-ordered scratch and cuBLAS handle. */
-int gq_dense_dequant_gemm(const gq_args *a, cudaStream_t st, void *blas, gq_dense_scratch *dq,
+int gq_dense_dequant_gemm(const gq_args *a, cudaStream_t st, void *blas, gq_dense_scratch *dq, const void *wbf16,
                           const float *d_zero) {
     const int64_t per_expert = (int64_t)a->N * a->K;
     const size_t bytes = (size_t)per_expert * sizeof(__nv_bfloat16);
     cublasHandle_t h = (cublasHandle_t)blas;
     int rc = FP4MOE_OK;
-    if (dq->bytes < bytes) {
+    if (wbf16) {
+        /* dequantized at load: the same bits as the kernel below writes */
+    } else if (dq->bytes < bytes) {
         cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
         FP4MOE_CUDA_TRY("gather_qmm_cuda", cudaStreamIsCapturing(st, &cs), "cudaStreamIsCapturing");
         if (cs != cudaStreamCaptureStatusNone) /* no allocation inside a graph capture */
@@ -197,10 +199,13 @@ int gq_dense_dequant_gemm(const gq_args *a, cudaStream_t st, void *blas, gq_dens
         FP4MOE_CUDA_TRY("gather_qmm_cuda", cudaMalloc(&dq->p, bytes), "cudaMalloc of the dense dequant scratch");
         dq->bytes = bytes;
     }
-    const int64_t nblocks = per_expert >> 4;
-    cu_launch(gq_dequant_kernel<__nv_bfloat16>, dim3((unsigned)((nblocks + 255) / 256), 1), 256, 0, st, a->codes,
-              a->scales, 1, a->N, a->K, nullptr, 0, a->tiled, (__nv_bfloat16 *)dq->p);
-    FP4MOE_CUDA_TRY("gather_qmm_cuda", cudaGetLastError(), "launch of the dequantize kernel");
+    if (!wbf16) {
+        const int64_t nblocks = per_expert >> 4;
+        cu_launch(gq_dequant_kernel<__nv_bfloat16>, dim3((unsigned)((nblocks + 255) / 256), 1), 256, 0, st,
+                  a->codes, a->scales, 1, a->N, a->K, nullptr, 0, a->tiled, (__nv_bfloat16 *)dq->p);
+        FP4MOE_CUDA_TRY("gather_qmm_cuda", cudaGetLastError(), "launch of the dequantize kernel");
+    }
+    const void *W = wbf16 ? wbf16 : dq->p;
     /* y^T (N x B, ld N) = W (K x N, ld K)^T * x^T (K x B, ld K), alpha = the global scale (read by
      * cuBLAS from device memory: no copy to the host), beta = 0, fp32 compute, one rounding */
     const float one = 1.0f, zero = 0.0f;
@@ -210,7 +215,7 @@ int gq_dense_dequant_gemm(const gq_args *a, cudaStream_t st, void *blas, gq_dens
     const bool dev_alpha = a->gs != NULL;
 #endif
     if (dev_alpha) CUBLAS_TRY(cublasSetPointerMode(h, CUBLAS_POINTER_MODE_DEVICE), "cublasSetPointerMode");
-    CUBLAS_TRY(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, a->N, a->B, a->K, dev_alpha ? a->gs : &one, dq->p,
+    CUBLAS_TRY(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, a->N, a->B, a->K, dev_alpha ? a->gs : &one, W,
                             CUDA_R_16BF, a->K, a->x, CUDA_R_16BF, a->K, dev_alpha ? d_zero : &zero, a->y,
                             CUDA_R_16BF, a->N, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
                "cublasGemmEx (dense NVFP4 linear)");
@@ -221,6 +226,18 @@ done:
             rc = fp4moe_set_error(FP4MOE_ECUDA, "gather_qmm_cuda: cublasSetPointerMode: cuBLAS status %d", (int)cs);
     }
     return rc;
+}
+
+extern "C" int cuda_nvfp4_dequant_bf16(void *stream, const uint8_t *codes, const uint8_t *scales, int tiled,
+                                       int64_t N, int64_t K, void *out) {
+    if (K % 16 || N <= 0 || K <= 0 || N > INT32_MAX || K > INT32_MAX || N * K / 16 / 256 >= INT32_MAX)
+        return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "cuda_nvfp4_dequant_bf16: N=%lld K=%lld (K %% 16 == 0)",
+                                (long long)N, (long long)K);
+    const int64_t nblocks = N * K / 16;
+    cu_launch(gq_dequant_kernel<__nv_bfloat16>, dim3((unsigned)((nblocks + 255) / 256), 1), 256, 0,
+              (cudaStream_t)stream, codes, scales, 1, (int)N, (int)K, nullptr, 0, tiled, (__nv_bfloat16 *)out);
+    FP4MOE_CUDA_TRY("cuda_nvfp4_dequant_bf16", cudaGetLastError(), "launch of the dequantize kernel");
+    return FP4MOE_OK;
 }
 
 int gq_run_dequant_gemm(const gq_args *a, fp4moe_dtype dtype, cudaStream_t st) {

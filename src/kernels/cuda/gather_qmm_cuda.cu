@@ -219,16 +219,16 @@ extern "C" int gather_qmm_cuda_ex(const fp4moe_nvfp4_weights *w, int tiled, cons
 
 extern "C" int gather_qmm_cuda_linear(const fp4moe_nvfp4_weights *w, int tiled, const void *x, fp4moe_dtype dtype,
                                       const uint32_t *zero_idx, int64_t B, fp4moe_route route, int relu2, void *y,
-                                      void *stream, void *blas, gq_dense_scratch *dq, const float *d_zero,
-                                      int *fused) {
+                                      void *stream, void *blas, gq_dense_scratch *dq, const void *wbf16,
+                                      const float *d_zero, int *fused) {
     *fused = 0;
     int st = check_call(w, x, dtype, zero_idx, B, 1, route, y);
     if (st != FP4MOE_OK || B == 0) return st;
     const fp4moe_route r = route == FP4MOE_ROUTE_AUTO ? choose_route(B, w->E, 1) : route;
-    if (r != FP4MOE_ROUTE_DEQUANT_GEMM || w->E != 1 || dtype != FP4MOE_BF16 || !blas || !dq || !d_zero)
+    if (r != FP4MOE_ROUTE_DEQUANT_GEMM || w->E != 1 || dtype != FP4MOE_BF16 || !blas || (!dq && !wbf16) || !d_zero)
         return gather_qmm_cuda_ex(w, tiled, x, dtype, zero_idx, B, 1, route, relu2, y, stream, fused);
     const gq_args a = {w->codes, w->scales, w->global_scale, 1, (int)w->N, (int)w->K, x, y, zero_idx, (int)B, 0, tiled};
-    st = gq_dense_dequant_gemm(&a, (cudaStream_t)stream, blas, dq, d_zero);
+    st = gq_dense_dequant_gemm(&a, (cudaStream_t)stream, blas, dq, wbf16, d_zero);
     return st ? fp4moe_error_context(st, "gather_qmm_cuda (route dequant_gemm, dense N=%d K=%d B=%d)", a.N, a.K, a.B)
               : FP4MOE_OK;
 }

@@ -37,6 +37,10 @@ typedef struct {
     fp4moe_dtype dtype;         /* dense: FP4MOE_BF16 or FP4MOE_F32 (f16 is uploaded as f32) */
     const void *dense;          /* dense: E*N*K elements, expert-major */
     const float *bias;          /* N floats or NULL */
+    const void *wbf16;          /* NVFP4 plain linear (E = 1): its weights dequantized once at load
+                                   (bf16 N x K, block scales applied, not the global scale:
+                                   cuda_nvfp4_dequant_bf16), which the dense dequant_gemm form
+                                   reads instead of dequantizing each call; or NULL */
 } cuda_linear;
 
 /* A bf16 buffer for one dequantized plain NVFP4 linear (grown on first use; owned by the session). */
@@ -82,6 +86,14 @@ int64_t cuda_nvfp4_tiled_expert_bytes(int64_t N, int64_t K);
 int cuda_nvfp4_relayout_tiled(void *stream, const uint8_t *codes, const uint8_t *scales, int64_t E, int64_t N,
                               int64_t K, void *out);
 
+/* One plain NVFP4 weight (N, K) dequantized to bf16 at out (N x K, row-major): out[n][k] =
+ * E2M1(code) x E4M3(block scale), exact in bf16 (spec NVFP4.md "Dequantization"; the global scale is
+ * left to the GEMM's alpha, as in dequant_gemm). codes / scales: the checkpoint layout, or the tiled
+ * layout when tiled (then scales is not read). Asynchronous on stream. K % 16 == 0, else
+ * FP4MOE_EUNSUPPORTED; launch errors FP4MOE_ECUDA. */
+int cuda_nvfp4_dequant_bf16(void *stream, const uint8_t *codes, const uint8_t *scales, int tiled, int64_t N,
+                            int64_t K, void *out);
+
 /* tiled (the three functions below): 1 when w->codes holds the tiled layout of gq_relayout_tiled
  * (src/kernels/cuda/gather_cuda.cuh; w->scales is then not read); the kernels give the same bits
  * as on the checkpoint layout, except sorted qmv-route calls of 33-63 rows, which take the 8-row-tile
@@ -97,13 +109,15 @@ int gather_qmm_cuda_ex(const fp4moe_nvfp4_weights *w, int tiled, const void *x, 
 
 /* gather_qmm_cuda_ex for a plain NVFP4 linear: w->E == 1 and zero_idx[0..B) all 0 (the caller's
  * promise). Where the route resolves to dequant_gemm (auto: B >= 256 rows; or forced) and x is bf16,
- * the dense form runs (gq_dense_dequant_gemm: the weights dequantized into *dq, one cuBLAS GEMM on
+ * the dense form runs (gq_dense_dequant_gemm: the weights dequantized into *dq - or, when wbf16 is
+ * not NULL, its copy made once by cuda_nvfp4_dequant_bf16, the same bits - then one cuBLAS GEMM on
  * `blas`, which must be bound to `stream`; d_zero: a device 0.0f): no runs and no host
  * synchronisation, so it neither stalls the host nor breaks a graph capture. Otherwise exactly
  * gather_qmm_cuda_ex. Errors: as gather_qmm_cuda_ex. */
 int gather_qmm_cuda_linear(const fp4moe_nvfp4_weights *w, int tiled, const void *x, fp4moe_dtype dtype,
                            const uint32_t *zero_idx, int64_t B, fp4moe_route route, int relu2, void *y,
-                           void *stream, void *blas, gq_dense_scratch *dq, const float *d_zero, int *fused);
+                           void *stream, void *blas, gq_dense_scratch *dq, const void *wbf16, const float *d_zero,
+                           int *fused);
 
 /* gather_qmm (sorted idx) with bf16 x and fp32 y: the expert-batched tensor-core kernel, whose
  * per-row arithmetic does not depend on the other rows (src/kernels/cuda/gather_qmm_cuda.cu). */

@@ -137,7 +137,8 @@ extern "C" int cuda_linear_forward(const cuda_ops *o, const cuda_linear *w, cons
         /* E = 1, idx all 0: the dense dequant_gemm form where that route is chosen (no host
          * synchronisation); beta = 0.0f read from the zeros of zero_idx (bit pattern 0) */
         rc = gather_qmm_cuda_linear(&w->q, w->tiled, x, FP4MOE_BF16, o->zero_idx, T, o->route, relu2 && !w->bias, y,
-                                    o->stream, o->blas, o->dq, (const float *)(const void *)o->zero_idx, &fused);
+                                    o->stream, o->blas, o->dq, w->wbf16, (const float *)(const void *)o->zero_idx,
+                                    &fused);
     } else if (w->dtype == FP4MOE_BF16) {
         rc = gemm_xwt((cublasHandle_t)o->blas, w->dense, x, y, CUDA_R_16BF, CUDA_R_16BF, T, w->N, w->K,
                       "linear (cublasGemmEx bf16)");
