@@ -172,7 +172,8 @@ static int put_tiled(placer *p, const op_linear *h, uint64_t tensor_id, void **t
 
 /* may_tile: 0 for the embedding (its rows are looked up in the checkpoint layout). copy: a plain NVFP4
  * linear gets a bf16 copy of its dequantized weights when p->dense_copy (cuda_linear.wbf16; not the
- * embedding, nor the lm_head, which never sees a prefill-sized batch) */
+ * embedding, nor the lm_head, whose fp32 logits come from cuda_linear_forward_f32out, which has no
+ * dequant_gemm form) */
 static int put_linear_as(placer *p, const op_linear *h, cuda_linear *d, uint64_t tensor_id, int may_tile, int copy) {
     memset(d, 0, sizeof *d);
     if (!h->N) return FP4MOE_OK;

@@ -443,7 +443,9 @@ __device__ __forceinline__ void fa_softmax_tile(float (&sc)[NJ][4], float mx0, f
  * split into two fp16 parts (~22 bits) and the V fragments from ldmatrix.trans. The warps' (m, l, o)
  * are merged in shared memory into the split's partial (natural-log m, as the combine kernel
  * reads it). */
-#define DM_WARPS 4
+#ifndef DM_WARPS
+#define DM_WARPS 4 /* (a macro: bench/gpu-attn-variants.sh measures others) */
+#endif
 
 __device__ __forceinline__ void dm_ldmatrix_x4_trans(uint32_t (&r)[4], const uint16_t *p) {
     const unsigned a = (unsigned)__cvta_generic_to_shared(p);
@@ -1242,8 +1244,11 @@ extern "C" int cuda_attention_decode(void *stream, const uint16_t *q, const uint
 
 /* The decode grid's z extent: DEC_SPLITS for few rows (one block a split, the most parallelism for
  * one long row), fewer as rows are added (~2,048 blocks), each block then taking several splits. */
+#ifndef DEC_GRID_BLOCKS
+#define DEC_GRID_BLOCKS 2048
+#endif
 static unsigned dec_grid_splits(int nkv, int R) {
-    const int64_t rows = (int64_t)nkv * R, z = (2048 + rows - 1) / rows;
+    const int64_t rows = (int64_t)nkv * R, z = (DEC_GRID_BLOCKS + rows - 1) / rows;
     return (unsigned)(z < 1 ? 1 : z > DEC_SPLITS ? DEC_SPLITS : z);
 }
 
