@@ -249,9 +249,24 @@ attn_decode_kernel(const uint16_t *q, const uint16_t *kc, const uint16_t *vc, co
  * tokens) take splits of 8 pages: one row at 512 tokens 14.9 -> 11.5 us, 64 rows 23.9 -> 23.6 us
  * (session 13; at 2,048 tokens 8-page splits cost the 64 rows 3.5%). A function of the row's length
  * only, so a row gets the same numbers alone or in a batch. */
-#define DEC_SHORT_PAGES 32
+#ifndef DEC_SHORT_PAGES /* (macros: bench/gpu-attn-variants.sh measures other rules; docs/GPU-NOTES.md) */
+#define DEC_SHORT_PAGES 32 /* rows of at most this many pages take DEC_SHORT_MIN-page splits, */
+#endif
+#ifndef DEC_SHORT_MIN
+#define DEC_SHORT_MIN 8
+#endif
+#ifndef DEC_MID_PAGES
+#define DEC_MID_PAGES 32   /* rows of at most this many pages DEC_MID_MIN-page splits (no middle band: */
+#endif                     /* DEC_MID_PAGES == DEC_SHORT_PAGES), */
+#ifndef DEC_MID_MIN
+#define DEC_MID_MIN 16
+#endif
+#ifndef DEC_LONG_MIN
+#define DEC_LONG_MIN 16    /* longer rows at least DEC_LONG_MIN-page splits */
+#endif
 __device__ __forceinline__ int dec_pages_per_split(int ntiles, int splits) {
-    return max((ntiles + splits - 1) / splits, ntiles <= DEC_SHORT_PAGES ? 8 : 16);
+    const int mn = ntiles <= DEC_SHORT_PAGES ? DEC_SHORT_MIN : ntiles <= DEC_MID_PAGES ? DEC_MID_MIN : DEC_LONG_MIN;
+    return max((ntiles + splits - 1) / splits, mn);
 }
 
 /* out[r][h] = bf16(sum_s o_s e^(m_s - M) / sum_s l_s e^(m_s - M)) over the splits that hold keys,
