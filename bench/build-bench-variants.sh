@@ -15,6 +15,7 @@ SRC=$(ls bench/$PROG.cu)
 flags=$(sed -n "s/^CUDA_FLAGS = //p" $B/$D/flags.make)
 defs=$(sed -n "s/^CUDA_DEFINES = //p" $B/$D/flags.make)
 mkdir -p "$OUTD"
+OUTD=$(cd "$OUTD" && pwd) # absolute: the link runs in the build directory
 i=0
 for v in "$@"; do
     obj=$(mktemp --suffix=.o)
@@ -23,7 +24,7 @@ for v in "$@"; do
         $flags $v -x cu -c "$PWD/../$SRC" -o "$obj")
     objs=$(sed "s|[^ ]*$PROG.cu.o|$obj|" $B/$D/objects1)
     # shellcheck disable=SC2086
-    (cd $B && g++ $objs -o "$PWD/../$OUTD/$PROG-$i" @$D/linkLibs.rsp -L/usr/local/cuda/targets/x86_64-linux/lib/stubs \
+    (cd $B && g++ $objs -o "$OUTD/$PROG-$i" @$D/linkLibs.rsp -L/usr/local/cuda/targets/x86_64-linux/lib/stubs \
         -L/usr/local/cuda/targets/x86_64-linux/lib)
     strip "$OUTD/$PROG-$i"
     rm -f "$obj"

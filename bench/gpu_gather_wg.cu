@@ -12,8 +12,10 @@
  * against production (outputs poisoned first; bitwise equality is expected, 1e-2 of max|y| is the
  * pass line) on awkward shapes, then timed next to production's batched route and dequant_gemm on
  * the 30B-A3B MoE shapes (up 2688 -> 1856 with relu^2, down 1856 -> 2688, E = 128, top-6) at 128 ..
- * 8,192 tokens. Variants by macro: WK_MT (64 or 128), WK_MINB (blocks an SM in the launch bounds).
- * Usage: gpu_gather_wg */
+ * 8,192 tokens. Variants by macro: WK_MT (64 or 128), WK_MINB (blocks an SM in the launch bounds);
+ * WK_WS=1: the candidate is the warp-specialised kernel of bench/gather_ws.cuh instead (tiled layout
+ * only: the checks and timings of the checkpoint layout are left out; its macros WS_NC, WS_STAGES,
+ * WS_MINB). Usage: gpu_gather_wg (WK_CHECKS=small: only the small checks, for compute-sanitizer) */
 #include "kernels/cuda/gather_batched.cu"
 
 extern "C" {
@@ -28,6 +30,17 @@ extern "C" {
 #define WK_MINB (WK_MT > 64 ? 1 : 2)
 #endif
 
+#ifndef WK_WS
+#define WK_WS 0
+#endif
+#if WK_WS
+#include "gather_ws.cuh"
+#undef WK_MT
+#define WK_MT 64 /* (the warp-specialised kernel's row tile) */
+static int wk_launch(const gq_args *a, cudaStream_t st) { return ws_launch(a, st); }
+#define WK_TL0 1 /* tiled layout only */
+#else
+#define WK_TL0 0
 /* the candidate: production's wgmma kernel (gather_batched.cu) with WK_MT-row tiles */
 static int wk_launch(const gq_args *a, cudaStream_t st) {
     int *buf = NULL;
@@ -39,6 +52,7 @@ static int wk_launch(const gq_args *a, cudaStream_t st) {
     gq_scratch_free(buf, st);
     return rc;
 }
+#endif
 
 /* production, with the row tile forced when mt > 0 */
 static int prod_launch(const gq_args *a, int mt, cudaStream_t st) { /* now the wgmma kernel at mt = 64 */
@@ -134,21 +148,23 @@ static int check(const char *what, const wts_t *w, const int *lens, int tail, bo
     return ok;
 }
 
-static int run_checks(tu_rng *r) {
+/* small: only the small shapes (for compute-sanitizer) */
+static int run_checks(tu_rng *r, int small) {
     int ok = 1;
     wts_t w;
     make_wts(&w, 6, 200, 320, r); /* N % 128 = 72, K % 128 = 64 */
     const int lens1[6] = {1, 0, 137, 9, 300, 64};
     const int lens2[6] = {8, 7, 16, 0, 3, 129};
-    for (int tl = 0; tl < 2; tl++) {
+    for (int tl = WK_TL0; tl < 2; tl++) {
         ok &= check("E=6 N=200 K=320, runs 1..300, tail 5", &w, lens1, 5, tl, 0, r);
         ok &= check("E=6 N=200 K=320, short runs, relu2", &w, lens2, 0, tl, 1, r);
     }
     free_wts(&w);
+    if (small) return ok;
     make_wts(&w, 128, 1856, 2688, r);
     int lens[128];
     for (int e = 0; e < 128; e++) lens[e] = (int)tu_rng_below(r, 300);
-    for (int tl = 0; tl < 2; tl++) ok &= check("30B up, E=128, runs 0..299", &w, lens, 2, tl, 1, r);
+    for (int tl = WK_TL0; tl < 2; tl++) ok &= check("30B up, E=128, runs 0..299", &w, lens, 2, tl, 1, r);
     free_wts(&w);
     return ok;
 }
@@ -179,7 +195,11 @@ int main(void) {
     gt_require_gpu("gpu_gather_wg");
     tu_rng r;
     tu_rng_seed(&r, 5);
-    const int ok = run_checks(&r);
+    /* WK_CHECKS=small: the small checks only, then exit (for compute-sanitizer's memcheck / racecheck) */
+    const char *ck = getenv("WK_CHECKS");
+    const int small = ck && !strcmp(ck, "small");
+    const int ok = run_checks(&r, small);
+    if (small) return ok ? 0 : 1;
     wts_t up, down;
     make_wts(&up, 128, 1856, 2688, &r);
     make_wts(&down, 128, 2688, 1856, &r);
@@ -203,7 +223,7 @@ int main(void) {
         uint32_t *didx = (uint32_t *)gt_upload(hidx, sizeof(uint32_t) * (size_t)B);
         void *x = gt_rand_dev((int64_t)B * 2688, 1.0f, &r, 0);
         void *h = gt_upload(NULL, (size_t)B * 1856 * 2), *y = gt_upload(NULL, (size_t)B * 2688 * 2);
-        for (int tl = 0; tl < 2; tl++) {
+        for (int tl = WK_TL0; tl < 2; tl++) {
             tctx c0 = {&up, &down, tl != 0, 0, x, h, y, didx, B}, c1 = c0, c2 = c0;
             c1.which = 1;
             c2.which = 2;

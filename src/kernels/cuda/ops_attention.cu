@@ -24,6 +24,7 @@
 
 #include "kernels/cuda/ops_cuda.h"
 #include "kernels/cuda/cuda_launch.cuh"
+#include "kernels/cuda/mbarrier.cuh"
 #include "kernels/cuda/wgmma_rs.cuh"
 
 #define ATT_WARPS 8
@@ -912,18 +913,6 @@ static int launch_prefill_mma(const uint16_t *q, const uint16_t *kc, const uint1
 template <int R> __device__ __forceinline__ uint32_t wa_off(int row, int c) {
     return (uint32_t)((c * (R / 8) + (row >> 3)) * 128 + (row & 7) * 16);
 }
-__device__ __forceinline__ void wa_mbar_init(uint32_t bar, int count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void wa_mbar_wait(uint32_t bar, int parity) {
-    asm volatile("{\n.reg .pred P1;\nWA_WAIT:\n"
-                 "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n"
-                 "@!P1 bra WA_WAIT;\n}\n" ::"r"(bar), "r"(parity) : "memory");
-}
-__device__ __forceinline__ void wa_mbar_arrive(uint32_t bar) {
-    asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(bar) : "memory");
-}
-
 /* o (accumulators) and p (A operands) of wgmma in flight stay in their registers until after the wait
  * (the compiler sees an asm statement as done when issued): they are "read and written" here */
 __device__ __forceinline__ void wa_keep(float (&o)[64], uint32_t (&p)[8][4]) {
@@ -966,7 +955,7 @@ attn_prefill_wg_kernel(const uint16_t *q, const uint16_t *kc, const uint16_t *vc
     const int kstart = 0;
 #endif
     if (threadIdx.x == 0)
-        for (int i = 0; i < 4 * NS; i++) wa_mbar_init(bars + 8 * i, 128 * (i < 2 * NS ? 1 : 2));
+        for (int i = 0; i < 4 * NS; i++) cu_mbar_init(bars + 8 * i, 128 * (i < 2 * NS ? 1 : 2));
     __syncthreads();
     if (wg == 0) { /* producer: key kstart + j * 128 + tid of step j, its K and V rows (16 pieces each) */
         asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
@@ -976,18 +965,18 @@ attn_prefill_wg_kernel(const uint16_t *q, const uint16_t *kc, const uint16_t *vc
             const bool v = key < nkeys;
             const int64_t off = v ? ((int64_t)pages[key / ATT_TILE] * ATT_TILE + key % ATT_TILE) * kvs + (int64_t)kh * WA_DH : 0;
             const uint32_t o16 = wa_off<WA_KEYS>(tid, 0);
-            if (j >= NS) wa_mbar_wait(empty_k(st), par);
+            if (j >= NS) cu_mbar_wait(empty_k(st), par);
 #pragma unroll
             for (int c = 0; c < WA_DH / 8; c++)
                 asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(sk + st * WA_KVBYTES + o16 + c * (WA_KEYS / 8) * 128),
                              "l"(kc + off + c * 8), "r"(v ? 16 : 0) : "memory");
-            asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(full_k(st)) : "memory");
-            if (j >= NS) wa_mbar_wait(empty_v(st), par);
+            cu_mbar_arrive_cp_async(full_k(st));
+            if (j >= NS) cu_mbar_wait(empty_v(st), par);
 #pragma unroll
             for (int c = 0; c < WA_DH / 8; c++)
                 asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(sv + st * WA_KVBYTES + o16 + c * (WA_KEYS / 8) * 128),
                              "l"(vc + off + c * 8), "r"(v ? 16 : 0) : "memory");
-            asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(full_v(st)) : "memory");
+            cu_mbar_arrive_cp_async(full_v(st));
         }
         asm volatile("cp.async.wait_all;" ::: "memory");
         return;
@@ -1018,8 +1007,8 @@ attn_prefill_wg_kernel(const uint16_t *q, const uint16_t *kc, const uint16_t *vc
     const int pa = P + ra, pb = P + rb;                        /* their last visible keys */
     /* S = Q K_j^T issued (the stage's data first made visible to the async proxy) */
     /* the stages' data: K_j (ks), V_j (vs) waited for and made visible to the async proxy (wgmma) */
-    auto wait_k = [&](int j) { wa_mbar_wait(full_k(j % NS), (j / NS) & 1); };
-    auto wait_v = [&](int j) { wa_mbar_wait(full_v(j % NS), (j / NS) & 1); };
+    auto wait_k = [&](int j) { cu_mbar_wait(full_k(j % NS), (j / NS) & 1); };
+    auto wait_v = [&](int j) { cu_mbar_wait(full_v(j % NS), (j / NS) & 1); };
     auto issue_s = [&](int j) {
         const uint32_t ks = sk + (j % NS) * WA_KVBYTES;
 #pragma unroll
@@ -1117,7 +1106,7 @@ attn_prefill_wg_kernel(const uint16_t *q, const uint16_t *kc, const uint16_t *vc
     your_turn();
     wg_wait<0>();
     wa_keep_s(s);
-    wa_mbar_arrive(empty_k(0)); /* (every consumer thread: no divergent path among the wgmma) */
+    cu_mbar_arrive(empty_k(0)); /* (every consumer thread: no divergent path among the wgmma) */
     softmax(0);
     take_p();
     for (int j = 1; j < nb; j++) { /* S_j and P_{j-1} V_{j-1} in flight together; the softmax of S_j */
@@ -1131,11 +1120,11 @@ attn_prefill_wg_kernel(const uint16_t *q, const uint16_t *kc, const uint16_t *vc
         your_turn();
         wg_wait<1>(); /* S_j done (P V of step j - 1 may still run): K_j is free */
         wa_keep_s(s);
-        wa_mbar_arrive(empty_k(j % NS));
+        cu_mbar_arrive(empty_k(j % NS));
         softmax(j);
         wg_wait<0>(); /* P V of step j - 1 done: V_{j-1} is free, O may be rescaled */
         wa_keep(o, p);
-        wa_mbar_arrive(empty_v((j - 1) % NS));
+        cu_mbar_arrive(empty_v((j - 1) % NS));
 #pragma unroll
         for (int i = 0; i < 16; i++) {
             o[4 * i] *= c0;
