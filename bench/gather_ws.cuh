@@ -49,7 +49,7 @@ static_assert(WS_SLOT % 128 == 0, "slots keep 128-byte alignment");
 template <int N>
 __device__ __forceinline__ void ws_consume(const gq_args &a, int e, int64_t row0, int rows, int nw, int pw,
                                            uint32_t sbase, uint32_t bars, const uint8_t *smem, int nsteps, int &g) {
-    const int lane = threadIdx.x & 31, gq = lane >> 2, t = lane & 3;
+    const int lane = threadIdx.x & 31;
     float acc[N / 2];
 #pragma unroll
     for (int i = 0; i < N / 2; i++) acc[i] = 0.0f;
@@ -70,22 +70,7 @@ __device__ __forceinline__ void ws_consume(const gq_args &a, int e, int64_t row0
         for (int i = 0; i < N / 2; i++) asm volatile("" : "+f"(acc[i])::"memory");
         cu_mbar_arrive(bars + 8 * (WS_STAGES + slot)); /* every thread: the slot may be refilled */
     }
-    const int NF = a.N;
-    __nv_bfloat16 *y = static_cast<__nv_bfloat16 *>(a.y);
-    const float mult = cu_expert_gs(a.gs, e) * bt_ops<__nv_bfloat16>::kUndo;
-    const int na = nw + gq, nb = nw + gq + 8;
-#pragma unroll
-    for (int i = 0; i < N / 8; i++) {
-        const int r = i * 8 + 2 * t;
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-            if (r + h < rows) {
-                __nv_bfloat16 *yr = y + (row0 + r + h) * NF;
-                if (na < NF) yr[na] = cu_out<__nv_bfloat16>(acc[4 * i + h] * mult, a.relu2);
-                if (nb < NF) yr[nb] = cu_out<__nv_bfloat16>(acc[4 * i + 2 + h] * mult, a.relu2);
-            }
-        }
-    }
+    gw_store<N>(a, e, row0, rows, nw, acc);
 }
 
 /* The producer's step s of an item into ring slot `slot`: the pieces by cp.async, the x tile through

@@ -614,6 +614,29 @@ __device__ __forceinline__ void gw_step(float (&d)[N / 2], const uint32_t (&w0)[
     wg_commit();
 }
 
+/* The epilogue of a warp's item: thread (g, t) holds features nw + g (acc[4i + h]) and nw + g + 8
+ * (acc[4i + 2 + h]) of rows 8i + 2t + h; y = bf16(acc x global scale x kUndo), relu^2 if asked,
+ * rows < rows and features < N only. */
+template <int N>
+__device__ __forceinline__ void gw_store(const gq_args &a, int e, int64_t row0, int rows, int nw, const float (&acc)[N / 2]) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, NF = a.N;
+    __nv_bfloat16 *y = static_cast<__nv_bfloat16 *>(a.y);
+    const float mult = cu_expert_gs(a.gs, e) * bt_ops<__nv_bfloat16>::kUndo;
+    const int na = nw + g, nb = nw + g + 8;
+#pragma unroll
+    for (int i = 0; i < N / 8; i++) {
+        const int r = i * 8 + 2 * t;
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            if (r + h < rows) {
+                __nv_bfloat16 *yr = y + (row0 + r + h) * NF;
+                if (na < NF) yr[na] = cu_out<__nv_bfloat16>(acc[4 * i + h] * mult, a.relu2);
+                if (nb < NF) yr[nb] = cu_out<__nv_bfloat16>(acc[4 * i + 2 + h] * mult, a.relu2);
+            }
+        }
+    }
+}
+
 /* One item (expert e, rows row0 .. row0 + rows - 1, features from nw for this warp) with N = rows
  * rounded up to 8. */
 template <int N, int MT, bool TL>
@@ -625,7 +648,6 @@ __device__ __forceinline__ void gw_item(const gq_args &a, int e, int64_t row0, i
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int NF = a.N, K = a.K, KB = K >> 4, nsteps = (K + BT_KSTEP - 1) / BT_KSTEP;
     const __nv_bfloat16 *x = static_cast<const __nv_bfloat16 *>(a.x);
-    __nv_bfloat16 *y = static_cast<__nv_bfloat16 *>(a.y);
     const int64_t we = cu_weight_expert(e, a.E);
     const int64_t wr0 = we * NF + min(nw + g, NF - 1), wr1 = we * NF + min(nw + g + 8, NF - 1);
     const uint8_t *crow0 = a.codes + wr0 * (K >> 1), *crow1 = a.codes + wr1 * (K >> 1);
@@ -669,22 +691,7 @@ __device__ __forceinline__ void gw_item(const gq_args &a, int e, int64_t row0, i
 #pragma unroll
     for (int i = 0; i < N / 2; i++) asm volatile("" : "+f"(acc[i])::"memory"); /* read after the wait */
 
-    /* epilogue: thread (g, t) of the warp holds features nw + g (acc[4i + h]) and nw + g + 8
-     * (acc[4i + 2 + h]) of rows 8i + 2t + h */
-    const float mult = cu_expert_gs(a.gs, e) * bt_ops<__nv_bfloat16>::kUndo;
-    const int na = nw + g, nb = nw + g + 8;
-#pragma unroll
-    for (int i = 0; i < N / 8; i++) {
-        const int r = i * 8 + 2 * t;
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-            if (r + h < rows) {
-                __nv_bfloat16 *yr = y + (row0 + r + h) * NF;
-                if (na < NF) yr[na] = cu_out<__nv_bfloat16>(acc[4 * i + h] * mult, a.relu2);
-                if (nb < NF) yr[nb] = cu_out<__nv_bfloat16>(acc[4 * i + 2 + h] * mult, a.relu2);
-            }
-        }
-    }
+    gw_store<N>(a, e, row0, rows, nw, acc);
     __syncthreads(); /* the x buffers and the ring are reused by the next item */
 }
 

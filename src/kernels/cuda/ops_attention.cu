@@ -266,8 +266,12 @@ attn_decode_kernel(const uint16_t *q, const uint16_t *kc, const uint16_t *vc, co
 #define DEC_LONG_MIN 16    /* longer rows at least DEC_LONG_MIN-page splits */
 #endif
 __device__ __forceinline__ int dec_pages_per_split(int ntiles, int splits) {
+#if DEC_MID_PAGES > DEC_SHORT_PAGES
     const int mn = ntiles <= DEC_SHORT_PAGES ? DEC_SHORT_MIN : ntiles <= DEC_MID_PAGES ? DEC_MID_MIN : DEC_LONG_MIN;
     return max((ntiles + splits - 1) / splits, mn);
+#else /* (the measured production form, compiled as it was measured) */
+    return max((ntiles + splits - 1) / splits, ntiles <= DEC_SHORT_PAGES ? DEC_SHORT_MIN : DEC_LONG_MIN);
+#endif
 }
 
 /* out[r][h] = bf16(sum_s o_s e^(m_s - M) / sum_s l_s e^(m_s - M)) over the splits that hold keys,
