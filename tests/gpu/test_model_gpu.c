@@ -442,6 +442,37 @@ static void test_side_stream(void **state) {
     fp4moe_model_free(m);
 }
 
+/* The default model loaded twice, with the load-time setting `var` = a and = b: greedy decoding
+ * after prompts of Ts[0] and Ts[1] tokens (seeds seed, seed + 1) must give identical ids and logit
+ * bits (expect_same_greedy). */
+static void same_greedy_across_loads(const char *what, const char *var, const char *a, const char *b,
+                                     const int64_t Ts[2], uint64_t seed) {
+    if (access(DEFAULT_MODEL "/config.json", R_OK)) {
+        print_message("%s not present: skipped\n", DEFAULT_MODEL);
+        return;
+    }
+    tu_setenv(var, a);
+    fp4moe_model *ma = load_on(DEFAULT_MODEL, 1, FP4MOE_DEVICE_CUDA);
+    tu_setenv(var, b);
+    fp4moe_model *mb = load_on(DEFAULT_MODEL, 1, FP4MOE_DEVICE_CUDA);
+    tu_setenv(var, NULL);
+    const int64_t V = fp4moe_model_config(ma)->vocab, n = 24;
+    fp4moe_session *sa = gpu_session(ma), *sb = gpu_session(mb);
+    for (int i = 0; i < 2; i++) {
+        int32_t *p = make_prompt(Ts[i], V, seed + (uint64_t)i), *ia = calloc(n, 4);
+        float *la = malloc((size_t)(n * V) * 4);
+        greedy(sa, p, Ts[i], V, n, ia, la);
+        expect_same_greedy(sb, p, Ts[i], V, n, ia, la);
+        free(p); free(ia); free(la);
+    }
+    print_message("%s: %lld steps after %lld and %lld tokens, identical ids and logits bits\n", what, (long long)n,
+                  (long long)Ts[0], (long long)Ts[1]);
+    fp4moe_session_free(sb);
+    fp4moe_session_free(sa);
+    fp4moe_model_free(mb);
+    fp4moe_model_free(ma);
+}
+
 /* The tiled weight layout (FP4MOE_CUDA_WEIGHT_LAYOUT=tiled: the NVFP4 linears with K % 64 == 0
  * re-laid at load) against the checkpoint layout: the kernels read the same values into the same
  * registers, so the same bits - greedy decoding after a 70-token prompt (the expert-batched and
@@ -451,30 +482,8 @@ static void test_side_stream(void **state) {
  * must fail it. */
 static void test_tiled_layout(void **state) {
     (void)state;
-    if (access(DEFAULT_MODEL "/config.json", R_OK)) {
-        print_message("%s not present: skipped\n", DEFAULT_MODEL);
-        return;
-    }
-    tu_setenv("FP4MOE_CUDA_WEIGHT_LAYOUT", "rows");
-    fp4moe_model *rows = load_on(DEFAULT_MODEL, 1, FP4MOE_DEVICE_CUDA);
-    tu_setenv("FP4MOE_CUDA_WEIGHT_LAYOUT", "tiled");
-    fp4moe_model *tiled = load_on(DEFAULT_MODEL, 1, FP4MOE_DEVICE_CUDA);
-    tu_setenv("FP4MOE_CUDA_WEIGHT_LAYOUT", NULL);
-    const int64_t V = fp4moe_model_config(rows)->vocab, n = 24;
-    fp4moe_session *a = gpu_session(rows), *b = gpu_session(tiled);
     const int64_t Ts[2] = {70, 300};
-    for (int i = 0; i < 2; i++) {
-        int32_t *p = make_prompt(Ts[i], V, 11 + i), *ia = calloc(n, 4);
-        float *la = malloc((size_t)(n * V) * 4);
-        greedy(a, p, Ts[i], V, n, ia, la);
-        expect_same_greedy(b, p, Ts[i], V, n, ia, la);
-        free(p); free(ia); free(la);
-    }
-    print_message("tiled layout: %lld steps after 70 and 300 tokens, identical ids and logits bits\n", (long long)n);
-    fp4moe_session_free(b);
-    fp4moe_session_free(a);
-    fp4moe_model_free(tiled);
-    fp4moe_model_free(rows);
+    same_greedy_across_loads("tiled layout", "FP4MOE_CUDA_WEIGHT_LAYOUT", "rows", "tiled", Ts, 11);
 }
 
 /* The bf16 copies of the plain NVFP4 linears (FP4MOE_CUDA_DENSE_BF16=1: dequantized once at load,
@@ -484,30 +493,8 @@ static void test_tiled_layout(void **state) {
  * copies made as if the layout were the other one) must fail it. */
 static void test_dense_bf16(void **state) {
     (void)state;
-    if (access(DEFAULT_MODEL "/config.json", R_OK)) {
-        print_message("%s not present: skipped\n", DEFAULT_MODEL);
-        return;
-    }
-    tu_setenv("FP4MOE_CUDA_DENSE_BF16", "0");
-    fp4moe_model *plain = load_on(DEFAULT_MODEL, 1, FP4MOE_DEVICE_CUDA);
-    tu_setenv("FP4MOE_CUDA_DENSE_BF16", "1");
-    fp4moe_model *copies = load_on(DEFAULT_MODEL, 1, FP4MOE_DEVICE_CUDA);
-    tu_setenv("FP4MOE_CUDA_DENSE_BF16", NULL);
-    const int64_t V = fp4moe_model_config(plain)->vocab, n = 24;
-    fp4moe_session *a = gpu_session(plain), *b = gpu_session(copies);
     const int64_t Ts[2] = {300, 70};
-    for (int i = 0; i < 2; i++) {
-        int32_t *p = make_prompt(Ts[i], V, 21 + i), *ia = calloc(n, 4);
-        float *la = malloc((size_t)(n * V) * 4);
-        greedy(a, p, Ts[i], V, n, ia, la);
-        expect_same_greedy(b, p, Ts[i], V, n, ia, la);
-        free(p); free(ia); free(la);
-    }
-    print_message("dense bf16 copies: %lld steps after 300 and 70 tokens, identical ids and logits bits\n", (long long)n);
-    fp4moe_session_free(b);
-    fp4moe_session_free(a);
-    fp4moe_model_free(copies);
-    fp4moe_model_free(plain);
+    same_greedy_across_loads("dense bf16 copies", "FP4MOE_CUDA_DENSE_BF16", "0", "1", Ts, 21);
 }
 
 /* Route auto (expert-batched for >= 64 sorted rows) against qmv, and a prefill in chunks of 7
