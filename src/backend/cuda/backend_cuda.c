@@ -50,7 +50,6 @@ struct gpu_model {
     int device;                     /* the CUDA device holding the weights (current at the upload) */
     void *base;                     /* one cudaMalloc for every weight */
     size_t bytes;
-    size_t copy_bytes;              /* of which the bf16 copies of plain NVFP4 linears (cuda_linear.wbf16) */
     cuda_linear embed, lm_head;     /* embed: dense of its checkpoint dtype (bf16/f16/f32) or NVFP4 */
     const float *norm_f;
     gpu_layer *layers;
@@ -70,7 +69,6 @@ typedef struct {
     void *ctx;
     int64_t total;
     int dense_copy;                 /* bf16 copies of the plain NVFP4 linears (FP4MOE_CUDA_DENSE_BF16) */
-    size_t copy_bytes;              /* their bytes */
 } placer;
 
 static void report(placer *p, size_t bytes) {
@@ -205,7 +203,6 @@ static int put_linear_as(placer *p, const op_linear *h, cuda_linear *d, uint64_t
         if (copy && p->dense_copy && h->E == 1 && h->K % 16 == 0) {
             void *wb;
             reserve(p, n * 2, &wb);
-            p->copy_bytes += n * 2;
 #ifdef FP4MOE_INJECT_FAULT_DENSE_COPY /* deliberate fault (test_model_gpu dense_bf16 must catch it) */
             const int copy_tiled = !d->tiled;
 #else
@@ -413,12 +410,10 @@ static int build_gpu_model(fp4moe_model *m, int synth, uint64_t seed, fp4moe_pro
         if (p.used > free_b / 2) {
             p.dense_copy = 0;
             p.used = 0;
-            p.copy_bytes = 0;
             st = place_model(&p, m, g);
         }
     }
     if (!st) {
-        g->copy_bytes = p.copy_bytes;
         g->bytes = p.used;
         const cudaError_t ce = cudaMalloc(&g->base, g->bytes ? g->bytes : 1);
         if (ce != cudaSuccess) {
@@ -432,7 +427,6 @@ static int build_gpu_model(fp4moe_model *m, int synth, uint64_t seed, fp4moe_pro
         p.fill = 1;
         p.base = g->base;
         p.used = 0;
-        p.copy_bytes = 0;
         p.total = (int64_t)g->bytes;
         st = place_model(&p, m, g);
         const cudaError_t ce = cudaDeviceSynchronize();  /* the generator kernels */
