@@ -174,6 +174,18 @@ done:
     return rc;
 }
 
+extern "C" int cuda_nvfp4_dequant_bf16(void *stream, const uint8_t *codes, const uint8_t *scales, int tiled,
+                                       int64_t N, int64_t K, void *out) {
+    if (K % 16 || N <= 0 || K <= 0 || N > INT32_MAX || K > INT32_MAX || N * K / 16 / 256 >= INT32_MAX)
+        return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "cuda_nvfp4_dequant_bf16: N=%lld K=%lld (K %% 16 == 0)",
+                                (long long)N, (long long)K);
+    const int64_t nblocks = N * K / 16;
+    cu_launch(gq_dequant_kernel<__nv_bfloat16>, dim3((unsigned)((nblocks + 255) / 256), 1), 256, 0,
+              (cudaStream_t)stream, codes, scales, 1, (int)N, (int)K, nullptr, 0, tiled, (__nv_bfloat16 *)out);
+    FP4MOE_CUDA_TRY("cuda_nvfp4_dequant_bf16", cudaGetLastError(), "launch of the dequantize kernel");
+    return FP4MOE_OK;
+}
+
 /* The plain-linear form (E = 1, every row's idx 0; gq_dense_dequant_gemm in gather_cuda.cuh): no
  * runs, no host synchronisation, the caller's stream-ordered scratch and cuBLAS handle. */
 int gq_dense_dequant_gemm(const gq_args *a, cudaStream_t st, void *blas, gq_dense_scratch *dq, const void *wbf16,
@@ -200,10 +212,8 @@ int gq_dense_dequant_gemm(const gq_args *a, cudaStream_t st, void *blas, gq_dens
         dq->bytes = bytes;
     }
     if (!wbf16) {
-        const int64_t nblocks = per_expert >> 4;
-        cu_launch(gq_dequant_kernel<__nv_bfloat16>, dim3((unsigned)((nblocks + 255) / 256), 1), 256, 0, st,
-                  a->codes, a->scales, 1, a->N, a->K, nullptr, 0, a->tiled, (__nv_bfloat16 *)dq->p);
-        FP4MOE_CUDA_TRY("gather_qmm_cuda", cudaGetLastError(), "launch of the dequantize kernel");
+        const int drc = cuda_nvfp4_dequant_bf16(st, a->codes, a->scales, a->tiled, a->N, a->K, dq->p);
+        if (drc) return drc;
     }
     const void *W = wbf16 ? wbf16 : dq->p;
     /* y^T (N x B, ld N) = W (K x N, ld K)^T * x^T (K x B, ld K), alpha = the global scale (read by
@@ -226,18 +236,6 @@ done:
             rc = fp4moe_set_error(FP4MOE_ECUDA, "gather_qmm_cuda: cublasSetPointerMode: cuBLAS status %d", (int)cs);
     }
     return rc;
-}
-
-extern "C" int cuda_nvfp4_dequant_bf16(void *stream, const uint8_t *codes, const uint8_t *scales, int tiled,
-                                       int64_t N, int64_t K, void *out) {
-    if (K % 16 || N <= 0 || K <= 0 || N > INT32_MAX || K > INT32_MAX || N * K / 16 / 256 >= INT32_MAX)
-        return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "cuda_nvfp4_dequant_bf16: N=%lld K=%lld (K %% 16 == 0)",
-                                (long long)N, (long long)K);
-    const int64_t nblocks = N * K / 16;
-    cu_launch(gq_dequant_kernel<__nv_bfloat16>, dim3((unsigned)((nblocks + 255) / 256), 1), 256, 0,
-              (cudaStream_t)stream, codes, scales, 1, (int)N, (int)K, nullptr, 0, tiled, (__nv_bfloat16 *)out);
-    FP4MOE_CUDA_TRY("cuda_nvfp4_dequant_bf16", cudaGetLastError(), "launch of the dequantize kernel");
-    return FP4MOE_OK;
 }
 
 int gq_run_dequant_gemm(const gq_args *a, fp4moe_dtype dtype, cudaStream_t st) {
