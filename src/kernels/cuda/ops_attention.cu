@@ -247,14 +247,15 @@ attn_decode_kernel(const uint16_t *q, const uint16_t *kc, const uint16_t *vc, co
  * 16 / 32 measured for 1 and 64 rows: docs/PERFORMANCE.md), so that middle contexts do not spread one
  * page per block and write a partial (dh + 2 floats) per page: with 64 rows at 8,192 tokens those
  * partials were 272 MB a layer, half the K/V bytes. Rows of at most DEC_SHORT_PAGES pages (1,024
- * tokens) take splits of 8 pages: one row at 512 tokens 14.9 -> 11.5 us, 64 rows 23.9 -> 23.6 us
- * (session 13; at 2,048 tokens 8-page splits cost the 64 rows 3.5%). A function of the row's length
- * only, so a row gets the same numbers alone or in a batch. */
+ * tokens) take splits of 4 pages (with the 2-warp block below; session 14, same run against torch's
+ * SDPA: one row at 512 tokens 0.0111 ms against 0.0117 for 8-page splits of 4 warps; 8-page splits
+ * at 2,048 / 8,192 tokens cost 64 rows 17% / 17%, which is why longer rows keep 16). A function of
+ * the row's length only, so a row gets the same numbers alone or in a batch. */
 #ifndef DEC_SHORT_PAGES /* (macros: bench/gpu-attn-variants.sh measures other rules; docs/GPU-NOTES.md) */
 #define DEC_SHORT_PAGES 32 /* rows of at most this many pages take DEC_SHORT_MIN-page splits, */
 #endif
 #ifndef DEC_SHORT_MIN
-#define DEC_SHORT_MIN 8
+#define DEC_SHORT_MIN 4
 #endif
 #ifndef DEC_MID_PAGES
 #define DEC_MID_PAGES 32   /* rows of at most this many pages DEC_MID_MIN-page splits (no middle band: */
@@ -463,9 +464,10 @@ __device__ __forceinline__ void fa_softmax_tile(float (&sc)[NJ][4], float mx0, f
  * split into two fp16 parts (~22 bits) and the V fragments from ldmatrix.trans. The warps' (m, l, o)
  * are merged in shared memory into the split's partial (natural-log m, as the combine kernel
  * reads it). */
-#ifndef DM_WARPS
-#define DM_WARPS 4 /* (a macro: bench/gpu-attn-variants.sh measures others) */
-#endif
+#ifndef DM_WARPS /* (a macro: bench/gpu-attn-variants.sh measures others) */
+#define DM_WARPS 2 /* 2 warps: 6 blocks an SM instead of 3. Session 14, same run, ms (x torch SDPA): */
+#endif             /* 64 rows at 2k 0.0387 (0.86) vs 0.0517 (1.14) for 4 warps; 131k x 1 0.0546 vs 0.0660;
+                    * one row at 2k / 8k 0.0207 / 0.0210 vs 0.0152 / 0.0157 (0.72x torch) */
 
 __device__ __forceinline__ void dm_ldmatrix_x4_trans(uint32_t (&r)[4], const uint16_t *p) {
     const unsigned a = (unsigned)__cvta_generic_to_shared(p);

@@ -252,11 +252,11 @@ int cuda_attention_decode(void *stream, const uint16_t *q, const uint16_t *k_cac
                           int64_t dh, uint16_t *out);
 
 /* Decode as flash-decoding: each (kv head, row) is split into up to CUDA_ATT_SPLITS key ranges of
- * whole pages, at least 16 pages each (by the row's length alone, so a row gets the same numbers
- * alone or in a batch; splits without a page exit at once), the nq/nkv query heads of a kv head
- * are the rows of tensor-core tiles over every K/V page (GQA without repeating K/V; S in fp32, P V
- * with P as two fp16 parts), fp32 online softmax, then one combine. head_dim 64 or 128 with
- * nq/nkv <= 16; other shapes run cuda_attention_decode.
+ * whole pages, at least 16 pages each (4 for rows of <= 1,024 tokens; by the row's length alone,
+ * so a row gets the same numbers alone or in a batch; splits without a page exit at once), the
+ * nq/nkv query heads of a kv head are the rows of tensor-core tiles over every K/V page (GQA
+ * without repeating K/V; S in fp32, P V with P as two fp16 parts), fp32 online softmax, then one
+ * combine. head_dim 64 or 128 with nq/nkv <= 16; other shapes run cuda_attention_decode.
  * scratch: cuda_attention_decode_scratch(R, nq, dh) bytes of device memory. */
 #define CUDA_ATT_SPLITS 256
 int cuda_attention_decode_split(void *stream, const uint16_t *q, const uint16_t *k_cache,
