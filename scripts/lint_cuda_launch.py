@@ -7,10 +7,12 @@ the kernel before it is still running; it is exact only because every kernel bod
 cu_pdl_entry() (griddepcontrol.wait) before touching global memory. This script fails, naming file
 and line, when a __global__ function under src/kernels/cuda does not begin with cu_pdl_entry();, or
 when a kernel there is launched with <<<...>>> instead of cu_launch() (bench/ programs are exempt).
-A kernel may instead begin with a helper named *_pdl_entry whose body ends with cu_pdl_entry();
-(a prologue reading only memory that no kernel writes, e.g. weights). It first runs itself on
-deliberately broken sources (a kernel without the entry, a <<<>>> launch, a helper whose
-cu_pdl_entry() is conditional) and fails if it does not flag them.
+A kernel may instead begin with a helper named *_pdl_entry whose body ends with cu_pdl_entry(); (a
+prologue reading only memory that no kernel writes, e.g. weights), called as a statement or as the
+initializer of the kernel's first declaration ("const T v = x_pdl_entry(...);", returning what it
+read). It first runs itself on deliberately broken sources (a kernel without the entry, a <<<>>>
+launch, a helper whose cu_pdl_entry() is conditional or followed by a read, a read before the
+entry) and fails if it does not flag them.
 Usage: scripts/lint_cuda_launch.py [DIR]   (default: src/kernels/cuda next to this script)
 """
 import os
@@ -51,7 +53,7 @@ def check_source(name, text):
             d -= s[k] == "}"
             if d == 0:
                 break
-        if re.search(r"\n    cu_pdl_entry\(\);\s*\}$", s[m.end() - 1:k + 1]):
+        if re.search(r"\n    cu_pdl_entry\(\);\s*(return \w+;\s*)?\}$", s[m.end() - 1:k + 1]):
             helpers.add(m.group(1))
     for m in re.finditer(r"\b__global__\b", s):
         line = s.count("\n", 0, m.start()) + 1
@@ -68,7 +70,7 @@ def check_source(name, text):
                 continue  # a declaration
             errors.append(f"{name}:{line}: cannot find the body of the kernel")
             continue
-        first = re.match(r"\s*(\w*pdl_entry)\(", s[b + 1:])
+        first = re.match(r"\s*(?:(?:const\s+)?\w+\s+\w+\s*=\s*)?(\w*pdl_entry)\(", s[b + 1:])
         if first and first.group(1) != "cu_pdl_entry" and first.group(1) not in helpers:
             errors.append(f"{name}:{line}: {first.group(1)} is not a *_pdl_entry helper that calls cu_pdl_entry()")
         if not first:
@@ -88,7 +90,14 @@ def self_test():
               "__global__ void k(int *x) {\n    x_pdl_entry(x);\n}\n")
     bad_helper = ("__device__ void x_pdl_entry(int *p) {\n    if (p) cu_pdl_entry();\n    p[0] = 0;\n}\n"
                   "__global__ void k(int *x) {\n    x_pdl_entry(x);\n}\n")
-    ok = (not check_source("good", good) and not check_source("helper", helper) and check_source("bad_entry", bad_entry)
+    helper_ret = ("__device__ int x_pdl_entry(const int *p) {\n    int v = p[0];\n    cu_pdl_entry();\n    return v;\n}\n"
+                  "__global__ void k(int *x) {\n    const int v = x_pdl_entry(x);\n    x[1] = v;\n}\n")
+    bad_ret = ("__device__ int x_pdl_entry(const int *p) {\n    cu_pdl_entry();\n    return p[0];\n}\n"
+               "__global__ void k(int *x) {\n    const int v = x_pdl_entry(x);\n    x[1] = v;\n}\n")
+    bad_decl = "__global__ void k(int *x) {\n    const int v = x[0];\n    cu_pdl_entry();\n    x[1] = v;\n}\n"
+    ok = (not check_source("good", good) and not check_source("helper", helper)
+          and not check_source("helper_ret", helper_ret) and check_source("bad_ret", bad_ret)
+          and check_source("bad_decl", bad_decl) and check_source("bad_entry", bad_entry)
           and check_source("bad_launch", bad_launch) and check_source("bad_helper", bad_helper))
     if not ok:
         print("lint_cuda_launch: self-test failed (a broken source was not flagged, or a good one was)")

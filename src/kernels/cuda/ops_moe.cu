@@ -326,31 +326,74 @@ static_assert(ROUTE_LOGITS_WARPS % ROUTE_PARTS == 0, "an expert's parts in one b
  * a contiguous part of the fp32 weight row with the T rows of x (float4 loads, lane partial sums
  * in a fixed order, a warp reduction), the parts added in order: deterministic. cuBLAS's GEMV
  * took two launches (dot + reduce) for this. H % 4 == 0, x and W 16-byte aligned. */
+#ifndef ROUTE_PRE
+#define ROUTE_PRE 4 /* float4 of W a lane loads before the PDL wait (all of them for H <= 8,192) */
+#endif
+
+/* The block's expert e, the warp's part [lo, hi) of the H / 4 float4 of a weight row (hi = lo for
+ * e >= E) */
+__device__ __forceinline__ void route_part(int E, int H, int &e, int &lo, int &hi) {
+    const int warp = threadIdx.x >> 5, H4 = H / 4, per = (H4 + ROUTE_PARTS - 1) / ROUTE_PARTS;
+    e = blockIdx.x * (ROUTE_LOGITS_WARPS / ROUTE_PARTS) + warp / ROUTE_PARTS;
+    lo = (warp % ROUTE_PARTS) * per;
+    hi = e < E ? min(H4, lo + per) : lo;
+}
+
+/* The logits kernel's PDL entry: the lane's first ROUTE_PRE float4 of its part of the weight row
+ * (lo + lane, lo + lane + 32, ... below hi) loaded before the wait, i.e. while the RMSNorm that
+ * makes x still runs. The router weights are uploaded once and never written by a kernel, so
+ * reading them early is exact (cuda_launch.cuh's contract: a *_pdl_entry prologue reads only such
+ * memory). */
+struct route_wpre {
+    float4 v[ROUTE_PRE];
+};
+__device__ __forceinline__ route_wpre route_logits_pdl_entry(const float *W, int E, int H) {
+    route_wpre wpre;
+    int e, lo, hi;
+    route_part(E, H, e, lo, hi);
+    const float4 *w = reinterpret_cast<const float4 *>(W) + (int64_t)(e < E ? e : 0) * (H / 4);
+#pragma unroll
+    for (int j = 0; j < ROUTE_PRE; j++) {
+        const int i = lo + (int)(threadIdx.x & 31) + 32 * j;
+        if (i < hi) wpre.v[j] = __ldg(w + i);
+    }
+    cu_pdl_entry();
+    return wpre;
+}
+
+/* acc[t] += w . x[t][4i .. 4i+3] for the T rows, one fma chain in a fixed order */
+__device__ __forceinline__ void route_dot4(float (&acc)[ROUTE_MAX_T], float4 wv, const float4 *x4, int T, int H4,
+                                           int i) {
+#pragma unroll
+    for (int t = 0; t < ROUTE_MAX_T; t++) {
+        if (t < T) {
+            const float4 xv = __ldg(x4 + (int64_t)t * H4 + i);
+            acc[t] = fmaf(wv.w, xv.w, fmaf(wv.z, xv.z, fmaf(wv.y, xv.y, fmaf(wv.x, xv.x, acc[t]))));
+        }
+    }
+}
+
 __global__ void __launch_bounds__(ROUTE_LOGITS_WARPS * 32)
 route_logits_kernel(const float *__restrict__ x, int T, const float *__restrict__ W, int E, int H,
                     float *__restrict__ logits) {
-    cu_pdl_entry();
+    const route_wpre wpre = route_logits_pdl_entry(W, E, H);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, pi = warp % ROUTE_PARTS, H4 = H / 4;
+    int e, lo, hi;
+    route_part(E, H, e, lo, hi);
+    const float4 *w = reinterpret_cast<const float4 *>(W) + (int64_t)(e < E ? e : 0) * H4;
     __shared__ float part[ROUTE_LOGITS_WARPS][ROUTE_MAX_T];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int e = blockIdx.x * (ROUTE_LOGITS_WARPS / ROUTE_PARTS) + warp / ROUTE_PARTS, pi = warp % ROUTE_PARTS;
-    const int H4 = H / 4, per = (H4 + ROUTE_PARTS - 1) / ROUTE_PARTS, lo = pi * per, hi = min(H4, lo + per);
     if (e < E) {
         float acc[ROUTE_MAX_T];
 #pragma unroll
         for (int t = 0; t < ROUTE_MAX_T; t++) acc[t] = 0.0f;
-        const float4 *w = reinterpret_cast<const float4 *>(W + (int64_t)e * H);
         const float4 *x4 = reinterpret_cast<const float4 *>(x);
-#pragma unroll 2
-        for (int i = lo + lane; i < hi; i += 32) {
-            const float4 wv = __ldg(w + i);
 #pragma unroll
-            for (int t = 0; t < ROUTE_MAX_T; t++) {
-                if (t < T) {
-                    const float4 xv = __ldg(x4 + (int64_t)t * H4 + i);
-                    acc[t] = fmaf(wv.w, xv.w, fmaf(wv.z, xv.z, fmaf(wv.y, xv.y, fmaf(wv.x, xv.x, acc[t]))));
-                }
-            }
+        for (int j = 0; j < ROUTE_PRE; j++) { /* the preloaded weights, then the rest: the same order */
+            const int i = lo + lane + 32 * j;
+            if (i < hi) route_dot4(acc, wpre.v[j], x4, T, H4, i);
         }
+#pragma unroll 2
+        for (int i = lo + lane + 32 * ROUTE_PRE; i < hi; i += 32) route_dot4(acc, __ldg(w + i), x4, T, H4, i);
 #pragma unroll
         for (int t = 0; t < ROUTE_MAX_T; t++) {
             if (t < T) { /* warp-uniform: no reductions of unused accumulators */
