@@ -330,13 +330,14 @@ static_assert(ROUTE_LOGITS_WARPS % ROUTE_PARTS == 0, "an expert's parts in one b
 #define ROUTE_PRE 4 /* float4 of W a lane loads before the PDL wait (all of them for H <= 8,192) */
 #endif
 
-/* The block's expert e, the warp's part [lo, hi) of the H / 4 float4 of a weight row (hi = lo for
- * e >= E) */
-__device__ __forceinline__ void route_part(int E, int H, int &e, int &lo, int &hi) {
+/* The block's expert e, its weight row (as H / 4 float4; row 0 for e >= E) and the warp's part
+ * [lo, hi) of it (hi = lo for e >= E) */
+__device__ __forceinline__ const float4 *route_part(const float *W, int E, int H, int &e, int &lo, int &hi) {
     const int warp = threadIdx.x >> 5, H4 = H / 4, per = (H4 + ROUTE_PARTS - 1) / ROUTE_PARTS;
     e = blockIdx.x * (ROUTE_LOGITS_WARPS / ROUTE_PARTS) + warp / ROUTE_PARTS;
     lo = (warp % ROUTE_PARTS) * per;
     hi = e < E ? min(H4, lo + per) : lo;
+    return reinterpret_cast<const float4 *>(W) + (int64_t)(e < E ? e : 0) * H4;
 }
 
 /* The logits kernel's PDL entry: the lane's first ROUTE_PRE float4 of its part of the weight row
@@ -350,8 +351,7 @@ struct route_wpre {
 __device__ __forceinline__ route_wpre route_logits_pdl_entry(const float *W, int E, int H) {
     route_wpre wpre;
     int e, lo, hi;
-    route_part(E, H, e, lo, hi);
-    const float4 *w = reinterpret_cast<const float4 *>(W) + (int64_t)(e < E ? e : 0) * (H / 4);
+    const float4 *w = route_part(W, E, H, e, lo, hi);
 #pragma unroll
     for (int j = 0; j < ROUTE_PRE; j++) {
         const int i = lo + (int)(threadIdx.x & 31) + 32 * j;
@@ -379,8 +379,7 @@ route_logits_kernel(const float *__restrict__ x, int T, const float *__restrict_
     const route_wpre wpre = route_logits_pdl_entry(W, E, H);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, pi = warp % ROUTE_PARTS, H4 = H / 4;
     int e, lo, hi;
-    route_part(E, H, e, lo, hi);
-    const float4 *w = reinterpret_cast<const float4 *>(W) + (int64_t)(e < E ? e : 0) * H4;
+    const float4 *w = route_part(W, E, H, e, lo, hi);
     __shared__ float part[ROUTE_LOGITS_WARPS][ROUTE_MAX_T];
     if (e < E) {
         float acc[ROUTE_MAX_T];
