@@ -91,7 +91,7 @@ static void make_wts(wts_t *w, int E, int N, int K, tu_rng *r) {
 static void free_wts(wts_t *w) { gt_free(w->codes); gt_free(w->scales); gt_free(w->tiled); gt_free(w->gs); }
 
 static gq_args args_of(const wts_t *w, bool tiled, const void *x, void *y, const uint32_t *idx, int B, int relu2) {
-    gq_args a;
+    gq_args a = {};
     a.codes = tiled ? w->tiled : w->codes;
     a.scales = w->scales;
     a.gs = w->gs;

@@ -70,7 +70,7 @@ static void free_weights(weights_t *w) {
 }
 
 static gq_args args_of(const weights_t *w, int copy, bool tiled, const void *x, void *y, const uint32_t *idx, int B) {
-    gq_args a;
+    gq_args a = {};
     a.codes = tiled ? w->tiled + copy * w->tbytes : w->codes + copy * w->cbytes;
     a.scales = w->scales + copy * w->sbytes;
     a.gs = w->gs;

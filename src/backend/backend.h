@@ -139,6 +139,11 @@ typedef struct be_ops {
     /* y[b] = x[b] @ W[idx[b]]^T (gather_qmm on NVFP4 experts); relu2 as for linear */
     int (*linear_gather)(void *bc, const void *W, const void *x, const uint32_t *idx, int64_t B, int relu2,
                          void *y);
+    /* Optional (NULL: not offered): linear_gather where all B rows are x's ONE row (one token's routed
+     * experts), without gathering copies of it; the same results. FP4MOE_EUNSUPPORTED where the
+     * backend cannot (the caller then gathers the rows and calls linear_gather). */
+    int (*linear_gather_x1)(void *bc, const void *W, const void *x, const uint32_t *idx, int64_t B, int relu2,
+                            void *y);
     /* The routing of a MoE layer: logits (T x E fp32) = x (T x H fp32) @ W^T (router weights, E x H
      * fp32); ids, wts (T x k) = the router's top-k (fw_router); then the stable sort of the T * k
      * (token, slot) rows by expert: row_of, idx (sorted experts), pos_of (B = T * k each). */

@@ -362,11 +362,20 @@ static int moe_routed(const fw_ctx *f, const fw_layer *d, const void **routed) {
         if ((st = be->linear(bc, d->latent_in, b->xn, R, 0, b->xl))) return fp4moe_error_context(st, "fc1_latent_proj");
         xin = b->xl;
     }
-    TRY(be->gather_rows(bc, xin, Hl, b->row_of, B, k, b->xs));
+    /* one token (a decode step of one sequence): its k rows are all xin's row, which the backend may
+     * read in place of k gathered copies (linear_gather_x1; the same results) */
+    int up_done = 0;
+    if (R == 1 && !f->ep && be->linear_gather_x1) {
+        st = be->linear_gather_x1(bc, d->experts_up, xin, b->idx, B, 1, b->hs);
+        if (st == FP4MOE_OK) up_done = 1;
+        else if (st == FP4MOE_EUNSUPPORTED) fp4moe_clear_error();
+        else return fp4moe_error_context(st, "experts up (gather_qmm, one token)");
+    }
+    if (!up_done) TRY(be->gather_rows(bc, xin, Hl, b->row_of, B, k, b->xs));
     if (f->ep) { /* the rows go to the ranks that own their experts and come back (src/model/ep.c) */
         TRY(ep_routed(f, d, E, B, Hl));
     } else {
-        if ((st = be->linear_gather(bc, d->experts_up, b->xs, b->idx, B, 1, b->hs))) /* with relu^2 */
+        if (!up_done && (st = be->linear_gather(bc, d->experts_up, b->xs, b->idx, B, 1, b->hs))) /* with relu^2 */
             return fp4moe_error_context(st, "experts up (gather_qmm)");
         if ((st = be->linear_gather(bc, d->experts_down, b->hs, b->idx, B, 0, b->ys)))
             return fp4moe_error_context(st, "experts down (gather_qmm)");

@@ -419,6 +419,79 @@ static void test_tiled_layout(void **state) {
     tiled_case(g, 1, 200, 320, 257, TU_IDX_TOPK_SORTED, FP4MOE_ROUTE_AUTO, 5, 15);    /* load-time copy (checkpoint) */
 }
 
+/* ---- one token's routed experts without gathered rows (gather_qmm_cuda_x1) -------------------------
+ * The same call as gather_qmm_cuda_ex on B copies of one x row (route auto, sorted): bitwise equal
+ * outputs (outputs poisoned before each call); x holds a second, different row after the first, so a
+ * kernel reading any other row than row 0 differs. want_ok = 0: a call the function must refuse
+ * (FP4MOE_EUNSUPPORTED; the caller then gathers). */
+static void x1_case(gpu_ctx *g, int64_t E, int64_t N, int64_t K, int64_t B, int tiled, int relu2, int want_ok,
+                    uint64_t seed) {
+    tu_rng r;
+    tu_rng_seed(&r, seed);
+    tu_weights tw;
+    assert_int_equal(tu_weights_random(&tw, E, N, K, 1, &r), 0);
+    fp4moe_nvfp4_weights w = tw.w;
+    uint8_t *dc = gt_upload(tw.codes, (size_t)(E * N * K / 2)), *ds = gt_upload(tw.scales, (size_t)(E * N * K / 16));
+    w.codes = dc;
+    w.scales = ds;
+    w.global_scale = gt_upload(tw.gs, (size_t)E * 4);
+    uint8_t *dt = NULL;
+    if (tiled) {
+        dt = gt_upload(NULL, (size_t)(E * cuda_nvfp4_tiled_expert_bytes(N, K)));
+        assert_int_equal(cuda_nvfp4_relayout_tiled(g->stream, w.codes, w.scales, E, N, K, dt), FP4MOE_OK);
+        w.codes = dt;
+        w.scales = dt;
+    }
+    uint16_t *x = tu_random_x(FP4MOE_BF16, 2, K, &r); /* row 0, and a row 1 no call may read */
+    uint16_t *xs = malloc((size_t)(B * K) * 2);
+    assert_non_null(xs);
+    for (int64_t b = 0; b < B; b++) memcpy(xs + b * K, x, (size_t)K * 2);
+    uint32_t *idx = tu_make_idx(TU_IDX_TOPK_SORTED, B, E, 6, &r);
+    void *dx = gt_upload(x, (size_t)(2 * K) * 2), *dxs = gt_upload(xs, (size_t)(B * K) * 2);
+    uint32_t *didx = gt_upload(idx, (size_t)B * 4);
+    const size_t yb = (size_t)(B * N) * 2;
+    void *y1 = gt_upload(NULL, yb), *y2 = gt_upload(NULL, yb);
+    gt_poison(y1, yb);
+    gt_poison(y2, yb);
+    const int st = gather_qmm_cuda_x1(&w, tiled, dx, didx, B, FP4MOE_ROUTE_AUTO, relu2, y2, g->stream);
+    if (!want_ok) {
+        assert_int_equal(st, FP4MOE_EUNSUPPORTED);
+        assert_non_null(strstr(fp4moe_last_error(), "x1"));
+        fp4moe_clear_error();
+    } else {
+        assert_int_equal(st, FP4MOE_OK);
+        int fused = 0;
+        assert_int_equal(gather_qmm_cuda_ex(&w, tiled, dxs, FP4MOE_BF16, didx, B, 1, FP4MOE_ROUTE_AUTO, relu2, y1,
+                                            g->stream, &fused),
+                         FP4MOE_OK);
+        assert_int_equal(fused, relu2 ? 1 : 0);
+        GT_CHECK(cudaStreamSynchronize(g->stream));
+        uint8_t *h1 = malloc(yb), *h2 = malloc(yb);
+        gt_download(h1, y1, yb);
+        gt_download(h2, y2, yb);
+        if (memcmp(h1, h2, yb))
+            fail_msg("x1 (E=%lld N=%lld K=%lld B=%lld tiled %d relu2 %d) differs from the gathered rows' call", (long long)E,
+                     (long long)N, (long long)K, (long long)B, tiled, relu2);
+        free(h1); free(h2);
+    }
+    free(x); free(xs); free(idx);
+    gt_free(dx); gt_free(dxs); gt_free(didx); gt_free(y1); gt_free(y2);
+    if (dt) gt_free(dt);
+    gt_free(dc); gt_free(ds); gt_free((void *)w.global_scale);
+    tu_weights_free(&tw);
+}
+
+static void test_linear_gather_x1(void **state) {
+    gpu_ctx *g = *state;
+    x1_case(g, 128, 1856, 2688, 6, 1, 1, 1, 31);  /* the 30B-A3B up projection of a decode token */
+    x1_case(g, 128, 2688, 1856, 6, 0, 0, 1, 32);  /* checkpoint layout, no epilogue */
+    x1_case(g, 4, 40, 96, 6, 1, 1, 1, 33);        /* E < k: segments of several rows; N % 16, K % 128 */
+    x1_case(g, 8, 72, 160, 1, 0, 1, 1, 34);       /* one row */
+    x1_case(g, 16, 200, 320, 32, 1, 0, 1, 35);    /* 32 rows: more segments than slots */
+    x1_case(g, 16, 200, 320, 64, 1, 0, 0, 36);    /* 64 rows: the expert-batched route - refused */
+    x1_case(g, 4, 40, 80, 6, 0, 0, 0, 37);        /* K % 32 != 0: no tensor-core qmv - refused */
+}
+
 /* ---- cuda_moe_combine ------------------------------------------------------------------------------ */
 
 static void combine_case(gpu_ctx *g, int64_t T, int64_t H, int64_t k, uint64_t seed) {
@@ -569,6 +642,7 @@ int main(void) {
         cmocka_unit_test(test_rmsnorm_residual),
         cmocka_unit_test(test_relu2_epilogue),
         cmocka_unit_test(test_tiled_layout),
+        cmocka_unit_test(test_linear_gather_x1),
         cmocka_unit_test(test_combine),
         cmocka_unit_test(test_dense_linear),
     };

@@ -13,7 +13,9 @@
  *     the same order), their y within 2e-6 of seq's (only the order of the sum over n differs);
  *   - a prefill split in two calls (state carried) gives bit-identical states to one call;
  *   - nothing written outside y and the state (NaN / sentinel guards after both).
- * Outputs are poisoned (NaN) before every call. Needs a CUDA device; exits 77 (skipped) without. */
+ * Outputs are poisoned (NaN) before every call. Also the mixer's causal conv1d + silu
+ * (cuda_conv1d_causal) against an fp64 reference (test_conv1d). Needs a CUDA device; exits 77
+ * (skipped) without. */
 #include <math.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -272,6 +274,72 @@ static void test_full_30b_heads(void **st) {
     check_shape((shape){37, nh, hd, S, G, cd, cd, nh}, 10);
 }
 
+/* ---- the causal conv1d + silu of the Mamba-2 mixer (cuda_conv1d_causal) -------------------------
+ * Against an fp64 reference: y[t][c] = silu(b[c] + sum_j w[c][j] in[t - (Kc-1) + j][c]), in[< 0]
+ * from the starting state; the new state the last Kc - 1 inputs (exact copies). Kc = 4 takes the
+ * kernel specialised for nemotron_h's width, others the general form; T not a multiple of the
+ * kernel's 16-token runs, T shorter than the window, C not a multiple of its 128 channels, a row
+ * stride xs > C, no bias. y is poisoned before the call and a guard after it must stay NaN. */
+static void conv_case(int64_t T, int64_t C, int64_t Kc, int64_t xs, int bias, uint64_t seed) {
+    tu_rng r;
+    tu_rng_seed(&r, seed);
+    const int64_t P = Kc - 1;
+    uint16_t *x = malloc((size_t)(T * xs) * 2);
+    float *w = malloc((size_t)(C * Kc) * 4), *b = malloc((size_t)C * 4), *st0 = malloc((size_t)(P * C + 1) * 4);
+    float *y = malloc((size_t)(T * C + GUARD) * 4), *st = malloc((size_t)(P * C + 1) * 4);
+    assert_true(x && w && b && st0 && y && st);
+    for (int64_t i = 0; i < T * xs; i++) x[i] = gt_f2bf((float)(4.0 * tu_rng_uniform(&r) - 2.0));
+    for (int64_t i = 0; i < C * Kc; i++) w[i] = (float)(tu_rng_uniform(&r) - 0.5);
+    for (int64_t i = 0; i < C; i++) b[i] = (float)(0.5 * tu_rng_uniform(&r) - 0.25);
+    for (int64_t i = 0; i < P * C; i++) st0[i] = (float)(2.0 * tu_rng_uniform(&r) - 1.0);
+    uint16_t *dx = gt_upload(x, (size_t)(T * xs) * 2);
+    float *dw = gt_upload(w, (size_t)(C * Kc) * 4), *db = gt_upload(b, (size_t)C * 4);
+    float *dst = gt_upload(st0, (size_t)(P * C + 1) * 4), *dy = gt_upload(NULL, (size_t)(T * C + GUARD) * 4);
+    gt_poison(dy, (size_t)(T * C + GUARD) * 4);
+    assert_int_equal(cuda_conv1d_causal(NULL, dx, xs, T, C, dw, bias ? db : NULL, Kc, dst, dy), FP4MOE_OK);
+    GT_CHECK(cudaDeviceSynchronize());
+    gt_download(y, dy, (size_t)(T * C + GUARD) * 4);
+    gt_download(st, dst, (size_t)(P * C + 1) * 4);
+    double worst = 0.0;
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t c = 0; c < C; c++) {
+            double acc = bias ? b[c] : 0.0;
+            for (int64_t j = 0; j < Kc; j++) {
+                const int64_t pos = t - P + j;
+                const double v = pos >= 0 ? fp4moe_bf16_to_f32(x[pos * xs + c]) : st0[(P + pos) * C + c];
+                acc += (double)w[c * Kc + j] * v;
+            }
+            const double ref = acc / (1.0 + exp(-acc)), e = fabs(y[t * C + c] - ref) / (1.0 + fabs(ref));
+            if (!(e <= worst)) worst = e; /* NaN too */
+        }
+    for (int64_t i = 0; i < GUARD; i++)
+        if (!isnan(y[T * C + i])) fail_msg("conv1d T=%lld C=%lld Kc=%lld: wrote past y", (long long)T, (long long)C, (long long)Kc);
+    if (!(worst <= 1e-5))
+        fail_msg("conv1d T=%lld C=%lld Kc=%lld xs=%lld: worst error %.3g (> 1e-5)", (long long)T, (long long)C,
+                 (long long)Kc, (long long)xs, worst);
+    for (int64_t i = 0; i < P; i++)
+        for (int64_t c = 0; c < C; c++) {
+            const int64_t src = T - P + i;
+            const float want = src >= 0 ? fp4moe_bf16_to_f32(x[src * xs + c]) : st0[(P + src) * C + c];
+            if (memcmp(&want, &st[i * C + c], 4))
+                fail_msg("conv1d T=%lld Kc=%lld: state row %lld channel %lld is %g, not %g", (long long)T, (long long)Kc,
+                         (long long)i, (long long)c, st[i * C + c], want);
+        }
+    gt_free(dx); gt_free(dw); gt_free(db); gt_free(dst); gt_free(dy);
+    free(x); free(w); free(b); free(st0); free(y); free(st);
+}
+
+static void test_conv1d(void **st) {
+    (void)st;
+    conv_case(16, 6144, 4, 10304, 1, 11); /* the 30B-A3B xBC rows inside the in_proj rows */
+    conv_case(77, 300, 4, 310, 1, 12);    /* several 16-token runs and a tail, C % 128 != 0 */
+    conv_case(2, 200, 4, 200, 1, 13);     /* T < Kc - 1: the state shifts through */
+    conv_case(1, 129, 4, 129, 0, 14);     /* one token, no bias */
+    conv_case(40, 129, 3, 140, 1, 15);    /* the general form */
+    conv_case(33, 64, 6, 70, 1, 16);
+    conv_case(20, 96, 1, 96, 1, 17);      /* width 1: no state */
+}
+
 int main(void) {
     gt_require_gpu("test_ssm_gpu");
     const struct CMUnitTest tests[] = {
@@ -279,6 +347,7 @@ int main(void) {
         cmocka_unit_test(test_one_token),
         cmocka_unit_test(test_awkward_shapes),
         cmocka_unit_test(test_full_30b_heads),
+        cmocka_unit_test(test_conv1d),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

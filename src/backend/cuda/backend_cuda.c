@@ -691,6 +691,10 @@ static int cu_linear_gather(void *bc, const void *W, const void *x, const uint32
                             void *y) {
     return cuda_linear_gather(&CX(bc)->ops, W, x, idx, B, relu2, y);
 }
+static int cu_linear_gather_x1(void *bc, const void *W, const void *x, const uint32_t *idx, int64_t B, int relu2,
+                               void *y) {
+    return cuda_linear_gather_x1(&CX(bc)->ops, W, x, idx, B, relu2, y);
+}
 static int cu_moe_route(void *bc, const fw_router *r, const float *x, int64_t T, const float *W, int64_t H,
                         float *logits, int32_t *ids, float *wts, uint32_t *row_of, uint32_t *idx,
                         uint32_t *pos_of) {
@@ -798,6 +802,7 @@ static const be_ops CUDA_OPS = {
     .linear = cu_linear,
     .linear_f32out = cu_linear_f32out,
     .linear_gather = cu_linear_gather,
+    .linear_gather_x1 = cu_linear_gather_x1,
     .moe_route = cu_moe_route,
     .gather_rows = cu_gather_rows,
     .sort_local = cu_sort_local,

@@ -37,6 +37,7 @@ struct gq_args {
     int B;
     int relu2;              /* epilogue: y = relu(y)^2, each rounded to the output dtype (bf16/f16) */
     int tiled;              /* 1: codes holds the tiled layout (gq_relayout_tiled; scales unused) */
+    int xbcast;             /* 1: every row reads x row 0 (gather_qmm_cuda_x1; the qmv mma kernel only) */
 };
 
 /* ---- the tiled weight layout (the CUDA backend's, FP4MOE_CUDA_WEIGHT_LAYOUT=tiled) -------------

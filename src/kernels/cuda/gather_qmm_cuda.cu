@@ -44,15 +44,18 @@ __global__ void __launch_bounds__(RUNS_THREADS)
 gq_runs_kernel(const uint32_t *__restrict__ idx, int B, int E, int row_tile, int *__restrict__ starts,
                int *__restrict__ tile_off) {
     cu_pdl_entry();
-    /* starts[e] = lower bound of e in idx (first b with idx[b] >= e) */
-    for (int e = threadIdx.x; e <= E; e += blockDim.x) {
-        int lo = 0, hi = B;
-        while (lo < hi) {
-            const int mid = lo + (hi - lo) / 2;
-            if (idx[mid] < (uint32_t)e) lo = mid + 1;
-            else hi = mid;
-        }
-        starts[e] = lo;
+    /* starts[e] = lower bound of e in idx (first b with idx[b] >= e), e = 0..E: written by the
+     * boundary b with idx[b-1] < e <= idx[b] (idx[-1] = -1; b = B stands for every e up to E), so
+     * each e once, from one coalesced read of idx (a binary search per expert was a chain of ~12
+     * dependent loads: 5.5 us a call at 3,072 rows, Nsight Compute) */
+    for (int b = threadIdx.x; b <= B; b += blockDim.x) {
+        const int64_t prev = b > 0 ? (int64_t)idx[b - 1] : -1;
+        const int64_t cur = b < B ? (int64_t)idx[b] : (int64_t)E;
+#ifdef FP4MOE_INJECT_FAULT_RUNS /* deliberate fault (tests must catch it): an expert's start one row late */
+        for (int64_t e = prev + 1; e <= cur && e <= E; e++) starts[e] = b + (e == E / 2 && b < B);
+#else
+        for (int64_t e = prev + 1; e <= cur && e <= E; e++) starts[e] = b;
+#endif
     }
     if (!tile_off) return;
     __syncthreads(); /* starts[] written by this block is visible to it after the barrier */
@@ -191,7 +194,7 @@ extern "C" int gather_qmm_cuda_ex(const fp4moe_nvfp4_weights *w, int tiled, cons
     /* the epilogue: every kernel but dequant_gemm's cuBLAS GEMM, on f16/bf16 outputs */
     const int ep = relu2 && dtype != FP4MOE_F32 && route != FP4MOE_ROUTE_DEQUANT_GEMM;
     const gq_args a = {w->codes, w->scales, w->global_scale, (int)w->E, (int)w->N, (int)w->K,
-                       x, y, idx, (int)B, ep, tiled};
+                       x, y, idx, (int)B, ep, tiled, 0};
     cudaStream_t s = (cudaStream_t)stream;
     switch (route) {
     case FP4MOE_ROUTE_BATCHED:
@@ -217,6 +220,26 @@ extern "C" int gather_qmm_cuda_ex(const fp4moe_nvfp4_weights *w, int tiled, cons
     return FP4MOE_OK;
 }
 
+extern "C" int gather_qmm_cuda_x1(const fp4moe_nvfp4_weights *w, int tiled, const void *x, const uint32_t *idx,
+                                  int64_t B, fp4moe_route route, int relu2, void *y, void *stream) {
+    int st = check_call(w, x, FP4MOE_BF16, idx, 1, 1, route, y);
+    if (st != FP4MOE_OK) return st;
+    if (B < 0) return fp4moe_set_error(FP4MOE_EINVAL, "gather_qmm_cuda (x1): B=%lld", (long long)B);
+    if (B == 0) return FP4MOE_OK;
+    if (w->E > INT_MAX - 1 || w->N > INT_MAX || w->K > INT_MAX)
+        return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "gather_qmm_cuda (x1): E, N or K exceeds 2^31-1");
+    const gq_args a = {w->codes, w->scales, w->global_scale, (int)w->E, (int)w->N, (int)w->K, x, y, idx, (int)B,
+                       relu2 ? 1 : 0, tiled, 1};
+    /* where gather_qmm_cuda_ex on B gathered rows would run the tensor-core qmv (route qmv as it
+     * resolves there, B < 64, bf16, gq_qmv_mma_fits) */
+    const fp4moe_route r = route == FP4MOE_ROUTE_AUTO ? choose_route(B, w->E, 1) : route;
+    if (r != FP4MOE_ROUTE_QMV || B >= FP4MOE_BATCHED_MIN_ROWS || !gq_qmv_mma_fits(&a))
+        return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "gather_qmm_cuda (x1): B=%lld rows, route %s: only the "
+                                "tensor-core qmv reads one x row for all", (long long)B, fp4moe_route_name(r));
+    st = gq_launch_qmv_mma(&a, false, (cudaStream_t)stream);
+    return st ? fp4moe_error_context(st, "gather_qmm_cuda (x1, E=%d N=%d K=%d B=%d)", a.E, a.N, a.K, a.B) : FP4MOE_OK;
+}
+
 extern "C" int gather_qmm_cuda_linear(const fp4moe_nvfp4_weights *w, int tiled, const void *x, fp4moe_dtype dtype,
                                       const uint32_t *zero_idx, int64_t B, fp4moe_route route, int relu2, void *y,
                                       void *stream, void *blas, gq_dense_scratch *dq, const void *wbf16,
@@ -227,7 +250,7 @@ extern "C" int gather_qmm_cuda_linear(const fp4moe_nvfp4_weights *w, int tiled, 
     const fp4moe_route r = route == FP4MOE_ROUTE_AUTO ? choose_route(B, w->E, 1) : route;
     if (r != FP4MOE_ROUTE_DEQUANT_GEMM || w->E != 1 || dtype != FP4MOE_BF16 || !blas || (!dq && !wbf16) || !d_zero)
         return gather_qmm_cuda_ex(w, tiled, x, dtype, zero_idx, B, 1, route, relu2, y, stream, fused);
-    const gq_args a = {w->codes, w->scales, w->global_scale, 1, (int)w->N, (int)w->K, x, y, zero_idx, (int)B, 0, tiled};
+    const gq_args a = {w->codes, w->scales, w->global_scale, 1, (int)w->N, (int)w->K, x, y, zero_idx, (int)B, 0, tiled, 0};
     st = gq_dense_dequant_gemm(&a, (cudaStream_t)stream, blas, dq, wbf16, d_zero);
     return st ? fp4moe_error_context(st, "gather_qmm_cuda (route dequant_gemm, dense N=%d K=%d B=%d)", a.N, a.K, a.B)
               : FP4MOE_OK;
@@ -284,7 +307,7 @@ extern "C" int gather_qmm_cuda_bf16_f32out(const fp4moe_nvfp4_weights *w, int ti
         misaligned(w->global_scale, 4))
         return fp4moe_set_error(FP4MOE_EINVAL, "gather_qmm_cuda (f32 out): misaligned device pointer");
     const gq_args a = {w->codes, w->scales, w->global_scale, (int)w->E, (int)w->N, (int)w->K, x, y, idx, (int)B, 0,
-                       tiled};
+                       tiled, 0};
     /* decode-sized rows: the qmv v5 kernel with fp32 output; else the expert-batched kernel */
     st = gq_qmv_mma_fits(&a) ? gq_launch_qmv_mma(&a, true, (cudaStream_t)stream)
                              : gq_launch_bf16_f32out(&a, (cudaStream_t)stream);

@@ -322,6 +322,17 @@ __device__ __forceinline__ void qmma_pdl_entry(const gq_args &a, int pf) {
     cu_pdl_entry();
 }
 
+/* The x row of sorted row s + r: that row, or row 0 for every row (a.xbcast: one token's routed
+ * experts read the token's row itself, with no gathered copy). */
+__device__ __forceinline__ int64_t qmma_xrow(const gq_args &a, int s, int r) {
+#ifdef FP4MOE_INJECT_FAULT_XBCAST /* deliberate fault (tests must catch it): segments after the first read row 1 */
+    if (a.xbcast) return s > 0 ? 1 : 0;
+#else
+    if (a.xbcast) return 0;
+#endif
+    return (int64_t)(s + r);
+}
+
 /* TL: the weights in the tiled layout (gather_cuda.cuh): a lane's step is two 16-byte loads and one
  * 4-byte load from one 1,152-byte piece; the same decode, mma chain, warp order and epilogue, so the
  * same bits as the checkpoint layout's (bench/gpu_qmv_tiled measured it so). */
@@ -354,7 +365,7 @@ gq_qmv_mma_kernel(gq_args a, int slots, int pf) {
         if (TL && e < (uint32_t)a.E) {
             const uint8_t *tb = gq_tiled_piece(a.codes, cu_weight_expert(e, a.E), n0 >> 4, 0, a.N, K);
             const bool hasx = r < len;
-            const __nv_bfloat16 *xr = x + (int64_t)(s + (hasx ? r : 0)) * K;
+            const __nv_bfloat16 *xr = x + qmma_xrow(a, s, hasx ? r : 0) * K;
             for (int stp = warp; stp < nsteps; stp += QMMA_WARPS) {
                 const uint8_t *sp = tb + (int64_t)stp * GQ_TILE_PIECE;
                 const uint4 wa = cu_ld_stream16(sp + lane * 16), wb = cu_ld_stream16(sp + 512 + lane * 16);
@@ -368,7 +379,7 @@ gq_qmv_mma_kernel(gq_args a, int slots, int pf) {
             const uint8_t *ca = a.codes + (wrow + fa) * (int64_t)(K >> 1), *cb = a.codes + (wrow + fb) * (int64_t)(K >> 1);
             const uint8_t *sa = a.scales + (wrow + fa) * (int64_t)KB, *sb = a.scales + (wrow + fb) * (int64_t)KB;
             const bool hasx = r < len;
-            const __nv_bfloat16 *xr = x + (int64_t)(s + (hasx ? r : 0)) * K;
+            const __nv_bfloat16 *xr = x + qmma_xrow(a, s, hasx ? r : 0) * K;
             for (int st0 = warp; st0 < nsteps; st0 += QMMA_WARPS * QMMA_PM) {
                 uint4 wa[QMMA_PM], wb[QMMA_PM];
                 uint32_t sr[QMMA_PM];

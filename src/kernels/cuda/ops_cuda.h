@@ -107,6 +107,15 @@ int gather_qmm_cuda_ex(const fp4moe_nvfp4_weights *w, int tiled, const void *x, 
                        const uint32_t *idx, int64_t B, int sorted, fp4moe_route route, int relu2, void *y,
                        void *stream, int *fused);
 
+/* gather_qmm_cuda_ex (sorted idx, bf16) for B rows that are all the same row: y[b] = x[0] @
+ * W[idx[b]]^T (x: ONE row of K bf16), as gather_qmm_cuda_ex on B copies of that row gives - the same
+ * kernel and bits, without the copies (one decode token's routed experts). relu2: the epilogue,
+ * always fused. Runs where that call would take the tensor-core qmv (route auto or qmv, B < 64,
+ * gq_qmv_mma_fits); elsewhere FP4MOE_EUNSUPPORTED, and the caller gathers the rows. Other errors: as
+ * gather_qmm_cuda_ex (checked for one row). */
+int gather_qmm_cuda_x1(const fp4moe_nvfp4_weights *w, int tiled, const void *x, const uint32_t *idx, int64_t B,
+                       fp4moe_route route, int relu2, void *y, void *stream);
+
 /* gather_qmm_cuda_ex for a plain NVFP4 linear: w->E == 1 and zero_idx[0..B) all 0 (the caller's
  * promise). Where the route resolves to dequant_gemm (auto: B >= 256 rows; or forced) and x is bf16,
  * the dense form runs (gq_dense_dequant_gemm: the weights dequantized into *dq - or, when wbf16 is
@@ -137,6 +146,12 @@ int cuda_linear_forward_f32out(const cuda_ops *o, const cuda_linear *w, const ui
  * experts: a plain fp32 CUDA-core kernel (correct, not fast: unquantized experts are for checks). */
 int cuda_linear_gather(const cuda_ops *o, const cuda_linear *w, const uint16_t *x,
                        const uint32_t *idx, int64_t B, int relu2, uint16_t *y);
+
+/* cuda_linear_gather where all B rows are x's ONE row (gather_qmm_cuda_x1: one decode token's
+ * routed experts, no gathered copies; the same bits). NVFP4 experts without bias only; elsewhere
+ * FP4MOE_EUNSUPPORTED (the caller gathers the rows and calls cuda_linear_gather). */
+int cuda_linear_gather_x1(const cuda_ops *o, const cuda_linear *w, const uint16_t *x, const uint32_t *idx,
+                          int64_t B, int relu2, uint16_t *y);
 
 /* y (T x N, fp32) = x (T x K, fp32) @ W^T (W: N x K fp32), cublasGemmEx with fp32 compute (the
  * fp32 router, as op_matmul_f32). */

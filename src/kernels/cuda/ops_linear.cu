@@ -210,6 +210,13 @@ extern "C" int cuda_linear_gather(const cuda_ops *o, const cuda_linear *w, const
     return finish(o, w, B, relu2, fused, y);
 }
 
+extern "C" int cuda_linear_gather_x1(const cuda_ops *o, const cuda_linear *w, const uint16_t *x,
+                                     const uint32_t *idx, int64_t B, int relu2, uint16_t *y) {
+    if (!w->nvfp4 || w->bias)
+        return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "cuda linear gather (x1): dense or biased experts");
+    return gather_qmm_cuda_x1(&w->q, w->tiled, x, idx, B, o->route, relu2, y, o->stream);
+}
+
 extern "C" int cuda_matmul_f32(const cuda_ops *o, const float *x, int64_t T, const float *W, int64_t N,
                                int64_t K, float *y) {
     if (T <= 0) return FP4MOE_OK;

@@ -32,23 +32,33 @@
 
 /* Thread (channel c, CONV_TOKENS consecutive tokens); reads the state for positions before 0. The
  * Kc inputs of a token are a window in registers, slid by one input per token (each input loaded
- * once; __restrict__: y never overlaps x or the state), the sum in the same order as the CPU's. */
+ * once; __restrict__: y never overlaps x or the state), the sum in the same order as the CPU's.
+ * KC: the kernel width as a constant (4: nemotron_h's conv_kernel; 0: any Kc <= CONV_KMAX, read at
+ * run time) - the same operations, without the predicated taps of the general form (which made the
+ * kernel issue-bound: 25 us a layer at 512 tokens under Nsight Compute, 67% issue slots). */
+template <int KC>
 __global__ void conv1d_kernel(const uint16_t *__restrict__ x, int64_t xs, int T, int C, const float *__restrict__ w,
-                              const float *__restrict__ b, int Kc, const float *__restrict__ state,
+                              const float *__restrict__ b, int Kc_rt, const float *__restrict__ state,
                               float *__restrict__ y) {
     cu_pdl_entry();
+    constexpr int KM = KC ? KC : CONV_KMAX;
+    const int Kc = KC ? KC : Kc_rt;
     const int c = blockIdx.x * CONV_THREADS + threadIdx.x;
     if (c >= C) return;
     const int P = Kc - 1, t0 = blockIdx.y * CONV_TOKENS;
-    float wc[CONV_KMAX], win[CONV_KMAX];
+    float wc[KM], win[KM];
 #pragma unroll
-    for (int j = 0; j < CONV_KMAX; j++) {
+    for (int j = 0; j < KM; j++) {
         wc[j] = j < Kc ? w[(int64_t)c * Kc + j] : 0.0f;
         const int src = t0 - P + j; /* win[j] = input at t0 - P + j for j < P; < 0: from the state */
         win[j] = j >= P ? 0.0f
                         : (src >= 0 ? ops_bf16_to_f32(x[(int64_t)src * xs + c]) : state[(int64_t)(P + src) * C + c]);
     }
+#ifdef FP4MOE_INJECT_FAULT_CONV1D /* deliberate fault (tests must catch it): the width-4 form drops the bias */
+    const float bc = b && KC != 4 ? b[c] : 0.0f;
+#else
     const float bc = b ? b[c] : 0.0f;
+#endif
     /* all CONV_TOKENS inputs loaded before any use: one memory round trip, not one per token */
     float xin[CONV_TOKENS];
 #pragma unroll
@@ -58,15 +68,15 @@ __global__ void conv1d_kernel(const uint16_t *__restrict__ x, int64_t xs, int T,
     for (int tt = 0; tt < CONV_TOKENS; tt++) {
         const int t = t0 + tt;
 #pragma unroll
-        for (int j = 0; j < CONV_KMAX; j++)
+        for (int j = 0; j < KM; j++)
             if (j == P) win[j] = xin[tt];
         float acc = bc;
 #pragma unroll
-        for (int j = 0; j < CONV_KMAX; j++)
+        for (int j = 0; j < KM; j++)
             if (j < Kc) acc = __fadd_rn(acc, __fmul_rn(wc[j], win[j]));
         if (t < T) y[(int64_t)t * C + c] = ops_silu(acc);
 #pragma unroll
-        for (int j = 0; j + 1 < CONV_KMAX; j++)
+        for (int j = 0; j + 1 < KM; j++)
             if (j + 1 < Kc) win[j] = win[j + 1];
     }
 }
@@ -132,7 +142,8 @@ extern "C" int cuda_conv1d_causal(void *stream, const uint16_t *x, int64_t xs, i
     if (grid.y > 65535)
         return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "cuda op conv1d: %lld tokens in one call",
                                 (long long)T);
-    cu_launch(conv1d_kernel, grid, CONV_THREADS, 0, st, x, xs, (int)T, (int)C, w, b, (int)Kc, state, y);
+    if (Kc == 4) cu_launch(conv1d_kernel<4>, grid, CONV_THREADS, 0, st, x, xs, (int)T, (int)C, w, b, (int)Kc, state, y);
+    else cu_launch(conv1d_kernel<0>, grid, CONV_THREADS, 0, st, x, xs, (int)T, (int)C, w, b, (int)Kc, state, y);
     OPS_LAUNCH_CHECK("conv1d");
     if (Kc > 1) {
         cu_launch(conv_state_kernel, ops_blocks(C, 256), 256, 0, st, x, xs, (int)T, (int)C, (int)Kc, state);
@@ -244,7 +255,9 @@ static int launch_scan(const cuda_ssm_args *a, cudaStream_t st) {
 
 /* ---- tiled scan (prefill) ---------------------------------------------------------------------- */
 
-#define TS_LT 16 /* tokens per staged time tile */
+#ifndef TS_LT
+#define TS_LT 32 /* tokens per staged time tile (16 / 32 / 64 measured: 32 best, docs/GPU-NOTES.md) */
+#endif
 
 /* cp.async of 16 or 4 bytes global -> shared (sm_80+), and the group fences. */
 __device__ __forceinline__ void ts_cp16(float *dst, const float *src) {
