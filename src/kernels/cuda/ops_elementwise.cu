@@ -241,7 +241,9 @@ rmsnorm_wide_kernel(float *__restrict__ x, const uint16_t *__restrict__ ra, cons
 }
 
 /* rows at which the 256-thread form takes over (measured: 13 -> ~5 us a call at 512 rows of 2688) */
+#ifndef RMSNORM_WIDE_ROWS
 #define RMSNORM_WIDE_ROWS 64
+#endif
 
 static void rmsnorm_launch(cudaStream_t st, float *x, const uint16_t *a, const uint16_t *b, const float *w,
                            int64_t T, int64_t H, float eps, uint16_t *y, float *y32, const int32_t *rows) {

@@ -559,7 +559,11 @@ extern "C" int cuda_moe_combine(void *stream, const uint16_t *ys, int64_t H, con
         return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "cuda op moe combine: top-k %lld (1..%d)", (long long)k,
                                 COMBINE_MAX_K);
     /* decode-sized steps: 1024 threads a row (fewer batches of loads per thread) */
-    cu_launch(combine_kernel, (unsigned)T, T <= 64 ? 1024 : 256, 0, (cudaStream_t)stream, ys, H, pos_of, wts, k, out);
+#ifndef COMBINE_SMALL_THREADS
+#define COMBINE_SMALL_THREADS 1024
+#endif
+    cu_launch(combine_kernel, (unsigned)T, T <= 64 ? COMBINE_SMALL_THREADS : 256, 0, (cudaStream_t)stream, ys, H, pos_of,
+              wts, k, out);
     OPS_LAUNCH_CHECK("moe combine");
     return FP4MOE_OK;
 }
