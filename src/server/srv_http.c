@@ -25,6 +25,7 @@ typedef struct {
     const srv_parse_ctx *pc;
     const srv_http_options *o;
     atomic_int suspended;
+    atomic_int attached;   /* jobs held by a connection (stream or not), until the connection releases them */
     atomic_int stopping;
 } srv_http;
 
@@ -100,6 +101,7 @@ static ssize_t sse_read(void *cls, uint64_t pos, char *buf, size_t max) {
 static void sse_free(void *cls) {
     stream_ctx *s = cls;
     srv_job_release(s->job);   /* cancels the job when it has not finished (client gone) */
+    atomic_fetch_sub(&s->w.h->attached, 1);
     free(s);
 }
 
@@ -155,6 +157,7 @@ static enum MHD_Result body_of_job(srv_http *h, conn_ctx *cc) {
         b.n += k;
     }
     srv_job_release(cc->job);
+    atomic_fetch_sub(&h->attached, 1);
     cc->job = NULL;
     cc->answered = 1;
     return respond(h, cc->w.c, http, "application/json", b.p ? b.p : strdup(""), b.n);
@@ -180,9 +183,11 @@ static enum MHD_Result post_generate(srv_http *h, conn_ctx *cc, srv_kind kind) {
             free(s);
             return respond_error(h, c, &er);
         }
+        atomic_fetch_add(&h->attached, 1);
         struct MHD_Response *resp = MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, 16384, sse_read, s, sse_free);
         if (!resp) {
             srv_job_release(s->job);
+            atomic_fetch_sub(&h->attached, 1);
             free(s);
             return MHD_NO;
         }
@@ -199,6 +204,7 @@ static enum MHD_Result post_generate(srv_http *h, conn_ctx *cc, srv_kind kind) {
         srv_request_free(&r);
         return respond_error(h, c, &er);
     }
+    atomic_fetch_add(&h->attached, 1);
     if (srv_job_arm(cc->job, do_suspend, &cc->w)) return body_of_job(h, cc);
     return MHD_YES;   /* suspended until the engine is done */
 }
@@ -258,7 +264,10 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
 static void on_completed(void *cls, struct MHD_Connection *c, void **req_cls, enum MHD_RequestTerminationCode code) {
     conn_ctx *cc = *req_cls;
     if (!cc) return;
-    if (cc->job) srv_job_release(cc->job);   /* cancels an unfinished job */
+    if (cc->job) {
+        srv_job_release(cc->job); /* cancels an unfinished job */
+        atomic_fetch_sub(&cc->w.h->attached, 1);
+    }
     srv_buf_free(&cc->body);
     free(cc);
     *req_cls = NULL;
@@ -267,6 +276,7 @@ static void on_completed(void *cls, struct MHD_Connection *c, void **req_cls, en
 int srv_http_run(const srv_http_options *o, srv_engine *e, const srv_parse_ctx *pc) {
     srv_http h = {.e = e, .pc = pc, .o = o};
     atomic_init(&h.suspended, 0);
+    atomic_init(&h.attached, 0);
     atomic_init(&h.stopping, 0);
     struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM, .ai_flags = AI_NUMERICSERV}, *ai = NULL;
     char port[16];
@@ -292,16 +302,20 @@ int srv_http_run(const srv_http_options *o, srv_engine *e, const srv_parse_ctx *
     printf("fp4moe serve: listening on http://%s%s%s:%d\n", v6 ? "[" : "", o->host, v6 ? "]" : "", bound);
     fflush(stdout);
     while (!*o->stop) usleep(50 * 1000);
-    /* shutdown: refuse new work, end every job (503), let the woken connections send, then stop */
+    /* shutdown: refuse new work, end every job (503), let the woken connections send, then stop.
+     * Wait (at most 5 s) until every connection has also released its job: a connection the
+     * engine woke may still sit in MHD's suspended list until a worker thread resumes it, and
+     * MHD_stop_daemon with a suspended connection aborts the process (libmicrohttpd's panic: the
+     * likely cause of a SIGABRT seen once in the --ep-ranks shutdown test under load) */
     atomic_store(&h.stopping, 1);
     srv_engine_shutdown(e);
-    for (int i = 0; i < 100; i++) {
+    for (int i = 0; i < 250; i++) {
         int64_t q = 0, r = 0;
         srv_engine_load(e, &q, &r);
-        if (q == 0 && r == 0 && atomic_load(&h.suspended) == 0) break;
+        if (q == 0 && r == 0 && atomic_load(&h.suspended) == 0 && atomic_load(&h.attached) == 0) break;
         usleep(20 * 1000);
     }
-    usleep(100 * 1000);
+    usleep(20 * 1000);
     MHD_stop_daemon(d);
     return 0;
 }

@@ -281,6 +281,8 @@ def main():
     finally:
         rc = s.stop(signal.SIGTERM)
     check(rc == 0, "SIGTERM: exit 0 (got %s)" % rc)
+    if rc != 0:
+        print("   server stderr (tail): %r" % (s.err or "")[-800:])
 
     # --- expert parallelism: 3 ranks (in-process loopback, uneven expert split), each with its own
     # requests; answers equal those of the plain server above ------------------------------------
@@ -310,6 +312,8 @@ def main():
         rc = se.stop(signal.SIGTERM)
     check(rc == 0 and time.time() - t0 < 20, "--ep-ranks 3: SIGTERM during a stream: exit 0 in %.1f s (got %s)"
           % (time.time() - t0, rc))
+    if rc != 0:
+        print("   server stderr (tail): %r" % (se.err or "")[-800:])
     sock.close()
 
     # reference for turn 2 without any cache; API key on this one
