@@ -533,6 +533,70 @@ static void combine_case(gpu_ctx *g, int64_t T, int64_t H, int64_t k, uint64_t s
     gt_free(dys); gt_free(dout); gt_free(dpos); gt_free(dw);
 }
 
+/* ---- cuda_rmsnorm_gated ------------------------------------------------------------------------------
+ * Against an fp64 reference (out within 2^-7 of it, relative: bf16 output), and bitwise per row
+ * against the same row alone (a row's result must not depend on the call's other rows: batched ==
+ * solo). Groups of 512 (nemotron_h), 64, 24 (fewer channels than threads) and 1,000 channels; z rows
+ * with a stride > D. (A 64-thread "wide" form for prefill was measured in session 15: bitwise equal,
+ * not faster end to end; docs/PERFORMANCE.md.) */
+static void gated_case(gpu_ctx *g, int64_t T, int64_t D, int64_t G, int64_t zs, uint64_t seed) {
+    tu_rng r;
+    tu_rng_seed(&r, seed);
+    const int64_t gsz = D / G;
+    float *y = malloc((size_t)(T * D) * 4), *w = malloc((size_t)D * 4);
+    uint16_t *z = malloc((size_t)(T * zs) * 2), *out = malloc((size_t)(T * D) * 2), *one = malloc((size_t)D * 2);
+    assert_true(y && w && z && out && one);
+    for (int64_t i = 0; i < T * D; i++) y[i] = (float)(2.0 * tu_rng_uniform(&r) - 1.0);
+    for (int64_t i = 0; i < T * zs; i++) z[i] = fp4moe_f32_to_bf16((float)(6.0 * tu_rng_uniform(&r) - 3.0));
+    for (int64_t i = 0; i < D; i++) w[i] = (float)(0.5 + tu_rng_uniform(&r));
+    float *dy = gt_upload(y, (size_t)(T * D) * 4), *dw = gt_upload(w, (size_t)D * 4);
+    uint16_t *dz = gt_upload(z, (size_t)(T * zs) * 2), *dout = gt_upload(NULL, (size_t)(T * D) * 2),
+             *done = gt_upload(NULL, (size_t)D * 2);
+    gt_poison(dout, (size_t)(T * D) * 2);
+    const float eps = 1e-5f;
+    assert_int_equal(cuda_rmsnorm_gated(g->stream, dy, dz, zs, dw, T, D, G, eps, dout), FP4MOE_OK);
+    GT_CHECK(cudaStreamSynchronize(g->stream));
+    gt_download(out, dout, (size_t)(T * D) * 2);
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t k = 0; k < G; k++) {
+            double ss = 0.0, gg[1000];
+            for (int64_t i = 0; i < gsz; i++) {
+                const double zv = fp4moe_bf16_to_f32(z[t * zs + k * gsz + i]);
+                gg[i] = y[t * D + k * gsz + i] * (zv / (1.0 + exp(-zv)));
+                ss += gg[i] * gg[i];
+            }
+            const double rr = 1.0 / sqrt(ss / (double)gsz + eps);
+            for (int64_t i = 0; i < gsz; i++) {
+                const double ref = gg[i] * rr * w[k * gsz + i], v = fp4moe_bf16_to_f32(out[t * D + k * gsz + i]);
+                if (!(fabs(v - ref) <= 0x1p-7 * fabs(ref) + 1e-6))
+                    fail_msg("rmsnorm_gated T=%lld D=%lld G=%lld: [%lld][%lld] %.6g vs %.6g", (long long)T, (long long)D,
+                             (long long)G, (long long)t, (long long)(k * gsz + i), v, ref);
+            }
+        }
+    const int64_t rows[3] = {0, T / 2, T - 1};
+    for (int j = 0; j < 3; j++) { /* the same row alone: the block form */
+        const int64_t t = rows[j];
+        gt_poison(done, (size_t)D * 2);
+        assert_int_equal(cuda_rmsnorm_gated(g->stream, dy + t * D, dz + t * zs, zs, dw, 1, D, G, eps, done), FP4MOE_OK);
+        GT_CHECK(cudaStreamSynchronize(g->stream));
+        gt_download(one, done, (size_t)D * 2);
+        if (memcmp(one, out + t * D, (size_t)D * 2))
+            fail_msg("rmsnorm_gated T=%lld D=%lld G=%lld: row %lld of the call differs from the row alone", (long long)T,
+                     (long long)D, (long long)G, (long long)t);
+    }
+    free(y); free(w); free(z); free(out); free(one);
+    gt_free(dy); gt_free(dw); gt_free(dz); gt_free(dout); gt_free(done);
+}
+
+static void test_rmsnorm_gated(void **state) {
+    gpu_ctx *g = *state;
+    gated_case(g, 40, 4096, 8, 4200, 61);  /* nemotron_h: 8 groups of 512 */
+    gated_case(g, 3, 4096, 8, 4096, 62);
+    gated_case(g, 300, 512, 8, 520, 63);   /* groups of 64 */
+    gated_case(g, 130, 48, 2, 50, 64);     /* groups of 24: fewer channels than threads */
+    gated_case(g, 257, 1000, 1, 1000, 65); /* one group of 1,000 channels */
+}
+
 static void test_combine(void **state) {
     gpu_ctx *g = *state;
     combine_case(g, 1, 2688, 6, 1);
@@ -644,6 +708,7 @@ int main(void) {
         cmocka_unit_test(test_tiled_layout),
         cmocka_unit_test(test_linear_gather_x1),
         cmocka_unit_test(test_combine),
+        cmocka_unit_test(test_rmsnorm_gated),
         cmocka_unit_test(test_dense_linear),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
