@@ -177,13 +177,14 @@ static enum MHD_Result post_generate(srv_http *h, conn_ctx *cc, srv_kind kind) {
             return MHD_NO;
         }
         s->w = cc->w;
+        atomic_fetch_add(&h->attached, 1); /* before the job exists: shutdown never sees it unaccounted */
         s->job = srv_engine_submit(h->e, &r, do_wake, &s->w, &er);
         if (!s->job) {
+            atomic_fetch_sub(&h->attached, 1);
             srv_request_free(&r);
             free(s);
             return respond_error(h, c, &er);
         }
-        atomic_fetch_add(&h->attached, 1);
         struct MHD_Response *resp = MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, 16384, sse_read, s, sse_free);
         if (!resp) {
             srv_job_release(s->job);
@@ -199,12 +200,13 @@ static enum MHD_Result post_generate(srv_http *h, conn_ctx *cc, srv_kind kind) {
         cc->answered = 1;
         return ok;
     }
+    atomic_fetch_add(&h->attached, 1); /* before the job exists: shutdown never sees it unaccounted */
     cc->job = srv_engine_submit(h->e, &r, do_wake, &cc->w, &er);
     if (!cc->job) {
+        atomic_fetch_sub(&h->attached, 1);
         srv_request_free(&r);
         return respond_error(h, c, &er);
     }
-    atomic_fetch_add(&h->attached, 1);
     if (srv_job_arm(cc->job, do_suspend, &cc->w)) return body_of_job(h, cc);
     return MHD_YES;   /* suspended until the engine is done */
 }
@@ -315,7 +317,7 @@ int srv_http_run(const srv_http_options *o, srv_engine *e, const srv_parse_ctx *
         if (q == 0 && r == 0 && atomic_load(&h.suspended) == 0 && atomic_load(&h.attached) == 0) break;
         usleep(20 * 1000);
     }
-    usleep(20 * 1000);
+    usleep(100 * 1000); /* the last responses' bytes (a job is released before MHD has sent its body) */
     MHD_stop_daemon(d);
     return 0;
 }

@@ -559,7 +559,8 @@ static void gated_case(gpu_ctx *g, int64_t T, int64_t D, int64_t G, int64_t zs, 
     gt_download(out, dout, (size_t)(T * D) * 2);
     for (int64_t t = 0; t < T; t++)
         for (int64_t k = 0; k < G; k++) {
-            double ss = 0.0, gg[1000];
+            double ss = 0.0, *gg = malloc((size_t)gsz * sizeof(double));
+            assert_non_null(gg);
             for (int64_t i = 0; i < gsz; i++) {
                 const double zv = fp4moe_bf16_to_f32(z[t * zs + k * gsz + i]);
                 gg[i] = y[t * D + k * gsz + i] * (zv / (1.0 + exp(-zv)));
@@ -572,6 +573,7 @@ static void gated_case(gpu_ctx *g, int64_t T, int64_t D, int64_t G, int64_t zs, 
                     fail_msg("rmsnorm_gated T=%lld D=%lld G=%lld: [%lld][%lld] %.6g vs %.6g", (long long)T, (long long)D,
                              (long long)G, (long long)t, (long long)(k * gsz + i), v, ref);
             }
+            free(gg);
         }
     const int64_t rows[3] = {0, T / 2, T - 1};
     for (int j = 0; j < 3; j++) { /* the same row alone: the block form */

@@ -292,6 +292,7 @@ static void conv_case(int64_t T, int64_t C, int64_t Kc, int64_t xs, int bias, ui
     for (int64_t i = 0; i < C * Kc; i++) w[i] = (float)(tu_rng_uniform(&r) - 0.5);
     for (int64_t i = 0; i < C; i++) b[i] = (float)(0.5 * tu_rng_uniform(&r) - 0.25);
     for (int64_t i = 0; i < P * C; i++) st0[i] = (float)(2.0 * tu_rng_uniform(&r) - 1.0);
+    st0[P * C] = NAN; /* a guard after the state: must stay NaN */
     uint16_t *dx = gt_upload(x, (size_t)(T * xs) * 2);
     float *dw = gt_upload(w, (size_t)(C * Kc) * 4), *db = gt_upload(b, (size_t)C * 4);
     float *dst = gt_upload(st0, (size_t)(P * C + 1) * 4), *dy = gt_upload(NULL, (size_t)(T * C + GUARD) * 4);
@@ -310,10 +311,12 @@ static void conv_case(int64_t T, int64_t C, int64_t Kc, int64_t xs, int bias, ui
                 acc += (double)w[c * Kc + j] * v;
             }
             const double ref = acc / (1.0 + exp(-acc)), e = fabs(y[t * C + c] - ref) / (1.0 + fabs(ref));
-            if (!(e <= worst)) worst = e; /* NaN too */
+            if (isnan(e)) worst = INFINITY; /* an output never written (poisoned NaN) */
+            else if (e > worst) worst = e;
         }
     for (int64_t i = 0; i < GUARD; i++)
         if (!isnan(y[T * C + i])) fail_msg("conv1d T=%lld C=%lld Kc=%lld: wrote past y", (long long)T, (long long)C, (long long)Kc);
+    if (!isnan(st[P * C])) fail_msg("conv1d T=%lld C=%lld Kc=%lld: wrote past the state", (long long)T, (long long)C, (long long)Kc);
     if (!(worst <= 1e-5))
         fail_msg("conv1d T=%lld C=%lld Kc=%lld xs=%lld: worst error %.3g (> 1e-5)", (long long)T, (long long)C,
                  (long long)Kc, (long long)xs, worst);
