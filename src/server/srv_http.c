@@ -98,10 +98,16 @@ static ssize_t sse_read(void *cls, uint64_t pos, char *buf, size_t max) {
     return 0;
 }
 
+/* A connection lets go of its job (srv_job_release: cancels it when unfinished) and of the count
+ * shutdown waits on. */
+static void release_job(srv_http *h, srv_job *j) {
+    srv_job_release(j);
+    atomic_fetch_sub(&h->attached, 1);
+}
+
 static void sse_free(void *cls) {
     stream_ctx *s = cls;
-    srv_job_release(s->job);   /* cancels the job when it has not finished (client gone) */
-    atomic_fetch_sub(&s->w.h->attached, 1);
+    release_job(s->w.h, s->job);   /* cancels the job when it has not finished (client gone) */
     free(s);
 }
 
@@ -156,8 +162,7 @@ static enum MHD_Result body_of_job(srv_http *h, conn_ctx *cc) {
         if (!k) break;
         b.n += k;
     }
-    srv_job_release(cc->job);
-    atomic_fetch_sub(&h->attached, 1);
+    release_job(h, cc->job);
     cc->job = NULL;
     cc->answered = 1;
     return respond(h, cc->w.c, http, "application/json", b.p ? b.p : strdup(""), b.n);
@@ -187,8 +192,7 @@ static enum MHD_Result post_generate(srv_http *h, conn_ctx *cc, srv_kind kind) {
         }
         struct MHD_Response *resp = MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, 16384, sse_read, s, sse_free);
         if (!resp) {
-            srv_job_release(s->job);
-            atomic_fetch_sub(&h->attached, 1);
+            release_job(h, s->job);
             free(s);
             return MHD_NO;
         }
@@ -266,10 +270,7 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
 static void on_completed(void *cls, struct MHD_Connection *c, void **req_cls, enum MHD_RequestTerminationCode code) {
     conn_ctx *cc = *req_cls;
     if (!cc) return;
-    if (cc->job) {
-        srv_job_release(cc->job); /* cancels an unfinished job */
-        atomic_fetch_sub(&cc->w.h->attached, 1);
-    }
+    if (cc->job) release_job(cc->w.h, cc->job); /* cancels an unfinished job */
     srv_buf_free(&cc->body);
     free(cc);
     *req_cls = NULL;
