@@ -599,6 +599,68 @@ static void test_rmsnorm_gated(void **state) {
     gated_case(g, 257, 1000, 1, 1000, 65); /* one group of 1,000 channels */
 }
 
+/* ---- cuda_argmax_rows_f32 ---------------------------------------------------------------------------
+ * Against the host rule (a number beats NaN, the larger wins, equal values: the lower index): random
+ * rows with a planted maximum, ties of the maximum (the lower index must win), NaNs (ignored), an
+ * all-NaN row (index 0), n % 4 != 0 (the scalar path), and the 131,072-logit decode row. */
+static int32_t host_argmax(const float *x, int64_t n) {
+    int32_t bi = -1;
+    for (int64_t i = 0; i < n; i++) {
+        if (isnan(x[i])) continue;
+        if (bi < 0 || x[i] > x[bi]) bi = (int32_t)i;
+    }
+    return bi < 0 ? 0 : bi;
+}
+
+static void argmax_case(gpu_ctx *g, int64_t rows, int64_t n, uint64_t seed) {
+    tu_rng r;
+    tu_rng_seed(&r, seed);
+    float *x = malloc((size_t)(rows * n) * 4);
+    int32_t *got = malloc((size_t)rows * 4);
+    assert_true(x && got);
+    for (int64_t i = 0; i < rows * n; i++) x[i] = (float)(20.0 * tu_rng_uniform(&r) - 10.0);
+    for (int64_t t = 0; t < rows; t++) {
+        float *xr = x + t * n;
+        switch (t % 4) {
+        case 1: { /* a tie of the maximum: the lower index wins */
+            const int64_t a = tu_rng_below(&r, (uint32_t)n), b = tu_rng_below(&r, (uint32_t)n);
+            xr[a] = xr[b] = 11.0f;
+            break;
+        }
+        case 2: /* NaNs everywhere but one number; a NaN ahead of it */
+            for (int64_t i = 0; i < n; i++) xr[i] = __builtin_nanf("");
+            xr[n - 1] = -5.0f;
+            break;
+        case 3: /* all NaN */
+            for (int64_t i = 0; i < n; i++) xr[i] = __builtin_nanf("");
+            break;
+        default: xr[tu_rng_below(&r, (uint32_t)n)] = 12.0f; /* a planted maximum */
+        }
+    }
+    float *dx = gt_upload(x, (size_t)(rows * n) * 4);
+    int32_t *dout = gt_upload(NULL, (size_t)rows * 4);
+    gt_poison(dout, (size_t)rows * 4);
+    assert_int_equal(cuda_argmax_rows_f32(g->stream, dx, rows, n, dout), FP4MOE_OK);
+    GT_CHECK(cudaStreamSynchronize(g->stream));
+    gt_download(got, dout, (size_t)rows * 4);
+    for (int64_t t = 0; t < rows; t++) {
+        const int32_t want = host_argmax(x + t * n, n);
+        if (got[t] != want)
+            fail_msg("argmax rows=%lld n=%lld: row %lld gives %d, not %d", (long long)rows, (long long)n, (long long)t,
+                     got[t], want);
+    }
+    free(x); free(got);
+    gt_free(dx); gt_free(dout);
+}
+
+static void test_argmax_rows(void **state) {
+    gpu_ctx *g = *state;
+    argmax_case(g, 1, 131072, 71); /* the decode row */
+    argmax_case(g, 8, 131072, 72); /* ties, NaNs, all NaN */
+    argmax_case(g, 5, 1001, 73);   /* n % 4 != 0: the scalar path */
+    argmax_case(g, 4, 7, 74);      /* fewer elements than threads */
+}
+
 static void test_combine(void **state) {
     gpu_ctx *g = *state;
     combine_case(g, 1, 2688, 6, 1);
@@ -711,6 +773,7 @@ int main(void) {
         cmocka_unit_test(test_linear_gather_x1),
         cmocka_unit_test(test_combine),
         cmocka_unit_test(test_rmsnorm_gated),
+        cmocka_unit_test(test_argmax_rows),
         cmocka_unit_test(test_dense_linear),
     };
     return cmocka_run_group_tests(tests, setup, teardown);

@@ -410,10 +410,16 @@ __device__ __forceinline__ bool arg_better(float av, int ai, float bv, int bi) {
     const bool an = isnan(av), bn = isnan(bv);
     if (an != bn) return bn;
     if (!an && av != bv) return av > bv;
+#ifdef FP4MOE_INJECT_FAULT_ARGMAX_TIE /* deliberate fault (tests must catch it): ties to the higher index */
+    return ai > bi;
+#else
     return ai < bi;
+#endif
 }
 
-#define ARGMAX_THREADS 256
+#ifndef ARGMAX_THREADS
+#define ARGMAX_THREADS 1024 /* one block a row: the most loads in flight (256: 31 us for a 131,072-logit row, ncu) */
+#endif
 
 /* The block's best (value, index) of (v, i) pairs held one per thread, into (*bv, *bi) of thread 0. */
 __device__ void block_argmax(float v, int i, float *bv, int *bi) {
