@@ -7,7 +7,7 @@
 #      route switch), test_ops_gpu (tiled layout, every route, bitwise), test_ep_gpu, test_ssm_gpu;
 #   2. the deliberate faults, each must FAIL: FP4MOE_INJECT_FAULT_SIDE_JOIN and
 #      FP4MOE_INJECT_FAULT_DENSE_COPY (test_model_gpu), _CONV1D (test_ssm_gpu), _RUNS
-#      (test_gather_qmm_gpu), _XBCAST, _RMSNORM_WIDE, _ARGMAX_TIE (test_ops_gpu);
+#      (test_gather_qmm_gpu), _XBCAST, _RMSNORM_WIDE, _ARGMAX_TIE, _QMMA_WPRE (test_ops_gpu);
 #   3. compute-sanitizer memcheck: the small gather_qmm cases (FP4MOE_TEST_SANITIZE=1) and a batched
 #      decode of the default model;
 #   4. end to end on the synthetic Nemotron-3-Nano-30B-A3B shape, the builds alternated in rounds
@@ -16,6 +16,8 @@
 #      build with FP4MOE_GATHER_EXPERT_BATCHED=0 too: the greedy hashes of a row must be equal across
 #      builds;
 #      VARIANTS (e.g. "mma=FP4MOE_CUDA_ATTENTION=mma"): this build with one setting, compared too;
+#      EXTRA (e.g. "nowpre=gpu-bin/v/1/fp4moe.xz"): other programs (bench/build-variants.sh builds of
+#      this package's sources with other macros), compared too;
 #   5. candidate programs (CAND, a folder: bench/build-bench-variants.sh), each run (with the
 #      arguments CAND_ARGS), their tables last.
 # A short table is printed last; logs in $OUT (default gpu-staged-out/).
@@ -47,6 +49,8 @@ if [ "${1:-}" = "--package" ]; then
         -DFP4MOE_INJECT_FAULT_RMSNORM_WIDE=1 || exit 1
     TARGET=test_ops_gpu PROG=test_ops_gpu bench/build-variants.sh "$BINP/f_am" src/kernels/cuda/ops_elementwise.cu \
         -DFP4MOE_INJECT_FAULT_ARGMAX_TIE=1 || exit 1
+    TARGET=test_ops_gpu PROG=test_ops_gpu bench/build-variants.sh "$BINP/f_wpre" src/kernels/cuda/gather_qmv.cu \
+        -DFP4MOE_INJECT_FAULT_QMMA_WPRE=1 || exit 1
     gp_main --package "$BINP"
 fi
 OUT=${OUT:-gpu-staged-out}
@@ -77,7 +81,7 @@ t "test_ops_gpu" ops.log -- "$BIN/test_ops_gpu"
 t "test_ep_gpu" ep.log -- "$BIN/test_ep_gpu"
 t "test_ssm_gpu" ssm.log -- "$BIN/test_ssm_gpu"
 for f in f_side/0/test_model_gpu f_dense/0/test_model_gpu f_conv/0/test_ssm_gpu f_runs/0/test_gather_qmm_gpu \
-    f_xb/0/test_ops_gpu f_rw/0/test_ops_gpu f_am/0/test_ops_gpu; do
+    f_xb/0/test_ops_gpu f_rw/0/test_ops_gpu f_am/0/test_ops_gpu f_wpre/0/test_ops_gpu; do
     [ -f "$PKG/$f.xz" ] || continue
     n=$(echo "$f" | tr / _)
     xz -dc "$PKG/$f.xz" >"$BIN/$n" && chmod +x "$BIN/$n"
@@ -114,6 +118,7 @@ for v in ${VARIANTS:-}; do # NAME=VAR=VALUE: this build with one setting, compar
     wrap "${v%%=*}" "$BIN/fp4moe" "${v#*=}"
     B="$B ${v%%=*}=$BIN/${v%%=*}"
 done
+B="$B ${EXTRA:-}"
 A="--synthetic nemotron-3-nano-30b-a3b --device cuda"
 cmp() { # NAME ROUNDS LIMIT ARGS
     local t0=$SECONDS

@@ -155,6 +155,23 @@ static int attention(const fw_ctx *f, const fw_layer *d, const fw_state *ls) {
     const fw_bufs *b = f->b;
     const int64_t R = f->st->R;
     int st;
+#ifdef FW_SIDE_ATTN /* measured variant: k and v projected on the backend's second queue, beside q */
+    int side = 0;
+    if (be->side_begin) {
+        const void *sw[2] = {d->k_proj, d->v_proj};
+        TRY(be->side_begin(bc, R, sw, 2, &side));
+    }
+    if (side) {
+        st = be->linear(bc, d->k_proj, b->xn, R, 0, b->kb);
+        if (!st) st = be->linear(bc, d->v_proj, b->xn, R, 0, b->vb);
+        const int se = be->side_end(bc);
+        if (!st) st = se;
+        if (!st) st = be->linear(bc, d->q_proj, b->xn, R, 0, b->q);
+        const int sj = be->side_join(bc);
+        if (!st) st = sj;
+        if (st) return fp4moe_error_context(st, "q/k/v_proj");
+    } else
+#endif
     if ((st = be->linear(bc, d->q_proj, b->xn, R, 0, b->q)) || (st = be->linear(bc, d->k_proj, b->xn, R, 0, b->kb)) ||
         (st = be->linear(bc, d->v_proj, b->xn, R, 0, b->vb)))
         return fp4moe_error_context(st, "q/k/v_proj");

@@ -417,6 +417,11 @@ static void test_tiled_layout(void **state) {
     tiled_case(g, 1, 136, 448, 70, TU_IDX_TOPK_SORTED, FP4MOE_ROUTE_AUTO, 2, 11);     /* linear, 70 rows */
     tiled_case(g, 1, 136, 448, 300, TU_IDX_TOPK_SORTED, FP4MOE_ROUTE_AUTO, 4, 14);    /* load-time copy (tiled) */
     tiled_case(g, 1, 200, 320, 257, TU_IDX_TOPK_SORTED, FP4MOE_ROUTE_AUTO, 5, 15);    /* load-time copy (checkpoint) */
+    /* plain linears on the qmv (E = 1: each warp's first piece read before the PDL wait, qmma_pdl_entry):
+     * 16-warp blocks with 36 K steps (pieces after the preloaded ones, rows out of range), and 8-warp
+     * blocks over 513 tiles with 21 steps (3 a warp) */
+    tiled_case(g, 1, 40, 4608, 9, TU_IDX_OOR_TAIL, FP4MOE_ROUTE_AUTO, 0, 16);
+    tiled_case(g, 1, 8200, 2688, 1, TU_IDX_TOPK_SORTED, FP4MOE_ROUTE_AUTO, 1, 17);
 }
 
 /* ---- one token's routed experts without gathered rows (gather_qmm_cuda_x1) -------------------------

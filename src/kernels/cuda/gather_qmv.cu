@@ -295,31 +295,70 @@ __device__ __forceinline__ void qmma_step(float (&acc)[4], const uint4 wa, const
 #define QMMA_PDL_PREFETCH 1 /* 0: no weight prefetch before the PDL wait (measured variant) */
 #endif
 
-/* The kernel's PDL entry. pf (set by the launcher for a plain linear, E = 1, launched with PDL): the
- * block's weight codes - 16 rows x K/2 bytes, one contiguous range - are requested into L2 by one
- * cp.async.bulk.prefetch.L2 before the wait, i.e. while the previous kernel (a norm, the conv, a
- * combine: little DRAM traffic) still runs. Weights are uploaded once and never written by a
- * kernel, so reading them early is safe; x, idx and y are touched only after cu_pdl_entry(). Only
- * the slot-0 block of a tile asks (the others read the same rows). PTX ISA "cp.async.bulk.prefetch":
- * 16-byte aligned address (gq_qmv_mma_fits: codes % 16 == 0) and size (K % 32 == 0). */
-__device__ __forceinline__ void qmma_pdl_entry(const gq_args &a, int pf) {
+#ifndef QMMA_WPRE
+#define QMMA_WPRE 1 /* K steps of a warp's tiled weights read into registers before the PDL wait (0: none; 2
+                       * spills 212 bytes within the launch bounds' 64 registers) */
+#endif
+#define QMMA_WPRE_N (QMMA_WPRE > 0 ? QMMA_WPRE : 1)
+
+/* A warp's first QMMA_WPRE K steps of tiled weights (steps warp, warp + W, ...: the kernel's order),
+ * read before the wait. */
+struct qmma_wpre {
+    uint4 wa[QMMA_WPRE_N], wb[QMMA_WPRE_N];
+    uint32_t sr[QMMA_WPRE_N];
+};
+
+/* The kernel's PDL entry. pf (set by the launcher for a plain linear, E = 1): bit 0 set, bit 1 when
+ * launched with PDL. The weights are read before the wait, i.e. under PDL while the previous kernel
+ * (a norm, the conv, a combine: little DRAM traffic) still runs. Weights are uploaded once and never
+ * written by a kernel, so reading them early is safe; x, idx and y are touched only after
+ * cu_pdl_entry(). Two parts:
+ * - tiled weights (pf bit 0, with or without PDL, so that the tests run this path): each warp's
+ *   first QMMA_WPRE pieces into registers (returned; with E = 1 every segment of the block uses the
+ *   same ones, so they serve all of them). For the decode linears of nemotron_h (16 warps, K <= 4096:
+ *   at most 2 steps a warp) that is half or more of the block's weights.
+ * - (pf bit 1) the slot-0 block of a tile also asks for the tile's whole weight range (16 rows x K/2 bytes,
+ *   one contiguous range; tiled: the tile's pieces) into L2 by one cp.async.bulk.prefetch.L2 (what
+ *   the registers do not hold, e.g. the lm_head's 6 steps a warp). PTX ISA
+ *   "cp.async.bulk.prefetch": 16-byte aligned address (gq_qmv_mma_fits: codes % 16 == 0) and size
+ *   (K % 32 == 0). */
+__device__ __forceinline__ qmma_wpre qmma_pdl_entry(const gq_args &a, int pf) {
+    qmma_wpre wp = {};
 #if QMMA_PDL_PREFETCH
-    if (pf && threadIdx.x == 0) {
+    if ((pf & 2) && threadIdx.x == 0) {
         const int ntile = (a.N + 15) >> 4;
         if ((int)(blockIdx.x / ntile) == 0) {
             const int tile = (int)(blockIdx.x % ntile), n0 = tile * 16, rows = min(16, a.N - n0);
-            /* tiled: the tile's pieces, codes and scales, are one range too */
             const uint8_t *p = a.tiled ? gq_tiled_piece(a.codes, 0, tile, 0, a.N, a.K) : a.codes + (int64_t)n0 * (a.K >> 1);
             const uint32_t bytes = a.tiled ? (uint32_t)(gq_tiled_nsteps(a.K) * GQ_TILE_PIECE)
                                            : (uint32_t)rows * (uint32_t)(a.K >> 1);
             asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
         }
     }
+#endif
+#if QMMA_WPRE
+    if ((pf & 1) && a.tiled) {
+        const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = (int)(blockDim.x >> 5);
+        const int ntile = (a.N + 15) >> 4, nsteps = (int)gq_tiled_nsteps(a.K);
+        const uint8_t *tb = gq_tiled_piece(a.codes, cu_weight_expert(0, a.E), (int)(blockIdx.x % ntile), 0, a.N, a.K);
+#pragma unroll
+        for (int j = 0; j < QMMA_WPRE; j++) {
+#ifdef FP4MOE_INJECT_FAULT_QMMA_WPRE /* deliberate fault (tests must catch it): a warp's pieces shifted by one */
+            const int stp = warp + j * nw + 1;
 #else
-    (void)a;
-    (void)pf;
+            const int stp = warp + j * nw;
+#endif
+            if (stp < nsteps) {
+                const uint8_t *sp = tb + (int64_t)stp * GQ_TILE_PIECE;
+                wp.wa[j] = cu_ld_stream16(sp + lane * 16);
+                wp.wb[j] = cu_ld_stream16(sp + 512 + lane * 16);
+                wp.sr[j] = __ldg(reinterpret_cast<const uint32_t *>(sp + 1024) + lane);
+            }
+        }
+    }
 #endif
     cu_pdl_entry();
+    return wp;
 }
 
 /* The x row of sorted row s + r: that row, or row 0 for every row (a.xbcast: one token's routed
@@ -339,7 +378,7 @@ __device__ __forceinline__ int64_t qmma_xrow(const gq_args &a, int s, int r) {
 template <typename TY, int W, bool TL>
 __global__ void __launch_bounds__(W * 32, (QMMA_MINB * 4 / W) > 0 ? (QMMA_MINB * 4 / W) : 1)
 gq_qmv_mma_kernel(gq_args a, int slots, int pf) {
-    qmma_pdl_entry(a, pf);
+    const qmma_wpre wp = qmma_pdl_entry(a, pf);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, r = lane >> 2, q = lane & 3;
     const int ntile = (a.N + 15) >> 4;
     const int n0 = (int)(blockIdx.x % ntile) * 16, slot = (int)(blockIdx.x / ntile);
@@ -366,7 +405,20 @@ gq_qmv_mma_kernel(gq_args a, int slots, int pf) {
             const uint8_t *tb = gq_tiled_piece(a.codes, cu_weight_expert(e, a.E), n0 >> 4, 0, a.N, K);
             const bool hasx = r < len;
             const __nv_bfloat16 *xr = x + qmma_xrow(a, s, hasx ? r : 0) * K;
-            for (int stp = warp; stp < nsteps; stp += QMMA_WARPS) {
+            int stp = warp;
+#if QMMA_WPRE
+            if (pf & 1) { /* E = 1: the pieces read before the wait (qmma_pdl_entry) are this segment's too */
+#pragma unroll
+                for (int j = 0; j < QMMA_WPRE; j++, stp += QMMA_WARPS)
+                    if (stp < nsteps) {
+                        const int c = stp * 4 + q;
+                        qmma_step(acc, wp.wa[j], wp.wb[j], wp.sr[j], c < nchunk && hasx ? xr + (int64_t)c * 32 : nullptr);
+                    }
+            }
+#else
+            (void)wp;
+#endif
+            for (; stp < nsteps; stp += QMMA_WARPS) {
                 const uint8_t *sp = tb + (int64_t)stp * GQ_TILE_PIECE;
                 const uint4 wa = cu_ld_stream16(sp + lane * 16), wb = cu_ld_stream16(sp + 512 + lane * 16);
                 const uint32_t sr = __ldg(reinterpret_cast<const uint32_t *>(sp + 1024) + lane);
@@ -449,7 +501,7 @@ static int launch_mma(const gq_args *a, int slots, cudaStream_t st) {
     while (w < 16 && blocks * w < (int64_t)QMMA_WPSM * sms && 2 * w <= nsteps) w *= 2;
 #endif
     const unsigned grid = (unsigned)blocks;
-    const int pf = a->E == 1 && cu_pdl_on(st); /* qmma_pdl_entry: weights into L2 before the wait */
+    const int pf = a->E == 1 ? 1 | (cu_pdl_on(st) ? 2 : 0) : 0; /* qmma_pdl_entry: weights before the wait */
     if (a->tiled) {
         if (w == 16) cu_launch(gq_qmv_mma_kernel<TY, 16, true>, grid, 16 * 32, 0, st, *a, slots, pf);
         else if (w == 8) cu_launch(gq_qmv_mma_kernel<TY, 8, true>, grid, 8 * 32, 0, st, *a, slots, pf);
