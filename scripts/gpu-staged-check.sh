@@ -6,7 +6,7 @@
 #      batched == solo), test_gather_qmm_gpu (every route against the fp64 reference, the bitwise
 #      route switch), test_ops_gpu (tiled layout, every route, bitwise), test_ep_gpu, test_ssm_gpu;
 #   2. the deliberate faults, each must FAIL: FP4MOE_INJECT_FAULT_SIDE_JOIN and
-#      FP4MOE_INJECT_FAULT_DENSE_COPY (test_model_gpu), _CONV1D (test_ssm_gpu), _RUNS
+#      FP4MOE_INJECT_FAULT_DENSE_COPY, _ATTN_SIDE (test_model_gpu), _CONV1D (test_ssm_gpu), _RUNS
 #      (test_gather_qmm_gpu), _XBCAST, _RMSNORM_WIDE, _ARGMAX_TIE, _QMMA_WPRE (test_ops_gpu);
 #   3. compute-sanitizer memcheck: the small gather_qmm cases (FP4MOE_TEST_SANITIZE=1) and a batched
 #      decode of the default model;
@@ -39,6 +39,8 @@ if [ "${1:-}" = "--package" ]; then
         -DFP4MOE_INJECT_FAULT_SIDE_JOIN=1 || exit 1
     TARGET=test_model_gpu PROG=test_model_gpu bench/build-variants.sh "$BINP/f_dense" src/backend/cuda/backend_cuda.c \
         -DFP4MOE_INJECT_FAULT_DENSE_COPY=1 || exit 1
+    TARGET=test_model_gpu PROG=test_model_gpu bench/build-variants.sh "$BINP/f_aside" src/model/forward.c \
+        -DFP4MOE_INJECT_FAULT_ATTN_SIDE=1 || exit 1
     TARGET=test_ssm_gpu PROG=test_ssm_gpu bench/build-variants.sh "$BINP/f_conv" src/kernels/cuda/ops_ssm.cu \
         -DFP4MOE_INJECT_FAULT_CONV1D=1 || exit 1
     TARGET=test_gather_qmm_gpu PROG=test_gather_qmm_gpu bench/build-variants.sh "$BINP/f_runs" \
@@ -80,7 +82,7 @@ t "test_gather_qmm_gpu" gather.log -- "$BIN/test_gather_qmm_gpu"
 t "test_ops_gpu" ops.log -- "$BIN/test_ops_gpu"
 t "test_ep_gpu" ep.log -- "$BIN/test_ep_gpu"
 t "test_ssm_gpu" ssm.log -- "$BIN/test_ssm_gpu"
-for f in f_side/0/test_model_gpu f_dense/0/test_model_gpu f_conv/0/test_ssm_gpu f_runs/0/test_gather_qmm_gpu \
+for f in f_side/0/test_model_gpu f_dense/0/test_model_gpu f_aside/0/test_model_gpu f_conv/0/test_ssm_gpu f_runs/0/test_gather_qmm_gpu \
     f_xb/0/test_ops_gpu f_rw/0/test_ops_gpu f_am/0/test_ops_gpu f_wpre/0/test_ops_gpu; do
     [ -f "$PKG/$f.xz" ] || continue
     n=$(echo "$f" | tr / _)

@@ -25,7 +25,8 @@ static const fp4moe_env_var k_vars[ENV_COUNT] = {
                       "(graph), every launch (1) or none (0); same results"},
     [ENV_CUDA_SIDE_STREAM] = {"FP4MOE_CUDA_SIDE_STREAM", "0|1", "1",
                               "1: in decode steps the shared expert runs on a second CUDA stream, beside "
-                              "the routed experts; 0: one stream; same results"},
+                              "the routed experts, and attention's k and v projections beside q; 0: one "
+                              "stream; same results"},
     [ENV_CUDA_WEIGHT_LAYOUT] = {"FP4MOE_CUDA_WEIGHT_LAYOUT", "rows|tiled", "tiled",
                                 "NVFP4 weights on the GPU re-laid at load for the kernels' loads (tiled) or as in "
                                 "the checkpoint (rows); same results"},

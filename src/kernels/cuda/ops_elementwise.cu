@@ -97,32 +97,10 @@ __device__ __forceinline__ float inv_rms_from(double ss, int64_t n, float eps) {
  * full. */
 #define NORM_U 4
 #define RMSNORM_THREADS 1024
-
-#ifndef NORM_WPRE
-#define NORM_WPRE 1 /* 0: the norm weights loaded after the PDL wait (measured variant) */
-#endif
-/* A thread's norm weights w[off + threadIdx.x + u * blockDim.x] (u < NORM_U; 0 past n) when the n
- * weights fit the block's registers (n <= blockDim.x * NORM_U, the kernels' "kept" case), read
- * BEFORE the PDL wait: norm weights are model weights, uploaded once and never written by a kernel
- * (cuda_launch.cuh's contract for a *_pdl_entry prologue), so under PDL their DRAM round trip
- * overlaps the previous kernel instead of following it (docs/GPU-NOTES.md, session 16). */
-struct norm_wpre {
-    float v[NORM_U];
-};
-__device__ __forceinline__ norm_wpre norm_w_pdl_entry(const float *__restrict__ w, int64_t n, int64_t off) {
-    norm_wpre p;
-#pragma unroll
-    for (int u = 0; u < NORM_U; u++) {
-        const int64_t i = threadIdx.x + (int64_t)u * blockDim.x;
-        p.v[u] = NORM_WPRE && n <= (int64_t)blockDim.x * NORM_U && i < n ? __ldg(w + off + i) : 0.0f;
-    }
-    cu_pdl_entry();
-    return p;
-}
 __global__ void rmsnorm_kernel(float *__restrict__ x, const uint16_t *__restrict__ ra, const uint16_t *__restrict__ rb,
                                const float *__restrict__ w, int64_t H, float eps, uint16_t *__restrict__ y,
                                float *__restrict__ y32, const int32_t *__restrict__ rows) {
-    const norm_wpre wp = norm_w_pdl_entry(w, H, 0);
+    cu_pdl_entry();
     const int64_t t = blockIdx.x;
     float *xt = x + (rows ? (int64_t)rows[t] : t) * H;
     const int64_t step = blockDim.x;
@@ -134,7 +112,7 @@ __global__ void rmsnorm_kernel(float *__restrict__ x, const uint16_t *__restrict
         for (int u = 0; u < NORM_U; u++) {
             const int64_t i = i0 + u * step;
             xv[u] = i < H ? xt[i] : 0.0f;
-            if (kept) wv[u] = NORM_WPRE ? wp.v[u] : i < H ? w[i] : 0.0f; /* before the wait, or with the first loads */
+            if (kept) wv[u] = i < H ? w[i] : 0.0f; /* with the first loads: one round trip less */
         }
         if (ra) { /* the residual add first (residual_kernel's arithmetic), written back */
 #pragma unroll
@@ -289,7 +267,7 @@ extern "C" int cuda_rmsnorm(void *stream, float *x, const uint16_t *a, const uin
 __global__ void rmsnorm_gated_kernel(const float *__restrict__ y, const uint16_t *__restrict__ z, int64_t zs,
                                      const float *__restrict__ w, int64_t D, int64_t gsz, float eps,
                                      uint16_t *__restrict__ out) {
-    const norm_wpre wp = norm_w_pdl_entry(w, gsz, (int64_t)blockIdx.y * gsz);
+    cu_pdl_entry();
     const int64_t t = blockIdx.x, g0 = (int64_t)blockIdx.y * gsz;
     const float *yt = y + t * D + g0;
     const uint16_t *zt = z + t * zs + g0;
@@ -304,7 +282,7 @@ __global__ void rmsnorm_gated_kernel(const float *__restrict__ y, const uint16_t
             const int64_t i = i0 + u * step;
             yv[u] = i < gsz ? yt[i] : 0.0f;
             zv[u] = i < gsz ? ops_bf16_to_f32(zt[i]) : 0.0f;
-            if (kept) wv[u] = NORM_WPRE ? wp.v[u] : i < gsz ? w[g0 + i] : 0.0f;
+            if (kept) wv[u] = i < gsz ? w[g0 + i] : 0.0f;
         }
 #pragma unroll
         for (int u = 0; u < NORM_U; u++) {
