@@ -7,7 +7,8 @@
 #      route switch), test_ops_gpu (tiled layout, every route, bitwise), test_ep_gpu, test_ssm_gpu;
 #   2. the deliberate faults, each must FAIL: FP4MOE_INJECT_FAULT_SIDE_JOIN and
 #      FP4MOE_INJECT_FAULT_DENSE_COPY, _ATTN_SIDE (test_model_gpu), _CONV1D (test_ssm_gpu), _RUNS
-#      (test_gather_qmm_gpu), _XBCAST, _RMSNORM_WIDE, _ARGMAX_TIE, _QMMA_WPRE (test_ops_gpu);
+#      (test_gather_qmm_gpu), _XBCAST, _RMSNORM_WIDE, _ARGMAX_TIE, _QMMA_WPRE (test_ops_gpu), each run
+#      with only the test that must catch it (FP4MOE_TEST_FILTER);
 #   3. compute-sanitizer memcheck: the small gather_qmm cases (FP4MOE_TEST_SANITIZE=1) and a batched
 #      decode of the default model;
 #   4. end to end on the synthetic Nemotron-3-Nano-30B-A3B shape, the builds alternated in rounds
@@ -25,7 +26,8 @@
 #                                                           earlier commit's fp4moe or fp4moe.xz)
 #        scripts/gpu-staged-check.sh --package BIN           here: build build-gpum, pack the programs and
 #                                                           the fault builds into BIN (carry BIN)
-# Environment: OLD_ENV (default empty): settings for the OLD build, e.g. "FP4MOE_CUDA_SIDE_STREAM=1".
+# Environment: OLD_ENV (default empty): settings for the OLD build, e.g. "FP4MOE_CUDA_SIDE_STREAM=1";
+#              SKIP_TESTS=1: steps 4-5 only (a second call after one that ran the tests).
 set -u
 cd "$(dirname "$0")/.."
 GP_NAME=batch
@@ -77,18 +79,25 @@ t() { # NAME LOG ENV... -- PROGRAM
     local rc=$?
     row "$name" "$(verdict $rc)" $((SECONDS - t0)) "$(grep -c '^\[       OK' "$OUT/$log") ok"
 }
+if [ "${SKIP_TESTS:-0}" != 1 ]; then # steps 1-3 (SKIP_TESTS=1: only the compares, e.g. a second call)
 t "test_model_gpu" model.log -- "$BIN/test_model_gpu"
 t "test_gather_qmm_gpu" gather.log -- "$BIN/test_gather_qmm_gpu"
 t "test_ops_gpu" ops.log -- "$BIN/test_ops_gpu"
 t "test_ep_gpu" ep.log -- "$BIN/test_ep_gpu"
 t "test_ssm_gpu" ssm.log -- "$BIN/test_ssm_gpu"
-for f in f_side/0/test_model_gpu f_dense/0/test_model_gpu f_aside/0/test_model_gpu f_conv/0/test_ssm_gpu f_runs/0/test_gather_qmm_gpu \
-    f_xb/0/test_ops_gpu f_rw/0/test_ops_gpu f_am/0/test_ops_gpu f_wpre/0/test_ops_gpu; do
+# each fault build with only the test that must catch it (FP4MOE_TEST_FILTER; none: the whole program)
+for fe in f_side/0/test_model_gpu:side_stream f_dense/0/test_model_gpu f_aside/0/test_model_gpu:side_stream \
+    f_conv/0/test_ssm_gpu f_runs/0/test_gather_qmm_gpu \
+    f_xb/0/test_ops_gpu:test_linear_gather_x1 f_rw/0/test_ops_gpu:test_rmsnorm_residual f_am/0/test_ops_gpu:test_argmax_rows \
+    f_wpre/0/test_ops_gpu:test_tiled_layout; do
+    f=${fe%%:*}
+    flt=${fe#"$f"}
+    flt=${flt#:}
     [ -f "$PKG/$f.xz" ] || continue
     n=$(echo "$f" | tr / _)
     xz -dc "$PKG/$f.xz" >"$BIN/$n" && chmod +x "$BIN/$n"
     t0=$SECONDS
-    timeout 300 "$BIN/$n" >"$OUT/$n.log" 2>&1
+    FP4MOE_TEST_FILTER=$flt timeout 300 "$BIN/$n" >"$OUT/$n.log" 2>&1
     rc=$?
     row "fault ${f%%/*} ($(basename "$f"))" "$(fault_verdict $rc)" $((SECONDS - t0)) "$(grep -m1 'FAILED  \] [a-z]' "$OUT/$n.log")"
 done
@@ -107,6 +116,7 @@ if [ -n "$CS" ]; then
     row "memcheck batched decode (default model)" "$([ $rc = 0 ] && echo CLEAN || echo "FAIL($rc)")" $((SECONDS - t0)) \
         "$(grep -m1 'ERROR SUMMARY' "$OUT/memcheck.log")"
 fi
+fi # SKIP_TESTS
 wrap() { printf '#!/bin/sh\nexec env %s %s "$@"\n' "$3" "$2" >"$BIN/$1" && chmod +x "$BIN/$1"; }
 B="new=$BIN/fp4moe"
 if [ -n "$OLDPKG" ]; then # an earlier commit's fp4moe (or .xz of it; the same libraries as this package's)
@@ -122,10 +132,12 @@ for v in ${VARIANTS:-}; do # NAME=VAR=VALUE: this build with one setting, compar
 done
 B="$B ${EXTRA:-}"
 A="--synthetic nemotron-3-nano-30b-a3b --device cuda"
-cmp() { # NAME ROUNDS LIMIT ARGS
-    local t0=$SECONDS
+cmp() { # NAME ROUNDS LIMIT ARGS (LIMIT: seconds for 4 builds, scaled by the number of builds)
+    local t0=$SECONDS nb lim
+    nb=$(($(echo $B | wc -w) + 1))
+    lim=$(($3 * nb / 4))
     # shellcheck disable=SC2086
-    OUT=$OUT/$1 timeout "$3" bench/gpu-compare.sh "$BIN" "$2" "$A $4" $B off=$BIN/off >"$OUT/$1.txt" 2>&1
+    OUT=$OUT/$1 timeout "$lim" bench/gpu-compare.sh "$BIN" "$2" "$A $4" $B off=$BIN/off >"$OUT/$1.txt" 2>&1
     row "compare $1" DONE $((SECONDS - t0))
 }
 CMPS=${CMPS:-p512 b64 p2k p8k}

@@ -684,6 +684,14 @@ int main(void) {
     tests[n++] = (struct CMUnitTest){"profile", test_profile, NULL, NULL, NULL};
     tests[n++] = (struct CMUnitTest){"errors", test_errors, NULL, NULL, NULL};
     tests[n++] = (struct CMUnitTest){"batch", test_batch, NULL, NULL, NULL};
+    /* FP4MOE_TEST_FILTER: the tests whose names start with it (a fault build run with only the test
+     * that must catch it) */
+    const char *filter = getenv("FP4MOE_TEST_FILTER");
+    static char pattern[128];
+    if (filter && *filter) {
+        snprintf(pattern, sizeof pattern, "%s*", filter);
+        cmocka_set_test_filter(pattern);
+    }
     const int rc = _cmocka_run_group_tests("model_gpu", tests, n, NULL, NULL);
     printf("model_gpu: worst row error gpu vs cpu %.3g; %lld of %lld rows above %.3g (check_rows)\n", g_worst,
            (long long)g_over, (long long)g_rows, MT_RTOL_BF16);

@@ -781,5 +781,13 @@ int main(void) {
         cmocka_unit_test(test_argmax_rows),
         cmocka_unit_test(test_dense_linear),
     };
+    /* FP4MOE_TEST_FILTER: the tests whose names start with it (a fault build run with only the test
+     * that must catch it) */
+    const char *filter = getenv("FP4MOE_TEST_FILTER");
+    static char pattern[128];
+    if (filter && *filter) {
+        snprintf(pattern, sizeof pattern, "%s*", filter);
+        cmocka_set_test_filter(pattern);
+    }
     return cmocka_run_group_tests(tests, setup, teardown);
 }
