@@ -80,9 +80,12 @@ static void ctx_make(gpu_ctx *g) {
     g->ops.stream = g->stream;
     g->ops.blas = blas;
     g->ops.route = FP4MOE_ROUTE_AUTO;
+    g->ops.split_n = (int64_t)MM_SPLIT_ROWS * 300; /* the router's split-K form, up to 300 experts */
+    g->ops.split_ws = gt_upload(NULL, (size_t)g->ops.split_n * 4);
 }
 static void ctx_free(gpu_ctx *g) {
     cuda_blas_destroy(g->ops.blas);
+    gt_free(g->ops.split_ws);
     if (g->dq.p) GT_CHECK(cudaFree(g->dq.p));
     gt_free(g->ws);
     GT_CHECK(cudaStreamDestroy(g->stream));
@@ -177,6 +180,14 @@ static void test_moe_route(void **state) {
         route_case(g, Ts[i], 8, 2, 4, 2, 96, 0, 200 + i);      /* groups, no bias */
     }
     route_case(g, 3, 128, 6, 1, 1, 2690, 1, 300); /* H % 4 != 0: the cuBLAS path */
+    /* the cuBLAS path's split-K form (cuda_matmul_f32: 16 parts of K up to 512 rows, 8 at 1,024, none
+     * above or for K % 8 != 0) against the fp64 logits: a batched decode step, a 512-token prefill,
+     * 1,024 rows, 2,048 rows (no split) */
+    route_case(g, 64, 128, 6, 1, 1, 2688, 1, 301);
+    route_case(g, 512, 128, 6, 1, 1, 2688, 1, 302);
+    route_case(g, 1024, 128, 6, 1, 1, 2688, 1, 303);
+    route_case(g, 2048, 128, 6, 1, 1, 2688, 1, 305);
+    route_case(g, 100, 40, 4, 1, 1, 200, 0, 304);   /* K = 200: 10 parts of 20 */
 }
 
 /* ---- cuda_rmsnorm with the residual folded in -------------------------------------------------- */

@@ -853,6 +853,7 @@ void be_cuda_free(void *bcv) {
     cudaFree(c->att_scratch);
     cudaFree(c->ops.f32_x);
     cudaFree(c->ops.f32_y);
+    cudaFree(c->ops.split_ws);
     cudaFree(c->dq.p);
     if (c->side) {
         cudaStreamSynchronize(c->side);
@@ -893,7 +894,12 @@ int be_cuda_new(const fp4moe_model *m, fp4moe_route route, int64_t cap, int64_t 
         c->ops.f32_x = fx;
         TRY(cu_alloc(c, (size_t)(cap * f32w) * 4, (void **)&fy));
     }
-    c->ops = (cuda_ops){c->stream, c->blas, route, c->zeros, cap, fx, fy, cap * f32w, &c->dq};
+    c->ops = (cuda_ops){c->stream, c->blas, route, c->zeros, cap, fx, fy, cap * f32w, &c->dq, NULL, 0};
+    if (strchr(m->cfg.layer_types, FP4MOE_LAYER_MOE) && m->cfg.n_experts > 0) { /* the router's split-K scratch */
+        const int64_t n = (int64_t)MM_SPLIT_ROWS * m->cfg.n_experts;
+        TRY(cu_alloc(c, (size_t)n * 4, (void **)&c->ops.split_ws));
+        c->ops.split_n = n;
+    }
     if (profile) {
         c->prof = 1;
         c->cap_ev = 4 + 2 * (int)m->cfg.n_layers;

@@ -343,6 +343,10 @@ __device__ __forceinline__ void bt_step_ntv(int ntv, float (&acc)[MT / 8][4], co
     }
 }
 
+#ifndef BT_MINB32
+#define BT_MINB32 2 /* blocks an SM in the launch bounds of the 32-row tiles (3: 85 registers, 20 bytes spilled,
+                       -2.2% prefill at 512 tokens on the H200, docs/PERFORMANCE.md session 17) */
+#endif
 /* warps per block: 8 for 32-row tiles (x staging shared by 128 features), 4 for 64-row tiles and
  * for the 8-row tiles of "qmv, tiled by 8 rows" (8 rows x 16 pieces = one x piece per thread) */
 template <int MT> struct bt_cfg {
@@ -350,7 +354,7 @@ template <int MT> struct bt_cfg {
     static constexpr int WARPS = MT == 32 ? 8 : 4, THREADS = WARPS * 32, NTILE = WARPS * 16;
     static constexpr int XBYTES = 2 * MT * BT_XROW;                     /* double-buffered x tile */
     static constexpr int SMEM = XBYTES + BT_STAGES * THREADS * (int)sizeof(bt_slot);
-    static constexpr int MINBLOCKS = MT == 32 ? 2 : MT == 64 ? 3 : 4;    /* 128 / 168 / 128 registers */
+    static constexpr int MINBLOCKS = MT == 32 ? BT_MINB32 : MT == 64 ? 3 : 4; /* 128 / 168 / 128 registers */
 };
 
 /* Work item `item` of a persistent grid over (expert, N-tile, row-tile) (NT N-tiles, MT-row tiles):

@@ -60,6 +60,9 @@ typedef struct {
                                    f32 x of cuda_linear_forward_f32out) */
     int64_t f32_n;
     gq_dense_scratch *dq;       /* the dense dequant_gemm scratch (gather_qmm_cuda_linear) */
+    float *split_ws;            /* split_n floats: the partial products of cuda_matmul_f32's split-K
+                                   form (NULL / 0: that form is off) */
+    int64_t split_n;
 } cuda_ops;
 
 /* cuBLAS handle on `stream` with a caller-owned workspace (so that graph capture never makes cuBLAS
@@ -153,8 +156,17 @@ int cuda_linear_gather(const cuda_ops *o, const cuda_linear *w, const uint16_t *
 int cuda_linear_gather_x1(const cuda_ops *o, const cuda_linear *w, const uint16_t *x, const uint32_t *idx,
                           int64_t B, int relu2, uint16_t *y);
 
+#ifndef MM_SPLIT_ROWS
+#define MM_SPLIT_ROWS 8192 /* cuda_matmul_f32's split-K form: parts x rows at most (scratch: this x N floats;
+                              0: the form off, a measured variant) */
+#endif
 /* y (T x N, fp32) = x (T x K, fp32) @ W^T (W: N x K fp32), cublasGemmEx with fp32 compute (the
- * fp32 router, as op_matmul_f32). */
+ * fp32 router, as op_matmul_f32). Where that GEMM has few output tiles (T <= MM_SPLIT_ROWS / 8, e.g. a
+ * 512-token prefill: 512 x 128 outputs are 8 cuBLAS tiles for 132 SMs), K is split into S equal parts
+ * (S <= 16 dividing K, S * T <= MM_SPLIT_ROWS, S * T * N <= o->split_n): S GEMMs in one strided
+ * batched call write S partial products into o->split_ws, and one kernel adds them in the order
+ * 0..S-1 (deterministic; fp32 sums of K / S products each). Errors: FP4MOE_ECUDA, FP4MOE_EUNSUPPORTED
+ * (sizes beyond int). */
 int cuda_matmul_f32(const cuda_ops *o, const float *x, int64_t T, const float *W, int64_t N,
                     int64_t K, float *y);
 

@@ -217,9 +217,47 @@ extern "C" int cuda_linear_gather_x1(const cuda_ops *o, const cuda_linear *w, co
     return gather_qmm_cuda_x1(&w->q, w->tiled, x, idx, B, o->route, relu2, y, o->stream);
 }
 
+/* y[i] = p[i] + p[n + i] + ... + p[(S-1) n + i], in that order */
+__global__ void sum_splits_kernel(const float *__restrict__ p, int S, int64_t n, float *__restrict__ y) {
+    cu_pdl_entry();
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+        float v = p[i];
+#ifdef FP4MOE_INJECT_FAULT_SPLIT_SUM /* deliberate fault (tests must catch it): the last part dropped */
+        for (int s = 1; s < S - 1; s++) v += p[(int64_t)s * n + i];
+#else
+        for (int s = 1; s < S; s++) v += p[(int64_t)s * n + i];
+#endif
+        y[i] = v;
+    }
+}
+
+/* The K parts of cuda_matmul_f32's split-K form: for T <= MM_SPLIT_ROWS / 8 rows, the largest S <= 16
+ * dividing K with S * T <= MM_SPLIT_ROWS, K / S % 4 == 0 and S * T * N <= split_n; 1: no split.
+ * Measured on the H200 (docs/PERFORMANCE.md, session 17; router 512 / 2,048 x 128 x 2688): +1.0%
+ * prefill at 512 tokens (16 parts), nothing at 2,048 (4 parts), hence no split above 1,024 rows. */
+static int matmul_splits(int64_t T, int64_t N, int64_t K, int64_t split_n) {
+    if (T > MM_SPLIT_ROWS / 8 || K % 8 != 0) return 1;
+    for (int S = 16; S > 1; S--)
+        if (K % S == 0 && (K / S) % 4 == 0 && S * T <= MM_SPLIT_ROWS && S * T * N <= split_n) return S;
+    return 1;
+}
+
 extern "C" int cuda_matmul_f32(const cuda_ops *o, const float *x, int64_t T, const float *W, int64_t N,
                                int64_t K, float *y) {
     if (T <= 0) return FP4MOE_OK;
+    const int S = o->split_ws ? matmul_splits(T, N, K, o->split_n) : 1;
+    if (S > 1 && T <= 0x7fffffff && N <= 0x7fffffff && K <= 0x7fffffff) {
+        const float one = 1.0f, zero = 0.0f;
+        const int64_t Kc = K / S, n = T * N;
+        /* part s: y_s^T (N x T, ld N) = W[:, s Kc ..]^T-view x x[:, s Kc ..]^T, as gemm_xwt */
+        BLAS_TRY(cublasGemmStridedBatchedEx((cublasHandle_t)o->blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)N, (int)T, (int)Kc,
+                                            &one, W, CUDA_R_32F, (int)K, Kc, x, CUDA_R_32F, (int)K, Kc, &zero, o->split_ws,
+                                            CUDA_R_32F, (int)N, n, S, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+                 "matmul f32 (router, split K)");
+        cu_launch(sum_splits_kernel, grid_for(n), 256, 0, (cudaStream_t)o->stream, o->split_ws, S, n, y);
+        OPS_LAUNCH_CHECK("matmul f32 (router, the split-K sum)");
+        return FP4MOE_OK;
+    }
     return gemm_xwt((cublasHandle_t)o->blas, W, x, y, CUDA_R_32F, CUDA_R_32F, T, N, K,
                     "matmul f32 (router)");
 }
