@@ -39,6 +39,9 @@ typedef struct {
     const void *in_proj, *out_proj;
     const float *conv_w, *conv_b, *A, *D, *dt_bias, *gnorm;
     const void *q_proj, *k_proj, *v_proj, *o_proj;
+    const void *kv_proj;            /* optional (NULL: none): k_proj and v_proj stacked as the 2 experts
+                                       of one weight (0: k, 1: v), for linear_gather_x1 with idx {0, 1}:
+                                       one call for a one-token step (CUDA) */
     const float *router_w, *router_bias;
     const void *experts_up, *experts_down, *shared_up, *shared_down, *latent_in, *latent_out;
     const void *up, *down;

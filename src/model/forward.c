@@ -68,7 +68,8 @@ static int64_t plan(const fp4moe_config *c, int64_t cap, int64_t lgr, size_t act
     }
     if (has_layer(c, FP4MOE_LAYER_ATTENTION)) {
         ITEM(b->q, cap * q, act, "queries");
-        ITEM(b->kb, cap * kvs, act, "keys");
+        ITEM(b->kb, (cap > 1 ? cap : 2) * kvs, act, "keys"); /* 2 rows: k and v of kv_proj's call */
+        ITEM(b->kv_ids, 2, 4, "k / v ids");
         ITEM(b->vb, cap * kvs, act, "values");
         ITEM(b->att, cap * q, act, "attention outputs");
     }
@@ -109,6 +110,14 @@ int fw_bufs_alloc(const be_ops *be, void *bc, const fp4moe_config *c, int64_t ca
         const int st = be->alloc(bc, (size_t)(bytes ? bytes : 1), it[i].p);
         if (st) return fp4moe_error_context(st, "buffers: %s (%lld bytes)", it[i].what, (long long)bytes);
     }
+    if (b->kv_ids) {
+#ifdef FP4MOE_INJECT_FAULT_KV_PAIR /* deliberate fault (tests must catch it): k and v swapped */
+        static const uint32_t ids[2] = {1, 0};
+#else
+        static const uint32_t ids[2] = {0, 1};
+#endif
+        TRY(be->upload(bc, b->kv_ids, ids, sizeof ids));
+    }
     return FP4MOE_OK;
 }
 
@@ -148,6 +157,26 @@ static int mamba(const fw_ctx *f, const fw_layer *d, const fw_state *ls) {
     return st ? fp4moe_error_context(st, "out_proj") : FP4MOE_OK;
 }
 
+/* k into b->kb and v (*v: where): for a one-token step with a stacked kv_proj one linear_gather_x1
+ * call (k and v its rows 0 and 1: kb's first two rows; the same kernel and K split as the two single
+ * calls, so the same bits), else two linears (v into b->vb). */
+static int kv_proj(const fw_ctx *f, const fw_layer *d, int64_t R, const void **v) {
+    const be_ops *be = f->be;
+    const fw_bufs *b = f->b;
+    *v = b->vb;
+    if (R == 1 && d->kv_proj && be->linear_gather_x1 && b->kv_ids) {
+        const int st = be->linear_gather_x1(f->bc, d->kv_proj, b->xn, b->kv_ids, 2, 0, b->kb);
+        if (st == FP4MOE_OK) {
+            *v = BE_ACT(be, b->kb, f->cfg->kv_heads * f->cfg->head_dim);
+            return FP4MOE_OK;
+        }
+        if (st != FP4MOE_EUNSUPPORTED) return st;
+        fp4moe_clear_error();
+    }
+    const int st = be->linear(f->bc, d->k_proj, b->xn, R, 0, b->kb);
+    return st ? st : be->linear(f->bc, d->v_proj, b->xn, R, 0, b->vb);
+}
+
 static int attention(const fw_ctx *f, const fw_layer *d, const fw_state *ls) {
     const fp4moe_config *c = f->cfg;
     const be_ops *be = f->be;
@@ -159,13 +188,13 @@ static int attention(const fw_ctx *f, const fw_layer *d, const fw_state *ls) {
      * and v are projected on it, beside q (measured on the H200: +1.0% decode, docs/PERFORMANCE.md
      * session 16); the three outputs are disjoint buffers, xn is read by all, the results the same. */
     int side = 0;
+    const void *vb = b->vb;
     if (be->side_begin) {
         const void *sw[2] = {d->k_proj, d->v_proj};
         TRY(be->side_begin(bc, R, sw, 2, &side));
     }
     if (side) {
-        st = be->linear(bc, d->k_proj, b->xn, R, 0, b->kb);
-        if (!st) st = be->linear(bc, d->v_proj, b->xn, R, 0, b->vb);
+        st = kv_proj(f, d, R, &vb);
         const int se = be->side_end(bc);
         if (!st) st = se;
         if (!st) st = be->linear(bc, d->q_proj, b->xn, R, 0, b->q);
@@ -176,10 +205,10 @@ static int attention(const fw_ctx *f, const fw_layer *d, const fw_state *ls) {
 #endif
         if (!st) st = sj;
         if (st) return fp4moe_error_context(st, "q/k/v_proj (k and v beside q)");
-    } else if ((st = be->linear(bc, d->q_proj, b->xn, R, 0, b->q)) || (st = be->linear(bc, d->k_proj, b->xn, R, 0, b->kb)) ||
-        (st = be->linear(bc, d->v_proj, b->xn, R, 0, b->vb)))
+    } else if ((st = be->linear(bc, d->q_proj, b->xn, R, 0, b->q)) || (st = kv_proj(f, d, R, &vb))) {
         return fp4moe_error_context(st, "q/k/v_proj");
-    TRY(be->attention(bc, f->st, b->q, b->kb, b->vb, ls, c->attn_heads, c->kv_heads, c->head_dim, b->att));
+    }
+    TRY(be->attention(bc, f->st, b->q, b->kb, vb, ls, c->attn_heads, c->kv_heads, c->head_dim, b->att));
     st = be->linear(bc, d->o_proj, b->att, R, 0, b->out_a);
     return st ? fp4moe_error_context(st, "o_proj") : FP4MOE_OK;
 }

@@ -17,7 +17,8 @@ typedef struct {
     void *xn, *out_a, *out_b;       /* cap x H act: normed input, mixer output, shared expert output */
     void *zx, *yb;                  /* Mamba: cap x in_proj.N, cap x d_inner (act) */
     float *xbc, *y;                 /* Mamba: cap x conv_dim, cap x d_inner */
-    void *q, *kb, *vb, *att;        /* attention (act) */
+    void *q, *kb, *vb, *att;        /* attention (act); kb holds at least 2 rows */
+    uint32_t *kv_ids;               /* attention: {0, 1}, the idx of fw_layer kv_proj */
     float *xn32, *rlogits, *wts;    /* MoE: cap x H router input, cap x E, cap x k */
     int32_t *ids;
     uint32_t *row_of, *idx, *pos_of;

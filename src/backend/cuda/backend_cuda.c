@@ -31,6 +31,9 @@
     } while (0)
 
 #define BLAS_WORKSPACE (32u << 20)
+#ifndef FP4MOE_KV_PAIR
+#define FP4MOE_KV_PAIR 1 /* 0: k_proj and v_proj placed apart, two calls a step (a measured variant) */
+#endif
 #define KV_MIN_ROWS 1024
 
 /* ---- device weights --------------------------------------------------------------------------- */
@@ -41,6 +44,7 @@ typedef struct {
     cuda_linear in_proj, out_proj;
     const float *conv_w, *conv_b, *A, *D, *dt_bias, *gnorm;
     cuda_linear q_proj, k_proj, v_proj, o_proj;
+    cuda_linear kv_proj;            /* k_proj and v_proj stacked (put_kv_pair), or N = 0 */
     const float *router_w, *router_bias;
     cuda_linear experts_up, experts_down, shared_up, shared_down, latent_in, latent_out;
     cuda_linear up, down;
@@ -145,10 +149,14 @@ static float synth_enc(const op_linear *h) {
 /* The tiled layout (FP4MOE_CUDA_WEIGHT_LAYOUT=tiled; src/kernels/cuda/gather_cuda.cuh): the codes and
  * scales go to a temporary device buffer (uploaded or generated there), then into the layout at the
  * reserved place; the checkpoint layout is not kept. */
+static int fill_tiled(placer *p, const op_linear *h, uint64_t tensor_id, void *dst);
 static int put_tiled(placer *p, const op_linear *h, uint64_t tensor_id, void **tiled) {
-    const size_t n = (size_t)(h->E * h->N * h->K), cb = (n / 2 + 255) & ~(size_t)255;
     reserve(p, (size_t)(h->E * cuda_nvfp4_tiled_expert_bytes(h->N, h->K)), tiled);
-    if (!p->fill) return FP4MOE_OK;
+    return p->fill ? fill_tiled(p, h, tensor_id, *tiled) : FP4MOE_OK;
+}
+/* h's weights (uploaded or generated) in the tiled layout at dst (fill pass) */
+static int fill_tiled(placer *p, const op_linear *h, uint64_t tensor_id, void *dst) {
+    const size_t n = (size_t)(h->E * h->N * h->K), cb = (n / 2 + 255) & ~(size_t)255;
     uint8_t *tmp = NULL;
     FP4MOE_CUDA_TRY("cuda", cudaMalloc((void **)&tmp, cb + n / 16), "staging of a weight for the tiled layout");
     int st = FP4MOE_OK;
@@ -160,7 +168,7 @@ static int put_tiled(placer *p, const op_linear *h, uint64_t tensor_id, void **t
         if (ce == cudaSuccess) ce = cudaMemcpy(tmp + cb, h->q.scales, n / 16, cudaMemcpyHostToDevice);
         if (ce != cudaSuccess) st = fp4moe_set_error(FP4MOE_ECUDA, "cuda: upload of the weights: %s", cudaGetErrorString(ce));
     }
-    if (!st) st = cuda_nvfp4_relayout_tiled(p->stream, tmp, tmp + cb, h->E, h->N, h->K, *tiled);
+    if (!st) st = cuda_nvfp4_relayout_tiled(p->stream, tmp, tmp + cb, h->E, h->N, h->K, dst);
     const cudaError_t se = cudaStreamSynchronize(p->stream);
     if (!st && se != cudaSuccess) st = FP4MOE_CUDA_STATUS(se, "cuda", "tiled layout of the weights");
     cudaFree(tmp);
@@ -259,6 +267,82 @@ static int put_head(placer *p, const fp4moe_model *m, struct gpu_model *g) {
     return put_linear_as(p, hd, &g->lm_head, SYN_LM_HEAD, 1, 0);
 }
 
+/* k_proj and v_proj as ONE stacked NVFP4 weight of 2 experts (kv: 0 = k, 1 = v; global scales {k's,
+ * v's}, 1 where a linear has none) and dk / dv as views of its halves (the same bytes, nothing
+ * duplicated; their bf16 dense copies as put_linear_as makes them), so that a one-token step projects
+ * both in one gather_qmm_cuda_x1 call (src/model/forward.c kv_proj). Only for two NVFP4 linears of one
+ * shape without bias, K % 32 == 0 (the tensor-core qmv); else *ok = 0 and nothing is placed. */
+static int put_kv_pair(placer *p, const op_linear *hk, const op_linear *hv, cuda_linear *kv, cuda_linear *dk,
+                       cuda_linear *dv, uint64_t id_k, uint64_t id_v, int *ok) {
+    *ok = hk->nvfp4 && hv->nvfp4 && hk->E == 1 && hv->E == 1 && hk->N == hv->N && hk->K == hv->K && hk->N > 0 &&
+          !hk->bias && !hv->bias && hk->K % 32 == 0;
+    if (!*ok) return FP4MOE_OK;
+    const int64_t N = hk->N, K = hk->K;
+    const size_t n = (size_t)(N * K);
+    const int tiled = K % 64 == 0 && !strcmp(env_get(ENV_CUDA_WEIGHT_LAYOUT), "tiled");
+    const op_linear *h[2] = {hk, hv};
+    const uint64_t id[2] = {id_k, id_v};
+    cuda_linear *dd[2] = {dk, dv};
+    void *codes, *scales, *gs;
+    size_t ce, se; /* one expert's bytes of codes and of scales */
+    if (tiled) {
+        ce = (size_t)cuda_nvfp4_tiled_expert_bytes(N, K);
+        se = 0;
+        reserve(p, 2 * ce, &codes);
+        scales = codes;
+    } else {
+        ce = n / 2;
+        se = n / 16;
+        reserve(p, 2 * ce, &codes);
+        reserve(p, 2 * se, &scales);
+    }
+    reserve(p, 2 * sizeof(float), &gs);
+    if (p->fill) {
+        const float g2[2] = {hk->q.global_scale ? hk->q.global_scale[0] : 1.0f,
+                             hv->q.global_scale ? hv->q.global_scale[0] : 1.0f};
+        FP4MOE_CUDA_TRY("cuda", cudaMemcpy(gs, g2, sizeof g2, cudaMemcpyHostToDevice), "upload of the k / v global scales");
+        for (int i = 0; i < 2; i++) {
+            uint8_t *c = (uint8_t *)codes + i * ce, *sc = (uint8_t *)scales + i * se;
+            if (tiled) {
+                TRY(fill_tiled(p, h[i], id[i], c));
+            } else if (p->synth) {
+                TRY(cuda_synth_nvfp4(p->stream, p->seed, id[i], (int64_t)(n / 16), K / 16, SYN_SIGMA, synth_enc(h[i]), c, sc));
+                report(p, n / 2 + n / 16);
+            } else {
+                FP4MOE_CUDA_TRY("cuda", cudaMemcpy(c, h[i]->q.codes, n / 2, cudaMemcpyHostToDevice), "upload of the weights");
+                FP4MOE_CUDA_TRY("cuda", cudaMemcpy(sc, h[i]->q.scales, n / 16, cudaMemcpyHostToDevice), "upload of the weights");
+                report(p, n / 2 + n / 16);
+            }
+        }
+    }
+    memset(kv, 0, sizeof *kv);
+    kv->E = 2;
+    kv->N = N;
+    kv->K = K;
+    kv->nvfp4 = 1;
+    kv->tiled = tiled;
+    kv->q = (fp4moe_nvfp4_weights){codes, scales, gs, 2, N, K};
+    for (int i = 0; i < 2; i++) {
+        cuda_linear *d = dd[i];
+        memset(d, 0, sizeof *d);
+        d->E = 1;
+        d->N = N;
+        d->K = K;
+        d->nvfp4 = 1;
+        d->tiled = tiled;
+        uint8_t *c = p->fill ? (uint8_t *)codes + i * ce : NULL, *sc = p->fill ? (uint8_t *)scales + i * se : NULL;
+        float *g = p->fill ? (float *)gs + i : NULL;
+        d->q = (fp4moe_nvfp4_weights){c, tiled ? c : sc, g, 1, N, K};
+        if (p->dense_copy && K % 16 == 0) { /* as put_linear_as */
+            void *wb;
+            reserve(p, n * 2, &wb);
+            if (p->fill) TRY(cuda_nvfp4_dequant_bf16(p->stream, c, tiled ? c : sc, tiled, N, K, wb));
+            d->wbf16 = wb;
+        }
+    }
+    return FP4MOE_OK;
+}
+
 static int put_layer(placer *p, const fp4moe_model *m, int64_t l, gpu_layer *d) {
     const fp4moe_config *c = &m->cfg;
     const layer_weights *w = &m->layers[l];
@@ -278,8 +362,16 @@ static int put_layer(placer *p, const fp4moe_model *m, int64_t l, gpu_layer *d) 
         return put_f32(p, w->gnorm, di, &d->gnorm);
     case FP4MOE_LAYER_ATTENTION:
         TRY(put_linear(p, &w->q_proj, &d->q_proj, SYN_LAYER_ID(l, SYN_Q)));
-        TRY(put_linear(p, &w->k_proj, &d->k_proj, SYN_LAYER_ID(l, SYN_K)));
-        TRY(put_linear(p, &w->v_proj, &d->v_proj, SYN_LAYER_ID(l, SYN_V)));
+        int pair = 0;
+#if FP4MOE_KV_PAIR
+        TRY(put_kv_pair(p, &w->k_proj, &w->v_proj, &d->kv_proj, &d->k_proj, &d->v_proj, SYN_LAYER_ID(l, SYN_K),
+                        SYN_LAYER_ID(l, SYN_V), &pair));
+#endif
+        if (!pair) {
+            memset(&d->kv_proj, 0, sizeof d->kv_proj);
+            TRY(put_linear(p, &w->k_proj, &d->k_proj, SYN_LAYER_ID(l, SYN_K)));
+            TRY(put_linear(p, &w->v_proj, &d->v_proj, SYN_LAYER_ID(l, SYN_V)));
+        }
         return put_linear(p, &w->o_proj, &d->o_proj, SYN_LAYER_ID(l, SYN_O));
     case FP4MOE_LAYER_MOE:
         TRY(put_f32(p, w->router_w, c->n_experts * H, &d->router_w));
@@ -320,7 +412,7 @@ static void build_fw(struct gpu_model *g, int64_t L) {
             .type = d->type, .norm = d->norm,
             .in_proj = lin(&d->in_proj), .out_proj = lin(&d->out_proj), .conv_w = d->conv_w,
             .conv_b = d->conv_b, .A = d->A, .D = d->D, .dt_bias = d->dt_bias, .gnorm = d->gnorm,
-            .q_proj = lin(&d->q_proj), .k_proj = lin(&d->k_proj), .v_proj = lin(&d->v_proj),
+            .q_proj = lin(&d->q_proj), .k_proj = lin(&d->k_proj), .v_proj = lin(&d->v_proj), .kv_proj = lin(&d->kv_proj),
             .o_proj = lin(&d->o_proj), .router_w = d->router_w, .router_bias = d->router_bias,
             .experts_up = lin(&d->experts_up), .experts_down = lin(&d->experts_down),
             .shared_up = lin(&d->shared_up), .shared_down = lin(&d->shared_down),
