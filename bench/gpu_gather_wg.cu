@@ -15,7 +15,9 @@
  * 8,192 tokens. Variants by macro: WK_MT (64 or 128), WK_MINB (blocks an SM in the launch bounds);
  * WK_WS=1: the candidate is the warp-specialised kernel of bench/gather_ws.cuh instead (tiled layout
  * only: the checks and timings of the checkpoint layout are left out; its macros WS_NC, WS_STAGES,
- * WS_MINB). Usage: gpu_gather_wg (WK_CHECKS=small: only the small checks, for compute-sanitizer) */
+ * WS_MINB). WK_F32W=1: the candidate is the kernel of bench/gather_f32w.cuh (32 output features a
+ * warp, 32-row tiles; tiled layout only; macro WF_MINB). Usage: gpu_gather_wg (WK_CHECKS=small: only
+ * the small checks, for compute-sanitizer) */
 #include "kernels/cuda/gather_batched.cu"
 
 extern "C" {
@@ -33,7 +35,16 @@ extern "C" {
 #ifndef WK_WS
 #define WK_WS 0
 #endif
-#if WK_WS
+#ifndef WK_F32W
+#define WK_F32W 0
+#endif
+#if WK_F32W
+#include "gather_f32w.cuh"
+#undef WK_MT
+#define WK_MT 32 /* (the 32-features-a-warp kernel's row tile) */
+static int wk_launch(const gq_args *a, cudaStream_t st) { return f32w_launch(a, st); }
+#define WK_TL0 1 /* tiled layout only */
+#elif WK_WS
 #include "gather_ws.cuh"
 #undef WK_MT
 #define WK_MT 64 /* (the warp-specialised kernel's row tile) */
