@@ -267,6 +267,17 @@ static int put_head(placer *p, const fp4moe_model *m, struct gpu_model *g) {
     return put_linear_as(p, hd, &g->lm_head, SYN_LM_HEAD, 1, 0);
 }
 
+/* d = an NVFP4 handle of the weights q (no bias, no dense copy) */
+static void nvfp4_handle(cuda_linear *d, fp4moe_nvfp4_weights q, int tiled) {
+    memset(d, 0, sizeof *d);
+    d->E = q.E;
+    d->N = q.N;
+    d->K = q.K;
+    d->nvfp4 = 1;
+    d->tiled = tiled;
+    d->q = q;
+}
+
 /* k_proj and v_proj as ONE stacked NVFP4 weight of 2 experts (kv: 0 = k, 1 = v; global scales {k's,
  * v's}, 1 where a linear has none) and dk / dv as views of its halves (the same bytes, nothing
  * duplicated; their bf16 dense copies as put_linear_as makes them), so that a one-token step projects
@@ -315,24 +326,12 @@ static int put_kv_pair(placer *p, const op_linear *hk, const op_linear *hv, cuda
             }
         }
     }
-    memset(kv, 0, sizeof *kv);
-    kv->E = 2;
-    kv->N = N;
-    kv->K = K;
-    kv->nvfp4 = 1;
-    kv->tiled = tiled;
-    kv->q = (fp4moe_nvfp4_weights){codes, scales, gs, 2, N, K};
+    nvfp4_handle(kv, (fp4moe_nvfp4_weights){codes, scales, gs, 2, N, K}, tiled);
     for (int i = 0; i < 2; i++) {
         cuda_linear *d = dd[i];
-        memset(d, 0, sizeof *d);
-        d->E = 1;
-        d->N = N;
-        d->K = K;
-        d->nvfp4 = 1;
-        d->tiled = tiled;
         uint8_t *c = p->fill ? (uint8_t *)codes + i * ce : NULL, *sc = p->fill ? (uint8_t *)scales + i * se : NULL;
         float *g = p->fill ? (float *)gs + i : NULL;
-        d->q = (fp4moe_nvfp4_weights){c, tiled ? c : sc, g, 1, N, K};
+        nvfp4_handle(d, (fp4moe_nvfp4_weights){c, tiled ? c : sc, g, 1, N, K}, tiled);
         if (p->dense_copy && K % 16 == 0) { /* as put_linear_as */
             void *wb;
             reserve(p, n * 2, &wb);
