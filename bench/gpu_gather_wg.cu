@@ -15,8 +15,10 @@
  * 8,192 tokens. Variants by macro: WK_MT (64 or 128), WK_MINB (blocks an SM in the launch bounds);
  * WK_WS=1: the candidate is the warp-specialised kernel of bench/gather_ws.cuh instead (tiled layout
  * only: the checks and timings of the checkpoint layout are left out; its macros WS_NC, WS_STAGES,
- * WS_MINB). WK_F32W=1: the candidate is the kernel of bench/gather_f32w.cuh (32 output features a
- * warp, 32-row tiles; tiled layout only; macro WF_MINB). Usage: gpu_gather_wg (WK_CHECKS=small: only
+ * WS_MINB). WK_MMA32=1: the candidate is gq_batched_kernel with 32-row tiles (16 features a warp), the
+ * kernel that production's gq_batched_w32_kernel (32 features a warp, written as bench/gather_f32w.cuh
+ * in session 17, measured 0.88x at 512 tokens and moved to production in session 18) replaced;
+ * tiled layout only. Usage: gpu_gather_wg (WK_CHECKS=small: only
  * the small checks, for compute-sanitizer) */
 #include "kernels/cuda/gather_batched.cu"
 
@@ -35,14 +37,24 @@ extern "C" {
 #ifndef WK_WS
 #define WK_WS 0
 #endif
-#ifndef WK_F32W
-#define WK_F32W 0
+#ifndef WK_MMA32
+#define WK_MMA32 0
 #endif
-#if WK_F32W
-#include "gather_f32w.cuh"
+#if WK_MMA32
 #undef WK_MT
-#define WK_MT 32 /* (the 32-features-a-warp kernel's row tile) */
-static int wk_launch(const gq_args *a, cudaStream_t st) { return f32w_launch(a, st); }
+#define WK_MT 32
+/* the candidate: gq_batched_kernel's 32-row tiles (16 features a warp), which the 32-features-a-warp
+ * kernel replaced for bf16 on tiled weights in session 18 (production at 512 tokens) */
+static int wk_launch(const gq_args *a, cudaStream_t st) {
+    int *buf = NULL;
+    if (gq_scratch_alloc((void **)&buf, 2 * ((size_t)a->E + 1) * sizeof(int), st)) return 1;
+    int *starts = buf, *tile_off = buf + a->E + 1;
+    int rc = gq_launch_runs(a, 32, starts, tile_off, st);
+    if (!rc) rc = a->tiled ? launch<__nv_bfloat16, __nv_bfloat16, 32, true, 4, true>(a, starts, tile_off, st)
+                           : launch<__nv_bfloat16, __nv_bfloat16, 32, true, 4>(a, starts, tile_off, st);
+    gq_scratch_free(buf, st);
+    return rc;
+}
 #define WK_TL0 1 /* tiled layout only */
 #elif WK_WS
 #include "gather_ws.cuh"
@@ -135,7 +147,8 @@ static int check(const char *what, const wts_t *w, const int *lens, int tail, bo
     gt_poison(y0, yb);
     gt_poison(y1, yb);
     gq_args a0 = args_of(w, tiled, x, y0, didx, B, relu2), a1 = args_of(w, tiled, x, y1, didx, B, relu2);
-    if (prod_launch(&a0, 64, 0)) { fprintf(stderr, "%s: production: %s\n", what, fp4moe_last_error()); exit(1); }
+    /* the reference: production's 64-row tiles (with WK_MMA32: its 32-row tiles, gq_batched_w32_kernel) */
+    if (prod_launch(&a0, WK_MMA32 ? 32 : 64, 0)) { fprintf(stderr, "%s: production: %s\n", what, fp4moe_last_error()); exit(1); }
     const int bad = wk_launch(&a1, 0);
     const cudaError_t ce = cudaDeviceSynchronize();
     if (ce != cudaSuccess) { fprintf(stderr, "%s: %s\n", what, cudaGetErrorString(ce)); exit(2); }

@@ -8,6 +8,8 @@
  * a weight tile comes from HBM once per row-tile at most (from L2 after the first).
  *
  * Per item, 8 warps (32-row tiles; 4 warps for 64- and 8-row tiles); warp w owns features n0 + 16w .. +15,
+ * (bf16 calls on tiled weights run their 32-row tiles on gq_batched_w32_kernel, 32 features a warp,
+ * and their 64-row tiles on wgmma: both below, bitwise the same outputs)
  * the mma M side. The run's token rows are the mma N side (n8 tiles; a step specialised on the
  * number of n8 tiles the run fills, so no mma is issued for empty ones). K advances in steps of 128
  * (8 NVFP4 blocks):
@@ -513,6 +515,177 @@ gq_batched_kernel(gq_args a, const int *__restrict__ starts, const int *__restri
     bt_zero_tail(y, starts, a.E, a.B, N);
 }
 
+/* ---- 32-row tiles of bf16 calls on tiled weights: 32 output features a warp --------------------
+ * For the 32-row tiles of bf16 x and y on the tiled layout with experts (E > 1; the 30B-A3B MoE at
+ * 171 .. 1,024 tokens; a plain linear keeps gq_batched_kernel, not measured here) the items run here instead of gq_batched_kernel<.., 32, ..>: a warp owns two 16-feature tiles A and
+ * B (its features nw .. nw + 31), so every x fragment load from shared memory feeds 4 mma instead of
+ * 2 and a block of 4 warps covers the same 128 features as gq_batched_kernel's 8, staging the x tile
+ * with half the threads. Measured on the H200 (bench/gpu_gather_wg.cu, session 18): 0.434 against
+ * 0.491 ms for the up + down calls at 512 tokens (0.88x); at 128 tokens (8-row tiles in production)
+ * 1.02x and at 2,048+ (64-row wgmma in production) 1.07-1.29x, so only the 32-row tiles take it.
+ * Per element the arithmetic is gq_batched_kernel's: the same decode (bt_dec4), block-scale
+ * products, k16 order of mma into an fp32 accumulator from 0, and epilogue - so the outputs are
+ * bitwise equal to it (and to "qmv, tiled by 8 rows"; test_ops_gpu's tiled_layout compares against
+ * the checkpoint layout, which gq_batched_kernel computes). Ring: two slots (tiles A and B) a thread
+ * a stage. 3 blocks an SM (launch bounds): 166 registers, no spills; 4 spilled and measured 1.26x, 2
+ * the same as 3 (26,466 / 26,427 tok/s prefill at 512 tokens). End to end at 512 + 128 tokens:
+ * prefill 24,534 -> 26,427 tok/s (+7.7%), greedy hashes unchanged (docs/PERFORMANCE.md session 18). */
+#ifndef BT_W32
+#define BT_W32 1 /* 0: the 32-row tiles of bf16 tiled calls on gq_batched_kernel (for measuring, session 18) */
+#endif
+#ifndef BW_MINB
+#define BW_MINB 3 /* blocks an SM in the launch bounds */
+#endif
+#define BW_MT 32
+#define BW_WARPS 4
+#define BW_THREADS (BW_WARPS * 32)
+#define BW_NTILE (BW_WARPS * 32) /* features of an item: 128 */
+#define BW_XBYTES (2 * BW_MT * BT_XROW)
+#define BW_SMEM (BW_XBYTES + BT_STAGES * BW_THREADS * 2 * (int)sizeof(bt_slot))
+
+/* One 128-K step of a warp: tiles A (a0 / a1: code words of its rows g, g + 8; sa / sb: their scale
+ * pairs) and B (b0 / b1, ta / tb) x (8 * NTV) token rows; each x fragment load feeds both tiles. */
+template <int NTV>
+__device__ __forceinline__ void bw_step(float (&aa)[BW_MT / 8][4], float (&ab)[BW_MT / 8][4], const uint32_t (&a0)[4],
+                                        const uint32_t (&a1)[4], const uint32_t (&b0)[4], const uint32_t (&b1)[4],
+                                        const uint32_t (&sa)[2], const uint32_t (&sb)[2], const uint32_t (&ta)[2],
+                                        const uint32_t (&tb)[2], const uint8_t *xb) {
+    typedef bt_ops<__nv_bfloat16> ops;
+#pragma unroll
+    for (int q = 0; q < 4; q++) {
+        uint32_t pa[4], pb[4], qa[4], qb[4];
+        bt_dec4<__nv_bfloat16>::pairs(a0[q], pa);
+        bt_dec4<__nv_bfloat16>::pairs(a1[q], pb);
+        bt_dec4<__nv_bfloat16>::pairs(b0[q], qa);
+        bt_dec4<__nv_bfloat16>::pairs(b1[q], qb);
+#ifdef FP4MOE_INJECT_FAULT_W32 /* deliberate fault (tests must catch it): tile B's rows g+8 with row g's scales */
+        const uint32_t s0 = sa[q >> 1], s1 = sb[q >> 1], u0 = ta[q >> 1], u1 = ta[q >> 1];
+        (void)tb;
+#else
+        const uint32_t s0 = sa[q >> 1], s1 = sb[q >> 1], u0 = ta[q >> 1], u1 = tb[q >> 1];
+#endif
+        const uint32_t ra0 = ops::mul2(pa[0], s0), ra1 = ops::mul2(pa[1], s0), ra2 = ops::mul2(pa[2], s0),
+                       ra3 = ops::mul2(pa[3], s0);
+        const uint32_t rb0 = ops::mul2(pb[0], s1), rb1 = ops::mul2(pb[1], s1), rb2 = ops::mul2(pb[2], s1),
+                       rb3 = ops::mul2(pb[3], s1);
+        const uint32_t va0 = ops::mul2(qa[0], u0), va1 = ops::mul2(qa[1], u0), va2 = ops::mul2(qa[2], u0),
+                       va3 = ops::mul2(qa[3], u0);
+        const uint32_t vb0 = ops::mul2(qb[0], u1), vb1 = ops::mul2(qb[1], u1), vb2 = ops::mul2(qb[2], u1),
+                       vb3 = ops::mul2(qb[3], u1);
+#pragma unroll
+        for (int nt = 0; nt < NTV; nt++) {
+            const uint4 xf = *reinterpret_cast<const uint4 *>(xb + nt * 8 * BT_XROW + q * 16);
+            ops::mma(aa[nt], ra0, rb0, ra1, rb1, xf.x, xf.y); /* tile A, k16 step 2q */
+            ops::mma(aa[nt], ra2, rb2, ra3, rb3, xf.z, xf.w); /* tile A, k16 step 2q+1 */
+            ops::mma(ab[nt], va0, vb0, va1, vb1, xf.x, xf.y); /* tile B */
+            ops::mma(ab[nt], va2, vb2, va3, vb3, xf.z, xf.w);
+        }
+    }
+}
+
+__device__ __forceinline__ void bw_step_ntv(int ntv, float (&aa)[BW_MT / 8][4], float (&ab)[BW_MT / 8][4],
+                                            const uint32_t (&a0)[4], const uint32_t (&a1)[4], const uint32_t (&b0)[4],
+                                            const uint32_t (&b1)[4], const uint32_t (&sa)[2], const uint32_t (&sb)[2],
+                                            const uint32_t (&ta)[2], const uint32_t (&tb)[2], const uint8_t *xb) {
+    switch (ntv) { /* only the n8 tiles the run has */
+    case 1: bw_step<1>(aa, ab, a0, a1, b0, b1, sa, sb, ta, tb, xb); break;
+    case 2: bw_step<2>(aa, ab, a0, a1, b0, b1, sa, sb, ta, tb, xb); break;
+    case 3: bw_step<3>(aa, ab, a0, a1, b0, b1, sa, sb, ta, tb, xb); break;
+    default: bw_step<4>(aa, ab, a0, a1, b0, b1, sa, sb, ta, tb, xb); break;
+    }
+}
+
+/* The epilogue of one 16-feature tile (features nw .. nw + 15), gq_batched_kernel's */
+__device__ __forceinline__ void bw_store(const float (&acc)[BW_MT / 8][4], __nv_bfloat16 *y, int64_t row0, int rows,
+                                         int ntv, int nw, int N, int g, int t, float mult, int relu2) {
+    const int na = nw + g, nb = nw + g + 8;
+#pragma unroll
+    for (int nt = 0; nt < BW_MT / 8; nt++) {
+        if (nt < ntv) {
+            const int r = nt * 8 + 2 * t;
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                if (r + h < rows) {
+                    __nv_bfloat16 *yr = y + (row0 + r + h) * N;
+                    if (na < N) yr[na] = cu_out<__nv_bfloat16>(acc[nt][h] * mult, relu2);
+                    if (nb < N) yr[nb] = cu_out<__nv_bfloat16>(acc[nt][2 + h] * mult, relu2);
+                }
+            }
+        }
+    }
+}
+
+__global__ void __launch_bounds__(BW_THREADS, BW_MINB)
+gq_batched_w32_kernel(gq_args a, const int *__restrict__ starts, const int *__restrict__ tile_off) {
+    cu_pdl_entry();
+    extern __shared__ __align__(16) uint8_t smem[];
+    uint8_t *xs0 = smem, *xs1 = smem + BW_MT * BT_XROW;
+    /* the thread's two ring slots of a stage: tile A at stage * 2 * THREADS + tid, tile B + THREADS */
+    bt_slot *ring = reinterpret_cast<bt_slot *>(smem + BW_XBYTES) + threadIdx.x;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int N = a.N, K = a.K, KB = K >> 4, nsteps = (K + BT_KSTEP - 1) / BT_KSTEP;
+    const int NT = (N + BW_NTILE - 1) / BW_NTILE;
+    const int64_t total = (int64_t)tile_off[a.E] * NT;
+    const __nv_bfloat16 *x = static_cast<const __nv_bfloat16 *>(a.x);
+    __nv_bfloat16 *y = static_cast<__nv_bfloat16 *>(a.y);
+    const int xoff = g * BT_XROW + t * 64 + (t >> 1) * 16;
+    const int last_tile = (N - 1) >> 4;
+
+    for (int64_t item = blockIdx.x; item < total; item += gridDim.x) {
+        const bt_item it = bt_item_of<BW_MT>(item, a.E, NT, starts, tile_off);
+        const int e = it.e, rows = it.rows;
+        const int64_t row0 = it.row0;
+        const int ntv = (rows + 7) >> 3, rows_pad = ntv * 8;
+        const int nw = it.ntile * BW_NTILE + warp * 32; /* tile A: nw .. nw + 15, tile B: nw + 16 .. */
+        const int64_t we = cu_weight_expert(e, a.E);
+        /* a tile past N reads the last one (results discarded), as in gq_batched_kernel */
+        const uint8_t *pa = gq_tiled_piece(a.codes, we, min(nw >> 4, last_tile), 0, N, K);
+        const uint8_t *pb = gq_tiled_piece(a.codes, we, min((nw >> 4) + 1, last_tile), 0, N, K);
+        const bt_wstream<true> wa = {nullptr, nullptr, nullptr, nullptr, pa, t, lane, KB};
+        const bt_wstream<true> wb = {nullptr, nullptr, nullptr, nullptr, pb, t, lane, KB};
+
+        float aa[BW_MT / 8][4], ab[BW_MT / 8][4];
+#pragma unroll
+        for (int i = 0; i < BW_MT / 8; i++)
+#pragma unroll
+            for (int j = 0; j < 4; j++) aa[i][j] = ab[i][j] = 0.0f;
+
+        bt_xstage<__nv_bfloat16, BW_MT, BW_THREADS, 4> xr;
+        xr.init(x, row0, rows, rows_pad, K);
+#pragma unroll
+        for (int p = 0; p < BT_STAGES - 1; p++) {
+            wa.issue(ring + p * 2 * BW_THREADS, p, nsteps);
+            wb.issue(ring + p * 2 * BW_THREADS + BW_THREADS, p, nsteps);
+            bt_cp_commit();
+        }
+        xr.load(0, K);
+        xr.store(xs0);
+        __syncthreads();
+
+        for (int s = 0; s < nsteps; s++) {
+            uint32_t a0[4], a1[4], b0[4], b1[4], sa[2], sb[2], ta[2], tb[2], swa0, swa1, swb0, swb1;
+            bt_cp_wait<BT_STAGES - 2>(); /* this thread's copies of step s have landed */
+            const bt_slot *sl = ring + (s % BT_STAGES) * 2 * BW_THREADS;
+            wa.read(sl, a0, a1, swa0, swa1);
+            wb.read(sl + BW_THREADS, b0, b1, swb0, swb1);
+            bt_scales4<__nv_bfloat16>(swa0, swa1, sa, sb);
+            bt_scales4<__nv_bfloat16>(swb0, swb1, ta, tb);
+            const int nxt = s + BT_STAGES - 1; /* refill the slots read in step s - 1 */
+            wa.issue(ring + (nxt % BT_STAGES) * 2 * BW_THREADS, nxt, nsteps);
+            wb.issue(ring + (nxt % BT_STAGES) * 2 * BW_THREADS + BW_THREADS, nxt, nsteps);
+            bt_cp_commit();
+            if (s + 1 < nsteps) xr.load((s + 1) * BT_KSTEP, K);
+            bw_step_ntv(ntv, aa, ab, a0, a1, b0, b1, sa, sb, ta, tb, ((s & 1) ? xs1 : xs0) + xoff);
+            if (s + 1 < nsteps) xr.store((s & 1) ? xs0 : xs1);
+            __syncthreads();
+        }
+        const float mult = cu_expert_gs(a.gs, e) * bt_ops<__nv_bfloat16>::kUndo;
+        bw_store(aa, y, row0, rows, ntv, nw, N, g, t, mult, a.relu2);
+        bw_store(ab, y, row0, rows, ntv, nw + 16, N, g, t, mult, a.relu2);
+    }
+    bt_zero_tail(y, starts, a.E, a.B, N);
+}
+
 int gq_batched_row_tile(const gq_args *a, fp4moe_dtype dtype) {
     (void)dtype;
     /* 64-row tiles halve the weight re-reads and dequantizations of long runs; 32-row tiles keep
@@ -767,6 +940,18 @@ static int launch_wg(const gq_args *a, const int *starts, const int *tile_off, c
     return FP4MOE_OK;
 }
 
+/* gq_batched_w32_kernel (starts / tile_off from gq_launch_runs with row tile 32) */
+static int launch_w32(const gq_args *a, const int *starts, const int *tile_off, cudaStream_t st) {
+    const int64_t NT = (a->N + BW_NTILE - 1) / BW_NTILE;
+    const int64_t bound = ((int64_t)a->B / BW_MT + 1 + (a->E < a->B ? a->E : a->B)) * NT;
+    unsigned grid = 0;
+    const int rc = persistent_grid(gq_batched_w32_kernel, BW_THREADS, BW_SMEM, bound, &grid);
+    if (rc) return rc;
+    cu_launch(gq_batched_w32_kernel, grid, BW_THREADS, BW_SMEM, st, *a, starts, tile_off);
+    FP4MOE_CUDA_TRY("gather_qmm_cuda", cudaGetLastError(), "launch of the expert-batched kernel (32 features a warp)");
+    return FP4MOE_OK;
+}
+
 template <typename T, typename TY, int MT, bool FAST, int V, bool TL = false, int MINB = bt_cfg<MT>::MINBLOCKS>
 static int launch(const gq_args *a, const int *starts, const int *tile_off, cudaStream_t st) {
     typedef bt_cfg<MT> cfg;
@@ -797,6 +982,7 @@ static int launch_dtype(const gq_args *a, int mt, const int *starts, const int *
         if (mt == 64 && WG) return launch_wg<64, true>(a, starts, tile_off, st);
         if (mt == 64) return launch<T, TY, 64, true, V, true>(a, starts, tile_off, st);
         if (mt == GQ_QMV_TILE_ROWS) return launch<T, TY, GQ_QMV_TILE_ROWS, true, V, true>(a, starts, tile_off, st);
+        if (BT_W32 && WG) return launch_w32(a, starts, tile_off, st); /* 32-row tiles, bf16, experts */
         return launch<T, TY, 32, true, V, true>(a, starts, tile_off, st);
     }
     if (mt == 64 && WG && fast) return launch_wg<64, false>(a, starts, tile_off, st);
