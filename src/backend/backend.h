@@ -147,6 +147,11 @@ typedef struct be_ops {
      * backend cannot (the caller then gathers the rows and calls linear_gather). */
     int (*linear_gather_x1)(void *bc, const void *W, const void *x, const uint32_t *idx, int64_t B, int relu2,
                             void *y);
+    /* Optional (NULL: not offered): linear_gather on the rows x[row_of[b] / k] (x: T rows of K), the
+     * same results as gather_rows into a copy and linear_gather on it, without the copy.
+     * FP4MOE_EUNSUPPORTED where the backend cannot (the caller then gathers the rows). */
+    int (*linear_gather_rows)(void *bc, const void *W, const void *x, int64_t T, const uint32_t *row_of, int64_t k,
+                              const uint32_t *idx, int64_t B, int relu2, void *y);
     /* The routing of a MoE layer: logits (T x E fp32) = x (T x H fp32) @ W^T (router weights, E x H
      * fp32); ids, wts (T x k) = the router's top-k (fw_router); then the stable sort of the T * k
      * (token, slot) rows by expert: row_of, idx (sorted experts), pos_of (B = T * k each). */

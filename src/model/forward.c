@@ -421,6 +421,14 @@ static int moe_routed(const fw_ctx *f, const fw_layer *d, const void **routed) {
         else if (st == FP4MOE_EUNSUPPORTED) fp4moe_clear_error();
         else return fp4moe_error_context(st, "experts up (gather_qmm, one token)");
     }
+    /* more tokens: the backend may read the rows through row_of in place of gathered copies
+     * (linear_gather_rows; the same results) */
+    if (!up_done && R > 1 && !f->ep && be->linear_gather_rows) {
+        st = be->linear_gather_rows(bc, d->experts_up, xin, R, b->row_of, k, b->idx, B, 1, b->hs);
+        if (st == FP4MOE_OK) up_done = 1;
+        else if (st == FP4MOE_EUNSUPPORTED) fp4moe_clear_error();
+        else return fp4moe_error_context(st, "experts up (gather_qmm, rows through row_of)");
+    }
     if (!up_done) TRY(be->gather_rows(bc, xin, Hl, b->row_of, B, k, b->xs));
     if (f->ep) { /* the rows go to the ranks that own their experts and come back (src/model/ep.c) */
         TRY(ep_routed(f, d, E, B, Hl));

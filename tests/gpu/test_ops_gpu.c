@@ -17,6 +17,11 @@
  *  - the relu^2 epilogue of gather_qmm (gather_qmm_cuda_ex): bitwise equal to gather_qmm then
  *    cuda_relu2 on every route and row count that fuses it (qmv decode kernel, qmv fp32-FMA kernel,
  *    batched, qmv tiled), and it reports "not fused" for dequant_gemm (the caller applies relu2).
+ *  - gather_qmm_cuda_rows (the up projection reading x through the sort's row_of, no gathered copy):
+ *    bitwise equal to gather_qmm_cuda_ex on the gathered copy at 8-, 32- (both kernels) and 64-row
+ *    tiles, both layouts, relu^2 on and off, k = 6 and 1, route qmv (tiled by 8 rows); x has a NaN row
+ *    outside the map; decode-sized calls and dequant_gemm refused; argument errors. Fault `xrow`
+ *    (each row reads the previous sorted row's source) must fail it.
  *  - cuda_moe_combine (1024-thread rows for T <= 64, 256 above) bitwise equal to op_moe_combine's
  *    fp32 arithmetic (sum over the slots in order) rounded to bf16.
  *  - cuda_linear_forward on a plain NVFP4 linear (E = 1) with the session's dense dequant scratch:
@@ -508,6 +513,111 @@ static void test_linear_gather_x1(void **state) {
     x1_case(g, 4, 40, 80, 6, 0, 0, 0, 37);        /* K % 32 != 0: no tensor-core qmv - refused */
 }
 
+/* ---- gather_qmm_cuda_rows: the up projection reading x through the sort's row_of -------------------- */
+
+/* T tokens with k random experts each (duplicates allowed), sorted stably by expert on the host (row_of,
+ * idx as the sort makes them); gather_qmm_cuda_rows on x (T rows plus a NaN row no call may read)
+ * against gather_qmm_cuda_ex on the gathered copy xs[p] = x[row_of[p] / k]: bitwise equal, or the
+ * refusal (want_ok 0: FP4MOE_EUNSUPPORTED naming "rows"). */
+static void rows_case(gpu_ctx *g, int64_t E, int64_t N, int64_t K, int64_t T, int64_t k, int tiled, int relu2,
+                      fp4moe_route route, int want_ok, uint64_t seed) {
+    tu_rng r;
+    tu_rng_seed(&r, seed);
+    tu_weights tw;
+    assert_int_equal(tu_weights_random(&tw, E, N, K, 1, &r), 0);
+    fp4moe_nvfp4_weights w = tw.w;
+    uint8_t *dc = gt_upload(tw.codes, (size_t)(E * N * K / 2)), *ds = gt_upload(tw.scales, (size_t)(E * N * K / 16));
+    w.codes = dc;
+    w.scales = ds;
+    w.global_scale = gt_upload(tw.gs, (size_t)E * 4);
+    uint8_t *dt = NULL;
+    if (tiled) {
+        dt = gt_upload(NULL, (size_t)(E * cuda_nvfp4_tiled_expert_bytes(N, K)));
+        assert_int_equal(cuda_nvfp4_relayout_tiled(g->stream, w.codes, w.scales, E, N, K, dt), FP4MOE_OK);
+        w.codes = dt;
+        w.scales = dt;
+    }
+    const int64_t B = T * k;
+    uint16_t *x = tu_random_x(FP4MOE_BF16, T + 1, K, &r);
+    for (int64_t i = 0; i < K; i++) x[T * K + i] = 0x7fc0; /* row T: NaN, outside the map */
+    uint32_t *ids = malloc((size_t)B * 4), *row_of = malloc((size_t)B * 4), *idx = malloc((size_t)B * 4);
+    uint16_t *xs = malloc((size_t)(B * K) * 2);
+    assert_true(ids && row_of && idx && xs);
+    for (int64_t b = 0; b < B; b++) ids[b] = tu_rng_below(&r, (uint32_t)E);
+    int64_t p = 0;
+    for (uint32_t e = 0; e < (uint32_t)E; e++) /* stable counting sort by expert */
+        for (int64_t b = 0; b < B; b++)
+            if (ids[b] == e) {
+                row_of[p] = (uint32_t)b;
+                idx[p] = e;
+                memcpy(xs + p * K, x + (b / k) * K, (size_t)K * 2);
+                p++;
+            }
+    void *dx = gt_upload(x, (size_t)((T + 1) * K) * 2), *dxs = gt_upload(xs, (size_t)(B * K) * 2);
+    uint32_t *didx = gt_upload(idx, (size_t)B * 4), *drow = gt_upload(row_of, (size_t)B * 4);
+    const size_t yb = (size_t)(B * N) * 2;
+    void *y1 = gt_upload(NULL, yb), *y2 = gt_upload(NULL, yb);
+    gt_poison(y1, yb);
+    gt_poison(y2, yb);
+    const int st = gather_qmm_cuda_rows(&w, tiled, dx, T, drow, k, didx, B, route, relu2, y2, g->stream);
+    if (!want_ok) {
+        assert_int_equal(st, FP4MOE_EUNSUPPORTED);
+        assert_non_null(strstr(fp4moe_last_error(), "rows"));
+        fp4moe_clear_error();
+    } else {
+        assert_int_equal(st, FP4MOE_OK);
+        int fused = 0;
+        assert_int_equal(gather_qmm_cuda_ex(&w, tiled, dxs, FP4MOE_BF16, didx, B, 1, route, relu2, y1, g->stream, &fused),
+                         FP4MOE_OK);
+        assert_int_equal(fused, relu2 ? 1 : 0);
+        GT_CHECK(cudaStreamSynchronize(g->stream));
+        uint16_t *h1 = malloc(yb), *h2 = malloc(yb);
+        gt_download(h1, y1, yb);
+        gt_download(h2, y2, yb);
+        for (size_t i = 0; i < yb / 2; i++)
+            if ((h1[i] & 0x7fff) > 0x7f80) fail_msg("rows: the gathered call left a NaN at %zu", i);
+        if (memcmp(h1, h2, yb))
+            fail_msg("rows (E=%lld N=%lld K=%lld T=%lld k=%lld tiled %d relu2 %d route %s) differs from the gathered "
+                     "rows' call", (long long)E, (long long)N, (long long)K, (long long)T, (long long)k, tiled, relu2,
+                     fp4moe_route_name(route));
+        free(h1); free(h2);
+    }
+    free(x); free(xs); free(ids); free(row_of); free(idx);
+    gt_free(dx); gt_free(dxs); gt_free(didx); gt_free(drow); gt_free(y1); gt_free(y2);
+    if (dt) gt_free(dt);
+    gt_free(dc); gt_free(ds); gt_free((void *)w.global_scale);
+    tu_weights_free(&tw);
+}
+
+static void test_linear_gather_rows(void **state) {
+    gpu_ctx *g = *state;
+    const fp4moe_route A = FP4MOE_ROUTE_AUTO;
+    rows_case(g, 16, 200, 320, 100, 6, 1, 1, A, 1, 41);   /* 600 rows, E = 16: 32-row tiles (32 features a warp) */
+    rows_case(g, 16, 200, 320, 100, 6, 0, 0, A, 1, 42);   /* the same, checkpoint layout (16 features a warp) */
+    rows_case(g, 4, 100, 256, 150, 6, 1, 1, A, 1, 43);    /* 900 rows, E = 4: 64-row tiles (wgmma) */
+    rows_case(g, 4, 100, 256, 150, 6, 0, 1, A, 1, 44);
+    rows_case(g, 64, 72, 128, 40, 6, 1, 0, A, 1, 45);     /* 240 rows, E = 64: 8-row tiles */
+    rows_case(g, 16, 200, 320, 100, 6, 1, 1, FP4MOE_ROUTE_QMV, 1, 46); /* qmv, tiled by 8 rows */
+    rows_case(g, 8, 40, 192, 70, 1, 1, 0, A, 1, 47);      /* k = 1 */
+    rows_case(g, 8, 40, 192, 5, 6, 1, 1, A, 0, 48);       /* 30 rows: the tensor-core qmv - refused */
+    rows_case(g, 8, 40, 192, 100, 6, 0, 0, FP4MOE_ROUTE_DEQUANT_GEMM, 0, 49); /* dequant_gemm - refused */
+    /* argument errors */
+    fp4moe_nvfp4_weights w = {0};
+    w.E = 2; w.N = 16; w.K = 32;
+    uint8_t *c = gt_upload(NULL, 2 * 16 * 16 + 2 * 16 * 2);
+    w.codes = c; w.scales = c + 2 * 16 * 16;
+    void *x = gt_upload(NULL, 64 * 32 * 2), *y = gt_upload(NULL, 64 * 16 * 2);
+    uint32_t *ix = gt_upload(NULL, 64 * 4);
+    GT_CHECK(cudaMemset(ix, 0, 64 * 4));
+    assert_int_equal(gather_qmm_cuda_rows(&w, 0, x, 64, ix, 0, ix, 64, A, 0, y, g->stream), FP4MOE_EINVAL); /* k = 0 */
+    fp4moe_clear_error();
+    assert_int_equal(gather_qmm_cuda_rows(&w, 0, x, 64, NULL, 1, ix, 64, A, 0, y, g->stream), FP4MOE_EINVAL);
+    fp4moe_clear_error();
+    assert_int_equal(gather_qmm_cuda_rows(&w, 0, x, 0, ix, 1, ix, 64, A, 0, y, g->stream), FP4MOE_EINVAL); /* T = 0 */
+    fp4moe_clear_error();
+    gt_free(c); gt_free(x); gt_free(y); gt_free(ix);
+}
+
 /* ---- cuda_moe_combine ------------------------------------------------------------------------------ */
 
 static void combine_case(gpu_ctx *g, int64_t T, int64_t H, int64_t k, uint64_t seed) {
@@ -787,6 +897,7 @@ int main(void) {
         cmocka_unit_test(test_relu2_epilogue),
         cmocka_unit_test(test_tiled_layout),
         cmocka_unit_test(test_linear_gather_x1),
+        cmocka_unit_test(test_linear_gather_rows),
         cmocka_unit_test(test_combine),
         cmocka_unit_test(test_rmsnorm_gated),
         cmocka_unit_test(test_argmax_rows),

@@ -786,6 +786,10 @@ static int cu_linear_gather_x1(void *bc, const void *W, const void *x, const uin
                                void *y) {
     return cuda_linear_gather_x1(&CX(bc)->ops, W, x, idx, B, relu2, y);
 }
+static int cu_linear_gather_rows(void *bc, const void *W, const void *x, int64_t T, const uint32_t *row_of,
+                                 int64_t k, const uint32_t *idx, int64_t B, int relu2, void *y) {
+    return cuda_linear_gather_rows(&CX(bc)->ops, W, x, T, row_of, k, idx, B, relu2, y);
+}
 static int cu_moe_route(void *bc, const fw_router *r, const float *x, int64_t T, const float *W, int64_t H,
                         float *logits, int32_t *ids, float *wts, uint32_t *row_of, uint32_t *idx,
                         uint32_t *pos_of) {
@@ -894,6 +898,10 @@ static const be_ops CUDA_OPS = {
     .linear_f32out = cu_linear_f32out,
     .linear_gather = cu_linear_gather,
     .linear_gather_x1 = cu_linear_gather_x1,
+#ifndef CU_ROWS_MAP
+#define CU_ROWS_MAP 1 /* 0: not offered (the forward gathers the rows; for measuring, session 18) */
+#endif
+    .linear_gather_rows = CU_ROWS_MAP ? cu_linear_gather_rows : NULL,
     .moe_route = cu_moe_route,
     .gather_rows = cu_gather_rows,
     .sort_local = cu_sort_local,

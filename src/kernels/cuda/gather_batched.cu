@@ -173,7 +173,9 @@ template <typename T, int MT, int THREADS, int V> struct bt_xstage {
     uint4 v[NP];
     int kc, dst;                                 /* K offset in the step; byte offset of piece 0 */
 
-    __device__ __forceinline__ void init(const T *x, int64_t row0, int rows, int rows_pad, int K) {
+    /* xrow / xdiv: gq_args' row map (NULL: row b of x) */
+    __device__ __forceinline__ void init(const T *x, int64_t row0, int rows, int rows_pad, int K,
+                                         const uint32_t *xrow = nullptr, int xdiv = 1) {
         const int c = threadIdx.x & 15, grp = c >> 2;
         kc = c * 8;
         /* permuted group of thread t at byte 64t + 16*(t/2): conflict-free fragment loads */
@@ -182,7 +184,7 @@ template <typename T, int MT, int THREADS, int V> struct bt_xstage {
         for (int i = 0; i < NP; i++) {
             const int r = (threadIdx.x >> 4) + i * (THREADS / 16);
             const int rr = r < rows ? r : rows - 1; /* partial n8 tile: a copy of the last row */
-            src[i] = r < rows_pad ? x + (row0 + rr) * K + kc : nullptr;
+            src[i] = r < rows_pad ? x + gq_x_row(xrow, xdiv, row0 + rr) * K + kc : nullptr;
         }
     }
     __device__ __forceinline__ void load(int k0, int K) { /* the pieces at K offset k0 + kc */
@@ -439,7 +441,7 @@ gq_batched_kernel(gq_args a, const int *__restrict__ starts, const int *__restri
         for (int i = 0; i < MT / 8; i++) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
 
         bt_xstage<T, MT, THREADS, V> xr;
-        xr.init(x, row0, rows, rows_pad, K);
+        xr.init(x, row0, rows, rows_pad, K, a.xrow, a.xdiv);
         bt_w cur; /* slow path: registers, one step ahead */
         if constexpr (FAST) {
 #pragma unroll
@@ -651,7 +653,7 @@ gq_batched_w32_kernel(gq_args a, const int *__restrict__ starts, const int *__re
             for (int j = 0; j < 4; j++) aa[i][j] = ab[i][j] = 0.0f;
 
         bt_xstage<__nv_bfloat16, BW_MT, BW_THREADS, 4> xr;
-        xr.init(x, row0, rows, rows_pad, K);
+        xr.init(x, row0, rows, rows_pad, K, a.xrow, a.xdiv);
 #pragma unroll
         for (int p = 0; p < BT_STAGES - 1; p++) {
             wa.issue(ring + p * 2 * BW_THREADS, p, nsteps);
@@ -739,13 +741,14 @@ template <int MT> struct gw_xstage {
     const __nv_bfloat16 *src[NP];
     uint4 v[NP];
     int kc;
-    __device__ __forceinline__ void init(const __nv_bfloat16 *x, int64_t row0, int rows, int rows_pad, int K) {
+    __device__ __forceinline__ void init(const __nv_bfloat16 *x, int64_t row0, int rows, int rows_pad, int K,
+                                         const uint32_t *xrow = nullptr, int xdiv = 1) {
         const int tid = threadIdx.x, t = tid & 3, nlo = (tid >> 2) & 7, q = (tid >> 5) & 3, nhi = tid >> 7;
         kc = 32 * t + 8 * q;
 #pragma unroll
         for (int i = 0; i < NP; i++) {
             const int r = i * 16 + nhi * 8 + nlo, rr = r < rows ? r : rows - 1;
-            src[i] = r < rows_pad ? x + (row0 + rr) * K + kc : nullptr;
+            src[i] = r < rows_pad ? x + gq_x_row(xrow, xdiv, row0 + rr) * K + kc : nullptr;
         }
     }
     __device__ __forceinline__ void load(int k0, int K) {
@@ -839,7 +842,7 @@ __device__ __forceinline__ void gw_item(const gq_args &a, int e, int64_t row0, i
 #pragma unroll
     for (int i = 0; i < N / 2; i++) acc[i] = 0.0f;
     gw_xstage<MT> xr;
-    xr.init(x, row0, rows, N, K);
+    xr.init(x, row0, rows, N, K, a.xrow, a.xdiv);
 #pragma unroll
     for (int p = 0; p < BT_STAGES - 1; p++) {
         ws.issue(ring + p * GW_THREADS, p, nsteps);

@@ -38,7 +38,19 @@ struct gq_args {
     int relu2;              /* epilogue: y = relu(y)^2, each rounded to the output dtype (bf16/f16) */
     int tiled;              /* 1: codes holds the tiled layout (gq_relayout_tiled; scales unused) */
     int xbcast;             /* 1: every row reads x row 0 (gather_qmm_cuda_x1; the qmv mma kernel only) */
+    const uint32_t *xrow;   /* NULL, or B entries: row b reads x row xrow[b] / xdiv (gather_qmm_cuda_rows; the
+                               expert-batched kernels only) */
+    int xdiv;
 };
+
+/* The x row that sorted row b reads: b, or xrow[b] / xdiv (gq_args.xrow) */
+__device__ __forceinline__ int64_t gq_x_row(const uint32_t *xrow, int xdiv, int64_t b) {
+#ifdef FP4MOE_INJECT_FAULT_XROW /* deliberate fault (tests must catch it): the previous sorted row's source */
+    return xrow ? (int64_t)(__ldg(xrow + (b > 0 ? b - 1 : 0)) / (uint32_t)xdiv) : b;
+#else
+    return xrow ? (int64_t)(__ldg(xrow + b) / (uint32_t)xdiv) : b;
+#endif
+}
 
 /* ---- the tiled weight layout (the CUDA backend's, FP4MOE_CUDA_WEIGHT_LAYOUT=tiled) -------------
  * Expert e's weights as pieces of GQ_TILE_PIECE bytes, one per (16-feature tile, 128-K step), in

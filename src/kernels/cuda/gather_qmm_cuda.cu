@@ -240,6 +240,31 @@ extern "C" int gather_qmm_cuda_x1(const fp4moe_nvfp4_weights *w, int tiled, cons
     return st ? fp4moe_error_context(st, "gather_qmm_cuda (x1, E=%d N=%d K=%d B=%d)", a.E, a.N, a.K, a.B) : FP4MOE_OK;
 }
 
+extern "C" int gather_qmm_cuda_rows(const fp4moe_nvfp4_weights *w, int tiled, const void *x, int64_t T,
+                                    const uint32_t *xrow, int64_t xdiv, const uint32_t *idx, int64_t B,
+                                    fp4moe_route route, int relu2, void *y, void *stream) {
+    int st = check_call(w, x, FP4MOE_BF16, idx, B, 1, route, y);
+    if (st != FP4MOE_OK || B == 0) return st;
+    if (T < 1 || T > INT_MAX || xdiv < 1 || xdiv > INT_MAX || misaligned(xrow, 4) || !xrow)
+        return fp4moe_set_error(FP4MOE_EINVAL, "gather_qmm_cuda (rows): T=%lld, xdiv=%lld or xrow (%p) invalid",
+                                (long long)T, (long long)xdiv, (const void *)xrow);
+    if (w->K % 8 != 0) /* each x row starts 16-byte aligned */
+        return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "gather_qmm_cuda (rows): K=%lld is not a multiple of 8",
+                                (long long)w->K);
+    const gq_args a = {w->codes, w->scales, w->global_scale, (int)w->E, (int)w->N, (int)w->K, x, y, idx, (int)B,
+                       relu2 ? 1 : 0, tiled, 0, xrow, (int)xdiv};
+    /* where gather_qmm_cuda_ex on the B gathered rows would run the expert-batched kernel: route
+     * batched, or qmv as "qmv, tiled by 8 rows" (the same kernel with 8-row tiles) */
+    const fp4moe_route r = route == FP4MOE_ROUTE_AUTO ? choose_route(B, w->E, 1) : route;
+    const bool qt = r == FP4MOE_ROUTE_QMV && (B >= FP4MOE_BATCHED_MIN_ROWS || (tiled && !gq_qmv_mma_fits(&a)));
+    if (r != FP4MOE_ROUTE_BATCHED && !qt)
+        return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "gather_qmm_cuda (rows): B=%lld rows, route %s: only the "
+                                "expert-batched kernels read x through a row map", (long long)B, fp4moe_route_name(r));
+    cudaStream_t s = (cudaStream_t)stream;
+    st = qt ? gq_launch_qmv_tiled(&a, FP4MOE_BF16, s) : gq_launch_batched(&a, FP4MOE_BF16, s);
+    return st ? fp4moe_error_context(st, "gather_qmm_cuda (rows, E=%d N=%d K=%d B=%d)", a.E, a.N, a.K, a.B) : FP4MOE_OK;
+}
+
 extern "C" int gather_qmm_cuda_linear(const fp4moe_nvfp4_weights *w, int tiled, const void *x, fp4moe_dtype dtype,
                                       const uint32_t *zero_idx, int64_t B, fp4moe_route route, int relu2, void *y,
                                       void *stream, void *blas, gq_dense_scratch *dq, const void *wbf16,

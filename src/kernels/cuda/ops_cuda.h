@@ -119,6 +119,20 @@ int gather_qmm_cuda_ex(const fp4moe_nvfp4_weights *w, int tiled, const void *x, 
 int gather_qmm_cuda_x1(const fp4moe_nvfp4_weights *w, int tiled, const void *x, const uint32_t *idx, int64_t B,
                        fp4moe_route route, int relu2, void *y, void *stream);
 
+/* gather_qmm_cuda_ex (sorted idx, bf16) on rows gathered through a map, without the gathered copy:
+ * y[b] = x[xrow[b] / xdiv] @ W[idx[b]]^T for b < B, where x holds T rows of K bf16 (row stride K) - as
+ * gather_qmm_cuda_ex on the B rows xs[b] = x[xrow[b] / xdiv] gives: the same kernel and bits (one
+ * MoE layer's up projection: xrow = the sort's row_of, xdiv = top-k). Every xrow[b] / xdiv must be
+ * < T (the caller's promise; the sort's row_of of T * top-k rows is). relu2: the epilogue, always
+ * fused. Runs where that call would take the expert-batched kernel (route batched, or route qmv as
+ * "qmv, tiled by 8 rows"; auto as it resolves for B and E); elsewhere (the tensor-core qmv of
+ * decode-sized calls, dequant_gemm) FP4MOE_EUNSUPPORTED, and the caller gathers the rows. K % 8 != 0:
+ * FP4MOE_EUNSUPPORTED. Other errors: as gather_qmm_cuda_ex; T < 1, xdiv < 1, a NULL or misaligned
+ * xrow: FP4MOE_EINVAL. */
+int gather_qmm_cuda_rows(const fp4moe_nvfp4_weights *w, int tiled, const void *x, int64_t T, const uint32_t *xrow,
+                         int64_t xdiv, const uint32_t *idx, int64_t B, fp4moe_route route, int relu2, void *y,
+                         void *stream);
+
 /* gather_qmm_cuda_ex for a plain NVFP4 linear: w->E == 1 and zero_idx[0..B) all 0 (the caller's
  * promise). Where the route resolves to dequant_gemm (auto: B >= 256 rows; or forced) and x is bf16,
  * the dense form runs (gq_dense_dequant_gemm: the weights dequantized into *dq - or, when wbf16 is
@@ -155,6 +169,13 @@ int cuda_linear_gather(const cuda_ops *o, const cuda_linear *w, const uint16_t *
  * FP4MOE_EUNSUPPORTED (the caller gathers the rows and calls cuda_linear_gather). */
 int cuda_linear_gather_x1(const cuda_ops *o, const cuda_linear *w, const uint16_t *x, const uint32_t *idx,
                           int64_t B, int relu2, uint16_t *y);
+
+/* cuda_linear_gather on the rows x[row_of[b] / k] (T rows of x; gather_qmm_cuda_rows: no gathered
+ * copy, the same bits as cuda_gather_rows then cuda_linear_gather). NVFP4 experts without bias, where
+ * the expert-batched kernel runs; elsewhere FP4MOE_EUNSUPPORTED (the caller gathers the rows). */
+int cuda_linear_gather_rows(const cuda_ops *o, const cuda_linear *w, const uint16_t *x, int64_t T,
+                            const uint32_t *row_of, int64_t k, const uint32_t *idx, int64_t B, int relu2,
+                            uint16_t *y);
 
 #ifndef MM_SPLIT_ROWS
 #define MM_SPLIT_ROWS 8192 /* cuda_matmul_f32's split-K form: parts x rows at most (scratch: this x N floats;

@@ -217,6 +217,15 @@ extern "C" int cuda_linear_gather_x1(const cuda_ops *o, const cuda_linear *w, co
     return gather_qmm_cuda_x1(&w->q, w->tiled, x, idx, B, o->route, relu2, y, o->stream);
 }
 
+extern "C" int cuda_linear_gather_rows(const cuda_ops *o, const cuda_linear *w, const uint16_t *x, int64_t T,
+                                       const uint32_t *row_of, int64_t k, const uint32_t *idx, int64_t B, int relu2,
+                                       uint16_t *y) {
+    if (!w->nvfp4 || w->bias)
+        return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "cuda linear gather (rows): dense or biased experts");
+    if (B <= 0) return FP4MOE_OK;
+    return gather_qmm_cuda_rows(&w->q, w->tiled, x, T, row_of, k, idx, B, o->route, relu2, y, o->stream);
+}
+
 /* y[i] = p[i] + p[n + i] + ... + p[(S-1) n + i], in that order */
 __global__ void sum_splits_kernel(const float *__restrict__ p, int S, int64_t n, float *__restrict__ y) {
     cu_pdl_entry();
