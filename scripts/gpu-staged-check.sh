@@ -13,7 +13,8 @@
 #      decode of the default model;
 #   4. end to end on the synthetic Nemotron-3-Nano-30B-A3B shape, the builds alternated in rounds
 #      (bench/gpu-compare.sh): OLD (an earlier commit's fp4moe, with OLD_ENV) against this one, at
-#      512 + 128 tokens, 64 sequences, 2,048 + 32 and 8,192 + 16 (CMPS: which of p512 b64 p2k p8k); this
+#      128 + 64 and 512 + 128 tokens, 64 sequences, 2,048 + 32 and 8,192 + 16 (CMPS: which of p128
+#      p512 b64 p2k p8k); this
 #      build with FP4MOE_GATHER_EXPERT_BATCHED=0 too: the greedy hashes of a row must be equal across
 #      builds;
 #      VARIANTS (e.g. "mma=FP4MOE_CUDA_ATTENTION=mma"): this build with one setting, compared too;
@@ -152,6 +153,7 @@ cmp() { # NAME ROUNDS LIMIT ARGS (LIMIT: seconds for 4 builds, scaled by the num
 CMPS=${CMPS:-p512 b64 p2k p8k}
 for f in $CMPS; do
     case $f in
+    p128) cmp p128 3 150 "--prompt-tokens 128 --gen-tokens 64 --repeats 3" ;;
     p512) cmp p512 3 200 "--prompt-tokens 512 --gen-tokens 128 --repeats 3" ;;
     b64) cmp b64 2 150 "--batch 64 --prompt-tokens 256 --gen-tokens 64 --repeats 2" ;;
     p2k) cmp p2k 2 120 "--prompt-tokens 2048 --gen-tokens 32 --repeats 2" ;;
