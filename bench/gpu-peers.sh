@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# bench/gpu-peers.sh: fp4moe's gather and Mamba-2 scan next to the same-run peers (issue 12), in ONE call
+# on the GPU machine: bench/gpu_gather_wg (production's up + down of one 30B-A3B MoE layer at 128 ..
+# 8,192 tokens, tiled and checkpoint layouts) and bench/gpu_ssm (the prefill scan, 23 layers), then
+# ../shared/anchors/moe_anchor.py (torch bf16 _grouped_mm on bf16 experts, the copy rate) and
+# layer_anchor.py (the state-spaces/mamba Triton SSD scan, torch SDPA).
+# Usage: bench/gpu-peers.sh --prepare DIR MAMBA EINOPS   here: DIR gets the anchors, the two programs
+#                                                        (stripped, xz; from build-gpum) and the Python
+#                                                        packages mamba_ssm (ops/triton + utils only:
+#                                                        no CUDA extension) and einops, copied from git
+#                                                        checkouts MAMBA (state-spaces/mamba) and EINOPS
+#                                                        (arogozhnikov/einops); carry DIR
+#        bench/gpu-peers.sh DIR PKG                      on the GPU machine (PKG: a batch package for
+#                                                        the libraries, scripts/gpu-staged-check.sh --package)
+set -u
+cd "$(dirname "$0")/.."
+if [ "${1:-}" = "--prepare" ]; then
+    D=${2:?DIR}; M=${3:?MAMBA checkout}; EI=${4:?EINOPS checkout}
+    mkdir -p "$D" && D=$(cd "$D" && pwd)
+    mkdir -p "$D/bin" "$D/mamba_ssm/ops/triton" "$D/mamba_ssm/utils"
+    cmake --build build-gpum --target gpu_ssm gpu_gather_wg -j "$(nproc)" >/dev/null || exit 1
+    for p in gpu_ssm gpu_gather_wg; do strip -o "$D/bin/$p" "build-gpum/$p" && xz -f "$D/bin/$p" || exit 1; done
+    cp ../shared/anchors/*.py "$D/" || exit 1
+    cp "$M"/mamba_ssm/ops/triton/*.py "$D/mamba_ssm/ops/triton/" && cp "$M"/mamba_ssm/utils/*.py "$D/mamba_ssm/utils/" || exit 1
+    : >"$D/mamba_ssm/__init__.py"; : >"$D/mamba_ssm/ops/__init__.py" # no CUDA extension imports
+    (cd "$EI" && find einops -name '*.py' ! -path '*/tests/*' -exec cp --parents {} "$D/" \;) || exit 1
+    echo "prepared $D"; exit 0
+fi
+D=${1:?usage: bench/gpu-peers.sh DIR PKG}
+GP_NAME=batch
+GP_BUILD=build-gpum
+. scripts/gpu-pack.sh
+gp_main "${2:?PKG}"
+for p in gpu_ssm gpu_gather_wg; do xz -dc "$D/bin/$p.xz" >"$GP_BIN/$p" && chmod +x "$GP_BIN/$p"; done
+nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv,noheader
+echo "== fp4moe gather_qmm up + down (production column)"; timeout 120 "$GP_BIN/gpu_gather_wg" | grep '^|'
+echo "== fp4moe Mamba-2 prefill scan"; timeout 120 "$GP_BIN/gpu_ssm" | tail -10
+cd "$D" || exit 1
+echo "== torch bf16 _grouped_mm"; timeout 150 python3 moe_anchor.py 2>&1 | tail -12
+echo "== mamba_ssm SSD, torch SDPA"; timeout 240 python3 layer_anchor.py . 2>&1 | tail -24
