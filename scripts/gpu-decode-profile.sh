@@ -12,7 +12,8 @@
 #        `bench` runs old and new alternately (3 rounds each) and prints both, so that a change is
 #        measured against its parent in the same run.
 # Environment: PROMPT (default 512), OUT (default gpu-profile-out), NCU_CACHE (all: caches flushed
-# before every kernel, the ncu default; none: warm, closer to a graph replay).
+# before every kernel, the ncu default; none: warm, closer to a graph replay), GEN (decode steps of the
+# profiled run, default 4), NCU_ONLY=1 (only the Nsight Compute run and its tables).
 set -u
 cd "$(dirname "$0")/.."
 BIN=${1:?usage: scripts/gpu-decode-profile.sh BIN [OLD]}
@@ -60,15 +61,17 @@ EOF2
 fi
 NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
 
+if [ -z "${NCU_ONLY:-}" ]; then
 timeout 120 "$FP" bench --synthetic $CFG --device cuda --prompt-tokens "$P" --gen-tokens 64 --repeats 3 \
     --json >"$OUT/bench.json" 2>"$OUT/bench.log"
 timeout 120 "$FP" bench --synthetic $CFG --device cuda --prompt-tokens "$P" --gen-tokens 64 --repeats 3 \
     --profile >"$OUT/profile.txt" 2>&1
+fi
 if [ -n "$NCU" ]; then
     timeout 400 "$NCU" --metrics gpu__time_duration.sum --csv --clock-control none --cache-control "${NCU_CACHE:-all}" \
         --kernel-name-base function \
         --kernel-name "regex:^(?!synth)" "$FP" bench --synthetic $CFG --device cuda --prompt-tokens "$P" \
-        --gen-tokens 4 --repeats 1 --warmup 0 >"$OUT/ncu.csv" 2>"$OUT/ncu.log"
+        --gen-tokens "${GEN:-4}" --repeats 1 --warmup 0 >"$OUT/ncu.csv" 2>"$OUT/ncu.log"
     echo "ncu rc=$?"
 fi
 echo "== bench --profile (CUDA events, ms)"

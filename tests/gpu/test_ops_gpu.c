@@ -440,6 +440,39 @@ static void test_tiled_layout(void **state) {
     tiled_case(g, 1, 8200, 2688, 1, TU_IDX_TOPK_SORTED, FP4MOE_ROUTE_AUTO, 1, 17);
 }
 
+/* Random NVFP4 weights (E, N, K; per-expert global scales) on the device; tiled: w reads the tiled
+ * layout (cuda_nvfp4_relayout_tiled), else the checkpoint layout. */
+typedef struct {
+    tu_weights tw;
+    fp4moe_nvfp4_weights w;
+    uint8_t *dc, *ds, *dt;
+} dev_weights;
+
+static void dev_weights_make(gpu_ctx *g, dev_weights *d, int64_t E, int64_t N, int64_t K, int tiled, tu_rng *r) {
+    assert_int_equal(tu_weights_random(&d->tw, E, N, K, 1, r), 0);
+    d->w = d->tw.w;
+    d->dc = gt_upload(d->tw.codes, (size_t)(E * N * K / 2));
+    d->ds = gt_upload(d->tw.scales, (size_t)(E * N * K / 16));
+    d->w.codes = d->dc;
+    d->w.scales = d->ds;
+    d->w.global_scale = gt_upload(d->tw.gs, (size_t)E * 4);
+    d->dt = NULL;
+    if (tiled) {
+        d->dt = gt_upload(NULL, (size_t)(E * cuda_nvfp4_tiled_expert_bytes(N, K)));
+        assert_int_equal(cuda_nvfp4_relayout_tiled(g->stream, d->dc, d->ds, E, N, K, d->dt), FP4MOE_OK);
+        d->w.codes = d->dt;
+        d->w.scales = d->dt;
+    }
+}
+
+static void dev_weights_free(dev_weights *d) {
+    if (d->dt) gt_free(d->dt);
+    gt_free(d->dc);
+    gt_free(d->ds);
+    gt_free((void *)d->w.global_scale);
+    tu_weights_free(&d->tw);
+}
+
 /* ---- one token's routed experts without gathered rows (gather_qmm_cuda_x1) -------------------------
  * The same call as gather_qmm_cuda_ex on B copies of one x row (route auto, sorted): bitwise equal
  * outputs (outputs poisoned before each call); x holds a second, different row after the first, so a
@@ -449,20 +482,9 @@ static void x1_case(gpu_ctx *g, int64_t E, int64_t N, int64_t K, int64_t B, int 
                     uint64_t seed) {
     tu_rng r;
     tu_rng_seed(&r, seed);
-    tu_weights tw;
-    assert_int_equal(tu_weights_random(&tw, E, N, K, 1, &r), 0);
-    fp4moe_nvfp4_weights w = tw.w;
-    uint8_t *dc = gt_upload(tw.codes, (size_t)(E * N * K / 2)), *ds = gt_upload(tw.scales, (size_t)(E * N * K / 16));
-    w.codes = dc;
-    w.scales = ds;
-    w.global_scale = gt_upload(tw.gs, (size_t)E * 4);
-    uint8_t *dt = NULL;
-    if (tiled) {
-        dt = gt_upload(NULL, (size_t)(E * cuda_nvfp4_tiled_expert_bytes(N, K)));
-        assert_int_equal(cuda_nvfp4_relayout_tiled(g->stream, w.codes, w.scales, E, N, K, dt), FP4MOE_OK);
-        w.codes = dt;
-        w.scales = dt;
-    }
+    dev_weights dw;
+    dev_weights_make(g, &dw, E, N, K, tiled, &r);
+    const fp4moe_nvfp4_weights w = dw.w;
     uint16_t *x = tu_random_x(FP4MOE_BF16, 2, K, &r); /* row 0, and a row 1 no call may read */
     uint16_t *xs = malloc((size_t)(B * K) * 2);
     assert_non_null(xs);
@@ -497,9 +519,7 @@ static void x1_case(gpu_ctx *g, int64_t E, int64_t N, int64_t K, int64_t B, int 
     }
     free(x); free(xs); free(idx);
     gt_free(dx); gt_free(dxs); gt_free(didx); gt_free(y1); gt_free(y2);
-    if (dt) gt_free(dt);
-    gt_free(dc); gt_free(ds); gt_free((void *)w.global_scale);
-    tu_weights_free(&tw);
+    dev_weights_free(&dw);
 }
 
 static void test_linear_gather_x1(void **state) {
@@ -523,20 +543,9 @@ static void rows_case(gpu_ctx *g, int64_t E, int64_t N, int64_t K, int64_t T, in
                       fp4moe_route route, int want_ok, uint64_t seed) {
     tu_rng r;
     tu_rng_seed(&r, seed);
-    tu_weights tw;
-    assert_int_equal(tu_weights_random(&tw, E, N, K, 1, &r), 0);
-    fp4moe_nvfp4_weights w = tw.w;
-    uint8_t *dc = gt_upload(tw.codes, (size_t)(E * N * K / 2)), *ds = gt_upload(tw.scales, (size_t)(E * N * K / 16));
-    w.codes = dc;
-    w.scales = ds;
-    w.global_scale = gt_upload(tw.gs, (size_t)E * 4);
-    uint8_t *dt = NULL;
-    if (tiled) {
-        dt = gt_upload(NULL, (size_t)(E * cuda_nvfp4_tiled_expert_bytes(N, K)));
-        assert_int_equal(cuda_nvfp4_relayout_tiled(g->stream, w.codes, w.scales, E, N, K, dt), FP4MOE_OK);
-        w.codes = dt;
-        w.scales = dt;
-    }
+    dev_weights dw;
+    dev_weights_make(g, &dw, E, N, K, tiled, &r);
+    const fp4moe_nvfp4_weights w = dw.w;
     const int64_t B = T * k;
     uint16_t *x = tu_random_x(FP4MOE_BF16, T + 1, K, &r);
     for (int64_t i = 0; i < K; i++) x[T * K + i] = 0x7fc0; /* row T: NaN, outside the map */
@@ -584,9 +593,7 @@ static void rows_case(gpu_ctx *g, int64_t E, int64_t N, int64_t K, int64_t T, in
     }
     free(x); free(xs); free(ids); free(row_of); free(idx);
     gt_free(dx); gt_free(dxs); gt_free(didx); gt_free(drow); gt_free(y1); gt_free(y2);
-    if (dt) gt_free(dt);
-    gt_free(dc); gt_free(ds); gt_free((void *)w.global_scale);
-    tu_weights_free(&tw);
+    dev_weights_free(&dw);
 }
 
 static void test_linear_gather_rows(void **state) {

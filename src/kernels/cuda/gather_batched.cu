@@ -399,6 +399,30 @@ __device__ __forceinline__ void bt_zero_tail(TY *y, const int *starts, int E, in
         y[i] = zero;
 }
 
+/* The epilogue of one warp's 16-feature tile (features nw .. nw + 15) of an MT-row item: thread (g, t)
+ * holds features nw + g (acc[nt][h]) and nw + g + 8 (acc[nt][2 + h]) of rows 8 nt + 2t + h; y = acc x
+ * mult (global scale x the power of two of the decode), relu^2 if asked, rows < rows and features < N
+ * only. */
+template <typename TY, int MT>
+__device__ __forceinline__ void bt_store_tile(const float (&acc)[MT / 8][4], TY *y, int64_t row0, int rows, int ntv,
+                                              int nw, int N, int g, int t, float mult, int relu2) {
+    const int na = nw + g, nb = nw + g + 8;
+#pragma unroll
+    for (int nt = 0; nt < MT / 8; nt++) {
+        if (nt < ntv) {
+            const int r = nt * 8 + 2 * t;
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                if (r + h < rows) {
+                    TY *yr = y + (row0 + r + h) * N;
+                    if (na < N) yr[na] = cu_out<TY>(acc[nt][h] * mult, relu2);
+                    if (nb < N) yr[nb] = cu_out<TY>(acc[nt][2 + h] * mult, relu2);
+                }
+            }
+        }
+    }
+}
+
 /* TY: the output type, T or float (the lm_head: bf16 x, fp32 logits). TL: the weights in the tiled
  * layout (FAST only): each thread's step is its own 36 bytes of one piece; the same values reach the
  * same registers, so the same bits. */
@@ -496,22 +520,7 @@ gq_batched_kernel(gq_args a, const int *__restrict__ starts, const int *__restri
         }
 
         /* epilogue: y[row][n] = acc * gs * 2^kshift; C fragment (g, 2t..2t+1) and (g+8, 2t..2t+1) */
-        const float mult = cu_expert_gs(a.gs, e) * ops::kUndo;
-        const int na = nw + g, nb = nw + g + 8;
-#pragma unroll
-        for (int nt = 0; nt < MT / 8; nt++) {
-            if (nt < ntv) {
-                const int r = nt * 8 + 2 * t;
-#pragma unroll
-                for (int h = 0; h < 2; h++) {
-                    if (r + h < rows) {
-                        TY *yr = y + (row0 + r + h) * N;
-                        if (na < N) yr[na] = cu_out<TY>(acc[nt][h] * mult, a.relu2);
-                        if (nb < N) yr[nb] = cu_out<TY>(acc[nt][2 + h] * mult, a.relu2);
-                    }
-                }
-            }
-        }
+        bt_store_tile<TY, MT>(acc, y, row0, rows, ntv, nw, N, g, t, cu_expert_gs(a.gs, e) * ops::kUndo, a.relu2);
     }
 
     bt_zero_tail(y, starts, a.E, a.B, N);
@@ -597,26 +606,6 @@ __device__ __forceinline__ void bw_step_ntv(int ntv, float (&aa)[BW_MT / 8][4], 
     }
 }
 
-/* The epilogue of one 16-feature tile (features nw .. nw + 15), gq_batched_kernel's */
-__device__ __forceinline__ void bw_store(const float (&acc)[BW_MT / 8][4], __nv_bfloat16 *y, int64_t row0, int rows,
-                                         int ntv, int nw, int N, int g, int t, float mult, int relu2) {
-    const int na = nw + g, nb = nw + g + 8;
-#pragma unroll
-    for (int nt = 0; nt < BW_MT / 8; nt++) {
-        if (nt < ntv) {
-            const int r = nt * 8 + 2 * t;
-#pragma unroll
-            for (int h = 0; h < 2; h++) {
-                if (r + h < rows) {
-                    __nv_bfloat16 *yr = y + (row0 + r + h) * N;
-                    if (na < N) yr[na] = cu_out<__nv_bfloat16>(acc[nt][h] * mult, relu2);
-                    if (nb < N) yr[nb] = cu_out<__nv_bfloat16>(acc[nt][2 + h] * mult, relu2);
-                }
-            }
-        }
-    }
-}
-
 __global__ void __launch_bounds__(BW_THREADS, BW_MINB)
 gq_batched_w32_kernel(gq_args a, const int *__restrict__ starts, const int *__restrict__ tile_off) {
     cu_pdl_entry();
@@ -682,8 +671,8 @@ gq_batched_w32_kernel(gq_args a, const int *__restrict__ starts, const int *__re
             __syncthreads();
         }
         const float mult = cu_expert_gs(a.gs, e) * bt_ops<__nv_bfloat16>::kUndo;
-        bw_store(aa, y, row0, rows, ntv, nw, N, g, t, mult, a.relu2);
-        bw_store(ab, y, row0, rows, ntv, nw + 16, N, g, t, mult, a.relu2);
+        bt_store_tile<__nv_bfloat16, BW_MT>(aa, y, row0, rows, ntv, nw, N, g, t, mult, a.relu2);
+        bt_store_tile<__nv_bfloat16, BW_MT>(ab, y, row0, rows, ntv, nw + 16, N, g, t, mult, a.relu2);
     }
     bt_zero_tail(y, starts, a.E, a.B, N);
 }
