@@ -258,6 +258,11 @@ static int launch_scan(const cuda_ssm_args *a, cudaStream_t st) {
 #ifndef TS_LT
 #define TS_LT 32 /* tokens per staged time tile (16 / 32 / 64 measured: 32 best, docs/GPU-NOTES.md) */
 #endif
+#ifndef TS_YCH
+#define TS_YCH 1 /* independent FFMA chains of a row's y over its NR columns (1: one chain; 2 / 4: a candidate
+                    written in session 18, not yet measured: shorter dependency chains, y summed in another
+                    order, states unchanged) */
+#endif
 
 /* cp.async of 16 or 4 bytes global -> shared (sm_80+), and the group fences. */
 __device__ __forceinline__ void ts_cp16(float *dst, const float *src) {
@@ -426,6 +431,7 @@ ssm_scan_tiled_kernel(cuda_ssm_args a, int vec) {
 #pragma unroll
                     for (int j = 0; j < PR; j++) {
                         const float dx = __fmul_rn(d.x, xv[j]);
+#if TS_YCH == 1
                         float y = 0.0f;
 #pragma unroll
                         for (int i = 0; i < NR; i++) {
@@ -433,6 +439,20 @@ ssm_scan_tiled_kernel(cuda_ssm_args a, int vec) {
                             y = fmaf(st[j][i], c[i], y);
                         }
                         acc[tt * PR + j] = y;
+#else /* candidate: TS_YCH independent chains over the columns, summed in order at the end */
+                        float yc[TS_YCH];
+#pragma unroll
+                        for (int m = 0; m < TS_YCH; m++) yc[m] = 0.0f;
+#pragma unroll
+                        for (int i = 0; i < NR; i++) {
+                            st[j][i] = fmaf(d.y, st[j][i], __fmul_rn(dx, b[i])); /* as ssm_scan_kernel */
+                            yc[i % TS_YCH] = fmaf(st[j][i], c[i], yc[i % TS_YCH]);
+                        }
+                        float y = yc[0];
+#pragma unroll
+                        for (int m = 1; m < TS_YCH; m++) y += yc[m];
+                        acc[tt * PR + j] = y;
+#endif
                     }
                 } else {
 #pragma unroll
