@@ -528,8 +528,9 @@ gq_batched_kernel(gq_args a, const int *__restrict__ starts, const int *__restri
 
 /* ---- 32-row tiles of bf16 calls on tiled weights: 32 output features a warp --------------------
  * For the 32-row tiles of bf16 x and y on the tiled layout with experts (E > 1; the 30B-A3B MoE at
- * 171 .. 1,024 tokens; a plain linear keeps gq_batched_kernel, not measured here) the items run here instead of gq_batched_kernel<.., 32, ..>: a warp owns two 16-feature tiles A and
- * B (its features nw .. nw + 31), so every x fragment load from shared memory feeds 4 mma instead of
+ * 171 .. 1,024 tokens; a plain linear keeps gq_batched_kernel, not measured here) the items run here
+ * instead of gq_batched_kernel<.., 32, ..>: a warp owns two 16-feature tiles A and B (its features
+ * nw .. nw + 31), so every x fragment load from shared memory feeds 4 mma instead of
  * 2 and a block of 4 warps covers the same 128 features as gq_batched_kernel's 8, staging the x tile
  * with half the threads. Measured on the H200 (bench/gpu_gather_wg.cu, session 18): 0.434 against
  * 0.491 ms for the up + down calls at 512 tokens (0.88x); at 128 tokens (8-row tiles in production)
