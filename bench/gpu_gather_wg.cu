@@ -18,7 +18,8 @@
  * WS_MINB). WK_MMA32=1: the candidate is gq_batched_kernel with 32-row tiles (16 features a warp), the
  * kernel that production's gq_batched_w32_kernel (32 features a warp, written as bench/gather_f32w.cuh
  * in session 17, measured 0.88x at 512 tokens and moved to production in session 18) replaced;
- * tiled layout only. Usage: gpu_gather_wg (WK_CHECKS=small: only
+ * tiled layout only. The timing table has uniform and skewed routing (Zipf exponent 0.5) at each size
+ * (session 19). Usage: gpu_gather_wg (WK_CHECKS=small: only
  * the small checks, for compute-sanitizer) */
 #include "kernels/cuda/gather_batched.cu"
 
@@ -230,18 +231,32 @@ int main(void) {
     printf("| tokens | layout | production batched ms | candidate (WK_MT=%d) ms | dequant_gemm ms | candidate / production |\n", WK_MT);
     printf("|---:|---|---:|---:|---:|---:|\n");
     const int Ts[] = {128, 512, 2048, 8192};
-    for (int ti = 0; ti < 4; ti++) {
-        const int T = Ts[ti], B = 6 * T;
-        int lens[128] = {0};
+    /* routing: uniform over the experts (skew 0), or skewed: expert e drawn with weight (e + 1)^-skew
+     * (a Zipf law; 0.5 gives the 512-token w32 tile count that matches the synthetic model's gather
+     * time, 1.2x the uniform one, docs/GPU-NOTES.md session 19) */
+    const double skews[] = {0.0, 0.5};
+    for (int ti = 0; ti < 8; ti++) {
+        const int T = Ts[ti / 2], B = 6 * T;
+        const double skew = skews[ti % 2];
+        double cw[128], tot = 0;
+        for (int e = 0; e < 128; e++) cw[e] = tot += pow(e + 1.0, -skew);
+        int lens[128] = {0}, maxlen = 0, tiles32 = 0;
         for (int i = 0; i < T; i++) { /* top-6 distinct experts a token */
             int ch[6];
             for (int k = 0; k < 6; k++) {
                 int e, dup;
-                do { e = (int)tu_rng_below(&r, 128); dup = 0; for (int j = 0; j < k; j++) dup |= ch[j] == e; } while (dup);
+                do {
+                    const double u = tu_rng_uniform(&r) * tot;
+                    e = 0;
+                    while (e < 127 && cw[e] <= u) e++;
+                    dup = 0;
+                    for (int j = 0; j < k; j++) dup |= ch[j] == e;
+                } while (dup);
                 ch[k] = e;
                 lens[e]++;
             }
         }
+        for (int e = 0; e < 128; e++) { maxlen = lens[e] > maxlen ? lens[e] : maxlen; tiles32 += (lens[e] + 31) / 32; }
         int BB;
         uint32_t *hidx = make_idx(128, lens, 0, &BB);
         uint32_t *didx = (uint32_t *)gt_upload(hidx, sizeof(uint32_t) * (size_t)B);
@@ -254,7 +269,8 @@ int main(void) {
             const int inner = T >= 2048 ? 4 : 10;
             const float t0 = gt_time_ms(run_pair, &c0, 7, inner), t1 = gt_time_ms(run_pair, &c1, 7, inner);
             const float t2 = T >= 2048 ? gt_time_ms(run_pair, &c2, 5, 2) : 0.0f;
-            printf("| %d | %s | %.4f | %.4f | %.4f | %.2f |\n", T, tl ? "tiled" : "rows", t0, t1, t2, t1 / t0);
+            printf("| %d | %s, skew %.1f (max run %d, %d 32-row tiles) | %.4f | %.4f | %.4f | %.2f |\n", T,
+                   tl ? "tiled" : "rows", skew, maxlen, tiles32, t0, t1, t2, t1 / t0);
         }
         free(hidx);
         gt_free(didx); gt_free(x); gt_free(h); gt_free(y);

@@ -462,6 +462,7 @@ static void same_greedy_across_loads(const char *what, const char *var, const ch
         int32_t *p = make_prompt(Ts[i], V, seed + (uint64_t)i), *ia = calloc(n, 4);
         float *la = malloc((size_t)(n * V) * 4);
         greedy(sa, p, Ts[i], V, n, ia, la);
+        print_message("%s: %s=%s against %s, %lld-token prompt\n", what, var, a, b, (long long)Ts[i]);
         expect_same_greedy(sb, p, Ts[i], V, n, ia, la);
         free(p); free(ia); free(la);
     }
