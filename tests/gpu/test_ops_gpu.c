@@ -438,6 +438,11 @@ static void test_tiled_layout(void **state) {
      * blocks over 513 tiles with 21 steps (3 a warp) */
     tiled_case(g, 1, 40, 4608, 9, TU_IDX_OOR_TAIL, FP4MOE_ROUTE_AUTO, 0, 16);
     tiled_case(g, 1, 8200, 2688, 1, TU_IDX_TOPK_SORTED, FP4MOE_ROUTE_AUTO, 1, 17);
+    /* sorted calls of 33-63 rows on the qmv route (a prefill's last chunk of 33-63 tokens): one kernel for
+     * both layouts (the 8-row tiles; the fp32 qmv kernel on the checkpoint layout was not bitwise equal,
+     * found in session 19 by test_model_gpu tiled_layout); experts, and a plain linear */
+    tiled_case(g, 8, 1000, 2048, 44, TU_IDX_TOPK_SORTED, FP4MOE_ROUTE_AUTO, 0, 18);
+    tiled_case(g, 1, 2000, 2048, 63, TU_IDX_TOPK_SORTED, FP4MOE_ROUTE_AUTO, 2, 19);
 }
 
 /* Random NVFP4 weights (E, N, K; per-expert global scales) on the device; tiled: w reads the tiled

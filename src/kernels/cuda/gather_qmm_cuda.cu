@@ -204,11 +204,16 @@ extern "C" int gather_qmm_cuda_ex(const fp4moe_nvfp4_weights *w, int tiled, cons
     default:
         /* qmv: sorted prefill-sized f16/bf16 batches take "qmv, tiled by 8 rows" (bitwise equal to
          * the batched route); decode-sized, unsorted and f32 batches the fp32 FMA kernel (the f32
-         * batched route runs that kernel too), bf16 ones of <= 32 rows the tensor-core qmv. On
-         * tiled weights, which the fp32 kernel cannot read, sorted calls of 33-63 rows take the
-         * 8-row-tile kernel too (within tolerance of the checkpoint layout's fp32 kernel, not
-         * bitwise) */
+         * batched route runs that kernel too), bf16 ones of <= 32 rows the tensor-core qmv. Sorted
+         * f16/bf16 calls of 33-63 rows (a prefill's last chunk, 33-63 tokens) take the 8-row-tile
+         * kernel on both layouts (the fp32 kernel cannot read the tiled one), so that the two
+         * layouts give the same bits there too (test_model_gpu tiled_layout) */
+#ifdef FP4MOE_INJECT_FAULT_QMV_ROWS /* deliberate fault (tests must catch it): the old rule, the checkpoint layout's
+                                       33-63-row calls on the fp32 kernel */
         st = dtype != FP4MOE_F32 && sorted && (B >= FP4MOE_BATCHED_MIN_ROWS || (tiled && !gq_qmv_mma_fits(&a)))
+#else
+        st = dtype != FP4MOE_F32 && sorted && (B >= FP4MOE_BATCHED_MIN_ROWS || !gq_qmv_mma_fits(&a))
+#endif
                  ? gq_launch_qmv_tiled(&a, dtype, s)
                  : gq_launch_qmv(&a, dtype, s);
         break;
@@ -256,7 +261,7 @@ extern "C" int gather_qmm_cuda_rows(const fp4moe_nvfp4_weights *w, int tiled, co
     /* where gather_qmm_cuda_ex on the B gathered rows would run the expert-batched kernel: route
      * batched, or qmv as "qmv, tiled by 8 rows" (the same kernel with 8-row tiles) */
     const fp4moe_route r = route == FP4MOE_ROUTE_AUTO ? choose_route(B, w->E, 1) : route;
-    const bool qt = r == FP4MOE_ROUTE_QMV && (B >= FP4MOE_BATCHED_MIN_ROWS || (tiled && !gq_qmv_mma_fits(&a)));
+    const bool qt = r == FP4MOE_ROUTE_QMV && (B >= FP4MOE_BATCHED_MIN_ROWS || !gq_qmv_mma_fits(&a));
     if (r != FP4MOE_ROUTE_BATCHED && !qt)
         return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "gather_qmm_cuda (rows): B=%lld rows, route %s: only the "
                                 "expert-batched kernels read x through a row map", (long long)B, fp4moe_route_name(r));

