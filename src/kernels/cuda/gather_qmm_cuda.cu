@@ -194,7 +194,7 @@ extern "C" int gather_qmm_cuda_ex(const fp4moe_nvfp4_weights *w, int tiled, cons
     /* the epilogue: every kernel but dequant_gemm's cuBLAS GEMM, on f16/bf16 outputs */
     const int ep = relu2 && dtype != FP4MOE_F32 && route != FP4MOE_ROUTE_DEQUANT_GEMM;
     const gq_args a = {w->codes, w->scales, w->global_scale, (int)w->E, (int)w->N, (int)w->K,
-                       x, y, idx, (int)B, ep, tiled, 0};
+                       x, y, idx, (int)B, ep, tiled, 0, nullptr, 0};
     cudaStream_t s = (cudaStream_t)stream;
     switch (route) {
     case FP4MOE_ROUTE_BATCHED:
@@ -234,7 +234,7 @@ extern "C" int gather_qmm_cuda_x1(const fp4moe_nvfp4_weights *w, int tiled, cons
     if (w->E > INT_MAX - 1 || w->N > INT_MAX || w->K > INT_MAX)
         return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "gather_qmm_cuda (x1): E, N or K exceeds 2^31-1");
     const gq_args a = {w->codes, w->scales, w->global_scale, (int)w->E, (int)w->N, (int)w->K, x, y, idx, (int)B,
-                       relu2 ? 1 : 0, tiled, 1};
+                       relu2 ? 1 : 0, tiled, 1, nullptr, 0};
     /* where gather_qmm_cuda_ex on B gathered rows would run the tensor-core qmv (route qmv as it
      * resolves there, B < 64, bf16, gq_qmv_mma_fits) */
     const fp4moe_route r = route == FP4MOE_ROUTE_AUTO ? choose_route(B, w->E, 1) : route;
@@ -280,7 +280,8 @@ extern "C" int gather_qmm_cuda_linear(const fp4moe_nvfp4_weights *w, int tiled, 
     const fp4moe_route r = route == FP4MOE_ROUTE_AUTO ? choose_route(B, w->E, 1) : route;
     if (r != FP4MOE_ROUTE_DEQUANT_GEMM || w->E != 1 || dtype != FP4MOE_BF16 || !blas || (!dq && !wbf16) || !d_zero)
         return gather_qmm_cuda_ex(w, tiled, x, dtype, zero_idx, B, 1, route, relu2, y, stream, fused);
-    const gq_args a = {w->codes, w->scales, w->global_scale, 1, (int)w->N, (int)w->K, x, y, zero_idx, (int)B, 0, tiled, 0};
+    const gq_args a = {w->codes, w->scales, w->global_scale, 1, (int)w->N, (int)w->K, x, y, zero_idx, (int)B, 0, tiled, 0,
+                       nullptr, 0};
     st = gq_dense_dequant_gemm(&a, (cudaStream_t)stream, blas, dq, wbf16, d_zero);
     return st ? fp4moe_error_context(st, "gather_qmm_cuda (route dequant_gemm, dense N=%d K=%d B=%d)", a.N, a.K, a.B)
               : FP4MOE_OK;
@@ -337,7 +338,7 @@ extern "C" int gather_qmm_cuda_bf16_f32out(const fp4moe_nvfp4_weights *w, int ti
         misaligned(w->global_scale, 4))
         return fp4moe_set_error(FP4MOE_EINVAL, "gather_qmm_cuda (f32 out): misaligned device pointer");
     const gq_args a = {w->codes, w->scales, w->global_scale, (int)w->E, (int)w->N, (int)w->K, x, y, idx, (int)B, 0,
-                       tiled, 0};
+                       tiled, 0, nullptr, 0};
     /* decode-sized rows: the qmv v5 kernel with fp32 output; else the expert-batched kernel */
     st = gq_qmv_mma_fits(&a) ? gq_launch_qmv_mma(&a, true, (cudaStream_t)stream)
                              : gq_launch_bf16_f32out(&a, (cudaStream_t)stream);
