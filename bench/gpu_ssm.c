@@ -17,15 +17,9 @@
 
 #include "gpu_testutil.h"
 #include "kernels/cuda/ops_cuda.h"
+#include "ssm_bench.h"
 #include "testutil.h"
 
-#define NH 64
-#define HD 64
-#define NS 128
-#define NG 8
-#define DI (NH * HD)
-#define CD (DI + 2 * NG * NS)   /* conv channels: x, B, C */
-#define NP (DI + CD + NH)     /* in_proj rows: z, xBC, dt */
 #define LAYERS 23
 
 static const char *const k_modes[] = {"seq", "tiled"};
@@ -67,31 +61,18 @@ int main(int argc, char **argv) {
     tu_rng_seed(&r, 42);
 
     /* host data */
-    float *h_xbc = malloc((size_t)Tmax * CD * 4);
-    uint16_t *h_zx = malloc((size_t)Tmax * NP * 2);
-    for (int64_t i = 0; i < Tmax * CD; i++) h_xbc[i] = (float)(2.0 * tu_rng_uniform(&r) - 1.0);
-    for (int64_t i = 0; i < Tmax * NP; i++) { /* raw dt ~ U(-6, 2) as bf16 (truncated) */
-        const float f = (float)(-6.0 + 8.0 * tu_rng_uniform(&r));
-        uint32_t u;
-        memcpy(&u, &f, 4);
-        h_zx[i] = (uint16_t)(u >> 16);
-    }
-    float h_bias[NH], h_A[NH], h_D[NH];
-    for (int h = 0; h < NH; h++) {
-        h_bias[h] = (float)(-4.0 + 3.0 * tu_rng_uniform(&r));
-        h_A[h] = -expf((float)(2.8 * tu_rng_uniform(&r)));
-        h_D[h] = (float)(tu_rng_uniform(&r) + 0.5);
-    }
+    ssm_bench_host hd;
+    ssm_bench_host_make(&hd, Tmax, &r);
+    const float *h_xbc = hd.xbc, *h_st = hd.st;
+    const uint16_t *h_zx = hd.zx;
     const size_t nst = (size_t)NH * HD * NS;
-    float *h_st = malloc(nst * 4);
-    for (size_t i = 0; i < nst; i++) h_st[i] = (float)(tu_rng_uniform(&r) - 0.5);
 
     bufs b;
     b.xbc = gt_upload(h_xbc, (size_t)Tmax * CD * 4);
     b.zx = gt_upload(h_zx, (size_t)Tmax * NP * 2);
-    b.dt_bias = gt_upload(h_bias, sizeof h_bias);
-    b.A = gt_upload(h_A, sizeof h_A);
-    b.D = gt_upload(h_D, sizeof h_D);
+    b.dt_bias = gt_upload(hd.bias, sizeof hd.bias);
+    b.A = gt_upload(hd.A, sizeof hd.A);
+    b.D = gt_upload(hd.D, sizeof hd.D);
     b.state = gt_upload(h_st, nst * 4);
     b.y = gt_upload(NULL, (size_t)Tmax * DI * 4);
 
@@ -169,6 +150,6 @@ int main(int argc, char **argv) {
     }
     gt_free(b.xbc); gt_free(b.zx); gt_free(b.dt_bias); gt_free(b.A); gt_free(b.D); gt_free(b.state);
     gt_free(b.y);
-    free(h_xbc); free(h_zx); free(h_st);
+    ssm_bench_host_free(&hd);
     return 0;
 }

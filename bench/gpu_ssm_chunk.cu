@@ -39,13 +39,7 @@ extern "C" {
 #include <math.h>
 #include <stdio.h>
 
-#define NH 64
-#define HD 64
-#define NS 128
-#define NG 8
-#define DI (NH * HD)
-#define CD (DI + 2 * NG * NS) /* conv channels: x, B, C */
-#define NP (DI + CD + NH)     /* in_proj rows: z, xBC, dt */
+#include "ssm_bench.h"
 #define GC_STREAMS 16
 #ifndef GC_L0
 #define GC_L0 128
@@ -226,29 +220,15 @@ int main(void) {
     const int64_t Tmax = 8192, nst = (int64_t)NH * HD * NS;
     tu_rng r;
     tu_rng_seed(&r, 42);
-    float *h_xbc = (float *)malloc((size_t)Tmax * CD * 4);
-    uint16_t *h_zx = (uint16_t *)malloc((size_t)Tmax * NP * 2);
-    for (int64_t i = 0; i < Tmax * CD; i++) h_xbc[i] = (float)(2.0 * tu_rng_uniform(&r) - 1.0);
-    for (int64_t i = 0; i < Tmax * NP; i++) { /* raw dt ~ U(-6, 2) as bf16 (truncated), as bench/gpu_ssm */
-        const float f = (float)(-6.0 + 8.0 * tu_rng_uniform(&r));
-        uint32_t u;
-        memcpy(&u, &f, 4);
-        h_zx[i] = (uint16_t)(u >> 16);
-    }
-    float h_bias[NH], h_A[NH], h_D[NH];
-    for (int h = 0; h < NH; h++) {
-        h_bias[h] = (float)(-4.0 + 3.0 * tu_rng_uniform(&r));
-        h_A[h] = -expf((float)(2.8 * tu_rng_uniform(&r)));
-        h_D[h] = (float)(tu_rng_uniform(&r) + 0.5);
-    }
-    float *h_st = (float *)malloc((size_t)nst * 4);
-    for (int64_t i = 0; i < nst; i++) h_st[i] = (float)(tu_rng_uniform(&r) - 0.5);
+    ssm_bench_host hd; /* the inputs of bench/gpu_ssm (the same seed) */
+    ssm_bench_host_make(&hd, Tmax, &r);
+    const float *h_st = hd.st;
     bufs b;
-    b.xbc = (float *)gt_upload(h_xbc, (size_t)Tmax * CD * 4);
-    b.zx = (uint16_t *)gt_upload(h_zx, (size_t)Tmax * NP * 2);
-    b.dt_bias = (float *)gt_upload(h_bias, sizeof h_bias);
-    b.A = (float *)gt_upload(h_A, sizeof h_A);
-    b.D = (float *)gt_upload(h_D, sizeof h_D);
+    b.xbc = (float *)gt_upload(hd.xbc, (size_t)Tmax * CD * 4);
+    b.zx = (uint16_t *)gt_upload(hd.zx, (size_t)Tmax * NP * 2);
+    b.dt_bias = (float *)gt_upload(hd.bias, sizeof hd.bias);
+    b.A = (float *)gt_upload(hd.A, sizeof hd.A);
+    b.D = (float *)gt_upload(hd.D, sizeof hd.D);
     b.state = (float *)gt_upload(h_st, (size_t)nst * 4);
     b.y = (float *)gt_upload(NULL, (size_t)Tmax * DI * 4);
     gc_ctx x;
@@ -321,5 +301,6 @@ int main(void) {
         }
         printf("| %lld | %.4f | %.4f | %.4f |\n", (long long)Ts[ti], med[0], med[1], med[2]);
     }
+    ssm_bench_host_free(&hd);
     return ok ? 0 : 1;
 }
