@@ -7,10 +7,11 @@
 #      route switch), test_ops_gpu (tiled layout, every route, bitwise), test_ep_gpu, test_ssm_gpu;
 #   2. the deliberate faults, each must FAIL: FP4MOE_INJECT_FAULT_SIDE_JOIN and
 #      FP4MOE_INJECT_FAULT_DENSE_COPY, _ATTN_SIDE, _KV_PAIR (test_model_gpu), _CONV1D (test_ssm_gpu), _RUNS
-#      (test_gather_qmm_gpu), _XBCAST, _RMSNORM_WIDE, _ARGMAX_TIE, _QMMA_WPRE, _SPLIT_SUM, _W32, _XROW, _QMV_ROWS (test_ops_gpu), each run
+#      (test_gather_qmm_gpu), _XBCAST, _RMSNORM_WIDE, _ARGMAX_TIE, _QMMA_WPRE, _SPLIT_SUM, _W32, _XROW, _QMV_ROWS (test_ops_gpu),
+#      _SSD_TF32 (test_ssm_gpu), each run
 #      with only the test that must catch it (FP4MOE_TEST_FILTER);
-#   3. compute-sanitizer memcheck: the small gather_qmm cases (FP4MOE_TEST_SANITIZE=1) and a batched
-#      decode of the default model;
+#   3. compute-sanitizer memcheck: the small gather_qmm cases (FP4MOE_TEST_SANITIZE=1), test_ssm_gpu's
+#      test_chunks (memcheck and racecheck) and a batched decode of the default model;
 #   4. end to end on the synthetic Nemotron-3-Nano-30B-A3B shape, the builds alternated in rounds
 #      (bench/gpu-compare.sh): OLD (an earlier commit's fp4moe, with OLD_ENV) against this one, at
 #      128 + 64 and 512 + 128 tokens, 64 sequences, 2,048 + 32 and 8,192 + 16 (CMPS: which of p128
@@ -66,6 +67,8 @@ if [ "${1:-}" = "--package" ]; then
         -DFP4MOE_INJECT_FAULT_SPLIT_SUM=1 || exit 1
     TARGET=test_ops_gpu PROG=test_ops_gpu bench/build-variants.sh "$BINP/f_qmvr" src/kernels/cuda/gather_qmm_cuda.cu \
         -DFP4MOE_INJECT_FAULT_QMV_ROWS=1 || exit 1
+    TARGET=test_ssm_gpu PROG=test_ssm_gpu bench/build-variants.sh "$BINP/f_ssd" src/kernels/cuda/ops_ssm.cu \
+        -DFP4MOE_INJECT_FAULT_SSD_TF32=1 || exit 1
     gp_main --package "$BINP"
 fi
 OUT=${OUT:-gpu-staged-out}
@@ -102,7 +105,7 @@ for fe in f_side/0/test_model_gpu:side_stream f_dense/0/test_model_gpu f_aside/0
     f_xb/0/test_ops_gpu:test_linear_gather_x1 f_rw/0/test_ops_gpu:test_rmsnorm_residual f_am/0/test_ops_gpu:test_argmax_rows \
     f_wpre/0/test_ops_gpu:test_tiled_layout f_split/0/test_ops_gpu:test_moe_route \
     f_w32/0/test_ops_gpu:test_tiled_layout f_xrow/0/test_ops_gpu:test_linear_gather_rows \
-    f_qmvr/0/test_ops_gpu:test_tiled_layout; do
+    f_qmvr/0/test_ops_gpu:test_tiled_layout f_ssd/0/test_ssm_gpu; do
     f=${fe%%:*}
     flt=${fe#"$f"}
     flt=${flt#:}
@@ -122,6 +125,14 @@ if [ -n "$CS" ]; then
     rc=$?
     row "memcheck gather_qmm small cases" "$([ $rc = 0 ] && echo CLEAN || echo "FAIL($rc)")" $((SECONDS - t0)) \
         "$(grep -m1 'ERROR SUMMARY' "$OUT/memcheck_gather.log")"
+    for tool in memcheck racecheck; do # the Mamba-2 scans (SSD: cp.async ring, barriers), test_chunks' shapes
+        t0=$SECONDS
+        FP4MOE_TEST_FILTER=test_chunks timeout 300 "$CS" --tool $tool --error-exitcode 9 "$BIN/test_ssm_gpu" \
+            >"$OUT/${tool}_ssm.log" 2>&1
+        rc=$?
+        row "$tool test_ssm_gpu" "$([ $rc = 0 ] && echo CLEAN || echo "FAIL($rc)")" $((SECONDS - t0)) \
+            "$(grep -m1 'ERROR SUMMARY\|RACECHECK SUMMARY' "$OUT/${tool}_ssm.log")"
+    done
     t0=$SECONDS
     timeout 200 "$CS" --tool memcheck --error-exitcode 9 "$BIN/fp4moe" bench -m models/nemotron-h-tiny-moe \
         --device cuda --batch 5 --prompt-tokens 70 --gen-tokens 8 --repeats 1 --warmup 0 >"$OUT/memcheck.log" 2>&1

@@ -20,6 +20,7 @@ typedef enum {
     ENV_CUDA_SIDE_DELAY_US,        /* integer >= 0 */
     ENV_CUDA_ATTENTION,            /* "wgmma" | "mma" */
     ENV_CUDA_DENSE_BF16,           /* "auto" | "0" | "1" */
+    ENV_CUDA_SSM,                  /* "auto" | "tiled" */
     ENV_COUNT
 } env_id;
 

@@ -2,7 +2,7 @@
  * reference of the recurrence (spec NEMOTRON_H.md "Mamba-2"; src/kernels/cpu/ops_ssm.c):
  *   dt = clamp(softplus(dt_raw + dt_bias), dt_lo, dt_hi); dA = exp(dt * A)
  *   state_h = dA * state_h + dt * x_h (outer) B_g;  y_h = state_h @ C_g + D_h * x_h,  g = h/(nh/G)
- * for each kernel (seq and tiled, cuda_ssm_scan_kernel), on random
+ * for each kernel (seq, tiled and the chunked SSD, cuda_ssm_scan_kernel), on random
  * data (never zeros; a random starting state, as after an earlier prefill chunk; raw dt low enough
  * that the time_step_min clamp is taken) with awkward sizes: T not a multiple of the time tiles,
  * T = 1, several groups, head_dim not a multiple of the block's rows, unaligned strides (the 4-byte
@@ -10,8 +10,10 @@
  *   - y (every token) and the final state within SSM_RTOL of the reference, relative to the largest
  *     |reference| of the token's row (resp. of the head's state);
  *   - the tiled kernels' final states bit-identical to the seq kernel's (same fp32 operations in
- *     the same order), their y within 2e-6 of seq's (only the order of the sum over n differs);
- *   - a prefill split in two calls (state carried) gives bit-identical states to one call;
+ *     the same order), their y within 2e-6 of seq's (only the order of the sum over n differs); the
+ *     SSD (3xTF32 matrix products, another order) only against the reference;
+ *   - a prefill split in two calls (state carried) gives bit-identical states to one call (the
+ *     recurrent kernels; the SSD's two calls are held to the reference's tolerance);
  *   - nothing written outside y and the state (NaN / sentinel guards after both).
  * Outputs are poisoned (NaN) before every call. Also the mixer's causal conv1d + silu
  * (cuda_conv1d_causal) against an fp64 reference (test_conv1d). Needs a CUDA device; exits 77
@@ -148,7 +150,8 @@ static int run_scan(const problem *p, const dev *d, int64_t t0, int64_t T, const
         .dt = d->dt + t0 * s.dts, .dts = s.dts, .dt_bias = d->dt_bias, .A = d->A, .D = d->D,
         .dt_lo = p->dt_lo, .dt_hi = p->dt_hi, .state = d->state, .y = d->y + t0 * s.nh * s.hd,
     };
-    const int rc = cuda_ssm_scan_kernel(NULL, &a, strcmp(mode, "seq") ? CUDA_SSM_TILED : CUDA_SSM_SEQ);
+    const int kernel = !strcmp(mode, "seq") ? CUDA_SSM_SEQ : !strcmp(mode, "ssd") ? CUDA_SSM_SSD : CUDA_SSM_TILED;
+    const int rc = cuda_ssm_scan_kernel(NULL, &a, kernel);
     if (rc) fprintf(stderr, "cuda_ssm_scan (%s): %s\n", mode, fp4moe_last_error());
     GT_CHECK(cudaDeviceSynchronize());
     return rc;
@@ -197,7 +200,7 @@ static result run_mode(const problem *p, const dev *d, const char *mode, int64_t
     return r;
 }
 
-static const char *const k_modes[] = {"seq", "tiled"};
+static const char *const k_modes[] = {"seq", "tiled", "ssd"};
 #define N_MODES (int)(sizeof k_modes / sizeof k_modes[0])
 
 static void check_shape(shape s, uint64_t seed) {
@@ -219,6 +222,20 @@ static void check_shape(shape s, uint64_t seed) {
         assert_true(es <= SSM_RTOL);
         if (m == 0) {
             seq = r;
+            continue;
+        }
+        if (!strcmp(k_modes[m], "ssd")) {
+            /* the chunked matrix form: another order of the fp32 operations, so only the reference
+             * decides; a prefill in two calls (other chunk boundaries) too */
+            if (s.T > 1) {
+                result r2 = run_mode(&p, &d, k_modes[m], s.T / 2 + 1 == s.T ? 1 : s.T / 2 + 1);
+                const double ey2 = row_err(r2.y, yref, s.T, s.nh * s.hd), es2 = row_err(r2.state, sref, s.nh, s.hd * s.S);
+                if (ey2 > SSM_RTOL || es2 > SSM_RTOL) printf("  ssd in two calls: y err %.2e  state err %.2e\n", ey2, es2);
+                assert_true(ey2 <= SSM_RTOL);
+                assert_true(es2 <= SSM_RTOL);
+                free(r2.y); free(r2.state);
+            }
+            free(r.y); free(r.state);
             continue;
         }
         /* against seq: identical states, y up to the order of the sum over n */
@@ -250,6 +267,16 @@ static void test_nemotron_head_shape(void **st) {
     const int64_t nh = 8, hd = 64, S = 128, G = 2, di = nh * hd, cd = di + 2 * G * S;
     check_shape((shape){77, nh, hd, S, G, cd, cd, di + cd + nh}, 1);
     check_shape((shape){16, nh, hd, S, G, cd, cd, di + cd + nh}, 2);
+}
+
+/* Several SSD chunks (64 tokens) with a tail, and the copy path of unaligned strides with a state of
+ * 64 and a head_dim that fills neither of a block's 32-row halves (rows masked). */
+static void test_chunks(void **st) {
+    (void)st;
+    const int64_t nh = 4, hd = 64, S = 128, G = 2, di = nh * hd, cd = di + 2 * G * S;
+    check_shape((shape){300, nh, hd, S, G, cd, cd, di + cd + nh}, 11);
+    check_shape((shape){70, 4, 12, 64, 2, 51, 131, 5}, 12);
+    check_shape((shape){128, 6, 40, 64, 3, 248, 384, 6}, 13);
 }
 
 static void test_one_token(void **st) {
@@ -347,10 +374,18 @@ int main(void) {
     gt_require_gpu("test_ssm_gpu");
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_nemotron_head_shape),
+        cmocka_unit_test(test_chunks),
         cmocka_unit_test(test_one_token),
         cmocka_unit_test(test_awkward_shapes),
         cmocka_unit_test(test_full_30b_heads),
         cmocka_unit_test(test_conv1d),
     };
+    /* FP4MOE_TEST_FILTER: the tests whose names start with it (a sanitizer run of a few shapes) */
+    const char *filter = getenv("FP4MOE_TEST_FILTER");
+    static char pattern[128];
+    if (filter && *filter) {
+        snprintf(pattern, sizeof pattern, "%s*", filter);
+        cmocka_set_test_filter(pattern);
+    }
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

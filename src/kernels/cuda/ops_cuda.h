@@ -235,9 +235,11 @@ int cuda_rmsnorm_rows(void *stream, const float *x, const int32_t *rows, int64_t
 int cuda_conv1d_causal(void *stream, const uint16_t *x, int64_t xs, int64_t T, int64_t C,
                        const float *w, const float *b, int64_t Kc, float *state, float *y);
 
-/* The Mamba-2 selective scan (op_ssm_scan, recurrent form, fp32 state), one function for prefill
- * (T tokens: tiled, a register-blocked state with cp.async input tiles)
- * and decode (T = 1, seq):
+/* The Mamba-2 selective scan (op_ssm_scan, fp32 state), one function for prefill and decode:
+ * T >= SSD_MIN_T (64) tokens with S 64 or 128: the chunked SSD on tensor cores (3xTF32 matrix products,
+ * 64-token chunks; FP4MOE_CUDA_SSM=tiled: not taken); other T >= 2: the recurrent tiled kernel (a
+ * register-blocked state with cp.async input tiles); T = 1 (decode): seq. All within 1e-4 of the fp64
+ * recurrence (tests/gpu/test_ssm_gpu.c); tiled and seq give bit-identical states. The recurrence:
  *   dt = clamp(softplus(dt_raw + dt_bias), dt_lo, dt_hi); dA = exp(dt * A)   (time_step_limit)
  *   state_h = dA * state_h + dt * x_h (outer) B_g;  y_h = state_h @ C_g + D_h * x_h,  g = h/(nh/G)
  * S <= 256. */
@@ -257,8 +259,9 @@ typedef struct {
 } cuda_ssm_args;
 int cuda_ssm_scan(void *stream, const cuda_ssm_args *a);
 /* The same with the kernel chosen (CUDA_SSM_AUTO: cuda_ssm_scan's choice; SEQ; TILED, which needs S
- * in {16, 32, 64, 128, 256} and a 16-byte aligned state, else SEQ runs): tests and measurements. */
-enum { CUDA_SSM_AUTO = 0, CUDA_SSM_SEQ = 1, CUDA_SSM_TILED = 2 };
+ * in {16, 32, 64, 128, 256} and a 16-byte aligned state, else SEQ runs; SSD, which needs S 64 or 128,
+ * else TILED's rule applies): tests and measurements. */
+enum { CUDA_SSM_AUTO = 0, CUDA_SSM_SEQ = 1, CUDA_SSM_TILED = 2, CUDA_SSM_SSD = 3 };
 int cuda_ssm_scan_kernel(void *stream, const cuda_ssm_args *a, int kernel);
 
 /* The conv1d + silu of cuda_conv1d_causal for R single-token sequences at once: row r (x: stride xs,

@@ -2,10 +2,11 @@
  * scan with fp32 state. Formulas: spec NEMOTRON_H.md "Mamba-2", src/kernels/cpu/ops_ssm.c (dt
  * clamped to the config's time_step_limit on both the prefill and the decode path). Contracts: ops_cuda.h.
  *
- * The scan is the recurrent form for prefill too (not the chunked SSD matrix form, which in fp32 on
- * CUDA cores needs about as many FMAs for S = 128 and would need tensor cores at TF32 to be faster,
- * too coarse for the fp32 state): sequential in time, parallel over heads x head_dim x state. Two
- * kernels (docs/GPU-NOTES.md "Mamba-2 prefill scan"):
+ * Prefill of >= SSD_MIN_T tokens (state sizes 64 and 128) takes the chunked SSD matrix form on tensor
+ * cores (ssm_ssd_kernel below: 3xTF32, so that the fp32 state keeps its precision; measured 0.74-0.81x
+ * the tiled kernel's time at 512-8,192 tokens, docs/PERFORMANCE.md session 20). The recurrent form,
+ * sequential in time and parallel over heads x head_dim x state, has two kernels (docs/GPU-NOTES.md
+ * "Mamba-2 prefill scan"):
  *   - seq: lanes split one p's S state entries and reduce y with shuffles every step; tokens staged
  *     in time chunks with a synchronous load phase (the kernel of the first end-to-end run; decode);
  *   - tiled (prefill default): each thread holds a PR x NR register tile of the state (PR rows p,
@@ -14,14 +15,16 @@
  *     reduce-scatter: PR*TT values over NL lanes); time tiles of LT tokens are copied with cp.async
  *     one tile ahead (double-buffered), so the global loads overlap the recurrence.
  * Both update the state with the same fp32 operations in the same order (bit-identical states); y
- * differs only in the order of the sum over n. cuda_ssm_scan uses tiled for T >= 2 and seq for T = 1;
- * cuda_ssm_scan_kernel picks one (tests, bench/gpu_ssm.c). */
+ * differs only in the order of the sum over n. cuda_ssm_scan uses the SSD for T >= SSD_MIN_T (S 64 /
+ * 128; FP4MOE_CUDA_SSM=tiled: never), tiled for other T >= 2 and seq for T = 1; cuda_ssm_scan_kernel
+ * picks one (tests, bench/gpu_ssm.c). */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "kernels/cuda/ops_cuda.h"
+#include "common/env.h"
 #include "kernels/cuda/cuda_launch.cuh"
 
 #define CONV_KMAX 8
@@ -519,6 +522,352 @@ static int launch_tiled_s(const cuda_ssm_args *a, cudaStream_t st) {
     }
 }
 
+/* ---- chunked SSD on tensor cores (prefill) ------------------------------------------------------
+ * The same recurrence in the matrix form of the Mamba-2 paper (Dao & Gu 2024, "Transformers are SSMs",
+ * section 6, the chunked SSD algorithm), with the chunks processed in order by one block so that the
+ * state passing stays on chip. Block = (head h, SSD_PB consecutive p of head_dim), SSD_W warps; for
+ * each chunk of SSD_L tokens t0 .. t0 + L - 1 (i, j: positions in the chunk; S_in the state entering it):
+ *   decay(i, j) = prod_{k = j+1 .. i} dA[k] (j <= i; products in fp32, as the recurrence's),
+ *   cum[i] = prod_{k <= i} dA[k],  w[j] = decay(L-1, j) dt[j],
+ *   M[i][j] = (C[i] . B[j]) decay(i, j) dt[j] for j <= i, else 0                 (C B^T: L x L x S)
+ *   y[i][p] = sum_j M[i][j] x[j][p] + cum[i] sum_n C[i][n] S_in[p][n] + D x[i][p]  (L x PB, K = L + S)
+ *   S_out[p][n] = cum[L-1] S_in[p][n] + sum_j w[j] x[j][p] B[j][n]                 (PB x S, K = L)
+ * (expand S_t = dA[t] S_{t-1} + dt[t] x[t] (outer) B[t] over the chunk). The products run on mma.sync
+ * m16n8k8 TF32 with every operand split into hi + lo TF32 parts and the lo * lo term dropped ("3xTF32":
+ * about 2^-20 relative error a product, fp32 accumulation; the hi * hi and the two cross products in
+ * separate accumulators, i.e. two independent mma chains), so y and the state agree with the fp64
+ * recurrence within the scan's tolerance - not bitwise with the recurrent kernels (another order of
+ * the fp32 operations).
+ * A chunk in three barrier-separated phases: (1) the decays (8 threads a row); (2) the products that
+ * need no M - C B^T (then M, in shared memory), C S_in^T (warps 8-15, one 16 x 16 tile of y each) and
+ * the state update (warps 0-7, a 16 x S/4 tile of the state each, held in their accumulators across
+ * the chunks) - side by side; (3) M x and y (warps 8-15) while warps 0-7 store the new state for the
+ * next chunk's C S_in^T. The chunk inputs (C, B of the group, x of the head's rows) are copied with
+ * cp.async one chunk ahead (double-buffered), the raw dt a chunk ahead in registers. Tokens past T in
+ * the last chunk: dt = 0, dA = 1, zero rows (no contribution). Shared-memory rows are padded (+4 / +8
+ * floats) so the fragment loads hit distinct banks. */
+#define SSD_L 64  /* tokens a chunk */
+#define SSD_PB 32 /* head_dim rows a block */
+#define SSD_W 16  /* warps a block */
+#ifndef SSD_MIN_T
+#define SSD_MIN_T 64 /* cuda_ssm_scan takes the SSD from this many tokens (state sizes 64 and 128) */
+#endif
+
+template <int S_> struct ssd_geom {
+    static constexpr int L = SSD_L, PB = SSD_PB;
+    static constexpr int SP = S_ + 4, XP = PB + 8, MP = L + 4;
+    static constexpr int BUF = 2 * L * SP + L * XP;                        /* C, B, x of one chunk */
+    static constexpr int FLOATS = 2 * BUF + L * MP + PB * SP + 4 * L;      /* + M, S, dt, dA, cum, w */
+    static constexpr int NQ = S_ / 32;                                     /* n8 tiles of a state tile */
+    static_assert(L == 64 && PB == 32 && SSD_W == 16 && S_ % 32 == 0, "ssd_geom: the warp tiling below");
+};
+
+/* v = hi + lo + err, hi and lo TF32 values (the low 13 bits zero), |err| < 2^-20 |v| */
+__device__ __forceinline__ void ssd_split(float v, uint32_t &hi, uint32_t &lo) {
+#ifdef SSD_SPLIT_CVT /* round to nearest (|err| about 2^-22 |v|), two conversions */
+    asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(hi) : "f"(v));
+    asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(lo) : "f"(v - __uint_as_float(hi)));
+#else /* truncation: two bit masks */
+    hi = __float_as_uint(v) & 0xffffe000u;
+    lo = __float_as_uint(v - __uint_as_float(hi)) & 0xffffe000u;
+#endif
+}
+__device__ __forceinline__ void ssd_mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+                 "{%8, %9}, {%0, %1, %2, %3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+/* big += ah bh, small += al bh + ah bl (3xTF32; the sum is big + small) */
+__device__ __forceinline__ void ssd_mma3(float (&big)[4], float (&small)[4], const uint32_t (&ah)[4],
+                                         const uint32_t (&al)[4], const uint32_t (&bh)[2], const uint32_t (&bl)[2]) {
+#ifndef FP4MOE_INJECT_FAULT_SSD_TF32 /* deliberate fault (tests must catch it): plain TF32, lo parts dropped */
+    ssd_mma(small, al, bh[0], bh[1]);
+    ssd_mma(small, ah, bl[0], bl[1]);
+#endif
+    ssd_mma(big, ah, bh[0], bh[1]);
+}
+/* A fragment (rows r0.., columns k0..) of a row-major array (leading dimension ld); thread (g, t):
+ * (g, t), (g + 8, t), (g, t + 4), (g + 8, t + 4) */
+__device__ __forceinline__ void ssd_ld_a(const float *P, int ld, int r0, int k0, int g, int t, uint32_t (&h)[4],
+                                         uint32_t (&l)[4]) {
+    ssd_split(P[(r0 + g) * ld + k0 + t], h[0], l[0]);
+    ssd_split(P[(r0 + g + 8) * ld + k0 + t], h[1], l[1]);
+    ssd_split(P[(r0 + g) * ld + k0 + t + 4], h[2], l[2]);
+    ssd_split(P[(r0 + g + 8) * ld + k0 + t + 4], h[3], l[3]);
+}
+/* The A fragment of the transpose of a row-major array (A[m][k] = P[k][m]) times sc[k] */
+__device__ __forceinline__ void ssd_ld_at(const float *P, int ld, const float *sc, int m0, int k0, int g, int t,
+                                          uint32_t (&h)[4], uint32_t (&l)[4]) {
+    const float s0 = sc[k0 + t], s1 = sc[k0 + t + 4];
+    ssd_split(P[(k0 + t) * ld + m0 + g] * s0, h[0], l[0]);
+    ssd_split(P[(k0 + t) * ld + m0 + g + 8] * s0, h[1], l[1]);
+    ssd_split(P[(k0 + t + 4) * ld + m0 + g] * s1, h[2], l[2]);
+    ssd_split(P[(k0 + t + 4) * ld + m0 + g + 8] * s1, h[3], l[3]);
+}
+/* B fragment (k0.., n0..) of B[k][n] = P[n * ld + k] (stored by output column) */
+__device__ __forceinline__ void ssd_ld_bn(const float *P, int ld, int k0, int n0, int g, int t, uint32_t (&h)[2],
+                                          uint32_t (&l)[2]) {
+    ssd_split(P[(n0 + g) * ld + k0 + t], h[0], l[0]);
+    ssd_split(P[(n0 + g) * ld + k0 + t + 4], h[1], l[1]);
+}
+/* B fragment of B[k][n] = P[k * ld + n] (stored by k) */
+__device__ __forceinline__ void ssd_ld_bk(const float *P, int ld, int k0, int n0, int g, int t, uint32_t (&h)[2],
+                                          uint32_t (&l)[2]) {
+    ssd_split(P[(k0 + t) * ld + n0 + g], h[0], l[0]);
+    ssd_split(P[(k0 + t + 4) * ld + n0 + g], h[1], l[1]);
+}
+
+template <int S_>
+__global__ void __launch_bounds__(SSD_W * 32, 1)
+ssm_ssd_kernel(cuda_ssm_args a, int vec) {
+    cu_pdl_entry();
+    using Gm = ssd_geom<S_>;
+    constexpr int L = Gm::L, PB = Gm::PB, SP = Gm::SP, XP = Gm::XP, MP = Gm::MP, BUF = Gm::BUF, NQ = Gm::NQ;
+    constexpr int NT = SSD_W * 32;
+    extern __shared__ __align__(16) float sm[];
+    float *Ms = sm + 2 * BUF, *Ss = Ms + L * MP, *dtv = Ss + PB * SP, *dAv = dtv + L, *cum = dAv + L, *wv = cum + L;
+    const int hd = (int)a.hd, nh = (int)a.nh, T = (int)a.T;
+    const int h = blockIdx.y, grp = h / (nh / (int)a.G), p0 = blockIdx.x * PB;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+    const float Ah = a.A[h], Dh = a.D[h], bias = a.dt_bias[h];
+    const int64_t ystride = (int64_t)nh * hd;
+    const bool sw = warp < 8; /* warps 0-7: the state; 8-15: y */
+
+    /* warps 0-7: the state tile rows sp0 + g (+8), columns sn0 + 8 q + 2 t (+1), in the accumulator
+     * layout of the state update */
+    const int sp0 = 16 * (warp & 1), sn0 = (S_ / 4) * ((warp >> 1) & 3);
+    float accS[NQ][4];
+#pragma unroll
+    for (int q = 0; q < NQ; q++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const int p = p0 + sp0 + g + 8 * (e >> 1), n = sn0 + 8 * q + 2 * t + (e & 1);
+            accS[q][e] = sw && p < hd ? a.state[((int64_t)h * hd + p) * S_ + n] : 0.0f;
+            if (sw) Ss[(sp0 + g + 8 * (e >> 1)) * SP + n] = accS[q][e];
+        }
+    /* warps 8-15: the y tile rows 16 ym .., columns yp .. yp + 15 */
+    const int ym = (warp >> 1) & 3, yp = 16 * (warp & 1);
+    /* warps 0-9: a C B^T unit (m16 block gm, n8 tiles gq, gq + 1):
+     * (0,0) (1,0) (1,2) (2,0) (2,2) (2,4) (3,0) (3,2) (3,4) (3,6) - the lower triangle */
+    const int gm = (int)((0x3333222110ull >> (4 * warp)) & 15), gq = (int)((0x6420420200ull >> (4 * warp)) & 15);
+
+    /* chunk inputs into buffer b: C, B (L x S_, rows of SP), x (L x PB, rows of XP); rows past T zero */
+    auto load = [&](int b, int t0) {
+        float *Cs = sm + b * BUF, *Bs = Cs + L * SP, *Xs = Bs + L * SP;
+        const int tc = min(L, T - t0);
+        if (vec) {
+            constexpr int SV = S_ / 4, PV = PB / 4;
+            for (int i = tid; i < L * SV; i += NT) {
+                const int r = i / SV, v = i % SV;
+                if (r < tc) {
+                    const int64_t row = (int64_t)(t0 + r) * a.bcs + (int64_t)grp * S_ + 4 * v;
+                    ts_cp16(Cs + r * SP + 4 * v, a.C + row);
+                    ts_cp16(Bs + r * SP + 4 * v, a.B + row);
+                } else {
+                    *(float4 *)(Cs + r * SP + 4 * v) = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                    *(float4 *)(Bs + r * SP + 4 * v) = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                }
+            }
+            for (int i = tid; i < L * PV; i += NT) {
+                const int r = i / PV, v = i % PV, p = p0 + 4 * v;
+                float *dst = Xs + r * XP + 4 * v;
+                if (r < tc && p < hd) ts_cp16(dst, a.x + (int64_t)(t0 + r) * a.xs + (int64_t)h * hd + p);
+                else *(float4 *)dst = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            }
+        } else {
+            for (int i = tid; i < L * S_; i += NT) {
+                const int r = i / S_, n = i % S_;
+                if (r < tc) {
+                    const int64_t row = (int64_t)(t0 + r) * a.bcs + (int64_t)grp * S_ + n;
+                    ts_cp4(Cs + r * SP + n, a.C + row);
+                    ts_cp4(Bs + r * SP + n, a.B + row);
+                } else {
+                    Cs[r * SP + n] = 0.0f;
+                    Bs[r * SP + n] = 0.0f;
+                }
+            }
+            for (int i = tid; i < L * PB; i += NT) {
+                const int r = i / PB, c = i % PB, p = p0 + c;
+                if (r < tc && p < hd) ts_cp4(Xs + r * XP + c, a.x + (int64_t)(t0 + r) * a.xs + (int64_t)h * hd + p);
+                else Xs[r * XP + c] = 0.0f;
+            }
+        }
+    };
+
+    const int nchunks = (T + L - 1) / L;
+    load(0, 0);
+    ts_commit();
+    uint16_t raw = tid < L && tid < T ? a.dt[(int64_t)tid * a.dts + h] : 0;
+
+    for (int c = 0; c < nchunks; c++) {
+        const int t0 = c * L, tc = min(L, T - t0);
+        if (tid < L) { /* dt, dA of token tid (as the recurrent kernels); past T: no step */
+            float2 d = make_float2(0.0f, 1.0f);
+            if (tid < tc) d = ts_dt_dA(raw, bias, a.dt_lo, a.dt_hi, Ah);
+            dtv[tid] = d.x;
+            dAv[tid] = d.y;
+            raw = t0 + L + tid < T ? a.dt[(int64_t)(t0 + L + tid) * a.dts + h] : 0;
+        }
+        asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+        __syncthreads(); /* [1] chunk c's inputs, dt and dA visible; the other buffer free */
+        if (c + 1 < nchunks) load((c + 1) & 1, t0 + L);
+        ts_commit();
+        const float *Cs = sm + (c & 1) * BUF, *Bs = Cs + L * SP, *Xs = Bs + L * SP;
+
+        /* (1) decay products: thread (row i, eighth s) owns columns j in [8 s, 8 s + 8) */
+        {
+            const int i = tid >> 3, s = tid & 7;
+            float loc[8];
+            float r = 1.0f;
+#pragma unroll
+            for (int jj = 7; jj >= 0; jj--) {
+                const int j = 8 * s + jj;
+                loc[jj] = r;
+                if (j <= i) r = __fmul_rn(r, dAv[j]);
+            }
+            /* r: the product over this eighth's tokens <= i; the eighths above s multiply in */
+            float v = r;
+#pragma unroll
+            for (int o = 1; o < 8; o <<= 1) {
+                const float u = __shfl_down_sync(0xffffffffu, v, o, 8);
+                if (s + o < 8) v = __fmul_rn(v, u);
+            }
+            float up = __shfl_down_sync(0xffffffffu, v, 1, 8);
+            if (s == 7) up = 1.0f;
+#pragma unroll
+            for (int jj = 0; jj < 8; jj++) {
+                const int j = 8 * s + jj;
+                const float dec = __fmul_rn(loc[jj], up); /* decay(i, j) */
+                const float m = j <= i ? __fmul_rn(dec, dtv[j]) : 0.0f;
+                Ms[i * MP + j] = m;
+                if (i == L - 1) wv[j] = m;
+            }
+            if (s == 0) cum[i] = __fmul_rn(__fmul_rn(loc[0], up), dAv[0]);
+        }
+        __syncthreads(); /* [2] decays, cum, w */
+
+        /* (2a) warps 0-9: M = (C B^T) o decays on one unit of the lower triangle */
+        if (warp < 10) {
+            float big[2][4] = {}, small[2][4] = {};
+#pragma unroll 4
+            for (int k0 = 0; k0 < S_; k0 += 8) {
+                uint32_t ah[4], al[4];
+                ssd_ld_a(Cs, SP, 16 * gm, k0, g, t, ah, al);
+#pragma unroll
+                for (int q = 0; q < 2; q++) {
+                    uint32_t bh[2], bl[2];
+                    ssd_ld_bn(Bs, SP, k0, 8 * (gq + q), g, t, bh, bl);
+                    ssd_mma3(big[q], small[q], ah, al, bh, bl);
+                }
+            }
+#pragma unroll
+            for (int q = 0; q < 2; q++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int i = 16 * gm + g + 8 * (e >> 1), j = 8 * (gq + q) + 2 * t + (e & 1);
+                    Ms[i * MP + j] = __fmul_rn(Ms[i * MP + j], big[q][e] + small[q][e]);
+                }
+        }
+        /* (2b) warps 8-15: C S_in^T for their y tile; warps 0-7: S_out = cum[L-1] S_in + (w x)^T B */
+        float yo[2][4];
+        if (!sw) {
+            float big[2][4] = {}, small[2][4] = {};
+#pragma unroll 4
+            for (int k0 = 0; k0 < S_; k0 += 8) {
+                uint32_t ah[4], al[4];
+                ssd_ld_a(Cs, SP, 16 * ym, k0, g, t, ah, al);
+#pragma unroll
+                for (int q = 0; q < 2; q++) {
+                    uint32_t bh[2], bl[2];
+                    ssd_ld_bn(Ss, SP, k0, yp + 8 * q, g, t, bh, bl);
+                    ssd_mma3(big[q], small[q], ah, al, bh, bl);
+                }
+            }
+#pragma unroll
+            for (int q = 0; q < 2; q++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) yo[q][e] = big[q][e] + small[q][e];
+        } else {
+            const float cl = cum[L - 1];
+            float small[NQ][4] = {};
+#pragma unroll
+            for (int q = 0; q < NQ; q++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) accS[q][e] = __fmul_rn(accS[q][e], cl);
+#pragma unroll 2
+            for (int k0 = 0; k0 < L; k0 += 8) {
+                uint32_t ah[4], al[4];
+                ssd_ld_at(Xs, XP, wv, sp0, k0, g, t, ah, al);
+#pragma unroll
+                for (int q = 0; q < NQ; q++) {
+                    uint32_t bh[2], bl[2];
+                    ssd_ld_bk(Bs, SP, k0, sn0 + 8 * q, g, t, bh, bl);
+                    ssd_mma3(accS[q], small[q], ah, al, bh, bl);
+                }
+            }
+#pragma unroll
+            for (int q = 0; q < NQ; q++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) accS[q][e] += small[q][e];
+        }
+        __syncthreads(); /* [3] M done; every read of S_in done */
+
+        if (!sw) { /* (3) y = M x + cum o (C S_in^T) + D x */
+            float big[2][4] = {}, small[2][4] = {};
+            for (int k0 = 0; k0 < 16 * ym + 16; k0 += 8) { /* j <= i only */
+                uint32_t ah[4], al[4];
+                ssd_ld_a(Ms, MP, 16 * ym, k0, g, t, ah, al);
+#pragma unroll
+                for (int q = 0; q < 2; q++) {
+                    uint32_t bh[2], bl[2];
+                    ssd_ld_bk(Xs, XP, k0, yp + 8 * q, g, t, bh, bl);
+                    ssd_mma3(big[q], small[q], ah, al, bh, bl);
+                }
+            }
+#pragma unroll
+            for (int q = 0; q < 2; q++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int i = 16 * ym + g + 8 * (e >> 1), pc = yp + 8 * q + 2 * t + (e & 1), p = p0 + pc;
+                    if (i < tc && p < hd)
+                        a.y[(int64_t)(t0 + i) * ystride + (int64_t)h * hd + p] =
+                            __fadd_rn(fmaf(cum[i], yo[q][e], big[q][e] + small[q][e]), __fmul_rn(Dh, Xs[i * XP + pc]));
+                }
+        } else { /* (3) the new state for the next chunk's C S_in^T */
+#pragma unroll
+            for (int q = 0; q < NQ; q++)
+#pragma unroll
+                for (int e = 0; e < 4; e++)
+                    Ss[(sp0 + g + 8 * (e >> 1)) * SP + sn0 + 8 * q + 2 * t + (e & 1)] = accS[q][e];
+        }
+    }
+    if (sw) {
+#pragma unroll
+        for (int q = 0; q < NQ; q++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int p = p0 + sp0 + g + 8 * (e >> 1), n = sn0 + 8 * q + 2 * t + (e & 1);
+                if (p < hd) a.state[((int64_t)h * hd + p) * S_ + n] = accS[q][e];
+            }
+    }
+}
+
+template <int S_>
+static int launch_ssd(const cuda_ssm_args *a, cudaStream_t st) {
+    const size_t smem = (size_t)ssd_geom<S_>::FLOATS * sizeof(float);
+    const cudaError_t e = cudaFuncSetAttribute(ssm_ssd_kernel<S_>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    if (e != cudaSuccess)
+        return fp4moe_set_error(FP4MOE_ECUDA, "cuda op ssm scan (ssd): %zu bytes of shared memory: %s", smem,
+                                cudaGetErrorString(e));
+    const int vec = ((uintptr_t)a->B % 16 == 0) && ((uintptr_t)a->C % 16 == 0) && ((uintptr_t)a->x % 16 == 0) &&
+                    a->bcs % 4 == 0 && a->xs % 4 == 0 && a->hd % 4 == 0;
+    const dim3 grid(ops_blocks(a->hd, SSD_PB), (unsigned)a->nh);
+    cu_launch(ssm_ssd_kernel<S_>, grid, SSD_W * 32, smem, st, *a, vec);
+    OPS_LAUNCH_CHECK("ssm scan (ssd)");
+    return FP4MOE_OK;
+}
+
 static int launch_seq(const cuda_ssm_args *a, cudaStream_t st) {
     if (a->S <= 16) return launch_scan<4, 4>(a, st);
     if (a->S <= 32) return launch_scan<8, 4>(a, st);
@@ -544,6 +893,11 @@ extern "C" int cuda_ssm_scan_kernel(void *stream, const cuda_ssm_args *a, int ke
     const int S = (int)a->S;
     const bool tiled_ok = (S == 16 || S == 32 || S == 64 || S == 128 || S == 256) &&
                           (uintptr_t)a->state % 16 == 0; /* float4 state tiles */
+    const bool ssd_ok = (S == 64 || S == 128);
+    if (kernel == CUDA_SSM_SSD ||
+        (kernel == CUDA_SSM_AUTO && a->T >= SSD_MIN_T && strcmp(env_get(ENV_CUDA_SSM), "tiled"))) {
+        if (ssd_ok) return S == 64 ? launch_ssd<64>(a, st) : launch_ssd<128>(a, st);
+    }
     if (kernel == CUDA_SSM_SEQ || (kernel == CUDA_SSM_AUTO && a->T < 2) || !tiled_ok) return launch_seq(a, st);
     return launch_tiled_s<2, 4>(a, st);
 }
