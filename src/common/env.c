@@ -41,7 +41,7 @@ static const fp4moe_env_var k_vars[ENV_COUNT] = {
                              "that prefill GEMMs skip their dequantization: 1 always, 0 never, auto when the "
                              "weights and copies take at most half of the free GPU memory; same results"},
     [ENV_CUDA_SSM] = {"FP4MOE_CUDA_SSM", "auto|tiled", "auto",
-                      "CUDA Mamba-2 prefill scan: the chunked SSD on tensor cores from 64 tokens (auto) or the "
+                      "CUDA Mamba-2 prefill scan: the chunked SSD on tensor cores from 128 tokens (auto) or the "
                       "recurrent tiled kernel at every length (tiled); results within the scan tolerance"},
 };
 

@@ -674,9 +674,9 @@ static void combine_case(gpu_ctx *g, int64_t T, int64_t H, int64_t k, uint64_t s
 /* ---- cuda_rmsnorm_gated ------------------------------------------------------------------------------
  * Against an fp64 reference (out within 2^-7 of it, relative: bf16 output), and bitwise per row
  * against the same row alone (a row's result must not depend on the call's other rows: batched ==
- * solo). Groups of 512 (nemotron_h), 64, 24 (fewer channels than threads) and 1,000 channels; z rows
- * with a stride > D. (A 64-thread "wide" form for prefill was measured in session 15: bitwise equal,
- * not faster end to end; docs/PERFORMANCE.md.) */
+ * solo; calls of >= 64 rows take the warp-per-item kernel, a row alone the block kernel, so this also
+ * holds the two kernels to the same bits). Groups of 512 (nemotron_h), 64, 24 (fewer channels than
+ * threads) and 1,000 channels (the second pass of the warp form); z rows with a stride > D. */
 static void gated_case(gpu_ctx *g, int64_t T, int64_t D, int64_t G, int64_t zs, uint64_t seed) {
     tu_rng r;
     tu_rng_seed(&r, seed);

@@ -2,7 +2,8 @@
  * reference of the recurrence (spec NEMOTRON_H.md "Mamba-2"; src/kernels/cpu/ops_ssm.c):
  *   dt = clamp(softplus(dt_raw + dt_bias), dt_lo, dt_hi); dA = exp(dt * A)
  *   state_h = dA * state_h + dt * x_h (outer) B_g;  y_h = state_h @ C_g + D_h * x_h,  g = h/(nh/G)
- * for each kernel (seq, tiled and the chunked SSD, cuda_ssm_scan_kernel), on random
+ * for each kernel (seq, tiled and the chunked SSD, cuda_ssm_scan_kernel; the SSD with its workspace of
+ * C B^T chunks for the whole call, with one of a single chunk (the call in pieces) and without one), on random
  * data (never zeros; a random starting state, as after an earlier prefill chunk; raw dt low enough
  * that the time_step_min clamp is taken) with awkward sizes: T not a multiple of the time tiles,
  * T = 1, several groups, head_dim not a multiple of the block's rows, unaligned strides (the 4-byte
@@ -14,7 +15,8 @@
  *     SSD (3xTF32 matrix products, another order) only against the reference;
  *   - a prefill split in two calls (state carried) gives bit-identical states to one call (the
  *     recurrent kernels; the SSD's two calls are held to the reference's tolerance);
- *   - nothing written outside y and the state (NaN / sentinel guards after both).
+ *   - nothing written outside y, the state and the workspace (NaN guards after each), and no C B^T
+ *     tile of the workspace read that the SSD did not write (the workspace poisoned with NaN).
  * Outputs are poisoned (NaN) before every call. Also the mixer's causal conv1d + silu
  * (cuda_conv1d_causal) against an fp64 reference (test_conv1d). Needs a CUDA device; exits 77
  * (skipped) without. */
@@ -119,6 +121,8 @@ static void reference(const problem *p, double *y, double *state) {
 typedef struct {
     float *x, *B, *C, *dt_bias, *A, *D, *state, *y;
     uint16_t *dt;
+    float *ws;         /* the SSD's workspace for the whole call, then GUARD floats */
+    int64_t ws_floats;
 } dev;
 
 static dev upload(const problem *p) {
@@ -133,15 +137,19 @@ static dev upload(const problem *p) {
     d.D = gt_upload(p->D, (size_t)s.nh * 4);
     d.state = gt_upload(NULL, (size_t)(s.nh * s.hd * s.S + GUARD) * 4);
     d.y = gt_upload(NULL, (size_t)(s.T * s.nh * s.hd + GUARD) * 4);
+    d.ws_floats = cuda_ssm_ws_floats(s.T, s.G);
+    d.ws = gt_upload(NULL, (size_t)(d.ws_floats + GUARD) * 4);
     return d;
 }
 
 static void free_dev(dev *d) {
     gt_free(d->x); gt_free(d->B); gt_free(d->C); gt_free(d->dt); gt_free(d->dt_bias); gt_free(d->A);
-    gt_free(d->D); gt_free(d->state); gt_free(d->y);
+    gt_free(d->D); gt_free(d->state); gt_free(d->y); gt_free(d->ws);
 }
 
-/* Runs the scan of tokens [t0, t0+T) with the kernel `mode`, from the state already on the device. */
+/* Runs the scan of tokens [t0, t0+T) with the kernel `mode`, from the state already on the device:
+ * seq, tiled, ssd (with the workspace for the whole call), ssd-piece (a workspace of one 64-token
+ * chunk: the call in pieces), ssd-nows (no workspace: C B^T inside the scan kernel). */
 static int run_scan(const problem *p, const dev *d, int64_t t0, int64_t T, const char *mode) {
     const shape s = p->s;
     const cuda_ssm_args a = {
@@ -149,8 +157,10 @@ static int run_scan(const problem *p, const dev *d, int64_t t0, int64_t T, const
         .x = d->x + t0 * s.xs, .xs = s.xs, .B = d->B + t0 * s.bcs, .C = d->C + t0 * s.bcs, .bcs = s.bcs,
         .dt = d->dt + t0 * s.dts, .dts = s.dts, .dt_bias = d->dt_bias, .A = d->A, .D = d->D,
         .dt_lo = p->dt_lo, .dt_hi = p->dt_hi, .state = d->state, .y = d->y + t0 * s.nh * s.hd,
+        .ws = strcmp(mode, "ssd-nows") ? d->ws : NULL,
+        .ws_floats = !strcmp(mode, "ssd-piece") ? cuda_ssm_ws_floats(1, s.G) : d->ws_floats,
     };
-    const int kernel = !strcmp(mode, "seq") ? CUDA_SSM_SEQ : !strcmp(mode, "ssd") ? CUDA_SSM_SSD : CUDA_SSM_TILED;
+    const int kernel = !strcmp(mode, "seq") ? CUDA_SSM_SEQ : !strncmp(mode, "ssd", 3) ? CUDA_SSM_SSD : CUDA_SSM_TILED;
     const int rc = cuda_ssm_scan_kernel(NULL, &a, kernel);
     if (rc) fprintf(stderr, "cuda_ssm_scan (%s): %s\n", mode, fp4moe_last_error());
     GT_CHECK(cudaDeviceSynchronize());
@@ -183,6 +193,7 @@ static result run_mode(const problem *p, const dev *d, const char *mode, int64_t
     const int64_t ny = s.T * s.nh * s.hd, ns = s.nh * s.hd * s.S;
     gt_poison(d->y, (size_t)(ny + GUARD) * 4);
     gt_poison(d->state, (size_t)(ns + GUARD) * 4);
+    gt_poison(d->ws, (size_t)(d->ws_floats + GUARD) * 4); /* C B^T tiles never written must never be read */
     GT_CHECK(cudaMemcpy(d->state, p->state0, (size_t)ns * 4, cudaMemcpyHostToDevice));
     if (split > 0) {
         assert_int_equal(run_scan(p, d, 0, split, mode), 0);
@@ -193,14 +204,18 @@ static result run_mode(const problem *p, const dev *d, const char *mode, int64_t
     result r = {malloc((size_t)(ny + GUARD) * 4), malloc((size_t)(ns + GUARD) * 4)};
     gt_download(r.y, d->y, (size_t)(ny + GUARD) * 4);
     gt_download(r.state, d->state, (size_t)(ns + GUARD) * 4);
+    float *wsg = malloc((size_t)GUARD * 4);
+    gt_download(wsg, d->ws + d->ws_floats, (size_t)GUARD * 4);
     for (int i = 0; i < GUARD; i++) { /* the guards stay NaN */
         assert_true(isnan(r.y[ny + i]));
         assert_true(isnan(r.state[ns + i]));
+        assert_true(isnan(wsg[i]));
     }
+    free(wsg);
     return r;
 }
 
-static const char *const k_modes[] = {"seq", "tiled", "ssd"};
+static const char *const k_modes[] = {"seq", "tiled", "ssd", "ssd-piece", "ssd-nows"};
 #define N_MODES (int)(sizeof k_modes / sizeof k_modes[0])
 
 static void check_shape(shape s, uint64_t seed) {
@@ -224,7 +239,7 @@ static void check_shape(shape s, uint64_t seed) {
             seq = r;
             continue;
         }
-        if (!strcmp(k_modes[m], "ssd")) {
+        if (!strncmp(k_modes[m], "ssd", 3)) {
             /* the chunked matrix form: another order of the fp32 operations, so only the reference
              * decides; a prefill in two calls (other chunk boundaries) too */
             if (s.T > 1) {

@@ -571,6 +571,8 @@ typedef struct {
     gq_dense_scratch dq;            /* dense dequant_gemm scratch (ops.dq) */
     uint32_t *zeros;
     float *att_scratch;             /* split-KV decode partials */
+    float *ssm_ws;                  /* the Mamba-2 SSD's C B^T chunks (cuda_ssm_args.ws) for `cap` tokens */
+    int64_t ssm_ws_floats;
     graph_slot graphs[MAX_GRAPHS];
     int n_graphs, graph_off, capturing;
     /* the second queue of side_begin (FP4MOE_CUDA_SIDE_STREAM=1): stream and fork / join events;
@@ -854,6 +856,8 @@ static int cu_ssm_scan(void *bc, const fw_step *s, const fw_ssm *a, const fw_sta
         o.state = st->ssm + (int64_t)g->slot * st->ssm_stride;
         o.row_slot = NULL;
         o.nb = 1;
+        o.ws = CX(bc)->ssm_ws;
+        o.ws_floats = CX(bc)->ssm_ws_floats;
         TRY(cuda_ssm_scan(S_(bc), &o));
     }
     return FP4MOE_OK;
@@ -950,6 +954,7 @@ void be_cuda_free(void *bcv) {
     cudaFree(c->ws);
     cudaFree(c->zeros);
     cudaFree(c->att_scratch);
+    cudaFree(c->ssm_ws);
     cudaFree(c->ops.f32_x);
     cudaFree(c->ops.f32_y);
     cudaFree(c->ops.split_ws);
@@ -985,6 +990,10 @@ int be_cuda_new(const fp4moe_model *m, fp4moe_route route, int64_t cap, int64_t 
         const int64_t rows = max_decode_rows < cap ? max_decode_rows : cap;
         TRY(cu_alloc(c, cuda_attention_decode_scratch(rows, m->cfg.attn_heads, m->cfg.head_dim),
                      (void **)&c->att_scratch));
+    }
+    if (strchr(m->cfg.layer_types, FP4MOE_LAYER_MAMBA) && m->cfg.mamba_groups > 0) {
+        c->ssm_ws_floats = cuda_ssm_ws_floats(cap, m->cfg.mamba_groups);
+        TRY(cu_alloc(c, (size_t)c->ssm_ws_floats * 4, (void **)&c->ssm_ws));
     }
     const int64_t f32w = f32_staging(c->g, &m->cfg);
     float *fx = NULL, *fy = NULL;

@@ -236,7 +236,7 @@ int cuda_conv1d_causal(void *stream, const uint16_t *x, int64_t xs, int64_t T, i
                        const float *w, const float *b, int64_t Kc, float *state, float *y);
 
 /* The Mamba-2 selective scan (op_ssm_scan, fp32 state), one function for prefill and decode:
- * T >= SSD_MIN_T (64) tokens with S 64 or 128: the chunked SSD on tensor cores (3xTF32 matrix products,
+ * T >= SSD_MIN_T (128) tokens with S 64 or 128: the chunked SSD on tensor cores (3xTF32 matrix products,
  * 64-token chunks; FP4MOE_CUDA_SSM=tiled: not taken); other T >= 2: the recurrent tiled kernel (a
  * register-blocked state with cp.async input tiles); T = 1 (decode): seq. All within 1e-4 of the fp64
  * recurrence (tests/gpu/test_ssm_gpu.c); tiled and seq give bit-identical states. The recurrence:
@@ -256,7 +256,14 @@ typedef struct {
      * state at state + row_slot[z] * state_stride (row_slot: device memory; NULL: one sequence) */
     const int32_t *row_slot;
     int64_t state_stride, nb;
+    /* the SSD's workspace (optional): C B^T of every 64-token chunk and group, cuda_ssm_ws_floats(T, G)
+     * floats for a call of T tokens at once (fewer: the call in pieces of what fits, at least one chunk);
+     * 16-byte aligned. NULL: the scan kernel computes them itself (the same values, slower). */
+    float *ws;
+    int64_t ws_floats;
 } cuda_ssm_args;
+/* Floats of the SSD workspace for T tokens and G groups (cuda_ssm_args.ws). */
+int64_t cuda_ssm_ws_floats(int64_t T, int64_t G);
 int cuda_ssm_scan(void *stream, const cuda_ssm_args *a);
 /* The same with the kernel chosen (CUDA_SSM_AUTO: cuda_ssm_scan's choice; SEQ; TILED, which needs S
  * in {16, 32, 64, 128, 256} and a 16-byte aligned state, else SEQ runs; SSD, which needs S 64 or 128,

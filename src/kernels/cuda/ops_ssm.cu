@@ -550,14 +550,20 @@ static int launch_tiled_s(const cuda_ssm_args *a, cudaStream_t st) {
 #define SSD_PB 32 /* head_dim rows a block */
 #define SSD_W 16  /* warps a block */
 #ifndef SSD_MIN_T
-#define SSD_MIN_T 64 /* cuda_ssm_scan takes the SSD from this many tokens (state sizes 64 and 128) */
+#define SSD_MIN_T 128 /* cuda_ssm_scan takes the SSD from this many tokens (state sizes 64 and 128); H200, ms a
+                         layer of the 30B-A3B shape, tiled / SSD: 64 tokens 0.0123 / 0.0128, 256 0.041 / 0.035 */
+#endif
+#ifndef SSD_PRE_MIN_T
+#define SSD_PRE_MIN_T 512 /* calls from this many tokens precompute C B^T when given a workspace; H200, without /
+                             with: 256 tokens 0.0351 / 0.0369 ms (the extra launch), 512 0.0644 / 0.0603, 2,048
+                             0.240 / 0.206, 8,192 0.931 / 0.789 */
 #endif
 
 template <int S_> struct ssd_geom {
     static constexpr int L = SSD_L, PB = SSD_PB;
     static constexpr int SP = S_ + 4, XP = PB + 8, MP = L + 4;
     static constexpr int BUF = 2 * L * SP + L * XP;                        /* C, B, x of one chunk */
-    static constexpr int FLOATS = 2 * BUF + L * MP + PB * SP + 4 * L;      /* + M, S, dt, dA, cum, w */
+    static constexpr int FLOATS = 2 * BUF + 2 * L * MP + PB * SP + 4 * L;  /* + M (x2), S, dt, dA, cum, w */
     static constexpr int NQ = S_ / 32;                                     /* n8 tiles of a state tile */
     static_assert(L == 64 && PB == 32 && SSD_W == 16 && S_ % 32 == 0, "ssd_geom: the warp tiling below");
 };
@@ -618,7 +624,75 @@ __device__ __forceinline__ void ssd_ld_bk(const float *P, int ld, int k0, int n0
     ssd_split(P[(k0 + t + 4) * ld + n0 + g], h[1], l[1]);
 }
 
+/* C B^T of every chunk (grid x) and group (grid y) of the call, for ssm_ssd_kernel<S_, true>: the
+ * lower-triangle tiles of G[c][g] (L x L fp32, row-major) at a.ws + (c * G + g) * L * L (the tiles above
+ * the diagonal are not written: never read). 8 warps, 20 n8 tiles: warp w takes the m16 block
+ * 0 1 1 2 2 3 3 3 [w], n8 tiles from 0 0 2 0 3 0 3 6 [w], 2 2 2 3 3 3 3 2 [w] of them. Rows past T: zero
+ * inputs. The same 3xTF32 products as the scan kernel computes them itself. */
 template <int S_>
+__global__ void __launch_bounds__(256)
+ssm_ssd_cb_kernel(cuda_ssm_args a, int vec) {
+    cu_pdl_entry();
+    using Gm = ssd_geom<S_>;
+    constexpr int L = Gm::L, SP = Gm::SP;
+    extern __shared__ __align__(16) float sm[];
+    float *Cs = sm, *Bs = sm + L * SP;
+    const int c = blockIdx.x, grp = blockIdx.y, T = (int)a.T, t0 = c * L, tc = min(L, T - t0);
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+    if (vec) {
+        constexpr int SV = S_ / 4;
+        for (int i = tid; i < L * SV; i += 256) {
+            const int r = i / SV, v = i % SV;
+            float4 cv = make_float4(0.0f, 0.0f, 0.0f, 0.0f), bv = cv;
+            if (r < tc) {
+                const int64_t row = (int64_t)(t0 + r) * a.bcs + (int64_t)grp * S_ + 4 * v;
+                cv = *(const float4 *)(a.C + row);
+                bv = *(const float4 *)(a.B + row);
+            }
+            *(float4 *)(Cs + r * SP + 4 * v) = cv;
+            *(float4 *)(Bs + r * SP + 4 * v) = bv;
+        }
+    } else {
+        for (int i = tid; i < L * S_; i += 256) {
+            const int r = i / S_, n = i % S_;
+            const int64_t row = (int64_t)(t0 + r) * a.bcs + (int64_t)grp * S_ + n;
+            Cs[r * SP + n] = r < tc ? a.C[row] : 0.0f;
+            Bs[r * SP + n] = r < tc ? a.B[row] : 0.0f;
+        }
+    }
+    __syncthreads();
+    const int gm = (0x33322110u >> (4 * warp)) & 15, gq = (0x63030200u >> (4 * warp)) & 15,
+              gn = (0x23333222u >> (4 * warp)) & 15;
+    float big[3][4] = {}, small[3][4] = {};
+#pragma unroll 4
+    for (int k0 = 0; k0 < S_; k0 += 8) {
+        uint32_t ah[4], al[4];
+        ssd_ld_a(Cs, SP, 16 * gm, k0, g, t, ah, al);
+#pragma unroll
+        for (int q = 0; q < 3; q++) {
+            if (q < gn) {
+                uint32_t bh[2], bl[2];
+                ssd_ld_bn(Bs, SP, k0, 8 * (gq + q), g, t, bh, bl);
+                ssd_mma3(big[q], small[q], ah, al, bh, bl);
+            }
+        }
+    }
+    float *Gt = a.ws + ((int64_t)c * a.G + grp) * L * L;
+#pragma unroll
+    for (int q = 0; q < 3; q++) {
+        if (q < gn) {
+#pragma unroll
+            for (int e = 0; e < 4; e += 2) {
+                const int i = 16 * gm + g + 8 * (e >> 1), j = 8 * (gq + q) + 2 * t;
+                *(float2 *)(Gt + i * L + j) = make_float2(big[q][e] + small[q][e], big[q][e + 1] + small[q][e + 1]);
+            }
+        }
+    }
+}
+
+/* PRE: C B^T from ssm_ssd_cb_kernel (a.ws), copied with the chunk's inputs into the M buffer; else
+ * computed here by warps 0-9 (the same products) */
+template <int S_, bool PRE>
 __global__ void __launch_bounds__(SSD_W * 32, 1)
 ssm_ssd_kernel(cuda_ssm_args a, int vec) {
     cu_pdl_entry();
@@ -626,7 +700,7 @@ ssm_ssd_kernel(cuda_ssm_args a, int vec) {
     constexpr int L = Gm::L, PB = Gm::PB, SP = Gm::SP, XP = Gm::XP, MP = Gm::MP, BUF = Gm::BUF, NQ = Gm::NQ;
     constexpr int NT = SSD_W * 32;
     extern __shared__ __align__(16) float sm[];
-    float *Ms = sm + 2 * BUF, *Ss = Ms + L * MP, *dtv = Ss + PB * SP, *dAv = dtv + L, *cum = dAv + L, *wv = cum + L;
+    float *Mb = sm + 2 * BUF, *Ss = Mb + 2 * L * MP, *dtv = Ss + PB * SP, *dAv = dtv + L, *cum = dAv + L, *wv = cum + L;
     const int hd = (int)a.hd, nh = (int)a.nh, T = (int)a.T;
     const int h = blockIdx.y, grp = h / (nh / (int)a.G), p0 = blockIdx.x * PB;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
@@ -652,10 +726,16 @@ ssm_ssd_kernel(cuda_ssm_args a, int vec) {
      * (0,0) (1,0) (1,2) (2,0) (2,2) (2,4) (3,0) (3,2) (3,4) (3,6) - the lower triangle */
     const int gm = (int)((0x3333222110ull >> (4 * warp)) & 15), gq = (int)((0x6420420200ull >> (4 * warp)) & 15);
 
-    /* chunk inputs into buffer b: C, B (L x S_, rows of SP), x (L x PB, rows of XP); rows past T zero */
+    /* chunk inputs into buffer b: C, B (L x S_, rows of SP), x (L x PB, rows of XP); rows past T zero;
+     * PRE: the chunk's C B^T into M buffer b (rows of MP) */
     auto load = [&](int b, int t0) {
         float *Cs = sm + b * BUF, *Bs = Cs + L * SP, *Xs = Bs + L * SP;
         const int tc = min(L, T - t0);
+        if constexpr (PRE) {
+            const float *Gt = a.ws + ((int64_t)(t0 / L) * a.G + grp) * L * L;
+            for (int i = tid; i < L * L / 4; i += NT)
+                ts_cp16(Mb + b * L * MP + (i / (L / 4)) * MP + 4 * (i % (L / 4)), Gt + 4 * i);
+        }
         if (vec) {
             constexpr int SV = S_ / 4, PV = PB / 4;
             for (int i = tid; i < L * SV; i += NT) {
@@ -714,6 +794,7 @@ ssm_ssd_kernel(cuda_ssm_args a, int vec) {
         if (c + 1 < nchunks) load((c + 1) & 1, t0 + L);
         ts_commit();
         const float *Cs = sm + (c & 1) * BUF, *Bs = Cs + L * SP, *Xs = Bs + L * SP;
+        float *Ms = Mb + (c & 1) * L * MP;
 
         /* (1) decay products: thread (row i, eighth s) owns columns j in [8 s, 8 s + 8) */
         {
@@ -740,15 +821,16 @@ ssm_ssd_kernel(cuda_ssm_args a, int vec) {
                 const int j = 8 * s + jj;
                 const float dec = __fmul_rn(loc[jj], up); /* decay(i, j) */
                 const float m = j <= i ? __fmul_rn(dec, dtv[j]) : 0.0f;
-                Ms[i * MP + j] = m;
                 if (i == L - 1) wv[j] = m;
+                if constexpr (PRE) Ms[i * MP + j] = j <= i ? __fmul_rn(Ms[i * MP + j], m) : 0.0f;
+                else Ms[i * MP + j] = m;
             }
             if (s == 0) cum[i] = __fmul_rn(__fmul_rn(loc[0], up), dAv[0]);
         }
         __syncthreads(); /* [2] decays, cum, w */
 
-        /* (2a) warps 0-9: M = (C B^T) o decays on one unit of the lower triangle */
-        if (warp < 10) {
+        /* (2a) warps 0-9: M = (C B^T) o decays on one unit of the lower triangle (PRE: done above) */
+        if (!PRE && warp < 10) {
             float big[2][4] = {}, small[2][4] = {};
 #pragma unroll 4
             for (int k0 = 0; k0 < S_; k0 += 8) {
@@ -853,20 +935,49 @@ ssm_ssd_kernel(cuda_ssm_args a, int vec) {
     }
 }
 
+/* auto_pre: precompute C B^T only from SSD_PRE_MIN_T tokens (cuda_ssm_scan); else whenever a workspace
+ * is given (cuda_ssm_scan_kernel with CUDA_SSM_SSD: tests, measurements) */
 template <int S_>
-static int launch_ssd(const cuda_ssm_args *a, cudaStream_t st) {
-    const size_t smem = (size_t)ssd_geom<S_>::FLOATS * sizeof(float);
-    const cudaError_t e = cudaFuncSetAttribute(ssm_ssd_kernel<S_>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+static int launch_ssd(const cuda_ssm_args *a, cudaStream_t st, bool auto_pre) {
+    using Gm = ssd_geom<S_>;
+    const size_t smem = (size_t)Gm::FLOATS * sizeof(float), smem_cb = (size_t)2 * Gm::L * Gm::SP * sizeof(float);
+    const bool pre = a->ws && a->ws_floats >= a->G * Gm::L * Gm::L && (uintptr_t)a->ws % 16 == 0 &&
+                     (!auto_pre || a->T >= SSD_PRE_MIN_T);
+    cudaError_t e = cudaFuncSetAttribute(ssm_ssd_kernel<S_, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    if (e == cudaSuccess)
+        e = cudaFuncSetAttribute(ssm_ssd_kernel<S_, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    if (e == cudaSuccess)
+        e = cudaFuncSetAttribute(ssm_ssd_cb_kernel<S_>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem_cb);
     if (e != cudaSuccess)
         return fp4moe_set_error(FP4MOE_ECUDA, "cuda op ssm scan (ssd): %zu bytes of shared memory: %s", smem,
                                 cudaGetErrorString(e));
     const int vec = ((uintptr_t)a->B % 16 == 0) && ((uintptr_t)a->C % 16 == 0) && ((uintptr_t)a->x % 16 == 0) &&
                     a->bcs % 4 == 0 && a->xs % 4 == 0 && a->hd % 4 == 0;
     const dim3 grid(ops_blocks(a->hd, SSD_PB), (unsigned)a->nh);
-    cu_launch(ssm_ssd_kernel<S_>, grid, SSD_W * 32, smem, st, *a, vec);
-    OPS_LAUNCH_CHECK("ssm scan (ssd)");
+    if (!pre) {
+        cu_launch(ssm_ssd_kernel<S_, false>, grid, SSD_W * 32, smem, st, *a, vec);
+        OPS_LAUNCH_CHECK("ssm scan (ssd)");
+        return FP4MOE_OK;
+    }
+    /* pieces of as many chunks as the workspace holds: C B^T of the piece, then its scan (state carried) */
+    const int64_t piece = a->ws_floats / (a->G * Gm::L * Gm::L) * Gm::L;
+    for (int64_t t0 = 0; t0 < a->T; t0 += piece) {
+        cuda_ssm_args p = *a;
+        p.T = a->T - t0 < piece ? a->T - t0 : piece;
+        p.x = a->x + t0 * a->xs;
+        p.B = a->B + t0 * a->bcs;
+        p.C = a->C + t0 * a->bcs;
+        p.dt = a->dt + t0 * a->dts;
+        p.y = a->y + t0 * a->nh * a->hd;
+        cu_launch(ssm_ssd_cb_kernel<S_>, dim3(ops_blocks(p.T, Gm::L), (unsigned)a->G), 256, smem_cb, st, p, vec);
+        OPS_LAUNCH_CHECK("ssm scan (ssd C B^T)");
+        cu_launch(ssm_ssd_kernel<S_, true>, grid, SSD_W * 32, smem, st, p, vec);
+        OPS_LAUNCH_CHECK("ssm scan (ssd)");
+    }
     return FP4MOE_OK;
 }
+
+extern "C" int64_t cuda_ssm_ws_floats(int64_t T, int64_t G) { return (T + SSD_L - 1) / SSD_L * G * SSD_L * SSD_L; }
 
 static int launch_seq(const cuda_ssm_args *a, cudaStream_t st) {
     if (a->S <= 16) return launch_scan<4, 4>(a, st);
@@ -896,7 +1007,8 @@ extern "C" int cuda_ssm_scan_kernel(void *stream, const cuda_ssm_args *a, int ke
     const bool ssd_ok = (S == 64 || S == 128);
     if (kernel == CUDA_SSM_SSD ||
         (kernel == CUDA_SSM_AUTO && a->T >= SSD_MIN_T && strcmp(env_get(ENV_CUDA_SSM), "tiled"))) {
-        if (ssd_ok) return S == 64 ? launch_ssd<64>(a, st) : launch_ssd<128>(a, st);
+        const bool ap = kernel == CUDA_SSM_AUTO;
+        if (ssd_ok) return S == 64 ? launch_ssd<64>(a, st, ap) : launch_ssd<128>(a, st, ap);
     }
     if (kernel == CUDA_SSM_SEQ || (kernel == CUDA_SSM_AUTO && a->T < 2) || !tiled_ok) return launch_seq(a, st);
     return launch_tiled_s<2, 4>(a, st);
