@@ -22,7 +22,8 @@
  *    tiles, both layouts, relu^2 on and off, k = 6 and 1, route qmv (tiled by 8 rows); x has a NaN row
  *    outside the map; decode-sized calls and dequant_gemm refused; argument errors. Fault `xrow`
  *    (each row reads the previous sorted row's source) must fail it.
- *  - cuda_moe_combine (1024-thread rows for T <= 64, 256 above) bitwise equal to op_moe_combine's
+ *  - cuda_moe_combine (1024-thread rows for T <= 64, 256 above; 8-byte loads of 4 elements above 64 rows
+ *    when H % 4 == 0) bitwise equal to op_moe_combine's
  *    fp32 arithmetic (sum over the slots in order) rounded to bf16.
  *  - cuda_linear_forward on a plain NVFP4 linear (E = 1) with the session's dense dequant scratch:
  *    from 256 rows the dense dequant_gemm form (no runs, no host synchronisation), below the
@@ -803,7 +804,9 @@ static void test_combine(void **state) {
     gpu_ctx *g = *state;
     combine_case(g, 1, 2688, 6, 1);
     combine_case(g, 5, 2688, 6, 2);
-    combine_case(g, 100, 2688, 6, 3); /* 256-thread rows */
+    combine_case(g, 100, 2688, 6, 3); /* 256-thread rows, 4 elements a load */
+    combine_case(g, 80, 1000, 11, 6); /* 4 elements a load, two slot batches */
+    combine_case(g, 70, 1002, 6, 7);  /* H % 4 != 0: 2-byte loads */
     combine_case(g, 3, 5000, 11, 4);  /* k > 8: two slot batches; H > one batch */
     combine_case(g, 2, 7, 1, 5);
 }

@@ -624,6 +624,25 @@ __device__ __forceinline__ void ssd_ld_bk(const float *P, int ld, int k0, int n0
     ssd_split(P[(k0 + t + 4) * ld + n0 + g], h[1], l[1]);
 }
 
+/* big / small (+)= A B over k in [0, K) by k8 steps for NQ n8 tiles of a warp (3xTF32): lda(k0, ah, al)
+ * loads the A fragment, ldb(k0, q, bh, bl) the B fragment of tile q; tile q takes part when q < nq. */
+template <int NQ, int UNROLL, class LA, class LB>
+__device__ __forceinline__ void ssd_product(float (&big)[NQ][4], float (&small)[NQ][4], int K, int nq, LA lda, LB ldb) {
+#pragma unroll UNROLL
+    for (int k0 = 0; k0 < K; k0 += 8) {
+        uint32_t ah[4], al[4];
+        lda(k0, ah, al);
+#pragma unroll
+        for (int q = 0; q < NQ; q++) {
+            if (q < nq) {
+                uint32_t bh[2], bl[2];
+                ldb(k0, q, bh, bl);
+                ssd_mma3(big[q], small[q], ah, al, bh, bl);
+            }
+        }
+    }
+}
+
 /* C B^T of every chunk (grid x) and group (grid y) of the call, for ssm_ssd_kernel<S_, true>: the
  * lower-triangle tiles of G[c][g] (L x L fp32, row-major) at a.ws + (c * G + g) * L * L (the tiles above
  * the diagonal are not written: never read). 8 warps, 20 n8 tiles: warp w takes the m16 block
@@ -664,19 +683,9 @@ ssm_ssd_cb_kernel(cuda_ssm_args a, int vec) {
     const int gm = (0x33322110u >> (4 * warp)) & 15, gq = (0x63030200u >> (4 * warp)) & 15,
               gn = (0x23333222u >> (4 * warp)) & 15;
     float big[3][4] = {}, small[3][4] = {};
-#pragma unroll 4
-    for (int k0 = 0; k0 < S_; k0 += 8) {
-        uint32_t ah[4], al[4];
-        ssd_ld_a(Cs, SP, 16 * gm, k0, g, t, ah, al);
-#pragma unroll
-        for (int q = 0; q < 3; q++) {
-            if (q < gn) {
-                uint32_t bh[2], bl[2];
-                ssd_ld_bn(Bs, SP, k0, 8 * (gq + q), g, t, bh, bl);
-                ssd_mma3(big[q], small[q], ah, al, bh, bl);
-            }
-        }
-    }
+    ssd_product<3, 4>(big, small, S_, gn,
+        [&](int k0, uint32_t (&ah)[4], uint32_t (&al)[4]) { ssd_ld_a(Cs, SP, 16 * gm, k0, g, t, ah, al); },
+        [&](int k0, int q, uint32_t (&bh)[2], uint32_t (&bl)[2]) { ssd_ld_bn(Bs, SP, k0, 8 * (gq + q), g, t, bh, bl); });
     float *Gt = a.ws + ((int64_t)c * a.G + grp) * L * L;
 #pragma unroll
     for (int q = 0; q < 3; q++) {
@@ -832,17 +841,9 @@ ssm_ssd_kernel(cuda_ssm_args a, int vec) {
         /* (2a) warps 0-9: M = (C B^T) o decays on one unit of the lower triangle (PRE: done above) */
         if (!PRE && warp < 10) {
             float big[2][4] = {}, small[2][4] = {};
-#pragma unroll 4
-            for (int k0 = 0; k0 < S_; k0 += 8) {
-                uint32_t ah[4], al[4];
-                ssd_ld_a(Cs, SP, 16 * gm, k0, g, t, ah, al);
-#pragma unroll
-                for (int q = 0; q < 2; q++) {
-                    uint32_t bh[2], bl[2];
-                    ssd_ld_bn(Bs, SP, k0, 8 * (gq + q), g, t, bh, bl);
-                    ssd_mma3(big[q], small[q], ah, al, bh, bl);
-                }
-            }
+            ssd_product<2, 4>(big, small, S_, 2,
+                [&](int k0, uint32_t (&ah)[4], uint32_t (&al)[4]) { ssd_ld_a(Cs, SP, 16 * gm, k0, g, t, ah, al); },
+                [&](int k0, int q, uint32_t (&bh)[2], uint32_t (&bl)[2]) { ssd_ld_bn(Bs, SP, k0, 8 * (gq + q), g, t, bh, bl); });
 #pragma unroll
             for (int q = 0; q < 2; q++)
 #pragma unroll
@@ -855,17 +856,9 @@ ssm_ssd_kernel(cuda_ssm_args a, int vec) {
         float yo[2][4];
         if (!sw) {
             float big[2][4] = {}, small[2][4] = {};
-#pragma unroll 4
-            for (int k0 = 0; k0 < S_; k0 += 8) {
-                uint32_t ah[4], al[4];
-                ssd_ld_a(Cs, SP, 16 * ym, k0, g, t, ah, al);
-#pragma unroll
-                for (int q = 0; q < 2; q++) {
-                    uint32_t bh[2], bl[2];
-                    ssd_ld_bn(Ss, SP, k0, yp + 8 * q, g, t, bh, bl);
-                    ssd_mma3(big[q], small[q], ah, al, bh, bl);
-                }
-            }
+            ssd_product<2, 4>(big, small, S_, 2,
+                [&](int k0, uint32_t (&ah)[4], uint32_t (&al)[4]) { ssd_ld_a(Cs, SP, 16 * ym, k0, g, t, ah, al); },
+                [&](int k0, int q, uint32_t (&bh)[2], uint32_t (&bl)[2]) { ssd_ld_bn(Ss, SP, k0, yp + 8 * q, g, t, bh, bl); });
 #pragma unroll
             for (int q = 0; q < 2; q++)
 #pragma unroll
@@ -877,17 +870,9 @@ ssm_ssd_kernel(cuda_ssm_args a, int vec) {
             for (int q = 0; q < NQ; q++)
 #pragma unroll
                 for (int e = 0; e < 4; e++) accS[q][e] = __fmul_rn(accS[q][e], cl);
-#pragma unroll 2
-            for (int k0 = 0; k0 < L; k0 += 8) {
-                uint32_t ah[4], al[4];
-                ssd_ld_at(Xs, XP, wv, sp0, k0, g, t, ah, al);
-#pragma unroll
-                for (int q = 0; q < NQ; q++) {
-                    uint32_t bh[2], bl[2];
-                    ssd_ld_bk(Bs, SP, k0, sn0 + 8 * q, g, t, bh, bl);
-                    ssd_mma3(accS[q], small[q], ah, al, bh, bl);
-                }
-            }
+            ssd_product<NQ, 2>(accS, small, L, NQ,
+                [&](int k0, uint32_t (&ah)[4], uint32_t (&al)[4]) { ssd_ld_at(Xs, XP, wv, sp0, k0, g, t, ah, al); },
+                [&](int k0, int q, uint32_t (&bh)[2], uint32_t (&bl)[2]) { ssd_ld_bk(Bs, SP, k0, sn0 + 8 * q, g, t, bh, bl); });
 #pragma unroll
             for (int q = 0; q < NQ; q++)
 #pragma unroll
@@ -897,16 +882,9 @@ ssm_ssd_kernel(cuda_ssm_args a, int vec) {
 
         if (!sw) { /* (3) y = M x + cum o (C S_in^T) + D x */
             float big[2][4] = {}, small[2][4] = {};
-            for (int k0 = 0; k0 < 16 * ym + 16; k0 += 8) { /* j <= i only */
-                uint32_t ah[4], al[4];
-                ssd_ld_a(Ms, MP, 16 * ym, k0, g, t, ah, al);
-#pragma unroll
-                for (int q = 0; q < 2; q++) {
-                    uint32_t bh[2], bl[2];
-                    ssd_ld_bk(Xs, XP, k0, yp + 8 * q, g, t, bh, bl);
-                    ssd_mma3(big[q], small[q], ah, al, bh, bl);
-                }
-            }
+            ssd_product<2, 1>(big, small, 16 * ym + 16, 2, /* j <= i only */
+                [&](int k0, uint32_t (&ah)[4], uint32_t (&al)[4]) { ssd_ld_a(Ms, MP, 16 * ym, k0, g, t, ah, al); },
+                [&](int k0, int q, uint32_t (&bh)[2], uint32_t (&bl)[2]) { ssd_ld_bk(Xs, XP, k0, yp + 8 * q, g, t, bh, bl); });
 #pragma unroll
             for (int q = 0; q < 2; q++)
 #pragma unroll
