@@ -8,7 +8,7 @@
 #   2. the deliberate faults, each must FAIL: FP4MOE_INJECT_FAULT_SIDE_JOIN and
 #      FP4MOE_INJECT_FAULT_DENSE_COPY, _ATTN_SIDE, _KV_PAIR (test_model_gpu), _CONV1D (test_ssm_gpu), _RUNS
 #      (test_gather_qmm_gpu), _XBCAST, _RMSNORM_WIDE, _ARGMAX_TIE, _QMMA_WPRE, _SPLIT_SUM, _W32, _XROW, _QMV_ROWS (test_ops_gpu),
-#      _SSD_TF32 (test_ssm_gpu), _GATED_LANES (test_ops_gpu), each run
+#      _SSD_TF32 (test_ssm_gpu), _GATED_LANES, _SORT_BASE (test_ops_gpu), each run
 #      with only the test that must catch it (FP4MOE_TEST_FILTER);
 #   3. compute-sanitizer memcheck: the small gather_qmm cases (FP4MOE_TEST_SANITIZE=1), test_ssm_gpu's
 #      test_chunks (memcheck and racecheck) and a batched decode of the default model;
@@ -71,6 +71,8 @@ if [ "${1:-}" = "--package" ]; then
         -DFP4MOE_INJECT_FAULT_SSD_TF32=1 || exit 1
     TARGET=test_ops_gpu PROG=test_ops_gpu bench/build-variants.sh "$BINP/f_gated" src/kernels/cuda/ops_elementwise.cu \
         -DFP4MOE_INJECT_FAULT_GATED_LANES=1 || exit 1
+    TARGET=test_ops_gpu PROG=test_ops_gpu bench/build-variants.sh "$BINP/f_sort" src/kernels/cuda/ops_moe.cu \
+        -DFP4MOE_INJECT_FAULT_SORT_BASE=1 || exit 1
     gp_main --package "$BINP"
 fi
 OUT=${OUT:-gpu-staged-out}
@@ -107,7 +109,8 @@ for fe in f_side/0/test_model_gpu:side_stream f_dense/0/test_model_gpu f_aside/0
     f_xb/0/test_ops_gpu:test_linear_gather_x1 f_rw/0/test_ops_gpu:test_rmsnorm_residual f_am/0/test_ops_gpu:test_argmax_rows \
     f_wpre/0/test_ops_gpu:test_tiled_layout f_split/0/test_ops_gpu:test_moe_route \
     f_w32/0/test_ops_gpu:test_tiled_layout f_xrow/0/test_ops_gpu:test_linear_gather_rows \
-    f_qmvr/0/test_ops_gpu:test_tiled_layout f_ssd/0/test_ssm_gpu f_gated/0/test_ops_gpu:test_rmsnorm_gated; do
+    f_qmvr/0/test_ops_gpu:test_tiled_layout f_ssd/0/test_ssm_gpu f_gated/0/test_ops_gpu:test_rmsnorm_gated \
+    f_sort/0/test_ops_gpu:test_moe_route; do
     f=${fe%%:*}
     flt=${fe#"$f"}
     flt=${flt#:}

@@ -1,5 +1,6 @@
 /* The fused CUDA ops of the model (issue 12) against the CPU ops they replace, on random data:
- *  - cuda_moe_route (router logits, top-k and the sort by expert in one call; two kernels of its own
+ *  - cuda_moe_route (router logits, top-k and the sort by expert in one call - the sort by many blocks
+ *    from 2,048 rows, fault SORT_BASE; two kernels of its own
  *    for T <= 16, cuBLAS + router + sort above): the logits within fp32 rounding of an fp64 dot
  *    product; then ids, weights (bitwise) equal to the CPU router (op_router_topk) run on the GPU's
  *    own logits (ids exact, weights within 4e-7: the device's expf), and row_of / idx / pos_of
@@ -194,6 +195,11 @@ static void test_moe_route(void **state) {
     route_case(g, 1024, 128, 6, 1, 1, 2688, 1, 303);
     route_case(g, 2048, 128, 6, 1, 1, 2688, 1, 305);
     route_case(g, 100, 40, 4, 1, 1, 200, 0, 304);   /* K = 200: 10 parts of 20 */
+    /* the many-block sort (from 2,048 rows; 512, 1,024 and 2,048 tokens above take it too): E not a
+     * multiple of 32; every row on experts 0-5 (zero weights: ties); 64 blocks of more than 1,024 rows */
+    route_case(g, 400, 300, 6, 1, 1, 32, 1, 306);
+    route_case_w(g, 500, 128, 6, 1, 1, 32, 0, 307, 0.0);
+    route_case(g, 12000, 128, 6, 1, 1, 32, 1, 308);
 }
 
 /* ---- cuda_rmsnorm with the residual folded in -------------------------------------------------- */
