@@ -239,7 +239,10 @@ int cuda_conv1d_causal(void *stream, const uint16_t *x, int64_t xs, int64_t T, i
  * T >= SSD_MIN_T (128) tokens with S 64 or 128: the chunked SSD on tensor cores (3xTF32 matrix products,
  * 64-token chunks; FP4MOE_CUDA_SSM=tiled: not taken); other T >= 2: the recurrent tiled kernel (a
  * register-blocked state with cp.async input tiles); T = 1 (decode): seq. All within 1e-4 of the fp64
- * recurrence (tests/gpu/test_ssm_gpu.c); tiled and seq give bit-identical states. The recurrence:
+ * recurrence (tests/gpu/test_ssm_gpu.c); tiled and seq give bit-identical states, however a prefill is
+ * split into calls; the SSD's bits depend on the split (its chunks start at each call's first token), so
+ * a sequence prefilled in other pieces (solo vs in a batch) agrees to fp32 rounding, not bit for bit. The
+ * recurrence:
  *   dt = clamp(softplus(dt_raw + dt_bias), dt_lo, dt_hi); dA = exp(dt * A)   (time_step_limit)
  *   state_h = dA * state_h + dt * x_h (outer) B_g;  y_h = state_h @ C_g + D_h * x_h,  g = h/(nh/G)
  * S <= 256. */
