@@ -3,13 +3,14 @@
  * clamped to the config's time_step_limit on both the prefill and the decode path). Contracts: ops_cuda.h.
  *
  * Prefill of >= SSD_MIN_T tokens (state sizes 64 and 128) takes the chunked SSD matrix form on tensor
- * cores (ssm_ssd_kernel below: 3xTF32, so that the fp32 state keeps its precision; measured 0.74-0.81x
- * the tiled kernel's time at 512-8,192 tokens, docs/PERFORMANCE.md session 20). The recurrent form,
+ * cores (ssm_ssd_kernel below: 3xTF32, so that the fp32 state keeps its precision; measured 0.93x the
+ * tiled kernel's time at 128 tokens, 0.76x at 512, 0.63x at 2,048, 0.61x at 8,192 on the H200,
+ * docs/PERFORMANCE.md session 20). The recurrent form,
  * sequential in time and parallel over heads x head_dim x state, has two kernels (docs/GPU-NOTES.md
  * "Mamba-2 prefill scan"):
  *   - seq: lanes split one p's S state entries and reduce y with shuffles every step; tokens staged
  *     in time chunks with a synchronous load phase (the kernel of the first end-to-end run; decode);
- *   - tiled (prefill default): each thread holds a PR x NR register tile of the state (PR rows p,
+ *   - tiled (prefill below SSD_MIN_T, other state sizes, FP4MOE_CUDA_SSM=tiled): each thread holds a PR x NR register tile of the state (PR rows p,
  *     NR columns n), so that every B/C value read from shared memory serves PR rows and every x
  *     value NR columns; y partial sums of TT steps are reduced across lanes at once (a transposing
  *     reduce-scatter: PR*TT values over NL lanes); time tiles of LT tokens are copied with cp.async
