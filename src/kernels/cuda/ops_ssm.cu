@@ -12,9 +12,10 @@
  *     in time chunks with a synchronous load phase (the kernel of the first end-to-end run; decode);
  *   - tiled (prefill below SSD_MIN_T, other state sizes, FP4MOE_CUDA_SSM=tiled): each thread holds a
  *     PR x NR register tile of the state (PR rows p, NR columns n), so that every B/C value read
- *     from shared memory serves PR rows and every x value NR columns; y partial sums of TT steps are reduced across lanes at once (a transposing
- *     reduce-scatter: PR*TT values over NL lanes); time tiles of LT tokens are copied with cp.async
- *     one tile ahead (double-buffered), so the global loads overlap the recurrence.
+ *     from shared memory serves PR rows and every x value NR columns; y partial sums of TT steps
+ *     are reduced across lanes at once (a transposing reduce-scatter: PR*TT values over NL lanes);
+ *     time tiles of LT tokens are copied with cp.async one tile ahead (double-buffered), so the
+ *     global loads overlap the recurrence.
  * Both update the state with the same fp32 operations in the same order (bit-identical states); y
  * differs only in the order of the sum over n. cuda_ssm_scan uses the SSD for T >= SSD_MIN_T (S 64 /
  * 128; FP4MOE_CUDA_SSM=tiled: never), tiled for other T >= 2 and seq for T = 1; cuda_ssm_scan_kernel
