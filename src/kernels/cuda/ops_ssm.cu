@@ -647,9 +647,10 @@ __device__ __forceinline__ void ssd_product(float (&big)[NQ][4], float (&small)[
 
 /* C B^T of every chunk (grid x) and group (grid y) of the call, for ssm_ssd_kernel<S_, true>: the
  * lower-triangle tiles of G[c][g] (L x L fp32, row-major) at a.ws + (c * G + g) * L * L (the tiles above
- * the diagonal are not written: never read). 8 warps, 20 n8 tiles: warp w takes the m16 block
- * 0 1 1 2 2 3 3 3 [w], n8 tiles from 0 0 2 0 3 0 3 6 [w], 2 2 2 3 3 3 3 2 [w] of them. Rows past T: zero
- * inputs. The same 3xTF32 products as the scan kernel computes them itself. */
+ * the diagonal are not written; the scan kernel copies them with the tile but never uses them). 8 warps,
+ * 20 n8 tiles: warp w takes the m16 block 0 1 1 2 2 3 3 3 [w], n8 tiles from 0 0 2 0 3 0 3 6 [w],
+ * 2 2 2 3 3 3 3 2 [w] of them. Rows past T: zero inputs. The same 3xTF32 products as the scan kernel
+ * computes them itself. */
 template <int S_>
 __global__ void __launch_bounds__(256)
 ssm_ssd_cb_kernel(cuda_ssm_args a, int vec) {
