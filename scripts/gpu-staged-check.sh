@@ -5,11 +5,8 @@
 #   1. the GPU tests: test_model_gpu (its side_stream case with the diagnostic delay, tiled_layout,
 #      batched == solo), test_gather_qmm_gpu (every route against the fp64 reference, the bitwise
 #      route switch), test_ops_gpu (tiled layout, every route, bitwise), test_ep_gpu, test_ssm_gpu;
-#   2. the deliberate faults, each must FAIL: FP4MOE_INJECT_FAULT_SIDE_JOIN and
-#      FP4MOE_INJECT_FAULT_DENSE_COPY, _ATTN_SIDE, _KV_PAIR (test_model_gpu), _CONV1D (test_ssm_gpu), _RUNS
-#      (test_gather_qmm_gpu), _XBCAST, _RMSNORM_WIDE, _ARGMAX_TIE, _QMMA_WPRE, _SPLIT_SUM, _W32, _XROW, _QMV_ROWS (test_ops_gpu),
-#      _SSD_TF32 (test_ssm_gpu), _GATED_LANES, _SORT_BASE (test_ops_gpu), each run
-#      with only the test that must catch it (FP4MOE_TEST_FILTER);
+#   2. the deliberate faults of the FAULTS table below (FP4MOE_INJECT_FAULT_<MACRO> builds of one test
+#      program each), each must FAIL, each run with only the tests that must catch it (FP4MOE_TEST_FILTER);
 #   3. compute-sanitizer memcheck: the small gather_qmm cases (FP4MOE_TEST_SANITIZE=1), test_ssm_gpu's
 #      test_chunks (memcheck and racecheck) and a batched decode of the default model;
 #   4. end to end on the synthetic Nemotron-3-Nano-30B-A3B shape, the builds alternated in rounds
@@ -36,43 +33,35 @@ GP_NAME=batch
 GP_BUILD=build-gpum
 # GP_PROGS / GP_TARGETS: the batch package's defaults (scripts/gpu-pack.sh)
 . scripts/gpu-pack.sh
+# The deliberate fault builds, one a line: NAME TEST SOURCE MACRO [FILTER] - bench/build-variants.sh builds
+# TEST with SOURCE compiled with -DFP4MOE_INJECT_FAULT_<MACRO>=1 into BIN/NAME/0/TEST, which step 2 runs with
+# FP4MOE_TEST_FILTER=FILTER (the tests that must catch it; none: the whole program).
+FAULTS="
+f_side test_model_gpu src/backend/cuda/backend_cuda.c SIDE_JOIN side_stream
+f_dense test_model_gpu src/backend/cuda/backend_cuda.c DENSE_COPY
+f_aside test_model_gpu src/model/forward.c ATTN_SIDE side_stream
+f_conv test_ssm_gpu src/kernels/cuda/ops_ssm.cu CONV1D
+f_runs test_gather_qmm_gpu src/kernels/cuda/gather_qmm_cuda.cu RUNS
+f_xb test_ops_gpu src/kernels/cuda/gather_qmv.cu XBCAST test_linear_gather_x1
+f_rw test_ops_gpu src/kernels/cuda/ops_elementwise.cu RMSNORM_WIDE test_rmsnorm_residual
+f_am test_ops_gpu src/kernels/cuda/ops_elementwise.cu ARGMAX_TIE test_argmax_rows
+f_wpre test_ops_gpu src/kernels/cuda/gather_qmv.cu QMMA_WPRE test_tiled_layout
+f_kvp test_model_gpu src/model/forward.c KV_PAIR
+f_w32 test_ops_gpu src/kernels/cuda/gather_batched.cu W32 test_tiled_layout
+f_xrow test_ops_gpu src/kernels/cuda/gather_batched.cu XROW test_linear_gather_rows
+f_split test_ops_gpu src/kernels/cuda/ops_linear.cu SPLIT_SUM test_moe_route
+f_qmvr test_ops_gpu src/kernels/cuda/gather_qmm_cuda.cu QMV_ROWS test_tiled_layout
+f_ssd test_ssm_gpu src/kernels/cuda/ops_ssm.cu SSD_TF32
+f_gated test_ops_gpu src/kernels/cuda/ops_elementwise.cu GATED_LANES test_rmsnorm_gated
+f_sort test_ops_gpu src/kernels/cuda/ops_moe.cu SORT_BASE test_moe_route
+"
 if [ "${1:-}" = "--package" ]; then
     BINP=${2:?usage: --package BIN}
     gp_build || exit 1
-    TARGET=test_model_gpu PROG=test_model_gpu bench/build-variants.sh "$BINP/f_side" src/backend/cuda/backend_cuda.c \
-        -DFP4MOE_INJECT_FAULT_SIDE_JOIN=1 || exit 1
-    TARGET=test_model_gpu PROG=test_model_gpu bench/build-variants.sh "$BINP/f_dense" src/backend/cuda/backend_cuda.c \
-        -DFP4MOE_INJECT_FAULT_DENSE_COPY=1 || exit 1
-    TARGET=test_model_gpu PROG=test_model_gpu bench/build-variants.sh "$BINP/f_aside" src/model/forward.c \
-        -DFP4MOE_INJECT_FAULT_ATTN_SIDE=1 || exit 1
-    TARGET=test_ssm_gpu PROG=test_ssm_gpu bench/build-variants.sh "$BINP/f_conv" src/kernels/cuda/ops_ssm.cu \
-        -DFP4MOE_INJECT_FAULT_CONV1D=1 || exit 1
-    TARGET=test_gather_qmm_gpu PROG=test_gather_qmm_gpu bench/build-variants.sh "$BINP/f_runs" \
-        src/kernels/cuda/gather_qmm_cuda.cu -DFP4MOE_INJECT_FAULT_RUNS=1 || exit 1
-    TARGET=test_ops_gpu PROG=test_ops_gpu bench/build-variants.sh "$BINP/f_xb" src/kernels/cuda/gather_qmv.cu \
-        -DFP4MOE_INJECT_FAULT_XBCAST=1 || exit 1
-    TARGET=test_ops_gpu PROG=test_ops_gpu bench/build-variants.sh "$BINP/f_rw" src/kernels/cuda/ops_elementwise.cu \
-        -DFP4MOE_INJECT_FAULT_RMSNORM_WIDE=1 || exit 1
-    TARGET=test_ops_gpu PROG=test_ops_gpu bench/build-variants.sh "$BINP/f_am" src/kernels/cuda/ops_elementwise.cu \
-        -DFP4MOE_INJECT_FAULT_ARGMAX_TIE=1 || exit 1
-    TARGET=test_ops_gpu PROG=test_ops_gpu bench/build-variants.sh "$BINP/f_wpre" src/kernels/cuda/gather_qmv.cu \
-        -DFP4MOE_INJECT_FAULT_QMMA_WPRE=1 || exit 1
-    TARGET=test_model_gpu PROG=test_model_gpu bench/build-variants.sh "$BINP/f_kvp" src/model/forward.c \
-        -DFP4MOE_INJECT_FAULT_KV_PAIR=1 || exit 1
-    TARGET=test_ops_gpu PROG=test_ops_gpu bench/build-variants.sh "$BINP/f_w32" src/kernels/cuda/gather_batched.cu \
-        -DFP4MOE_INJECT_FAULT_W32=1 || exit 1
-    TARGET=test_ops_gpu PROG=test_ops_gpu bench/build-variants.sh "$BINP/f_xrow" src/kernels/cuda/gather_batched.cu \
-        -DFP4MOE_INJECT_FAULT_XROW=1 || exit 1
-    TARGET=test_ops_gpu PROG=test_ops_gpu bench/build-variants.sh "$BINP/f_split" src/kernels/cuda/ops_linear.cu \
-        -DFP4MOE_INJECT_FAULT_SPLIT_SUM=1 || exit 1
-    TARGET=test_ops_gpu PROG=test_ops_gpu bench/build-variants.sh "$BINP/f_qmvr" src/kernels/cuda/gather_qmm_cuda.cu \
-        -DFP4MOE_INJECT_FAULT_QMV_ROWS=1 || exit 1
-    TARGET=test_ssm_gpu PROG=test_ssm_gpu bench/build-variants.sh "$BINP/f_ssd" src/kernels/cuda/ops_ssm.cu \
-        -DFP4MOE_INJECT_FAULT_SSD_TF32=1 || exit 1
-    TARGET=test_ops_gpu PROG=test_ops_gpu bench/build-variants.sh "$BINP/f_gated" src/kernels/cuda/ops_elementwise.cu \
-        -DFP4MOE_INJECT_FAULT_GATED_LANES=1 || exit 1
-    TARGET=test_ops_gpu PROG=test_ops_gpu bench/build-variants.sh "$BINP/f_sort" src/kernels/cuda/ops_moe.cu \
-        -DFP4MOE_INJECT_FAULT_SORT_BASE=1 || exit 1
+    while read -r name test src macro _ <&3; do
+        [ -n "$name" ] || continue
+        TARGET=$test PROG=$test bench/build-variants.sh "$BINP/$name" "$src" "-DFP4MOE_INJECT_FAULT_$macro=1" || exit 1
+    done 3<<<"$FAULTS"
     gp_main --package "$BINP"
 fi
 OUT=${OUT:-gpu-staged-out}
@@ -104,24 +93,17 @@ t "test_ops_gpu" ops.log -- "$BIN/test_ops_gpu"
 t "test_ep_gpu" ep.log -- "$BIN/test_ep_gpu"
 t "test_ssm_gpu" ssm.log -- "$BIN/test_ssm_gpu"
 # each fault build with only the test that must catch it (FP4MOE_TEST_FILTER; none: the whole program)
-for fe in f_side/0/test_model_gpu:side_stream f_dense/0/test_model_gpu f_aside/0/test_model_gpu:side_stream \
-    f_kvp/0/test_model_gpu f_conv/0/test_ssm_gpu f_runs/0/test_gather_qmm_gpu \
-    f_xb/0/test_ops_gpu:test_linear_gather_x1 f_rw/0/test_ops_gpu:test_rmsnorm_residual f_am/0/test_ops_gpu:test_argmax_rows \
-    f_wpre/0/test_ops_gpu:test_tiled_layout f_split/0/test_ops_gpu:test_moe_route \
-    f_w32/0/test_ops_gpu:test_tiled_layout f_xrow/0/test_ops_gpu:test_linear_gather_rows \
-    f_qmvr/0/test_ops_gpu:test_tiled_layout f_ssd/0/test_ssm_gpu f_gated/0/test_ops_gpu:test_rmsnorm_gated \
-    f_sort/0/test_ops_gpu:test_moe_route; do
-    f=${fe%%:*}
-    flt=${fe#"$f"}
-    flt=${flt#:}
+while read -r name test _ _ flt <&3; do
+    [ -n "$name" ] || continue
+    f=$name/0/$test
     [ -f "$PKG/$f.xz" ] || continue
     n=$(echo "$f" | tr / _)
     xz -dc "$PKG/$f.xz" >"$BIN/$n" && chmod +x "$BIN/$n"
     t0=$SECONDS
     FP4MOE_TEST_FILTER=$flt timeout 300 "$BIN/$n" >"$OUT/$n.log" 2>&1
     rc=$?
-    row "fault ${f%%/*} ($(basename "$f"))" "$(fault_verdict $rc)" $((SECONDS - t0)) "$(grep -m1 'FAILED  \] [a-z]' "$OUT/$n.log")"
-done
+    row "fault $name ($test)" "$(fault_verdict $rc)" $((SECONDS - t0)) "$(grep -m1 'FAILED  \] [a-z]' "$OUT/$n.log")"
+done 3<<<"$FAULTS"
 CS=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null)
 if [ -n "$CS" ]; then
     t0=$SECONDS
