@@ -200,6 +200,26 @@ extern "C" int cuda_router_topk(void *stream, const cuda_router_cfg *r, const fl
 /* ---- stable counting sort by expert --------------------------------------------------------------- */
 
 #define SORT_THREADS 1024
+/* rows a sort may have: B plus a block's stride stays below 2^31 in the kernels' int row arithmetic */
+#define SORT_MAX_ROWS (0x7fffffff - 4096)
+
+/* Warp-level exclusive scan over experts, run by one full warp: out[e] = sum over e' < e of in[e'],
+ * plus add[e] when add is non-NULL, for e < E (shared memory; out may alias in: each lane reads its
+ * entry before it writes it). */
+__device__ __forceinline__ void sort_warp_exclusive_scan(const int *in, const int *add, int *out, int E) {
+    const int lane = threadIdx.x & 31;
+    int carry = 0;
+    for (int b0 = 0; b0 < E; b0 += 32) {
+        const int e = b0 + lane, v = e < E ? in[e] : 0;
+        int incl = v;
+        for (int o = 1; o < 32; o <<= 1) {
+            const int u = __shfl_up_sync(0xffffffffu, incl, o);
+            if (lane >= o) incl += u;
+        }
+        if (e < E) out[e] = carry + incl - v + (add ? add[e] : 0);
+        carry += __shfl_sync(0xffffffffu, incl, 31);
+    }
+}
 
 /* Rows [lo, hi) by one block of W warps; warp w owns the contiguous rows [lo + w*chunk, lo + (w+1)*chunk).
  *  1. cnt[w][e] = rows of warp w with expert e (shared-memory atomics; order does not matter);
@@ -229,19 +249,7 @@ __device__ void sort_rows(const int32_t *ids, int lo, int hi, int E, const int *
         start[e] = base ? base[e] : run; /* without base: the total for now */
     }
     __syncthreads();
-    if (!base && warp == 0) { /* exclusive scan of the totals over experts */
-        int carry = 0;
-        for (int b0 = 0; b0 < E; b0 += 32) {
-            const int e = b0 + lane, v = e < E ? start[e] : 0;
-            int incl = v;
-            for (int o = 1; o < 32; o <<= 1) {
-                const int u = __shfl_up_sync(0xffffffffu, incl, o);
-                if (lane >= o) incl += u;
-            }
-            if (e < E) start[e] = carry + incl - v;
-            carry += __shfl_sync(0xffffffffu, incl, 31);
-        }
-    }
+    if (!base && warp == 0) sort_warp_exclusive_scan(start, nullptr, start, E); /* over the totals */
     __syncthreads();
     for (int i = threadIdx.x; i < W * E; i += blockDim.x) cnt[i] += start[i % E];
     __syncthreads();
@@ -293,7 +301,8 @@ sort_multi_kernel(const int32_t *ids, int B, int E, int chunk, uint32_t *row_of,
     cu_pdl_entry();
     extern __shared__ int ssm[]; /* tot[E], before[E], base[E], then sort_rows' (W + 1) x E */
     int *tot = ssm, *before = ssm + E, *base = ssm + 2 * E;
-    const int lo = blockIdx.x * chunk, hi = min(B, lo + chunk), lane = threadIdx.x & 31;
+    const int64_t lo64 = (int64_t)blockIdx.x * chunk; /* int64: lo + chunk may pass 2^31 for the last block */
+    const int lo = (int)min((int64_t)B, lo64), hi = (int)min((int64_t)B, lo64 + chunk);
     for (int i = threadIdx.x; i < 2 * E; i += blockDim.x) ssm[i] = 0;
     __syncthreads();
     for (int b = threadIdx.x; b < B; b += blockDim.x) {
@@ -302,23 +311,12 @@ sort_multi_kernel(const int32_t *ids, int B, int E, int chunk, uint32_t *row_of,
         if (b < lo) atomicAdd(&before[e], 1);
     }
     __syncthreads();
-    if (threadIdx.x < 32) { /* base = exclusive scan of the totals + before */
-        int carry = 0;
-        for (int b0 = 0; b0 < E; b0 += 32) {
-            const int e = b0 + lane, v = e < E ? tot[e] : 0;
-            int incl = v;
-            for (int o = 1; o < 32; o <<= 1) {
-                const int u = __shfl_up_sync(0xffffffffu, incl, o);
-                if (lane >= o) incl += u;
-            }
+    if (threadIdx.x < 32) /* base = exclusive scan of the totals + before */
 #ifdef FP4MOE_INJECT_FAULT_SORT_BASE /* deliberate fault (tests must catch it): the earlier blocks' rows not counted */
-            if (e < E) base[e] = carry + incl - v;
+        sort_warp_exclusive_scan(tot, nullptr, base, E);
 #else
-            if (e < E) base[e] = carry + incl - v + before[e];
+        sort_warp_exclusive_scan(tot, before, base, E);
 #endif
-            carry += __shfl_sync(0xffffffffu, incl, 31);
-        }
-    }
     __syncthreads();
     sort_rows(ids, lo, hi, E, base, row_of, idx, pos_of, ssm + 3 * E);
 }
@@ -331,9 +329,9 @@ extern "C" int cuda_sort_by_expert(void *stream, const int32_t *ids, int64_t B, 
     /* at most one warp per 64 rows: a decode step's 6 rows take one warp, not 32 (the result is
      * the same for every W: the sort is stable) */
     if (W > (B + 63) / 64) W = (int)((B + 63) / 64);
-    if (E < 1 || W < 1 || B > 0x7fffffff)
+    if (E < 1 || W < 1 || B > SORT_MAX_ROWS)
         return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "cuda op sort by expert: E=%lld (at most 6143), "
-                                "B=%lld", (long long)E, (long long)B);
+                                "B=%lld (at most %d)", (long long)E, (long long)B, SORT_MAX_ROWS);
     if (B >= 2 * SORT_MB_ROWS && E <= SORT_MB_MAX_E && (const void *)ids != (const void *)pos_of) {
         int64_t chunk = (B + SORT_MB_BLOCKS - 1) / SORT_MB_BLOCKS;
         if (chunk < SORT_MB_ROWS) chunk = SORT_MB_ROWS;

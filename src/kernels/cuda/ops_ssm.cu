@@ -647,7 +647,7 @@ __device__ __forceinline__ void ssd_product(float (&big)[NQ][4], float (&small)[
 
 /* C B^T of every chunk (grid x) and group (grid y) of the call, for ssm_ssd_kernel<S_, true>: the
  * lower-triangle tiles of G[c][g] (L x L fp32, row-major) at a.ws + (c * G + g) * L * L (the tiles above
- * the diagonal are not written; the scan kernel copies them with the tile but never uses them). 8 warps,
+ * the diagonal are not written, and the scan kernel copies only the written ones). 8 warps,
  * 20 n8 tiles: warp w takes the m16 block 0 1 1 2 2 3 3 3 [w], n8 tiles from 0 0 2 0 3 0 3 6 [w],
  * 2 2 2 3 3 3 3 2 [w] of them. Rows past T: zero inputs. The same 3xTF32 products as the scan kernel
  * computes them itself. */
@@ -745,8 +745,10 @@ ssm_ssd_kernel(cuda_ssm_args a, int vec) {
         const int tc = min(L, T - t0);
         if constexpr (PRE) {
             const float *Gt = a.ws + ((int64_t)(t0 / L) * a.G + grp) * L * L;
-            for (int i = tid; i < L * L / 4; i += NT)
-                ts_cp16(Mb + b * L * MP + (i / (L / 4)) * MP + 4 * (i % (L / 4)), Gt + 4 * i);
+            for (int i = tid; i < L * L / 4; i += NT) { /* the pieces ssm_ssd_cb_kernel wrote: row r, columns < 16 (r / 16 + 1) */
+                const int r = i / (L / 4), v = i % (L / 4);
+                if (4 * v < 16 * (r / 16 + 1)) ts_cp16(Mb + b * L * MP + r * MP + 4 * v, Gt + 4 * i);
+            }
         }
         if (vec) {
             constexpr int SV = S_ / 4, PV = PB / 4;
