@@ -161,7 +161,7 @@ gq_batched_ws_kernel(gq_args a, const int *__restrict__ starts, const int *__res
 static int ws_launch(const gq_args *a, cudaStream_t st) {
     if (!a->tiled || a->K % 64) return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "gather ws: tiled weights, K %% 64 == 0");
     int *buf = NULL;
-    if (gq_scratch_alloc((void **)&buf, 2 * ((size_t)a->E + 1) * sizeof(int), st)) return 1;
+    if (gq_scratch_alloc((void **)&buf, (2 * (size_t)a->E + 3) * sizeof(int), st)) return 1;
     int *starts = buf, *tile_off = buf + a->E + 1;
     int rc = gq_launch_runs(a, WS_MT, starts, tile_off, st);
     if (!rc) {

@@ -48,7 +48,7 @@ extern "C" {
  * kernel replaced for bf16 on tiled weights in session 18 (production at 512 tokens) */
 static int wk_launch(const gq_args *a, cudaStream_t st) {
     int *buf = NULL;
-    if (gq_scratch_alloc((void **)&buf, 2 * ((size_t)a->E + 1) * sizeof(int), st)) return 1;
+    if (gq_scratch_alloc((void **)&buf, (2 * (size_t)a->E + 3) * sizeof(int), st)) return 1;
     int *starts = buf, *tile_off = buf + a->E + 1;
     int rc = gq_launch_runs(a, 32, starts, tile_off, st);
     if (!rc) rc = a->tiled ? launch<__nv_bfloat16, __nv_bfloat16, 32, true, 4, true>(a, starts, tile_off, st)
@@ -68,7 +68,7 @@ static int wk_launch(const gq_args *a, cudaStream_t st) { return ws_launch(a, st
 /* the candidate: production's wgmma kernel (gather_batched.cu) with WK_MT-row tiles */
 static int wk_launch(const gq_args *a, cudaStream_t st) {
     int *buf = NULL;
-    if (gq_scratch_alloc((void **)&buf, 2 * ((size_t)a->E + 1) * sizeof(int), st)) return 1;
+    if (gq_scratch_alloc((void **)&buf, (2 * (size_t)a->E + 3) * sizeof(int), st)) return 1;
     int *starts = buf, *tile_off = buf + a->E + 1;
     int rc = gq_launch_runs(a, WK_MT, starts, tile_off, st);
     if (!rc) rc = a->tiled ? launch_wg<WK_MT, true, WK_MINB>(a, starts, tile_off, st)

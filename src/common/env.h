@@ -21,6 +21,7 @@ typedef enum {
     ENV_CUDA_ATTENTION,            /* "wgmma" | "mma" */
     ENV_CUDA_DENSE_BF16,           /* "auto" | "0" | "1" */
     ENV_CUDA_SSM,                  /* "auto" | "tiled" */
+    ENV_CUDA_GATHER_SCHED,         /* "dynamic" | "static" */
     ENV_COUNT
 } env_id;
 

@@ -14,7 +14,8 @@
  * ("qmv, tiled by 8 rows" for f16/bf16; the fp32 FMA kernel for f32, which the f32 batched route
  * runs too), route batched and the automatic choice with FP4MOE_GATHER_EXPERT_BATCHED=0 must give
  * BITWISE identical outputs (memcmp, not the tolerance): greedy decoding must not depend on the
- * switch.
+ * switch. The same bitwise check holds between the expert-batched kernels' dynamic item order and
+ * FP4MOE_CUDA_GATHER_SCHED=static.
  *
  * Environment: FP4MOE_TEST_ROUTE=qmv|batched|dequant_gemm|auto runs one route only (fault check);
  * FP4MOE_TEST_QUICK=1 skips the biggest cases; FP4MOE_TEST_SANITIZE=1 runs only the small cases
@@ -120,6 +121,23 @@ static float elem(const void *y, fp4moe_dtype dtype, int64_t i) {
     }
 }
 
+/* Elements of y (n of es bytes) that differ bitwise from want; prints the first. */
+static int64_t bitwise_diff(const void *y, const void *want, const gg_case *c, size_t es, const char *label,
+                            const char *what) {
+    int64_t diff = 0, first = -1;
+    for (int64_t i = 0; i < c->B * c->N; i++)
+        if (memcmp((const char *)y + i * es, (const char *)want + i * es, es)) {
+            if (first < 0) first = i;
+            diff++;
+        }
+    if (diff)
+        fprintf(stderr, "FAIL %s: %lld elements differ bitwise from %s (first: y[%lld][%lld] %.9g vs %.9g)\n", label,
+                (long long)diff, what, (long long)(first / c->N), (long long)(first % c->N), elem(y, c->dtype, first),
+                elem(want, c->dtype, first));
+    else fprintf(stderr, "ok   %s: bitwise equal to %s\n", label, what);
+    return diff;
+}
+
 /* One call on the device: poison, run, copy back, check. Returns the number of bad elements. */
 static int64_t run_route(const gg_run *g, fp4moe_route route, const char *label) {
     const gg_case *c = g->c;
@@ -181,8 +199,8 @@ static void test_case(void **state) {
      * tiles), and auto with FP4MOE_GATHER_EXPERT_BATCHED=0 == auto with the switch unset (always) */
     const int bitwise = sorted && c->B >= FP4MOE_BATCHED_MIN_ROWS && !only;
     const size_t ybytes = (size_t)(c->B * c->N) * es;
-    void *yqmv = malloc(ybytes), *yauto = malloc(ybytes);
-    assert_true(yqmv && yauto);
+    void *yqmv = malloc(ybytes), *yauto = malloc(ybytes), *ybat = malloc(ybytes);
+    assert_true(yqmv && yauto && ybat);
     tu_setenv("FP4MOE_GATHER_ROUTE", NULL);
     for (int ro = FP4MOE_ROUTE_QMV; ro <= FP4MOE_ROUTE_DEQUANT_GEMM + 2; ro++) {
         /* QMV, BATCHED, DEQUANT_GEMM explicitly, then AUTO with the switch unset and = 0 */
@@ -202,25 +220,25 @@ static void test_case(void **state) {
         failures += bad != 0;
         if (route == FP4MOE_ROUTE_QMV) memcpy(yqmv, y, ybytes);
         if (route == FP4MOE_ROUTE_AUTO && !off) memcpy(yauto, y, ybytes);
+        if (route == FP4MOE_ROUTE_BATCHED) memcpy(ybat, y, ybytes);
         const int vs_qmv = bitwise && route == FP4MOE_ROUTE_BATCHED, vs_auto = !only && off;
-        if (vs_qmv || vs_auto) {
-            const void *want = vs_qmv ? yqmv : yauto;
-            const char *what = vs_qmv ? "route qmv" : "auto with the switch unset";
-            int64_t diff = 0, first = -1;
-            for (int64_t i = 0; i < c->B * c->N; i++)
-                if (memcmp((const char *)y + i * es, (const char *)want + i * es, es)) {
-                    if (first < 0) first = i;
-                    diff++;
-                }
-            if (diff)
-                fprintf(stderr, "FAIL %s: %lld elements differ bitwise from %s (first: y[%lld][%lld] "
-                                "%.9g vs %.9g)\n", label, (long long)diff, what, (long long)(first / c->N),
-                        (long long)(first % c->N), elem(y, c->dtype, first), elem(want, c->dtype, first));
-            else fprintf(stderr, "ok   %s: bitwise equal to %s\n", label, what);
-            failures += diff != 0;
-        }
+        if (vs_qmv || vs_auto)
+            failures += bitwise_diff(y, vs_qmv ? yqmv : yauto, c, es, label, vs_qmv ? "route qmv" : "auto with the switch unset") != 0;
     }
     tu_setenv("FP4MOE_GATHER_EXPERT_BATCHED", NULL);
+    if (bitwise) { /* the expert-batched kernels' static item order gives the same bits as the dynamic one */
+        tu_setenv("FP4MOE_CUDA_GATHER_SCHED", "static");
+        char label[160];
+        snprintf(label, sizeof label, "E=%lld N=%lld K=%lld B=%lld %s gs=%d %s route=batched(SCHED=static)",
+                 (long long)c->E, (long long)c->N, (long long)c->K, (long long)c->B, tu_idx_pattern_name(c->pattern),
+                 c->with_gs, fp4moe_dtype_name(c->dtype));
+        const int64_t bad = run_route(&g, FP4MOE_ROUTE_BATCHED, label);
+        fprintf(stderr, "%s %s\n", bad ? "FAIL" : "ok  ", label);
+        failures += bad != 0;
+        failures += bitwise_diff(y, ybat, c, es, label, "the dynamic order") != 0;
+        tu_setenv("FP4MOE_CUDA_GATHER_SCHED", NULL);
+    }
+    free(ybat);
     free(yqmv);
     free(yauto);
 

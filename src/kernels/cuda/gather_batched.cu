@@ -389,6 +389,41 @@ __device__ __forceinline__ bt_item bt_item_of(int64_t item, int E, int NT, const
     return it;
 }
 
+/* The order in which a persistent grid's blocks take the items. Static (ctr == nullptr): block b takes
+ * items b, b + grid, b + 2 grid, ... Dynamic (ctr = tile_off + E + 1, zeroed by gq_runs_kernel): a
+ * block's first item is blockIdx.x and each next one grid + the counter's next value, so a block that
+ * finishes early takes more. Why: the static stride resonates with the item sizes - with 64-row tiles
+ * most experts of a 2,048-token call have a full and a short tile, consecutive items alternate
+ * between them, and an even stride hands one SM only full tiles and its neighbour only short ones (a
+ * simulation of the items put the busiest SM 13-25% above the mean at 2,048 tokens, 3-9% at 512;
+ * docs/GPU-NOTES.md, session 21). Measured on the H200 (bench/gpu_gather_wg, production up + down,
+ * static -> dynamic): 2,048 tokens 1.32 -> 1.20 ms (uniform routing), 1.23 -> 1.17 (skewed); 8,192 tokens
+ * 3.98 -> 3.84; 512 tokens 0.43 both (uniform), 0.490 -> 0.478 (skewed); end to end +2.6% prefill at
+ * 2,048 tokens, +1.0% at 512 (docs/PERFORMANCE.md, session 21). The 8-row tiles keep the static order.
+ * Which block computes an item does not change its arithmetic: the outputs are the same bits in both
+ * orders (FP4MOE_CUDA_GATHER_SCHED=static gives the static one; test_gather_qmm_gpu compares them).
+ * Thread 0 fetches the next item when the block starts one (fetch) and every thread reads it after
+ * that item's last barrier (next); the shared slot alternates between two entries, so the write for
+ * item i + 2 comes after item i + 1's barriers, i.e. after every thread has read item i's entry. An
+ * item must therefore contain at least one __syncthreads (each K step of these kernels has one). */
+struct bt_sched {
+    int *ctr;
+    int par;
+    __device__ __forceinline__ void fetch(int *slot) const {
+        if (ctr && threadIdx.x == 0) slot[par] = atomicAdd(ctr, 1);
+    }
+    __device__ __forceinline__ int64_t next(int64_t item, const int *slot) {
+        if (!ctr) return item + gridDim.x;
+#ifdef FP4MOE_INJECT_FAULT_SCHED /* deliberate fault (tests must catch it): the counter's value after the increment (an item skipped a fetch) */
+        const int64_t v = (int64_t)gridDim.x + slot[par] + 1;
+#else
+        const int64_t v = (int64_t)gridDim.x + slot[par];
+#endif
+        par ^= 1;
+        return v;
+    }
+};
+
 /* rows with idx >= E (the sorted tail [starts[E], B) of y, rows of N) are zeros; the grid strides */
 template <typename TY>
 __device__ __forceinline__ void bt_zero_tail(TY *y, const int *starts, int E, int B, int N) {
@@ -428,8 +463,10 @@ __device__ __forceinline__ void bt_store_tile(const float (&acc)[MT / 8][4], TY 
  * same registers, so the same bits. */
 template <typename T, typename TY, int MT, bool FAST, int MINB, int V, bool TL = false>
 __global__ void __launch_bounds__(bt_cfg<MT>::THREADS, MINB)
-gq_batched_kernel(gq_args a, const int *__restrict__ starts, const int *__restrict__ tile_off) {
+gq_batched_kernel(gq_args a, const int *__restrict__ starts, const int *__restrict__ tile_off, int *ctr) {
     cu_pdl_entry();
+    __shared__ int next_item[2];
+    bt_sched sch = {ctr, 0};
     typedef bt_cfg<MT> cfg;
     constexpr int THREADS = cfg::THREADS, NTILE = cfg::NTILE;
     extern __shared__ __align__(16) uint8_t smem[];
@@ -444,7 +481,8 @@ gq_batched_kernel(gq_args a, const int *__restrict__ starts, const int *__restri
     TY *y = static_cast<TY *>(a.y);
     const int xoff = g * BT_XROW + t * 64 + (t >> 1) * 16; /* this thread's fragment base in x tile */
 
-    for (int64_t item = blockIdx.x; item < total; item += gridDim.x) {
+    for (int64_t item = blockIdx.x; item < total; item = sch.next(item, next_item)) {
+        sch.fetch(next_item);
         const bt_item it = bt_item_of<MT>(item, a.E, NT, starts, tile_off);
         const int e = it.e, rows = it.rows;
         const int64_t row0 = it.row0;
@@ -608,8 +646,10 @@ __device__ __forceinline__ void bw_step_ntv(int ntv, float (&aa)[BW_MT / 8][4], 
 }
 
 __global__ void __launch_bounds__(BW_THREADS, BW_MINB)
-gq_batched_w32_kernel(gq_args a, const int *__restrict__ starts, const int *__restrict__ tile_off) {
+gq_batched_w32_kernel(gq_args a, const int *__restrict__ starts, const int *__restrict__ tile_off, int *ctr) {
     cu_pdl_entry();
+    __shared__ int next_item[2];
+    bt_sched sch = {ctr, 0};
     extern __shared__ __align__(16) uint8_t smem[];
     uint8_t *xs0 = smem, *xs1 = smem + BW_MT * BT_XROW;
     /* the thread's two ring slots of a stage: tile A at stage * 2 * THREADS + tid, tile B + THREADS */
@@ -623,7 +663,8 @@ gq_batched_w32_kernel(gq_args a, const int *__restrict__ starts, const int *__re
     const int xoff = g * BT_XROW + t * 64 + (t >> 1) * 16;
     const int last_tile = (N - 1) >> 4;
 
-    for (int64_t item = blockIdx.x; item < total; item += gridDim.x) {
+    for (int64_t item = blockIdx.x; item < total; item = sch.next(item, next_item)) {
+        sch.fetch(next_item);
         const bt_item it = bt_item_of<BW_MT>(item, a.E, NT, starts, tile_off);
         const int e = it.e, rows = it.rows;
         const int64_t row0 = it.row0;
@@ -827,6 +868,11 @@ __device__ __forceinline__ void gw_item(const gq_args &a, int e, int64_t row0, i
     const uint8_t *srow0 = a.scales + wr0 * KB, *srow1 = a.scales + wr1 * KB;
     const uint8_t *tpiece = TL ? gq_tiled_piece(a.codes, we, min(nw >> 4, (NF - 1) >> 4), 0, NF, K) : nullptr;
     const bt_wstream<TL> ws = {crow0, crow1, srow0, srow1, tpiece, t, lane, KB};
+    /* a warpgroup whose 64 features are all past N (the last N-tile of the up projection's 1,856) skips the
+     * products (uniform in it). Measured (session 21): with the dynamic order +2.4% prefill at 2,048 tokens;
+     * the same skip per warp in gq_batched_kernel and the w32 kernel cost 1-2% (512-token prefill, 64-sequence
+     * decode - even where no warp is idle: the branch around the step changed their code), so they have none. */
+    const bool active = (nw & ~63) < NF;
 
     float acc[N / 2];
 #pragma unroll
@@ -853,8 +899,10 @@ __device__ __forceinline__ void gw_item(const gq_args &a, int e, int64_t row0, i
         ws.issue(ring + (nxt % BT_STAGES) * GW_THREADS, nxt, nsteps);
         bt_cp_commit();
         if (s + 1 < nsteps) xr.load((s + 1) * BT_KSTEP, K);
-        gw_step<N, cfg::KS>(acc, w0, w1, sa, sb, (s & 1) ? xa1 : xa0);
-        wg_wait<0>(); /* this step's products are done: the other x buffer may be written */
+        if (active) {
+            gw_step<N, cfg::KS>(acc, w0, w1, sa, sb, (s & 1) ? xa1 : xa0);
+            wg_wait<0>(); /* this step's products are done: the other x buffer may be written */
+        }
         if (s + 1 < nsteps) {
             xr.store((s & 1) ? xs0 : xs1);
             wg_fence_async_smem();
@@ -890,13 +938,16 @@ __device__ __forceinline__ void gw_item_n(int n8, const gq_args &a, int e, int64
 
 template <int MT, bool TL, int MINB>
 __global__ void __launch_bounds__(GW_THREADS, MINB)
-gq_batched_wg_kernel(gq_args a, const int *__restrict__ starts, const int *__restrict__ tile_off) {
+gq_batched_wg_kernel(gq_args a, const int *__restrict__ starts, const int *__restrict__ tile_off, int *ctr) {
     cu_pdl_entry();
     extern __shared__ __align__(128) uint8_t smem[];
+    __shared__ int next_item[2];
+    bt_sched sch = {ctr, 0};
     const int warp = threadIdx.x >> 5, wg = warp >> 2, wq = warp & 3;
     const int NT = (a.N + GW_NTILE - 1) / GW_NTILE;
     const int64_t total = (int64_t)tile_off[a.E] * NT;
-    for (int64_t item = blockIdx.x; item < total; item += gridDim.x) {
+    for (int64_t item = blockIdx.x; item < total; item = sch.next(item, next_item)) {
+        sch.fetch(next_item);
         const bt_item it = bt_item_of<MT>(item, a.E, NT, starts, tile_off);
         gw_item_n<MT, TL>((it.rows + 7) >> 3, a, it.e, it.row0, it.rows, it.ntile * GW_NTILE + wg * 64 + wq * 16, smem);
     }
@@ -920,7 +971,13 @@ static int persistent_grid(K kernel, int threads, int smem, int64_t bound, unsig
     return FP4MOE_OK;
 }
 
-/* the wgmma kernel with MT-row tiles (starts / tile_off from gq_launch_runs with row tile MT) */
+/* The work counter of a launch (bt_sched): tile_off[E + 1], or none (the static order) for
+ * FP4MOE_CUDA_GATHER_SCHED=static. */
+static int *sched_counter(const gq_args *a, const int *tile_off) {
+    return strcmp(env_get(ENV_CUDA_GATHER_SCHED), "static") ? const_cast<int *>(tile_off) + a->E + 1 : nullptr;
+}
+
+/* the wgmma kernel with MT-row tiles (starts / tile_off (E + 2 ints) from gq_launch_runs with row tile MT) */
 template <int MT, bool TL, int MINB = 2>
 static int launch_wg(const gq_args *a, const int *starts, const int *tile_off, cudaStream_t st) {
     const int64_t NT = (a->N + GW_NTILE - 1) / GW_NTILE;
@@ -928,7 +985,8 @@ static int launch_wg(const gq_args *a, const int *starts, const int *tile_off, c
     unsigned grid = 0;
     const int rc = persistent_grid(gq_batched_wg_kernel<MT, TL, MINB>, GW_THREADS, gw_cfg<MT>::SMEM, bound, &grid);
     if (rc) return rc;
-    cu_launch(gq_batched_wg_kernel<MT, TL, MINB>, grid, GW_THREADS, gw_cfg<MT>::SMEM, st, *a, starts, tile_off);
+    cu_launch(gq_batched_wg_kernel<MT, TL, MINB>, grid, GW_THREADS, gw_cfg<MT>::SMEM, st, *a, starts, tile_off,
+              sched_counter(a, tile_off));
     FP4MOE_CUDA_TRY("gather_qmm_cuda", cudaGetLastError(), "launch of the expert-batched kernel (wgmma)");
     return FP4MOE_OK;
 }
@@ -940,7 +998,7 @@ static int launch_w32(const gq_args *a, const int *starts, const int *tile_off, 
     unsigned grid = 0;
     const int rc = persistent_grid(gq_batched_w32_kernel, BW_THREADS, BW_SMEM, bound, &grid);
     if (rc) return rc;
-    cu_launch(gq_batched_w32_kernel, grid, BW_THREADS, BW_SMEM, st, *a, starts, tile_off);
+    cu_launch(gq_batched_w32_kernel, grid, BW_THREADS, BW_SMEM, st, *a, starts, tile_off, sched_counter(a, tile_off));
     FP4MOE_CUDA_TRY("gather_qmm_cuda", cudaGetLastError(), "launch of the expert-batched kernel (32 features a warp)");
     return FP4MOE_OK;
 }
@@ -954,8 +1012,10 @@ static int launch(const gq_args *a, const int *starts, const int *tile_off, cuda
     unsigned grid = 0;
     const int rc = persistent_grid(gq_batched_kernel<T, TY, MT, FAST, MINB, V, TL>, cfg::THREADS, cfg::SMEM, bound, &grid);
     if (rc) return rc;
+    /* 8-row tiles (64-sequence decode steps, "qmv, tiled by 8 rows") keep the static order: their items are
+     * short and the dynamic one measured -0.4% / -0.9% on 64-sequence decode (session 21) */
     cu_launch(gq_batched_kernel<T, TY, MT, FAST, MINB, V, TL>, grid, cfg::THREADS, cfg::SMEM, st, *a, starts,
-              tile_off);
+              tile_off, MT == GQ_QMV_TILE_ROWS ? nullptr : sched_counter(a, tile_off));
     FP4MOE_CUDA_TRY("gather_qmm_cuda", cudaGetLastError(), "launch of the expert-batched kernel");
     return FP4MOE_OK;
 }
@@ -990,7 +1050,7 @@ static int launch_dtype(const gq_args *a, int mt, const int *starts, const int *
  * bf16 and y fp32. */
 static int launch_tiled(const gq_args *a, fp4moe_dtype dtype, int mt, cudaStream_t st, bool f32out = false) {
     int *buf = NULL;
-    int rc = gq_scratch_alloc((void **)&buf, 2 * ((size_t)a->E + 1) * sizeof(int), st);
+    int rc = gq_scratch_alloc((void **)&buf, (2 * (size_t)a->E + 3) * sizeof(int), st); /* starts, tile_off, counter */
     if (rc != FP4MOE_OK) return rc;
     int *starts = buf, *tile_off = buf + a->E + 1;
     rc = gq_launch_runs(a, mt, starts, tile_off, st);

@@ -235,7 +235,9 @@ int gq_launch_bf16_f32out(const gq_args *a, cudaStream_t st);
 /* Computes on the device, without host synchronisation:
  *   starts[e] = first row b with idx[b] >= e, for e in [0, E]   (idx sorted: expert e's run is
  *               rows [starts[e], starts[e+1]); rows [starts[E], B) are out of range),
- *   tile_off[e] = sum over e' < e of ceil(run length of e' / row_tile), e in [0, E] (if non-NULL).
+ *   tile_off[e] = sum over e' < e of ceil(run length of e' / row_tile), e in [0, E] (if non-NULL),
+ *   tile_off[E + 1] = 0: the work counter of the expert-batched kernels' dynamic item order (so
+ *               tile_off has E + 2 ints).
  * A broken "sorted" promise gives wrong runs but never an out-of-bounds access. */
 int gq_launch_runs(const gq_args *a, int row_tile, int *starts, int *tile_off, cudaStream_t st);
 

@@ -66,6 +66,7 @@ gq_runs_kernel(const uint32_t *__restrict__ idx, int B, int E, int row_tile, int
     if (threadIdx.x == 0) {
         carry = 0;
         tile_off[0] = 0;
+        tile_off[E + 1] = 0; /* the expert-batched kernels' work counter (gather_batched.cu, bt_sched) */
     }
     __syncthreads();
     for (int base = 0; base < E; base += RUNS_THREADS) {
