@@ -44,8 +44,8 @@ static const fp4moe_env_var k_vars[ENV_COUNT] = {
                       "CUDA Mamba-2 prefill scan: the chunked SSD on tensor cores from 128 tokens (auto) or the "
                       "recurrent tiled kernel at every length (tiled); results within the scan tolerance"},
     [ENV_CUDA_GATHER_SCHED] = {"FP4MOE_CUDA_GATHER_SCHED", "dynamic|static", "dynamic",
-                               "CUDA expert-batched gather: work items handed out by a counter as blocks "
-                               "finish (dynamic) or strided by block number (static); the same results"},
+                               "CUDA expert-batched gather over experts: work items handed out by a counter "
+                               "as blocks finish (dynamic) or strided by block number (static); the same results"},
 };
 
 static int allowed(const fp4moe_env_var *v, const char *val) {
