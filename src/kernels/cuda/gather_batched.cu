@@ -399,7 +399,8 @@ __device__ __forceinline__ bt_item bt_item_of(int64_t item, int E, int NT, const
  * docs/GPU-NOTES.md, session 21). Measured on the H200 (bench/gpu_gather_wg, production up + down,
  * static -> dynamic): 2,048 tokens 1.32 -> 1.20 ms (uniform routing), 1.23 -> 1.17 (skewed); 8,192 tokens
  * 3.98 -> 3.84; 512 tokens 0.43 both (uniform), 0.490 -> 0.478 (skewed); end to end +2.6% prefill at
- * 2,048 tokens, +0.2% at 512 (+1.0% against the static order; docs/PERFORMANCE.md, session 21). The 8-row tiles keep the static order.
+ * 2,048 tokens, +0.2% at 512 (+1.0% against the static order; docs/PERFORMANCE.md, session 21). The 8-row tiles and
+ * the E = 1 launches keep the static order (launch, sched_counter).
  * Which block computes an item does not change its arithmetic: the outputs are the same bits in both
  * orders (FP4MOE_CUDA_GATHER_SCHED=static gives the static one; test_gather_qmm_gpu compares them).
  * Thread 0 fetches the next item when the block starts one (fetch) and every thread reads it after
