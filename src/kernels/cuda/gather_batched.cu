@@ -406,7 +406,8 @@ __device__ __forceinline__ bt_item bt_item_of(int64_t item, int E, int NT, const
  * Thread 0 fetches the next item when the block starts one (fetch) and every thread reads it after
  * that item's last barrier (next); the shared slot alternates between two entries, so the write for
  * item i + 2 comes after item i + 1's barriers, i.e. after every thread has read item i's entry. An
- * item must therefore contain at least one __syncthreads (each K step of these kernels has one). */
+ * item must therefore contain at least one __syncthreads after fetch (each kernel has one after the first
+ * x tile is stored, before its K loop, and one a K step). */
 struct bt_sched {
     int *ctr;
     int par;
