@@ -48,6 +48,25 @@ print("""
 template <int N> struct wg_rs_mn;""")
 for n in (64, 128):
     wrapper("wg_rs_mn<%d>" % n, n, "f16", 1)
+# the SS form (both operands in shared memory, K-major, bf16): the shared-memory gather candidate
+# (bench/gather_ss.cuh), N up to 64
+print("""
+/* SS form: d (64 x N fp32) (+)= A (64 x 16 bf16, shared memory, K-major, descriptor da) * B (16 x N bf16,
+ * shared memory, K-major, descriptor db). */
+template <int N> struct wg_ss;""")
+for n in range(8, 65, 8):
+    r = n // 2
+    regs = ", ".join("%%%d" % i for i in range(r))
+    outs = ", ".join('"+f"(d[%d])' % i for i in range(r))
+    print("template <> struct wg_ss<%d> {" % n)
+    print("    __device__ __forceinline__ static void mma(float (&d)[%d], uint64_t da, uint64_t db, int scale_d) {" % r)
+    print('        asm volatile("{\\n.reg .pred p;\\nsetp.ne.b32 p, %%%d, 0;\\n"' % (r + 2))
+    print('                     "wgmma.mma_async.sync.aligned.m64n%dk16.f32.bf16.bf16 {%s}, %%%d, %%%d, p, 1, 1, 0, 0;\\n}\\n"'
+          % (n, regs, r, r + 1))
+    print("                     : %s" % outs)
+    print('                     : "l"(da), "l"(db), "r"(scale_d));')
+    print("    }")
+    print("};")
 print("""
 /* the shared-memory matrix descriptor, no swizzle (PTX ISA "Matrix Descriptor Format"): start address,
  * leading-dimension byte offset, stride-dimension byte offset, each >> 4 */
