@@ -29,6 +29,8 @@
 #ifndef FP4MOE_BENCH_GATHER_SS_CUH
 #define FP4MOE_BENCH_GATHER_SS_CUH
 
+#include "gather_candidate.cuh"
+
 #define SS_MT 128                     /* rows an item */
 #define SS_NF 128                     /* features an item */
 #define SS_THREADS 512
@@ -207,23 +209,11 @@ gq_batched_ss_kernel(gq_args a, const int *__restrict__ starts, const int *__res
 
 /* the candidate's launch: the runs with 128-row tiles, then the kernel (tiled layout, bf16) */
 static int ss_launch(const gq_args *a, cudaStream_t st) {
-    if (!a->tiled || a->K % 64) return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "gather ss: tiled weights, K %% 64 == 0");
-    int *buf = NULL;
-    if (gq_scratch_alloc((void **)&buf, (2 * (size_t)a->E + 3) * sizeof(int), st)) return 1;
-    int *starts = buf, *tile_off = buf + a->E + 1;
-    int rc = gq_launch_runs(a, SS_MT, starts, tile_off, st);
-    if (!rc) {
-        const int64_t NT = (a->N + SS_NF - 1) / SS_NF;
-        const int64_t bound = ((int64_t)a->B / SS_MT + 1 + (a->E < a->B ? a->E : a->B)) * NT;
-        unsigned grid = 0;
-        rc = persistent_grid(gq_batched_ss_kernel, SS_THREADS, SS_SMEM, bound, &grid);
-        if (!rc) {
-            cu_launch(gq_batched_ss_kernel, grid, SS_THREADS, SS_SMEM, st, *a, starts, tile_off, tile_off + a->E + 1);
-            if (cudaGetLastError() != cudaSuccess) rc = fp4moe_set_error(FP4MOE_ECUDA, "gather ss: launch failed");
-        }
-    }
-    gq_scratch_free(buf, st);
-    return rc;
+    return bench_candidate_launch("gather ss", gq_batched_ss_kernel, SS_MT, SS_NF, SS_THREADS, SS_SMEM, a, st,
+                                  [&](unsigned grid, int *starts, int *tile_off) {
+                                      cu_launch(gq_batched_ss_kernel, grid, SS_THREADS, SS_SMEM, st, *a, starts,
+                                                tile_off, tile_off + a->E + 1);
+                                  });
 }
 
 #endif

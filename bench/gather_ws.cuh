@@ -24,6 +24,7 @@
 #define FP4MOE_BENCH_GATHER_WS_CUH
 
 #include "kernels/cuda/mbarrier.cuh"
+#include "gather_candidate.cuh"
 
 #ifndef WS_NC
 #define WS_NC 2
@@ -159,23 +160,10 @@ gq_batched_ws_kernel(gq_args a, const int *__restrict__ starts, const int *__res
 
 /* the candidate's launch: the runs with 64-row tiles, then the kernel (tiled layout, bf16) */
 static int ws_launch(const gq_args *a, cudaStream_t st) {
-    if (!a->tiled || a->K % 64) return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "gather ws: tiled weights, K %% 64 == 0");
-    int *buf = NULL;
-    if (gq_scratch_alloc((void **)&buf, (2 * (size_t)a->E + 3) * sizeof(int), st)) return 1;
-    int *starts = buf, *tile_off = buf + a->E + 1;
-    int rc = gq_launch_runs(a, WS_MT, starts, tile_off, st);
-    if (!rc) {
-        const int64_t NT = (a->N + WS_NF - 1) / WS_NF;
-        const int64_t bound = ((int64_t)a->B / WS_MT + 1 + (a->E < a->B ? a->E : a->B)) * NT;
-        unsigned grid = 0;
-        rc = persistent_grid(gq_batched_ws_kernel, WS_THREADS, WS_SMEM, bound, &grid);
-        if (!rc) {
-            cu_launch(gq_batched_ws_kernel, grid, WS_THREADS, WS_SMEM, st, *a, starts, tile_off);
-            if (cudaGetLastError() != cudaSuccess) rc = fp4moe_set_error(FP4MOE_ECUDA, "gather ws: launch failed");
-        }
-    }
-    gq_scratch_free(buf, st);
-    return rc;
+    return bench_candidate_launch("gather ws", gq_batched_ws_kernel, WS_MT, WS_NF, WS_THREADS, WS_SMEM, a, st,
+                                  [&](unsigned grid, int *starts, int *tile_off) {
+                                      cu_launch(gq_batched_ws_kernel, grid, WS_THREADS, WS_SMEM, st, *a, starts, tile_off);
+                                  });
 }
 
 #endif
