@@ -1,9 +1,10 @@
 /* bench/gather_ss.cuh: the expert-batched gather_qmm kernel with its decoded weights in shared memory
  * (wgmma SS form; issue 12, a candidate measured by bench/gpu_gather_wg.cu built with -DWK_SS=1 against
  * production). Included after src/kernels/cuda/gather_batched.cu (its decode, x layout, item order and
- * epilogue are reused). Written in session 21 without device time: NOT YET RUN - the first device call
- * must show it bitwise equal to production (the harness poisons and compares) before its times mean
- * anything. Design: docs/GPU-NOTES.md, the list written in session 21, item 1.
+ * epilogue are reused). Written in session 21, run in session 22: bitwise equal to production on every
+ * check, not faster (2,048 tokens 1.00x, 8,192 1.10x, 512 1.6x): bound by the shared-memory pipe (Nsight
+ * Compute: L1 84.6% busy) - the SS form reads A and B from shared memory for every k16 product, as much
+ * as the tensor work at N = 64 and more at N = 32 (docs/PERFORMANCE.md session 22). Kept as measured.
  *
  * Why: the production wgmma kernel (RS form) decodes each weight tile once per 64-row tile and waits for
  * a step's products before the next decode (its A registers are the products' operands); at 2,048 tokens
@@ -37,7 +38,9 @@
 #define SS_ABYTES (8 * 2048)          /* one feature half's A tile of a step: 64 features x 128 K bf16 */
 #define SS_XBYTES (8 * SS_MT * 32)    /* the x tile of a step: 128 rows x 128 K bf16 (gw_cfg<128>::XBYTES) */
 #define SS_XKS (SS_MT * 32)           /* bytes of one k16 step of the x tile */
-#define SS_STAGES 4                   /* weight ring: 3 steps ahead */
+#ifndef SS_STAGES
+#define SS_STAGES 4 /* weight ring: 3 steps ahead */
+#endif
 
 /* a thread's weight copies of one step: 8 code bytes of rows g and g + 8 (words 2r, 2r + 1), the scale word */
 struct ss_slot {

@@ -16,12 +16,12 @@
  * WK_WS=1: the candidate is the warp-specialised kernel of bench/gather_ws.cuh instead (tiled layout
  * only: the checks and timings of the checkpoint layout are left out; its macros WS_NC, WS_STAGES,
  * WS_MINB). WK_SS=1: the candidate is bench/gather_ss.cuh's kernel (decoded weights in shared memory,
- * wgmma SS form, 128-row items; tiled layout only; session 21, not yet run). WK_MMA32=1: the candidate is gq_batched_kernel with 32-row tiles (16 features a warp), the
+ * wgmma SS form, 128-row items; tiled layout only; session 21; measured in session 22: not faster). WK_MMA32=1: the candidate is gq_batched_kernel with 32-row tiles (16 features a warp), the
  * kernel that production's gq_batched_w32_kernel (32 features a warp, written as bench/gather_f32w.cuh
  * in session 17, measured 0.88x at 512 tokens and moved to production in session 18) replaced;
  * tiled layout only. The timing table has uniform and skewed routing (Zipf exponent 0.5) at each size
- * (session 19). Usage: gpu_gather_wg (WK_CHECKS=small: only
- * the small checks, for compute-sanitizer) */
+ * (session 19). Usage: gpu_gather_wg (WK_CHECKS=small: only the small checks, for compute-sanitizer;
+ * WK_CHECKS=none: no checks, WK_TOKENS=T: only the timings of T tokens, for Nsight Compute) */
 #include "kernels/cuda/gather_batched.cu"
 
 extern "C" {
@@ -233,7 +233,10 @@ int main(void) {
     /* WK_CHECKS=small: the small checks only, then exit (for compute-sanitizer's memcheck / racecheck) */
     const char *ck = getenv("WK_CHECKS");
     const int small = ck && !strcmp(ck, "small");
-    const int ok = run_checks(&r, small);
+    /* WK_CHECKS=none: no checks (for Nsight Compute runs of the timings); WK_TOKENS=T: only that size */
+    const int ok = ck && !strcmp(ck, "none") ? 1 : run_checks(&r, small);
+    const char *tk = getenv("WK_TOKENS");
+    const int only_T = tk ? atoi(tk) : 0;
     if (small) return ok ? 0 : 1;
     wts_t up, down;
     make_wts(&up, 128, 1856, 2688, &r);
@@ -267,6 +270,7 @@ int main(void) {
             }
         }
         for (int e = 0; e < 128; e++) { maxlen = lens[e] > maxlen ? lens[e] : maxlen; tiles32 += (lens[e] + 31) / 32; }
+        if (only_T && T != only_T) continue; /* (after the routing draws: the same routing as a full run) */
         int BB;
         uint32_t *hidx = make_idx(128, lens, 0, &BB);
         uint32_t *didx = (uint32_t *)gt_upload(hidx, sizeof(uint32_t) * (size_t)B);

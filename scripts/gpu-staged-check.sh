@@ -55,6 +55,7 @@ f_ssd test_ssm_gpu src/kernels/cuda/ops_ssm.cu SSD_TF32
 f_gated test_ops_gpu src/kernels/cuda/ops_elementwise.cu GATED_LANES test_rmsnorm_gated
 f_sort test_ops_gpu src/kernels/cuda/ops_moe.cu SORT_BASE test_moe_route
 f_sched test_gather_qmm_gpu src/kernels/cuda/gather_batched.cu SCHED
+f_ring test_gather_qmm_gpu src/kernels/cuda/gather_batched.cu RING
 "
 if [ "${1:-}" = "--package" ]; then
     BINP=${2:?usage: --package BIN}

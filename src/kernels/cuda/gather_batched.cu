@@ -243,26 +243,93 @@ template <int N> __device__ __forceinline__ void bt_cp_wait() { asm volatile("cp
 /* Fast path (K % 64 == 0, codes 16-byte and scales 4-byte aligned): each thread copies its own
  * step data - 16 code bytes of rows g and g+8 and the 4-byte scale word holding its two scale bytes
  * of each row - into a private shared-memory slot of a BT_STAGES ring with cp.async, BT_STAGES-1
- * steps ahead. Private slots: no barrier is needed for the weights. */
-struct bt_slot {
-    uint4 c0, c1;   /* codes of rows g, g+8 */
+ * steps ahead. Private slots: no barrier is needed for the weights.
+ * Two forms of the ring (a slot type: the shared-memory addresses of its c0 / c1 code cells and s0 / s1
+ * scale words): bt_slot_soa<J> stores the ring of J slots as arrays - codes of rows g [J] x 16 bytes, of
+ * rows g + 8 [J] x 16 bytes, scale words s0 [J] x 4 bytes, s1 [J] x 4 bytes - so the 32 lanes of a warp
+ * copy into and read from consecutive 16- (4-) byte cells, free of bank conflicts (BT_SLOT_BYTES a slot);
+ * a bt_rec * points to a slot record (c0, c1, s0, s1: 40 bytes, 48 with the uint4 alignment) of an
+ * array: Nsight Compute of the w32 kernel on records (session 22) counted 6x the ideal shared-memory
+ * wavefronts on the cp.async copies into them and ~4x on the scale-word reads (a 48-byte stride puts
+ * lanes l, l + 8, l + 16, l + 24 on one bank). Slot j = stage * (slots a stage) + the thread's index.
+ * Measured (session 22, docs/PERFORMANCE.md): arrays in the w32 and wgmma kernels, prefill 512 + 128
+ * +9.5%, 2,048 + 32 +4.4%; also in gq_batched_kernel's 8- and 32-row tiles, 64-sequence decode +6.1%.
+ * Its 64-row form (168 registers, 3 blocks an SM) keeps the records, as measured: arrays there made
+ * ptxas spill in one try; in this build ptxas reports 36 bytes of spills for the tiled 64-row form
+ * either way (dense NVFP4 linears of 49+ rows below the dequant_gemm route). */
+#define BT_SLOT_BYTES 40
+__device__ __forceinline__ uint4 bt_lds16(uint32_t a) {
+    uint4 v;
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(a));
+    return v;
+}
+__device__ __forceinline__ uint32_t bt_lds4(uint32_t a) {
+    uint32_t v;
+    asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(a));
+    return v;
+}
+
+template <int J> struct bt_slot_soa {
+    uint32_t a16, a4; /* ring + 16 j (codes of rows g), ring + 32 J + 4 j (scale word s0) */
+    __device__ __forceinline__ static bt_slot_soa at(const uint8_t *ring, int j) {
+        const uint32_t b = bt_smem_addr(ring);
+        return {b + 16 * j, b + 32 * J + 4 * j};
+    }
+    __device__ __forceinline__ bt_slot_soa operator+(int d) const { return {a16 + 16 * d, a4 + 4 * d}; }
+    __device__ __forceinline__ uint32_t c0() const { return a16; }
+    __device__ __forceinline__ uint32_t c1() const { return a16 + 16 * J; }
+    __device__ __forceinline__ uint32_t s0() const { return a4; }
+    __device__ __forceinline__ uint32_t s1() const { return a4 + 4 * J; }
+    __device__ __forceinline__ uint4 c0v() const { return bt_lds16(c0()); }
+    __device__ __forceinline__ uint4 c1v() const { return bt_lds16(c1()); }
+#ifdef FP4MOE_INJECT_FAULT_RING /* deliberate fault (tests must catch it): the next thread's scale word */
+    __device__ __forceinline__ uint32_t s0v() const { return bt_lds4(s0() + 4); }
+#else
+    __device__ __forceinline__ uint32_t s0v() const { return bt_lds4(s0()); }
+#endif
+    __device__ __forceinline__ uint32_t s1v() const { return bt_lds4(s1()); }
+};
+struct bt_rec {
+    uint4 c0, c1;    /* codes of rows g, g+8 */
     uint32_t s0, s1; /* scale words of rows g, g+8 (bytes 2(t&1), 2(t&1)+1 are this thread's) */
 };
-
-__device__ __forceinline__ void bt_issue(bt_slot *slot, const uint8_t *crow0, const uint8_t *crow1,
+/* The ring's slot j (this thread's of stage 0), as records (REC) or as arrays of J slots */
+template <bool REC, int J> __device__ __forceinline__ auto bt_ring_at(uint8_t *ring, unsigned j) {
+    if constexpr (REC) return reinterpret_cast<bt_rec *>(ring) + j;
+    else return bt_slot_soa<J>::at(ring, (int)j);
+}
+template <typename S>
+__device__ __forceinline__ void bt_issue(S slot, const uint8_t *crow0, const uint8_t *crow1,
                                          const uint8_t *srow0, const uint8_t *srow1, int step, int t, int KB) {
     const int kb = step * 8 + 2 * t, sb = step * 8 + 4 * (t >> 1);
     const int cb = kb < KB ? 16 : 0, ss = sb < KB ? 4 : 0; /* KB % 4 == 0: a word is in or out */
     const int kbc = kb < KB ? kb : 0, sbc = sb < KB ? sb : 0; /* keep the address valid */
+    bt_cp16(slot.c0(), crow0 + (int64_t)kbc * 8, cb);
+    bt_cp16(slot.c1(), crow1 + (int64_t)kbc * 8, cb);
+    bt_cp4(slot.s0(), srow0 + sbc, ss);
+    bt_cp4(slot.s1(), srow1 + sbc, ss);
+}
+
+/* Tiled layout (gather_cuda.cuh): the thread's 16 + 16 code bytes and its scale word (blocks 2c, 2c+1
+ * of row g in the low half, of row g + 8 in the high half) from the step's piece. */
+template <typename S> __device__ __forceinline__ void bt_issue_tiled(S slot, const uint8_t *piece, int lane) {
+    bt_cp16(slot.c0(), piece + lane * 16, 16);
+    bt_cp16(slot.c1(), piece + 512 + lane * 16, 16);
+    bt_cp4(slot.s0(), piece + 1024 + lane * 4, 4);
+}
+
+/* the same two copies into a slot record (gq_batched_kernel) */
+__device__ __forceinline__ void bt_issue(bt_rec *slot, const uint8_t *crow0, const uint8_t *crow1, const uint8_t *srow0,
+                                         const uint8_t *srow1, int step, int t, int KB) {
+    const int kb = step * 8 + 2 * t, sb = step * 8 + 4 * (t >> 1);
+    const int cb = kb < KB ? 16 : 0, ss = sb < KB ? 4 : 0;
+    const int kbc = kb < KB ? kb : 0, sbc = sb < KB ? sb : 0;
     bt_cp16(bt_smem_addr(&slot->c0), crow0 + (int64_t)kbc * 8, cb);
     bt_cp16(bt_smem_addr(&slot->c1), crow1 + (int64_t)kbc * 8, cb);
     bt_cp4(bt_smem_addr(&slot->s0), srow0 + sbc, ss);
     bt_cp4(bt_smem_addr(&slot->s1), srow1 + sbc, ss);
 }
-
-/* Tiled layout (gather_cuda.cuh): the thread's 16 + 16 code bytes and its scale word (blocks 2c, 2c+1
- * of row g in the low half, of row g + 8 in the high half) from the step's piece. */
-__device__ __forceinline__ void bt_issue_tiled(bt_slot *slot, const uint8_t *piece, int lane) {
+__device__ __forceinline__ void bt_issue_tiled(bt_rec *slot, const uint8_t *piece, int lane) {
     bt_cp16(bt_smem_addr(&slot->c0), piece + lane * 16, 16);
     bt_cp16(bt_smem_addr(&slot->c1), piece + 512 + lane * 16, 16);
     bt_cp4(bt_smem_addr(&slot->s0), piece + 1024 + lane * 4, 4);
@@ -275,16 +342,26 @@ __device__ __forceinline__ void bt_issue_tiled(bt_slot *slot, const uint8_t *pie
 template <bool TL> struct bt_wstream {
     const uint8_t *crow0, *crow1, *srow0, *srow1, *tpiece;
     int t, lane, KB;
-    __device__ __forceinline__ void issue(bt_slot *slot, int step, int nsteps) const {
+    template <typename S> __device__ __forceinline__ void issue(S slot, int step, int nsteps) const {
         if (step >= nsteps) return;
         if (TL) bt_issue_tiled(slot, tpiece + (int64_t)step * GQ_TILE_PIECE, lane);
         else bt_issue(slot, crow0, crow1, srow0, srow1, step, t, KB);
     }
-    __device__ __forceinline__ void read(const bt_slot *sl, uint32_t (&w0)[4], uint32_t (&w1)[4], uint32_t &sw0,
+    __device__ __forceinline__ void read(bt_rec *sl, uint32_t (&w0)[4], uint32_t (&w1)[4], uint32_t &sw0,
                                          uint32_t &sw1) const {
         const uint4 c0 = sl->c0, c1 = sl->c1;
         sw0 = TL ? sl->s0 & 0xffffu : sl->s0 >> (16 * (t & 1));
         sw1 = TL ? sl->s0 >> 16 : sl->s1 >> (16 * (t & 1));
+        w0[0] = c0.x; w0[1] = c0.y; w0[2] = c0.z; w0[3] = c0.w;
+        w1[0] = c1.x; w1[1] = c1.y; w1[2] = c1.z; w1[3] = c1.w;
+    }
+    template <typename S>
+    __device__ __forceinline__ void read(S sl, uint32_t (&w0)[4], uint32_t (&w1)[4], uint32_t &sw0,
+                                         uint32_t &sw1) const {
+        const uint4 c0 = sl.c0v(), c1 = sl.c1v();
+        const uint32_t s0 = sl.s0v();
+        sw0 = TL ? s0 & 0xffffu : s0 >> (16 * (t & 1));
+        sw1 = TL ? s0 >> 16 : sl.s1v() >> (16 * (t & 1));
         w0[0] = c0.x; w0[1] = c0.y; w0[2] = c0.z; w0[3] = c0.w;
         w1[0] = c1.x; w1[1] = c1.y; w1[2] = c1.z; w1[3] = c1.w;
     }
@@ -360,7 +437,9 @@ template <int MT> struct bt_cfg {
     static_assert(MT == 8 || MT == 32 || MT == 64, "row tile: 8, 32 or 64");
     static constexpr int WARPS = MT == 32 ? 8 : 4, THREADS = WARPS * 32, NTILE = WARPS * 16;
     static constexpr int XBYTES = 2 * MT * BT_XROW;                     /* double-buffered x tile */
-    static constexpr int SMEM = XBYTES + BT_STAGES * THREADS * (int)sizeof(bt_slot);
+    /* the weight ring: arrays, records for 64-row tiles (bt_slot_soa's comment) */
+    static constexpr bool RECORDS = MT == 64;
+    static constexpr int SMEM = XBYTES + BT_STAGES * THREADS * (RECORDS ? (int)sizeof(bt_rec) : BT_SLOT_BYTES);
     static constexpr int MINBLOCKS = MT == 32 ? BT_MINB32 : MT == 64 ? 3 : 4; /* 128 / 168 / 128 registers */
 };
 
@@ -473,7 +552,8 @@ gq_batched_kernel(gq_args a, const int *__restrict__ starts, const int *__restri
     constexpr int THREADS = cfg::THREADS, NTILE = cfg::NTILE;
     extern __shared__ __align__(16) uint8_t smem[];
     uint8_t *xs0 = smem, *xs1 = smem + MT * BT_XROW;
-    bt_slot *ring = reinterpret_cast<bt_slot *>(smem + cfg::XBYTES) + threadIdx.x; /* + stage*THREADS */
+    /* + stage * THREADS */
+    auto ring = bt_ring_at<cfg::RECORDS, BT_STAGES * THREADS>(smem + cfg::XBYTES, threadIdx.x);
     typedef bt_ops<T> ops;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const int N = a.N, K = a.K, KB = K >> 4, nsteps = (K + BT_KSTEP - 1) / BT_KSTEP;
@@ -593,7 +673,7 @@ gq_batched_kernel(gq_args a, const int *__restrict__ starts, const int *__restri
 #define BW_THREADS (BW_WARPS * 32)
 #define BW_NTILE (BW_WARPS * 32) /* features of an item: 128 */
 #define BW_XBYTES (2 * BW_MT * BT_XROW)
-#define BW_SMEM (BW_XBYTES + BT_STAGES * BW_THREADS * 2 * (int)sizeof(bt_slot))
+#define BW_SMEM (BW_XBYTES + BT_STAGES * BW_THREADS * 2 * BT_SLOT_BYTES)
 
 /* One 128-K step of a warp: tiles A (a0 / a1: code words of its rows g, g + 8; sa / sb: their scale
  * pairs) and B (b0 / b1, ta / tb) x (8 * NTV) token rows; each x fragment load feeds both tiles. */
@@ -655,7 +735,7 @@ gq_batched_w32_kernel(gq_args a, const int *__restrict__ starts, const int *__re
     extern __shared__ __align__(16) uint8_t smem[];
     uint8_t *xs0 = smem, *xs1 = smem + BW_MT * BT_XROW;
     /* the thread's two ring slots of a stage: tile A at stage * 2 * THREADS + tid, tile B + THREADS */
-    bt_slot *ring = reinterpret_cast<bt_slot *>(smem + BW_XBYTES) + threadIdx.x;
+    const auto ring = bt_slot_soa<BT_STAGES * 2 * BW_THREADS>::at(smem + BW_XBYTES, threadIdx.x);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const int N = a.N, K = a.K, KB = K >> 4, nsteps = (K + BT_KSTEP - 1) / BT_KSTEP;
     const int NT = (N + BW_NTILE - 1) / BW_NTILE;
@@ -700,7 +780,7 @@ gq_batched_w32_kernel(gq_args a, const int *__restrict__ starts, const int *__re
         for (int s = 0; s < nsteps; s++) {
             uint32_t a0[4], a1[4], b0[4], b1[4], sa[2], sb[2], ta[2], tb[2], swa0, swa1, swb0, swb1;
             bt_cp_wait<BT_STAGES - 2>(); /* this thread's copies of step s have landed */
-            const bt_slot *sl = ring + (s % BT_STAGES) * 2 * BW_THREADS;
+            const auto sl = ring + (s % BT_STAGES) * 2 * BW_THREADS;
             wa.read(sl, a0, a1, swa0, swa1);
             wb.read(sl + BW_THREADS, b0, b1, swb0, swb1);
             bt_scales4<__nv_bfloat16>(swa0, swa1, sa, sb);
@@ -759,7 +839,7 @@ template <int MT> struct gw_cfg {
     static_assert(MT == 64 || MT == 128, "row tile 64 or 128");
     static constexpr int KS = MT * 32;  /* bytes of one k16 step's B tile: MT / 8 groups x 256 */
     static constexpr int XBYTES = 8 * KS; /* one 128-K step of x: MT rows x 128 bf16 */
-    static constexpr int SMEM = 2 * XBYTES + BT_STAGES * GW_THREADS * (int)sizeof(bt_slot);
+    static constexpr int SMEM = 2 * XBYTES + BT_STAGES * GW_THREADS * BT_SLOT_BYTES;
 };
 
 __device__ __forceinline__ uint32_t gw_xoff(int KS, int ks, int c8, int n) {
@@ -860,7 +940,7 @@ __device__ __forceinline__ void gw_item(const gq_args &a, int e, int64_t row0, i
     typedef gw_cfg<MT> cfg;
     uint8_t *xs0 = smem, *xs1 = smem + cfg::XBYTES;
     const uint32_t xa0 = bt_smem_addr(xs0), xa1 = bt_smem_addr(xs1);
-    bt_slot *ring = reinterpret_cast<bt_slot *>(smem + 2 * cfg::XBYTES) + threadIdx.x;
+    const auto ring = bt_slot_soa<BT_STAGES * GW_THREADS>::at(smem + 2 * cfg::XBYTES, threadIdx.x);
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int NF = a.N, K = a.K, KB = K >> 4, nsteps = (K + BT_KSTEP - 1) / BT_KSTEP;
     const __nv_bfloat16 *x = static_cast<const __nv_bfloat16 *>(a.x);
