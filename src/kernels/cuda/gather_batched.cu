@@ -252,11 +252,13 @@ template <int N> __device__ __forceinline__ void bt_cp_wait() { asm volatile("cp
  * array: Nsight Compute of the w32 kernel on records (session 22) counted 6x the ideal shared-memory
  * wavefronts on the cp.async copies into them and ~4x on the scale-word reads (a 48-byte stride puts
  * lanes l, l + 8, l + 16, l + 24 on one bank). Slot j = stage * (slots a stage) + the thread's index.
- * Measured (session 22, docs/PERFORMANCE.md): arrays in the w32 and wgmma kernels, prefill 512 + 128
- * +9.5%, 2,048 + 32 +4.4%; also in gq_batched_kernel's 8- and 32-row tiles, 64-sequence decode +6.1%.
- * Its 64-row form (168 registers, 3 blocks an SM) keeps the records, as measured: arrays there made
- * ptxas spill in one try; in this build ptxas reports 36 bytes of spills for the tiled 64-row form
- * either way (dense NVFP4 linears of 49+ rows below the dequant_gemm route). */
+ * Measured (session 22, docs/PERFORMANCE.md): arrays in the w32 and wgmma kernels and gq_batched_kernel's
+ * 8- and 32-row tiles, same bits: prefill 512 + 128 +9.2%, 2,048 + 32 +4.8%, 128 + 64 +6.7%, 64-sequence
+ * decode +6.6%. gq_batched_kernel's 64-row form (168 registers, 3 blocks an SM; dense NVFP4 linears of 49+
+ * rows below the dequant_gemm route) keeps the records, as measured: arrays there made ptxas spill in one
+ * try. In this build ptxas reports 36 bytes of spills for that form's tiled instantiation all the same (0
+ * at af4974d, where every tile had records: the allocation moved with the other instantiations); the
+ * 64-sequence decode, which runs it, measured the +6.6%. */
 #define BT_SLOT_BYTES 40
 __device__ __forceinline__ uint4 bt_lds16(uint32_t a) {
     uint4 v;
