@@ -13,7 +13,9 @@
 #        measured against its parent in the same run.
 # Environment: PROMPT (default 512), OUT (default gpu-profile-out), NCU_CACHE (all: caches flushed
 # before every kernel, the ncu default; none: warm, closer to a graph replay), GEN (decode steps of the
-# profiled run, default 4), NCU_ONLY=1 (only the Nsight Compute run and its tables).
+# profiled run, default 4), NCU_ONLY=1 (only the Nsight Compute run and its tables), BATCH (sequences of
+# the profiled run through `bench --batch`, unset: one; e.g. BATCH=64 PROMPT=256 GEN=2 for the 64-sequence
+# decode step; settings such as FP4MOE_GATHER_EXPERT_BATCHED=0 pass through the environment).
 set -u
 cd "$(dirname "$0")/.."
 BIN=${1:?usage: scripts/gpu-decode-profile.sh BIN [OLD]}
@@ -71,7 +73,7 @@ if [ -n "$NCU" ]; then
     timeout 400 "$NCU" --metrics gpu__time_duration.sum --csv --clock-control none --cache-control "${NCU_CACHE:-all}" \
         --kernel-name-base function \
         --kernel-name "regex:^(?!synth)" "$FP" bench --synthetic $CFG --device cuda --prompt-tokens "$P" \
-        --gen-tokens "${GEN:-4}" --repeats 1 --warmup 0 >"$OUT/ncu.csv" 2>"$OUT/ncu.log"
+        ${BATCH:+--batch "$BATCH"} --gen-tokens "${GEN:-4}" --repeats 1 --warmup 0 >"$OUT/ncu.csv" 2>"$OUT/ncu.log"
     echo "ncu rc=$?"
 fi
 echo "== bench --profile (CUDA events, ms)"
