@@ -4,7 +4,8 @@
  * Cases: E = 128 and 8; sorted B in {64, 3072, 40000}, unsorted B in {1, 6, 48}; idx patterns with
  * empty experts (first, middle, last), one hot expert, duplicates, an out-of-range tail; global
  * scales on (far from 1, different per expert) and off; f32/f16/bf16; (N, K) in {(1856, 2688),
- * (2688, 1856), (100, 48), (7, 16)} and, for the bf16 decode kernel (B <= 32), K in {32, 96, 160}. Each case runs qmv, batched, dequant_gemm (sorted cases) and
+ * (2688, 1856), (100, 48), (7, 16)} and, for the bf16 decode kernel (B <= 32), K in {32, 96, 160}; plain
+ * linears (E = 1) of 64-255 rows. Each case runs qmv, batched, dequant_gemm (sorted cases) and
  * the automatic choice with FP4MOE_GATHER_EXPERT_BATCHED unset and =0. Outputs are poisoned (NaN)
  * on the device before every call; every row is checked for NaN and out-of-range rows for exact
  * zeros; the reference covers all rows, or a random subset (first and last included) on big shapes;
@@ -84,6 +85,13 @@ static const gg_case k_cases[] = {
     {8, 7, 32, 5, TU_IDX_UNSORTED, 1, FP4MOE_BF16, 1},
     {8, 100, 96, 29, TU_IDX_UNSORTED, 1, FP4MOE_BF16, 1},
     {8, 40, 160, 19, TU_IDX_DUPLICATES, 0, FP4MOE_BF16, 1},
+    /* plain linears (E = 1) of 64-255 rows (the bitwise check compares route qmv's 8-row tiles against the
+     * batched route's 64-row tiles): the 64-sequence decode's shape, K % 128 = 64 with rows out of range,
+     * the slow path (K % 64 != 0), 255 rows (4 row tiles) */
+    {1, 2688, 2688, 64, TU_IDX_ONE_EXPERT, 1, FP4MOE_BF16, 0},
+    {1, 136, 2112, 100, TU_IDX_OOR_TAIL, 0, FP4MOE_F16, 1},
+    {1, 100, 2000, 64, TU_IDX_ONE_EXPERT, 1, FP4MOE_BF16, 1},
+    {1, 200, 1024, 255, TU_IDX_ONE_EXPERT, 1, FP4MOE_BF16, 0},
 };
 #define N_CASES (sizeof k_cases / sizeof k_cases[0])
 

@@ -438,6 +438,11 @@ static void test_tiled_layout(void **state) {
     tiled_case(g, 1, 300, 384, 70, TU_IDX_TOPK_SORTED, FP4MOE_ROUTE_AUTO, 1, 9);      /* f32 out, batched */
     tiled_case(g, 1, 136, 448, 300, TU_IDX_TOPK_SORTED, FP4MOE_ROUTE_AUTO, 2, 10);    /* dense dequant_gemm */
     tiled_case(g, 1, 136, 448, 70, TU_IDX_TOPK_SORTED, FP4MOE_ROUTE_AUTO, 2, 11);     /* linear, 70 rows */
+    /* plain linears of longer K: 64-row tiles with K % 128 = 64 (17 steps), f32 out, relu^2 on the qmv
+     * route's 8-row tiles */
+    tiled_case(g, 1, 136, 2112, 100, TU_IDX_TOPK_SORTED, FP4MOE_ROUTE_AUTO, 2, 18);
+    tiled_case(g, 1, 300, 1024, 70, TU_IDX_TOPK_SORTED, FP4MOE_ROUTE_AUTO, 1, 19);
+    tiled_case(g, 1, 200, 2048, 64, TU_IDX_TOPK_SORTED, FP4MOE_ROUTE_QMV, 0, 20);
     tiled_case(g, 1, 136, 448, 300, TU_IDX_TOPK_SORTED, FP4MOE_ROUTE_AUTO, 4, 14);    /* load-time copy (tiled) */
     tiled_case(g, 1, 200, 320, 257, TU_IDX_TOPK_SORTED, FP4MOE_ROUTE_AUTO, 5, 15);    /* load-time copy (checkpoint) */
     /* plain linears on the qmv (E = 1: each warp's first piece read before the PDL wait, qmma_pdl_entry):

@@ -244,21 +244,18 @@ template <int N> __device__ __forceinline__ void bt_cp_wait() { asm volatile("cp
  * step data - 16 code bytes of rows g and g+8 and the 4-byte scale word holding its two scale bytes
  * of each row - into a private shared-memory slot of a BT_STAGES ring with cp.async, BT_STAGES-1
  * steps ahead. Private slots: no barrier is needed for the weights.
- * Two forms of the ring (a slot type: the shared-memory addresses of its c0 / c1 code cells and s0 / s1
- * scale words): bt_slot_soa<J> stores the ring of J slots as arrays - codes of rows g [J] x 16 bytes, of
- * rows g + 8 [J] x 16 bytes, scale words s0 [J] x 4 bytes, s1 [J] x 4 bytes - so the 32 lanes of a warp
- * copy into and read from consecutive 16- (4-) byte cells, free of bank conflicts (BT_SLOT_BYTES a slot);
- * a bt_rec * points to a slot record (c0, c1, s0, s1: 40 bytes, 48 with the uint4 alignment) of an
- * array: Nsight Compute of the w32 kernel on records (session 22) counted 6x the ideal shared-memory
+ * The ring is stored as arrays (bt_slot_soa<J>: the shared-memory addresses of a slot's c0 / c1 code
+ * cells and s0 / s1 scale words): codes of rows g [J] x 16 bytes, of rows g + 8 [J] x 16 bytes, scale
+ * words s0 [J] x 4 bytes, s1 [J] x 4 bytes - so the 32 lanes of a warp copy into and read from
+ * consecutive 16- (4-) byte cells, free of bank conflicts (BT_SLOT_BYTES a slot). Slot j = stage *
+ * (slots a stage) + the thread's index. Before, each slot was a 48-byte record (c0, c1, s0, s1):
+ * Nsight Compute of the w32 kernel on records (session 22) counted 6x the ideal shared-memory
  * wavefronts on the cp.async copies into them and ~4x on the scale-word reads (a 48-byte stride puts
- * lanes l, l + 8, l + 16, l + 24 on one bank). Slot j = stage * (slots a stage) + the thread's index.
- * Measured (session 22, docs/PERFORMANCE.md): arrays in the w32 and wgmma kernels and gq_batched_kernel's
- * 8- and 32-row tiles, same bits: prefill 512 + 128 +9.2%, 2,048 + 32 +4.8%, 128 + 64 +6.7%, 64-sequence
- * decode +6.6%. gq_batched_kernel's 64-row form (168 registers, 3 blocks an SM; dense NVFP4 linears of 49+
- * rows below the dequant_gemm route) keeps the records, as measured: arrays there made ptxas spill in one
- * try. In this build ptxas reports 36 bytes of spills for that form's tiled instantiation all the same (0
- * at af4974d, where every tile had records: the allocation moved with the other instantiations); the
- * 64-sequence decode, which runs it, measured the +6.6%. */
+ * lanes l, l + 8, l + 16, l + 24 on one bank). Measured (docs/PERFORMANCE.md), same bits: session 22,
+ * arrays in the w32 and wgmma kernels and gq_batched_kernel's 8- and 32-row tiles: prefill 512 + 128
+ * +9.2%, 2,048 + 32 +4.8%, 128 + 64 +6.7%, 64-sequence decode +6.6%; session 23, the 64-row tiles too
+ * (the last records): 64-sequence decode +0.9% (5,054.7 vs 5,007.7 tok/s), 128 + 64 prefill +1.0%; ptxas
+ * spills 16 bytes in the tiled 64-row bf16 form instead of 36. */
 #define BT_SLOT_BYTES 40
 __device__ __forceinline__ uint4 bt_lds16(uint32_t a) {
     uint4 v;
@@ -291,15 +288,6 @@ template <int J> struct bt_slot_soa {
 #endif
     __device__ __forceinline__ uint32_t s1v() const { return bt_lds4(s1()); }
 };
-struct bt_rec {
-    uint4 c0, c1;    /* codes of rows g, g+8 */
-    uint32_t s0, s1; /* scale words of rows g, g+8 (bytes 2(t&1), 2(t&1)+1 are this thread's) */
-};
-/* The ring's slot j (this thread's of stage 0), as records (REC) or as arrays of J slots */
-template <bool REC, int J> __device__ __forceinline__ auto bt_ring_at(uint8_t *ring, unsigned j) {
-    if constexpr (REC) return reinterpret_cast<bt_rec *>(ring) + j;
-    else return bt_slot_soa<J>::at(ring, (int)j);
-}
 template <typename S>
 __device__ __forceinline__ void bt_issue(S slot, const uint8_t *crow0, const uint8_t *crow1,
                                          const uint8_t *srow0, const uint8_t *srow1, int step, int t, int KB) {
@@ -320,23 +308,6 @@ template <typename S> __device__ __forceinline__ void bt_issue_tiled(S slot, con
     bt_cp4(slot.s0(), piece + 1024 + lane * 4, 4);
 }
 
-/* the same two copies into a slot record (gq_batched_kernel) */
-__device__ __forceinline__ void bt_issue(bt_rec *slot, const uint8_t *crow0, const uint8_t *crow1, const uint8_t *srow0,
-                                         const uint8_t *srow1, int step, int t, int KB) {
-    const int kb = step * 8 + 2 * t, sb = step * 8 + 4 * (t >> 1);
-    const int cb = kb < KB ? 16 : 0, ss = sb < KB ? 4 : 0;
-    const int kbc = kb < KB ? kb : 0, sbc = sb < KB ? sb : 0;
-    bt_cp16(bt_smem_addr(&slot->c0), crow0 + (int64_t)kbc * 8, cb);
-    bt_cp16(bt_smem_addr(&slot->c1), crow1 + (int64_t)kbc * 8, cb);
-    bt_cp4(bt_smem_addr(&slot->s0), srow0 + sbc, ss);
-    bt_cp4(bt_smem_addr(&slot->s1), srow1 + sbc, ss);
-}
-__device__ __forceinline__ void bt_issue_tiled(bt_rec *slot, const uint8_t *piece, int lane) {
-    bt_cp16(bt_smem_addr(&slot->c0), piece + lane * 16, 16);
-    bt_cp16(bt_smem_addr(&slot->c1), piece + 512 + lane * 16, 16);
-    bt_cp4(bt_smem_addr(&slot->s0), piece + 1024 + lane * 4, 4);
-}
-
 /* A thread's weight stream of one item (fast path): its rows' codes and scales (checkpoint layout) or
  * the step-0 piece of its warp's tile (tiled layout). issue: step `step`'s copies into its ring slot
  * (none past the last step; the caller commits); read: the slot's code words and the thread's two
@@ -348,14 +319,6 @@ template <bool TL> struct bt_wstream {
         if (step >= nsteps) return;
         if (TL) bt_issue_tiled(slot, tpiece + (int64_t)step * GQ_TILE_PIECE, lane);
         else bt_issue(slot, crow0, crow1, srow0, srow1, step, t, KB);
-    }
-    __device__ __forceinline__ void read(bt_rec *sl, uint32_t (&w0)[4], uint32_t (&w1)[4], uint32_t &sw0,
-                                         uint32_t &sw1) const {
-        const uint4 c0 = sl->c0, c1 = sl->c1;
-        sw0 = TL ? sl->s0 & 0xffffu : sl->s0 >> (16 * (t & 1));
-        sw1 = TL ? sl->s0 >> 16 : sl->s1 >> (16 * (t & 1));
-        w0[0] = c0.x; w0[1] = c0.y; w0[2] = c0.z; w0[3] = c0.w;
-        w1[0] = c1.x; w1[1] = c1.y; w1[2] = c1.z; w1[3] = c1.w;
     }
     template <typename S>
     __device__ __forceinline__ void read(S sl, uint32_t (&w0)[4], uint32_t (&w1)[4], uint32_t &sw0,
@@ -439,9 +402,7 @@ template <int MT> struct bt_cfg {
     static_assert(MT == 8 || MT == 32 || MT == 64, "row tile: 8, 32 or 64");
     static constexpr int WARPS = MT == 32 ? 8 : 4, THREADS = WARPS * 32, NTILE = WARPS * 16;
     static constexpr int XBYTES = 2 * MT * BT_XROW;                     /* double-buffered x tile */
-    /* the weight ring: arrays, records for 64-row tiles (bt_slot_soa's comment) */
-    static constexpr bool RECORDS = MT == 64;
-    static constexpr int SMEM = XBYTES + BT_STAGES * THREADS * (RECORDS ? (int)sizeof(bt_rec) : BT_SLOT_BYTES);
+    static constexpr int SMEM = XBYTES + BT_STAGES * THREADS * BT_SLOT_BYTES; /* + the weight ring */
     static constexpr int MINBLOCKS = MT == 32 ? BT_MINB32 : MT == 64 ? 3 : 4; /* 128 / 168 / 128 registers */
 };
 
@@ -555,7 +516,7 @@ gq_batched_kernel(gq_args a, const int *__restrict__ starts, const int *__restri
     extern __shared__ __align__(16) uint8_t smem[];
     uint8_t *xs0 = smem, *xs1 = smem + MT * BT_XROW;
     /* + stage * THREADS */
-    auto ring = bt_ring_at<cfg::RECORDS, BT_STAGES * THREADS>(smem + cfg::XBYTES, threadIdx.x);
+    const auto ring = bt_slot_soa<BT_STAGES * THREADS>::at(smem + cfg::XBYTES, threadIdx.x);
     typedef bt_ops<T> ops;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const int N = a.N, K = a.K, KB = K >> 4, nsteps = (K + BT_KSTEP - 1) / BT_KSTEP;
@@ -650,7 +611,7 @@ gq_batched_kernel(gq_args a, const int *__restrict__ starts, const int *__restri
 
 /* ---- 32-row tiles of bf16 calls on tiled weights: 32 output features a warp --------------------
  * For the 32-row tiles of bf16 x and y on the tiled layout with experts (E > 1; the 30B-A3B MoE at
- * 171 .. 1,024 tokens; a plain linear keeps gq_batched_kernel, not measured here) the items run here
+ * 86 .. 1,024 tokens; a plain linear keeps gq_batched_kernel, not measured here) the items run here
  * instead of gq_batched_kernel<.., 32, ..>: a warp owns two 16-feature tiles A and B (its features
  * nw .. nw + 31), so every x fragment load from shared memory feeds 4 mma instead of
  * 2 and a block of 4 warps covers the same 128 features as gq_batched_kernel's 8, staging the x tile
@@ -807,11 +768,13 @@ int gq_batched_row_tile(const gq_args *a, fp4moe_dtype dtype) {
     (void)dtype;
     /* 64-row tiles halve the weight re-reads and dequantizations of long runs; 32-row tiles keep
      * more items (and fewer wasted n8 tiles) when runs are short (docs/GPU-NOTES.md); runs of at
-     * most 8 rows on average (batched decode: 64 sequences x top-6 over 128 experts is 3 a run)
+     * most 4 rows on average (batched decode: 64 sequences x top-6 over 128 experts is 3 a run)
      * take 8-row tiles, whose 4-warp blocks fit 4 an SM: measured 4,383 against 4,026 aggregate
-     * decode tok/s at 64 sequences (docs/PERFORMANCE.md, 2026-12-02). */
+     * decode tok/s at 64 sequences (docs/PERFORMANCE.md, 2026-12-02). The bound was 8 rows until
+     * session 23: at 5-8 rows (a 128-token prefill: 6) the 32-row tiles (the w32 kernel for bf16
+     * experts) measured 9,648 against 8,939 tok/s (128 + 64 tokens, +7.9%, same bits). */
     if ((int64_t)a->B > 48ll * a->E) return 64;
-    return (int64_t)a->B <= 8ll * a->E ? GQ_QMV_TILE_ROWS : 32;
+    return (int64_t)a->B <= 4ll * a->E ? GQ_QMV_TILE_ROWS : 32;
 }
 
 /* ---- 64-row tiles of bf16 calls on the warpgroup matrix instruction (wgmma, sm_90a) ------------
