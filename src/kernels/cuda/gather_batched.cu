@@ -773,6 +773,12 @@ int gq_batched_row_tile(const gq_args *a, fp4moe_dtype dtype) {
      * decode tok/s at 64 sequences (docs/PERFORMANCE.md, 2026-12-02). The bound was 8 rows until
      * session 23: at 5-8 rows (a 128-token prefill: 6) the 32-row tiles (the w32 kernel for bf16
      * experts) measured 9,648 against 8,939 tok/s (128 + 64 tokens, +7.9%, same bits). */
+    /* A plain linear (E = 1) of 49-64 rows (the 64-sequence decode step) has one 64-row tile, so N / 64
+     * items: up to N = 8,192 (128 items for 132 SMs) the 8-row tiles' 8x as many items win (session 23,
+     * Nsight Compute of that step: 24.98 against 31.97 us a call at N = 2,688, 16.2 against 22.8 at N =
+     * 256), beyond it not (Mamba in_proj, N = 10,304: 45.9 against 30.7 us; the lm_head's 131,072: 513
+     * against 211). Which tile computes a row does not change its bits. */
+    if (a->E == 1 && a->B <= 64 && a->N <= 8192) return GQ_QMV_TILE_ROWS;
     if ((int64_t)a->B > 48ll * a->E) return 64;
     return (int64_t)a->B <= 4ll * a->E ? GQ_QMV_TILE_ROWS : 32;
 }
