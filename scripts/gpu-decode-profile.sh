@@ -87,38 +87,5 @@ try:
 except Exception as e:
     print("bench json:", e)
 EOF
-python3 - "$OUT/ncu.csv" <<'EOF'
-import csv, sys, collections
-rows = []
-try:
-    lines = [l for l in open(sys.argv[1]) if l.startswith('"')]
-except OSError as e:
-    sys.exit(f"no ncu output: {e}")
-for r in csv.DictReader(lines):
-    if r.get("Metric Name") != "gpu__time_duration.sum":
-        continue
-    v = float(r["Metric Value"].replace(",", ""))
-    unit = r.get("Metric Unit", "nsecond")
-    us = v / 1000.0 if unit.startswith("n") else (v if unit.startswith("u") else v * 1000.0)
-    rows.append((r["Kernel Name"], us))
-fw, cur = [], None
-for name, us in rows:
-    if name.startswith("embed_kernel"):
-        cur = []
-        fw.append(cur)
-    if cur is not None:
-        cur.append((name, us))
-print(f"== ncu: {len(rows)} kernels, {len(fw)} forwards")
-def table(title, seg):
-    agg = collections.OrderedDict()
-    for n, us in seg:
-        c, s = agg.get(n, (0, 0.0))
-        agg[n] = (c + 1, s + us)
-    tot = sum(us for _, us in seg)
-    print(f"-- {title}: {len(seg)} kernels, {tot:.1f} us of kernel time")
-    for n, (c, s) in sorted(agg.items(), key=lambda kv: -kv[1][1]):
-        print(f"{n[:60]:60s} {c:5d} {s:10.1f} us {100*s/tot:5.1f}%")
-if fw:
-    table("prefill (first forward)", fw[0])
-    table("last decode step", fw[-1])
-EOF
+python3 scripts/ncu_kernels.py "$OUT/ncu.csv"         # per kernel name: prefill, last decode step
+python3 scripts/ncu_kernels.py --by-grid "$OUT/ncu.csv" # the gather calls by shape (grid size)
