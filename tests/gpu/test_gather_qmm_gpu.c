@@ -85,9 +85,10 @@ static const gg_case k_cases[] = {
     {8, 7, 32, 5, TU_IDX_UNSORTED, 1, FP4MOE_BF16, 1},
     {8, 100, 96, 29, TU_IDX_UNSORTED, 1, FP4MOE_BF16, 1},
     {8, 40, 160, 19, TU_IDX_DUPLICATES, 0, FP4MOE_BF16, 1},
-    /* plain linears (E = 1) of 64-255 rows (the bitwise check compares route qmv's 8-row tiles against the
-     * batched route's 64-row tiles): the 64-sequence decode's shape, K % 128 = 64 with rows out of range,
-     * the slow path (K % 64 != 0), 255 rows (4 row tiles) */
+    /* plain linears (E = 1) of 64-255 rows: the 64-sequence decode's shape and the slow path (K % 64 != 0) at
+     * 64 rows (both routes on 8-row tiles: N <= 8,192), K % 128 = 64 with rows out of range at 100 rows and
+     * 255 rows (4 row tiles): there the bitwise check compares route qmv's 8-row tiles against the batched
+     * route's 64-row tiles */
     {1, 2688, 2688, 64, TU_IDX_ONE_EXPERT, 1, FP4MOE_BF16, 0},
     {1, 136, 2112, 100, TU_IDX_OOR_TAIL, 0, FP4MOE_F16, 1},
     {1, 100, 2000, 64, TU_IDX_ONE_EXPERT, 1, FP4MOE_BF16, 1},

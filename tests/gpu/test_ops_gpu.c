@@ -427,7 +427,7 @@ static void test_tiled_layout(void **state) {
     /* N % 16 != 0, K % 128 == 64, several experts, rows out of range, one expert, duplicates */
     tiled_case(g, 5, 40, 192, 13, TU_IDX_OOR_TAIL, FP4MOE_ROUTE_AUTO, 0, 1);         /* qmv (tensor cores) */
     tiled_case(g, 128, 1856, 2688, 6, TU_IDX_TOPK_SORTED, FP4MOE_ROUTE_AUTO, 0, 2);   /* decode shape */
-    tiled_case(g, 8, 72, 128, 48, TU_IDX_TOPK_SORTED, FP4MOE_ROUTE_BATCHED, 0, 3);    /* 48 rows: 8-row tiles */
+    tiled_case(g, 8, 72, 128, 48, TU_IDX_TOPK_SORTED, FP4MOE_ROUTE_BATCHED, 0, 3);    /* 48 rows: 32-row tiles (w32) */
     tiled_case(g, 8, 72, 128, 40, TU_IDX_UNSORTED, FP4MOE_ROUTE_QMV, 3, 12);          /* unsorted > 32 rows: refused */
     tiled_case(g, 16, 200, 320, 600, TU_IDX_OOR_TAIL, FP4MOE_ROUTE_BATCHED, 0, 4);    /* 32-row tiles */
     tiled_case(g, 4, 100, 256, 900, TU_IDX_ONE_EXPERT, FP4MOE_ROUTE_BATCHED, 0, 5);   /* 64-row tiles */

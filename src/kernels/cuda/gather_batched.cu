@@ -616,8 +616,9 @@ gq_batched_kernel(gq_args a, const int *__restrict__ starts, const int *__restri
  * nw .. nw + 31), so every x fragment load from shared memory feeds 4 mma instead of
  * 2 and a block of 4 warps covers the same 128 features as gq_batched_kernel's 8, staging the x tile
  * with half the threads. Measured on the H200 (bench/gpu_gather_wg.cu, session 18): 0.434 against
- * 0.491 ms for the up + down calls at 512 tokens (0.88x); at 128 tokens (8-row tiles in production)
- * 1.02x and at 2,048+ (64-row wgmma in production) 1.07-1.29x, so only the 32-row tiles take it.
+ * 0.491 ms for the up + down calls at 512 tokens (0.88x); at 128 tokens (then 8-row tiles in production;
+ * 32-row tiles, i.e. this kernel, since session 23) 1.02x and at 2,048+ (64-row wgmma in production)
+ * 1.07-1.29x, so only the 32-row tiles take it.
  * Per element the arithmetic is gq_batched_kernel's: the same decode (bt_dec4), block-scale
  * products, k16 order of mma into an fp32 accumulator from 0, and epilogue - so the outputs are
  * bitwise equal to it (and to "qmv, tiled by 8 rows"; test_ops_gpu's tiled_layout compares against
@@ -773,11 +774,13 @@ int gq_batched_row_tile(const gq_args *a, fp4moe_dtype dtype) {
      * decode tok/s at 64 sequences (docs/PERFORMANCE.md, 2026-12-02). The bound was 8 rows until
      * session 23: at 5-8 rows (a 128-token prefill: 6) the 32-row tiles (the w32 kernel for bf16
      * experts) measured 9,648 against 8,939 tok/s (128 + 64 tokens, +7.9%, same bits). */
-    /* A plain linear (E = 1) of 49-64 rows (the 64-sequence decode step) has one 64-row tile, so N / 64
-     * items: up to N = 8,192 (128 items for 132 SMs) the 8-row tiles' 8x as many items win (session 23,
-     * Nsight Compute of that step: 24.98 against 31.97 us a call at N = 2,688, 16.2 against 22.8 at N =
-     * 256), beyond it not (Mamba in_proj, N = 10,304: 45.9 against 30.7 us; the lm_head's 131,072: 513
-     * against 211). Which tile computes a row does not change its bits. */
+    /* A plain linear (E = 1) of 64 rows (the 64-sequence decode step; the automatic route brings no
+     * fewer here, 33-63 rows take the qmv route's 8-row tiles) has one 64-row tile, so N / 64 items: up
+     * to N = 8,192 (128 items for 132 SMs) the 8-row tiles' 8x as many items win (session 23, Nsight
+     * Compute of that step: 24.98 against 31.97 us a call at N = 2,688, 16.2 against 22.8 at N = 256),
+     * beyond it not (Mamba in_proj, N = 10,304: 45.9 against 30.7 us; the lm_head's 131,072: 513 against
+     * 211). Forced-batched and row-map calls of 5-48 rows follow the same rule (not measured). Which tile
+     * computes a row does not change its bits. */
     if (a->E == 1 && a->B <= 64 && a->N <= 8192) return GQ_QMV_TILE_ROWS;
     if ((int64_t)a->B > 48ll * a->E) return 64;
     return (int64_t)a->B <= 4ll * a->E ? GQ_QMV_TILE_ROWS : 32;
@@ -1082,9 +1085,10 @@ template <typename T, typename TY, int V>
 static int launch_dtype(const gq_args *a, int mt, const int *starts, const int *tile_off, cudaStream_t st) {
     /* fast path: cp.async of 16 code bytes and a 4-byte scale word per row and step */
     const bool fast = (a->K % 64) == 0 && ((uintptr_t)a->codes & 15) == 0 && ((uintptr_t)a->scales & 3) == 0;
-    /* the wgmma kernel: bf16 in and out, experts (E > 1). A plain linear (E = 1) of 49..255 rows has
-     * one row tile, i.e. N / 128 items of 2 warpgroups for 132 SMs: the mma.sync kernel's 64-feature
-     * items measured faster there (64-sequence decode 4,307 vs 4,695 tok/s, docs/PERFORMANCE.md). */
+    /* the wgmma kernel: bf16 in and out, experts (E > 1). A plain linear (E = 1) of 65..255 rows has
+     * 2-4 row tiles of 64, i.e. few items of 2 warpgroups for 132 SMs: the mma.sync kernel's 64-feature
+     * items measured faster there (at 64 rows, session 10: 64-sequence decode 4,307 vs 4,695 tok/s,
+     * docs/PERFORMANCE.md; 64 rows take 8-row tiles up to N = 8,192 since session 23). */
     constexpr bool WGT = std::is_same<T, __nv_bfloat16>::value && std::is_same<TY, __nv_bfloat16>::value;
     const bool WG = WGT && a->E > 1;
     if (a->tiled) { /* the tiled layout: the fast path only */
