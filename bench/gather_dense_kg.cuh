@@ -15,7 +15,8 @@
  * sums differ from production's by the order over K (KG partial chains): not bitwise equal, hence a new
  * contract if it went to production (both routes and both layouts would run it for these calls).
  * Limits: 168 registers a thread (the 64-row form's) allow 3 groups an SM (384 threads); shared memory
- * KG x (36,864 + 20,480) bytes. B <= 64, rows all of expert 0 (idx ignored), tiled layout, K % 64 == 0. */
+ * KG x (36,864 + 20,480) bytes; the partials of groups 1.. must fit group 0's x buffers, so KG <= 3. B <= 64,
+ * every row of expert 0 (idx not read: no out-of-range rows), no row map, tiled layout, K % 64 == 0. */
 #ifndef KG_GROUPS
 #define KG_GROUPS 3
 #endif
@@ -66,7 +67,7 @@ struct kg_xstage {
     }
 };
 
-__device__ __forceinline__ void kg_bar(int id) { asm volatile("bar.sync %0, %1;" ::"r"(id), "n"(KG_GT)); }
+__device__ __forceinline__ void kg_bar(int id) { asm volatile("bar.sync %0, %1;" ::"r"(id), "n"(KG_GT) : "memory"); }
 
 __global__ void __launch_bounds__(KG_GROUPS * KG_GT, 1) gq_dense_kg_kernel(gq_args a) {
     cu_pdl_entry();
@@ -142,8 +143,9 @@ __global__ void __launch_bounds__(KG_GROUPS * KG_GT, 1) gq_dense_kg_kernel(gq_ar
 
 /* the candidate's launch: E = 1, B <= 64, tiled bf16 (else FP4MOE_EUNSUPPORTED) */
 static int kg_launch(const gq_args *a, cudaStream_t st) {
-    if (a->E != 1 || a->B > KG_MT || !a->tiled || a->K % 64)
-        return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "gq_dense_kg: E=%d B=%d tiled=%d K=%d", a->E, a->B, a->tiled, a->K);
+    if (a->E != 1 || a->B < 1 || a->B > KG_MT || !a->tiled || a->K % 64 || a->xrow || ((uintptr_t)a->codes & 15))
+        return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "gq_dense_kg: E=%d B=%d tiled=%d K=%d (or a row map, or codes "
+                                "not 16-byte aligned)", a->E, a->B, a->tiled, a->K);
     static bool attr = false;
     if (!attr) {
         FP4MOE_CUDA_TRY("gq_dense_kg", cudaFuncSetAttribute(gq_dense_kg_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,

@@ -6,8 +6,10 @@
  *
  * Checks first (outputs poisoned; the candidate sums K in another order, so: max |candidate - production| /
  * max |production| <= 1e-2 is the pass line, and the bitwise-equal count is printed), on the shapes below and
- * two awkward ones (N % 64 != 0, K % 128 = 64, B = 37 and 1). Then the timing table: median ms a call (CUDA
- * events, 7 batches of 20 calls), and the step total weighted by the calls a decode step makes of each shape
+ * awkward ones (N % 64 != 0, K % 128 = 64, B = 37 and 1, K of 1 step: groups without steps). Then the timing
+ * table: median ms a call (CUDA events, 7 batches of 20 calls) - production as the model calls it (launch_tiled:
+ * the runs kernel and the scratch included) and its kernel alone (runs found once before timing) - and the step
+ * total weighted by the calls a decode step makes of each shape
  * (23 Mamba layers: in_proj 10,304 x 2,688, out_proj 2,688 x 4,096; 23 shared experts: up 3,712 x 2,688, down
  * 2,688 x 3,712; 6 attention layers: q 4,096 x 2,688, k and v 256 x 2,688, o 2,688 x 4,096).
  * Usage: gpu_dense_b64 (DB_ROWS=B: rows, <= 64; DB_CHECKS=none: timings only). Variants: bench/
@@ -45,12 +47,15 @@ static void make_dense(dw_t *w, int N, int K, tu_rng *r) {
 
 typedef struct {
     gq_args a;
-    int which; /* 0: production 8-row tiles, 1: production 64-row tiles, 2: the candidate */
+    int which; /* 0 / 1: production 8- / 64-row tiles as called, 2: the candidate, 3 / 4: production's kernel alone */
+    const int *runs8, *runs64; /* starts (E + 1) then tile_off (E + 2) of row tile 8 / 64, for 3 / 4 */
 } dctx;
 
 static int run_one(void *p) {
     const dctx *c = (const dctx *)p;
     if (c->which == 2) return kg_launch(&c->a, 0);
+    if (c->which == 3) return launch_dtype<__nv_bfloat16, __nv_bfloat16, 4>(&c->a, 8, c->runs8, c->runs8 + 2, 0);
+    if (c->which == 4) return launch_dtype<__nv_bfloat16, __nv_bfloat16, 4>(&c->a, 64, c->runs64, c->runs64 + 2, 0);
     return launch_tiled(&c->a, FP4MOE_BF16, c->which == 0 ? 8 : 64, 0);
 }
 
@@ -75,7 +80,7 @@ static int check(int N, int K, int B, int relu2, tu_rng *r) {
     void *y0 = gt_upload(NULL, yb), *y1 = gt_upload(NULL, yb);
     gt_poison(y0, yb);
     gt_poison(y1, yb);
-    dctx c0 = {dense_args(&w, x, y0, idx, B, relu2), 0}, c1 = {dense_args(&w, x, y1, idx, B, relu2), 2};
+    dctx c0 = {dense_args(&w, x, y0, idx, B, relu2), 0, nullptr, nullptr}, c1 = {dense_args(&w, x, y1, idx, B, relu2), 2, nullptr, nullptr};
     const int e0 = run_one(&c0), e1 = run_one(&c1);
     const cudaError_t ce = cudaDeviceSynchronize();
     if (e0 || e1 || ce != cudaSuccess) {
@@ -118,11 +123,16 @@ int main(void) {
     if (!ck || strcmp(ck, "none")) {
         ok &= check(200, 320, 37, 1, &r); /* N % 64 = 8, K % 128 = 64, a part n8 tile, relu^2 */
         ok &= check(136, 2112, 1, 0, &r);
+        ok &= check(200, 128, 37, 0, &r); /* one K step: groups 1.. have none */
+        ok &= check(72, 64, 64, 1, &r);
         for (int i = 0; i < nsh; i++) ok &= check(sh[i].N, sh[i].K, B, 0, &r);
     }
     printf("| shape (N x K), B = %d | calls a step | production 8-row ms | production 64-row ms | candidate KG=%d ms | "
-           "candidate / best production |\n|---|---:|---:|---:|---:|---:|\n", B, KG_GROUPS);
-    double tot[3] = {0, 0, 0}, best = 0;
+           "candidate / best production | 8-row / 64-row kernel alone ms |\n|---|---:|---:|---:|---:|---:|---:|\n", B,
+           KG_GROUPS);
+    double tot[5] = {0, 0, 0, 0, 0}, best = 0;
+    /* the runs of an all-zero idx (starts (E + 1 = 2) then tile_off (E + 2 = 3)) for row tiles 8 and 64 */
+    int *runs = (int *)gt_upload(NULL, 2 * 5 * sizeof(int));
     for (int i = 0; i < nsh; i++) {
         dw_t w;
         make_dense(&w, sh[i].N, sh[i].K, &r);
@@ -130,19 +140,25 @@ int main(void) {
         uint32_t *idx = (uint32_t *)gt_upload(NULL, sizeof(uint32_t) * (size_t)B);
         GT_CHECK(cudaMemset(idx, 0, sizeof(uint32_t) * (size_t)B));
         void *y = gt_upload(NULL, (size_t)B * sh[i].N * 2);
-        float ms[3];
-        for (int m = 0; m < 3; m++) {
-            dctx c = {dense_args(&w, x, y, idx, B, 0), m};
+        const gq_args a = dense_args(&w, x, y, idx, B, 0);
+        if (gq_launch_runs(&a, 8, runs, runs + 2, 0) || gq_launch_runs(&a, 64, runs + 5, runs + 7, 0)) {
+            fprintf(stderr, "runs: %s\n", fp4moe_last_error());
+            return 1;
+        }
+        float ms[5];
+        for (int m = 0; m < 5; m++) {
+            dctx c = {a, m, runs, runs + 5};
             ms[m] = gt_time_ms(run_one, &c, 7, 20);
             tot[m] += ms[m] * sh[i].calls;
         }
         const float bp = ms[0] < ms[1] ? ms[0] : ms[1];
         best += bp * sh[i].calls;
-        printf("| %s %d x %d | %d | %.4f | %.4f | %.4f | %.2f |\n", sh[i].what, sh[i].N, sh[i].K, sh[i].calls, ms[0], ms[1],
-               ms[2], ms[2] / bp);
+        printf("| %s %d x %d | %d | %.4f | %.4f | %.4f | %.2f | %.4f / %.4f |\n", sh[i].what, sh[i].N, sh[i].K, sh[i].calls,
+               ms[0], ms[1], ms[2], ms[2] / bp, ms[3], ms[4]);
         gt_free(x); gt_free(idx); gt_free(y); gt_free(w.tiled); gt_free(w.gs);
     }
-    printf("| a decode step's plain linears | | %.3f | %.3f | %.3f | %.2f (best production %.3f) |\n", tot[0], tot[1],
-           tot[2], tot[2] / best, best);
+    printf("| a decode step's plain linears | | %.3f | %.3f | %.3f | %.2f (best production %.3f) | %.3f / %.3f |\n",
+           tot[0], tot[1], tot[2], tot[2] / best, best, tot[3], tot[4]);
+    gt_free(runs);
     return ok ? 0 : 1;
 }
