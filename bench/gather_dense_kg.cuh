@@ -26,47 +26,6 @@
 #define KG_RB (BT_STAGES * KG_GT * BT_SLOT_BYTES)
 #define KG_SMEM (KG_GROUPS * (KG_XB + KG_RB))
 
-/* bt_xstage<bf16, 64, 128, 4> with the group's thread index instead of threadIdx.x */
-struct kg_xstage {
-    static constexpr int NP = KG_MT * 16 / KG_GT;
-    const __nv_bfloat16 *src[NP];
-    uint4 v[NP];
-    int kc, dst;
-    __device__ __forceinline__ void init(int tid, const __nv_bfloat16 *x, int rows, int rows_pad, int K) {
-        const int c = tid & 15, grp = c >> 2;
-        kc = c * 8;
-        dst = (tid >> 4) * BT_XROW + grp * 64 + (grp >> 1) * 16 + (c & 3) * 16;
-#pragma unroll
-        for (int i = 0; i < NP; i++) {
-            const int r = (tid >> 4) + i * (KG_GT / 16);
-            const int rr = r < rows ? r : rows - 1;
-            src[i] = r < rows_pad ? x + (int64_t)rr * K + kc : nullptr;
-        }
-    }
-    __device__ __forceinline__ void load(int k0, int K) {
-        const bool kok = k0 + kc < K;
-#pragma unroll
-        for (int i = 0; i < NP; i++) {
-            v[i] = make_uint4(0, 0, 0, 0);
-            if (src[i] && kok) v[i] = __ldg(reinterpret_cast<const uint4 *>(src[i] + k0));
-        }
-    }
-    __device__ __forceinline__ void store(uint8_t *xs) const {
-#pragma unroll
-        for (int i = 0; i < NP; i++) {
-            if (src[i]) {
-                const uint4 w = v[i];
-                uint4 o;
-                o.x = __byte_perm(w.x, w.z, 0x5410);
-                o.y = __byte_perm(w.x, w.z, 0x7632);
-                o.z = __byte_perm(w.y, w.w, 0x5410);
-                o.w = __byte_perm(w.y, w.w, 0x7632);
-                *reinterpret_cast<uint4 *>(xs + dst + i * (KG_GT / 16) * BT_XROW) = o;
-            }
-        }
-    }
-};
-
 __device__ __forceinline__ void kg_bar(int id) { asm volatile("bar.sync %0, %1;" ::"r"(id), "n"(KG_GT) : "memory"); }
 
 __global__ void __launch_bounds__(KG_GROUPS * KG_GT, 1) gq_dense_kg_kernel(gq_args a) {
@@ -93,8 +52,8 @@ __global__ void __launch_bounds__(KG_GROUPS * KG_GT, 1) gq_dense_kg_kernel(gq_ar
         float acc[KG_MT / 8][4];
 #pragma unroll
         for (int i = 0; i < KG_MT / 8; i++) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
-        kg_xstage xr;
-        xr.init(tid, x, rows, rows_pad, K);
+        bt_xstage<__nv_bfloat16, KG_MT, KG_GT, 4> xr; /* staged by the group's threads */
+        xr.init_tid(tid, x, 0, rows, rows_pad, K);
 #pragma unroll
         for (int p = 0; p < BT_STAGES - 1; p++) {
             ws.issue(ring + p * KG_GT, grp + KG_GROUPS * p, nsteps);

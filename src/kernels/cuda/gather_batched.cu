@@ -176,13 +176,18 @@ template <typename T, int MT, int THREADS, int V> struct bt_xstage {
     /* xrow / xdiv: gq_args' row map (NULL: row b of x) */
     __device__ __forceinline__ void init(const T *x, int64_t row0, int rows, int rows_pad, int K,
                                          const uint32_t *xrow = nullptr, int xdiv = 1) {
-        const int c = threadIdx.x & 15, grp = c >> 2;
+        init_tid(threadIdx.x, x, row0, rows, rows_pad, K, xrow, xdiv);
+    }
+    /* the same with the staging thread's index tid < THREADS given (a group of a larger block) */
+    __device__ __forceinline__ void init_tid(unsigned tid, const T *x, int64_t row0, int rows, int rows_pad, int K,
+                                             const uint32_t *xrow = nullptr, int xdiv = 1) {
+        const int c = tid & 15, grp = c >> 2;
         kc = c * 8;
         /* permuted group of thread t at byte 64t + 16*(t/2): conflict-free fragment loads */
-        dst = (threadIdx.x >> 4) * BT_XROW + grp * 64 + (grp >> 1) * 16 + (c & 3) * 16;
+        dst = (tid >> 4) * BT_XROW + grp * 64 + (grp >> 1) * 16 + (c & 3) * 16;
 #pragma unroll
         for (int i = 0; i < NP; i++) {
-            const int r = (threadIdx.x >> 4) + i * (THREADS / 16);
+            const int r = (tid >> 4) + i * (THREADS / 16);
             const int rr = r < rows ? r : rows - 1; /* partial n8 tile: a copy of the last row */
             src[i] = r < rows_pad ? x + gq_x_row(xrow, xdiv, row0 + rr) * K + kc : nullptr;
         }
