@@ -1,21 +1,19 @@
 /* gpu_dense_b64: the plain linears (E = 1, NVFP4, tiled layout, bf16) of a decode-batch step of B rows
- * (default 64: the 64-sequence decode) on the 30B-A3B shapes, measured in one run: production's 8-row and
- * 64-row tiles (gq_batched_kernel through launch_tiled, the row tile forced) and the candidate of
- * bench/gather_dense_kg.cuh (KG_GROUPS groups of 4 warps splitting one item's K steps). Written in session 23
- * without device time (docs/GPU-NOTES.md, the next list).
+ * (default 64: the 64-sequence decode) on the 30B-A3B shapes, measured in one run: the 8-row and 64-row tiles of
+ * gq_batched_kernel (the kernel alone, the runs found once before timing; before session 24 production ran these,
+ * with the runs kernel in every call) and production as the model calls it (launch_tiled: gq_dense_kg_kernel,
+ * K over 3 warp groups, where kg_fits; else the row tiles with their runs kernel). Written in session 23 as a
+ * bench candidate (bench/gather_dense_kg.cuh, measured in session 24 and moved to gather_batched.cu).
  *
- * Checks first (outputs poisoned; the candidate sums K in another order, so: max |candidate - production| /
- * max |production| <= 1e-2 is the pass line, and the bitwise-equal count is printed), on the shapes below and
- * awkward ones (N % 64 != 0, K % 128 = 64, B = 37 and 1, K of 1 step: groups without steps). Then the timing
- * table: median ms a call (CUDA events, 7 batches of 20 calls) - production as the model calls it (launch_tiled:
- * the runs kernel and the scratch included) and its kernel alone (runs found once before timing) - and the step
- * total weighted by the calls a decode step makes of each shape
+ * Checks first (outputs poisoned; gq_dense_kg_kernel sums K in another order, so: max |production - 8-row| /
+ * max |8-row| <= 1e-2 is the pass line, and the bitwise-equal count is printed), on the shapes below and
+ * awkward ones (N % 64 != 0, K % 128 = 64, B = 33 and 37, K of one step or half a step: groups without
+ * steps). Then the timing table: median ms a call (CUDA events, 7 batches of 20 calls), and the step total
+ * weighted by the calls a decode step makes of each shape
  * (23 Mamba layers: in_proj 10,304 x 2,688, out_proj 2,688 x 4,096; 23 shared experts: up 3,712 x 2,688, down
  * 2,688 x 3,712; 6 attention layers: q 4,096 x 2,688, k and v 256 x 2,688, o 2,688 x 4,096).
- * Usage: gpu_dense_b64 (DB_ROWS=B: rows, <= 64; DB_CHECKS=none: timings only). Variants: bench/
- * build-bench-variants.sh OUT gpu_dense_b64 "-DKG_GROUPS=2" "-DKG_GROUPS=3". */
+ * Usage: gpu_dense_b64 (DB_ROWS=B: rows, <= 64; DB_CHECKS=none: timings only). */
 #include "kernels/cuda/gather_batched.cu"
-#include "gather_dense_kg.cuh"
 
 extern "C" {
 #include "gpu_testutil.h"
@@ -47,16 +45,15 @@ static void make_dense(dw_t *w, int N, int K, tu_rng *r) {
 
 typedef struct {
     gq_args a;
-    int which; /* 0 / 1: production 8- / 64-row tiles as called, 2: the candidate, 3 / 4: production's kernel alone */
-    const int *runs8, *runs64; /* starts (E + 1) then tile_off (E + 2) of row tile 8 / 64, for 3 / 4 */
+    int which; /* 0 / 1: the 8- / 64-row tiles (kernel alone), 2: production as called (launch_tiled) */
+    const int *runs8, *runs64; /* starts (E + 1) then tile_off (E + 2) of row tile 8 / 64, for 0 / 1 */
 } dctx;
 
 static int run_one(void *p) {
     const dctx *c = (const dctx *)p;
-    if (c->which == 2) return kg_launch(&c->a, 0);
-    if (c->which == 3) return launch_dtype<__nv_bfloat16, __nv_bfloat16, 4>(&c->a, 8, c->runs8, c->runs8 + 2, 0);
-    if (c->which == 4) return launch_dtype<__nv_bfloat16, __nv_bfloat16, 4>(&c->a, 64, c->runs64, c->runs64 + 2, 0);
-    return launch_tiled(&c->a, FP4MOE_BF16, c->which == 0 ? 8 : 64, 0);
+    if (c->which == 0) return launch_dtype<__nv_bfloat16, __nv_bfloat16, 4>(&c->a, 8, c->runs8, c->runs8 + 2, 0);
+    if (c->which == 1) return launch_dtype<__nv_bfloat16, __nv_bfloat16, 4>(&c->a, 64, c->runs64, c->runs64 + 2, 0);
+    return launch_tiled(&c->a, FP4MOE_BF16, 8, 0);
 }
 
 static gq_args dense_args(const dw_t *w, const void *x, void *y, const uint32_t *idx, int B, int relu2) {
@@ -80,7 +77,10 @@ static int check(int N, int K, int B, int relu2, tu_rng *r) {
     void *y0 = gt_upload(NULL, yb), *y1 = gt_upload(NULL, yb);
     gt_poison(y0, yb);
     gt_poison(y1, yb);
-    dctx c0 = {dense_args(&w, x, y0, idx, B, relu2), 0, nullptr, nullptr}, c1 = {dense_args(&w, x, y1, idx, B, relu2), 2, nullptr, nullptr};
+    int *runs = (int *)gt_upload(NULL, 5 * sizeof(int));
+    const gq_args a0 = dense_args(&w, x, y0, idx, B, relu2);
+    if (gq_launch_runs(&a0, 8, runs, runs + 2, 0)) { fprintf(stderr, "runs: %s\n", fp4moe_last_error()); exit(1); }
+    dctx c0 = {a0, 0, runs, nullptr}, c1 = {dense_args(&w, x, y1, idx, B, relu2), 2, nullptr, nullptr};
     const int e0 = run_one(&c0), e1 = run_one(&c1);
     const cudaError_t ce = cudaDeviceSynchronize();
     if (e0 || e1 || ce != cudaSuccess) {
@@ -100,9 +100,9 @@ static int check(int N, int K, int B, int relu2, tu_rng *r) {
     }
     const double rel = mx > 0 ? err / mx : err;
     const int ok = rel <= 1e-2;
-    printf("check KG=%d N=%-5d K=%-4d B=%-2d relu2=%d: rel %.2e, bitwise %lld/%lld %s\n", KG_GROUPS, N, K, B, relu2, rel,
-           (long long)same, (long long)n, ok ? "PASS" : "FAIL");
-    free(h0); free(h1);
+    printf("check N=%-5d K=%-4d B=%-2d relu2=%d (%s): rel %.2e, bitwise %lld/%lld %s\n", N, K, B, relu2,
+           kg_fits(&c1.a, FP4MOE_BF16, false) ? "kg" : "row tiles", rel, (long long)same, (long long)n, ok ? "PASS" : "FAIL");
+    free(h0); free(h1); gt_free(runs);
     gt_free(x); gt_free(idx); gt_free(y0); gt_free(y1); gt_free(w.tiled); gt_free(w.gs);
     return ok;
 }
@@ -121,16 +121,16 @@ int main(void) {
     const int nsh = (int)(sizeof sh / sizeof sh[0]);
     int ok = 1;
     if (!ck || strcmp(ck, "none")) {
-        ok &= check(200, 320, 37, 1, &r); /* N % 64 = 8, K % 128 = 64, a part n8 tile, relu^2 */
-        ok &= check(136, 2112, 1, 0, &r);
-        ok &= check(200, 128, 37, 0, &r); /* one K step: groups 1.. have none */
-        ok &= check(72, 64, 64, 1, &r);
+        ok &= check(2104, 320, 37, 1, &r); /* N % 64 = 56, K % 128 = 64, a part n8 tile, relu^2 */
+        ok &= check(2048, 2112, 33, 0, &r);
+        ok &= check(2064, 128, 40, 0, &r); /* one K step: groups 1.. have none */
+        ok &= check(2048, 64, 64, 1, &r);  /* half a step */
+        ok &= check(200, 320, 37, 1, &r);  /* N < KG_MIN_N: the row tiles (bitwise equal) */
         for (int i = 0; i < nsh; i++) ok &= check(sh[i].N, sh[i].K, B, 0, &r);
     }
-    printf("| shape (N x K), B = %d | calls a step | production 8-row ms | production 64-row ms | candidate KG=%d ms | "
-           "candidate / best production | 8-row / 64-row kernel alone ms |\n|---|---:|---:|---:|---:|---:|---:|\n", B,
-           KG_GROUPS);
-    double tot[5] = {0, 0, 0, 0, 0}, best = 0;
+    printf("| shape (N x K), B = %d | calls a step | 8-row tiles ms | 64-row tiles ms | production ms | production / best "
+           "tiles |\n|---|---:|---:|---:|---:|---:|\n", B);
+    double tot[3] = {0, 0, 0}, best = 0;
     /* the runs of an all-zero idx (starts (E + 1 = 2) then tile_off (E + 2 = 3)) for row tiles 8 and 64 */
     int *runs = (int *)gt_upload(NULL, 2 * 5 * sizeof(int));
     for (int i = 0; i < nsh; i++) {
@@ -145,20 +145,20 @@ int main(void) {
             fprintf(stderr, "runs: %s\n", fp4moe_last_error());
             return 1;
         }
-        float ms[5];
-        for (int m = 0; m < 5; m++) {
+        float ms[3];
+        for (int m = 0; m < 3; m++) {
             dctx c = {a, m, runs, runs + 5};
             ms[m] = gt_time_ms(run_one, &c, 7, 20);
             tot[m] += ms[m] * sh[i].calls;
         }
         const float bp = ms[0] < ms[1] ? ms[0] : ms[1];
         best += bp * sh[i].calls;
-        printf("| %s %d x %d | %d | %.4f | %.4f | %.4f | %.2f | %.4f / %.4f |\n", sh[i].what, sh[i].N, sh[i].K, sh[i].calls,
-               ms[0], ms[1], ms[2], ms[2] / bp, ms[3], ms[4]);
+        printf("| %s %d x %d | %d | %.4f | %.4f | %.4f | %.2f |\n", sh[i].what, sh[i].N, sh[i].K, sh[i].calls, ms[0], ms[1],
+               ms[2], ms[2] / bp);
         gt_free(x); gt_free(idx); gt_free(y); gt_free(w.tiled); gt_free(w.gs);
     }
-    printf("| a decode step's plain linears | | %.3f | %.3f | %.3f | %.2f (best production %.3f) | %.3f / %.3f |\n",
-           tot[0], tot[1], tot[2], tot[2] / best, best, tot[3], tot[4]);
+    printf("| a decode step's plain linears | | %.3f | %.3f | %.3f | %.2f (best tiles %.3f) |\n", tot[0], tot[1], tot[2],
+           tot[2] / best, best);
     gt_free(runs);
     return ok ? 0 : 1;
 }

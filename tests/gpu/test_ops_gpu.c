@@ -455,6 +455,15 @@ static void test_tiled_layout(void **state) {
      * found in session 19 by test_model_gpu tiled_layout); experts, and a plain linear */
     tiled_case(g, 8, 1000, 2048, 44, TU_IDX_TOPK_SORTED, FP4MOE_ROUTE_AUTO, 0, 18);
     tiled_case(g, 1, 2000, 2048, 63, TU_IDX_TOPK_SORTED, FP4MOE_ROUTE_AUTO, 2, 19);
+    /* the row-tile rules of session 23: <= 4 rows an expert on the batched route's 8-row tiles (E > 1), and
+     * fp32 output of a 64-row plain linear with N <= 8,192 (8-row tiles, E = 1) */
+    tiled_case(g, 8, 72, 320, 24, TU_IDX_TOPK_SORTED, FP4MOE_ROUTE_BATCHED, 0, 21);
+    tiled_case(g, 1, 300, 1024, 64, TU_IDX_TOPK_SORTED, FP4MOE_ROUTE_AUTO, 1, 22);
+    /* gq_dense_kg_kernel (plain linears of 33-64 rows with N >= 2,048): both layouts on each route, rows out of
+     * range, N % 64 = 56, K % 128 = 64, relu^2; the linear form at 64 rows */
+    tiled_case(g, 1, 2104, 320, 37, TU_IDX_OOR_TAIL, FP4MOE_ROUTE_AUTO, 0, 23);
+    tiled_case(g, 1, 2104, 320, 37, TU_IDX_OOR_TAIL, FP4MOE_ROUTE_BATCHED, 0, 24);
+    tiled_case(g, 1, 2048, 2688, 64, TU_IDX_TOPK_SORTED, FP4MOE_ROUTE_AUTO, 2, 25);
 }
 
 /* Random NVFP4 weights (E, N, K; per-expert global scales) on the device; tiled: w reads the tiled

@@ -770,6 +770,152 @@ gq_batched_w32_kernel(gq_args a, const int *__restrict__ starts, const int *__re
     bt_zero_tail(y, starts, a.E, a.B, N);
 }
 
+/* ---- plain linears of a decode batch: one item's K steps over 3 warp groups ------------------------
+ * gq_dense_kg_kernel: bf16 calls of a plain linear (E = 1) of KG_MIN_ROWS..64 sorted rows with N >= KG_MIN_N and
+ * K % 64 == 0 (the 33-64-sequence decode step's Mamba in / out projections, shared experts and attention q / o;
+ * launch_tiled takes it for both routes, FP4MOE_GATHER_EXPERT_BATCHED on or off, and both weight layouts, so
+ * the route switch and the layouts keep giving the same bits). One block of KG_GROUPS groups of 4 warps an item
+ * of 64 rows x 64 features; group g runs the 64-row step of gq_batched_kernel (the same weight ring, decode, mma
+ * order within a step and x tile) over the 128-K steps g, g + KG_GROUPS, g + 2 KG_GROUPS, ... with its own x
+ * buffers, ring and named barrier; the groups' fp32 accumulators are then summed in group order (0 + 1 + 2) in
+ * shared memory and group 0 runs the epilogue. A weight is decoded once per item, as on 64-row tiles, with 3x
+ * the warps on it: the 64-row form was latency-bound there (Nsight Compute, session 23: 1.31 active / 0.35
+ * eligible warps a scheduler), the 8-row form decodes every weight 8 times. The sum over K is in 3 chains, so
+ * the bits differ from the row tiles' (one kernel for these calls on every route keeps the contracts).
+ * Measured (bench/gpu_dense_b64, H200, session 24, ms a call, 64 rows; production 8- / 64-row tiles as called ->
+ * this kernel): in_proj 10,304 x 2,688 0.0482 / 0.0340 -> 0.0309, out_proj 2,688 x 4,096 0.0259 / 0.0360 -> 0.0222,
+ * shared up 3,712 x 2,688 0.0235 / 0.0267 -> 0.0162, q 4,096 x 2,688 0.0236 / 0.0267 -> 0.0163; a step's plain
+ * linears 2.940 -> 2.483 ms (0.84x; 2 groups: 0.90x; 32 rows: 0.81x). Not at N = 256 (k, v: 0.0155 against
+ * 0.0137 on 8-row tiles: 4 items), hence KG_MIN_N. Rows with idx >= E (a sorted tail) are zeros; the row count
+ * is counted from idx in the kernel (no runs kernel). */
+#define KG_GROUPS 3
+#define KG_MT 64
+#define KG_GT 128 /* threads a group */
+#define KG_MIN_ROWS 33
+#define KG_MIN_N 2048
+#define KG_XB (2 * KG_MT * BT_XROW)
+#define KG_RB (BT_STAGES * KG_GT * BT_SLOT_BYTES)
+#define KG_SMEM (KG_GROUPS * (KG_XB + KG_RB))
+
+__device__ __forceinline__ void kg_bar(int id) { asm volatile("bar.sync %0, %1;" ::"r"(id), "n"(KG_GT) : "memory"); }
+
+template <bool TL>
+__global__ void __launch_bounds__(KG_GROUPS * KG_GT, 1) gq_dense_kg_kernel(gq_args a) {
+    cu_pdl_entry();
+    extern __shared__ __align__(16) uint8_t smem[];
+    const int grp = threadIdx.x / KG_GT, tid = threadIdx.x % KG_GT;
+    const int lane = threadIdx.x & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+    uint8_t *base = smem + grp * (KG_XB + KG_RB);
+    uint8_t *xs0 = base, *xs1 = base + KG_MT * BT_XROW;
+    const auto ring = bt_slot_soa<BT_STAGES * KG_GT>::at(base + KG_XB, tid);
+    const int N = a.N, K = a.K, KB = K >> 4, nsteps = (K + BT_KSTEP - 1) / BT_KSTEP;
+    const int NT = (N + 63) / 64;
+    const int nj = grp < nsteps ? (nsteps - grp + KG_GROUPS - 1) / KG_GROUPS : 0; /* this group's steps */
+    const __nv_bfloat16 *x = static_cast<const __nv_bfloat16 *>(a.x);
+    __nv_bfloat16 *y = static_cast<__nv_bfloat16 *>(a.y);
+    const int xoff = g * BT_XROW + t * 64 + (t >> 1) * 16;
+    float *red = reinterpret_cast<float *>(smem); /* after the K loop: groups 1.. partials (in group 0's x) */
+    static_assert((KG_GROUPS - 1) * 32 * KG_GT * 4 <= KG_XB, "the partials fit group 0's x buffers");
+
+    int rows = -1; /* counted after the first item's weight copies are on their way (the grid is <= NT) */
+    for (int item = blockIdx.x; item < NT; item += gridDim.x) {
+        const int nw = item * 64 + warp * 16;
+        const int64_t wr0 = min(nw + g, N - 1), wr1 = min(nw + g + 8, N - 1);
+        const uint8_t *tpiece = TL ? gq_tiled_piece(a.codes, 0, min(nw >> 4, (N - 1) >> 4), 0, N, K) : nullptr;
+        const bt_wstream<TL> ws = {a.codes + wr0 * (K >> 1), a.codes + wr1 * (K >> 1), a.scales + wr0 * KB,
+                                   a.scales + wr1 * KB, tpiece, t, lane, KB};
+        float acc[KG_MT / 8][4];
+#pragma unroll
+        for (int i = 0; i < KG_MT / 8; i++) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+#pragma unroll
+        for (int p = 0; p < BT_STAGES - 1; p++) {
+            ws.issue(ring + p * KG_GT, grp + KG_GROUPS * p, nsteps);
+            bt_cp_commit();
+        }
+        /* the rows of expert 0: sorted idx, so the rows with idx < E (= 1) come first (block-uniform) */
+        if (rows < 0) rows = __syncthreads_count(threadIdx.x < (unsigned)a.B && __ldg(a.idx + threadIdx.x) < (uint32_t)a.E);
+        if (rows == 0) {
+            bt_cp_wait<0>();
+            break;
+        }
+        const int ntv = (rows + 7) >> 3, rows_pad = ntv * 8;
+        bt_xstage<__nv_bfloat16, KG_MT, KG_GT, 4> xr; /* staged by the group's threads */
+        xr.init_tid(tid, x, 0, rows, rows_pad, K, a.xrow, a.xdiv);
+        if (nj > 0) {
+            xr.load(grp * BT_KSTEP, K);
+            xr.store(xs0);
+        }
+        kg_bar(1 + grp);
+        for (int j = 0; j < nj; j++) {
+            const int s = grp + KG_GROUPS * j;
+            uint32_t w0[4], w1[4], sa[2], sb[2], sw0, sw1;
+            bt_cp_wait<BT_STAGES - 2>();
+            ws.read(ring + (j % BT_STAGES) * KG_GT, w0, w1, sw0, sw1);
+            bt_scales4<__nv_bfloat16>(sw0, sw1, sa, sb);
+            const int nxt = j + BT_STAGES - 1;
+            ws.issue(ring + (nxt % BT_STAGES) * KG_GT, grp + KG_GROUPS * nxt, nsteps);
+            bt_cp_commit();
+            if (j + 1 < nj) xr.load((s + KG_GROUPS) * BT_KSTEP, K);
+            bt_step_ntv<__nv_bfloat16, KG_MT, 4>(ntv, acc, w0, w1, sa, sb, ((j & 1) ? xs1 : xs0) + xoff);
+            if (j + 1 < nj) xr.store((j & 1) ? xs0 : xs1);
+            kg_bar(1 + grp);
+        }
+        __syncthreads(); /* every group is past its K loop: group 0's x buffers hold the partials now */
+        if (grp > 0) {
+#pragma unroll
+            for (int i = 0; i < KG_MT / 8; i++)
+#pragma unroll
+                for (int c = 0; c < 4; c++) red[((grp - 1) * 32 + i * 4 + c) * KG_GT + tid] = acc[i][c];
+        }
+        __syncthreads();
+        if (grp == 0) {
+#ifdef FP4MOE_INJECT_FAULT_KG /* deliberate fault (tests must catch it): the last group's partial sums lost */
+            constexpr int QE = KG_GROUPS - 1;
+#else
+            constexpr int QE = KG_GROUPS;
+#endif
+#pragma unroll
+            for (int q = 1; q < QE; q++)
+#pragma unroll
+                for (int i = 0; i < KG_MT / 8; i++)
+#pragma unroll
+                    for (int c = 0; c < 4; c++) acc[i][c] += red[((q - 1) * 32 + i * 4 + c) * KG_GT + tid];
+            bt_store_tile<__nv_bfloat16, KG_MT>(acc, y, 0, rows, ntv, nw, N, g, t,
+                                                cu_expert_gs(a.gs, 0) * bt_ops<__nv_bfloat16>::kUndo, a.relu2);
+        }
+        __syncthreads(); /* the next item's x tile overwrites the partials */
+    }
+    /* rows with idx >= E: zeros */
+    if (rows < 0) rows = __syncthreads_count(threadIdx.x < (unsigned)a.B && __ldg(a.idx + threadIdx.x) < (uint32_t)a.E);
+    const __nv_bfloat16 zero = cu_from_float<__nv_bfloat16>(0.0f);
+    for (int64_t i = (int64_t)rows * N + (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < (int64_t)a.B * N;
+         i += (int64_t)gridDim.x * blockDim.x)
+        y[i] = zero;
+}
+
+/* The calls gq_dense_kg_kernel takes (launch_tiled, for every route): see above. */
+static bool kg_fits(const gq_args *a, fp4moe_dtype dtype, bool f32out) {
+    return !f32out && dtype == FP4MOE_BF16 && a->E == 1 && a->B >= KG_MIN_ROWS && a->B <= KG_MT && a->N >= KG_MIN_N &&
+           a->K % 64 == 0 && ((uintptr_t)a->codes & 15) == 0 && ((uintptr_t)a->scales & 3) == 0;
+}
+
+template <bool TL> static int launch_kg_t(const gq_args *a, cudaStream_t st) {
+    int dev = 0, sms = 0;
+    FP4MOE_CUDA_TRY("gather_qmm_cuda", cudaGetDevice(&dev), "cudaGetDevice");
+    FP4MOE_CUDA_TRY("gather_qmm_cuda", cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev),
+                    "cudaDeviceGetAttribute");
+    FP4MOE_CUDA_TRY("gather_qmm_cuda", cudaFuncSetAttribute(gq_dense_kg_kernel<TL>,
+                                                            cudaFuncAttributeMaxDynamicSharedMemorySize, KG_SMEM),
+                    "cudaFuncSetAttribute (dynamic shared memory)");
+    const int NT = (a->N + 63) / 64;
+    cu_launch(gq_dense_kg_kernel<TL>, (unsigned)(NT < sms ? NT : sms), KG_GROUPS * KG_GT, KG_SMEM, st, *a);
+    FP4MOE_CUDA_TRY("gather_qmm_cuda", cudaGetLastError(), "launch of the plain-linear kernel (K over 3 warp groups)");
+    return FP4MOE_OK;
+}
+static int launch_kg(const gq_args *a, cudaStream_t st) {
+    return a->tiled ? launch_kg_t<true>(a, st) : launch_kg_t<false>(a, st);
+}
+
 int gq_batched_row_tile(const gq_args *a, fp4moe_dtype dtype) {
     (void)dtype;
     /* 64-row tiles halve the weight re-reads and dequantizations of long runs; 32-row tiles keep
@@ -1116,6 +1262,7 @@ static int launch_dtype(const gq_args *a, int mt, const int *starts, const int *
 /* The kernel with row tile mt (8, 32 or 64): the runs on the device, then the tiles. f32out: x is
  * bf16 and y fp32. */
 static int launch_tiled(const gq_args *a, fp4moe_dtype dtype, int mt, cudaStream_t st, bool f32out = false) {
+    if (kg_fits(a, dtype, f32out)) return launch_kg(a, st); /* whatever the row tile: the same bits on every route */
     int *buf = NULL;
     int rc = gq_scratch_alloc((void **)&buf, (2 * (size_t)a->E + 3) * sizeof(int), st); /* starts, tile_off, counter */
     if (rc != FP4MOE_OK) return rc;
