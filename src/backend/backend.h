@@ -43,6 +43,8 @@ typedef struct {
                                        of one weight (0: k, 1: v), for linear_gather_x1 with idx {0, 1}:
                                        one call for a one-token step (CUDA) */
     const float *router_w, *router_bias;
+    const void *router_w3;          /* optional (NULL: none): router_w as three bf16 planes (3E x H, w = p0 + p1 +
+                                       p2 exactly; CUDA: the prefill router GEMM on bf16 tensor cores) */
     const void *experts_up, *experts_down, *shared_up, *shared_down, *latent_in, *latent_out;
     const void *up, *down;
 } fw_layer;
@@ -105,6 +107,7 @@ typedef struct {
     int norm_topk_prob;
     float scaling;
     const float *bias;
+    const void *w3;                 /* fw_layer.router_w3 (NULL: none) */
 } fw_router;
 
 typedef struct be_ops {
@@ -154,8 +157,9 @@ typedef struct be_ops {
                               const uint32_t *idx, int64_t B, int relu2, void *y);
     /* The routing of a MoE layer: logits (T x E fp32) = x (T x H fp32) @ W^T (router weights, E x H
      * fp32); ids, wts (T x k) = the router's top-k (fw_router); then the stable sort of the T * k
-     * (token, slot) rows by expert: row_of, idx (sorted experts), pos_of (B = T * k each). */
-    int (*moe_route)(void *bc, const fw_router *r, const float *x, int64_t T, const float *W, int64_t H,
+     * (token, slot) rows by expert: row_of, idx (sorted experts), pos_of (B = T * k each). x_act: x in
+     * the activation dtype holding the same values (the norm's output), or NULL. */
+    int (*moe_route)(void *bc, const fw_router *r, const float *x, const void *x_act, int64_t T, const float *W, int64_t H,
                      float *logits, int32_t *ids, float *wts, uint32_t *row_of, uint32_t *idx,
                      uint32_t *pos_of);
     int (*gather_rows)(void *bc, const void *x, int64_t H, const uint32_t *row_of, int64_t B,

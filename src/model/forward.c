@@ -403,8 +403,8 @@ static int moe_routed(const fw_ctx *f, const fw_layer *d, const void **routed) {
     const int64_t H = c->hidden, E = c->n_experts, k = c->top_k, B = R * k;
     const int64_t Hl = c->moe_latent ? c->moe_latent : H;
     const fw_router rc = {E, k, c->n_group, c->topk_group, c->norm_topk_prob, c->routed_scaling,
-                          d->router_bias};
-    TRY(be->moe_route(bc, &rc, b->xn32, R, d->router_w, H, b->rlogits, b->ids, b->wts, b->row_of, b->idx,
+                          d->router_bias, d->router_w3};
+    TRY(be->moe_route(bc, &rc, b->xn32, b->xn, R, d->router_w, H, b->rlogits, b->ids, b->wts, b->row_of, b->idx,
                       b->pos_of));
     const void *xin = b->xn;
     int st;

@@ -100,13 +100,28 @@ static void ctx_free(gpu_ctx *g) {
 
 /* ---- cuda_moe_route ------------------------------------------------------------------------ */
 
+/* x3: the prefill logits on bf16 tensor cores (cuda_matmul_bf16x3: x rounded to bf16 values, W in three planes) */
 static void route_case_w(gpu_ctx *g, int64_t T, int64_t E, int64_t k, int64_t G, int64_t TG, int64_t H, int bias,
-                         uint64_t seed, double wscale) {
+                         uint64_t seed, double wscale, int x3) {
     tu_rng r;
     tu_rng_seed(&r, seed);
     float *x = randf(&r, T * H, 1.0), *W = randf(&r, E * H, wscale), *b = bias ? randf(&r, E, 0.5) : NULL;
     const int64_t B = T * k;
+    uint16_t *xb = NULL, *dxb = NULL, *dW3 = NULL;
+    if (x3) {
+        xb = malloc((size_t)(T * H) * 2);
+        for (int64_t i = 0; i < T * H; i++) {
+            xb[i] = f32_to_bf16(x[i]);
+            x[i] = bf16_to_f32(xb[i]);
+        }
+        dxb = gt_upload(xb, (size_t)(T * H) * 2);
+    }
     float *dx = gt_upload(x, (size_t)(T * H) * 4), *dW = gt_upload(W, (size_t)(E * H) * 4);
+    if (x3) {
+        dW3 = gt_upload(NULL, (size_t)(3 * E * H) * 2);
+        gt_poison(dW3, (size_t)(3 * E * H) * 2);
+        assert_int_equal(cuda_split_bf16x3(g->stream, dW, E * H, dW3), FP4MOE_OK);
+    }
     float *db = b ? gt_upload(b, (size_t)E * 4) : NULL;
     float *dlg = gt_upload(NULL, (size_t)(T * E) * 4), *dw = gt_upload(NULL, (size_t)B * 4);
     int32_t *dids = gt_upload(NULL, (size_t)B * 4);
@@ -119,7 +134,7 @@ static void route_case_w(gpu_ctx *g, int64_t T, int64_t E, int64_t k, int64_t G,
     gt_poison(didx, (size_t)B * 4);
     gt_poison(dpos, (size_t)B * 4);
     const cuda_router_cfg rc = {E, k, G, TG, 1, 2.5f, db};
-    assert_int_equal(cuda_moe_route(&g->ops, &rc, dx, T, dW, H, dlg, dids, dw, drow, didx, dpos), FP4MOE_OK);
+    assert_int_equal(cuda_moe_route(&g->ops, &rc, dx, dxb, T, dW, dW3, H, dlg, dids, dw, drow, didx, dpos), FP4MOE_OK);
     GT_CHECK(cudaStreamSynchronize(g->stream));
     float *lg = malloc((size_t)(T * E) * 4), *w = malloc((size_t)B * 4), *wc = malloc((size_t)B * 4);
     int32_t *ids = malloc((size_t)B * 4), *idsc = malloc((size_t)B * 4);
@@ -162,11 +177,41 @@ static void route_case_w(gpu_ctx *g, int64_t T, int64_t E, int64_t k, int64_t G,
     free(row); free(idx); free(pos); free(rowc); free(idxc); free(posc);
     gt_free(dx); gt_free(dW); gt_free(db); gt_free(dlg); gt_free(dw); gt_free(dids);
     gt_free(drow); gt_free(didx); gt_free(dpos);
+    free(xb);
+    if (x3) {
+        gt_free(dxb);
+        gt_free(dW3);
+    }
 }
 
 static void route_case(gpu_ctx *g, int64_t T, int64_t E, int64_t k, int64_t G, int64_t TG, int64_t H, int bias,
                        uint64_t seed) {
-    route_case_w(g, T, E, k, G, TG, H, bias, seed, 0.05);
+    route_case_w(g, T, E, k, G, TG, H, bias, seed, 0.05, 0);
+}
+
+/* cuda_split_bf16x3: p0 + p1 + p2 == w exactly (sums in fp64), on random weights of many magnitudes and
+ * on special values */
+static void test_split_bf16x3(void **state) {
+    gpu_ctx *g = *state;
+    tu_rng r;
+    tu_rng_seed(&r, 77);
+    const int64_t n = 100003;
+    float *w = malloc((size_t)n * 4);
+    for (int64_t i = 0; i < n; i++) w[i] = (float)(tu_rng_normal(&r) * ldexp(1.0, (int)tu_rng_below(&r, 160) - 90));
+    const float sp[] = {0.0f, -0.0f, 1.0f / 3.0f, -3.0e38f, 1.0e-30f, 0x1.fffffep0f, -0x1.000002p-3f};
+    memcpy(w, sp, sizeof sp);
+    float *dw = gt_upload(w, (size_t)n * 4);
+    uint16_t *dp = gt_upload(NULL, (size_t)(3 * n) * 2), *p = malloc((size_t)(3 * n) * 2);
+    gt_poison(dp, (size_t)(3 * n) * 2);
+    assert_int_equal(cuda_split_bf16x3(g->stream, dw, n, dp), FP4MOE_OK);
+    GT_CHECK(cudaStreamSynchronize(g->stream));
+    gt_download(p, dp, (size_t)(3 * n) * 2);
+    for (int64_t i = 0; i < n; i++) {
+        const double s = (double)bf16_to_f32(p[i]) + (double)bf16_to_f32(p[n + i]) + (double)bf16_to_f32(p[2 * n + i]);
+        if (s != (double)w[i]) fail_msg("split_bf16x3: w[%lld] = %a, planes sum to %a", (long long)i, w[i], s);
+    }
+    free(w); free(p);
+    gt_free(dw); gt_free(dp);
 }
 
 static void test_moe_route(void **state) {
@@ -176,11 +221,11 @@ static void test_moe_route(void **state) {
      * shared-memory top-k beyond 256 experts */
     route_case(g, 1, 200, 8, 1, 1, 64, 1, 400);
     route_case(g, 3, 256, 6, 1, 1, 64, 0, 401);
-    route_case_w(g, 2, 128, 6, 1, 1, 64, 0, 402, 0.0);
-    route_case_w(g, 2, 96, 6, 1, 1, 64, 1, 403, 0.0);
+    route_case_w(g, 2, 128, 6, 1, 1, 64, 0, 402, 0.0, 0);
+    route_case_w(g, 2, 96, 6, 1, 1, 64, 1, 403, 0.0, 0);
     route_case(g, 1, 40, 40, 1, 1, 32, 1, 404);
     route_case(g, 17, 300, 6, 1, 1, 64, 1, 405);
-    route_case_w(g, 1, 300, 6, 1, 1, 64, 0, 406, 0.0);
+    route_case_w(g, 1, 300, 6, 1, 1, 64, 0, 406, 0.0, 0);
     const int64_t Ts[] = {1, 2, 5, 6, 11, 16, 17, 40};
     for (size_t i = 0; i < sizeof Ts / sizeof Ts[0]; i++) {
         route_case(g, Ts[i], 128, 6, 1, 1, 2688, 1, 100 + i); /* Nemotron: warp sort to T = 5 */
@@ -198,8 +243,17 @@ static void test_moe_route(void **state) {
     /* the many-block sort (from 2,048 rows; 512, 1,024 and 2,048 tokens above take it too): E not a
      * multiple of 32; every row on experts 0-5 (zero weights: ties); 64 blocks of more than 1,024 rows */
     route_case(g, 400, 300, 6, 1, 1, 32, 1, 306);
-    route_case_w(g, 500, 128, 6, 1, 1, 32, 0, 307, 0.0);
+    route_case_w(g, 500, 128, 6, 1, 1, 32, 0, 307, 0.0, 0);
     route_case(g, 12000, 128, 6, 1, 1, 32, 1, 308);
+    /* the prefill logits on bf16 tensor cores (cuda_matmul_bf16x3) against the fp64 logits of the same bf16 x:
+     * the Nemotron shapes (512, 2,048 tokens), E not a multiple of 32, K = 32 and 64 (where a plane's error
+     * is far above the bound), zero weights (ties), two parts of rows (12,000 > split_n / 3E = 6,400) */
+    route_case_w(g, 17, 300, 6, 1, 1, 64, 1, 310, 0.05, 1);
+    route_case_w(g, 512, 128, 6, 1, 1, 2688, 1, 311, 0.05, 1);
+    route_case_w(g, 2048, 128, 6, 1, 1, 2688, 1, 312, 0.05, 1);
+    route_case_w(g, 400, 300, 6, 1, 1, 32, 1, 313, 0.05, 1);
+    route_case_w(g, 500, 128, 6, 1, 1, 32, 0, 314, 0.0, 1);
+    route_case_w(g, 12000, 128, 6, 1, 1, 64, 1, 315, 0.05, 1);
 }
 
 /* ---- cuda_rmsnorm with the residual folded in -------------------------------------------------- */
@@ -928,6 +982,7 @@ int main(void) {
     gt_require_gpu("test_ops_gpu");
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_moe_route),
+        cmocka_unit_test(test_split_bf16x3),
         cmocka_unit_test(test_rmsnorm_residual),
         cmocka_unit_test(test_relu2_epilogue),
         cmocka_unit_test(test_tiled_layout),

@@ -112,10 +112,11 @@ static int cpu_linear_gather(void *bc, const void *W, const void *x, const uint3
     const int st = op_linear_gather(&((cpu_ctx *)bc)->ops, W, x, idx, B, y);
     return st || !relu2 ? st : cpu_relu2(bc, y, B * ((const op_linear *)W)->N);
 }
-static int cpu_moe_route(void *bc, const fw_router *r, const float *x, int64_t T, const float *W, int64_t H,
-                         float *logits, int32_t *ids, float *wts, uint32_t *row_of, uint32_t *idx,
+static int cpu_moe_route(void *bc, const fw_router *r, const float *x, const void *x_act, int64_t T, const float *W,
+                         int64_t H, float *logits, int32_t *ids, float *wts, uint32_t *row_of, uint32_t *idx,
                          uint32_t *pos_of) {
     (void)bc;
+    (void)x_act;
     op_matmul_f32(x, T, W, r->E, H, logits, r->E);
     const op_router_cfg rc = {r->E, r->k, r->n_group, r->topk_group, r->norm_topk_prob, r->scaling, r->bias};
     const int st = op_router_topk(&rc, logits, T, ids, wts);

@@ -46,6 +46,7 @@ typedef struct {
     cuda_linear q_proj, k_proj, v_proj, o_proj;
     cuda_linear kv_proj;            /* k_proj and v_proj stacked (put_kv_pair), or N = 0 */
     const float *router_w, *router_bias;
+    const uint16_t *router_w3;      /* router_w as three bf16 planes (cuda_split_bf16x3) */
     cuda_linear experts_up, experts_down, shared_up, shared_down, latent_in, latent_out;
     cuda_linear up, down;
 } gpu_layer;
@@ -108,6 +109,21 @@ static int put_f32(placer *p, const float *host, int64_t n, const float **d) {
     void *dv;
     TRY(put(p, host, (size_t)n * sizeof(float), &dv));
     *d = dv;
+    return FP4MOE_OK;
+}
+
+/* Three bf16 planes (cuda_split_bf16x3) of the n fp32 weights dw that put_f32 placed from host (none when host is
+ * NULL), computed on the device in the fill pass. */
+static int put_planes3(placer *p, const float *host, const float *dw, int64_t n, const uint16_t **d) {
+    *d = NULL;
+    if (!host || n <= 0) return FP4MOE_OK;
+    void *dv;
+    reserve(p, (size_t)n * 3 * sizeof(uint16_t), &dv);
+    if (!p->fill) return FP4MOE_OK;
+    TRY(cuda_split_bf16x3(p->stream, dw, n, dv));
+    FP4MOE_CUDA_TRY("cuda", cudaStreamSynchronize(p->stream), "the router weights' bf16 planes");
+    *d = dv;
+    report(p, (size_t)n * 6);
     return FP4MOE_OK;
 }
 
@@ -374,6 +390,7 @@ static int put_layer(placer *p, const fp4moe_model *m, int64_t l, gpu_layer *d) 
         return put_linear(p, &w->o_proj, &d->o_proj, SYN_LAYER_ID(l, SYN_O));
     case FP4MOE_LAYER_MOE:
         TRY(put_f32(p, w->router_w, c->n_experts * H, &d->router_w));
+        TRY(put_planes3(p, w->router_w, d->router_w, c->n_experts * H, &d->router_w3));
         TRY(put_f32(p, w->router_bias, c->n_experts, &d->router_bias));
         TRY(put_linear(p, &w->experts_up, &d->experts_up, SYN_LAYER_ID(l, SYN_EXPERTS_UP)));
         TRY(put_linear(p, &w->experts_down, &d->experts_down, SYN_LAYER_ID(l, SYN_EXPERTS_DOWN)));
@@ -413,6 +430,7 @@ static void build_fw(struct gpu_model *g, int64_t L) {
             .conv_b = d->conv_b, .A = d->A, .D = d->D, .dt_bias = d->dt_bias, .gnorm = d->gnorm,
             .q_proj = lin(&d->q_proj), .k_proj = lin(&d->k_proj), .v_proj = lin(&d->v_proj), .kv_proj = lin(&d->kv_proj),
             .o_proj = lin(&d->o_proj), .router_w = d->router_w, .router_bias = d->router_bias,
+            .router_w3 = d->router_w3,
             .experts_up = lin(&d->experts_up), .experts_down = lin(&d->experts_down),
             .shared_up = lin(&d->shared_up), .shared_down = lin(&d->shared_down),
             .latent_in = lin(&d->latent_in), .latent_out = lin(&d->latent_out),
@@ -792,11 +810,13 @@ static int cu_linear_gather_rows(void *bc, const void *W, const void *x, int64_t
                                  int64_t k, const uint32_t *idx, int64_t B, int relu2, void *y) {
     return cuda_linear_gather_rows(&CX(bc)->ops, W, x, T, row_of, k, idx, B, relu2, y);
 }
-static int cu_moe_route(void *bc, const fw_router *r, const float *x, int64_t T, const float *W, int64_t H,
-                        float *logits, int32_t *ids, float *wts, uint32_t *row_of, uint32_t *idx,
+static int cu_moe_route(void *bc, const fw_router *r, const float *x, const void *x_act, int64_t T, const float *W,
+                        int64_t H, float *logits, int32_t *ids, float *wts, uint32_t *row_of, uint32_t *idx,
                         uint32_t *pos_of) {
     const cuda_router_cfg rc = {r->E, r->k, r->n_group, r->topk_group, r->norm_topk_prob, r->scaling, r->bias};
-    return cuda_moe_route(&CX(bc)->ops, &rc, x, T, W, H, logits, ids, wts, row_of, idx, pos_of);
+    /* x_act: the bf16 activations (act_size 2) */
+    return cuda_moe_route(&CX(bc)->ops, &rc, x, (const uint16_t *)x_act, T, W, (const uint16_t *)r->w3, H, logits, ids,
+                          wts, row_of, idx, pos_of);
 }
 static int cu_gather_rows(void *bc, const void *x, int64_t H, const uint32_t *row_of, int64_t B, int64_t k,
                           void *xs) {

@@ -782,12 +782,14 @@ gq_batched_w32_kernel(gq_args a, const int *__restrict__ starts, const int *__re
  * the warps on it: the 64-row form was latency-bound there (Nsight Compute, session 23: 1.31 active / 0.35
  * eligible warps a scheduler), the 8-row form decodes every weight 8 times. The sum over K is in 3 chains, so
  * the bits differ from the row tiles' (one kernel for these calls on every route keeps the contracts).
- * Measured (bench/gpu_dense_b64, H200, session 24, ms a call, 64 rows; production 8- / 64-row tiles as called ->
- * this kernel): in_proj 10,304 x 2,688 0.0482 / 0.0340 -> 0.0309, out_proj 2,688 x 4,096 0.0259 / 0.0360 -> 0.0222,
- * shared up 3,712 x 2,688 0.0235 / 0.0267 -> 0.0162, q 4,096 x 2,688 0.0236 / 0.0267 -> 0.0163; a step's plain
- * linears 2.940 -> 2.483 ms (0.84x; 2 groups: 0.90x; 32 rows: 0.81x). Not at N = 256 (k, v: 0.0155 against
- * 0.0137 on 8-row tiles: 4 items), hence KG_MIN_N. Rows with idx >= E (a sorted tail) are zeros; the row count
- * is counted from idx in the kernel (no runs kernel). */
+ * Measured (H200, session 24; bench/gpu_dense_b64, ms a call at 64 rows, the 8- / 64-row tiles of gq_batched_kernel
+ * alone -> this kernel): in_proj 10,304 x 2,688 0.0447 / 0.0303 -> 0.0313, out_proj 2,688 x 4,096 0.0222 / 0.0327 ->
+ * 0.0230, shared up 3,712 x 2,688 0.0200 / 0.0232 -> 0.0167, q 4,096 x 2,688 0.0200 / 0.0232 -> 0.0167; as the row
+ * tiles were called (with the runs kernel and a scratch allocation, ~4 us a call) a step's plain linears took 2.94
+ * ms, now 2.53 (2 groups: 0.90x of 3's candidate time). End to end (decode tok/s): 64 sequences 5,301 -> 5,536,
+ * 40 sequences 3,964 -> 4,352. Not at N = 256 (k, v: 0.0155 against 0.0137 on 8-row tiles: 4 items), hence
+ * KG_MIN_N. Rows with idx >= E (a sorted tail) are zeros; the row count is counted from idx in the kernel (no runs
+ * kernel), after the first item's K loop (all B rows are multiplied, those past the count not stored). */
 #define KG_GROUPS 3
 #define KG_MT 64
 #define KG_GT 128 /* threads a group */
@@ -817,7 +819,11 @@ __global__ void __launch_bounds__(KG_GROUPS * KG_GT, 1) gq_dense_kg_kernel(gq_ar
     float *red = reinterpret_cast<float *>(smem); /* after the K loop: groups 1.. partials (in group 0's x) */
     static_assert((KG_GROUPS - 1) * 32 * KG_GT * 4 <= KG_XB, "the partials fit group 0's x buffers");
 
-    int rows = -1; /* counted after the first item's weight copies are on their way (the grid is <= NT) */
+    /* every row is staged and multiplied (a row's bits do not depend on its n8 tile's neighbours); rows: those
+     * of expert 0 (sorted idx: the rows with idx < E = 1 come first), counted after the first item's K loop so
+     * that the idx load is off the critical path, stored; the rest are zeros */
+    const int ntv = (a.B + 7) >> 3, rows_pad = ntv * 8;
+    int rows = -1;
     for (int item = blockIdx.x; item < NT; item += gridDim.x) {
         const int nw = item * 64 + warp * 16;
         const int64_t wr0 = min(nw + g, N - 1), wr1 = min(nw + g + 8, N - 1);
@@ -832,15 +838,8 @@ __global__ void __launch_bounds__(KG_GROUPS * KG_GT, 1) gq_dense_kg_kernel(gq_ar
             ws.issue(ring + p * KG_GT, grp + KG_GROUPS * p, nsteps);
             bt_cp_commit();
         }
-        /* the rows of expert 0: sorted idx, so the rows with idx < E (= 1) come first (block-uniform) */
-        if (rows < 0) rows = __syncthreads_count(threadIdx.x < (unsigned)a.B && __ldg(a.idx + threadIdx.x) < (uint32_t)a.E);
-        if (rows == 0) {
-            bt_cp_wait<0>();
-            break;
-        }
-        const int ntv = (rows + 7) >> 3, rows_pad = ntv * 8;
         bt_xstage<__nv_bfloat16, KG_MT, KG_GT, 4> xr; /* staged by the group's threads */
-        xr.init_tid(tid, x, 0, rows, rows_pad, K, a.xrow, a.xdiv);
+        xr.init_tid(tid, x, 0, a.B, rows_pad, K);
         if (nj > 0) {
             xr.load(grp * BT_KSTEP, K);
             xr.store(xs0);
@@ -860,7 +859,9 @@ __global__ void __launch_bounds__(KG_GROUPS * KG_GT, 1) gq_dense_kg_kernel(gq_ar
             if (j + 1 < nj) xr.store((j & 1) ? xs0 : xs1);
             kg_bar(1 + grp);
         }
-        __syncthreads(); /* every group is past its K loop: group 0's x buffers hold the partials now */
+        /* every group is past its K loop: group 0's x buffers take the partials now */
+        if (rows < 0) rows = __syncthreads_count(threadIdx.x < (unsigned)a.B && __ldg(a.idx + threadIdx.x) < (uint32_t)a.E);
+        else __syncthreads();
         if (grp > 0) {
 #pragma unroll
             for (int i = 0; i < KG_MT / 8; i++)
@@ -893,9 +894,9 @@ __global__ void __launch_bounds__(KG_GROUPS * KG_GT, 1) gq_dense_kg_kernel(gq_ar
         y[i] = zero;
 }
 
-/* The calls gq_dense_kg_kernel takes (launch_tiled, for every route): see above. */
+/* The calls gq_dense_kg_kernel takes (launch_tiled, for every route): see above; no row map (gq_args.xrow). */
 static bool kg_fits(const gq_args *a, fp4moe_dtype dtype, bool f32out) {
-    return !f32out && dtype == FP4MOE_BF16 && a->E == 1 && a->B >= KG_MIN_ROWS && a->B <= KG_MT && a->N >= KG_MIN_N &&
+    return !f32out && dtype == FP4MOE_BF16 && a->E == 1 && !a->xrow && a->B >= KG_MIN_ROWS && a->B <= KG_MT && a->N >= KG_MIN_N &&
            a->K % 64 == 0 && ((uintptr_t)a->codes & 15) == 0 && ((uintptr_t)a->scales & 3) == 0;
 }
 

@@ -191,6 +191,20 @@ int cuda_linear_gather_rows(const cuda_ops *o, const cuda_linear *w, const uint1
 int cuda_matmul_f32(const cuda_ops *o, const float *x, int64_t T, const float *W, int64_t N,
                     int64_t K, float *y);
 
+/* The same product for x whose values are bf16 (the normed hidden state: the router's input), on bf16
+ * tensor cores: W3 (3N x K bf16) holds W as three planes (cuda_split_bf16x3: W = p0 + p1 + p2 exactly), so each
+ * product x * p is exact in fp32 and one cublasGemmEx (bf16 in, fp32 compute and out) gives the three planes'
+ * sums P0..P2 (T x 3N, into o->split_ws in parts of split_n / 3N rows); y = P0 + (P1 + P2). fp32 accuracy as
+ * cuda_matmul_f32 (the sums' order differs, so not its bits). x: T x K bf16 (uint16_t). Errors: FP4MOE_ECUDA,
+ * FP4MOE_EUNSUPPORTED (no split_ws for one row, sizes beyond int). */
+int cuda_matmul_bf16x3(const cuda_ops *o, const uint16_t *x, int64_t T, const uint16_t *W3, int64_t N, int64_t K,
+                       float *y);
+
+/* out (3n bf16, planes of n) = w (n fp32) as three bf16 planes p0 = bf16(w), p1 = bf16(w - p0), p2 = bf16(w -
+ * p0 - p1) (round to nearest even; the differences are exact, p0 + p1 + p2 = w exactly but for |w| < ~2^-110).
+ * Errors: FP4MOE_ECUDA. */
+int cuda_split_bf16x3(void *stream, const float *w, int64_t n, uint16_t *out);
+
 /* ---- embedding, norms, elementwise ---------------------------------------------------------------- */
 
 /* h[t] (H fp32) = row tokens[t] of the embedding e (V x H): dense bf16/f16/f32, or NVFP4
@@ -351,10 +365,12 @@ int cuda_sort_by_expert(void *stream, const int32_t *ids, int64_t B, int64_t E, 
 /* The whole routing of a MoE layer: logits (T x E, fp32) = x (T x H fp32) @ W^T (W: E x H fp32),
  * then cuda_router_topk, then cuda_sort_by_expert of the T * k rows (same results and errors as
  * those). T <= 16 (decode-sized steps): two launches (the logits in a fixed dot-product order of
- * its own, not cuBLAS's; then the top-k and sort in one block); larger T: cuBLAS + the two kernels. */
-int cuda_moe_route(const cuda_ops *o, const cuda_router_cfg *r, const float *x, int64_t T, const float *W,
-                   int64_t H, float *logits, int32_t *ids, float *wts, uint32_t *row_of, uint32_t *idx,
-                   uint32_t *pos_of);
+ * its own, not cuBLAS's; then the top-k and sort in one block); larger T: cuBLAS + the two kernels,
+ * the logits by cuda_matmul_bf16x3 where xb (x's values as bf16, T x H) and W3 (W's three bf16 planes,
+ * 3E x H) are given and o->split_ws holds a row of planes, else by cuda_matmul_f32. */
+int cuda_moe_route(const cuda_ops *o, const cuda_router_cfg *r, const float *x, const uint16_t *xb, int64_t T,
+                   const float *W, const uint16_t *W3, int64_t H, float *logits, int32_t *ids, float *wts,
+                   uint32_t *row_of, uint32_t *idx, uint32_t *pos_of);
 
 /* xs[p] = x[row_of[p] / k] for p < B: rows of H bf16 gathered into expert order. */
 /* The stable sort by expert of B rows with global experts ids[b] in [lo, lo + E) (clamped into it):

@@ -270,3 +270,60 @@ extern "C" int cuda_matmul_f32(const cuda_ops *o, const float *x, int64_t T, con
     return gemm_xwt((cublasHandle_t)o->blas, W, x, y, CUDA_R_32F, CUDA_R_32F, T, N, K,
                     "matmul f32 (router)");
 }
+
+/* ---- the router's matmul on bf16 tensor cores ---------------------------------------------------- */
+
+/* out = three bf16 planes of w (n floats): p0 = bf16(w), p1 = bf16(w - p0), p2 = bf16(w - p0 - p1), each
+ * difference exact in fp32; p0 + p1 + p2 = w exactly (8 + 8 + 8 significant bits cover fp32's 24; bf16 has
+ * fp32's exponent range) unless a part falls below bf16's smallest normal (|w| < ~2^-110). */
+__global__ void split_bf16x3_kernel(const float *__restrict__ w, int64_t n, uint16_t *__restrict__ out) {
+    cu_pdl_entry();
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+        const float v = w[i];
+        const uint16_t a = ops_f32_to_bf16(v);
+        const float r = v - ops_bf16_to_f32(a);
+        const uint16_t b = ops_f32_to_bf16(r);
+        out[i] = a;
+        out[n + i] = b;
+        out[2 * n + i] = ops_f32_to_bf16(r - ops_bf16_to_f32(b));
+    }
+}
+
+extern "C" int cuda_split_bf16x3(void *stream, const float *w, int64_t n, uint16_t *out) {
+    if (n <= 0) return FP4MOE_OK;
+    cu_launch(split_bf16x3_kernel, grid_for(n), 256, 0, (cudaStream_t)stream, w, n, out);
+    OPS_LAUNCH_CHECK("split into three bf16 planes (router weights)");
+    return FP4MOE_OK;
+}
+
+/* y[t][e] = p[t][e] + (p[t][N + e] + p[t][2 N + e]): the planes' products, the small ones first */
+__global__ void sum_planes_kernel(const float *__restrict__ p, int64_t T, int64_t N, float *__restrict__ y) {
+    cu_pdl_entry();
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < T * N; i += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t t = i / N, e = i - t * N;
+        const float *r = p + t * 3 * N;
+#ifdef FP4MOE_INJECT_FAULT_PLANES /* deliberate fault (tests must catch it): the second plane read for the third */
+        y[i] = r[e] + (r[N + e] + r[N + e]);
+#else
+        y[i] = r[e] + (r[N + e] + r[2 * N + e]);
+#endif
+    }
+}
+
+extern "C" int cuda_matmul_bf16x3(const cuda_ops *o, const uint16_t *x, int64_t T, const uint16_t *W3, int64_t N,
+                                  int64_t K, float *y) {
+    if (T <= 0) return FP4MOE_OK;
+    const int64_t rows = o->split_ws && N > 0 ? o->split_n / (3 * N) : 0; /* rows of one part */
+    if (rows < 1)
+        return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "cuda op matmul bf16x3: no scratch for 3 x %lld outputs a row",
+                                (long long)N);
+    for (int64_t t0 = 0; t0 < T; t0 += rows) {
+        const int64_t n = T - t0 < rows ? T - t0 : rows;
+        const int st = gemm_xwt((cublasHandle_t)o->blas, W3, x + t0 * K, o->split_ws, CUDA_R_16BF, CUDA_R_32F, n,
+                                3 * N, K, "matmul bf16x3 (router)");
+        if (st) return st;
+        cu_launch(sum_planes_kernel, grid_for(n * N), 256, 0, (cudaStream_t)o->stream, o->split_ws, n, N, y + t0 * N);
+        OPS_LAUNCH_CHECK("matmul bf16x3 (router, the planes' sum)");
+    }
+    return FP4MOE_OK;
+}
