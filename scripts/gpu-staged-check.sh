@@ -12,7 +12,7 @@
 #   4. end to end on the synthetic Nemotron-3-Nano-30B-A3B shape, the builds alternated in rounds
 #      (bench/gpu-compare.sh): OLD (an earlier commit's fp4moe, with OLD_ENV) against this one, at
 #      128 + 64 and 512 + 128 tokens, 64 sequences, 2,048 + 32 and 8,192 + 16 (CMPS: which of p128
-#      p512 b64 b40 p2k p8k; b40: 40 sequences); this
+#      p512 b64 p2k p8k, or bN: N sequences, e.g. b40); this
 #      build with FP4MOE_GATHER_EXPERT_BATCHED=0 too: the greedy hashes of a row must be equal across
 #      builds;
 #      VARIANTS (e.g. "mma=FP4MOE_CUDA_ATTENTION=mma"): this build with one setting, compared too;
@@ -160,8 +160,7 @@ for f in $CMPS; do
     case $f in
     p128) cmp p128 3 150 "--prompt-tokens 128 --gen-tokens 64 --repeats 3" ;;
     p512) cmp p512 3 200 "--prompt-tokens 512 --gen-tokens 128 --repeats 3" ;;
-    b64) cmp b64 2 150 "--batch 64 --prompt-tokens 256 --gen-tokens 64 --repeats 2" ;;
-    b40) cmp b40 2 150 "--batch 40 --prompt-tokens 256 --gen-tokens 64 --repeats 2" ;;
+    b[0-9]*) cmp "$f" 2 150 "--batch ${f#b} --prompt-tokens 256 --gen-tokens 64 --repeats 2" ;;
     p2k) cmp p2k 2 120 "--prompt-tokens 2048 --gen-tokens 32 --repeats 2" ;;
     p8k) cmp p8k 1 120 "--prompt-tokens 8192 --gen-tokens 16 --repeats 2" ;;
     esac

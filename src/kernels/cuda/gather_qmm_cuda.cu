@@ -14,7 +14,10 @@
  *                                    changes speed but not the numbers wherever the automatic
  *                                    choice would be batched.
  *   batched       gather_batched.cu  sorted: tensor-core mma.sync over work items (expert, row-tile,
- *                                    N-tile) found on the device; f16/bf16 activations. For f32
+ *                                    N-tile) found on the device; f16/bf16 activations. bf16 plain
+ *                                    linears (E = 1) of 33-64 rows with N >= 2,048 take
+ *                                    gq_dense_kg_kernel on this route and on qmv's 8-row tiles alike
+ *                                    (launch_tiled), so the route switch keeps their bits. For f32
  *                                    activations the batched route runs the qmv kernel (fp32 FMA,
  *                                    rows of one expert share each weight load), to meet the f32
  *                                    tolerance without TF32.
