@@ -85,16 +85,16 @@ static const gg_case k_cases[] = {
     {8, 7, 32, 5, TU_IDX_UNSORTED, 1, FP4MOE_BF16, 1},
     {8, 100, 96, 29, TU_IDX_UNSORTED, 1, FP4MOE_BF16, 1},
     {8, 40, 160, 19, TU_IDX_DUPLICATES, 0, FP4MOE_BF16, 1},
-    /* plain linears (E = 1) of 64-255 rows: the 64-sequence decode's shape (both routes on 8-row tiles:
-     * N <= 8,192), K % 128 = 64 with rows out of range at 100 rows, the slow path (K % 64 != 0) at 100 rows
-     * (64-row tiles on the batched route), 255 rows (4 row tiles), and 64 rows with N > 8,192 (the batched
-     * route's 64-row tile): there the bitwise check compares route qmv's 8-row tiles against the batched
-     * route's 64-row tiles */
+    /* plain linears (E = 1) of 64-255 rows: the 64-sequence decode's shape (bf16: gq_dense_kg_kernel on both
+     * routes since session 24), K % 128 = 64 with rows out of range at 100 rows, the slow path (K % 64 != 0) at
+     * 100 rows (64-row tiles on the batched route), 255 rows (4 row tiles), and 64 f16 rows with N > 8,192 (the
+     * batched route's 64-row tile): there the bitwise check compares route qmv's 8-row tiles against the
+     * batched route's 64-row tiles */
     {1, 2688, 2688, 64, TU_IDX_ONE_EXPERT, 1, FP4MOE_BF16, 0},
     {1, 136, 2112, 100, TU_IDX_OOR_TAIL, 0, FP4MOE_F16, 1},
     {1, 100, 2000, 100, TU_IDX_ONE_EXPERT, 1, FP4MOE_BF16, 1},
     {1, 200, 1024, 255, TU_IDX_ONE_EXPERT, 1, FP4MOE_BF16, 0},
-    {1, 8208, 320, 64, TU_IDX_ONE_EXPERT, 1, FP4MOE_BF16, 1}, /* 64 rows with N > 8,192: one 64-row tile */
+    {1, 8208, 320, 64, TU_IDX_ONE_EXPERT, 1, FP4MOE_F16, 1}, /* 64 rows with N > 8,192: one 64-row tile */
     /* gq_dense_kg_kernel (bf16 plain linears of 33-64 rows, N >= 2,048, K % 64 == 0: K over 3 warp groups, on
      * every route): rows out of range (zeros), N % 64 = 56, K % 128 = 64; one K step (groups 1, 2 idle); half
      * a step; the decode-batch shapes */

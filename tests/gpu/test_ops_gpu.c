@@ -686,6 +686,8 @@ static void test_linear_gather_rows(void **state) {
     rows_case(g, 64, 72, 128, 40, 6, 1, 0, A, 1, 45);     /* 240 rows, E = 64: 8-row tiles */
     rows_case(g, 16, 200, 320, 100, 6, 1, 1, FP4MOE_ROUTE_QMV, 1, 46); /* qmv, tiled by 8 rows */
     rows_case(g, 8, 40, 192, 70, 1, 1, 0, A, 1, 47);      /* k = 1 */
+    rows_case(g, 1, 2104, 320, 24, 2, 1, 1, A, 1, 50);    /* E = 1, 48 rows, N >= 2,048: gq_dense_kg_kernel */
+    rows_case(g, 1, 2104, 320, 24, 2, 0, 0, A, 1, 51);
     rows_case(g, 8, 40, 192, 5, 6, 1, 1, A, 0, 48);       /* 30 rows: the tensor-core qmv - refused */
     rows_case(g, 8, 40, 192, 100, 6, 0, 0, FP4MOE_ROUTE_DEQUANT_GEMM, 0, 49); /* dequant_gemm - refused */
     /* argument errors */

@@ -839,7 +839,7 @@ __global__ void __launch_bounds__(KG_GROUPS * KG_GT, 1) gq_dense_kg_kernel(gq_ar
             bt_cp_commit();
         }
         bt_xstage<__nv_bfloat16, KG_MT, KG_GT, 4> xr; /* staged by the group's threads */
-        xr.init_tid(tid, x, 0, a.B, rows_pad, K);
+        xr.init_tid(tid, x, 0, a.B, rows_pad, K, a.xrow, a.xdiv); /* a row map: every entry < T (its promise) */
         if (nj > 0) {
             xr.load(grp * BT_KSTEP, K);
             xr.store(xs0);
@@ -894,9 +894,9 @@ __global__ void __launch_bounds__(KG_GROUPS * KG_GT, 1) gq_dense_kg_kernel(gq_ar
         y[i] = zero;
 }
 
-/* The calls gq_dense_kg_kernel takes (launch_tiled, for every route): see above; no row map (gq_args.xrow). */
+/* The calls gq_dense_kg_kernel takes (launch_tiled, for every route, with or without a row map): see above. */
 static bool kg_fits(const gq_args *a, fp4moe_dtype dtype, bool f32out) {
-    return !f32out && dtype == FP4MOE_BF16 && a->E == 1 && !a->xrow && a->B >= KG_MIN_ROWS && a->B <= KG_MT && a->N >= KG_MIN_N &&
+    return !f32out && dtype == FP4MOE_BF16 && a->E == 1 && a->B >= KG_MIN_ROWS && a->B <= KG_MT && a->N >= KG_MIN_N &&
            a->K % 64 == 0 && ((uintptr_t)a->codes & 15) == 0 && ((uintptr_t)a->scales & 3) == 0;
 }
 
@@ -926,7 +926,9 @@ int gq_batched_row_tile(const gq_args *a, fp4moe_dtype dtype) {
      * decode tok/s at 64 sequences (docs/PERFORMANCE.md, 2026-12-02). The bound was 8 rows until
      * session 23: at 5-8 rows (a 128-token prefill: 6) the 32-row tiles (the w32 kernel for bf16
      * experts) measured 9,648 against 8,939 tok/s (128 + 64 tokens, +7.9%, same bits). */
-    /* A plain linear (E = 1) of 64 rows (the 64-sequence decode step; the automatic route brings no
+    /* (Since session 24, bf16 plain linears of 33-64 rows with N >= 2,048 and K % 64 == 0 run gq_dense_kg_kernel
+     * instead, whatever this returns: launch_tiled. The rule below serves the others: f16, smaller N, K % 64 != 0.)
+     * A plain linear (E = 1) of 64 rows (the 64-sequence decode step; the automatic route brings no
      * fewer here, 33-63 rows take the qmv route's 8-row tiles) has one 64-row tile, so N / 64 items: up
      * to N = 8,192 (128 items for 132 SMs) the 8-row tiles' 8x as many items win (session 23, Nsight
      * Compute of that step: 24.98 against 31.97 us a call at N = 2,688, 16.2 against 22.8 at N = 256),
@@ -1240,7 +1242,8 @@ static int launch_dtype(const gq_args *a, int mt, const int *starts, const int *
     /* the wgmma kernel: bf16 in and out, experts (E > 1). A plain linear (E = 1) of 65..255 rows has
      * 2-4 row tiles of 64, i.e. few items of 2 warpgroups for 132 SMs: the mma.sync kernel's 64-feature
      * items measured faster there (at 64 rows, session 10: 64-sequence decode 4,307 vs 4,695 tok/s,
-     * docs/PERFORMANCE.md; 64 rows take 8-row tiles up to N = 8,192 since session 23). */
+     * docs/PERFORMANCE.md; 64 rows take 8-row tiles up to N = 8,192 since session 23, and bf16 ones of 33-64 rows
+     * with N >= 2,048 gq_dense_kg_kernel since session 24: launch_tiled). */
     constexpr bool WGT = std::is_same<T, __nv_bfloat16>::value && std::is_same<TY, __nv_bfloat16>::value;
     const bool WG = WGT && a->E > 1;
     if (a->tiled) { /* the tiled layout: the fast path only */

@@ -211,7 +211,8 @@ extern "C" int gather_qmm_cuda_ex(const fp4moe_nvfp4_weights *w, int tiled, cons
          * batched route runs that kernel too), bf16 ones of <= 32 rows the tensor-core qmv. Sorted
          * f16/bf16 calls of 33-63 rows (a prefill's last chunk, 33-63 tokens) take the 8-row-tile
          * kernel on both layouts (the fp32 kernel cannot read the tiled one), so that the two
-         * layouts give the same bits there too (test_model_gpu tiled_layout) */
+         * layouts give the same bits there too (test_model_gpu tiled_layout); bf16 plain linears of
+         * those with N >= 2,048 run gq_dense_kg_kernel instead, on both routes (launch_tiled) */
 #ifdef FP4MOE_INJECT_FAULT_QMV_ROWS /* deliberate fault (tests must catch it): the old rule, the checkpoint layout's
                                        33-63-row calls on the fp32 kernel */
         st = dtype != FP4MOE_F32 && sorted && (B >= FP4MOE_BATCHED_MIN_ROWS || (tiled && !gq_qmv_mma_fits(&a)))

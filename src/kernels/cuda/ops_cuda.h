@@ -194,14 +194,16 @@ int cuda_matmul_f32(const cuda_ops *o, const float *x, int64_t T, const float *W
 /* The same product for x whose values are bf16 (the normed hidden state: the router's input), on bf16
  * tensor cores: W3 (3N x K bf16) holds W as three planes (cuda_split_bf16x3: W = p0 + p1 + p2 exactly), so each
  * product x * p is exact in fp32 and one cublasGemmEx (bf16 in, fp32 compute and out) gives the three planes'
- * sums P0..P2 (T x 3N, into o->split_ws in parts of split_n / 3N rows); y = P0 + (P1 + P2). fp32 accuracy as
- * cuda_matmul_f32 (the sums' order differs, so not its bits). x: T x K bf16 (uint16_t). Errors: FP4MOE_ECUDA,
+ * sums P0..P2 (T x 3N, into o->split_ws in parts of split_n / 3N rows); y = P0 + (P1 + P2). The products are
+ * exact and the tensor cores accumulate in fp32 (not IEEE round-to-nearest): test_moe_route holds it to the fp32
+ * summation bound against fp64; not cuda_matmul_f32's bits. x: T x K bf16 (uint16_t). Errors: FP4MOE_ECUDA,
  * FP4MOE_EUNSUPPORTED (no split_ws for one row, sizes beyond int). */
 int cuda_matmul_bf16x3(const cuda_ops *o, const uint16_t *x, int64_t T, const uint16_t *W3, int64_t N, int64_t K,
                        float *y);
 
 /* out (3n bf16, planes of n) = w (n fp32) as three bf16 planes p0 = bf16(w), p1 = bf16(w - p0), p2 = bf16(w -
- * p0 - p1) (round to nearest even; the differences are exact, p0 + p1 + p2 = w exactly but for |w| < ~2^-110).
+ * p0 - p1) (round to nearest even; the differences are exact, p0 + p1 + p2 = w exactly but for |w| < ~2^-110 and
+ * |w| >= 0x1.ff8p127).
  * Errors: FP4MOE_ECUDA. */
 int cuda_split_bf16x3(void *stream, const float *w, int64_t n, uint16_t *out);
 

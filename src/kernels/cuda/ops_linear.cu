@@ -275,7 +275,8 @@ extern "C" int cuda_matmul_f32(const cuda_ops *o, const float *x, int64_t T, con
 
 /* out = three bf16 planes of w (n floats): p0 = bf16(w), p1 = bf16(w - p0), p2 = bf16(w - p0 - p1), each
  * difference exact in fp32; p0 + p1 + p2 = w exactly (8 + 8 + 8 significant bits cover fp32's 24; bf16 has
- * fp32's exponent range) unless a part falls below bf16's smallest normal (|w| < ~2^-110). */
+ * fp32's exponent range) unless a part falls below bf16's smallest normal (|w| < ~2^-110) or p0 rounds to
+ * infinity (|w| >= 0x1.ff8p127). */
 __global__ void split_bf16x3_kernel(const float *__restrict__ w, int64_t n, uint16_t *__restrict__ out) {
     cu_pdl_entry();
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
