@@ -17,8 +17,8 @@
  * only: the checks and timings of the checkpoint layout are left out; its macros WS_NC, WS_STAGES,
  * WS_MINB). WK_SS=1: the candidate is bench/gather_ss.cuh's kernel (decoded weights in shared memory,
  * wgmma SS form, 128-row items; tiled layout only; session 21; measured in session 22: not faster).
- * WK_BULK=1: the candidate is bench/gather_w32bulk.cuh's kernel (production's w32 kernel with its weight
- * pieces copied by cp.async.bulk, one lane a warp; tiled layout only; session 22). WK_MMA32=1: the candidate is gq_batched_kernel with 32-row tiles (16 features a warp), the
+ * (WK_BULK=1, session 22's cp.async.bulk form of the w32 kernel, measured and dropped: bench/patches/w32bulk.diff
+ * puts it back.) WK_MMA32=1: the candidate is gq_batched_kernel with 32-row tiles (16 features a warp), the
  * kernel that production's gq_batched_w32_kernel (32 features a warp, written as bench/gather_f32w.cuh
  * in session 17, measured 0.88x at 512 tokens and moved to production in session 18) replaced;
  * tiled layout only. The timing table has uniform and skewed routing (Zipf exponent 0.5) at each size
@@ -47,9 +47,6 @@ extern "C" {
 #ifndef WK_SS
 #define WK_SS 0
 #endif
-#ifndef WK_BULK
-#define WK_BULK 0
-#endif
 #if WK_MMA32
 #undef WK_MT
 #define WK_MT 32
@@ -65,12 +62,6 @@ static int wk_launch(const gq_args *a, cudaStream_t st) {
     gq_scratch_free(buf, st);
     return rc;
 }
-#define WK_TL0 1 /* tiled layout only */
-#elif WK_BULK
-#include "gather_w32bulk.cuh"
-#undef WK_MT
-#define WK_MT 32 /* (the w32 kernel's row tile) */
-static int wk_launch(const gq_args *a, cudaStream_t st) { return w32bulk_launch(a, st); }
 #define WK_TL0 1 /* tiled layout only */
 #elif WK_SS
 #include "gather_ss.cuh"
