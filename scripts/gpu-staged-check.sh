@@ -26,6 +26,7 @@
 #        scripts/gpu-staged-check.sh --package BIN           here: build build-gpum, pack the programs and
 #                                                           the fault builds into BIN (carry BIN)
 # Environment: OLD_ENV (default empty): settings for the OLD build, e.g. "FP4MOE_CUDA_SIDE_STREAM=1";
+#              EXTRA_TESTS="NAME=DIR ...": test programs of variant builds (DIR/PROG/0/PROG.xz), run in step 1;
 #              SKIP_TESTS=1: steps 4-5 only (a second call after one that ran the tests).
 set -u
 cd "$(dirname "$0")/.."
@@ -132,6 +133,16 @@ if [ -n "$CS" ]; then
         "$(grep -m1 'ERROR SUMMARY' "$OUT/memcheck.log")"
 fi
 fi # SKIP_TESTS
+# EXTRA_TESTS (e.g. "v17=gpu-bin/v17"): test programs of other builds (bench/build-variants.sh's DIR/PROG/0/PROG.xz),
+# each run whole with this package's libraries (also with SKIP_TESTS=1)
+for v in ${EXTRA_TESTS:-}; do
+    for f in "${v#*=}"/*/0/test_*.xz; do
+        [ -f "$f" ] || continue
+        n=${v%%=*}_$(basename "$f" .xz)
+        xz -dc "$f" >"$BIN/$n" && chmod +x "$BIN/$n"
+        t "$n" "$n.log" -- "$BIN/$n"
+    done
+done
 wrap() { printf '#!/bin/sh\nexec env %s %s "$@"\n' "$3" "$2" >"$BIN/$1" && chmod +x "$BIN/$1"; }
 B="new=$BIN/fp4moe"
 if [ -n "$OLDPKG" ]; then # an earlier commit's fp4moe (or .xz of it; the same libraries as this package's)
