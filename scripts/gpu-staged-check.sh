@@ -26,7 +26,8 @@
 #        scripts/gpu-staged-check.sh --package BIN           here: build build-gpum, pack the programs and
 #                                                           the fault builds into BIN (carry BIN)
 # Environment: OLD_ENV (default empty): settings for the OLD build, e.g. "FP4MOE_CUDA_SIDE_STREAM=1";
-#              EXTRA_TESTS="NAME=DIR ...": test programs of variant builds (DIR/PROG/0/PROG.xz), run in step 1;
+#              EXTRA_TESTS="NAME=DIR ...": test programs of variant builds (DIR/PROG/0/PROG.xz), run after step 3
+#              (also with SKIP_TESTS=1);
 #              SKIP_TESTS=1: steps 4-5 only (a second call after one that ran the tests).
 set -u
 cd "$(dirname "$0")/.."
