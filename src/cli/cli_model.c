@@ -129,15 +129,18 @@ int cli_load_synthetic(const char *cmd, const char *name, uint64_t seed, fp4moe_
 /* ---- chat templates ---------------------------------------------------------------------------- */
 
 /* The template text (malloc'd) from the sources above; NULL with a message when there is none. */
-char *cli_load_chat_template(const char *model, const char *override) {
+char *cli_load_chat_template(const char *model, const char *override, char **where) {
     char *text = NULL;
+    if (where) *where = NULL;
     if (override) {
         if (cli_read_text(override, 16 << 20, &text)) return NULL;
+        if (where) *where = strdup(override);
         return text;
     }
     char *p = cli_join(model, "chat_template.jinja");
     if (p && access(p, R_OK) == 0 && !cli_read_text(p, 16 << 20, &text)) {
-        free(p);
+        if (where) *where = p;
+        else free(p);
         return text;
     }
     free(p);
@@ -160,6 +163,8 @@ char *cli_load_chat_template(const char *model, const char *override) {
         fp4moe_set_error(FP4MOE_EINVAL, "model %s has no chat template (no chat_template.jinja, no "
                          "\"chat_template\" in tokenizer_config.json): give one with --chat-template FILE",
                          model);
+    else if (where && p && (*where = malloc(strlen(p) + 20)))
+        sprintf(*where, "%s (chat_template)", p);
     cJSON_Delete(j);
     free(cfg);
     free(p);

@@ -308,6 +308,12 @@ int cli_read_stream(FILE *f, char **out) {
         free(b);
         return fp4moe_set_error(FP4MOE_EIO, "standard input: read error");
     }
+    const char *nul = memchr(b, 0, n);
+    if (nul) {
+        const long long at = (long long)(nul - b);
+        free(b);
+        return fp4moe_set_error(FP4MOE_EFORMAT, "standard input: a NUL byte at offset %lld: not text", at);
+    }
     b[n] = 0;
     *out = b;
     return FP4MOE_OK;
@@ -330,6 +336,8 @@ int cli_read_text(const char *path, int64_t max_bytes, char **out) {
         rewind(fp);
         if (fread(buf, 1, (size_t)n, fp) != (size_t)n) st = fp4moe_set_error(FP4MOE_EIO, "%s: read failed", path);
         buf[n] = '\0';
+        const char *nul = st ? NULL : memchr(buf, 0, (size_t)n); /* the text would end there without a word */
+        if (nul) st = fp4moe_set_error(FP4MOE_EFORMAT, "%s: a NUL byte at offset %lld: not text", path, (long long)(nul - buf));
     }
     fclose(fp);
     if (st) free(buf);

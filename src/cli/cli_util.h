@@ -121,7 +121,8 @@ int cli_write_file(fp4moe_st_writer *w, const char *input, const char *output);
 /* 1 when a and b name the same existing file or directory (same device and inode). */
 int cli_same_file(const char *a, const char *b);
 
-/* Reads a whole text file (<= max_bytes) into a NUL-terminated buffer (caller frees). */
+/* Reads a whole text file (<= max_bytes) into a NUL-terminated buffer (caller frees). Errors: cannot open /
+ * read, too large, FP4MOE_EFORMAT for a NUL byte in the file (named with its offset: text would end there). */
 int cli_read_text(const char *path, int64_t max_bytes, char **out);
 /* FP4MOE_EINVAL (message naming both) when writing to `output` (a file, or a directory that gets
  * the model's files) would overwrite one of the files of input model m. */
@@ -134,7 +135,8 @@ typedef struct {
 /* Appends n bytes of t. Errors: FP4MOE_ENOMEM (the buffer keeps what it had). */
 int cli_text_add(cli_text *b, const char *t, size_t n);
 
-/* All of stream f as a NUL-terminated malloc'd string (at most 1 GiB). Errors: FP4MOE_EIO, ENOMEM. */
+/* All of stream f as a NUL-terminated malloc'd string (at most 1 GiB). Errors: FP4MOE_EIO, ENOMEM, FP4MOE_EFORMAT
+ * (a NUL byte in the stream: text would end there; messages say "standard input"). */
 int cli_read_stream(FILE *f, char **out);
 /* Writes text to path (temp file + rename). */
 int cli_write_text(const char *path, const char *text);

@@ -23,7 +23,7 @@
 
 typedef struct {
     const char *model, *chat_template, *system, *think, *device, *dtype, *cpu_act, *kv_cache;
-    int64_t n, chunk;
+    int64_t n, chunk, ctx;
     cli_sampling smp;
     int no_quantize;
     int64_t threads;
@@ -36,9 +36,12 @@ static void add_message(cJSON *msgs, const char *role, const char *content) {
     cJSON_AddItemToArray(msgs, m);
 }
 
-/* One answer: the rendered conversation through a fresh session, streamed; the text in *answer. */
+/* One answer: the rendered conversation through a fresh session, streamed; the text in *answer. ctx_len > 0:
+ * the context limit in tokens - a conversation of ctx_len tokens or more is not sent (*too_long = 1, nothing
+ * printed but the message), an answer stops at the limit. */
 static int answer(const chat_args *a, fp4moe_session *s, int64_t V, fp4moe_tokenizer *tok, fp4moe_sampler *smp,
-                  const fp4moe_template *tmpl, cJSON *ctx, cli_text *answer) {
+                  const fp4moe_template *tmpl, cJSON *ctx, int64_t ctx_len, cli_text *answer, int *too_long) {
+    *too_long = 0;
     char *prompt = NULL;
     int st = fp4moe_template_render(tmpl, ctx, NULL, &prompt, NULL);
     if (st) return st;
@@ -47,6 +50,13 @@ static int answer(const chat_args *a, fp4moe_session *s, int64_t V, fp4moe_token
     st = fp4moe_tokenizer_encode(tok, prompt, (int64_t)strlen(prompt), 0, &ids, &T);
     free(prompt);
     if (!st && T == 0) st = fp4moe_set_error(FP4MOE_EINVAL, "the rendered conversation encodes to no tokens");
+    if (!st && ctx_len > 0 && T >= ctx_len) {
+        fprintf(stderr, "%s: the conversation with this message is %lld tokens, the context %lld (--ctx): message not "
+                "sent; /reset starts over\n", CMD, (long long)T, (long long)ctx_len);
+        *too_long = 1;
+        free(ids);
+        return FP4MOE_OK;
+    }
     float *lg = st ? NULL : malloc((size_t)V * sizeof(float));
     if (!st && !lg) st = fp4moe_set_error(FP4MOE_ENOMEM, "chat: out of memory");
     const volatile sig_atomic_t *stop = cli_install_sigint();
@@ -66,6 +76,10 @@ static int answer(const chat_args *a, fp4moe_session *s, int64_t V, fp4moe_token
         fwrite(text, 1, (size_t)len, stdout);
         fflush(stdout);
         cli_text_add(answer, text, (size_t)len);
+        if (i + 1 < a->n && ctx_len > 0 && T + i + 1 >= ctx_len) {
+            fprintf(stderr, "\n%s: answer stopped at the context limit of %lld tokens (--ctx)", CMD, (long long)ctx_len);
+            break;
+        }
         if (i + 1 < a->n) st = fp4moe_session_forward(s, &id, 1, lg, 0);
     }
     const char *text;
@@ -94,11 +108,14 @@ static int chat(const chat_args *a) {
     int rc = cli_parse_compute(CMD, a->device, a->dtype, a->cpu_act, &dev, &dt, &ca);
     if (!rc) rc = cli_parse_kv_dtype(CMD, a->kv_cache, dev, &kv);
     if (rc) return rc;
-    char *src = cli_load_chat_template(a->model, a->chat_template);
+    char *where = NULL;
+    char *src = cli_load_chat_template(a->model, a->chat_template, &where);
     if (!src) return cli_fail(CMD, FP4MOE_EINVAL);
     fp4moe_template *tmpl = NULL;
     int st = fp4moe_template_compile(src, strlen(src), &tmpl);
+    if (st) fp4moe_error_context(st, "%s", where ? where : "chat template");
     free(src);
+    free(where);
     if (st) return cli_fail(CMD, st);
     fp4moe_tokenizer *tok = NULL;
     fp4moe_model *m = NULL;
@@ -121,6 +138,10 @@ static int chat(const chat_args *a) {
     so.kv_dtype = kv;
     so.device = dev;
     so.interrupt = cli_install_sigint();
+    const int64_t maxpos = fp4moe_model_config(m)->max_position, ctx_len = a->ctx > 0 ? a->ctx : maxpos;
+    if (a->ctx > 0 && maxpos > 0 && a->ctx > maxpos)
+        fprintf(stderr, "%s: warning: --ctx %lld is above the model's max_position_embeddings %lld (it was not "
+                "trained that long)\n", CMD, (long long)a->ctx, (long long)maxpos);
     if (dev == FP4MOE_DEVICE_CUDA) so.max_chunk = CLI_CUDA_CHUNK;
     if (a->chunk > 0) so.max_chunk = a->chunk;
     st = fp4moe_session_new(m, &so, &s);
@@ -143,6 +164,11 @@ static int chat(const chat_args *a) {
         if (n < 0) break;
         size_t len = (size_t)n;
         while (len && (line[len - 1] == '\n' || line[len - 1] == '\r')) line[--len] = 0;
+        if (memchr(line, 0, len)) { /* the message would end there without a word */
+            fprintf(stderr, "%s: the line has a NUL byte at offset %lld: not sent\n", CMD,
+                    (long long)((const char *)memchr(line, 0, len) - line));
+            continue;
+        }
         if (!strcmp(line, "/exit") || !strcmp(line, "/quit")) break;
         if (!strcmp(line, "/reset")) {
             while (cJSON_GetArraySize(msgs) > (a->system ? 1 : 0))
@@ -158,8 +184,10 @@ static int chat(const chat_args *a) {
         }
         add_message(msgs, "user", line[0] == '/' && line[1] == '/' ? line + 1 : line);
         cli_text ans = {0};
-        st = answer(a, s, fp4moe_model_config(m)->vocab, tok, &smp, tmpl, ctx, &ans);
-        add_message(msgs, "assistant", ans.s ? ans.s : "");
+        int too_long = 0;
+        st = answer(a, s, fp4moe_model_config(m)->vocab, tok, &smp, tmpl, ctx, ctx_len, &ans, &too_long);
+        if (too_long) cJSON_DeleteItemFromArray(msgs, cJSON_GetArraySize(msgs) - 1); /* the message not sent */
+        else add_message(msgs, "assistant", ans.s ? ans.s : "");
         free(ans.s);
     }
     free(line);
@@ -180,6 +208,8 @@ int cmd_chat(int argc, char **argv) {
         {"--system", NULL, CLI_STRING, &a.system, "TEXT", "system prompt"},
         {"--think", NULL, CLI_STRING, &a.think, "on|off", "enable_thinking for reasoning templates (default: the template's)"},
         {"--tokens", "-n", CLI_INT, &a.n, "N", "most tokens per answer (default 512)"},
+        {"--ctx", NULL, CLI_INT, &a.ctx, "N", "context limit in tokens, the conversation's and its answer's (default: "
+         "the model's max_position_embeddings)"},
         CLI_SAMPLING_OPTS(a.smp),
         {"--threads", "-t", CLI_INT, &a.threads, "N", "CPU threads (default: one per core)"},
         {"--device", NULL, CLI_STRING, &a.device, "DEV", "cpu, cuda or auto (default auto)"},
@@ -198,6 +228,7 @@ int cmd_chat(int argc, char **argv) {
     if (rc) return FP4MOE_EXIT_USAGE;
     if (!a.model) return cli_usage_error(CMD, "-m DIR is required");
     if (a.n < 1) return cli_usage_error(CMD, "--tokens must be >= 1");
+    if (a.ctx < 0) return cli_usage_error(CMD, "--ctx must be >= 1 (0: the model's max_position_embeddings)");
     if (a.think && strcmp(a.think, "on") && strcmp(a.think, "off")) return cli_usage_error(CMD, "--think must be on or off");
     if ((rc = cli_sampling_check(CMD, &a.smp))) return rc;
     if ((rc = cli_set_threads(CMD, a.threads))) return rc;

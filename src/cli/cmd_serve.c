@@ -68,16 +68,20 @@ static int serve(const serve_args *a) {
     if (st) return cli_fail(CMD, st);
     /* the chat template: optional (completions work without one; chat requests then get a 400) */
     fp4moe_template *tmpl = NULL;
-    char *src = cli_load_chat_template(tok_dir, a->chat_template);
+    char *where = NULL;
+    char *src = cli_load_chat_template(tok_dir, a->chat_template, &where);
     if (!src && a->chat_template) {
         fp4moe_tokenizer_free(tok);
         return cli_fail(CMD, FP4MOE_EIO);
     }
     if (src && (st = fp4moe_template_compile(src, strlen(src), &tmpl))) {
+        fp4moe_error_context(st, "%s", where ? where : "chat template");
         free(src);
+        free(where);
         fp4moe_tokenizer_free(tok);
         return cli_fail(CMD, st);
     }
+    free(where);
     if (!src) fprintf(stderr, "%s: %s has no chat template: /v1/chat/completions will answer 400 (give one with "
                       "--chat-template FILE)\n", CMD, tok_dir);
     free(src);

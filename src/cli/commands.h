@@ -77,8 +77,9 @@ int cli_synthetic_quiet(const char *name, uint64_t seed, fp4moe_device dev, fp4m
 int cli_load_share_quiet(const char *dir, int quantize, fp4moe_device dev, int world, int rank, fp4moe_model **out);
 /* The chat template text (malloc'd): file `override` when given, else DIR/chat_template.jinja, else
  * the "chat_template" of DIR/tokenizer_config.json (a string, or the "default" of a list). NULL with
- * fp4moe_last_error() set when there is none. */
-char *cli_load_chat_template(const char *dir, const char *override);
+ * fp4moe_last_error() set when there is none. where (may be NULL): the source's name for messages
+ * (malloc'd; the file, or "FILE (chat_template)"), NULL when there is none. */
+char *cli_load_chat_template(const char *dir, const char *override, char **where);
 /* bos_token / eos_token of DIR/tokenizer_config.json (strings, "" when absent) into ctx. */
 void cli_template_special_tokens(const char *dir, cJSON *ctx);
 /* The sampling options of the commands that generate (generate, chat): one group, one check. */

@@ -184,7 +184,10 @@ srv_job *srv_engine_submit(srv_engine *e, srv_request *r, void (*wake)(void *ctx
 size_t srv_job_read(srv_job *j, char *buf, size_t max, int *done, int *waiting);
 /* 1 when the job has finished (non-stream: the body is complete); *http the status to send. */
 int srv_job_done(srv_job *j, int *http);
-/* The client went away: the engine drops the job at its next step (freeing its sequence). */
+/* The client went away while the connection still holds the job (a non-stream client's socket seen closed):
+ * the engine drops the job at its next step (freeing its sequence), logs it (499, "cancelled") and, when the
+ * connection is waiting (srv_job_arm), wakes it; srv_job_done then gives 499 and an error body. No-op on a
+ * finished job. (srv_job_release cancels too, for a connection that lets go of an unfinished job.) */
 void srv_job_cancel(srv_job *j);
 /* Arms the wake-up: returns 1 when output is already available (do not wait); else calls
  * suspend(ctx) (MHD_suspend_connection) under the engine lock, so that the engine's next output

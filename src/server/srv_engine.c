@@ -23,6 +23,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "server/srv.h"
 
@@ -131,6 +132,7 @@ struct srv_engine {
     srv_job *qhead, *qtail;
     int64_t n_queued, n_running;
     uint64_t counter;
+    uint64_t id_base, n_ids;        /* response ids: mix64(id_base + n_ids), n_ids counted up (e->lock) */
     int n_ranks;
     srv_rank *ranks;
     /* metrics (e->lock) */
@@ -536,6 +538,27 @@ static int least_loaded(const srv_rank *rk) {
     return 1;
 }
 
+/* Ends a cancelled job (e->lock held): the client went away (a stream's connection released it, or the HTTP
+ * side saw a non-stream client's socket closed: srv_job_cancel). Logged with status 499 (nginx's "client closed
+ * request"); a connection still waiting for the whole answer is woken (it then sends an error body to the closed
+ * socket and lets go of the job). */
+static void finish_cancelled(srv_engine *e, srv_job *j) {
+    j->done = 1;
+    j->phase = PH_DONE;
+    e->finish[2]++;
+    j->http = 499;
+    if (!j->r.stream) {
+        srv_error er;
+        srv_fail(&er, 499, NULL, "%s", "cancelled: the client closed the connection");
+        char *body = srv_error_json(&er);
+        j->out.n = 0;
+        if (body) srv_buf_add(&j->out, body, strlen(body));
+        free(body);
+    }
+    log_job(e, j, 499, "cancelled");
+    notify(j);
+}
+
 /* One round of rank rk: admissions, then one step of its jobs, or (expert parallelism, no work)
  * one idle round; `events` is e->events as read before the round. */
 static void step_once(srv_rank *rk, uint64_t events) {
@@ -550,10 +573,8 @@ static void step_once(srv_rank *rk, uint64_t events) {
             pthread_mutex_unlock(&e->lock);
             release_seq(j);
             pthread_mutex_lock(&e->lock);
-            j->done = 1;
-            j->phase = PH_DONE;
             e->n_running--;
-            e->finish[2]++;
+            finish_cancelled(e, j);
         }
         if (j->done) {
             rk->act[i] = rk->act[--rk->n_act];
@@ -569,8 +590,7 @@ static void step_once(srv_rank *rk, uint64_t events) {
         if (!e->qhead) e->qtail = NULL;
         e->n_queued--;
         if (j->cancelled) {
-            j->done = 1;
-            e->finish[2]++;
+            finish_cancelled(e, j);
             job_unref_locked(j);
             continue;
         }
@@ -768,6 +788,9 @@ int srv_engine_new(const fp4moe_model *m, const fp4moe_tokenizer *tok, const cha
     e->m = m;
     e->tok = tok;
     e->o = *o;
+    /* mix64 is a bijection of 64-bit words, so ids of one process never repeat; the base differs between
+     * processes (time, pid, an address) so that restarted servers do not reuse one another's ids */
+    e->id_base = mix64((uint64_t)time(NULL) ^ mix64((uint64_t)getpid()) ^ (uint64_t)(uintptr_t)e);
     e->model_name = strdup(model_name);
     e->V = fp4moe_model_config(m)->vocab;
     e->tok_vocab = fp4moe_tokenizer_vocab_size(tok);
@@ -893,17 +916,16 @@ srv_job *srv_engine_submit(srv_engine *e, srv_request *r, void (*wake)(void *), 
         return NULL;
     }
     if (e->n_running + e->n_queued >= e->n_ranks * e->o.max_seqs + e->o.max_queue) { /* no free sequence, queue full */
-        const long long q = (long long)e->n_queued;
+        const long long q = (long long)e->n_queued, run = (long long)e->n_running;
+        const long long cap = (long long)e->n_ranks * e->o.max_seqs + e->o.max_queue;
         pthread_mutex_unlock(&e->lock);
-        srv_fail(err, 429, NULL, "the server is busy: %lld requests are waiting (--max-queue); retry later", q);
+        srv_fail(err, 429, NULL, "the server is busy: %lld requests running and %lld waiting, the most it takes (%lld: "
+                 "--max-seqs x ranks + --max-queue); retry later", run, q, cap);
         job_free(j);
         return NULL;
     }
-    ++e->counter;
-    if (j->r.kind == SRV_CHAT)
-        snprintf(j->id, sizeof j->id, "chatcmpl-%016llx", (unsigned long long)mix64(e->counter ^ (uint64_t)j->created));
-    else
-        snprintf(j->id, sizeof j->id, "cmpl-%016llx", (unsigned long long)mix64(e->counter ^ (uint64_t)j->created));
+    const unsigned long long id = (unsigned long long)mix64(e->id_base + ++e->n_ids);
+    snprintf(j->id, sizeof j->id, "%s-%016llx", j->r.kind == SRV_CHAT ? "chatcmpl" : "cmpl", id);
     if (e->qtail) e->qtail->next = j;
     else e->qhead = j;
     e->qtail = j;
@@ -948,9 +970,8 @@ int srv_job_arm(srv_job *j, void (*suspend)(void *), void *ctx) {
 
 void srv_job_cancel(srv_job *j) {
     pthread_mutex_lock(&j->e->lock);
-    if (!j->done) {
+    if (!j->done) { /* the wake stays armed: the engine wakes the waiting connection when it has dropped the job */
         j->cancelled = 1;
-        j->armed = 0;
         j->e->events++;
         pthread_cond_broadcast(&j->e->cv);
     }

@@ -5,11 +5,15 @@
  * engine lock (srv_job_arm), and the engine resumes it when output arrives. A stream's response
  * is a content-reader callback; when the client goes away MHD frees the response and the job is
  * cancelled (its sequence is freed at the engine's next step). Suspended connections are not
- * watched by MHD, so a disconnect is seen at the next write (within one engine step). */
+ * watched by MHD, so a stream's disconnect is seen at its next write (within one engine step), and a
+ * non-stream client waiting for its whole answer is watched by a thread of ours (watch_main: its socket
+ * polled for the peer's close every WATCH_MS; then srv_job_cancel). */
 #include <arpa/inet.h>
 #include <microhttpd.h>
 #include <netdb.h>
 #include <netinet/in.h>
+#include <poll.h>
+#include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -20,6 +24,10 @@
 
 #include "server/srv.h"
 
+#define WATCH_MS 100 /* how often the sockets of non-stream clients waiting for their answer are polled */
+
+struct conn_ctx;
+
 typedef struct {
     srv_engine *e;
     const srv_parse_ctx *pc;
@@ -27,6 +35,10 @@ typedef struct {
     atomic_int suspended;
     atomic_int attached;   /* jobs held by a connection (stream or not), until the connection releases them */
     atomic_int stopping;
+    /* non-stream connections waiting for their job (watch_main) */
+    pthread_mutex_t wlock;
+    struct conn_ctx *watched; /* a list through conn_ctx.wnext / wprev (wlock) */
+    int wstop;                /* wlock */
 } srv_http;
 
 /* Both per-connection contexts start with these, so one wake function serves them. */
@@ -35,11 +47,14 @@ typedef struct {
     struct MHD_Connection *c;
 } wake_ctx;
 
-typedef struct {
+typedef struct conn_ctx {
     wake_ctx w;
     srv_buf body;
     int too_big, answered;
     srv_job *job;                 /* non-stream job waiting for its body */
+    /* in h->watched while the job runs (wlock): the socket, and whether the job was cancelled */
+    struct conn_ctx *wnext, *wprev;
+    int watched, fd, cancelled;
 } conn_ctx;
 
 typedef struct {
@@ -149,8 +164,73 @@ static enum MHD_Result get_health(srv_http *h, struct MHD_Connection *c) {
     return respond(h, c, stopping ? 503 : 200, "application/json", s, strlen(s));
 }
 
+/* ---- non-stream clients that go away ------------------------------------------------------------- */
+
+static void watch_add(srv_http *h, conn_ctx *cc) {
+    const union MHD_ConnectionInfo *ci = MHD_get_connection_info(cc->w.c, MHD_CONNECTION_INFO_CONNECTION_FD);
+    if (!ci) return;
+    pthread_mutex_lock(&h->wlock);
+    cc->fd = ci->connect_fd;
+    cc->wprev = NULL;
+    cc->wnext = h->watched;
+    if (h->watched) h->watched->wprev = cc;
+    h->watched = cc;
+    cc->watched = 1;
+    pthread_mutex_unlock(&h->wlock);
+}
+
+/* Before the connection lets go of its job (idempotent). */
+static void watch_del(srv_http *h, conn_ctx *cc) {
+    pthread_mutex_lock(&h->wlock);
+    if (cc->watched) {
+        if (cc->wprev) cc->wprev->wnext = cc->wnext;
+        else h->watched = cc->wnext;
+        if (cc->wnext) cc->wnext->wprev = cc->wprev;
+        cc->watched = 0;
+    }
+    pthread_mutex_unlock(&h->wlock);
+}
+
+/* Every WATCH_MS: the watched sockets whose peer has closed (end of input, hang-up, error) get their job
+ * cancelled (srv_job_cancel: the engine frees the sequence and wakes the connection, which then lets go).
+ * A pipelined next request is input, not a close. */
+static void *watch_main(void *arg) {
+    srv_http *h = arg;
+    struct pollfd *pf = NULL;
+    size_t cap = 0;
+    pthread_mutex_lock(&h->wlock);
+    while (!h->wstop) {
+        size_t n = 0;
+        for (conn_ctx *cc = h->watched; cc; cc = cc->wnext) n++;
+        if (n > cap) {
+            struct pollfd *p = realloc(pf, n * sizeof *pf);
+            if (p) {
+                pf = p;
+                cap = n;
+            }
+        }
+        n = 0;
+        for (conn_ctx *cc = h->watched; cc && n < cap; cc = cc->wnext) pf[n++] = (struct pollfd){cc->fd, POLLRDHUP, 0};
+        if (n && poll(pf, (nfds_t)n, 0) > 0) {
+            size_t i = 0;
+            for (conn_ctx *cc = h->watched; cc && i < n; cc = cc->wnext, i++)
+                if (pf[i].fd == cc->fd && (pf[i].revents & (POLLRDHUP | POLLHUP | POLLERR | POLLNVAL)) && !cc->cancelled) {
+                    cc->cancelled = 1;
+                    srv_job_cancel(cc->job);
+                }
+        }
+        pthread_mutex_unlock(&h->wlock);
+        usleep(WATCH_MS * 1000);
+        pthread_mutex_lock(&h->wlock);
+    }
+    pthread_mutex_unlock(&h->wlock);
+    free(pf);
+    return NULL;
+}
+
 static enum MHD_Result body_of_job(srv_http *h, conn_ctx *cc) {
     int http = 200, done = 0, waiting = 0;
+    watch_del(h, cc);
     srv_job_done(cc->job, &http);
     srv_buf b = {0};
     for (;;) {
@@ -212,7 +292,10 @@ static enum MHD_Result post_generate(srv_http *h, conn_ctx *cc, srv_kind kind) {
         return respond_error(h, c, &er);
     }
     if (srv_job_arm(cc->job, do_suspend, &cc->w)) return body_of_job(h, cc);
-    return MHD_YES;   /* suspended until the engine is done */
+    /* suspended until the engine is done (or the client goes away: watch_main). The engine's wake resumes the
+       connection, but only this worker thread processes it, after this function returns: cc stays valid */
+    watch_add(h, cc);
+    return MHD_YES;
 }
 
 static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const char *url, const char *method,
@@ -270,6 +353,7 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
 static void on_completed(void *cls, struct MHD_Connection *c, void **req_cls, enum MHD_RequestTerminationCode code) {
     conn_ctx *cc = *req_cls;
     if (!cc) return;
+    watch_del(cc->w.h, cc);
     if (cc->job) release_job(cc->w.h, cc->job); /* cancels an unfinished job */
     srv_buf_free(&cc->body);
     free(cc);
@@ -278,6 +362,7 @@ static void on_completed(void *cls, struct MHD_Connection *c, void **req_cls, en
 
 int srv_http_run(const srv_http_options *o, srv_engine *e, const srv_parse_ctx *pc) {
     srv_http h = {.e = e, .pc = pc, .o = o};
+    pthread_mutex_init(&h.wlock, NULL);
     atomic_init(&h.suspended, 0);
     atomic_init(&h.attached, 0);
     atomic_init(&h.stopping, 0);
@@ -295,6 +380,7 @@ int srv_http_run(const srv_http_options *o, srv_engine *e, const srv_parse_ctx *
         MHD_OPTION_CONNECTION_TIMEOUT, 600u, MHD_OPTION_LISTEN_BACKLOG_SIZE, 512u, MHD_OPTION_END);
     if (!d) {
         freeaddrinfo(ai);
+        pthread_mutex_destroy(&h.wlock);
         return fp4moe_set_error(FP4MOE_EIO, "serve: cannot listen on %s:%d (address in use, or not this host's?)",
                                 o->host, o->port);
     }
@@ -302,6 +388,10 @@ int srv_http_run(const srv_http_options *o, srv_engine *e, const srv_parse_ctx *
     const int bound = info ? (int)info->port : o->port;
     freeaddrinfo(ai);
     const int v6 = strchr(o->host, ':') != NULL;
+    pthread_t wthr;
+    const int watching = pthread_create(&wthr, NULL, watch_main, &h) == 0;
+    if (!watching) fprintf(stderr, "serve: warning: no watcher thread: non-stream clients that go away are seen only "
+                           "when their answer is sent\n");
     printf("fp4moe serve: listening on http://%s%s%s:%d\n", v6 ? "[" : "", o->host, v6 ? "]" : "", bound);
     fflush(stdout);
     while (!*o->stop) usleep(50 * 1000);
@@ -319,6 +409,13 @@ int srv_http_run(const srv_http_options *o, srv_engine *e, const srv_parse_ctx *
         usleep(20 * 1000);
     }
     usleep(100 * 1000); /* the last responses' bytes (a job is released before MHD has sent its body) */
+    if (watching) {
+        pthread_mutex_lock(&h.wlock);
+        h.wstop = 1;
+        pthread_mutex_unlock(&h.wlock);
+        pthread_join(wthr, NULL);
+    }
     MHD_stop_daemon(d);
+    pthread_mutex_destroy(&h.wlock);
     return 0;
 }

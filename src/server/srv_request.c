@@ -389,6 +389,19 @@ static int parse_chat(const srv_parse_ctx *c, const cJSON *o, srv_request *r, sr
     return rc;
 }
 
+/* The byte offset of a NUL character in a valid JSON text (a raw 0 byte, or the string escape \u0000), or
+ * -1: cJSON keeps strings NUL-terminated, so everything after one would be lost without a word. In a valid
+ * JSON text a backslash occurs only in a string, as an escape of the next character. */
+static long long json_nul_at(const char *body, size_t len) {
+    for (size_t i = 0; i < len; i++) {
+        if (body[i] == 0) return (long long)i;
+        if (body[i] != '\\') continue;
+        if (i + 5 < len && body[i + 1] == 'u' && !memcmp(body + i + 2, "0000", 4)) return (long long)i;
+        i++; /* the escaped character */
+    }
+    return -1;
+}
+
 int srv_parse_request(const srv_parse_ctx *c, srv_kind kind, const char *body, size_t len, srv_request *r,
                       srv_error *e) {
     memset(r, 0, sizeof *r);
@@ -407,7 +420,11 @@ int srv_parse_request(const srv_parse_ctx *c, srv_kind kind, const char *body, s
         return srv_fail(e, 400, NULL, "the request body has data after its JSON value (at byte %zu of %zu)", at, len);
     }
     int rc = 0, has_max = 0;
-    if (!cJSON_IsObject(o)) rc = srv_fail(e, 400, NULL, "the request body must be a JSON object");
+    const long long nul = json_nul_at(body, len);
+    if (nul >= 0)
+        rc = srv_fail(e, 400, NULL, "the request body has a NUL character (U+0000) in a string (at byte %lld of %zu); "
+                      "fp4moe does not accept it in any text", nul, len);
+    else if (!cJSON_IsObject(o)) rc = srv_fail(e, 400, NULL, "the request body must be a JSON object");
     else if (parse_common(c, o, r, &has_max, e)) rc = -1;
     else if (kind == SRV_CHAT ? parse_chat(c, o, r, e) : parse_completion(c, o, r, e)) rc = -1;
     else if (check_length(c, r, has_max, e)) rc = -1;

@@ -836,6 +836,15 @@ static void test_generate_inputs_and_context(void **state) {
     cJSON_Delete(j);
     EXPECT_RC(0, "generate", "-m", M, "-p", P, "-n", "4", "--temp", "0.8");  /* a random seed, printed */
     expect_in(g_err, "repeat with --seed");
+    /* a NUL byte would end the text there without a word: an error naming the file (or standard input) */
+    char nulp[512];
+    snprintf(nulp, sizeof nulp, "%s", io_path("prompt-nul.txt"));
+    io_write_bytes(nulp, "The\0 little girl", 16);
+    EXPECT_RC(1, "generate", "-m", M, "-f", nulp, "-n", "4");
+    expect_in(g_err, "prompt-nul.txt: a NUL byte at offset 3");
+    g_stdin_path = nulp;
+    EXPECT_RC(1, "generate", "-m", M, "-p", "-", "-n", "4");
+    expect_in(g_err, "standard input: a NUL byte at offset 3");
     EXPECT_RC(2, "generate", "-m", M, "-p", P, "-f", path);
     EXPECT_RC(2, "generate", "-m", M, "-p", P, "--seed", "-1");
     EXPECT_RC(2, "generate", "-m", M, "-p", P, "--chunk", "-3");
@@ -948,6 +957,27 @@ static void test_chat(void **state) {
     const size_t n = strlen(g_out);                                /* two answers, each ending in \n */
     assert_true(n > 2 && n % 2 == 0);
     assert_memory_equal(g_out, g_out + n / 2, n / 2);             /* the same answer after /reset */
+    /* the context limit (--ctx): a conversation that does not fit is not sent (the next message still is), an
+     * answer stops at it; a line with a NUL byte is not sent */
+    const char *T = "tests/golden/templates/nemotron-3-nano-30b-a3b.jinja";
+    char big[6000] = "";
+    for (int i = 0; i < 200; i++) strcat(big, "the king said ");
+    strcat(big, "\nhello\nwith\0nul\n");
+    io_write_bytes(in, big, strlen(big) + 5);
+    g_stdin_path = in;
+    EXPECT_RC(0, "chat", "-m", "models/nemotron-h-tiny-moe", "--chat-template", T, "-n", "40", "--ctx", "64",
+              "--think", "off");
+    expect_in(g_err, "the context 64 (--ctx): message not sent");
+    expect_in(g_err, "answer stopped at the context limit of 64 tokens");    /* "hello" fits, its answer stops */
+    expect_in(g_err, "the line has a NUL byte at offset 4: not sent");
+    EXPECT_RC(2, "chat", "-m", "models/nemotron-h-tiny-moe", "--ctx", "-1");
+    /* a template that does not compile: the message names its file */
+    char bad[512];
+    snprintf(bad, sizeof bad, "%s", io_path("bad.jinja"));
+    io_write_bytes(bad, "{% for x in %}", 14);
+    g_stdin_path = in;
+    EXPECT_RC(1, "chat", "-m", "models/nemotron-h-tiny-moe", "--chat-template", bad);
+    expect_in(g_err, "bad.jinja: template line 1");
     g_stdin_path = in;
     EXPECT_RC(1, "chat", "-m", "models/nemotron-h-tiny-moe");
     expect_in(g_err, "no chat template");

@@ -220,6 +220,34 @@ def main():
             time.sleep(0.05)
         check(running == 1 and ok, "a client gone mid-stream: its sequence is freed (running %s -> 0)" % running)
 
+        # --- a client that goes away while waiting for a whole (non-stream) answer -------------------
+        cancelled0 = s.metric('fp4moe_generations_total{reason="cancelled"}') or 0
+        sock = socket.create_connection(("127.0.0.1", s.port))
+        body = json.dumps({"prompt": p0, "max_tokens": 3000, "ignore_eos": True})
+        sock.sendall(("POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      "Content-Length: %d\r\n\r\n%s" % (len(body), body)).encode())
+        running = 0
+        for _ in range(100):
+            running = s.metric("fp4moe_running_sequences")
+            if running == 1:
+                break
+            time.sleep(0.01)
+        sock.close()
+        ok = False
+        for _ in range(100):
+            if s.metric("fp4moe_running_sequences") == 0 and \
+               (s.metric('fp4moe_generations_total{reason="cancelled"}') or 0) == cancelled0 + 1:
+                ok = True
+                break
+            time.sleep(0.05)
+        t, _, _ = complete(c, p0, 24, False)
+        check(running == 1 and ok and t == ref, "a non-stream client gone while waiting: its sequence is freed, "
+              "counted as cancelled, the server answers the same afterwards (running %s -> 0)" % running)
+
+        # --- every response has its own id ---------------------------------------------------------
+        ids = [c.completions.create(model="nemotron-h-tiny-moe", prompt="a", max_tokens=1).id for _ in range(60)]
+        check(len(set(ids)) == len(ids), "60 responses, 60 distinct ids")
+
         # --- bad requests: 4xx with an OpenAI error body, and the server goes on -------------------
         long_prompt = "word " * 5000
         bad = [
@@ -241,6 +269,8 @@ def main():
             ("POST", "/v1/chat/completions", '{"messages": "hi"}', 400),
             ("POST", "/v1/chat/completions", '{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}', 400),
             ("POST", "/v1/chat/completions", '{"messages": [{"role": "user", "content": "x"}], "stop": [1]}', 400),
+            ("POST", "/v1/completions", '{"prompt": "x\\u0000 and more"}', 400),   # would end at the NUL
+            ("POST", "/v1/chat/completions", '{"messages": [{"role": "user", "content": "a\\u0000b"}]}', 400),
             ("POST", "/v1/completions", json.dumps({"prompt": "x" * 2000000}), 413),
             ("GET", "/v1/chat/completions", None, 405),
             ("GET", "/v2/nothing", None, 404),

@@ -256,6 +256,8 @@ static void test_request_errors(void **state) {
         {SRV_COMPLETION, "{\"prompt\": \"x\", \"response_format\": {\"type\": \"json_object\"}}", 400, "response_format"},
         {SRV_COMPLETION, "{\"prompt\": \"\\ud800\"}", 400, ""},          /* cJSON: a lone surrogate */
         {SRV_COMPLETION, "{\"prompt\": \"a\xff\"}", 400, "prompt"},        /* invalid UTF-8: the tokenizer */
+        {SRV_COMPLETION, "{\"prompt\": \"x\\u0000 and more\"}", 400, ""}, /* NUL: cJSON's string would end there */
+        {SRV_COMPLETION, "{\"prompt\": \"x\", \"stop\": [\"\\u0000\"]}", 400, ""},
         {SRV_CHAT, "{}", 400, "messages"},
         {SRV_CHAT, "{\"messages\": []}", 400, "messages"},
         {SRV_CHAT, "{\"messages\": {}}", 400, "messages"},
@@ -263,6 +265,7 @@ static void test_request_errors(void **state) {
         {SRV_CHAT, "{\"messages\": [{\"content\": \"x\"}]}", 400, "messages"},
         {SRV_CHAT, "{\"messages\": [{\"role\": \"\", \"content\": \"x\"}]}", 400, "messages"},
         {SRV_CHAT, "{\"messages\": [{\"role\": \"user\", \"content\": 5}]}", 400, "messages"},
+        {SRV_CHAT, "{\"messages\": [{\"role\": \"user\", \"content\": \"a\\u0000b\"}]}", 400, ""},
         {SRV_CHAT, "{\"messages\": [{\"role\": \"user\", \"content\": [{\"type\": \"image_url\"}]}]}", 400, "messages"},
         {SRV_CHAT, "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"tools\": {}}", 400, "tools"},
         {SRV_CHAT, "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"tool_choice\": \"required\"}", 400,
@@ -280,6 +283,13 @@ static void test_request_errors(void **state) {
         char *j = srv_error_json(&e);
         assert_non_null(strstr(j, "\"error\":{\"message\":"));
         free(j);
+    }
+    /* an escaped backslash before "u0000" is text, not a NUL */
+    {
+        srv_request r;
+        srv_error e;
+        assert_int_equal(parse(SRV_COMPLETION, "{\"prompt\": \"a\\\\u0000\"}", &r, &e), 0);
+        srv_request_free(&r);
     }
     /* a long prompt: the message gives both numbers */
     char body[8192];
