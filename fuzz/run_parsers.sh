@@ -13,7 +13,7 @@ CC=${CC:-clang}
 CF="-std=c11 -g -O1 -D_GNU_SOURCE -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined -Iinclude -Isrc"
 PCRE=$(pkg-config --cflags --libs libpcre2-8)
 mkdir -p fuzz-out/tokenizer/{corpus,artifacts} fuzz-out/config/{corpus,artifacts}
-$CC $CF fuzz/fuzz_tokenizer.c src/tokenizer/*.c src/common/error.c $PCRE -lcjson -lm -o fuzz-out/tokenizer/fuzz_tokenizer
+$CC $CF fuzz/fuzz_tokenizer.c src/tokenizer/*.c src/common/error.c src/common/json.c $PCRE -lcjson -lm -o fuzz-out/tokenizer/fuzz_tokenizer
 $CC $CF fuzz/fuzz_config.c src/model/config.c src/common/*.c -lcjson -lm -fopenmp -o fuzz-out/config/fuzz_config
 for f in tests/golden/tokenizer/*_style.json tests/golden/tokenizer/v_*.json; do
   [ -f "$f" ] && head -c 60000 "$f" > "fuzz-out/tokenizer/corpus/$(basename "$f")"

@@ -12,7 +12,7 @@ mkdir -p "$OUT/corpus" "$OUT/artifacts"
 CC=${CC:-clang}
 $CC -std=c11 -g -O1 -D_GNU_SOURCE -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined \
     -Iinclude -Isrc fuzz/fuzz_request.c src/server/srv_request.c src/server/srv_text.c src/template/*.c src/tokenizer/*.c \
-    src/common/error.c src/model/sampler.c $(pkg-config --cflags --libs libpcre2-8) -lcjson -lm -o "$OUT/fuzz_request"
+    src/common/error.c src/common/json.c src/model/sampler.c $(pkg-config --cflags --libs libpcre2-8) -lcjson -lm -o "$OUT/fuzz_request"
 cp tests/server/regressions/* "$OUT/corpus/" 2>/dev/null || true
 echo "fuzzing for ${SECONDS_TO_RUN}s ..."
 "$OUT/fuzz_request" "$OUT/corpus" -dict=fuzz/request.dict -max_total_time="$SECONDS_TO_RUN" \

@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "common/error.h"
+#include "common/json.h"
 #include "model/model_internal.h"
 
 #define MAX_DIM (1LL << 31)   /* any size field: 1 <= value < 2^31 */
@@ -408,8 +409,10 @@ int fp4moe_config_parse(const char *json, const char *label, fp4moe_config *cfg)
     memset(cfg, 0, sizeof *cfg);
     if (!label) label = "config";
     if (!json) return fp4moe_set_error(FP4MOE_EINVAL, "config_parse: json is NULL");
-    cJSON *root = cJSON_Parse(json);
-    if (!root || !cJSON_IsObject(root)) {
+    cJSON *root = NULL;
+    const int pst = fp4moe_json_parse(json, strlen(json), label, &root);
+    if (pst) return pst;
+    if (!cJSON_IsObject(root)) {
         cJSON_Delete(root);
         return fp4moe_set_error(FP4MOE_EFORMAT, "%s: not a JSON object", label);
     }
@@ -451,8 +454,10 @@ static int apply_hf_quant_config(const char *path, fp4moe_config *cfg) {
     int st;
     char *text = fp4moe_read_text_file(path, &st);
     if (!text) return st;
-    cJSON *root = cJSON_Parse(text);
+    cJSON *root = NULL;
+    st = fp4moe_json_parse(text, strlen(text), path, &root);
     free(text);
+    if (st) return st;
     if (!cJSON_IsObject(root)) {
         cJSON_Delete(root);
         return fp4moe_set_error(FP4MOE_EFORMAT, "%s: not a JSON object", path);

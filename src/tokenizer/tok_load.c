@@ -13,6 +13,7 @@
 #include <cjson/cJSON.h>
 
 #include "common/error.h"
+#include "common/json.h"
 #include "tokenizer/tok_internal.h"
 
 #define MAX_NESTING 8
@@ -56,22 +57,9 @@ static int parse_json_file(const char *path, cJSON **root) {
     size_t len;
     int rc = read_file(path, &data, &len);
     if (rc) return rc;
-    const char *end = NULL;
-    *root = cJSON_ParseWithLengthOpts(data, len, &end, 0);
-    if (!*root) {
-        const char *at = end ? end : cJSON_GetErrorPtr();
-        size_t off = at && at >= data && at <= data + len ? (size_t)(at - data) : 0;
-        int line = 1, col = 1;
-        for (size_t i = 0; i < off; i++) {
-            if (data[i] == '\n') line++, col = 1;
-            else col++;
-        }
-        free(data);
-        return fp4moe_set_error(FP4MOE_EFORMAT, "%s: malformed JSON near line %d column %d (byte %zu)", path,
-                                line, col, off);
-    }
+    rc = fp4moe_json_parse(data, len, path, root);
     free(data);
-    return FP4MOE_OK;
+    return rc;
 }
 
 typedef struct {
