@@ -263,6 +263,9 @@ static int type_err(rctx *r, int line, int op, tv a, tv b) {
 
 static int repeat(rctx *r, int line, tv seq, int64_t times, tv *out) {
     if (times < 0) times = 0;
+    /* an empty sequence stays empty: no loop over `times` (found by fuzz/run_template.sh: '' * 3777777777 ran for
+       seconds without growing the output that the limit watches) */
+    if ((seq.kind == TV_STR ? seq.u.s->len : seq.u.l->n) == 0) times = 0;
     if (seq.kind == TV_STR) {
         size_t len = seq.u.s->len;
         if (len && (uint64_t)times > r->max_output / len) return too_big(r, line);

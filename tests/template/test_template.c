@@ -17,6 +17,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include <cmocka.h>
 #include <cjson/cJSON.h>
@@ -373,6 +374,20 @@ static void test_regressions(void **state) {
         n++;
     }
     closedir(d);
+    /* an empty string / list times a huge count is empty at once (the fuzzer's timeout_empty_repeat: it ran for
+       seconds); 4e9 iterations of the old loop take far longer than the 2 s allowed here */
+    {
+        const char *src = "{{ '+'[1:] * 3777777777 }}|{{ [] * 4000000000 }}";
+        fp4moe_template *t = NULL;
+        assert_int_equal(fp4moe_template_compile(src, strlen(src), &t), FP4MOE_OK);
+        char *out = NULL;
+        const clock_t t0 = clock();
+        assert_int_equal(fp4moe_template_render(t, c, &lim, &out, NULL), FP4MOE_OK);
+        assert_true((double)(clock() - t0) / CLOCKS_PER_SEC < 2.0);
+        assert_string_equal(out, "|[]");
+        free(out);
+        fp4moe_template_free(t);
+    }
     cJSON_Delete(c);
     printf("regressions: %d inputs replayed\n", n);
 }
