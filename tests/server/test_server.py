@@ -90,6 +90,16 @@ def open_stream(port, prompt_text, events):
     return sock
 
 
+def freed_and_cancelled(s, cancelled0):
+    """Within 5 s: no running sequence, and one more generation ended as cancelled than cancelled0."""
+    for _ in range(100):
+        if s.metric("fp4moe_running_sequences") == 0 and \
+           (s.metric('fp4moe_generations_total{reason="cancelled"}') or 0) == cancelled0 + 1:
+            return True
+        time.sleep(0.05)
+    return False
+
+
 def prompt(i, words=24):
     w = TEXT.split()
     s = (i * 37) % (len(w) - words)
@@ -211,13 +221,7 @@ def main():
         sock = open_stream(s.port, p0, 3)
         running = s.metric("fp4moe_running_sequences")
         sock.close()
-        ok = False
-        for _ in range(100):
-            if s.metric("fp4moe_running_sequences") == 0 and \
-               (s.metric('fp4moe_generations_total{reason="cancelled"}') or 0) == cancelled0 + 1:
-                ok = True
-                break
-            time.sleep(0.05)
+        ok = freed_and_cancelled(s, cancelled0)
         check(running == 1 and ok, "a client gone mid-stream: its sequence is freed (running %s -> 0)" % running)
 
         # --- a client that goes away while waiting for a whole (non-stream) answer -------------------
@@ -233,13 +237,7 @@ def main():
                 break
             time.sleep(0.01)
         sock.close()
-        ok = False
-        for _ in range(100):
-            if s.metric("fp4moe_running_sequences") == 0 and \
-               (s.metric('fp4moe_generations_total{reason="cancelled"}') or 0) == cancelled0 + 1:
-                ok = True
-                break
-            time.sleep(0.05)
+        ok = freed_and_cancelled(s, cancelled0)
         t, _, _ = complete(c, p0, 24, False)
         check(running == 1 and ok and t == ref, "a non-stream client gone while waiting: its sequence is freed, "
               "counted as cancelled, the server answers the same afterwards (running %s -> 0)" % running)
