@@ -146,6 +146,10 @@ int cli_require_model_dir(const char *command, const char *dir) {
 
 int cli_set_threads(const char *command, int64_t n) {
     if (n < 0 || n > 4096) return cli_usage_error(command, "--threads must be in [1, 4096] (0: one per core)");
+    const long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+    if (cpus > 0 && n > cpus) /* OpenMP threads past the cores wait on each other at every barrier */
+        fprintf(stderr, "%s: warning: --threads %lld is more than the %ld CPUs online; every step waits on "
+                "threads that share a core (slower, not faster)\n", command, (long long)n, cpus);
     if (n > 0) fp4moe_set_threads((int)n);
     return CLI_OK;
 }
