@@ -126,24 +126,21 @@ static void list_tensor(report *r, const fp4moe_st_model *m, const fp4moe_st_ten
     printf("\n");
 }
 
-/* "quantization" of config.json, as a short text (or "" when absent). */
-static void config_quant(const fp4moe_st_model *m, char *out, size_t cap) {
-    out[0] = '\0';
-    if (!fp4moe_st_model_is_dir(m)) return;
+/* "quantization" (or "quantization_config") of config.json: a copy (caller: cJSON_Delete), NULL when absent. */
+static cJSON *config_quant(const fp4moe_st_model *m) {
+    if (!fp4moe_st_model_is_dir(m)) return NULL;
+    cJSON *out = NULL;
     char *path = cli_join(fp4moe_st_model_dir(m), "config.json"), *text = NULL;
     if (path && cli_read_text(path, 64 << 20, &text) == FP4MOE_OK) {
         cJSON *root = cJSON_Parse(text);
         const cJSON *q = cJSON_GetObjectItemCaseSensitive(root, "quantization");
         if (!q) q = cJSON_GetObjectItemCaseSensitive(root, "quantization_config");
-        if (cJSON_IsObject(q)) {
-            char *s = cJSON_PrintUnformatted(q);
-            if (s) snprintf(out, cap, "%.200s", s);
-            free(s);
-        }
+        if (cJSON_IsObject(q)) out = cJSON_Duplicate(q, 1);
         cJSON_Delete(root);
     }
     free(text);
     free(path);
+    return out;
 }
 
 int cmd_inspect(int argc, char **argv) {
@@ -176,13 +173,14 @@ int cmd_inspect(int argc, char **argv) {
     const fp4moe_qformat fmt = fp4moe_qformat_detect(m);
     int64_t total = 0;
     for (int64_t i = 0; i < fp4moe_st_model_count(m); i++) total += fp4moe_st_model_at(m, i)->nbytes;
-    char cq[256], b[32];
-    config_quant(m, cq, sizeof cq);
+    char b[32];
+    cJSON *cq = config_quant(m);
     if (r.json) {
         r.root = cJSON_CreateObject();
         cJSON_AddStringToObject(r.root, "path", path);
         cJSON_AddStringToObject(r.root, "format", fp4moe_qformat_name(fmt));
-        if (cq[0]) cJSON_AddStringToObject(r.root, "config_quantization", cq);
+        if (cq) cJSON_AddItemToObject(r.root, "config_quantization", cq); /* the object itself */
+        cq = NULL;
         cJSON_AddNumberToObject(r.root, "files", (double)fp4moe_st_model_nfiles(m));
         cJSON_AddNumberToObject(r.root, "tensor_count", (double)fp4moe_st_model_count(m));
         cJSON_AddNumberToObject(r.root, "bytes", (double)total);
@@ -192,7 +190,11 @@ int cmd_inspect(int argc, char **argv) {
         printf("path:    %s\n", path);
         printf("files:   %lld   tensors: %lld   bytes: %s\n", (long long)fp4moe_st_model_nfiles(m),
                (long long)fp4moe_st_model_count(m), cli_format_bytes(total, b));
-        printf("format:  %s%s%s\n", fp4moe_qformat_name(fmt), cq[0] ? "   config quantization: " : "", cq);
+        char *cqs = cq ? cJSON_PrintUnformatted(cq) : NULL; /* whole: a ModelOpt entry runs to ~300 characters */
+        printf("format:  %s%s%s\n", fp4moe_qformat_name(fmt), cqs ? "   config quantization: " : "", cqs ? cqs : "");
+        free(cqs);
+        cJSON_Delete(cq);
+        cq = NULL;
         if (!r.summary) printf("tensors:\n");
     }
     for (int64_t i = 0; i < fp4moe_st_model_count(m); i++) list_tensor(&r, m, fp4moe_st_model_at(m, i));

@@ -417,6 +417,17 @@ static void test_quantize_then_dequantize_dir(void **state) {
     assert_true(cJSON_IsTrue(cJSON_GetObjectItem(j, "ok")));
     assert_int_equal(cJSON_GetArraySize(cJSON_GetObjectItem(j, "tensors")), 19);
     cJSON_Delete(j);
+    /* config.json's quantization entry, whole (a ModelOpt one runs past 300 characters): an object in JSON */
+    EXPECT_RC(0, "inspect", "--json", "tests/golden/models/tiny-a-modelopt");
+    j = cJSON_Parse(g_out);
+    assert_non_null(j);
+    const cJSON *cq = cJSON_GetObjectItem(j, "config_quantization");
+    assert_true(cJSON_IsObject(cq));
+    assert_string_equal(cJSON_GetObjectItem(cq, "quant_algo")->valuestring, "NVFP4");
+    assert_int_equal(cJSON_GetArraySize(cJSON_GetObjectItem(cq, "exclude_modules")), 8);
+    cJSON_Delete(j);
+    EXPECT_RC(0, "inspect", "tests/golden/models/tiny-a-modelopt");
+    expect_in(g_out, "\"backbone.layers.*.mixer.conv1d\"],\"quant_method\":\"modelopt\"");
     EXPECT_RC(0, "inspect", in);
     expect_in(g_out, "plain");
 
