@@ -6,14 +6,16 @@
 # Sequential on purpose: two builds into one build-gpum break each other (GPU-NOTES, session 24).
 # Usage: bench/patches/build-packages.sh OUT PATCH...     e.g. bench/patches/build-packages.sh gpu-bin/s26 \
 #            step-overhead kg-min-rows conv1d-c2 ssd-load router-planes
-# Environment: OLD_FP4MOE (default OUT/../s25/old_fp4moe.xz if present, else none): main's fp4moe to copy in;
-#              GW (a folder with gw_main.xz / gw_cand.xz, bench/gpu_gather_wg builds) to copy in.
+# Environment: OLD_FP4MOE (optional): main's fp4moe (.xz) to copy in as OUT/old_fp4moe.xz;
+#              GW (optional): a folder with gw_main.xz / gw_cand.xz (bench/gpu_gather_wg builds) to copy in.
 # ~35 min on the 2-core machine. Needs nvcc (sm_90a) and a configured-or-configurable build-gpum.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 ROOT=$PWD
 OUT=$(realpath -m "${1:?usage: build-packages.sh OUT PATCH...}")
 shift
+OLD_FP4MOE=${OLD_FP4MOE:+$(realpath "$OLD_FP4MOE")}   # absolute: the build runs in the worktree
+GW=${GW:+$(realpath "$GW")}
 WT=$(mktemp -d /tmp/fp4moe-pkg.XXXXXX)
 git worktree add -q --detach "$WT" HEAD
 trap 'git -C "$ROOT" worktree remove --force "$WT"' EXIT
