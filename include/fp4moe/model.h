@@ -185,6 +185,7 @@ int fp4moe_model_synthetic(const fp4moe_config *cfg, const fp4moe_synthetic_opti
 /* 1 when the model's weights are on the GPU (loaded with device CUDA, or synthetic on CUDA). */
 int fp4moe_model_on_gpu(const fp4moe_model *m);
 
+/* The model's configuration (owned by m, valid while m lives). */
 const fp4moe_config *fp4moe_model_config(const fp4moe_model *m);
 
 /* The checkpoint format found on disk (FP4MOE_QUANT_NONE for dense, also when quantized on load). */
@@ -260,6 +261,8 @@ typedef struct {
     int ep_rank;
 } fp4moe_session_options;
 
+/* *o = the defaults: every field zero (device DEFAULT, the CPU's default activation mode, KV AUTO, no EP, no
+ * profiling) but act_dtype f32, route AUTO, max_chunk 256 tokens. */
 void fp4moe_session_options_default(fp4moe_session_options *o);
 
 typedef struct fp4moe_session fp4moe_session;
@@ -268,6 +271,7 @@ typedef struct fp4moe_session fp4moe_session;
  * Errors: FP4MOE_EINVAL (act_dtype not f32/bf16, max_chunk < 1), FP4MOE_ENOMEM. */
 int fp4moe_session_new(const fp4moe_model *m, const fp4moe_session_options *opts,
                        fp4moe_session **out);
+/* Frees the session and its caches (NULL: nothing). */
 void fp4moe_session_free(fp4moe_session *s);
 /* An expert-parallel session's fp4moe_ep_leave (see there). Errors: as fp4moe_ep_leave. */
 int fp4moe_session_ep_leave(fp4moe_session *s);
@@ -398,6 +402,7 @@ void fp4moe_batch_options_default(fp4moe_batch_options *o);
 /* A batch over model m (m outlives it). opts NULL: defaults. Device choice and its errors as
  * fp4moe_session_new. Errors: FP4MOE_EINVAL (bad option), FP4MOE_ENOMEM, FP4MOE_ECUDA. */
 int fp4moe_batch_new(const fp4moe_model *m, const fp4moe_batch_options *opts, fp4moe_batch **out);
+/* Frees the batch, its sequences and KV pool (NULL: nothing). */
 void fp4moe_batch_free(fp4moe_batch *b);
 
 /* A new empty sequence (position 0, zero states); *seq is its id (never reused by this batch).
