@@ -65,7 +65,9 @@ int fp4moe_template_compile(const char *src, size_t len, fp4moe_template **out);
  * prefix) or for a NULL / non-object argument; FP4MOE_EFORMAT for a runtime error (undefined
  * value used, type error, unsupported operation; the message names the line);
  * FP4MOE_EUNSUPPORTED for a construct this engine does not implement; FP4MOE_EOVERFLOW when a
- * limit is exceeded or an integer overflows; FP4MOE_ENOMEM. */
+ * limit is exceeded or an integer overflows; FP4MOE_ENOMEM. A compiled template may be rendered by several
+ * threads at once (its literals are shared read-only, never reference-counted); a context nested deeper than the
+ * engine's value depth limit (256) is FP4MOE_EOVERFLOW. */
 int fp4moe_template_render(const fp4moe_template *tmpl, const cJSON *context,
                            const fp4moe_template_limits *limits, char **out, size_t *out_len);
 

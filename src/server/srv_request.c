@@ -68,9 +68,11 @@ static int get_number(const cJSON *o, const char *name, double lo, double hi, do
 static int get_int(const cJSON *o, const char *name, int64_t lo, int64_t hi, int64_t *out, srv_error *e) {
     const cJSON *v = field(o, name);
     if (!v) return 0;
-    const double d = cJSON_IsNumber(v) ? v->valuedouble : NAN;
-    if (!(d == floor(d)) || !(d >= -9.2e18 && d <= 9.2e18))
-        return srv_fail(e, 400, name, "'%s' must be an integer", name);
+    const double d = cJSON_IsNumber(v) ? v->valuedouble + 0.0 : NAN; /* + 0.0: -0 is 0 */
+    if (!(d == floor(d))) return srv_fail(e, 400, name, "'%s' must be an integer", name);
+    if (!(d >= -9.2e18 && d <= 9.2e18))
+        return srv_fail(e, 400, name, "'%s' is %.0f; it must be in [%lld, %lld]", name, d, (long long)lo,
+                        (long long)hi);
     if (d < (double)lo || d > (double)hi)
         return srv_fail(e, 400, name, "'%s' is %.0f; it must be in [%lld, %lld]", name, d, (long long)lo,
                         (long long)hi);
@@ -117,6 +119,29 @@ static int refuse_unless_neutral(const cJSON *o, srv_error *e) {
                                                                 !strcmp(v->valuestring, "none"))))
         return srv_fail(e, 400, "tool_choice", "'tool_choice' must be \"auto\" or \"none\" (fp4moe does not force "
                         "tool calls)");
+    if ((v = field(o, "function_call")) && !(cJSON_IsString(v) && (!strcmp(v->valuestring, "auto") ||
+                                                                  !strcmp(v->valuestring, "none"))))
+        return srv_fail(e, 400, "function_call", "'function_call' must be \"auto\" or \"none\" (fp4moe does not "
+                        "force tool calls)");
+    if ((v = field(o, "functions")) && !(cJSON_IsArray(v) && cJSON_GetArraySize(v) == 0))
+        return srv_fail(e, 400, "functions", "'functions' (the deprecated form) is not supported by fp4moe: give "
+                        "'tools'");
+    if ((v = field(o, "logit_bias")) && !(cJSON_IsObject(v) && !v->child))
+        return srv_fail(e, 400, "logit_bias", "'logit_bias' is not supported by fp4moe");
+    /* vLLM's extra sampling / structured-output fields (clients send them to any OpenAI-compatible server) */
+    if ((v = field(o, "min_tokens")) && !(cJSON_IsNumber(v) && v->valuedouble == 0.0))
+        return srv_fail(e, 400, "min_tokens", "'min_tokens' is not supported by fp4moe (only 0)");
+    if ((v = field(o, "use_beam_search")) && !cJSON_IsFalse(v))
+        return srv_fail(e, 400, "use_beam_search", "'use_beam_search' is not supported by fp4moe");
+    static const char *const empty_list[] = {"bad_words", "allowed_token_ids"};
+    for (int i = 0; i < 2; i++)
+        if ((v = field(o, empty_list[i])) && !(cJSON_IsArray(v) && cJSON_GetArraySize(v) == 0))
+            return srv_fail(e, 400, empty_list[i], "'%s' is not supported by fp4moe", empty_list[i]);
+    static const char *const never[] = {"prompt_logprobs", "guided_json", "guided_regex", "guided_choice",
+                                        "guided_grammar", "structured_outputs"};
+    for (int i = 0; i < 6; i++)
+        if ((v = field(o, never[i])))
+            return srv_fail(e, 400, never[i], "'%s' is not supported by fp4moe", never[i]);
     return 0;
 }
 

@@ -280,10 +280,10 @@ static int split(rctx *r, int line, tv s, const tv *sep, int64_t maxsplit, tv *o
         }
         return 0;
     }
-    if (sep->kind != TV_STR) { tv_unref(*out); return FAIL(line, "split() separator must be str or None"); }
+    if (sep->kind != TV_STR) { tv_drop(out); return FAIL(line, "split() separator must be str or None"); }
     const char *q = sep->u.s->data;
     size_t qn = sep->u.s->len;
-    if (qn == 0) { tv_unref(*out); return FAIL(line, "ValueError: empty separator"); }
+    if (qn == 0) { tv_drop(out); return FAIL(line, "ValueError: empty separator"); }
     size_t i = 0;
     for (;;) {
         const char *hit = (maxsplit < 0 || done < maxsplit) ? memmem(p + i, n - i, q, qn) : NULL;
@@ -295,7 +295,7 @@ static int split(rctx *r, int line, tv s, const tv *sep, int64_t maxsplit, tv *o
     }
     return 0;
 fail:
-    tv_unref(*out);
+    tv_drop(out);
     return -1;
 }
 
@@ -332,12 +332,12 @@ int tmpl_call_fn(rctx *r, int line, int fn, const argv_t *a, tv *out) {
     case FN_NAMESPACE: case FN_DICT:
         if (tv_dict_new(&r->err, out)) return -1;
         if (fn == FN_NAMESPACE) out->kind = TV_NS;
-        if (kwargs_into(r, line, a, out->u.d, 1)) { tv_unref(*out); return -1; }
+        if (kwargs_into(r, line, a, out->u.d, 1)) { tv_drop(out); return -1; }
         if (fn == FN_NAMESPACE)
             for (size_t i = 0; i < out->u.d->n; i++) {
                 tv k = out->u.d->keys[i];
                 if (k.kind == TV_STR && k.u.s->len && k.u.s->data[0] == '_') {
-                    tv_unref(*out);
+                    tv_drop(out);
                     return FAIL(line, "Chat templates cannot store underscore-prefixed attributes on a namespace");
                 }
             }
@@ -362,7 +362,7 @@ int tmpl_call_fn(rctx *r, int line, int fn, const argv_t *a, tv *out) {
         if (step == 0) return FAIL(line, "range() arg 3 must not be zero");
         if (tv_list_new(&r->err, out)) return -1;
         for (int64_t i = start; step > 0 ? i < stop : i > stop;) {
-            if (tmpl_step(r, line) || tv_list_push(&r->err, out->u.l, tv_int(i))) { tv_unref(*out); return -1; }
+            if (tmpl_step(r, line) || tv_list_push(&r->err, out->u.l, tv_int(i))) { tv_drop(out); return -1; }
             if (__builtin_add_overflow(i, step, &i)) break;
         }
         return 0;
@@ -508,15 +508,15 @@ int tmpl_method(rctx *r, int line, tv obj, const char *m, const argv_t *a, tv *o
                 if (m[0] == 'k') x = tv_ref(d->keys[i]);
                 else if (m[0] == 'v') x = tv_ref(d->vals[i]);
                 else {
-                    if (tv_list_new(&r->err, &x)) { tv_unref(*out); return -1; }
+                    if (tv_list_new(&r->err, &x)) { tv_drop(out); return -1; }
                     x.u.l->is_tuple = 1;
                     if (tv_list_push(&r->err, x.u.l, tv_ref(d->keys[i])) || tv_list_push(&r->err, x.u.l, tv_ref(d->vals[i]))) {
                         tv_unref(x);
-                        tv_unref(*out);
+                        tv_drop(out);
                         return -1;
                     }
                 }
-                if (tv_list_push(&r->err, out->u.l, x)) { tv_unref(*out); return -1; }
+                if (tv_list_push(&r->err, out->u.l, x)) { tv_drop(out); return -1; }
             }
             return 0;
         }
@@ -808,7 +808,7 @@ static int f_list(rctx *r, int line, tv v, const argv_t *a, tv *out) {
     /* a copy */
     if (tv_list_new(&r->err, out)) { tv_unref(l); return -1; }
     for (size_t i = 0; i < l.u.l->n; i++)
-        if (tv_list_push(&r->err, out->u.l, tv_ref(l.u.l->items[i]))) { tv_unref(l); tv_unref(*out); return -1; }
+        if (tv_list_push(&r->err, out->u.l, tv_ref(l.u.l->items[i]))) { tv_unref(l); tv_drop(out); return -1; }
     tv_unref(l);
     return 0;
 }
@@ -956,7 +956,7 @@ static int sel(rctx *r, int line, tv v, const argv_t *a, tv *out, int attr_mode,
     return 0;
 fail:
     tv_unref(items);
-    tv_unref(*out);
+    tv_drop(out);
     return -1;
 }
 static int f_select(rctx *r, int line, tv v, const argv_t *a, tv *out) { return sel(r, line, v, a, out, 0, 1); }
@@ -986,7 +986,7 @@ static int f_map(rctx *r, int line, tv v, const argv_t *a, tv *out) {
     return 0;
 fail:
     tv_unref(items);
-    tv_unref(*out);
+    tv_drop(out);
     return -1;
 }
 
@@ -1061,7 +1061,7 @@ static int sort_list(rctx *r, int line, tv items, const tv *attr, int cs, int re
     if (!rc) rc = msort(r, line, its, keys, n, reverse, t1, t2);
     if (!rc) rc = tv_list_new(&r->err, out);
     for (size_t i = 0; i < n && !rc; i++)
-        if (tv_list_push(&r->err, out->u.l, tv_ref(its[i]))) { tv_unref(*out); rc = -1; }
+        if (tv_list_push(&r->err, out->u.l, tv_ref(its[i]))) { tv_drop(out); rc = -1; }
     for (size_t i = 0; i < made; i++) tv_unref(keys[i]);
     free(keys); free(its); free(t1); free(t2);
     return rc;
@@ -1107,7 +1107,7 @@ static int f_unique(rctx *r, int line, tv v, const argv_t *a, tv *out) {
     }
     tv_unref(items);
     tv_unref(seen);
-    if (rc) { tv_unref(*out); return -1; }
+    if (rc) { tv_drop(out); return -1; }
     return 0;
 }
 
@@ -1177,7 +1177,7 @@ static int f_reverse(rctx *r, int line, tv v, const argv_t *a, tv *out) {
     if (tmpl_iter_list(r, line, v, &items)) return -1;
     if (tv_list_new(&r->err, out)) { tv_unref(items); return -1; }
     for (size_t i = items.u.l->n; i-- > 0;)
-        if (tv_list_push(&r->err, out->u.l, tv_ref(items.u.l->items[i]))) { tv_unref(items); tv_unref(*out); return -1; }
+        if (tv_list_push(&r->err, out->u.l, tv_ref(items.u.l->items[i]))) { tv_unref(items); tv_drop(out); return -1; }
     tv_unref(items);
     return 0;
 }

@@ -96,7 +96,7 @@ int tmpl_iter_list(rctx *r, int line, tv v, tv *out) {
     case TV_DICT:
         if (tv_list_new(&r->err, out)) return -1;
         for (size_t i = 0; i < v.u.d->n; i++)
-            if (tv_list_push(&r->err, out->u.l, tv_ref(v.u.d->keys[i]))) { tv_unref(*out); return -1; }
+            if (tv_list_push(&r->err, out->u.l, tv_ref(v.u.d->keys[i]))) { tv_drop(out); return -1; }
         return 0;
     case TV_STR: {
         if (tv_list_new(&r->err, out)) return -1;
@@ -105,7 +105,7 @@ int tmpl_iter_list(rctx *r, int line, tv v, tv *out) {
         for (size_t i = 0; i < n;) {
             size_t j = u8_next(s, n, i, NULL);
             tv c;
-            if (tv_str_new(&r->err, s + i, j - i, &c) || tv_list_push(&r->err, out->u.l, c)) { tv_unref(*out); return -1; }
+            if (tv_str_new(&r->err, s + i, j - i, &c) || tv_list_push(&r->err, out->u.l, c)) { tv_drop(out); return -1; }
             i = j;
         }
         return 0;
@@ -224,7 +224,7 @@ static int do_slice(rctx *r, frame *f, const tnode *n, tv obj, tv *out) {
     if (obj.kind == TV_LIST) {
         if (tv_list_new(&r->err, out)) return -1;
         for (int64_t i = a; step > 0 ? i < b : i > b; i += step) {
-            if (tv_list_push(&r->err, out->u.l, tv_ref(obj.u.l->items[i]))) { tv_unref(*out); return -1; }
+            if (tv_list_push(&r->err, out->u.l, tv_ref(obj.u.l->items[i]))) { tv_drop(out); return -1; }
             if ((step > 0 && i > INT64_MAX - step) || (step < 0 && i < INT64_MIN - step)) break;
         }
         return 0;
@@ -281,7 +281,7 @@ static int repeat(rctx *r, int line, tv seq, int64_t times, tv *out) {
     if (tv_list_new(&r->err, out)) return -1;
     for (int64_t i = 0; i < times; i++)
         for (size_t k = 0; k < n; k++)
-            if (tv_list_push(&r->err, out->u.l, tv_ref(seq.u.l->items[k]))) { tv_unref(*out); return -1; }
+            if (tv_list_push(&r->err, out->u.l, tv_ref(seq.u.l->items[k]))) { tv_drop(out); return -1; }
     return 0;
 }
 
@@ -380,7 +380,7 @@ static int binop(rctx *r, int line, int op, tv a, tv b, tv *out) {
         for (int k = 0; k < 2; k++) {
             tv_list *l = k ? b.u.l : a.u.l;
             for (size_t i = 0; i < l->n; i++)
-                if (tv_list_push(&r->err, out->u.l, tv_ref(l->items[i]))) { tv_unref(*out); return -1; }
+                if (tv_list_push(&r->err, out->u.l, tv_ref(l->items[i]))) { tv_drop(out); return -1; }
         }
         return 0;
     }
@@ -592,14 +592,14 @@ static int eval(rctx *r, frame *f, const tnode *n, tv *out) {
         if (tv_list_new(&r->err, out)) return -1;
         out->u.l->is_tuple = n->kind == N_TUPLE;
         for (size_t i = 0; i < n->list.n; i++)
-            if (eval(r, f, n->list.v[i], &a) || tv_list_push(&r->err, out->u.l, a)) { tv_unref(*out); return -1; }
+            if (eval(r, f, n->list.v[i], &a) || tv_list_push(&r->err, out->u.l, a)) { tv_drop(out); return -1; }
         return 0;
     case N_DICT:
         if (tv_dict_new(&r->err, out)) return -1;
         for (size_t i = 0; i < n->list.n; i++) {
-            if (eval(r, f, n->list.v[i], &a)) { tv_unref(*out); return -1; }
-            if (eval(r, f, n->list2.v[i], &b)) { tv_unref(a); tv_unref(*out); return -1; }
-            if (tv_dict_set(&r->err, out->u.d, a, b)) { tv_unref(*out); return -1; }
+            if (eval(r, f, n->list.v[i], &a)) { tv_drop(out); return -1; }
+            if (eval(r, f, n->list2.v[i], &b)) { tv_unref(a); tv_drop(out); return -1; }
+            if (tv_dict_set(&r->err, out->u.d, a, b)) { tv_drop(out); return -1; }
         }
         return 0;
     case N_GETATTR:

@@ -92,7 +92,7 @@ static char *dupstr(parser *P, const char *s) {
 void tmpl_node_free(tnode *n) {
     if (!n) return;
     free(n->name);
-    tv_unref(n->lit);
+    tv_free_static(n->lit);
     tv_unref(n->scope);
     tmpl_node_free(n->a);
     tmpl_node_free(n->b);
@@ -574,6 +574,7 @@ static tnode *p_primary(parser *P) {
         n = rc ? NULL : mk(P, N_CONST, t->line);
         if (rc) tmpl_fail(P->e, FP4MOE_ENOMEM, t->line, "out of memory");
         if (n && tv_str_new(P->e, b.p ? b.p : "", b.n, &n->lit)) { tmpl_node_free(n); n = NULL; }
+        if (n) tv_make_static(&n->lit); /* shared by every render: tv_ref / tv_unref leave it */
         sb_free(&b);
         return n;
     }
@@ -921,7 +922,9 @@ static int p_body(parser *P, const char *const *ends, tnode **out, const char **
         }
         if (t->type == TK_DATA) {
             tnode *x = mk(P, N_TEXT, t->line);
-            if (!x || tv_str_new(P->e, t->text, t->len, &x->lit) || vec_push(P, &body->list, x)) {
+            const int bad = !x || tv_str_new(P->e, t->text, t->len, &x->lit);
+            if (!bad) tv_make_static(&x->lit);
+            if (bad || vec_push(P, &body->list, x)) {
                 tmpl_node_free(x);
                 tmpl_node_free(body);
                 return -1;

@@ -85,6 +85,12 @@ static inline tv tv_float(double f) { tv v; v.kind = TV_FLOAT; v.u.f = f; return
 
 tv tv_ref(tv v);                 /* +1 reference (no-op for scalars); returns v */
 void tv_unref(tv v);             /* -1 reference, frees at 0 */
+/* A compiled template's string literal: shared by all renders (any thread), never counted (tv_ref / tv_unref
+ * leave it), freed by tv_free_static when the template is freed (tv_free_static of a counted value: tv_unref). */
+void tv_make_static(tv *v);
+void tv_free_static(tv v);
+/* Drops a result on a failure path: unref, then undefined (a caller that unrefs it again frees nothing twice). */
+static inline void tv_drop(tv *v) { tv_unref(*v); *v = tv_undef(); }
 
 /* Constructors return 0 / -1 (ENOMEM in e). */
 int tv_str_new(tmpl_err *e, const char *s, size_t n, tv *out);

@@ -49,9 +49,11 @@ void sb_free(sbuf *b) {
 }
 
 /* ---- refcounting ----------------------------------------------------------------------------- */
+/* A string with refs < 0 belongs to a compiled template (a literal: tv_make_static) and is shared by every
+ * render of it, on any thread (the server renders concurrently): never counted, freed with the template. */
 tv tv_ref(tv v) {
     switch (v.kind) {
-    case TV_STR: v.u.s->refs++; break;
+    case TV_STR: if (v.u.s->refs >= 0) v.u.s->refs++; break;
     case TV_LIST: v.u.l->refs++; break;
     case TV_DICT: case TV_NS: v.u.d->refs++; break;
     default: break;
@@ -59,10 +61,19 @@ tv tv_ref(tv v) {
     return v;
 }
 
+void tv_make_static(tv *v) {
+    if (v->kind == TV_STR) v->u.s->refs = -1;
+}
+
+void tv_free_static(tv v) {
+    if (v.kind == TV_STR && v.u.s->refs < 0) free(v.u.s);
+    else tv_unref(v);
+}
+
 void tv_unref(tv v) {
     switch (v.kind) {
     case TV_STR:
-        if (--v.u.s->refs == 0) free(v.u.s);
+        if (v.u.s->refs >= 0 && --v.u.s->refs == 0) free(v.u.s);
         break;
     case TV_LIST:
         if (--v.u.l->refs == 0) {
@@ -214,6 +225,7 @@ tv tv_dict_gets(const tv_dict *d, const char *key, int *found) {
     return tv_undef();
 }
 
+/* On failure *out is undefined (nothing to free: callers may tv_unref it either way). */
 int tv_from_json(tmpl_err *e, const cJSON *j, tv *out) {
     if (cJSON_IsNull(j) || !j) { *out = tv_none(); return 0; }
     if (cJSON_IsBool(j)) { *out = tv_bool(cJSON_IsTrue(j)); return 0; }
@@ -231,7 +243,7 @@ int tv_from_json(tmpl_err *e, const cJSON *j, tv *out) {
         if (tv_list_new(e, out)) return -1;
         for (const cJSON *c = j->child; c; c = c->next) {
             tv x;
-            if (tv_from_json(e, c, &x) || tv_list_push(e, out->u.l, x)) { tv_unref(*out); return -1; }
+            if (tv_from_json(e, c, &x) || tv_list_push(e, out->u.l, x)) { tv_drop(out); return -1; }
         }
         return 0;
     }
@@ -240,9 +252,9 @@ int tv_from_json(tmpl_err *e, const cJSON *j, tv *out) {
         for (const cJSON *c = j->child; c; c = c->next) {
             tv k, x;
             const char *ks = c->string ? c->string : "";
-            if (tv_str_new(e, ks, strlen(ks), &k)) { tv_unref(*out); return -1; }
-            if (tv_from_json(e, c, &x)) { tv_unref(k); tv_unref(*out); return -1; }
-            if (tv_dict_set(e, out->u.d, k, x)) { tv_unref(*out); return -1; }
+            if (tv_str_new(e, ks, strlen(ks), &k)) { tv_drop(out); return -1; }
+            if (tv_from_json(e, c, &x)) { tv_unref(k); tv_drop(out); return -1; }
+            if (tv_dict_set(e, out->u.d, k, x)) { tv_drop(out); return -1; }
         }
         return 0;
     }

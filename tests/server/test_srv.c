@@ -257,6 +257,20 @@ static void test_request_errors(void **state) {
         {SRV_COMPLETION, "{\"prompt\": \"\\ud800\"}", 400, ""},          /* cJSON: a lone surrogate */
         {SRV_COMPLETION, "{\"prompt\": \"a\xff\"}", 400, "prompt"},        /* invalid UTF-8: the tokenizer */
         {SRV_COMPLETION, "{\"prompt\": \"x\\u0000 and more\"}", 400, ""}, /* NUL: cJSON's string would end there */
+        {SRV_COMPLETION, "{\"prompt\": \"x\", \"logit_bias\": {\"5\": 10}}", 400, "logit_bias"},
+        {SRV_COMPLETION, "{\"prompt\": \"x\", \"min_tokens\": 3}", 400, "min_tokens"},
+        {SRV_COMPLETION, "{\"prompt\": \"x\", \"use_beam_search\": true}", 400, "use_beam_search"},
+        {SRV_COMPLETION, "{\"prompt\": \"x\", \"bad_words\": [\"a\"]}", 400, "bad_words"},
+        {SRV_COMPLETION, "{\"prompt\": \"x\", \"allowed_token_ids\": [1]}", 400, "allowed_token_ids"},
+        {SRV_COMPLETION, "{\"prompt\": \"x\", \"prompt_logprobs\": 1}", 400, "prompt_logprobs"},
+        {SRV_COMPLETION, "{\"prompt\": \"x\", \"guided_choice\": [\"a\", \"b\"]}", 400, "guided_choice"},
+        {SRV_COMPLETION, "{\"prompt\": \"x\", \"guided_json\": {}}", 400, "guided_json"},
+        {SRV_COMPLETION, "{\"prompt\": \"x\", \"structured_outputs\": {\"choice\": [\"a\"]}}", 400,
+         "structured_outputs"},
+        {SRV_CHAT, "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"function_call\": {\"name\": \"f\"}}",
+         400, "function_call"},
+        {SRV_CHAT, "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"functions\": [{\"name\": \"f\"}]}",
+         400, "functions"},
         {SRV_COMPLETION, "{\"prompt\": \"x\", \"stop\": [\"\\u0000\"]}", 400, ""},
         {SRV_CHAT, "{}", 400, "messages"},
         {SRV_CHAT, "{\"messages\": []}", 400, "messages"},
@@ -284,10 +298,19 @@ static void test_request_errors(void **state) {
         assert_non_null(strstr(j, "\"error\":{\"message\":"));
         free(j);
     }
-    /* an escaped backslash before "u0000" is text, not a NUL */
+    /* an escaped backslash before "u0000" is text, not a NUL; the neutral values of refused fields are accepted;
+     * an integer out of range says so (not "must be an integer"), -0 is 0 */
     {
         srv_request r;
         srv_error e;
+        assert_int_equal(parse(SRV_COMPLETION, "{\"prompt\": \"a\", \"logit_bias\": {}, \"min_tokens\": 0, "
+                                               "\"use_beam_search\": false, \"bad_words\": [], \"prompt_logprobs\": null}",
+                               &r, &e), 0);
+        srv_request_free(&r);
+        assert_int_equal(parse(SRV_COMPLETION, "{\"prompt\": \"a\", \"seed\": 18446744073709551615}", &r, &e), -1);
+        assert_non_null(strstr(e.message, "it must be in ["));
+        assert_int_equal(parse(SRV_COMPLETION, "{\"prompt\": \"a\", \"max_tokens\": -0}", &r, &e), -1);
+        assert_null(strstr(e.message, "-0"));
         assert_int_equal(parse(SRV_COMPLETION, "{\"prompt\": \"a\\\\u0000\"}", &r, &e), 0);
         srv_request_free(&r);
     }

@@ -10,6 +10,7 @@
  *   - regressions: every tests/template/regressions/ file (fuzzer findings) compiles and renders
  *     or fails cleanly. */
 #include <dirent.h>
+#include <pthread.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -346,6 +347,81 @@ static void test_api(void **state) {
     fp4moe_template_free(NULL);
 }
 
+/* One compiled template rendered by 4 threads at once (the server's HTTP workers do): the string literals are
+ * shared by every render, so counting their references from several threads corrupted the heap (found by a
+ * helper's concurrent chat requests: SIGABRT within a second). Every render must equal the single-thread one. */
+typedef struct {
+    const fp4moe_template *t;
+    const cJSON *ctx;
+    const char *want;
+    int bad;
+} race_arg;
+
+static void *race_main(void *p) {
+    race_arg *a = p;
+    for (int i = 0; i < 300; i++) {
+        char *out = NULL;
+        if (fp4moe_template_render(a->t, a->ctx, NULL, &out, NULL) != FP4MOE_OK || strcmp(out, a->want)) a->bad++;
+        free(out);
+    }
+    return NULL;
+}
+
+static void test_concurrent_renders(void **state) {
+    (void)state;
+    const char *src = "{% for m in messages %}{{ 'role: ' ~ m.role ~ ', ' }}{% set x = 'lit' %}{{ x ~ '|' }}"
+                      "{{ [m.content, 'tail', 'more'] | join('/') }}{% endfor %}";
+    fp4moe_template *t = NULL;
+    assert_int_equal(fp4moe_template_compile(src, strlen(src), &t), FP4MOE_OK);
+    cJSON *ctx = cJSON_CreateObject(), *msgs = cJSON_AddArrayToObject(ctx, "messages");
+    for (int i = 0; i < 50; i++) {
+        cJSON *m = cJSON_CreateObject();
+        cJSON_AddStringToObject(m, "role", i % 2 ? "assistant" : "user");
+        cJSON_AddStringToObject(m, "content", "hello");
+        cJSON_AddItemToArray(msgs, m);
+    }
+    char *want = NULL;
+    assert_int_equal(fp4moe_template_render(t, ctx, NULL, &want, NULL), FP4MOE_OK);
+    race_arg args[4];
+    pthread_t th[4];
+    for (int i = 0; i < 4; i++) {
+        args[i] = (race_arg){t, ctx, want, 0};
+        assert_int_equal(pthread_create(&th[i], NULL, race_main, &args[i]), 0);
+    }
+    for (int i = 0; i < 4; i++) {
+        pthread_join(th[i], NULL);
+        assert_int_equal(args[i].bad, 0);
+    }
+    free(want);
+    cJSON_Delete(ctx);
+    fp4moe_template_free(t);
+}
+
+/* A context nested deeper than the value depth limit: an error, and nothing freed twice (the failed conversion
+ * left a freed value in place, which the render freed again: a helper's chat_template_kwargs of depth 300) */
+static void test_deep_context(void **state) {
+    (void)state;
+    fp4moe_template *t = NULL;
+    assert_int_equal(fp4moe_template_compile("{{ x }}", 7, &t), FP4MOE_OK);
+    for (int depth = 250; depth <= 300; depth += 50) {
+        char *js = malloc((size_t)depth * 2 + 16);
+        int n = sprintf(js, "{\"x\":");
+        for (int i = 0; i < depth; i++) js[n++] = '[';
+        for (int i = 0; i < depth; i++) js[n++] = ']';
+        strcpy(js + n, "}");
+        cJSON *ctx = cJSON_Parse(js);
+        assert_non_null(ctx);
+        char *out = NULL;
+        const int st = fp4moe_template_render(t, ctx, NULL, &out, NULL);
+        if (depth == 300) assert_int_equal(st, FP4MOE_EOVERFLOW);
+        else assert_int_equal(st, FP4MOE_OK);
+        free(out);
+        cJSON_Delete(ctx);
+        free(js);
+    }
+    fp4moe_template_free(t);
+}
+
 /* ---- fuzzer regressions ---------------------------------------------------------------------- */
 static void test_regressions(void **state) {
     (void)state;
@@ -399,6 +475,7 @@ int main(void) {
         cmocka_unit_test(test_statements),            cmocka_unit_test(test_filters),
         cmocka_unit_test(test_errors),                cmocka_unit_test(test_limits),
         cmocka_unit_test(test_api),                   cmocka_unit_test(test_regressions),
+        cmocka_unit_test(test_concurrent_renders),    cmocka_unit_test(test_deep_context),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
