@@ -168,7 +168,7 @@ __device__ __forceinline__ bt_w bt_load_w(const uint8_t *crow0, const uint8_t *c
  * stages the pieces of rows tid/16 + i*(THREADS/16) at K offset 8*(tid%16) of every step, so the
  * source pointers are set once per item and only the K offset moves. */
 template <typename T, int MT, int THREADS, int V> struct bt_xstage {
-    static constexpr int NP = MT * 16 / THREADS; /* pieces per thread */
+    static constexpr int NP = (MT * 16 + THREADS - 1) / THREADS; /* pieces per thread (rows past MT: none staged) */
     const T *src[NP];                            /* NULL: row past the last n8 tile, not staged */
     uint4 v[NP];
     int kc, dst;                                 /* K offset in the step; byte offset of piece 0 */
@@ -238,6 +238,10 @@ __device__ __forceinline__ uint32_t bt_smem_addr(const void *p) {
 /* cp.async of 16 (4) bytes; src_bytes = 0 fills zeros and reads nothing */
 __device__ __forceinline__ void bt_cp16(uint32_t dst, const void *src, int src_bytes) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes));
+}
+/* the same through L1 (.ca): for pieces whose 32-byte sectors another warp of the block reads too */
+__device__ __forceinline__ void bt_cp16ca(uint32_t dst, const void *src, int src_bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes));
 }
 __device__ __forceinline__ void bt_cp4(uint32_t dst, const void *src, int src_bytes) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(src_bytes));
@@ -332,6 +336,46 @@ template <bool TL> struct bt_wstream {
         const uint32_t s0 = sl.s0v();
         sw0 = TL ? s0 & 0xffffu : s0 >> (16 * (t & 1));
         sw1 = TL ? s0 >> 16 : sl.s1v() >> (16 * (t & 1));
+        w0[0] = c0.x; w0[1] = c0.y; w0[2] = c0.z; w0[3] = c0.w;
+        w1[0] = c1.x; w1[1] = c1.y; w1[2] = c1.z; w1[3] = c1.w;
+    }
+};
+
+/* The tiled layout's weight stream of an item (the same copies as bt_issue_tiled): per-thread addresses fixed
+ * once - pc = the thread's code cell of rows g in the step-0 piece (piece + 16 lane; rows g + 8 are 512 bytes
+ * on), ps = its scale word (piece + 1024 + 4 lane) - so a step adds GQ_TILE_PIECE bytes instead of rebuilding
+ * three addresses from the piece (gq_batched_w32_kernel: 1,457 -> 1,435 instructions in the K loop, 164 -> 154
+ * registers; gq_batched_wg_kernel's 64-row form with the x changes: 377 -> 325 a step; cuobjdump -sass counts).
+ * issue(): step `step`'s copies (none past the last step); issue_next(): the same for steps issued in order
+ * 0, 1, 2, ... (pc and ps move a piece on per call: fewer registers where the kernel is near its bound). */
+struct bt_tstream {
+    const uint8_t *pc, *ps;
+    __device__ __forceinline__ static bt_tstream of(const uint8_t *piece, int lane) {
+        return {piece + lane * 16, piece + 1024 + lane * 4};
+    }
+    template <typename S> __device__ __forceinline__ void issue(S slot, int step, int nsteps) const {
+        if (step >= nsteps) return;
+        const int64_t o = (int64_t)step * GQ_TILE_PIECE;
+        bt_cp16(slot.c0(), pc + o, 16);
+        bt_cp16(slot.c1(), pc + o + 512, 16);
+        bt_cp4(slot.s0(), ps + o, 4);
+    }
+    template <typename S> __device__ __forceinline__ void issue_next(S slot, int step, int nsteps) {
+        if (step >= nsteps) return;
+        bt_cp16(slot.c0(), pc, 16);
+        bt_cp16(slot.c1(), pc + 512, 16);
+        bt_cp4(slot.s0(), ps, 4);
+        pc += GQ_TILE_PIECE;
+#ifndef FP4MOE_INJECT_FAULT_TSTREAM /* deliberate fault (tests must catch it): the scale words stay at step 0 */
+        ps += GQ_TILE_PIECE;
+#endif
+    }
+    template <typename S>
+    __device__ __forceinline__ void read(S sl, uint32_t (&w0)[4], uint32_t (&w1)[4], uint32_t &sw0, uint32_t &sw1) const {
+        const uint4 c0 = sl.c0v(), c1 = sl.c1v();
+        const uint32_t s0 = sl.s0v();
+        sw0 = s0 & 0xffffu;
+        sw1 = s0 >> 16;
         w0[0] = c0.x; w0[1] = c0.y; w0[2] = c0.z; w0[3] = c0.w;
         w1[0] = c1.x; w1[1] = c1.y; w1[2] = c1.z; w1[3] = c1.w;
     }
@@ -634,13 +678,17 @@ gq_batched_kernel(gq_args a, const int *__restrict__ starts, const int *__restri
 #ifndef BT_W32
 #define BT_W32 1 /* 0: the 32-row tiles of bf16 tiled calls on gq_batched_kernel (for measuring, session 18) */
 #endif
-#ifndef BW_MINB
-#define BW_MINB 3 /* blocks an SM in the launch bounds */
-#endif
 #define BW_MT 32
-#define BW_WARPS 4
+#ifndef BW_WARPS
+#define BW_WARPS 4 /* 6: 192 features a block, 2 blocks = the same 12 warps an SM, a third less x staged per feature
+                      (the x tile's L2 reads ~36% of the kernel's at 512 tokens; a bench/ variant, session 25) */
+#endif
+#ifndef BW_MINB
+#define BW_MINB (12 / BW_WARPS) /* blocks an SM in the launch bounds: 12 warps (3 blocks of 4, 2 of 6) */
+#endif
+static_assert(BW_WARPS * BW_MINB <= 12, "more than 12 warps an SM leaves fewer than 168 registers a thread");
 #define BW_THREADS (BW_WARPS * 32)
-#define BW_NTILE (BW_WARPS * 32) /* features of an item: 128 */
+#define BW_NTILE (BW_WARPS * 32) /* features of an item: 128 (BW_WARPS 4) */
 #define BW_XBYTES (2 * BW_MT * BT_XROW)
 #define BW_SMEM (BW_XBYTES + BT_STAGES * BW_THREADS * 2 * BT_SLOT_BYTES)
 
@@ -706,7 +754,7 @@ gq_batched_w32_kernel(gq_args a, const int *__restrict__ starts, const int *__re
     /* the thread's two ring slots of a stage: tile A at stage * 2 * THREADS + tid, tile B + THREADS */
     const auto ring = bt_slot_soa<BT_STAGES * 2 * BW_THREADS>::at(smem + BW_XBYTES, threadIdx.x);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-    const int N = a.N, K = a.K, KB = K >> 4, nsteps = (K + BT_KSTEP - 1) / BT_KSTEP;
+    const int N = a.N, K = a.K, nsteps = (K + BT_KSTEP - 1) / BT_KSTEP;
     const int NT = (N + BW_NTILE - 1) / BW_NTILE;
     const int64_t total = (int64_t)tile_off[a.E] * NT;
     const __nv_bfloat16 *x = static_cast<const __nv_bfloat16 *>(a.x);
@@ -725,8 +773,7 @@ gq_batched_w32_kernel(gq_args a, const int *__restrict__ starts, const int *__re
         /* a tile past N reads the last one (results discarded), as in gq_batched_kernel */
         const uint8_t *pa = gq_tiled_piece(a.codes, we, min(nw >> 4, last_tile), 0, N, K);
         const uint8_t *pb = gq_tiled_piece(a.codes, we, min((nw >> 4) + 1, last_tile), 0, N, K);
-        const bt_wstream<true> wa = {nullptr, nullptr, nullptr, nullptr, pa, t, lane, KB};
-        const bt_wstream<true> wb = {nullptr, nullptr, nullptr, nullptr, pb, t, lane, KB};
+        bt_tstream wa = bt_tstream::of(pa, lane), wb = bt_tstream::of(pb, lane);
 
         float aa[BW_MT / 8][4], ab[BW_MT / 8][4];
 #pragma unroll
@@ -738,8 +785,8 @@ gq_batched_w32_kernel(gq_args a, const int *__restrict__ starts, const int *__re
         xr.init(x, row0, rows, rows_pad, K, a.xrow, a.xdiv);
 #pragma unroll
         for (int p = 0; p < BT_STAGES - 1; p++) {
-            wa.issue(ring + p * 2 * BW_THREADS, p, nsteps);
-            wb.issue(ring + p * 2 * BW_THREADS + BW_THREADS, p, nsteps);
+            wa.issue_next(ring + p * 2 * BW_THREADS, p, nsteps);
+            wb.issue_next(ring + p * 2 * BW_THREADS + BW_THREADS, p, nsteps);
             bt_cp_commit();
         }
         xr.load(0, K);
@@ -755,8 +802,8 @@ gq_batched_w32_kernel(gq_args a, const int *__restrict__ starts, const int *__re
             bt_scales4<__nv_bfloat16>(swa0, swa1, sa, sb);
             bt_scales4<__nv_bfloat16>(swb0, swb1, ta, tb);
             const int nxt = s + BT_STAGES - 1; /* refill the slots read in step s - 1 */
-            wa.issue(ring + (nxt % BT_STAGES) * 2 * BW_THREADS, nxt, nsteps);
-            wb.issue(ring + (nxt % BT_STAGES) * 2 * BW_THREADS + BW_THREADS, nxt, nsteps);
+            wa.issue_next(ring + (nxt % BT_STAGES) * 2 * BW_THREADS, nxt, nsteps);
+            wb.issue_next(ring + (nxt % BT_STAGES) * 2 * BW_THREADS + BW_THREADS, nxt, nsteps);
             bt_cp_commit();
             if (s + 1 < nsteps) xr.load((s + 1) * BT_KSTEP, K);
             bw_step_ntv(ntv, aa, ab, a0, a1, b0, b1, sa, sb, ta, tb, ((s & 1) ? xs1 : xs0) + xoff);
@@ -949,7 +996,7 @@ int gq_batched_row_tile(const gq_args *a, fp4moe_dtype dtype) {
  * (bt_issue / bt_issue_tiled), the same decode into the same A registers (the A fragment of
  * wgmma's register form is mma.m16n8k16's for each warp's 16 rows), the same k16 order and fp32
  * accumulation from 0, the same epilogue.
- * Block = 2 warpgroups (256 threads), 128 features (warpgroup: 64, warp: 16 as the mma.sync warp);
+ * Block = GW_WGS warpgroups (2: 256 threads, 128 features; warpgroup: 64, warp: 16 as the mma.sync warp);
  * the item's rows, rounded up to 8, are the N of the instruction (one function per N, so that each
  * has one accumulator set and ptxas keeps the wgmma pipeline: a runtime switch over N inside one
  * loop made it serialize them). The x tile of a 128-K step is stored, through registers, as the
@@ -960,25 +1007,63 @@ int gq_batched_row_tile(const gq_args *a, fp4moe_dtype dtype) {
  * +7] of a row goes, as 4-byte pairs (x0,x4) (x1,x5) (x2,x6) (x3,x7), to k16 steps 2q, 2q, 2q+1,
  * 2q+1, core matrices 0, 1, 0, 1, byte 4t. A step's 8 wgmma are one commit group, waited for
  * before its x buffer is written again. PTX ISA "wgmma.mma_async", "Matrix Descriptor Format". */
-#define GW_THREADS 256
-#define GW_NTILE 128
+#ifndef GW_UNROLL
+#define GW_UNROLL 1 /* the K loop unrolled by 2: the x buffer of a step is static, its wgmma descriptors uniform
+                       (UIADD3 a wgmma in place of VIADD + 2 R2UR): 325 -> 303 instructions a step, twice the code;
+                       spills outside the K loop (8 bytes tiled, 40 checkpoint layout) (sass_loops.py, session 25; a
+                       bench/ variant until measured) */
+#endif
+#define GW_PRAGMA_(x) _Pragma(#x)
+#define GW_PRAGMA(x) GW_PRAGMA_(x)
+#ifndef GW_XASYNC
+#define GW_XASYNC 0 /* 1: the x tile's pieces by cp.async into a raw ring, issued two steps before their step and
+                       permuted from there (the loads' long-scoreboard stalls off the step; a bench/ variant, session 25:
+                       gw_xraw below) */
+#endif
+#ifndef GW_WGS
+#define GW_WGS 2 /* warpgroups a block (64 features each); 4: one x tile for 256 features, half the x tile's reads from
+                    L2 (at 2k tokens ~2 GB a layer, more than the weights), 1 block an SM (a bench/ variant, session 25) */
+#endif
+#define GW_THREADS (128 * GW_WGS)
+#define GW_NTILE (64 * GW_WGS)
 /* MT: the row tile (production: 64; bench/gpu_gather_wg measures 128) */
 template <int MT> struct gw_cfg {
     static_assert(MT == 64 || MT == 128, "row tile 64 or 128");
     static constexpr int KS = MT * 32;  /* bytes of one k16 step's B tile: MT / 8 groups x 256 */
     static constexpr int XBYTES = 8 * KS; /* one 128-K step of x: MT rows x 128 bf16 */
-    static constexpr int SMEM = 2 * XBYTES + BT_STAGES * GW_THREADS * BT_SLOT_BYTES;
+    static constexpr int RAWB = MT * 256; /* GW_XASYNC: one stage of the raw x ring (MT rows x 128 bf16) */
+    static constexpr int SMEM = 2 * XBYTES + BT_STAGES * GW_THREADS * BT_SLOT_BYTES + (GW_XASYNC ? 2 * RAWB : 0);
 };
 
-__device__ __forceinline__ uint32_t gw_xoff(int KS, int ks, int c8, int n) {
+__host__ __device__ constexpr uint32_t gw_xoff(int KS, int ks, int c8, int n) {
     return (uint32_t)(ks * KS + (n >> 3) * 256 + c8 * 128 + (n & 7) * 16);
 }
 
+/* The x tile's stores of a thread (t = tid % 4, nlo = tid / 4 % 8, q = tid / 32 % 4, nhi = tid / 128): piece i (rows
+ * RPI i + 8 nhi + nlo, K offset 32 t + 8 q) at byte gw_xoff(KS, 2q, 0, RPI i + 8 nhi + nlo) + 4 t = that of piece 0
+ * (gw_xbase) + PB i, as the 4-byte pairs (x0,x4) (x1,x5) (x2,x6) (x3,x7) of k16 steps 2q, 2q, 2q + 1, 2q + 1, core
+ * matrices 0, 1, 0, 1 (gw_xput): one address a step, the rest immediate offsets. */
+template <int MT> __device__ __forceinline__ uint8_t *gw_xbase(uint8_t *xs) {
+    const int tid = threadIdx.x, t = tid & 3, nlo = (tid >> 2) & 7, q = (tid >> 5) & 3, nhi = tid >> 7;
+    return xs + gw_xoff(gw_cfg<MT>::KS, 2 * q, 0, nhi * 8 + nlo) + 4 * t;
+}
+template <int MT> __device__ __forceinline__ void gw_xput(uint8_t *b, int i, uint4 w) {
+    constexpr int KS = gw_cfg<MT>::KS, RPI = GW_THREADS / 16;
+    constexpr int PB = gw_xoff(KS, 0, 0, RPI); /* RPI rows = RPI / 8 core-matrix row groups of 256 bytes */
+    static_assert(PB == RPI / 8 * 256, "piece i + 1 is RPI rows on");
+    *reinterpret_cast<uint32_t *>(b + PB * i) = __byte_perm(w.x, w.z, 0x5410);
+    *reinterpret_cast<uint32_t *>(b + PB * i + 128) = __byte_perm(w.x, w.z, 0x7632);
+    *reinterpret_cast<uint32_t *>(b + PB * i + KS) = __byte_perm(w.y, w.w, 0x5410);
+    *reinterpret_cast<uint32_t *>(b + PB * i + KS + 128) = __byte_perm(w.y, w.w, 0x7632);
+}
+
 /* x staging: thread (t = tid % 4, nlo = tid / 4 % 8, q = tid / 32 % 4, nhi = tid / 128) moves the
- * pieces of rows 16 i + 8 nhi + nlo at K offset 32 t + 8 q of every step (a warp's 4-byte stores
+ * pieces of rows RPI i + 8 nhi + nlo (RPI = GW_THREADS / 16) at K offset 32 t + 8 q of every step (a warp's 4-byte stores
  * fall on 32 banks). */
 template <int MT> struct gw_xstage {
-    static constexpr int NP = MT / 16;
+    static_assert(MT * 16 % GW_THREADS == 0 && GW_THREADS % 128 == 0, "whole pieces a thread (GW_WGS 1, 2 or 4)");
+    static constexpr int NP = MT * 16 / GW_THREADS; /* pieces a thread */
+    static constexpr int RPI = GW_THREADS / 16;     /* rows between a thread's pieces */
     const __nv_bfloat16 *src[NP];
     uint4 v[NP];
     int kc;
@@ -988,7 +1073,7 @@ template <int MT> struct gw_xstage {
         kc = 32 * t + 8 * q;
 #pragma unroll
         for (int i = 0; i < NP; i++) {
-            const int r = i * 16 + nhi * 8 + nlo, rr = r < rows ? r : rows - 1;
+            const int r = i * RPI + nhi * 8 + nlo, rr = r < rows ? r : rows - 1;
             src[i] = r < rows_pad ? x + gq_x_row(xrow, xdiv, row0 + rr) * K + kc : nullptr;
         }
     }
@@ -1001,26 +1086,63 @@ template <int MT> struct gw_xstage {
         }
     }
     __device__ __forceinline__ void store(uint8_t *xs) const {
-        const int tid = threadIdx.x, t = tid & 3, nlo = (tid >> 2) & 7, q = (tid >> 5) & 3, nhi = tid >> 7;
+        uint8_t *b = gw_xbase<MT>(xs);
 #pragma unroll
-        for (int i = 0; i < NP; i++) {
-            if (src[i]) {
-                const uint4 w = v[i];
-                const int n = i * 16 + nhi * 8 + nlo;
-                constexpr int KS = gw_cfg<MT>::KS;
-                *reinterpret_cast<uint32_t *>(xs + gw_xoff(KS, 2 * q, 0, n) + 4 * t) = __byte_perm(w.x, w.z, 0x5410);
-                *reinterpret_cast<uint32_t *>(xs + gw_xoff(KS, 2 * q, 1, n) + 4 * t) = __byte_perm(w.x, w.z, 0x7632);
-                *reinterpret_cast<uint32_t *>(xs + gw_xoff(KS, 2 * q + 1, 0, n) + 4 * t) = __byte_perm(w.y, w.w, 0x5410);
-                *reinterpret_cast<uint32_t *>(xs + gw_xoff(KS, 2 * q + 1, 1, n) + 4 * t) = __byte_perm(w.y, w.w, 0x7632);
-            }
-        }
+        for (int i = 0; i < NP; i++)
+            if (src[i]) gw_xput<MT>(b, i, v[i]);
     }
 };
+
+/* GW_XASYNC: thread tid's pieces (those of gw_xstage) copied by cp.async into a raw ring of 2 stages (MT rows of 256
+ * bytes: one step's 128 K) - those of step s + 1 issued early in step s - 1 - and permuted into the x tile at the end of
+ * step s, a step and a half later, by the thread that copied them (so its own cp.async.wait_group suffices, no barrier
+ * between). A piece's raw
+ * slot: row r, 16-byte chunk c = 4 t + q swizzled to c ^ 2 (c >> 3 & 1) ^ (r & 1), so that the 8 lanes of a quarter
+ * warp (t 0..3, two rows) read 8 different bank groups. Zeros past K by the copy's source size 0. */
+template <int MT> struct gw_xraw {
+    static constexpr int NP = MT * 16 / GW_THREADS, RPI = GW_THREADS / 16;
+    const __nv_bfloat16 *src[NP];
+    int kc;
+    uint32_t roff; /* piece 0's byte offset in a stage; piece i is RPI rows (RPI x 256 bytes) on */
+    __device__ __forceinline__ void init(const __nv_bfloat16 *x, int64_t row0, int rows, int rows_pad, int K,
+                                         const uint32_t *xrow, int xdiv) {
+        const int tid = threadIdx.x, t = tid & 3, nlo = (tid >> 2) & 7, q = (tid >> 5) & 3, nhi = tid >> 7;
+        kc = 32 * t + 8 * q;
+        const int r0 = nhi * 8 + nlo, c = 4 * t + q;
+        roff = (uint32_t)(r0 * 256 + ((c ^ (((c >> 3) & 1) << 1) ^ (r0 & 1)) * 16));
+#pragma unroll
+        for (int i = 0; i < NP; i++) {
+            const int r = i * RPI + r0, rr = r < rows ? r : rows - 1;
+            src[i] = r < rows_pad ? x + gq_x_row(xrow, xdiv, row0 + rr) * K + kc : nullptr;
+        }
+    }
+    __device__ __forceinline__ void issue(uint32_t stage, int k0, int K) const { /* the pieces at K offset k0 + kc */
+        const int nb = k0 + kc < K ? 16 : 0;
+#pragma unroll
+        for (int i = 0; i < NP; i++)
+            if (src[i]) bt_cp16ca(stage + roff + i * RPI * 256, src[i] + (nb ? k0 : -kc), nb); /* size 0: the row start */
+    }
+    __device__ __forceinline__ void permute(uint32_t stage, uint8_t *xs) const {
+        uint8_t *b = gw_xbase<MT>(xs);
+#pragma unroll
+        for (int i = 0; i < NP; i++)
+            if (src[i]) gw_xput<MT>(b, i, bt_lds16(stage + roff + i * RPI * 256));
+    }
+};
+
+/* The x tile's wgmma descriptors (K-major core matrices: leading byte offset 128, stride byte offset 256): dlo =
+ * the low word of wg_desc(buffer, 128, 256), computed once per item; the k16 step at `off` bytes into the
+ * buffer adds off / 16 to its start address field (the shared window is < 2^18 bytes, so the field does not
+ * overflow) - an integer add a wgmma in place of the descriptor's five operations. */
+__device__ __forceinline__ uint32_t gw_desc_lo(uint32_t xbuf) { return (uint32_t)wg_desc(xbuf, 128, 256); }
+__device__ __forceinline__ uint64_t gw_desc(uint32_t dlo, uint32_t off) {
+    return (uint64_t)(dlo + (off >> 4)) | ((uint64_t)(256 >> 4) << 32);
+}
 
 /* One 128-K step of a warpgroup: the decode of bt_step (V = 4, bf16) and 8 wgmma, one commit group. */
 template <int N, int KS>
 __device__ __forceinline__ void gw_step(float (&d)[N / 2], const uint32_t (&w0)[4], const uint32_t (&w1)[4],
-                                        const uint32_t (&sa)[2], const uint32_t (&sb)[2], uint32_t xbuf) {
+                                        const uint32_t (&sa)[2], const uint32_t (&sb)[2], uint32_t dlo) {
 #pragma unroll
     for (int q = 0; q < 4; q++) {
         uint32_t pa[4], pb[4];
@@ -1032,8 +1154,12 @@ __device__ __forceinline__ void gw_step(float (&d)[N / 2], const uint32_t (&w0)[
         const uint32_t rb0 = cu_mul_bf16x2(pb[0], s1), rb1 = cu_mul_bf16x2(pb[1], s1);
         const uint32_t rb2 = cu_mul_bf16x2(pb[2], s1), rb3 = cu_mul_bf16x2(pb[3], s1);
         wg_fence(); /* the A registers were just written */
-        wg_rs<N, false>::mma(d, ra0, rb0, ra1, rb1, wg_desc(xbuf + (2 * q) * KS, 128, 256), 1);
-        wg_rs<N, false>::mma(d, ra2, rb2, ra3, rb3, wg_desc(xbuf + (2 * q + 1) * KS, 128, 256), 1);
+        wg_rs<N, false>::mma(d, ra0, rb0, ra1, rb1, gw_desc(dlo, 2 * q * KS), 1);
+#ifdef FP4MOE_INJECT_FAULT_WG_DESC /* deliberate fault (tests must catch it): k16 step 2q + 1 reads step 2q's x */
+        wg_rs<N, false>::mma(d, ra2, rb2, ra3, rb3, gw_desc(dlo, 2 * q * KS), 1);
+#else
+        wg_rs<N, false>::mma(d, ra2, rb2, ra3, rb3, gw_desc(dlo, (2 * q + 1) * KS), 1);
+#endif
     }
     wg_commit();
 }
@@ -1067,7 +1193,7 @@ template <int N, int MT, bool TL>
 __device__ __forceinline__ void gw_item(const gq_args &a, int e, int64_t row0, int rows, int nw, uint8_t *smem) {
     typedef gw_cfg<MT> cfg;
     uint8_t *xs0 = smem, *xs1 = smem + cfg::XBYTES;
-    const uint32_t xa0 = bt_smem_addr(xs0), xa1 = bt_smem_addr(xs1);
+    const uint32_t xd0 = gw_desc_lo(bt_smem_addr(xs0)), xd1 = gw_desc_lo(bt_smem_addr(xs1));
     const auto ring = bt_slot_soa<BT_STAGES * GW_THREADS>::at(smem + 2 * cfg::XBYTES, threadIdx.x);
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int NF = a.N, K = a.K, KB = K >> 4, nsteps = (K + BT_KSTEP - 1) / BT_KSTEP;
@@ -1077,7 +1203,10 @@ __device__ __forceinline__ void gw_item(const gq_args &a, int e, int64_t row0, i
     const uint8_t *crow0 = a.codes + wr0 * (K >> 1), *crow1 = a.codes + wr1 * (K >> 1);
     const uint8_t *srow0 = a.scales + wr0 * KB, *srow1 = a.scales + wr1 * KB;
     const uint8_t *tpiece = TL ? gq_tiled_piece(a.codes, we, min(nw >> 4, (NF - 1) >> 4), 0, NF, K) : nullptr;
-    const bt_wstream<TL> ws = {crow0, crow1, srow0, srow1, tpiece, t, lane, KB};
+    const auto ws = [&] {
+        if constexpr (TL) return bt_tstream::of(tpiece, lane);
+        else return bt_wstream<false>{crow0, crow1, srow0, srow1, nullptr, t, lane, KB};
+    }();
     /* a warpgroup whose 64 features are all past N (the last N-tile of the up projection's 1,856) skips the
      * products (uniform in it). Measured (session 21, call 4, dynamic order): 2,048-token prefill 43,201 tok/s
      * with it against 41,054 without (and 42,030 with neither change);
@@ -1088,6 +1217,28 @@ __device__ __forceinline__ void gw_item(const gq_args &a, int e, int64_t row0, i
     float acc[N / 2];
 #pragma unroll
     for (int i = 0; i < N / 2; i++) acc[i] = 0.0f;
+#if GW_XASYNC
+    /* cp.async groups a thread commits, oldest first: (X_-1 = none) W_0 X_0 W_1 X_1 W_2, then step s: X_s+2 W_s+3
+     * (X: its x pieces of a step, W: its weights of a step; empty where the step is past the end). Before the permute
+     * of X_s+1 at the end of step s the three newest (W_s+2 X_s+2 W_s+3) may be pending: X_s+1 and W_s+1 are done. */
+    static_assert(BT_STAGES == 4, "GW_XASYNC: weights three steps ahead");
+    const uint32_t raw = bt_smem_addr(smem + 2 * cfg::XBYTES + BT_STAGES * GW_THREADS * BT_SLOT_BYTES);
+    gw_xraw<MT> xr;
+    xr.init(x, row0, rows, N, K, a.xrow, a.xdiv);
+    bt_cp_commit();
+    ws.issue(ring, 0, nsteps);
+    bt_cp_commit();
+    xr.issue(raw, 0, K);
+    bt_cp_commit();
+    ws.issue(ring + GW_THREADS, 1, nsteps);
+    bt_cp_commit();
+    if (nsteps > 1) xr.issue(raw + cfg::RAWB, BT_KSTEP, K);
+    bt_cp_commit();
+    ws.issue(ring + 2 * GW_THREADS, 2, nsteps);
+    bt_cp_commit();
+    bt_cp_wait<3>();
+    xr.permute(raw, xs0);
+#else
     gw_xstage<MT> xr;
     xr.init(x, row0, rows, N, K, a.xrow, a.xdiv);
 #pragma unroll
@@ -1097,10 +1248,30 @@ __device__ __forceinline__ void gw_item(const gq_args &a, int e, int64_t row0, i
     }
     xr.load(0, K);
     xr.store(xs0);
+#endif
     wg_fence_async_smem();
     __syncthreads();
 
+    GW_PRAGMA(unroll GW_UNROLL)
     for (int s = 0; s < nsteps; s++) {
+#if GW_XASYNC
+        uint32_t w0[4], w1[4], sa[2], sb[2], sw0, sw1;
+        ws.read(ring + (s % BT_STAGES) * GW_THREADS, w0, w1, sw0, sw1); /* done: the wait before the last barrier */
+        bt_scales4<__nv_bfloat16>(sw0, sw1, sa, sb);
+        if (s + 2 < nsteps) xr.issue(raw + (s & 1) * cfg::RAWB, (s + 2) * BT_KSTEP, K); /* X_s's stage: permuted */
+        bt_cp_commit();
+        ws.issue(ring + ((s + 3) % BT_STAGES) * GW_THREADS, s + 3, nsteps);
+        bt_cp_commit();
+        if (active) {
+            gw_step<N, cfg::KS>(acc, w0, w1, sa, sb, (s & 1) ? xd1 : xd0);
+            wg_wait<0>(); /* this step's products are done: the other x buffer may be written */
+        }
+        if (s + 1 < nsteps) {
+            bt_cp_wait<3>(); /* this thread's X_s+1 (and W_s+1) landed */
+            xr.permute(raw + ((s + 1) & 1) * cfg::RAWB, (s & 1) ? xs0 : xs1);
+            wg_fence_async_smem();
+        }
+#else
         uint32_t w0[4], w1[4], sa[2], sb[2];
         bt_cp_wait<BT_STAGES - 2>();
         uint32_t sw0, sw1;
@@ -1111,13 +1282,14 @@ __device__ __forceinline__ void gw_item(const gq_args &a, int e, int64_t row0, i
         bt_cp_commit();
         if (s + 1 < nsteps) xr.load((s + 1) * BT_KSTEP, K);
         if (active) {
-            gw_step<N, cfg::KS>(acc, w0, w1, sa, sb, (s & 1) ? xa1 : xa0);
+            gw_step<N, cfg::KS>(acc, w0, w1, sa, sb, (s & 1) ? xd1 : xd0);
             wg_wait<0>(); /* this step's products are done: the other x buffer may be written */
         }
         if (s + 1 < nsteps) {
             xr.store((s & 1) ? xs0 : xs1);
             wg_fence_async_smem();
         }
+#endif
         __syncthreads();
     }
 #pragma unroll
@@ -1193,7 +1365,7 @@ static int *sched_counter(const gq_args *a, const int *tile_off) {
 }
 
 /* the wgmma kernel with MT-row tiles (starts / tile_off (E + 2 ints) from gq_launch_runs with row tile MT) */
-template <int MT, bool TL, int MINB = 2>
+template <int MT, bool TL, int MINB = (GW_WGS > 2 ? 1 : 2)>
 static int launch_wg(const gq_args *a, const int *starts, const int *tile_off, cudaStream_t st) {
     const int64_t NT = (a->N + GW_NTILE - 1) / GW_NTILE;
     const int64_t bound = ((int64_t)a->B / MT + 1 + (a->E < a->B ? a->E : a->B)) * NT;
