@@ -102,6 +102,9 @@ static const gg_case k_cases[] = {
     {1, 2048, 128, 33, TU_IDX_ONE_EXPERT, 0, FP4MOE_BF16, 1},
     {1, 2064, 64, 64, TU_IDX_OOR_TAIL, 1, FP4MOE_BF16, 1},
     {1, 4096, 2688, 48, TU_IDX_ONE_EXPERT, 1, FP4MOE_BF16, 0},
+    /* the same shapes at 17-32 rows (qmv v5, or gq_dense_kg_kernel where KG_MIN_ROWS is lower) */
+    {1, 2104, 320, 20, TU_IDX_OOR_TAIL, 1, FP4MOE_BF16, 1},
+    {1, 3712, 2688, 32, TU_IDX_ONE_EXPERT, 1, FP4MOE_BF16, 0},
 };
 #define N_CASES (sizeof k_cases / sizeof k_cases[0])
 

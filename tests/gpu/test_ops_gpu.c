@@ -518,6 +518,8 @@ static void test_tiled_layout(void **state) {
     tiled_case(g, 1, 2104, 320, 37, TU_IDX_OOR_TAIL, FP4MOE_ROUTE_AUTO, 0, 23);
     tiled_case(g, 1, 2104, 320, 37, TU_IDX_OOR_TAIL, FP4MOE_ROUTE_BATCHED, 0, 24);
     tiled_case(g, 1, 2048, 2688, 64, TU_IDX_TOPK_SORTED, FP4MOE_ROUTE_AUTO, 2, 25);
+    tiled_case(g, 1, 2104, 320, 24, TU_IDX_OOR_TAIL, FP4MOE_ROUTE_AUTO, 0, 26);    /* 17-32 rows: see KG_MIN_ROWS */
+    tiled_case(g, 1, 2104, 320, 24, TU_IDX_OOR_TAIL, FP4MOE_ROUTE_BATCHED, 0, 27);
 }
 
 /* Random NVFP4 weights (E, N, K; per-expert global scales) on the device; tiled: w reads the tiled

@@ -840,7 +840,9 @@ gq_batched_w32_kernel(gq_args a, const int *__restrict__ starts, const int *__re
 #define KG_GROUPS 3
 #define KG_MT 64
 #define KG_GT 128 /* threads a group */
-#define KG_MIN_ROWS 33
+#ifndef KG_MIN_ROWS
+#define KG_MIN_ROWS 33 /* from here on (up to 64 rows); 33-64 are the calls the qmv route gives the 8-row tiles */
+#endif
 #define KG_MIN_N 2048
 #define KG_XB (2 * KG_MT * BT_XROW)
 #define KG_RB (BT_STAGES * KG_GT * BT_SLOT_BYTES)
@@ -963,6 +965,8 @@ template <bool TL> static int launch_kg_t(const gq_args *a, cudaStream_t st) {
 static int launch_kg(const gq_args *a, cudaStream_t st) {
     return a->tiled ? launch_kg_t<true>(a, st) : launch_kg_t<false>(a, st);
 }
+
+bool gq_dense_kg_fits(const gq_args *a, fp4moe_dtype dtype) { return kg_fits(a, dtype, false); }
 
 int gq_batched_row_tile(const gq_args *a, fp4moe_dtype dtype) {
     (void)dtype;

@@ -256,6 +256,10 @@ int gq_launch_batched(const gq_args *a, fp4moe_dtype dtype, cudaStream_t st);
  * FP4MOE_GATHER_EXPERT_BATCHED does not change the numbers on this path. */
 #define GQ_QMV_TILE_ROWS 8
 int gq_launch_qmv_tiled(const gq_args *a, fp4moe_dtype dtype, cudaStream_t st);
+/* Whether a sorted call runs gq_dense_kg_kernel (gather_batched.cu: bf16 plain linears of KG_MIN_ROWS..64 rows,
+ * N >= 2,048, K % 64 == 0), which launch_tiled (gq_launch_batched, gq_launch_qmv_tiled) takes for every row tile:
+ * the qmv route sends such calls there too, so that both routes give the same bits. */
+bool gq_dense_kg_fits(const gq_args *a, fp4moe_dtype dtype);
 /* E stacked (N, K) NVFP4 weights (checkpoint layout: codes E*N*K/2, scales E*N*K/16 bytes) into the
  * tiled layout at out (E * gq_tiled_expert_bytes(N, K) bytes). K % 32 == 0. Asynchronous. */
 int gq_relayout_tiled(const uint8_t *codes, const uint8_t *scales, int64_t E, int64_t N, int64_t K, uint8_t *out,

@@ -217,7 +217,8 @@ extern "C" int gather_qmm_cuda_ex(const fp4moe_nvfp4_weights *w, int tiled, cons
                                        33-63-row calls on the fp32 kernel */
         st = dtype != FP4MOE_F32 && sorted && (B >= FP4MOE_BATCHED_MIN_ROWS || (tiled && !gq_qmv_mma_fits(&a)))
 #else
-        st = dtype != FP4MOE_F32 && sorted && (B >= FP4MOE_BATCHED_MIN_ROWS || !gq_qmv_mma_fits(&a))
+        st = dtype != FP4MOE_F32 && sorted &&
+                     (B >= FP4MOE_BATCHED_MIN_ROWS || !gq_qmv_mma_fits(&a) || gq_dense_kg_fits(&a, dtype))
 #endif
                  ? gq_launch_qmv_tiled(&a, dtype, s)
                  : gq_launch_qmv(&a, dtype, s);
@@ -243,7 +244,7 @@ extern "C" int gather_qmm_cuda_x1(const fp4moe_nvfp4_weights *w, int tiled, cons
     /* where gather_qmm_cuda_ex on B gathered rows would run the tensor-core qmv (route qmv as it
      * resolves there, B < 64, bf16, gq_qmv_mma_fits) */
     const fp4moe_route r = route == FP4MOE_ROUTE_AUTO ? choose_route(B, w->E, 1) : route;
-    if (r != FP4MOE_ROUTE_QMV || B >= FP4MOE_BATCHED_MIN_ROWS || !gq_qmv_mma_fits(&a))
+    if (r != FP4MOE_ROUTE_QMV || B >= FP4MOE_BATCHED_MIN_ROWS || !gq_qmv_mma_fits(&a) || gq_dense_kg_fits(&a, FP4MOE_BF16))
         return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "gather_qmm_cuda (x1): B=%lld rows, route %s: only the "
                                 "tensor-core qmv reads one x row for all", (long long)B, fp4moe_route_name(r));
     st = gq_launch_qmv_mma(&a, false, (cudaStream_t)stream);
@@ -266,7 +267,8 @@ extern "C" int gather_qmm_cuda_rows(const fp4moe_nvfp4_weights *w, int tiled, co
     /* where gather_qmm_cuda_ex on the B gathered rows would run the expert-batched kernel: route
      * batched, or qmv as "qmv, tiled by 8 rows" (the same kernel with 8-row tiles) */
     const fp4moe_route r = route == FP4MOE_ROUTE_AUTO ? choose_route(B, w->E, 1) : route;
-    const bool qt = r == FP4MOE_ROUTE_QMV && (B >= FP4MOE_BATCHED_MIN_ROWS || !gq_qmv_mma_fits(&a));
+    const bool qt = r == FP4MOE_ROUTE_QMV && (B >= FP4MOE_BATCHED_MIN_ROWS || !gq_qmv_mma_fits(&a) ||
+                                              gq_dense_kg_fits(&a, FP4MOE_BF16));
     if (r != FP4MOE_ROUTE_BATCHED && !qt)
         return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "gather_qmm_cuda (rows): B=%lld rows, route %s: only the "
                                 "expert-batched kernels read x through a row map", (long long)B, fp4moe_route_name(r));
