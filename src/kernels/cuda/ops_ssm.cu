@@ -59,7 +59,7 @@ __global__ void conv1d_kernel(const uint16_t *__restrict__ x, int64_t xs, int T,
         win[j] = j >= P ? 0.0f
                         : (src >= 0 ? ops_bf16_to_f32(x[(int64_t)src * xs + c]) : state[(int64_t)(P + src) * C + c]);
     }
-#ifdef FP4MOE_INJECT_FAULT_CONV1D /* deliberate fault (tests must catch it): the width-4 form drops the bias */
+#ifdef FP4MOE_INJECT_FAULT_CONV1D /* deliberate fault (tests must catch it): the width-4 forms drop the bias */
     const float bc = b && KC != 4 ? b[c] : 0.0f;
 #else
     const float bc = b ? b[c] : 0.0f;
@@ -83,6 +83,61 @@ __global__ void conv1d_kernel(const uint16_t *__restrict__ x, int64_t xs, int T,
 #pragma unroll
         for (int j = 0; j + 1 < KM; j++)
             if (j + 1 < Kc) win[j] = win[j + 1];
+    }
+}
+
+/* conv1d_kernel<4> for two adjacent channels a thread (c even): bf16x2 loads, float2 stores, the weights of
+ * both channels in two float4 loads - each channel's arithmetic exactly conv1d_kernel's (the same taps in the
+ * same order), so the same bits. Needs C even, xs even, x 4-byte and w / y / state 8-byte (w 16-byte) aligned. */
+__global__ void conv1d_c2_kernel(const uint16_t *__restrict__ x, int64_t xs, int T, int C, const float *__restrict__ w,
+                                 const float *__restrict__ b, const float *__restrict__ state, float *__restrict__ y) {
+    cu_pdl_entry();
+    const int c = 2 * (blockIdx.x * CONV_THREADS + threadIdx.x);
+    if (c >= C) return;
+    const int t0 = blockIdx.y * CONV_TOKENS;
+    const float4 wa = *reinterpret_cast<const float4 *>(w + (int64_t)c * 4);
+    const float4 wb = *reinterpret_cast<const float4 *>(w + (int64_t)c * 4 + 4);
+    const float wc0[4] = {wa.x, wa.y, wa.z, wa.w}, wc1[4] = {wb.x, wb.y, wb.z, wb.w};
+    float win0[4], win1[4];
+#pragma unroll
+    for (int j = 0; j < 3; j++) { /* inputs t0 - 3 + j; < 0: from the state */
+        const int src = t0 - 3 + j;
+        if (src >= 0) {
+            const uint32_t v = *reinterpret_cast<const uint32_t *>(x + (int64_t)src * xs + c);
+            win0[j] = ops_bf16_to_f32((uint16_t)(v & 0xffffu));
+            win1[j] = ops_bf16_to_f32((uint16_t)(v >> 16));
+        } else {
+            const float2 v = *reinterpret_cast<const float2 *>(state + (int64_t)(3 + src) * C + c);
+            win0[j] = v.x;
+            win1[j] = v.y;
+        }
+    }
+    win0[3] = win1[3] = 0.0f;
+    float2 bc = make_float2(0.0f, 0.0f);
+#ifndef FP4MOE_INJECT_FAULT_CONV1D /* deliberate fault (tests must catch it): the width-4 forms drop the bias */
+    if (b) bc = *reinterpret_cast<const float2 *>(b + c);
+#endif
+    uint32_t xin[CONV_TOKENS]; /* all inputs loaded before any use */
+#pragma unroll
+    for (int tt = 0; tt < CONV_TOKENS; tt++)
+        xin[tt] = t0 + tt < T ? *reinterpret_cast<const uint32_t *>(x + (int64_t)(t0 + tt) * xs + c) : 0u;
+#pragma unroll
+    for (int tt = 0; tt < CONV_TOKENS; tt++) {
+        const int t = t0 + tt;
+        win0[3] = ops_bf16_to_f32((uint16_t)(xin[tt] & 0xffffu));
+        win1[3] = ops_bf16_to_f32((uint16_t)(xin[tt] >> 16));
+        float a0 = bc.x, a1 = bc.y;
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            a0 = __fadd_rn(a0, __fmul_rn(wc0[j], win0[j]));
+            a1 = __fadd_rn(a1, __fmul_rn(wc1[j], win1[j]));
+        }
+        if (t < T) *reinterpret_cast<float2 *>(y + (int64_t)t * C + c) = make_float2(ops_silu(a0), ops_silu(a1));
+#pragma unroll
+        for (int j = 0; j < 3; j++) {
+            win0[j] = win0[j + 1];
+            win1[j] = win1[j + 1];
+        }
     }
 }
 
@@ -147,8 +202,16 @@ extern "C" int cuda_conv1d_causal(void *stream, const uint16_t *x, int64_t xs, i
     if (grid.y > 65535)
         return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "cuda op conv1d: %lld tokens in one call",
                                 (long long)T);
-    if (Kc == 4) cu_launch(conv1d_kernel<4>, grid, CONV_THREADS, 0, st, x, xs, (int)T, (int)C, w, b, (int)Kc, state, y);
-    else cu_launch(conv1d_kernel<0>, grid, CONV_THREADS, 0, st, x, xs, (int)T, (int)C, w, b, (int)Kc, state, y);
+    const bool c2 = Kc == 4 && C % 2 == 0 && xs % 2 == 0 && ((uintptr_t)x & 3) == 0 && ((uintptr_t)w & 15) == 0 &&
+                    ((uintptr_t)y & 7) == 0 && ((uintptr_t)state & 7) == 0 && ((uintptr_t)b & 7) == 0;
+    if (c2) {
+        const dim3 g2(ops_blocks(C / 2, CONV_THREADS), grid.y);
+        cu_launch(conv1d_c2_kernel, g2, CONV_THREADS, 0, st, x, xs, (int)T, (int)C, w, b, state, y);
+    } else if (Kc == 4) {
+        cu_launch(conv1d_kernel<4>, grid, CONV_THREADS, 0, st, x, xs, (int)T, (int)C, w, b, (int)Kc, state, y);
+    } else {
+        cu_launch(conv1d_kernel<0>, grid, CONV_THREADS, 0, st, x, xs, (int)T, (int)C, w, b, (int)Kc, state, y);
+    }
     OPS_LAUNCH_CHECK("conv1d");
     if (Kc > 1) {
         cu_launch(conv_state_kernel, ops_blocks(C, 256), 256, 0, st, x, xs, (int)T, (int)C, (int)Kc, state);
