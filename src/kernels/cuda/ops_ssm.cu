@@ -802,35 +802,52 @@ ssm_ssd_kernel(cuda_ssm_args a, int vec) {
     const int gm = (int)((0x3333222110ull >> (4 * warp)) & 15), gq = (int)((0x6420420200ull >> (4 * warp)) & 15);
 
     /* chunk inputs into buffer b: C, B (L x S_, rows of SP), x (L x PB, rows of XP); rows past T zero;
-     * PRE: the chunk's C B^T into M buffer b (rows of MP) */
+     * PRE: the chunk's C B^T into M buffer b (rows of MP). A thread's pieces are the same in every chunk
+     * (NT is a multiple of P, a row's 16-byte pieces): piece v = tid % P of rows tid / P + k NT / P, so the
+     * loops below have compile-time trip counts and the addresses move by a constant a k (the row index and
+     * 64-bit row product of a generic i loop cost ~15-20 integer instructions a 16-byte copy) */
+    constexpr int SV = S_ / 4, PV = PB / 4, LV = L / 4;
+    static_assert(NT % SV == 0 && NT % PV == 0 && NT % LV == 0 && (L * SV) % NT == 0 && (L * PV) % NT == 0 &&
+                      (L * LV) % NT == 0, "ssm_ssd_kernel: whole rows of pieces a thread");
     auto load = [&](int b, int t0) {
         float *Cs = sm + b * BUF, *Bs = Cs + L * SP, *Xs = Bs + L * SP;
         const int tc = min(L, T - t0);
-        if constexpr (PRE) {
-            const float *Gt = a.ws + ((int64_t)(t0 / L) * a.G + grp) * L * L;
-            for (int i = tid; i < L * L / 4; i += NT) { /* the pieces ssm_ssd_cb_kernel wrote: row r, columns < 16 (r / 16 + 1) */
-                const int r = i / (L / 4), v = i % (L / 4);
-                if (4 * v < 16 * (r / 16 + 1)) ts_cp16(Mb + b * L * MP + r * MP + 4 * v, Gt + 4 * i);
+        if constexpr (PRE) { /* the pieces ssm_ssd_cb_kernel wrote: row r, columns < 16 (r / 16 + 1) */
+            constexpr int RS = NT / LV;
+            const int r0 = tid / LV, v = tid % LV;
+            const float *Gt = a.ws + ((int64_t)(t0 / L) * a.G + grp) * L * L + 4 * tid;
+            float *dst = Mb + b * L * MP + r0 * MP + 4 * v;
+#pragma unroll
+            for (int k = 0; k < L * LV / NT; k++) {
+                const int r = r0 + k * RS;
+                if (4 * v < 16 * (r / 16 + 1)) ts_cp16(dst + k * RS * MP, Gt + 4 * k * NT);
             }
         }
         if (vec) {
-            constexpr int SV = S_ / 4, PV = PB / 4;
-            for (int i = tid; i < L * SV; i += NT) {
-                const int r = i / SV, v = i % SV;
-                if (r < tc) {
-                    const int64_t row = (int64_t)(t0 + r) * a.bcs + (int64_t)grp * S_ + 4 * v;
-                    ts_cp16(Cs + r * SP + 4 * v, a.C + row);
-                    ts_cp16(Bs + r * SP + 4 * v, a.B + row);
+            constexpr int RS = NT / SV;
+            const int r0 = tid / SV, v = tid % SV;
+            const int64_t step = (int64_t)RS * a.bcs;
+            const float *src = a.C + ((int64_t)(t0 + r0) * a.bcs + (int64_t)grp * S_ + 4 * v);
+            const uintptr_t cb = (uintptr_t)a.B - (uintptr_t)a.C; /* B's pieces at the same offsets */
+            float *dc = Cs + r0 * SP + 4 * v;
+#pragma unroll
+            for (int k = 0; k < L * SV / NT; k++, src += step) {
+                if (r0 + k * RS < tc) {
+                    ts_cp16(dc + k * RS * SP, src);
+                    ts_cp16(dc + L * SP + k * RS * SP, reinterpret_cast<const float *>((uintptr_t)src + cb));
                 } else {
-                    *(float4 *)(Cs + r * SP + 4 * v) = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-                    *(float4 *)(Bs + r * SP + 4 * v) = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                    *(float4 *)(dc + k * RS * SP) = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                    *(float4 *)(dc + L * SP + k * RS * SP) = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
                 }
             }
-            for (int i = tid; i < L * PV; i += NT) {
-                const int r = i / PV, v = i % PV, p = p0 + 4 * v;
-                float *dst = Xs + r * XP + 4 * v;
-                if (r < tc && p < hd) ts_cp16(dst, a.x + (int64_t)(t0 + r) * a.xs + (int64_t)h * hd + p);
-                else *(float4 *)dst = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            constexpr int RX = NT / PV;
+            const int rx = tid / PV, vx = tid % PV, p = p0 + 4 * vx;
+            const float *xsrc = a.x + ((int64_t)(t0 + rx) * a.xs + (int64_t)h * hd + p);
+            float *dx = Xs + rx * XP + 4 * vx;
+#pragma unroll
+            for (int k = 0; k < L * PV / NT; k++) {
+                if (rx + k * RX < tc && p < hd) ts_cp16(dx + k * RX * XP, xsrc + (int64_t)k * RX * a.xs);
+                else *(float4 *)(dx + k * RX * XP) = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
             }
         } else {
             for (int i = tid; i < L * S_; i += NT) {
