@@ -59,7 +59,7 @@ f_sort test_ops_gpu src/kernels/cuda/ops_moe.cu SORT_BASE test_moe_route
 f_sched test_gather_qmm_gpu src/kernels/cuda/gather_batched.cu SCHED
 f_ring test_gather_qmm_gpu src/kernels/cuda/gather_batched.cu RING
 f_kg test_gather_qmm_gpu src/kernels/cuda/gather_batched.cu KG
-f_planes test_ops_gpu src/kernels/cuda/ops_linear.cu PLANES test_moe_route
+f_planes test_ops_gpu src/kernels/cuda/ops_moe.cu PLANES test_moe_route
 f_wgd test_gather_qmm_gpu src/kernels/cuda/gather_batched.cu WG_DESC
 f_tstr test_ops_gpu src/kernels/cuda/gather_batched.cu TSTREAM test_tiled_layout
 "

@@ -100,7 +100,8 @@ static void ctx_free(gpu_ctx *g) {
 
 /* ---- cuda_moe_route ------------------------------------------------------------------------ */
 
-/* x3: the prefill logits on bf16 tensor cores (cuda_matmul_bf16x3: x rounded to bf16 values, W in three planes) */
+/* x3: the prefill logits on bf16 tensor cores (cuda_matmul_bf16x3_planes, summed by the top-k kernel: x rounded
+ * to bf16 values, W in three planes) */
 static void route_case_w(gpu_ctx *g, int64_t T, int64_t E, int64_t k, int64_t G, int64_t TG, int64_t H, int bias,
                          uint64_t seed, double wscale, int x3) {
     tu_rng r;
@@ -245,15 +246,17 @@ static void test_moe_route(void **state) {
     route_case(g, 400, 300, 6, 1, 1, 32, 1, 306);
     route_case_w(g, 500, 128, 6, 1, 1, 32, 0, 307, 0.0, 0);
     route_case(g, 12000, 128, 6, 1, 1, 32, 1, 308);
-    /* the prefill logits on bf16 tensor cores (cuda_matmul_bf16x3) against the fp64 logits of the same bf16 x:
-     * the Nemotron shapes (512, 2,048 tokens), E not a multiple of 32, K = 32 and 64 (where a plane's error
-     * is far above the bound), zero weights (ties), two parts of rows (12,000 > split_n / 3E = 6,400) */
+    /* the prefill logits on bf16 tensor cores (cuda_matmul_bf16x3_planes, summed by the top-k kernel) against the
+     * fp64 logits of the same bf16 x: the Nemotron shapes (512, 2,048 tokens), E not a multiple of 32, K = 32 and
+     * 64 (where a plane's error is far above the bound), zero weights (ties), two parts of rows (12,000 >
+     * split_n / 3E = 6,400: the top-k's register path; 3,000 > 2,730 at E = 300: its general path) */
     route_case_w(g, 17, 300, 6, 1, 1, 64, 1, 310, 0.05, 1);
     route_case_w(g, 512, 128, 6, 1, 1, 2688, 1, 311, 0.05, 1);
     route_case_w(g, 2048, 128, 6, 1, 1, 2688, 1, 312, 0.05, 1);
     route_case_w(g, 400, 300, 6, 1, 1, 32, 1, 313, 0.05, 1);
     route_case_w(g, 500, 128, 6, 1, 1, 32, 0, 314, 0.0, 1);
     route_case_w(g, 12000, 128, 6, 1, 1, 64, 1, 315, 0.05, 1);
+    route_case_w(g, 3000, 300, 6, 1, 1, 64, 1, 316, 0.05, 1);
 }
 
 /* ---- cuda_rmsnorm with the residual folded in -------------------------------------------------- */

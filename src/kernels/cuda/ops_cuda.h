@@ -192,14 +192,17 @@ int cuda_matmul_f32(const cuda_ops *o, const float *x, int64_t T, const float *W
                     int64_t K, float *y);
 
 /* The same product for x whose values are bf16 (the normed hidden state: the router's input), on bf16
- * tensor cores: W3 (3N x K bf16) holds W as three planes (cuda_split_bf16x3: W = p0 + p1 + p2 exactly), so each
- * product x * p is exact in fp32 and one cublasGemmEx (bf16 in, fp32 compute and out) gives the three planes'
- * sums P0..P2 (T x 3N, into o->split_ws in parts of split_n / 3N rows); y = P0 + (P1 + P2). The products are
- * exact and the tensor cores accumulate in fp32 (not IEEE round-to-nearest): test_moe_route holds it to the fp32
- * summation bound against fp64; not cuda_matmul_f32's bits. x: T x K bf16 (uint16_t). Errors: FP4MOE_ECUDA,
- * FP4MOE_EUNSUPPORTED (no split_ws for one row, sizes beyond int). */
-int cuda_matmul_bf16x3(const cuda_ops *o, const uint16_t *x, int64_t T, const uint16_t *W3, int64_t N, int64_t K,
-                       float *y);
+ * tensor cores, in two steps. W3 (3N x K bf16) holds W as three planes (cuda_split_bf16x3: W = p0 + p1 + p2
+ * exactly), so each product x * p is exact in fp32, and one cublasGemmEx (bf16 in, fp32 compute and out) of n
+ * rows of x (n x K bf16, uint16_t) gives the three planes' sums P (n x 3N fp32: P0 | P1 | P2 a row) in
+ * o->split_ws; n <= cuda_bf16x3_rows(o, N) (split_n / 3N: the rows the scratch holds; 0 without it). The
+ * logits are y = P0 + (P1 + P2) (the small ones first), summed by their reader (cuda_moe_route's top-k). The
+ * tensor cores accumulate in fp32 (not IEEE round-to-nearest): test_moe_route holds y to the fp32 summation
+ * bound against fp64; not cuda_matmul_f32's bits. Errors: FP4MOE_ECUDA, FP4MOE_EUNSUPPORTED (n beyond the
+ * scratch, sizes beyond int). */
+int64_t cuda_bf16x3_rows(const cuda_ops *o, int64_t N);
+int cuda_matmul_bf16x3_planes(const cuda_ops *o, const uint16_t *x, int64_t n, const uint16_t *W3, int64_t N,
+                              int64_t K);
 
 /* out (3n bf16, planes of n) = w (n fp32) as three bf16 planes p0 = bf16(w), p1 = bf16(w - p0), p2 = bf16(w -
  * p0 - p1) (round to nearest even; the differences are exact, p0 + p1 + p2 = w exactly but for |w| < ~2^-110 and
@@ -368,8 +371,9 @@ int cuda_sort_by_expert(void *stream, const int32_t *ids, int64_t B, int64_t E, 
  * then cuda_router_topk, then cuda_sort_by_expert of the T * k rows (same results and errors as
  * those). T <= 16 (decode-sized steps): two launches (the logits in a fixed dot-product order of
  * its own, not cuBLAS's; then the top-k and sort in one block); larger T: cuBLAS + the two kernels,
- * the logits by cuda_matmul_bf16x3 where xb (x's values as bf16, T x H) and W3 (W's three bf16 planes,
- * 3E x H) are given and o->split_ws holds a row of planes, else by cuda_matmul_f32. */
+ * the logits by cuda_matmul_bf16x3_planes where xb (x's values as bf16, T x H) and W3 (W's three bf16
+ * planes, 3E x H) are given and o->split_ws holds a row of planes (in parts of cuda_bf16x3_rows rows; the
+ * top-k kernel sums the planes and writes the logits), else by cuda_matmul_f32. */
 int cuda_moe_route(const cuda_ops *o, const cuda_router_cfg *r, const float *x, const uint16_t *xb, int64_t T,
                    const float *W, const uint16_t *W3, int64_t H, float *logits, int32_t *ids, float *wts,
                    uint32_t *row_of, uint32_t *idx, uint32_t *pos_of);

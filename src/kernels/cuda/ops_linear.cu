@@ -297,34 +297,17 @@ extern "C" int cuda_split_bf16x3(void *stream, const float *w, int64_t n, uint16
     return FP4MOE_OK;
 }
 
-/* y[t][e] = p[t][e] + (p[t][N + e] + p[t][2 N + e]): the planes' products, the small ones first */
-__global__ void sum_planes_kernel(const float *__restrict__ p, int64_t T, int64_t N, float *__restrict__ y) {
-    cu_pdl_entry();
-    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < T * N; i += (int64_t)gridDim.x * blockDim.x) {
-        const int64_t t = i / N, e = i - t * N;
-        const float *r = p + t * 3 * N;
-#ifdef FP4MOE_INJECT_FAULT_PLANES /* deliberate fault (tests must catch it): the second plane read for the third */
-        y[i] = r[e] + (r[N + e] + r[N + e]);
-#else
-        y[i] = r[e] + (r[N + e] + r[2 * N + e]);
-#endif
-    }
+extern "C" int64_t cuda_bf16x3_rows(const cuda_ops *o, int64_t N) {
+    return o->split_ws && N > 0 ? o->split_n / (3 * N) : 0;
 }
 
-extern "C" int cuda_matmul_bf16x3(const cuda_ops *o, const uint16_t *x, int64_t T, const uint16_t *W3, int64_t N,
-                                  int64_t K, float *y) {
-    if (T <= 0) return FP4MOE_OK;
-    const int64_t rows = o->split_ws && N > 0 ? o->split_n / (3 * N) : 0; /* rows of one part */
-    if (rows < 1)
-        return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "cuda op matmul bf16x3: no scratch for 3 x %lld outputs a row",
-                                (long long)N);
-    for (int64_t t0 = 0; t0 < T; t0 += rows) {
-        const int64_t n = T - t0 < rows ? T - t0 : rows;
-        const int st = gemm_xwt((cublasHandle_t)o->blas, W3, x + t0 * K, o->split_ws, CUDA_R_16BF, CUDA_R_32F, n,
-                                3 * N, K, "matmul bf16x3 (router)");
-        if (st) return st;
-        cu_launch(sum_planes_kernel, grid_for(n * N), 256, 0, (cudaStream_t)o->stream, o->split_ws, n, N, y + t0 * N);
-        OPS_LAUNCH_CHECK("matmul bf16x3 (router, the planes' sum)");
-    }
-    return FP4MOE_OK;
+extern "C" int cuda_matmul_bf16x3_planes(const cuda_ops *o, const uint16_t *x, int64_t n, const uint16_t *W3, int64_t N,
+                                         int64_t K) {
+    if (n <= 0) return FP4MOE_OK;
+    if (n > cuda_bf16x3_rows(o, N))
+        return fp4moe_set_error(FP4MOE_EUNSUPPORTED,
+                                "cuda op matmul bf16x3: %lld rows, scratch for %lld rows of 3 x %lld outputs",
+                                (long long)n, (long long)cuda_bf16x3_rows(o, N), (long long)N);
+    return gemm_xwt((cublasHandle_t)o->blas, W3, x, o->split_ws, CUDA_R_16BF, CUDA_R_32F, n, 3 * N, K,
+                    "matmul bf16x3 (router)");
 }

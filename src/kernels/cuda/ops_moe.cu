@@ -37,6 +37,19 @@ __host__ __device__ inline size_t router_warp_smem(int64_t E, int64_t G) {
     return ((size_t)E * 4 + (size_t)(E + G) * 5 + 15) & ~(size_t)15;
 }
 
+/* The logit of token t, expert e: logits[t][e] (read with ld.global.cg: in the fused route kernel other
+ * blocks wrote them), or with planes (cuda_matmul_bf16x3_planes: rows of 3E, P0 | P1 | P2) P0 + (P1 + P2),
+ * the small ones first (the caller stores it as the logits' output). */
+__device__ __forceinline__ float router_logit(const float *logits, const float *planes, int E, int t, int e) {
+    if (!planes) return __ldcg(logits + (int64_t)t * E + e);
+    const float *p = planes + (int64_t)t * 3 * E;
+#ifdef FP4MOE_INJECT_FAULT_PLANES /* deliberate fault (tests must catch it): the second plane read for the third */
+    return __ldg(p + e) + (__ldg(p + E + e) + __ldg(p + E + e));
+#else
+    return __ldg(p + e) + (__ldg(p + E + e) + __ldg(p + 2 * E + e));
+#endif
+}
+
 #define ROUTER_REG_SLOTS 8 /* router_token_reg: experts per lane (E <= 256) */
 
 /* router_token for one group (n_group 1) and E <= 32 * ROUTER_REG_SLOTS, with the scores in
@@ -46,16 +59,20 @@ __host__ __device__ inline size_t router_warp_smem(int64_t E, int64_t G) {
  * cannot prove apart from the logits - may hold each lane's next load back), and a round of the
  * top-k reads no shared memory (measured: 7.5 -> 6.1 us for a decode token, docs/GPU-NOTES.md).
  * Same arithmetic and order as router_token's general path, hence the same ids and weights. */
-__device__ __forceinline__ void router_token_reg(const cuda_router_cfg &r, const float *logits, int t, int32_t *ids, float *wts) {
+__device__ __forceinline__ void router_token_reg(const cuda_router_cfg &r, const float *logits, int t, int32_t *ids,
+                                                 float *wts, const float *planes, float *lout) {
     const int E = (int)r.E, k = (int)r.k, lane = threadIdx.x & 31;
-    const float *lg = logits + (int64_t)t * E;
     float lv[ROUTER_REG_SLOTS], bv[ROUTER_REG_SLOTS], sig[ROUTER_REG_SLOTS], ch[ROUTER_REG_SLOTS];
 #pragma unroll
     for (int i = 0; i < ROUTER_REG_SLOTS; i++) {
         const int e = lane + 32 * i;
-        lv[i] = e < E ? __ldcg(lg + e) : 0.0f;
+        lv[i] = e < E ? router_logit(logits, planes, E, t, e) : 0.0f;
         bv[i] = e < E && r.bias ? __ldg(r.bias + e) : 0.0f;
     }
+    if (planes) /* the logits' output, after every load */
+#pragma unroll
+        for (int i = 0; i < ROUTER_REG_SLOTS; i++)
+            if (lane + 32 * i < E) lout[(int64_t)t * E + lane + 32 * i] = lv[i];
     unsigned freem = 0; /* bit i: expert lane + 32 i exists and is not taken */
 #pragma unroll
     for (int i = 0; i < ROUTER_REG_SLOTS; i++) {
@@ -105,20 +122,21 @@ __device__ __forceinline__ void router_token_reg(const cuda_router_cfg &r, const
 }
 
 /* The router of token t by one warp (every lane calls it), scratch: router_warp_smem bytes. The
- * logits are read once, with ld.global.cg (in the fused route kernel other blocks wrote them). */
+ * logits are read once (router_logit: from logits, or summed from planes and written to lout). */
 __device__ __forceinline__ void router_token(const cuda_router_cfg &r, const float *logits, int t, int32_t *ids, float *wts,
-                             char *scratch) {
+                             char *scratch, const float *planes = nullptr, float *lout = nullptr) {
     const int E = (int)r.E, G = (int)r.n_group, k = (int)r.k;
     const int lane = threadIdx.x & 31;
     if (G <= 1 && E <= 32 * ROUTER_REG_SLOTS) {
-        router_token_reg(r, logits, t, ids, wts);
+        router_token_reg(r, logits, t, ids, wts, planes, lout);
         return;
     }
     float *sig = (float *)scratch, *choice = sig + E, *gscore = choice + E;
     unsigned char *taken = (unsigned char *)(gscore + G), *gtaken = taken + E;
-    const float *lg = logits + (int64_t)t * E;
     for (int e = lane; e < E; e += 32) { /* the logits read once: no memory round trip per choice */
-        sig[e] = sigmoid_f(__ldcg(lg + e));
+        const float v = router_logit(logits, planes, E, t, e);
+        if (planes) lout[(int64_t)t * E + e] = v;
+        sig[e] = sigmoid_f(v);
         choice[e] = __fadd_rn(sig[e], r.bias ? r.bias[e] : 0.0f);
         taken[e] = 0;
     }
@@ -167,14 +185,15 @@ __device__ __forceinline__ void router_token(const cuda_router_cfg &r, const flo
     __syncwarp();
 }
 
-/* One warp per token. */
+/* One warp per token; planes: the logits as three planes (router_logit), written to lout. */
 __global__ void __launch_bounds__(ROUTER_WARPS * 32)
-router_kernel(cuda_router_cfg r, const float *logits, int T, int32_t *ids, float *wts) {
+router_kernel(cuda_router_cfg r, const float *logits, int T, int32_t *ids, float *wts, const float *planes,
+              float *lout) {
     cu_pdl_entry();
     extern __shared__ float sm[];
     const int warp = threadIdx.x >> 5, t = blockIdx.x * ROUTER_WARPS + warp;
     if (t >= T) return; /* warp-uniform; no block-wide barrier below */
-    router_token(r, logits, t, ids, wts, (char *)sm + warp * router_warp_smem(r.E, r.n_group));
+    router_token(r, logits, t, ids, wts, (char *)sm + warp * router_warp_smem(r.E, r.n_group), planes, lout);
 }
 
 /* The router configurations the device router handles. */
@@ -183,8 +202,9 @@ static bool router_cfg_ok(const cuda_router_cfg *r) {
            r->topk_group >= 1 && r->topk_group <= r->n_group;
 }
 
-extern "C" int cuda_router_topk(void *stream, const cuda_router_cfg *r, const float *logits, int64_t T,
-                                int32_t *ids, float *wts) {
+/* router_kernel over T tokens: from logits, or (planes) from the three planes, writing lout */
+static int router_launch(void *stream, const cuda_router_cfg *r, const float *logits, int64_t T, int32_t *ids,
+                         float *wts, const float *planes, float *lout) {
     if (T <= 0) return FP4MOE_OK;
     if (!router_cfg_ok(r))
         return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "cuda op router: E=%lld (at most 4096), k=%lld, "
@@ -192,9 +212,14 @@ extern "C" int cuda_router_topk(void *stream, const cuda_router_cfg *r, const fl
                                 (long long)r->n_group, (long long)r->topk_group);
     const size_t per_warp = router_warp_smem(r->E, r->n_group);
     cu_launch(router_kernel, ops_blocks(T, ROUTER_WARPS), ROUTER_WARPS * 32, ROUTER_WARPS * per_warp,
-              (cudaStream_t)stream, *r, logits, (int)T, ids, wts);
+              (cudaStream_t)stream, *r, logits, (int)T, ids, wts, planes, lout);
     OPS_LAUNCH_CHECK("router top-k");
     return FP4MOE_OK;
+}
+
+extern "C" int cuda_router_topk(void *stream, const cuda_router_cfg *r, const float *logits, int64_t T,
+                                int32_t *ids, float *wts) {
+    return router_launch(stream, r, logits, T, ids, wts, nullptr, nullptr);
 }
 
 /* ---- stable counting sort by expert --------------------------------------------------------------- */
@@ -535,9 +560,20 @@ extern "C" int cuda_moe_route(const cuda_ops *o, const cuda_router_cfg *r, const
          * the H200 (session 24, Nsight Compute, 23 layers): 512 tokens 0.430 ms (cuBLAS fp32 SGEMM split in K +
          * the parts' sum) -> 0.249 (bf16 GEMM + the planes' sum), 2,048 tokens 1.036 -> 0.338; prefill +1.1% /
          * +1.5% end to end with the dense-call change of the same session (docs/PERFORMANCE.md) */
-        int st = xb && W3 && o->split_ws && o->split_n >= 3 * r->E ? cuda_matmul_bf16x3(o, xb, T, W3, r->E, H, logits)
-                                                                   : cuda_matmul_f32(o, x, T, W, r->E, H, logits);
-        if (!st) st = cuda_router_topk(o->stream, r, logits, T, ids, wts);
+        int st = FP4MOE_OK;
+        const int64_t rows = xb && W3 ? cuda_bf16x3_rows(o, r->E) : 0;
+        if (rows >= 1) {
+            /* the planes' sum in the top-k kernel (one launch less a layer than a sum kernel: the same logits) */
+            for (int64_t t0 = 0; t0 < T && !st; t0 += rows) {
+                const int64_t n = T - t0 < rows ? T - t0 : rows;
+                st = cuda_matmul_bf16x3_planes(o, xb + t0 * H, n, W3, r->E, H);
+                if (!st) st = router_launch(o->stream, r, nullptr, n, ids + t0 * r->k, wts + t0 * r->k, o->split_ws,
+                                            logits + t0 * r->E);
+            }
+        } else {
+            st = cuda_matmul_f32(o, x, T, W, r->E, H, logits);
+            if (!st) st = cuda_router_topk(o->stream, r, logits, T, ids, wts);
+        }
         if (!st) st = cuda_sort_by_expert(o->stream, ids, T * r->k, r->E, row_of, idx, pos_of);
         return st;
     }
