@@ -35,7 +35,7 @@ extern "C" {
 #define WK_MT 128
 #endif
 #ifndef WK_MINB
-#define WK_MINB (WK_MT > 64 || GW_WGS > 2 ? 1 : 2) /* 512-thread blocks (GW_WGS 4): one an SM */
+#define WK_MINB (WK_MT > 64 ? 1 : 2)
 #endif
 
 #ifndef WK_WS

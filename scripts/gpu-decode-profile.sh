@@ -15,7 +15,9 @@
 # before every kernel, the ncu default; none: warm, closer to a graph replay), GEN (decode steps of the
 # profiled run, default 4), NCU_ONLY=1 (only the Nsight Compute run and its tables), BATCH (sequences of
 # the profiled run through `bench --batch`, unset: one; e.g. BATCH=64 PROMPT=256 GEN=2 for the 64-sequence
-# decode step; settings such as FP4MOE_GATHER_EXPERT_BATCHED=0 pass through the environment).
+# decode step; settings such as FP4MOE_GATHER_EXPERT_BATCHED=0 pass through the environment), NCU_DETAIL
+# (a kernel-name regex: Nsight Compute's sections and stall reasons of a few of its launches, ncu_detail.txt;
+# NCU_DETAIL_SKIP, NCU_DETAIL_COUNT).
 set -u
 cd "$(dirname "$0")/.."
 BIN=${1:?usage: scripts/gpu-decode-profile.sh BIN [OLD]}
@@ -75,6 +77,27 @@ if [ -n "$NCU" ]; then
         --kernel-name "regex:^(?!synth)" "$FP" bench --synthetic $CFG --device cuda --prompt-tokens "$P" \
         ${BATCH:+--batch "$BATCH"} --gen-tokens "${GEN:-4}" --repeats 1 --warmup 0 >"$OUT/ncu.csv" 2>"$OUT/ncu.log"
     echo "ncu rc=$?"
+    if [ -n "${NCU_DETAIL:-}" ]; then
+        # Nsight Compute's sections for NCU_DETAIL_COUNT launches (default 2) of the kernels matching the
+        # regex NCU_DETAIL after NCU_DETAIL_SKIP (default 20) of them: speed of light, memory workload (L1 /
+        # L2 hit rates and throughputs), warp states, scheduler, occupancy, and the stall reasons.
+        st=
+        for r in barrier branch_resolving dispatch_stall drain imc_miss lg_throttle long_scoreboard \
+            math_pipe_throttle membar mio_throttle misc no_instruction not_selected selected short_scoreboard \
+            sleeping tex_throttle wait; do
+            st="$st${st:+,}smsp__average_warps_issue_stalled_${r}_per_issue_active.ratio"
+        done
+        ncu_detail() {
+            timeout 300 "$NCU" -k "regex:$NCU_DETAIL" --launch-skip "${NCU_DETAIL_SKIP:-20}" \
+                --launch-count "${NCU_DETAIL_COUNT:-2}" --clock-control none --cache-control "${NCU_CACHE:-all}" \
+                --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
+                --section SchedulerStats --section Occupancy --section LaunchStats "$@" \
+                "$FP" bench --synthetic $CFG --device cuda --prompt-tokens "$P" ${BATCH:+--batch "$BATCH"} \
+                --gen-tokens "${GEN:-4}" --repeats 1 --warmup 0 >"$OUT/ncu_detail.txt" 2>&1
+        }
+        ncu_detail --metrics "$st" || ncu_detail
+        echo "ncu detail rc=$?"
+    fi
 fi
 echo "== bench --profile (CUDA events, ms)"
 cat "$OUT/profile.txt" | tail -25
@@ -89,3 +112,7 @@ except Exception as e:
 EOF
 python3 scripts/ncu_kernels.py "$OUT/ncu.csv"         # per kernel name: prefill, last decode step
 python3 scripts/ncu_kernels.py --by-grid "$OUT/ncu.csv" # the gather calls by shape (grid size)
+if [ -f "$OUT/ncu_detail.txt" ]; then
+    echo "== Nsight Compute detail ($NCU_DETAIL)"
+    grep -v "^==PROF==\|^    ---\|^$" "$OUT/ncu_detail.txt" | cut -c1-140
+fi

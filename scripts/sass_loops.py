@@ -4,7 +4,7 @@
   scripts/sass_loops.py [--min N] [--max N] [--nvcc-flag F ...] SOURCE.cu|FILE.cubin KERNEL_SUBSTRING ...
 
 A .cu source is compiled here (nvcc -cubin, sm_90a, -O3, -Iinclude -Isrc, plus --nvcc-flag values, e.g.
--DKG_MIN_ROWS=17) and ptxas's register / spill line is printed for each matching kernel; then, for each
+-DBT_W32=0) and ptxas's register / spill line is printed for each matching kernel; then, for each
 kernel whose mangled name contains a substring, every loop (a backward branch to an earlier address) with
 between --min and --max instructions: its address range, its instruction count and the most frequent
 opcodes. The body of a loop is the address range [target, branch] - on a path-specialised loop (e.g. the

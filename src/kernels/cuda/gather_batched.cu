@@ -679,16 +679,12 @@ gq_batched_kernel(gq_args a, const int *__restrict__ starts, const int *__restri
 #define BT_W32 1 /* 0: the 32-row tiles of bf16 tiled calls on gq_batched_kernel (for measuring, session 18) */
 #endif
 #define BW_MT 32
-#ifndef BW_WARPS
-#define BW_WARPS 4 /* 6: 192 features a block, 2 blocks = the same 12 warps an SM, a third less x staged per feature
-                      (the x tile's L2 reads ~36% of the kernel's at 512 tokens; a bench/ variant, session 25) */
-#endif
-#ifndef BW_MINB
-#define BW_MINB (12 / BW_WARPS) /* blocks an SM in the launch bounds: 12 warps (3 blocks of 4, 2 of 6) */
-#endif
-static_assert(BW_WARPS * BW_MINB <= 12, "more than 12 warps an SM leaves fewer than 168 registers a thread");
+/* 4 warps (128 features) a block, 3 blocks an SM. 6 warps (192 features, 2 blocks: a third less x staged per
+ * feature) measured -2.8% at a 512-token prefill (session 26): removed. */
+#define BW_WARPS 4
+#define BW_MINB 3
 #define BW_THREADS (BW_WARPS * 32)
-#define BW_NTILE (BW_WARPS * 32) /* features of an item: 128 (BW_WARPS 4) */
+#define BW_NTILE (BW_WARPS * 32)
 #define BW_XBYTES (2 * BW_MT * BT_XROW)
 #define BW_SMEM (BW_XBYTES + BT_STAGES * BW_THREADS * 2 * BT_SLOT_BYTES)
 
@@ -840,9 +836,8 @@ gq_batched_w32_kernel(gq_args a, const int *__restrict__ starts, const int *__re
 #define KG_GROUPS 3
 #define KG_MT 64
 #define KG_GT 128 /* threads a group */
-#ifndef KG_MIN_ROWS
-#define KG_MIN_ROWS 33 /* from here on (up to 64 rows); 33-64 are the calls the qmv route gives the 8-row tiles */
-#endif
+#define KG_MIN_ROWS 33 /* from here on (up to 64 rows); 33-64 are the calls the qmv route gives the 8-row tiles; from 17
+                          measured -1.4% / -0.5% decode at 24 / 32 sequences (session 26) */
 #define KG_MIN_N 2048
 #define KG_XB (2 * KG_MT * BT_XROW)
 #define KG_RB (BT_STAGES * KG_GT * BT_SLOT_BYTES)
@@ -1000,7 +995,7 @@ int gq_batched_row_tile(const gq_args *a, fp4moe_dtype dtype) {
  * (bt_issue / bt_issue_tiled), the same decode into the same A registers (the A fragment of
  * wgmma's register form is mma.m16n8k16's for each warp's 16 rows), the same k16 order and fp32
  * accumulation from 0, the same epilogue.
- * Block = GW_WGS warpgroups (2: 256 threads, 128 features; warpgroup: 64, warp: 16 as the mma.sync warp);
+ * Block = 2 warpgroups (256 threads, 128 features; warpgroup: 64, warp: 16 as the mma.sync warp);
  * the item's rows, rounded up to 8, are the N of the instruction (one function per N, so that each
  * has one accumulator set and ptxas keeps the wgmma pipeline: a runtime switch over N inside one
  * loop made it serialize them). The x tile of a 128-K step is stored, through registers, as the
@@ -1011,32 +1006,17 @@ int gq_batched_row_tile(const gq_args *a, fp4moe_dtype dtype) {
  * +7] of a row goes, as 4-byte pairs (x0,x4) (x1,x5) (x2,x6) (x3,x7), to k16 steps 2q, 2q, 2q+1,
  * 2q+1, core matrices 0, 1, 0, 1, byte 4t. A step's 8 wgmma are one commit group, waited for
  * before its x buffer is written again. PTX ISA "wgmma.mma_async", "Matrix Descriptor Format". */
-#ifndef GW_UNROLL
-#define GW_UNROLL 1 /* the K loop unrolled by 2: the x buffer of a step is static, its wgmma descriptors uniform
-                       (UIADD3 a wgmma in place of VIADD + 2 R2UR): 325 -> 303 instructions a step, twice the code;
-                       spills outside the K loop (8 bytes tiled, 40 checkpoint layout) (sass_loops.py, session 25; a
-                       bench/ variant until measured) */
-#endif
-#define GW_PRAGMA_(x) _Pragma(#x)
-#define GW_PRAGMA(x) GW_PRAGMA_(x)
-#ifndef GW_XASYNC
-#define GW_XASYNC 0 /* 1: the x tile's pieces by cp.async into a raw ring, issued two steps before their step and
-                       permuted from there (the loads' long-scoreboard stalls off the step; a bench/ variant, session 25:
-                       gw_xraw below) */
-#endif
-#ifndef GW_WGS
-#define GW_WGS 2 /* warpgroups a block (64 features each); 4: one x tile for 256 features, half the x tile's reads from
-                    L2 (at 2k tokens ~2 GB a layer, more than the weights), 1 block an SM (a bench/ variant, session 25) */
-#endif
-#define GW_THREADS (128 * GW_WGS)
-#define GW_NTILE (64 * GW_WGS)
+/* Measured against this form and removed (session 26, 2,048-token prefill unless said): the K loop unrolled by 2
+ * (uniform descriptors, 325 -> 303 instructions a step: -0.9%), the x pieces by cp.async two steps ahead into a
+ * raw ring (-5.2%), 4 warpgroups a block (256 features: half the x tile's L2 reads, -1.3%). */
+#define GW_THREADS 256
+#define GW_NTILE 128
 /* MT: the row tile (production: 64; bench/gpu_gather_wg measures 128) */
 template <int MT> struct gw_cfg {
     static_assert(MT == 64 || MT == 128, "row tile 64 or 128");
     static constexpr int KS = MT * 32;  /* bytes of one k16 step's B tile: MT / 8 groups x 256 */
     static constexpr int XBYTES = 8 * KS; /* one 128-K step of x: MT rows x 128 bf16 */
-    static constexpr int RAWB = MT * 256; /* GW_XASYNC: one stage of the raw x ring (MT rows x 128 bf16) */
-    static constexpr int SMEM = 2 * XBYTES + BT_STAGES * GW_THREADS * BT_SLOT_BYTES + (GW_XASYNC ? 2 * RAWB : 0);
+    static constexpr int SMEM = 2 * XBYTES + BT_STAGES * GW_THREADS * BT_SLOT_BYTES;
 };
 
 __host__ __device__ constexpr uint32_t gw_xoff(int KS, int ks, int c8, int n) {
@@ -1065,7 +1045,7 @@ template <int MT> __device__ __forceinline__ void gw_xput(uint8_t *b, int i, uin
  * pieces of rows RPI i + 8 nhi + nlo (RPI = GW_THREADS / 16) at K offset 32 t + 8 q of every step (a warp's 4-byte stores
  * fall on 32 banks). */
 template <int MT> struct gw_xstage {
-    static_assert(MT * 16 % GW_THREADS == 0 && GW_THREADS % 128 == 0, "whole pieces a thread (GW_WGS 1, 2 or 4)");
+    static_assert(MT * 16 % GW_THREADS == 0 && GW_THREADS % 128 == 0, "whole pieces a thread");
     static constexpr int NP = MT * 16 / GW_THREADS; /* pieces a thread */
     static constexpr int RPI = GW_THREADS / 16;     /* rows between a thread's pieces */
     const __nv_bfloat16 *src[NP];
@@ -1094,43 +1074,6 @@ template <int MT> struct gw_xstage {
 #pragma unroll
         for (int i = 0; i < NP; i++)
             if (src[i]) gw_xput<MT>(b, i, v[i]);
-    }
-};
-
-/* GW_XASYNC: thread tid's pieces (those of gw_xstage) copied by cp.async into a raw ring of 2 stages (MT rows of 256
- * bytes: one step's 128 K) - those of step s + 1 issued early in step s - 1 - and permuted into the x tile at the end of
- * step s, a step and a half later, by the thread that copied them (so its own cp.async.wait_group suffices, no barrier
- * between). A piece's raw
- * slot: row r, 16-byte chunk c = 4 t + q swizzled to c ^ 2 (c >> 3 & 1) ^ (r & 1), so that the 8 lanes of a quarter
- * warp (t 0..3, two rows) read 8 different bank groups. Zeros past K by the copy's source size 0. */
-template <int MT> struct gw_xraw {
-    static constexpr int NP = MT * 16 / GW_THREADS, RPI = GW_THREADS / 16;
-    const __nv_bfloat16 *src[NP];
-    int kc;
-    uint32_t roff; /* piece 0's byte offset in a stage; piece i is RPI rows (RPI x 256 bytes) on */
-    __device__ __forceinline__ void init(const __nv_bfloat16 *x, int64_t row0, int rows, int rows_pad, int K,
-                                         const uint32_t *xrow, int xdiv) {
-        const int tid = threadIdx.x, t = tid & 3, nlo = (tid >> 2) & 7, q = (tid >> 5) & 3, nhi = tid >> 7;
-        kc = 32 * t + 8 * q;
-        const int r0 = nhi * 8 + nlo, c = 4 * t + q;
-        roff = (uint32_t)(r0 * 256 + ((c ^ (((c >> 3) & 1) << 1) ^ (r0 & 1)) * 16));
-#pragma unroll
-        for (int i = 0; i < NP; i++) {
-            const int r = i * RPI + r0, rr = r < rows ? r : rows - 1;
-            src[i] = r < rows_pad ? x + gq_x_row(xrow, xdiv, row0 + rr) * K + kc : nullptr;
-        }
-    }
-    __device__ __forceinline__ void issue(uint32_t stage, int k0, int K) const { /* the pieces at K offset k0 + kc */
-        const int nb = k0 + kc < K ? 16 : 0;
-#pragma unroll
-        for (int i = 0; i < NP; i++)
-            if (src[i]) bt_cp16ca(stage + roff + i * RPI * 256, src[i] + (nb ? k0 : -kc), nb); /* size 0: the row start */
-    }
-    __device__ __forceinline__ void permute(uint32_t stage, uint8_t *xs) const {
-        uint8_t *b = gw_xbase<MT>(xs);
-#pragma unroll
-        for (int i = 0; i < NP; i++)
-            if (src[i]) gw_xput<MT>(b, i, bt_lds16(stage + roff + i * RPI * 256));
     }
 };
 
@@ -1221,28 +1164,6 @@ __device__ __forceinline__ void gw_item(const gq_args &a, int e, int64_t row0, i
     float acc[N / 2];
 #pragma unroll
     for (int i = 0; i < N / 2; i++) acc[i] = 0.0f;
-#if GW_XASYNC
-    /* cp.async groups a thread commits, oldest first: (X_-1 = none) W_0 X_0 W_1 X_1 W_2, then step s: X_s+2 W_s+3
-     * (X: its x pieces of a step, W: its weights of a step; empty where the step is past the end). Before the permute
-     * of X_s+1 at the end of step s the three newest (W_s+2 X_s+2 W_s+3) may be pending: X_s+1 and W_s+1 are done. */
-    static_assert(BT_STAGES == 4, "GW_XASYNC: weights three steps ahead");
-    const uint32_t raw = bt_smem_addr(smem + 2 * cfg::XBYTES + BT_STAGES * GW_THREADS * BT_SLOT_BYTES);
-    gw_xraw<MT> xr;
-    xr.init(x, row0, rows, N, K, a.xrow, a.xdiv);
-    bt_cp_commit();
-    ws.issue(ring, 0, nsteps);
-    bt_cp_commit();
-    xr.issue(raw, 0, K);
-    bt_cp_commit();
-    ws.issue(ring + GW_THREADS, 1, nsteps);
-    bt_cp_commit();
-    if (nsteps > 1) xr.issue(raw + cfg::RAWB, BT_KSTEP, K);
-    bt_cp_commit();
-    ws.issue(ring + 2 * GW_THREADS, 2, nsteps);
-    bt_cp_commit();
-    bt_cp_wait<3>();
-    xr.permute(raw, xs0);
-#else
     gw_xstage<MT> xr;
     xr.init(x, row0, rows, N, K, a.xrow, a.xdiv);
 #pragma unroll
@@ -1252,30 +1173,10 @@ __device__ __forceinline__ void gw_item(const gq_args &a, int e, int64_t row0, i
     }
     xr.load(0, K);
     xr.store(xs0);
-#endif
     wg_fence_async_smem();
     __syncthreads();
 
-    GW_PRAGMA(unroll GW_UNROLL)
     for (int s = 0; s < nsteps; s++) {
-#if GW_XASYNC
-        uint32_t w0[4], w1[4], sa[2], sb[2], sw0, sw1;
-        ws.read(ring + (s % BT_STAGES) * GW_THREADS, w0, w1, sw0, sw1); /* done: the wait before the last barrier */
-        bt_scales4<__nv_bfloat16>(sw0, sw1, sa, sb);
-        if (s + 2 < nsteps) xr.issue(raw + (s & 1) * cfg::RAWB, (s + 2) * BT_KSTEP, K); /* X_s's stage: permuted */
-        bt_cp_commit();
-        ws.issue(ring + ((s + 3) % BT_STAGES) * GW_THREADS, s + 3, nsteps);
-        bt_cp_commit();
-        if (active) {
-            gw_step<N, cfg::KS>(acc, w0, w1, sa, sb, (s & 1) ? xd1 : xd0);
-            wg_wait<0>(); /* this step's products are done: the other x buffer may be written */
-        }
-        if (s + 1 < nsteps) {
-            bt_cp_wait<3>(); /* this thread's X_s+1 (and W_s+1) landed */
-            xr.permute(raw + ((s + 1) & 1) * cfg::RAWB, (s & 1) ? xs0 : xs1);
-            wg_fence_async_smem();
-        }
-#else
         uint32_t w0[4], w1[4], sa[2], sb[2];
         bt_cp_wait<BT_STAGES - 2>();
         uint32_t sw0, sw1;
@@ -1293,7 +1194,6 @@ __device__ __forceinline__ void gw_item(const gq_args &a, int e, int64_t row0, i
             xr.store((s & 1) ? xs0 : xs1);
             wg_fence_async_smem();
         }
-#endif
         __syncthreads();
     }
 #pragma unroll
@@ -1369,7 +1269,7 @@ static int *sched_counter(const gq_args *a, const int *tile_off) {
 }
 
 /* the wgmma kernel with MT-row tiles (starts / tile_off (E + 2 ints) from gq_launch_runs with row tile MT) */
-template <int MT, bool TL, int MINB = (GW_WGS > 2 ? 1 : 2)>
+template <int MT, bool TL, int MINB = 2>
 static int launch_wg(const gq_args *a, const int *starts, const int *tile_off, cudaStream_t st) {
     const int64_t NT = (a->N + GW_NTILE - 1) / GW_NTILE;
     const int64_t bound = ((int64_t)a->B / MT + 1 + (a->E < a->B ? a->E : a->B)) * NT;
