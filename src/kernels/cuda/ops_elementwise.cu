@@ -158,8 +158,15 @@ __global__ void rmsnorm_kernel(float *__restrict__ x, const uint16_t *__restrict
  * lane), the 32 warp sums by the same last warp. So a row's result does not depend on how many rows
  * the call has (batched results equal solo results). */
 #define RMSNORM_WIDE_THREADS 256
+#ifndef RMSNORM_WIDE_MINB
+#define RMSNORM_WIDE_MINB 0 /* > 0: blocks an SM in the launch bounds (a bench/ variant: more for fewer registers) */
+#endif
 #define RMSNORM_Q (RMSNORM_THREADS / RMSNORM_WIDE_THREADS)
+#if RMSNORM_WIDE_MINB > 0
+__global__ void __launch_bounds__(RMSNORM_WIDE_THREADS, RMSNORM_WIDE_MINB)
+#else
 __global__ void __launch_bounds__(RMSNORM_WIDE_THREADS)
+#endif
 rmsnorm_wide_kernel(float *__restrict__ x, const uint16_t *__restrict__ ra, const uint16_t *__restrict__ rb,
                     const float *__restrict__ w, int64_t H, float eps, uint16_t *__restrict__ y,
                     float *__restrict__ y32, const int32_t *__restrict__ rows) {
@@ -332,7 +339,14 @@ __global__ void rmsnorm_gated_kernel(const float *__restrict__ y, const uint16_t
 #define GATED_WARP_ROWS 64 /* rows from which the warp form runs */
 #endif
 static_assert(NORM_THREADS == 256 && GATED_U % 8 == 0, "rmsnorm_gated_warp_kernel emulates 8 warps of 32 threads");
+#ifndef GATED_MINB
+#define GATED_MINB 0 /* > 0: blocks an SM in the launch bounds (a bench/ variant: more for fewer registers) */
+#endif
+#if GATED_MINB > 0
+__global__ void __launch_bounds__(GATED_WARPS * 32, GATED_MINB)
+#else
 __global__ void __launch_bounds__(GATED_WARPS * 32)
+#endif
 rmsnorm_gated_warp_kernel(const float *__restrict__ y, const uint16_t *__restrict__ z, int64_t zs,
                           const float *__restrict__ w, int64_t D, int64_t gsz, int64_t G, int64_t items, float eps,
                           uint16_t *__restrict__ out) {
