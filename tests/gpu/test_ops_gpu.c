@@ -322,9 +322,9 @@ static void norm_case(gpu_ctx *g, int64_t T, int64_t H, int na, uint64_t seed) {
 
 static void test_rmsnorm_residual(void **state) {
     gpu_ctx *g = *state;
-    const int64_t Hs[] = {2688, 4100, 7}, Ts[] = {1, 3, 64, 300}; /* >= 64 rows: the 256-thread form */
+    const int64_t Hs[] = {2688, 4100, 7, 4096, 96}, Ts[] = {1, 3, 64, 300}; /* >= 64 rows: the 256-thread forms */
     uint64_t seed = 1;
-    for (size_t i = 0; i < 3; i++)
+    for (size_t i = 0; i < sizeof Hs / sizeof Hs[0]; i++)
         for (size_t j = 0; j < 4; j++)
             for (int na = 0; na <= 2; na++) norm_case(g, Ts[j], Hs[i], na, seed++);
 }

@@ -247,6 +247,108 @@ rmsnorm_wide_kernel(float *__restrict__ x, const uint16_t *__restrict__ ra, cons
     }
 }
 
+/* The 256-thread form with 4 consecutive elements a thread (16-byte loads): thread r plays the virtual threads
+ * 4r + j (j < 4) of the 1024-thread kernel, element i = 4r + j + 1024 k in virtual thread 4r + j's sum in increasing
+ * k, as there. A virtual warp (32 virtual threads) lives in 8 consecutive lanes; its butterfly (xor 16, 8, 4, 2, 1 over
+ * virtual lanes) is xor 4, 2, 1 over those lanes for each j, then j ^ 2 and j ^ 1 inside the thread - each level the
+ * same fp64 additions (a + b and b + a are the same bits), so the same sums, the same 32 partials and the same last
+ * butterfly: the same bits as rmsnorm_kernel. For H % 4 == 0, H <= 4,096 and 16-byte (bf16: 8-byte) aligned rows. */
+#ifndef RMSNORM_WIDE_V4
+#define RMSNORM_WIDE_V4 0 /* 1: rmsnorm_wide_v4_kernel where it applies (a bench/ variant) */
+#endif
+#define RMSNORM_V4_K 4 /* float4 groups a thread: H <= 1024 x 4 */
+__device__ __forceinline__ void v4_bf16(uint2 p, float (&o)[4]) {
+    o[0] = ops_bf16_to_f32((uint16_t)(p.x & 0xffffu));
+    o[1] = ops_bf16_to_f32((uint16_t)(p.x >> 16));
+    o[2] = ops_bf16_to_f32((uint16_t)(p.y & 0xffffu));
+    o[3] = ops_bf16_to_f32((uint16_t)(p.y >> 16));
+}
+__global__ void __launch_bounds__(RMSNORM_WIDE_THREADS)
+rmsnorm_wide_v4_kernel(float *__restrict__ x, const uint16_t *__restrict__ ra, const uint16_t *__restrict__ rb,
+                       const float *__restrict__ w, int64_t H, float eps, uint16_t *__restrict__ y,
+                       float *__restrict__ y32, const int32_t *__restrict__ rows) {
+    cu_pdl_entry();
+    const int64_t t = blockIdx.x;
+    float *xt = x + (rows ? (int64_t)rows[t] : t) * H;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int64_t c0 = 4 * (int64_t)threadIdx.x;
+    float xv[RMSNORM_V4_K][4], wv[RMSNORM_V4_K][4];
+    double a[4] = {0.0, 0.0, 0.0, 0.0};
+#pragma unroll
+    for (int k = 0; k < RMSNORM_V4_K; k++) {
+        const int64_t i = c0 + (int64_t)RMSNORM_THREADS * k;
+        if (i < H) {
+            const float4 xq = *reinterpret_cast<const float4 *>(xt + i);
+            const float4 wq = __ldg(reinterpret_cast<const float4 *>(w + i));
+            xv[k][0] = xq.x; xv[k][1] = xq.y; xv[k][2] = xq.z; xv[k][3] = xq.w;
+            wv[k][0] = wq.x; wv[k][1] = wq.y; wv[k][2] = wq.z; wv[k][3] = wq.w;
+        }
+    }
+    if (ra) { /* the residual add first (residual_kernel's arithmetic), written back */
+#pragma unroll
+        for (int k = 0; k < RMSNORM_V4_K; k++) {
+            const int64_t i = c0 + (int64_t)RMSNORM_THREADS * k;
+            if (i < H) {
+                float o[4];
+                v4_bf16(*reinterpret_cast<const uint2 *>(ra + t * H + i), o);
+                if (rb) {
+                    float o2[4];
+                    v4_bf16(*reinterpret_cast<const uint2 *>(rb + t * H + i), o2);
+#pragma unroll
+                    for (int j = 0; j < 4; j++) o[j] = __fadd_rn(o[j], o2[j]);
+                }
+#pragma unroll
+                for (int j = 0; j < 4; j++) xv[k][j] = __fadd_rn(xv[k][j], o[j]);
+                *reinterpret_cast<float4 *>(xt + i) = make_float4(xv[k][0], xv[k][1], xv[k][2], xv[k][3]);
+            }
+        }
+    }
+#pragma unroll
+    for (int k = 0; k < RMSNORM_V4_K; k++)
+        if (c0 + (int64_t)RMSNORM_THREADS * k < H)
+#pragma unroll
+            for (int j = 0; j < 4; j++) a[j] += (double)xv[k][j] * (double)xv[k][j];
+#ifdef FP4MOE_INJECT_FAULT_RMSNORM_WIDE /* deliberate fault (tests must catch it): one virtual quarter lost */
+    a[3] = 0.0;
+#endif
+#pragma unroll
+    for (int o = 4; o > 0; o >>= 1) /* virtual xor 16, 8, 4 */
+#pragma unroll
+        for (int j = 0; j < 4; j++) a[j] += __shfl_xor_sync(0xffffffffu, a[j], o);
+    const double b0 = a[0] + a[2], b1 = a[1] + a[3]; /* virtual xor 2 (lanes j, j ^ 2: the same sums) */
+    const double vsum = b0 + b1;                     /* virtual xor 1 */
+    __shared__ double part[RMSNORM_THREADS / 32];
+    __shared__ double total;
+    if ((lane & 7) == 0) part[warp * 4 + (lane >> 3)] = vsum;
+    __syncthreads();
+    if (warp == 0) {
+        const double sw = ops_warp_sum_f64(part[lane]); /* the 32 virtual warps */
+        if (lane == 0) total = sw;
+    }
+    __syncthreads();
+    const float r = inv_rms_from(total, H, eps);
+#pragma unroll
+    for (int k = 0; k < RMSNORM_V4_K; k++) {
+        const int64_t i = c0 + (int64_t)RMSNORM_THREADS * k;
+        if (i < H) {
+            uint16_t bb[4];
+#pragma unroll
+            for (int j = 0; j < 4; j++) bb[j] = ops_f32_to_bf16(__fmul_rn(__fmul_rn(xv[k][j], r), wv[k][j]));
+            *reinterpret_cast<uint2 *>(y + t * H + i) =
+                make_uint2((uint32_t)bb[0] | (uint32_t)bb[1] << 16, (uint32_t)bb[2] | (uint32_t)bb[3] << 16);
+            if (y32)
+                *reinterpret_cast<float4 *>(y32 + t * H + i) = make_float4(ops_bf16_to_f32(bb[0]), ops_bf16_to_f32(bb[1]),
+                                                                           ops_bf16_to_f32(bb[2]), ops_bf16_to_f32(bb[3]));
+        }
+    }
+}
+static bool rmsnorm_v4_fits(const float *x, const uint16_t *a, const uint16_t *b, const float *w, int64_t H,
+                            const uint16_t *y, const float *y32) {
+    return RMSNORM_WIDE_V4 && H % 4 == 0 && H <= RMSNORM_THREADS * RMSNORM_V4_K && (uintptr_t)x % 16 == 0 &&
+           (uintptr_t)w % 16 == 0 && (uintptr_t)a % 8 == 0 && (uintptr_t)b % 8 == 0 && (uintptr_t)y % 8 == 0 &&
+           (uintptr_t)y32 % 16 == 0;
+}
+
 /* rows at which the 256-thread form takes over (measured: 13 -> ~5 us a call at 512 rows of 2688) */
 #ifndef RMSNORM_WIDE_ROWS
 #define RMSNORM_WIDE_ROWS 64
@@ -254,7 +356,9 @@ rmsnorm_wide_kernel(float *__restrict__ x, const uint16_t *__restrict__ ra, cons
 
 static void rmsnorm_launch(cudaStream_t st, float *x, const uint16_t *a, const uint16_t *b, const float *w,
                            int64_t T, int64_t H, float eps, uint16_t *y, float *y32, const int32_t *rows) {
-    if (T >= RMSNORM_WIDE_ROWS)
+    if (T >= RMSNORM_WIDE_ROWS && rmsnorm_v4_fits(x, a, b, w, H, y, y32))
+        cu_launch(rmsnorm_wide_v4_kernel, (unsigned)T, RMSNORM_WIDE_THREADS, 0, st, x, a, b, w, H, eps, y, y32, rows);
+    else if (T >= RMSNORM_WIDE_ROWS)
         cu_launch(rmsnorm_wide_kernel, (unsigned)T, RMSNORM_WIDE_THREADS, 0, st, x, a, b, w, H, eps, y, y32, rows);
     else
         cu_launch(rmsnorm_kernel, (unsigned)T, RMSNORM_THREADS, 0, st, x, a, b, w, H, eps, y, y32, rows);
