@@ -516,6 +516,74 @@ rmsnorm_gated_warp_kernel(const float *__restrict__ y, const uint16_t *__restric
     }
 }
 
+/* rmsnorm_gated_warp_kernel with 4 consecutive elements a lane (16-byte loads): lane l holds elements i = 4l + j + 128 m
+ * (j < 4, m < gsz / 128), i.e. virtual thread v = i % 256 of the 256-thread kernel, in virtual warp l / 8 + 4 (m % 2),
+ * virtual lane 4 (l % 8) + j; each virtual thread's squares summed in increasing i (m, then m + 2), each virtual warp
+ * reduced by its butterfly (xor 4, 2, 1 over the 8 lanes, then j ^ 2, j ^ 1 inside the lane: the same fp64
+ * additions), virtual warp k's sum moved to lane k and the last butterfly over 32 lanes (zeros above 8) as there:
+ * the same bits. For gsz % 128 == 0, gsz <= 512, D and zs multiples of 4 and 16-byte (bf16: 8-byte) aligned rows. */
+#ifndef GATED_V4
+#define GATED_V4 0 /* 1: rmsnorm_gated_v4_kernel where it applies (a bench/ variant) */
+#endif
+__global__ void __launch_bounds__(GATED_WARPS * 32)
+rmsnorm_gated_v4_kernel(const float *__restrict__ y, const uint16_t *__restrict__ z, int64_t zs,
+                        const float *__restrict__ w, int64_t D, int64_t gsz, int64_t G, int64_t items, float eps,
+                        uint16_t *__restrict__ out) {
+    cu_pdl_entry();
+    const int64_t item = (int64_t)blockIdx.x * GATED_WARPS + (threadIdx.x >> 5);
+    if (item >= items) return; /* whole warps only */
+    const int lane = threadIdx.x & 31;
+    const int64_t t = item / G, g0 = (item % G) * gsz;
+    const float *yt = y + t * D + g0;
+    const uint16_t *zt = z + t * zs + g0;
+    float gv[4][4], wv[4][4];
+    double a[2][4] = {{0.0, 0.0, 0.0, 0.0}, {0.0, 0.0, 0.0, 0.0}};
+#pragma unroll
+    for (int m = 0; m < 4; m++) {
+        const int64_t i = 4 * lane + 128 * m;
+        if (i < gsz) {
+            const float4 yq = *reinterpret_cast<const float4 *>(yt + i);
+            const uint2 zq = *reinterpret_cast<const uint2 *>(zt + i);
+            const float4 wq = __ldg(reinterpret_cast<const float4 *>(w + g0 + i));
+            float zv[4];
+            v4_bf16(zq, zv);
+            const float yv[4] = {yq.x, yq.y, yq.z, yq.w};
+            wv[m][0] = wq.x; wv[m][1] = wq.y; wv[m][2] = wq.z; wv[m][3] = wq.w;
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                gv[m][j] = __fmul_rn(yv[j], ops_silu(zv[j]));
+                a[m & 1][j] += (double)gv[m][j] * (double)gv[m][j];
+            }
+        }
+    }
+#ifdef FP4MOE_INJECT_FAULT_GATED_LANES /* deliberate fault (tests must catch it): one virtual thread's squares lost */
+    if (lane == 7) a[1][3] = 0.0;
+#endif
+    double S[2];
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+#pragma unroll
+        for (int o = 4; o > 0; o >>= 1)
+#pragma unroll
+            for (int j = 0; j < 4; j++) a[h][j] += __shfl_xor_sync(0xffffffffu, a[h][j], o);
+        S[h] = (a[h][0] + a[h][2]) + (a[h][1] + a[h][3]);
+    }
+    const double t0 = __shfl_sync(0xffffffffu, S[0], 8 * (lane & 3)), t1 = __shfl_sync(0xffffffffu, S[1], 8 * (lane & 3));
+    const double fin = lane < 4 ? t0 : lane < 8 ? t1 : 0.0; /* virtual warp `lane`'s sum */
+    const float r = inv_rms_from(ops_warp_sum_f64(fin), gsz, eps);
+#pragma unroll
+    for (int m = 0; m < 4; m++) {
+        const int64_t i = 4 * lane + 128 * m;
+        if (i < gsz) {
+            uint16_t bb[4];
+#pragma unroll
+            for (int j = 0; j < 4; j++) bb[j] = ops_f32_to_bf16(__fmul_rn(__fmul_rn(gv[m][j], r), wv[m][j]));
+            *reinterpret_cast<uint2 *>(out + t * D + g0 + i) =
+                make_uint2((uint32_t)bb[0] | (uint32_t)bb[1] << 16, (uint32_t)bb[2] | (uint32_t)bb[3] << 16);
+        }
+    }
+}
+
 extern "C" int cuda_rmsnorm_gated(void *stream, const float *y, const uint16_t *z, int64_t zs,
                                   const float *w, int64_t T, int64_t D, int64_t G, float eps,
                                   uint16_t *out) {
@@ -524,7 +592,13 @@ extern "C" int cuda_rmsnorm_gated(void *stream, const float *y, const uint16_t *
         return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "cuda op rmsnorm_gated: %lld groups of %lld channels",
                                 (long long)G, (long long)D);
     const int64_t items = T * G;
-    if (T >= GATED_WARP_ROWS && items / GATED_WARPS < (1ll << 31) - 1) {
+    const int64_t gsz = D / G;
+    const bool v4 = GATED_V4 && gsz % 128 == 0 && gsz <= 512 && D % 4 == 0 && zs % 4 == 0 && (uintptr_t)y % 16 == 0 &&
+                    (uintptr_t)z % 8 == 0 && (uintptr_t)w % 16 == 0 && (uintptr_t)out % 8 == 0;
+    if (T >= GATED_WARP_ROWS && items / GATED_WARPS < (1ll << 31) - 1 && v4) {
+        cu_launch(rmsnorm_gated_v4_kernel, ops_blocks(items, GATED_WARPS), GATED_WARPS * 32, 0, (cudaStream_t)stream,
+                  y, z, zs, w, D, gsz, G, items, eps, out);
+    } else if (T >= GATED_WARP_ROWS && items / GATED_WARPS < (1ll << 31) - 1) {
         cu_launch(rmsnorm_gated_warp_kernel, ops_blocks(items, GATED_WARPS), GATED_WARPS * 32, 0, (cudaStream_t)stream,
                   y, z, zs, w, D, D / G, G, items, eps, out);
     } else {
