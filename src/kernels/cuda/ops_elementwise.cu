@@ -158,15 +158,8 @@ __global__ void rmsnorm_kernel(float *__restrict__ x, const uint16_t *__restrict
  * lane), the 32 warp sums by the same last warp. So a row's result does not depend on how many rows
  * the call has (batched results equal solo results). */
 #define RMSNORM_WIDE_THREADS 256
-#ifndef RMSNORM_WIDE_MINB
-#define RMSNORM_WIDE_MINB 0 /* > 0: blocks an SM in the launch bounds (a bench/ variant: more for fewer registers) */
-#endif
 #define RMSNORM_Q (RMSNORM_THREADS / RMSNORM_WIDE_THREADS)
-#if RMSNORM_WIDE_MINB > 0
-__global__ void __launch_bounds__(RMSNORM_WIDE_THREADS, RMSNORM_WIDE_MINB)
-#else
 __global__ void __launch_bounds__(RMSNORM_WIDE_THREADS)
-#endif
 rmsnorm_wide_kernel(float *__restrict__ x, const uint16_t *__restrict__ ra, const uint16_t *__restrict__ rb,
                     const float *__restrict__ w, int64_t H, float eps, uint16_t *__restrict__ y,
                     float *__restrict__ y32, const int32_t *__restrict__ rows) {
@@ -252,10 +245,10 @@ rmsnorm_wide_kernel(float *__restrict__ x, const uint16_t *__restrict__ ra, cons
  * k, as there. A virtual warp (32 virtual threads) lives in 8 consecutive lanes; its butterfly (xor 16, 8, 4, 2, 1 over
  * virtual lanes) is xor 4, 2, 1 over those lanes for each j, then j ^ 2 and j ^ 1 inside the thread - each level the
  * same fp64 additions (a + b and b + a are the same bits), so the same sums, the same 32 partials and the same last
- * butterfly: the same bits as rmsnorm_kernel. For H % 4 == 0, H <= 4,096 and 16-byte (bf16: 8-byte) aligned rows. */
-#ifndef RMSNORM_WIDE_V4
-#define RMSNORM_WIDE_V4 0 /* 1: rmsnorm_wide_v4_kernel where it applies (a bench/ variant) */
-#endif
+ * butterfly: the same bits as rmsnorm_kernel. For H % 4 == 0, H <= 4,096 and 16-byte (bf16: 8-byte) aligned rows;
+ * rmsnorm_wide_kernel serves the others. Measured (session 27, H200, 30B-A3B shape: H = 2,688, 52 calls a forward):
+ * prefill 2,048 tokens 48,321 -> 48,797 tok/s (+1.0%), 512 tokens 31,802 -> 31,993 (+0.6%); the same greedy ids. (More
+ * blocks an SM through the launch bounds instead spilled and measured nothing.) */
 #define RMSNORM_V4_K 4 /* float4 groups a thread: H <= 1024 x 4 */
 __device__ __forceinline__ void v4_bf16(uint2 p, float (&o)[4]) {
     o[0] = ops_bf16_to_f32((uint16_t)(p.x & 0xffffu));
@@ -344,7 +337,7 @@ rmsnorm_wide_v4_kernel(float *__restrict__ x, const uint16_t *__restrict__ ra, c
 }
 static bool rmsnorm_v4_fits(const float *x, const uint16_t *a, const uint16_t *b, const float *w, int64_t H,
                             const uint16_t *y, const float *y32) {
-    return RMSNORM_WIDE_V4 && H % 4 == 0 && H <= RMSNORM_THREADS * RMSNORM_V4_K && (uintptr_t)x % 16 == 0 &&
+    return H % 4 == 0 && H <= RMSNORM_THREADS * RMSNORM_V4_K && (uintptr_t)x % 16 == 0 &&
            (uintptr_t)w % 16 == 0 && (uintptr_t)a % 8 == 0 && (uintptr_t)b % 8 == 0 && (uintptr_t)y % 8 == 0 &&
            (uintptr_t)y32 % 16 == 0;
 }
@@ -443,14 +436,7 @@ __global__ void rmsnorm_gated_kernel(const float *__restrict__ y, const uint16_t
 #define GATED_WARP_ROWS 64 /* rows from which the warp form runs */
 #endif
 static_assert(NORM_THREADS == 256 && GATED_U % 8 == 0, "rmsnorm_gated_warp_kernel emulates 8 warps of 32 threads");
-#ifndef GATED_MINB
-#define GATED_MINB 0 /* > 0: blocks an SM in the launch bounds (a bench/ variant: more for fewer registers) */
-#endif
-#if GATED_MINB > 0
-__global__ void __launch_bounds__(GATED_WARPS * 32, GATED_MINB)
-#else
 __global__ void __launch_bounds__(GATED_WARPS * 32)
-#endif
 rmsnorm_gated_warp_kernel(const float *__restrict__ y, const uint16_t *__restrict__ z, int64_t zs,
                           const float *__restrict__ w, int64_t D, int64_t gsz, int64_t G, int64_t items, float eps,
                           uint16_t *__restrict__ out) {
@@ -521,10 +507,9 @@ rmsnorm_gated_warp_kernel(const float *__restrict__ y, const uint16_t *__restric
  * virtual lane 4 (l % 8) + j; each virtual thread's squares summed in increasing i (m, then m + 2), each virtual warp
  * reduced by its butterfly (xor 4, 2, 1 over the 8 lanes, then j ^ 2, j ^ 1 inside the lane: the same fp64
  * additions), virtual warp k's sum moved to lane k and the last butterfly over 32 lanes (zeros above 8) as there:
- * the same bits. For gsz % 128 == 0, gsz <= 512, D and zs multiples of 4 and 16-byte (bf16: 8-byte) aligned rows. */
-#ifndef GATED_V4
-#define GATED_V4 0 /* 1: rmsnorm_gated_v4_kernel where it applies (a bench/ variant) */
-#endif
+ * the same bits. For gsz % 128 == 0, gsz <= 512, D and zs multiples of 4 and 16-byte (bf16: 8-byte) aligned rows;
+ * rmsnorm_gated_warp_kernel serves the others. Measured (session 27, H200, 23 calls a forward, with the 16-byte
+ * rmsnorm above): prefill 2,048 tokens 48,797 -> 49,013 tok/s, 512 tokens 31,993 -> 32,073. 76 registers (101). */
 __global__ void __launch_bounds__(GATED_WARPS * 32)
 rmsnorm_gated_v4_kernel(const float *__restrict__ y, const uint16_t *__restrict__ z, int64_t zs,
                         const float *__restrict__ w, int64_t D, int64_t gsz, int64_t G, int64_t items, float eps,
@@ -593,7 +578,7 @@ extern "C" int cuda_rmsnorm_gated(void *stream, const float *y, const uint16_t *
                                 (long long)G, (long long)D);
     const int64_t items = T * G;
     const int64_t gsz = D / G;
-    const bool v4 = GATED_V4 && gsz % 128 == 0 && gsz <= 512 && D % 4 == 0 && zs % 4 == 0 && (uintptr_t)y % 16 == 0 &&
+    const bool v4 = gsz % 128 == 0 && gsz <= 512 && D % 4 == 0 && zs % 4 == 0 && (uintptr_t)y % 16 == 0 &&
                     (uintptr_t)z % 8 == 0 && (uintptr_t)w % 16 == 0 && (uintptr_t)out % 8 == 0;
     if (T >= GATED_WARP_ROWS && items / GATED_WARPS < (1ll << 31) - 1 && v4) {
         cu_launch(rmsnorm_gated_v4_kernel, ops_blocks(items, GATED_WARPS), GATED_WARPS * 32, 0, (cudaStream_t)stream,
