@@ -676,13 +676,6 @@ gq_batched_kernel(gq_args a, const int *__restrict__ starts, const int *__restri
 #define BT_W32 1 /* 0: the 32-row tiles of bf16 tiled calls on gq_batched_kernel (for measuring, session 18) */
 #endif
 #define BW_MT 32
-#ifndef BW_LATE
-#define BW_LATE 0 /* 1: the w32 kernel's weight copies issued after the x store, before the barrier (a bench/ variant) */
-#endif
-#ifndef BT_XTOP
-#define BT_XTOP 0 /* 1: the w32 and wgmma kernels load the next step's x at the top of a step, before the ring read (a
-                     bench/ variant) */
-#endif
 /* 4 warps (128 features) a block, 3 blocks an SM. 6 warps (192 features, 2 blocks: a third less x staged per
  * feature) measured -2.8% at a 512-token prefill (session 26): removed. */
 #define BW_WARPS 4
@@ -795,9 +788,9 @@ gq_batched_w32_kernel(gq_args a, const int *__restrict__ starts, const int *__re
 
         for (int s = 0; s < nsteps; s++) {
             uint32_t a0[4], a1[4], b0[4], b1[4], sa[2], sb[2], ta[2], tb[2], swa0, swa1, swb0, swb1;
-#if BT_XTOP
+            /* the next step's x first, the weight copies after the x store (session 27: 512-token prefill 32,014 ->
+             * 32,255 / 32,246 tok/s with each alone, the same bits) */
             if (s + 1 < nsteps) xr.load((s + 1) * BT_KSTEP, K);
-#endif
             bt_cp_wait<BT_STAGES - 2>(); /* this thread's copies of step s have landed */
             const auto sl = ring + (s % BT_STAGES) * 2 * BW_THREADS;
             wa.read(sl, a0, a1, swa0, swa1);
@@ -805,21 +798,11 @@ gq_batched_w32_kernel(gq_args a, const int *__restrict__ starts, const int *__re
             bt_scales4<__nv_bfloat16>(swa0, swa1, sa, sb);
             bt_scales4<__nv_bfloat16>(swb0, swb1, ta, tb);
             const int nxt = s + BT_STAGES - 1; /* refill the slots read in step s - 1 */
-#if !BW_LATE
-            wa.issue_next(ring + (nxt % BT_STAGES) * 2 * BW_THREADS, nxt, nsteps);
-            wb.issue_next(ring + (nxt % BT_STAGES) * 2 * BW_THREADS + BW_THREADS, nxt, nsteps);
-            bt_cp_commit();
-#endif
-#if !BT_XTOP
-            if (s + 1 < nsteps) xr.load((s + 1) * BT_KSTEP, K);
-#endif
             bw_step_ntv(ntv, aa, ab, a0, a1, b0, b1, sa, sb, ta, tb, ((s & 1) ? xs1 : xs0) + xoff);
             if (s + 1 < nsteps) xr.store((s & 1) ? xs0 : xs1);
-#if BW_LATE
             wa.issue_next(ring + (nxt % BT_STAGES) * 2 * BW_THREADS, nxt, nsteps);
             wb.issue_next(ring + (nxt % BT_STAGES) * 2 * BW_THREADS + BW_THREADS, nxt, nsteps);
             bt_cp_commit();
-#endif
             __syncthreads();
         }
         const float mult = cu_expert_gs(a.gs, e) * bt_ops<__nv_bfloat16>::kUndo;
@@ -1197,17 +1180,12 @@ __device__ __forceinline__ void gw_item(const gq_args &a, int e, int64_t row0, i
 
     for (int s = 0; s < nsteps; s++) {
         uint32_t w0[4], w1[4], sa[2], sb[2];
-#if BT_XTOP
-        if (s + 1 < nsteps) xr.load((s + 1) * BT_KSTEP, K);
-#endif
+        if (s + 1 < nsteps) xr.load((s + 1) * BT_KSTEP, K); /* first (session 27: 2k prefill +0.4%) */
         bt_cp_wait<BT_STAGES - 2>();
         uint32_t sw0, sw1;
         ws.read(ring + (s % BT_STAGES) * GW_THREADS, w0, w1, sw0, sw1);
         bt_scales4<__nv_bfloat16>(sw0, sw1, sa, sb);
         const int nxt = s + BT_STAGES - 1;
-#if !BT_XTOP
-        if (s + 1 < nsteps) xr.load((s + 1) * BT_KSTEP, K);
-#endif
         if (active) {
             gw_step<N, cfg::KS>(acc, w0, w1, sa, sb, (s & 1) ? xd1 : xd0);
             wg_wait<0>(); /* this step's products are done: the other x buffer may be written */
