@@ -817,7 +817,7 @@ static void test_rmsnorm_gated(void **state) {
     gated_case(g, 300, 512, 8, 520, 63);   /* groups of 64 */
     gated_case(g, 130, 48, 2, 50, 64);     /* groups of 24: fewer channels than threads */
     gated_case(g, 257, 1000, 1, 1000, 65); /* one group of 1,000 channels */
-    gated_case(g, 100, 4096, 8, 4200, 66); /* >= 64 rows of nemotron_h's groups: the 16-byte warp form where enabled */
+    gated_case(g, 100, 4096, 8, 4200, 66); /* >= 64 rows of nemotron_h's groups: the 16-byte warp form */
     gated_case(g, 70, 1024, 4, 1024, 67);  /* groups of 256 */
     gated_case(g, 65, 384, 3, 388, 68);    /* groups of 128 */
 }
