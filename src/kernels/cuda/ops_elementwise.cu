@@ -151,6 +151,20 @@ __global__ void rmsnorm_kernel(float *__restrict__ x, const uint16_t *__restrict
     }
 }
 
+/* The last reduction of the 256-thread forms: the 32 virtual warps' partials (part, written by the block before
+ * the call) summed by warp 0's butterfly into *total, as rmsnorm_kernel's block_sum_f64 does; every thread gets
+ * 1 / rms. */
+__device__ __forceinline__ float rms_from_parts(const double *part, double *total, int lane, int warp, int64_t H,
+                                                float eps) {
+    __syncthreads();
+    if (warp == 0) {
+        const double sw = ops_warp_sum_f64(part[lane]); /* the 32 virtual warps */
+        if (lane == 0) *total = sw;
+    }
+    __syncthreads();
+    return inv_rms_from(*total, H, eps);
+}
+
 /* The same function for many rows (prefill): 256 threads a row, so that 8 rows share an SM instead of
  * 2, computing EXACTLY rmsnorm_kernel's arithmetic: thread r plays the 1024-thread kernel's threads
  * v = r + 256 q (q < 4), each partial sum over its elements v + 1024 k in the same order, each
@@ -208,13 +222,7 @@ rmsnorm_wide_kernel(float *__restrict__ x, const uint16_t *__restrict__ ra, cons
         const double sq = ops_warp_sum_f64(ss[q]);
         if (lane == 0) part[warp + q * (RMSNORM_WIDE_THREADS / 32)] = sq;
     }
-    __syncthreads();
-    if (warp == 0) {
-        const double sw = ops_warp_sum_f64(part[lane]); /* the 32 virtual warps */
-        if (lane == 0) total = sw;
-    }
-    __syncthreads();
-    const float r = inv_rms_from(total, H, eps);
+    const float r = rms_from_parts(part, &total, lane, warp, H, eps);
 #pragma unroll
     for (int q = 0; q < RMSNORM_Q; q++) {
         const int64_t v = threadIdx.x + q * RMSNORM_WIDE_THREADS;
@@ -313,13 +321,7 @@ rmsnorm_wide_v4_kernel(float *__restrict__ x, const uint16_t *__restrict__ ra, c
     __shared__ double part[RMSNORM_THREADS / 32];
     __shared__ double total;
     if ((lane & 7) == 0) part[warp * 4 + (lane >> 3)] = vsum;
-    __syncthreads();
-    if (warp == 0) {
-        const double sw = ops_warp_sum_f64(part[lane]); /* the 32 virtual warps */
-        if (lane == 0) total = sw;
-    }
-    __syncthreads();
-    const float r = inv_rms_from(total, H, eps);
+    const float r = rms_from_parts(part, &total, lane, warp, H, eps);
 #pragma unroll
     for (int k = 0; k < RMSNORM_V4_K; k++) {
         const int64_t i = c0 + (int64_t)RMSNORM_THREADS * k;
