@@ -325,6 +325,9 @@ int cli_read_stream(FILE *f, char **out) {
 
 int cli_read_text(const char *path, int64_t max_bytes, char **out) {
     *out = NULL;
+    struct stat sb;
+    if (stat(path, &sb) == 0 && !S_ISREG(sb.st_mode)) /* a directory, a pipe (which fopen would wait on), a device */
+        return fp4moe_set_error(FP4MOE_EIO, "%s: not a regular file", path);
     FILE *fp = fopen(path, "rb");
     if (!fp) return fp4moe_set_error(FP4MOE_EIO, "%s: cannot open: %s", path, strerror(errno));
     int st = FP4MOE_OK;
@@ -547,7 +550,8 @@ int cli_copy_config(const char *in_dir, const char *out_dir, int nvfp4) {
 }
 
 int cli_convert_failed(const char *cmd, int status, const char *output, int created_dir) {
-    if (created_dir) {
+    int removed = 0; /* only a directory this run made (created_dir: it did not exist before) and could remove */
+    if (created_dir && cli_is_dir(output)) {
         DIR *d = opendir(output);
         for (struct dirent *e; d && (e = readdir(d));) {
             if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..")) continue;
@@ -556,15 +560,15 @@ int cli_convert_failed(const char *cmd, int status, const char *output, int crea
             free(p);
         }
         if (d) closedir(d);
-        rmdir(output);
+        removed = rmdir(output) == 0;
     }
     if (status == FP4MOE_EINTERRUPTED) {
         fprintf(stderr, "fp4moe %s: interrupted (Ctrl-C): %s was not written%s\n", cmd, output,
-                created_dir ? " (the directory this run created is removed)" : " (partial files removed)");
+                removed ? " (the directory this run created is removed)" : " (partial files removed)");
         return 130;
     }
     const int rc = cli_fail(cmd, status);
-    if (created_dir) fprintf(stderr, "fp4moe %s: removed the directory %s that this run created\n", cmd, output);
+    if (removed) fprintf(stderr, "fp4moe %s: removed the directory %s that this run created\n", cmd, output);
     return rc;
 }
 

@@ -364,6 +364,10 @@ int cmd_bench_kernel(int argc, char **argv) {
         fprintf(stderr, "fp4moe bench-kernel: --K %lld is not a multiple of 16\n", (long long)o.K);
         return FP4MOE_EXIT_USAGE;
     }
+    if (o.topk > o.E) {
+        fprintf(stderr, "fp4moe bench-kernel: --topk %d is more than the %lld experts (--E)\n", o.topk, (long long)o.E);
+        return FP4MOE_EXIT_USAGE;
+    }
     if (o.both && (o.K % 16 || o.N % 16)) {
         fprintf(stderr, "fp4moe bench-kernel: --both swaps N and K, so N must be a multiple of 16 too\n");
         return FP4MOE_EXIT_USAGE;

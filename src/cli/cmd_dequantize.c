@@ -96,7 +96,9 @@ int cmd_dequantize(int argc, char **argv) {
         {"--unstack", NULL, CLI_FLAG, &unstack, NULL, "write stacked experts as HF experts.{e}.up_proj/down_proj"},
         {"--shard-gb", NULL, CLI_DOUBLE, &shard_gb, "GB", "max shard size of a directory output (default 5)"},
     };
-    const cli_spec spec = {CMD, "fp4moe dequantize --input IN --output OUT [--dtype bf16|f16|f32]", k_help,
+    const cli_spec spec = {CMD,
+                           "fp4moe dequantize --input IN --output OUT [--dtype bf16|f16|f32] [--shard-gb GB] [--unstack]",
+                           k_help,
                            opts, (int)(sizeof opts / sizeof opts[0]), NULL, 0, NULL};
     int rc = cli_parse(&spec, argc, argv);
     if (rc == CLI_HELP) return FP4MOE_EXIT_OK;

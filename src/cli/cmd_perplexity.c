@@ -199,8 +199,10 @@ static int perplexity(const ppl_args *a) {
     const int64_t windows = used / a->ctx;
     if (windows < 1) {
         ppl_free(&p);
-        return cli_usage_error(CMD, "%s has %lld tokens%s, fewer than --ctx %lld", a->file,
-                               (long long)p.n_ids, used < p.n_ids ? " (after --max-tokens)" : "",
+        if (used < p.n_ids)
+            return cli_usage_error(CMD, "%s: --max-tokens %lld (of its %lld tokens) is fewer than --ctx %lld", a->file,
+                                   (long long)used, (long long)p.n_ids, (long long)a->ctx);
+        return cli_usage_error(CMD, "%s has %lld tokens, fewer than --ctx %lld", a->file, (long long)p.n_ids,
                                (long long)a->ctx);
     }
     if ((rc = cli_load_model_on(CMD, a->model, !a->no_quantize, dev, &p.m))) {

@@ -45,6 +45,8 @@ typedef struct {
     int64_t E, N, K;                   /* E = product of leading dims (quantized items) */
     float *amax;                       /* E tensor amaxes with --global-scale, else NULL */
     uint8_t *stash;                    /* scales kept by the codes pass, or NULL */
+    float clipped;                     /* without a global scale: the largest |w| of a block beyond E4M3 x E2M1
+                                          (6 x 448 = 2688), clipped to +-2688 by the format; 0 if none */
 } item;
 
 typedef struct {
@@ -340,6 +342,12 @@ static int fill_quant(void *vctx, fp4moe_st_sink *sink, int64_t nbytes) {
                 fp4moe_error_context(st, "tensor '%s'", it->name);
                 break;
             }
+            if (c->what == 0 && !it->amax) /* a saturated scale (448) marks the blocks that may have been clipped */
+                for (int64_t b = 0; b < r * K / 16; b++)
+                    if ((scales[b] & 0x7F) == 0x7E) {
+                        const float m = fp4moe_amax(p + (size_t)(b * 16) * es, dt, 16);
+                        if (m > 6.0f * FP4MOE_E4M3_MAX && m > it->clipped) it->clipped = m;
+                    }
             if (c->what == 0 && it->stash) memcpy(it->stash + (e * it->N + r0) * (K / 16), scales, (size_t)(r * K / 16));
             st = c->what == 0 ? fp4moe_st_sink_write(sink, codes, r * K / 2)
                               : fp4moe_st_sink_write(sink, scales, r * K / 16);
@@ -492,6 +500,11 @@ int cmd_quantize(int argc, char **argv) {
             (long long)fp4moe_st_model_count(m), (long long)fp4moe_st_writer_count(w), (long long)nq,
             cli_format_bytes(in_bytes, b1), cli_format_bytes(fp4moe_st_writer_data_size(w), b2),
             cli_now() - t0);
+    for (int64_t i = 0; i < p.n; i++)
+        if (p.items[i].clipped > 0.0f)
+            fprintf(stderr, "quantize: warning: tensor '%s' has weights up to |w| = %g, beyond the %g that NVFP4 holds "
+                    "without a global scale: they were clipped (use --global-scale)\n", p.items[i].name,
+                    p.items[i].clipped, 6.0 * FP4MOE_E4M3_MAX);
     rc = FP4MOE_EXIT_OK;
     goto done;
 fail:

@@ -386,7 +386,8 @@ int fp4moe_st_open(const char *path, fp4moe_st_file **out) {
     if (!out) return fp4moe_set_error(FP4MOE_EINVAL, "st_open: NULL out");
     *out = NULL;
     if (!path) return fp4moe_set_error(FP4MOE_EINVAL, "st_open: NULL path");
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    /* O_NONBLOCK: a named pipe would block the open until a writer came; it is refused below as not regular */
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
     if (fd < 0) return fp4moe_set_error(FP4MOE_EIO, "%s: cannot open: %s", path, strerror(errno));
     struct stat sb;
     if (fstat(fd, &sb) != 0) {

@@ -6,7 +6,9 @@
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <errno.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include "common/error.h"
 #include "common/json.h"
@@ -431,8 +433,13 @@ void fp4moe_config_free(fp4moe_config *cfg) {
 
 /* Whole file into a NUL-terminated malloc'd string; NULL with errno-style message on failure. */
 char *fp4moe_read_text_file(const char *path, int *status) {
+    struct stat sb;
+    if (stat(path, &sb) == 0 && !S_ISREG(sb.st_mode)) { /* a directory, or a pipe fopen would wait on */
+        *status = fp4moe_set_error(FP4MOE_EIO, "%s: not a regular file", path);
+        return NULL;
+    }
     FILE *f = fopen(path, "rb");
-    if (!f) { *status = fp4moe_set_error(FP4MOE_EIO, "%s: cannot open", path); return NULL; }
+    if (!f) { *status = fp4moe_set_error(FP4MOE_EIO, "%s: cannot open: %s", path, strerror(errno)); return NULL; }
     char *buf = NULL;
     long n = -1;
     if (fseek(f, 0, SEEK_END) == 0) n = ftell(f);

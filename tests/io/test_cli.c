@@ -1015,6 +1015,63 @@ static const char *json_str(const char *json, const char *key, char *out, size_t
     return out;
 }
 
+/* Inputs a new user's trial found mishandled (session 27): a named pipe (the open used to wait for a writer), a
+ * directory as a text file, a --max-tokens shorter than --ctx (the count printed was the file's), a failed quantize
+ * into an existing file (it claimed to remove a directory), --topk above --E, an unreadable config.json's reason. */
+static void test_odd_inputs(void **state) {
+    (void)state;
+    const char *mdl = "models/nemotron-h-tiny-moe", *held = "tests/golden/default/heldout_short.txt";
+    char fifo[512], file[512], cmd[1200];
+    snprintf(fifo, sizeof fifo, "%s", io_path("odd.fifo"));
+    unlink(fifo);
+    assert_int_equal(mkfifo(fifo, 0600), 0);
+    EXPECT_RC(1, "inspect", fifo);
+    expect_in(g_err, "not a regular file");
+    EXPECT_RC(1, "perplexity", "-m", mdl, "--file", fifo, "--ctx", "64");
+    expect_in(g_err, "not a regular file");
+    EXPECT_RC(1, "perplexity", "-m", mdl, "--file", "tests", "--ctx", "64");
+    expect_in(g_err, "tests: not a regular file");
+    unlink(fifo);
+    EXPECT_RC(2, "perplexity", "-m", mdl, "--file", held, "--ctx", "1024", "--max-tokens", "600");
+    expect_in(g_err, "--max-tokens 600 (of its");
+    EXPECT_RC(1, "inspect", "-m", "/nonexistent-fp4moe-model");
+    expect_in(g_err, "config.json: cannot open: No such file or directory");
+    snprintf(file, sizeof file, "%s", io_path("odd-output-file"));
+    io_write_bytes(file, "hi\n", 3);
+    EXPECT_RC(1, "quantize", "-i", "tests/golden/models/tiny-a-bf16", "-o", file);
+    expect_in(g_err, "exists and is not a directory");
+    if (strstr(g_err, "removed the directory")) fail_msg("quantize claimed a removal: %s", g_err);
+    FILE *fp = fopen(file, "rb");
+    assert_non_null(fp); /* the file is untouched */
+    char b[8] = {0};
+    assert_int_equal(fread(b, 1, sizeof b, fp), 3);
+    fclose(fp);
+    assert_memory_equal(b, "hi\n", 3);
+    /* a weight beyond 6 x 448 without --global-scale: clipped by the format, so a warning naming the tensor */
+    make_tensors(24, -1);
+    uint16_t *wq = src_find("backbone.layers.0.mixer.in_proj.weight")->data;
+    wq[2 * H + 7] = 0x714A; /* bf16 ~1e30 */
+    char qin[512], qout[512];
+    snprintf(qin, sizeof qin, "%s", io_path("big-in.safetensors"));
+    snprintf(qout, sizeof qout, "%s", io_path("big-out.safetensors"));
+    write_model(qin, 0);
+    EXPECT_RC(0, "quantize", "-i", qin, "-o", qout);
+    expect_in(g_err, "warning: tensor 'backbone.layers.0.mixer.in_proj.weight' has weights up to |w| = 1");
+    expect_in(g_err, "clipped (use --global-scale)");
+    EXPECT_RC(0, "quantize", "-i", qin, "-o", qout, "--global-scale");
+    if (strstr(g_err, "clipped")) fail_msg("a warning with --global-scale: %s", g_err);
+    wq[2 * H + 7] = 0x4500; /* 2048: within the range, no warning */
+    write_model(qin, 0);
+    EXPECT_RC(0, "quantize", "-i", qin, "-o", qout);
+    if (strstr(g_err, "clipped")) fail_msg("a warning for |w| = 2048: %s", g_err);
+    EXPECT_RC(2, "bench-kernel", "--E", "4", "--topk", "5");
+    expect_in(g_err, "--topk 5 is more than the 4 experts");
+    EXPECT_RC(0, "dequantize", "--help");
+    expect_in(g_out, "[--unstack]");
+    snprintf(cmd, sizeof cmd, "%s", file);
+    unlink(cmd);
+}
+
 static void test_bench_ep_ranks(void **state) {
     (void)state;
     const char *M = "models/nemotron-h-tiny-moe";
@@ -1085,6 +1142,7 @@ int main(void) {
         cmocka_unit_test(test_modelopt_dequantize),
         cmocka_unit_test(test_matches_golden_mlx),
         cmocka_unit_test(test_bench_ep_ranks),
+        cmocka_unit_test(test_odd_inputs),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }
