@@ -1,7 +1,8 @@
 /* fp4moe inspect PATH: the tensors of a .safetensors file or model directory (name, dtype, shape,
  * bytes, shard), the detected format (MLX nvfp4 / ModelOpt NVFP4 / plain, io/nvfp4_ckpt.h), each
  * quantized module's logical shape, and a check of EVERY NVFP4 scale byte: NaN bytes (0x7F/0xFF,
- * spec NVFP4.md section 1) are reported with tensor and index, and make the exit code 1.
+ * spec NVFP4.md section 1) are reported with tensor and index, and make the exit code 1, as do NaN / Inf values
+ * of float tensors (the engine refuses them when it runs).
  * `inspect -m DIR` first prints the model-level summary of the loader (cli_model_summary in
  * cmd_generate.c: format, layer pattern, parameters, bytes per component), then the same report
  * without the per-tensor listing. */
@@ -22,13 +23,14 @@
 static const char *k_help =
     "Lists the tensors of a .safetensors file or model directory (dtype, shape, bytes), detects the\n"
     "format (MLX nvfp4, ModelOpt NVFP4, plain) and validates every NVFP4 block-scale byte: NaN bytes\n"
-    "(0x7F/0xFF) are reported with tensor and index. Exit code 1 when a scale byte is NaN or a\n"
+    "(0x7F/0xFF) are reported with tensor and index; float tensors (F32/F16/BF16) are checked for\n"
+    "NaN / Inf values. Exit code 1 when a scale byte is NaN, a float value is not finite or a\n"
     "quantized module is inconsistent.";
 
 typedef struct {
     int json, summary;
     cJSON *root, *tensors, *problems;
-    int64_t nan_total, scale_bytes, problems_n, quantized;
+    int64_t nan_total, scale_bytes, problems_n, quantized, nonfinite_total, float_values;
 } report;
 
 static void shape_str(const int64_t *shape, int ndim, char *buf, size_t cap) {
@@ -88,6 +90,31 @@ static void check_scales(report *r, const fp4moe_qtensor *q) {
     r->nan_total += count;
 }
 
+/* Scans a float tensor (F32, F16, BF16) for NaN / Inf (an exponent of all ones), which the engine refuses at run
+ * time ("weights hold NaN/Inf values"): one problem line a tensor, with the first index and the count. */
+static void check_floats(report *r, const fp4moe_st_tensor *t) {
+    int64_t first = -1, count = 0;
+    if (t->dtype == FP4MOE_ST_F32) {
+        const uint32_t *v = t->data;
+        for (int64_t i = 0; i < t->numel; i++)
+            if ((v[i] & 0x7F800000u) == 0x7F800000u && count++ == 0) first = i;
+    } else if (t->dtype == FP4MOE_ST_BF16 || t->dtype == FP4MOE_ST_F16) {
+        const uint16_t *v = t->data, mask = t->dtype == FP4MOE_ST_BF16 ? 0x7F80u : 0x7C00u;
+        for (int64_t i = 0; i < t->numel; i++)
+            if ((v[i] & mask) == mask && count++ == 0) first = i;
+    } else {
+        return;
+    }
+    r->float_values += t->numel;
+    r->nonfinite_total += count;
+    if (count) {
+        char msg[1400];
+        snprintf(msg, sizeof msg, "%lld NaN / Inf values in '%s' (%s), the first at index %lld", (long long)count,
+                 t->name, fp4moe_st_dtype_name(t->dtype), (long long)first);
+        problem(r, msg);
+    }
+}
+
 static void list_tensor(report *r, const fp4moe_st_model *m, const fp4moe_st_tensor *t) {
     fp4moe_qtensor q;
     const int qr = fp4moe_qtensor_of(m, t, &q);
@@ -96,6 +123,7 @@ static void list_tensor(report *r, const fp4moe_st_model *m, const fp4moe_st_ten
         r->quantized++;
         check_scales(r, &q);
     }
+    check_floats(r, t);
     if (r->summary) return;
     char shape[160], b[32];
     shape_str(t->shape, t->ndim, shape, sizeof shape);
@@ -202,6 +230,8 @@ int cmd_inspect(int argc, char **argv) {
         cJSON_AddNumberToObject(r.root, "quantized_modules", (double)r.quantized);
         cJSON_AddNumberToObject(r.root, "scale_bytes_checked", (double)r.scale_bytes);
         cJSON_AddNumberToObject(r.root, "nan_scale_bytes", (double)r.nan_total);
+        cJSON_AddNumberToObject(r.root, "float_values_checked", (double)r.float_values);
+        cJSON_AddNumberToObject(r.root, "nonfinite_float_values", (double)r.nonfinite_total);
         cJSON_AddBoolToObject(r.root, "ok", r.problems_n == 0);
         char *s = cJSON_Print(r.root);
         if (s) puts(s);
@@ -210,6 +240,7 @@ int cmd_inspect(int argc, char **argv) {
     } else {
         printf("nvfp4:   %lld quantized modules, %lld scale bytes checked, %lld NaN\n", (long long)r.quantized,
                (long long)r.scale_bytes, (long long)r.nan_total);
+        printf("floats:  %lld values checked, %lld NaN / Inf\n", (long long)r.float_values, (long long)r.nonfinite_total);
         printf("status:  %s\n", r.problems_n ? "PROBLEMS FOUND" : "ok");
     }
     fp4moe_st_model_close(m);

@@ -908,6 +908,15 @@ static void test_nan_weights_are_an_error(void **state) {
     expect_in(g_err, "NaN");
     EXPECT_RC(1, "perplexity", "-m", dir, "--file", "tests/golden/default/heldout_short.txt", "--ctx", "64");
     expect_in(g_err, "NaN");
+    /* the check the message points to finds it (it read only the NVFP4 scale bytes before session 27) */
+    EXPECT_RC(1, "inspect", "-m", dir);
+    expect_in(g_out, "NaN / Inf values in 'backbone.embeddings.weight' (BF16), the first at index 0");
+    EXPECT_RC(1, "inspect", dir, "--json");
+    cJSON *ij = cJSON_Parse(g_out);
+    assert_non_null(ij);
+    assert_true(cJSON_IsFalse(cJSON_GetObjectItem(ij, "ok")));
+    assert_true(cJSON_GetObjectItem(ij, "nonfinite_float_values")->valuedouble > 0);
+    cJSON_Delete(ij);
     /* an MLX checkpoint with one .scales tensor missing: the message names the missing scales (not
        the U32 codes' dtype or shape) */
     char dir2[512], cmd2[2048], file2[600];
