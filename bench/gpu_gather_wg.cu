@@ -22,7 +22,8 @@
  * kernel that production's gq_batched_w32_kernel (32 features a warp, written as bench/gather_f32w.cuh
  * in session 17, measured 0.88x at 512 tokens and moved to production in session 18) replaced;
  * tiled layout only. The timing table has uniform and skewed routing (Zipf exponent 0.5) at each size
- * (session 19). Usage: gpu_gather_wg (WK_CHECKS=small: only the small checks, for compute-sanitizer;
+ * (session 19). WK_XPERM=1: the candidate is bench/gather_xperm.cuh's w32 kernel staging x by cp.async from an
+ * x its producer wrote permuted (session 28; tiled layout only; XP_MINB=4 for 4 blocks an SM). Usage: gpu_gather_wg (WK_CHECKS=small: only the small checks, for compute-sanitizer;
  * WK_CHECKS=none: no checks, WK_TOKENS=T: only the timings of T tokens, for Nsight Compute) */
 #include "kernels/cuda/gather_batched.cu"
 
@@ -47,6 +48,9 @@ extern "C" {
 #ifndef WK_SS
 #define WK_SS 0
 #endif
+#ifndef WK_XPERM
+#define WK_XPERM 0
+#endif
 #if WK_MMA32
 #undef WK_MT
 #define WK_MT 32
@@ -60,6 +64,31 @@ static int wk_launch(const gq_args *a, cudaStream_t st) {
     if (!rc) rc = a->tiled ? launch<__nv_bfloat16, __nv_bfloat16, 32, true, 4, true>(a, starts, tile_off, st)
                            : launch<__nv_bfloat16, __nv_bfloat16, 32, true, 4>(a, starts, tile_off, st);
     gq_scratch_free(buf, st);
+    return rc;
+}
+#define WK_TL0 1 /* tiled layout only */
+#elif WK_XPERM
+#include "gather_xperm.cuh"
+#undef WK_MT
+#define WK_MT 32
+/* the checks' form of the candidate: x (natural) permuted into a scratch copy first; with wk_check_yperm the
+ * output goes permuted into a scratch and is permuted back into a->y (so both forms are compared with
+ * production bit for bit). The timings call xp_launch directly on an x permuted once (run_pair). */
+static int wk_check_yperm;
+static int wk_launch(const gq_args *a, cudaStream_t st) {
+    gq_args c = *a;
+    void *xp = NULL, *yp = NULL;
+    int rc = gq_scratch_alloc(&xp, (size_t)a->B * a->K * 2, st);
+    if (!rc && wk_check_yperm) rc = gq_scratch_alloc(&yp, (size_t)a->B * a->N * 2, st);
+    if (!rc) {
+        xp_permute(a->x, xp, a->B, a->K, 0, st);
+        c.x = xp;
+        if (yp) c.y = yp;
+        rc = xp_launch(&c, wk_check_yperm, st);
+        if (!rc && yp) xp_permute(yp, a->y, a->B, a->N, 1, st);
+    }
+    if (yp) gq_scratch_free(yp, st);
+    if (xp) gq_scratch_free(xp, st);
     return rc;
 }
 #define WK_TL0 1 /* tiled layout only */
@@ -161,7 +190,7 @@ static int check(const char *what, const wts_t *w, const int *lens, int tail, bo
     gt_poison(y1, yb);
     gq_args a0 = args_of(w, tiled, x, y0, didx, B, relu2), a1 = args_of(w, tiled, x, y1, didx, B, relu2);
     /* the reference: production's 64-row tiles (with WK_MMA32: its 32-row tiles, gq_batched_w32_kernel) */
-    if (prod_launch(&a0, WK_MMA32 ? 32 : 64, 0)) { fprintf(stderr, "%s: production: %s\n", what, fp4moe_last_error()); exit(1); }
+    if (prod_launch(&a0, WK_MMA32 || WK_XPERM ? 32 : 64, 0)) { fprintf(stderr, "%s: production: %s\n", what, fp4moe_last_error()); exit(1); }
     const int bad = wk_launch(&a1, 0);
     const cudaError_t ce = cudaDeviceSynchronize();
     if (ce != cudaSuccess) { fprintf(stderr, "%s: %s\n", what, cudaGetErrorString(ce)); exit(2); }
@@ -196,12 +225,23 @@ static int run_checks(tu_rng *r, int small) {
         ok &= check("E=6 N=200 K=320, runs 1..300, tail 5", &w, lens1, 5, tl, 0, r);
         ok &= check("E=6 N=200 K=320, short runs, relu2", &w, lens2, 0, tl, 1, r);
     }
+#if WK_XPERM
+    wk_check_yperm = 1; /* the same with the output permuted (and permuted back for the comparison) */
+    ok &= check("E=6 N=200 K=320, runs 1..300, tail 5, y permuted", &w, lens1, 5, 1, 0, r);
+    ok &= check("E=6 N=200 K=320, short runs, relu2, y permuted", &w, lens2, 0, 1, 1, r);
+    wk_check_yperm = 0;
+#endif
     free_wts(&w);
     if (small) return ok;
     make_wts(&w, 128, 1856, 2688, r);
     int lens[128];
     for (int e = 0; e < 128; e++) lens[e] = (int)tu_rng_below(r, 300);
     for (int tl = WK_TL0; tl < 2; tl++) ok &= check("30B up, E=128, runs 0..299", &w, lens, 2, tl, 1, r);
+#if WK_XPERM
+    wk_check_yperm = 1;
+    ok &= check("30B up, E=128, runs 0..299, y permuted", &w, lens, 2, 1, 1, r);
+    wk_check_yperm = 0;
+#endif
     free_wts(&w);
     return ok;
 }
@@ -210,7 +250,7 @@ typedef struct {
     const wts_t *up, *down;
     bool tiled;
     int which; /* 0 production batched, 1 candidate, 2 dequant_gemm */
-    const void *x;
+    const void *x, *xp; /* xp: x permuted (WK_XPERM's candidate) */
     void *h, *y;
     const uint32_t *idx;
     int B;
@@ -220,6 +260,12 @@ static int run_pair(void *p) {
     const tctx *c = (const tctx *)p;
     gq_args u = args_of(c->up, c->tiled, c->x, c->h, c->idx, c->B, 1);
     gq_args d = args_of(c->down, c->tiled, c->h, c->y, c->idx, c->B, 0);
+#if WK_XPERM
+    if (c->which == 1) { /* x permuted by its producer (here once, untimed); up writes h permuted for down */
+        u.x = c->xp;
+        return xp_launch(&u, 1, 0) || xp_launch(&d, 0, 0);
+    }
+#endif
     if (c->which == 1) return wk_launch(&u, 0) || wk_launch(&d, 0);
     if (c->which == 2) { /* dequant_gemm has no relu^2 epilogue: the caller's kernel, as production */
         return gq_run_dequant_gemm(&u, FP4MOE_BF16, 0) || cuda_relu2(0, (uint16_t *)c->h, (int64_t)c->B * 1856) ||
@@ -278,8 +324,14 @@ int main(void) {
         uint32_t *didx = (uint32_t *)gt_upload(hidx, sizeof(uint32_t) * (size_t)B);
         void *x = gt_rand_dev((int64_t)B * 2688, 1.0f, &r, 0);
         void *h = gt_upload(NULL, (size_t)B * 1856 * 2), *y = gt_upload(NULL, (size_t)B * 2688 * 2);
+        void *xp = NULL;
+#if WK_XPERM
+        xp = gt_upload(NULL, (size_t)B * 2688 * 2);
+        xp_permute(x, xp, B, 2688, 0, 0);
+        GT_CHECK(cudaDeviceSynchronize());
+#endif
         for (int tl = WK_TL0; tl < 2; tl++) {
-            tctx c0 = {&up, &down, tl != 0, 0, x, h, y, didx, B}, c1 = c0, c2 = c0;
+            tctx c0 = {&up, &down, tl != 0, 0, x, xp, h, y, didx, B}, c1 = c0, c2 = c0;
             c1.which = 1;
             c2.which = 2;
             const int inner = T >= 2048 ? 4 : 10;
@@ -290,6 +342,7 @@ int main(void) {
         }
         free(hidx);
         gt_free(didx); gt_free(x); gt_free(h); gt_free(y);
+        if (xp) gt_free(xp);
     }
     free_wts(&up);
     free_wts(&down);

@@ -677,13 +677,21 @@ gq_batched_kernel(gq_args a, const int *__restrict__ starts, const int *__restri
 #endif
 #define BW_MT 32
 /* 4 warps (128 features) a block, 3 blocks an SM. 6 warps (192 features, 2 blocks: a third less x staged per
- * feature) measured -2.8% at a 512-token prefill (session 26): removed. */
+ * feature) measured -2.8% at a 512-token prefill (session 26): removed. Variant at its off default (session 28,
+ * not yet measured): -DBW_MINB=4 -DBW_STAGES=3, 4 blocks (16 warps) an SM - ptxas fits the kernel in 128
+ * registers (146 now) with 24 bytes spilled outside the K loop, and a 3-slot ring leaves 4 x 49,152 bytes of
+ * shared memory (4 slots would be 4 x 59,392, over the SM's 228 KB); session 18's 4 blocks spilled at 166. */
 #define BW_WARPS 4
+#ifndef BW_MINB
 #define BW_MINB 3
+#endif
 #define BW_THREADS (BW_WARPS * 32)
 #define BW_NTILE (BW_WARPS * 32)
 #define BW_XBYTES (2 * BW_MT * BT_XROW)
-#define BW_SMEM (BW_XBYTES + BT_STAGES * BW_THREADS * 2 * BT_SLOT_BYTES)
+#ifndef BW_STAGES
+#define BW_STAGES BT_STAGES /* the weight ring's depth in this kernel */
+#endif
+#define BW_SMEM (BW_XBYTES + BW_STAGES * BW_THREADS * 2 * BT_SLOT_BYTES)
 
 /* One 128-K step of a warp: tiles A (a0 / a1: code words of its rows g, g + 8; sa / sb: their scale
  * pairs) and B (b0 / b1, ta / tb) x (8 * NTV) token rows; each x fragment load feeds both tiles. */
@@ -745,7 +753,7 @@ gq_batched_w32_kernel(gq_args a, const int *__restrict__ starts, const int *__re
     extern __shared__ __align__(16) uint8_t smem[];
     uint8_t *xs0 = smem, *xs1 = smem + BW_MT * BT_XROW;
     /* the thread's two ring slots of a stage: tile A at stage * 2 * THREADS + tid, tile B + THREADS */
-    const auto ring = bt_slot_soa<BT_STAGES * 2 * BW_THREADS>::at(smem + BW_XBYTES, threadIdx.x);
+    const auto ring = bt_slot_soa<BW_STAGES * 2 * BW_THREADS>::at(smem + BW_XBYTES, threadIdx.x);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const int N = a.N, K = a.K, nsteps = (K + BT_KSTEP - 1) / BT_KSTEP;
     const int NT = (N + BW_NTILE - 1) / BW_NTILE;
@@ -777,7 +785,7 @@ gq_batched_w32_kernel(gq_args a, const int *__restrict__ starts, const int *__re
         bt_xstage<__nv_bfloat16, BW_MT, BW_THREADS, 4> xr;
         xr.init(x, row0, rows, rows_pad, K, a.xrow, a.xdiv);
 #pragma unroll
-        for (int p = 0; p < BT_STAGES - 1; p++) {
+        for (int p = 0; p < BW_STAGES - 1; p++) {
             wa.issue_next(ring + p * 2 * BW_THREADS, p, nsteps);
             wb.issue_next(ring + p * 2 * BW_THREADS + BW_THREADS, p, nsteps);
             bt_cp_commit();
@@ -791,17 +799,17 @@ gq_batched_w32_kernel(gq_args a, const int *__restrict__ starts, const int *__re
             /* the next step's x first, the weight copies after the x store (session 27: 512-token prefill 32,014 ->
              * 32,255 / 32,246 tok/s with each alone, the same bits) */
             if (s + 1 < nsteps) xr.load((s + 1) * BT_KSTEP, K);
-            bt_cp_wait<BT_STAGES - 2>(); /* this thread's copies of step s have landed */
-            const auto sl = ring + (s % BT_STAGES) * 2 * BW_THREADS;
+            bt_cp_wait<BW_STAGES - 2>(); /* this thread's copies of step s have landed */
+            const auto sl = ring + (s % BW_STAGES) * 2 * BW_THREADS;
             wa.read(sl, a0, a1, swa0, swa1);
             wb.read(sl + BW_THREADS, b0, b1, swb0, swb1);
             bt_scales4<__nv_bfloat16>(swa0, swa1, sa, sb);
             bt_scales4<__nv_bfloat16>(swb0, swb1, ta, tb);
-            const int nxt = s + BT_STAGES - 1; /* refill the slots read in step s - 1 */
+            const int nxt = s + BW_STAGES - 1; /* refill the slots read in step s - 1 */
             bw_step_ntv(ntv, aa, ab, a0, a1, b0, b1, sa, sb, ta, tb, ((s & 1) ? xs1 : xs0) + xoff);
             if (s + 1 < nsteps) xr.store((s & 1) ? xs0 : xs1);
-            wa.issue_next(ring + (nxt % BT_STAGES) * 2 * BW_THREADS, nxt, nsteps);
-            wb.issue_next(ring + (nxt % BT_STAGES) * 2 * BW_THREADS + BW_THREADS, nxt, nsteps);
+            wa.issue_next(ring + (nxt % BW_STAGES) * 2 * BW_THREADS, nxt, nsteps);
+            wb.issue_next(ring + (nxt % BW_STAGES) * 2 * BW_THREADS + BW_THREADS, nxt, nsteps);
             bt_cp_commit();
             __syncthreads();
         }
