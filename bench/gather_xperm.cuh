@@ -17,13 +17,14 @@
  * output permuted (XP_YPERM: 8 consecutive features of a row are one piece, so the store pattern is the same
  * 16 bytes a row, permuted within), which only the down projection reads.
  *
- * Pipeline: one cp.async group a step, G(s) = {x of step s + 2 into x buffer (s + 2) % 3, weights of step s + 2
- * into ring slot (s + 2) % 3}; the prologue commits P0 = {x 0, weights 0} and P1 = {x 1, weights 1}. Step s:
- * wait_group 1 (all but the newest group: P0 / P1 / G(s - 2) hold step s's x and weights), ONE block barrier
- * (every thread's x copies of step s visible; every warp done with step s - 1, whose x buffer (s + 2) % 3 and
- * ring slot the next group refills), issue G(s), then the step's decode and products (production's bw_step).
+ * Pipeline (XP_XBUF = 3): one cp.async group a step, G(s) = {x of step s + 2 into x buffer (s + 2) % 3, weights of
+ * step s + 2 into ring slot (s + 2) % 3}; the prologue commits P0 = {x 0, weights 0} and P1 = {x 1, weights 1}.
+ * Step s: wait_group 1 (all but the newest group: P0 / P1 / G(s - 2) hold step s's x and weights), ONE block
+ * barrier (every thread's x copies of step s visible; every warp done with step s - 1, whose x buffer (s + 2) % 3
+ * and ring slot the next group refills), issue G(s), then the step's decode and products (production's bw_step).
  * Shared memory: 3 x buffers (27,648 bytes) + a 3-slot ring (30,720) = 58,368 bytes, about production's 59,392
- * (2 x buffers, 4 slots); XP_MINB=4 asks for 4 blocks an SM (128 registers). */
+ * (2 x buffers, 4 slots): 3 blocks an SM. XP_XBUF = 2: x one step ahead (G(s) = {x s + 1 into buffer (s + 1) % 2,
+ * weights s + 2}, P1 without x, wait_group 0), 49,152 bytes: with XP_MINB=4 (128 registers), 4 blocks an SM. */
 #ifndef FP4MOE_BENCH_GATHER_XPERM_CUH
 #define FP4MOE_BENCH_GATHER_XPERM_CUH
 
@@ -32,7 +33,10 @@
 #ifndef XP_MINB
 #define XP_MINB 3
 #endif
-#define XP_XBUF 3
+#ifndef XP_XBUF
+#define XP_XBUF 3 /* x buffers: x copied XP_XBUF - 1 steps ahead (2 or 3) */
+#endif
+#define XP_XA (XP_XBUF - 1)
 #define XP_STAGES 3
 #define XP_XBYTES (XP_XBUF * BW_MT * BT_XROW)
 #define XP_SMEM (XP_XBYTES + XP_STAGES * BW_THREADS * 2 * BT_SLOT_BYTES)
@@ -130,17 +134,17 @@ gq_w32_xperm_kernel(gq_args a, const int *__restrict__ starts, const int *__rest
         xc.init(x, row0, rows, rows_pad, K, a.xrow, a.xdiv);
 #pragma unroll
         for (int p = 0; p < 2; p++) { /* P0, P1 */
-            if (p < nsteps) xc.issue(smem + p * BW_MT * BT_XROW, p * BT_KSTEP, K);
+            if (p < XP_XA && p < nsteps) xc.issue(smem + p * BW_MT * BT_XROW, p * BT_KSTEP, K);
             wa.issue_next(ring + p * 2 * BW_THREADS, p, nsteps);
             wb.issue_next(ring + p * 2 * BW_THREADS + BW_THREADS, p, nsteps);
             bt_cp_commit();
         }
         for (int s = 0; s < nsteps; s++) {
             uint32_t a0[4], a1[4], b0[4], b1[4], sa[2], sb[2], ta[2], tb[2], swa0, swa1, swb0, swb1;
-            bt_cp_wait<1>(); /* this thread's copies of step s (x and weights) have landed */
+            bt_cp_wait<XP_XA - 1>(); /* this thread's copies of step s (x and weights) have landed */
             __syncthreads(); /* everyone's: x of step s visible; step s - 1 done by every warp */
-            const int nxt = s + 2, sl_n = nxt % XP_STAGES;
-            if (nxt < nsteps) xc.issue(smem + (nxt % XP_XBUF) * BW_MT * BT_XROW, nxt * BT_KSTEP, K);
+            const int nxt = s + 2, sl_n = nxt % XP_STAGES, nx = s + XP_XA;
+            if (nx < nsteps) xc.issue(smem + (nx % XP_XBUF) * BW_MT * BT_XROW, nx * BT_KSTEP, K);
             wa.issue_next(ring + sl_n * 2 * BW_THREADS, nxt, nsteps);
             wb.issue_next(ring + sl_n * 2 * BW_THREADS + BW_THREADS, nxt, nsteps);
             bt_cp_commit();
