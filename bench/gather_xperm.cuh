@@ -17,6 +17,11 @@
  * output permuted (XP_YPERM: 8 consecutive features of a row are one piece, so the store pattern is the same
  * 16 bytes a row, permuted within), which only the down projection reads.
  *
+ * XP_MT = 40: items of up to 40 rows (ntv <= 5). At 512 tokens most runs are 17-40 rows; with 32-row items every
+ * run of 33+ rows is split and its weights decoded once more. A simulation of the routing (top-6 of 128, 20 draws):
+ * 512 tokens uniform 134 -> 128 items (n8 tiles 439 either way), Zipf 0.5 skew (the synthetic model's gather time,
+ * session 19) 155 -> 144 (64-row items: 133); at ~412 instructions a warp-step besides ~16 an n8 tile that is
+ * -4% / -6% of the instructions. Costs 8 accumulators more and a fifth x piece a thread.
  * Pipeline (XP_XBUF = 3): one cp.async group a step, G(s) = {x of step s + 2 into x buffer (s + 2) % 3, weights of
  * step s + 2 into ring slot (s + 2) % 3}; the prologue commits P0 = {x 0, weights 0} and P1 = {x 1, weights 1}.
  * Step s: wait_group 1 (all but the newest group: P0 / P1 / G(s - 2) hold step s's x and weights), ONE block
@@ -37,8 +42,12 @@
 #define XP_XBUF 3 /* x buffers: x copied XP_XBUF - 1 steps ahead (2 or 3) */
 #endif
 #define XP_XA (XP_XBUF - 1)
+#ifndef XP_MT
+#define XP_MT 32 /* rows an item: 32 (production's) or 40 (fewer split runs: see the top) */
+#endif
+static_assert(XP_MT % 8 == 0 && XP_MT * 16 % BW_THREADS == 0 && XP_MT <= 64, "row tile");
 #define XP_STAGES 3
-#define XP_XBYTES (XP_XBUF * BW_MT * BT_XROW)
+#define XP_XBYTES (XP_XBUF * XP_MT * BT_XROW)
 #define XP_SMEM (XP_XBYTES + XP_STAGES * BW_THREADS * 2 * BT_SLOT_BYTES)
 
 /* position of element j (0..7) of a piece in the permuted order: (x0,x4) (x1,x5) (x2,x6) (x3,x7) */
@@ -48,7 +57,7 @@ __host__ __device__ __forceinline__ int xp_pos(int j) { return (j & 3) * 2 + (j 
  * production's shared-memory places (bt_xstage::dst); rows past the last n8 tile are not staged, rows of a
  * partial n8 tile copy the run's last row, K past the end is zeros (src_bytes 0). */
 struct xp_xcopy {
-    static constexpr int NP = BW_MT * 16 / BW_THREADS;
+    static constexpr int NP = XP_MT * 16 / BW_THREADS;
     const __nv_bfloat16 *src[NP];
     int kc, dst;
     __device__ __forceinline__ void init(const __nv_bfloat16 *x, int64_t row0, int rows, int rows_pad, int K,
@@ -74,12 +83,12 @@ struct xp_xcopy {
 
 /* bt_store_tile of production with the output written permuted (YP) or not */
 template <bool YP>
-__device__ __forceinline__ void xp_store_tile(const float (&acc)[BW_MT / 8][4], __nv_bfloat16 *y, int64_t row0,
+__device__ __forceinline__ void xp_store_tile(const float (&acc)[XP_MT / 8][4], __nv_bfloat16 *y, int64_t row0,
                                               int rows, int ntv, int nw, int N, int g, int t, float mult, int relu2) {
     const int na = nw + g, nb = nw + g + 8;
     const int pa = YP ? (na & ~7) | xp_pos(na & 7) : na, pb = YP ? (nb & ~7) | xp_pos(nb & 7) : nb;
 #pragma unroll
-    for (int nt = 0; nt < BW_MT / 8; nt++) {
+    for (int nt = 0; nt < XP_MT / 8; nt++) {
         if (nt < ntv) {
             const int r = nt * 8 + 2 * t;
 #pragma unroll
@@ -92,6 +101,51 @@ __device__ __forceinline__ void xp_store_tile(const float (&acc)[BW_MT / 8][4], 
             }
         }
     }
+}
+
+/* production's bw_step / bw_step_ntv with XP_MT / 8 n8 tiles (the same products in the same order) */
+template <int NTV>
+__device__ __forceinline__ void xp_step(float (&aa)[XP_MT / 8][4], float (&ab)[XP_MT / 8][4], const uint32_t (&a0)[4],
+                                        const uint32_t (&a1)[4], const uint32_t (&b0)[4], const uint32_t (&b1)[4],
+                                        const uint32_t (&sa)[2], const uint32_t (&sb)[2], const uint32_t (&ta)[2],
+                                        const uint32_t (&tb)[2], const uint8_t *xb) {
+    typedef bt_ops<__nv_bfloat16> ops;
+#pragma unroll
+    for (int q = 0; q < 4; q++) {
+        uint32_t pa[4], pb[4], qa[4], qb[4];
+        bt_dec4<__nv_bfloat16>::pairs(a0[q], pa);
+        bt_dec4<__nv_bfloat16>::pairs(a1[q], pb);
+        bt_dec4<__nv_bfloat16>::pairs(b0[q], qa);
+        bt_dec4<__nv_bfloat16>::pairs(b1[q], qb);
+        const uint32_t s0 = sa[q >> 1], s1 = sb[q >> 1], u0 = ta[q >> 1], u1 = tb[q >> 1];
+        const uint32_t ra0 = ops::mul2(pa[0], s0), ra1 = ops::mul2(pa[1], s0), ra2 = ops::mul2(pa[2], s0),
+                       ra3 = ops::mul2(pa[3], s0);
+        const uint32_t rb0 = ops::mul2(pb[0], s1), rb1 = ops::mul2(pb[1], s1), rb2 = ops::mul2(pb[2], s1),
+                       rb3 = ops::mul2(pb[3], s1);
+        const uint32_t va0 = ops::mul2(qa[0], u0), va1 = ops::mul2(qa[1], u0), va2 = ops::mul2(qa[2], u0),
+                       va3 = ops::mul2(qa[3], u0);
+        const uint32_t vb0 = ops::mul2(qb[0], u1), vb1 = ops::mul2(qb[1], u1), vb2 = ops::mul2(qb[2], u1),
+                       vb3 = ops::mul2(qb[3], u1);
+#pragma unroll
+        for (int nt = 0; nt < NTV; nt++) {
+            const uint4 xf = *reinterpret_cast<const uint4 *>(xb + nt * 8 * BT_XROW + q * 16);
+            ops::mma(aa[nt], ra0, rb0, ra1, rb1, xf.x, xf.y);
+            ops::mma(aa[nt], ra2, rb2, ra3, rb3, xf.z, xf.w);
+            ops::mma(ab[nt], va0, vb0, va1, vb1, xf.x, xf.y);
+            ops::mma(ab[nt], va2, vb2, va3, vb3, xf.z, xf.w);
+        }
+    }
+}
+__device__ __forceinline__ void xp_step_ntv(int ntv, float (&aa)[XP_MT / 8][4], float (&ab)[XP_MT / 8][4],
+                                            const uint32_t (&a0)[4], const uint32_t (&a1)[4], const uint32_t (&b0)[4],
+                                            const uint32_t (&b1)[4], const uint32_t (&sa)[2], const uint32_t (&sb)[2],
+                                            const uint32_t (&ta)[2], const uint32_t (&tb)[2], const uint8_t *xb) {
+#define XP_CASE(n) case n: if constexpr (n <= XP_MT / 8) xp_step<n>(aa, ab, a0, a1, b0, b1, sa, sb, ta, tb, xb); break
+    switch (ntv) {
+    XP_CASE(1); XP_CASE(2); XP_CASE(3); XP_CASE(4); XP_CASE(5); XP_CASE(6); XP_CASE(7);
+    default: xp_step<XP_MT / 8>(aa, ab, a0, a1, b0, b1, sa, sb, ta, tb, xb); break;
+    }
+#undef XP_CASE
 }
 
 /* x: permuted pieces (see the top); y: permuted when YP. Otherwise gq_batched_w32_kernel's contract. */
@@ -114,7 +168,7 @@ gq_w32_xperm_kernel(gq_args a, const int *__restrict__ starts, const int *__rest
 
     for (int64_t item = blockIdx.x; item < total; item = sch.next(item, next_item)) {
         sch.fetch(next_item);
-        const bt_item it = bt_item_of<BW_MT>(item, a.E, NT, starts, tile_off);
+        const bt_item it = bt_item_of<XP_MT>(item, a.E, NT, starts, tile_off);
         const int e = it.e, rows = it.rows;
         const int64_t row0 = it.row0;
         const int ntv = (rows + 7) >> 3, rows_pad = ntv * 8;
@@ -124,9 +178,9 @@ gq_w32_xperm_kernel(gq_args a, const int *__restrict__ starts, const int *__rest
         const uint8_t *pb = gq_tiled_piece(a.codes, we, min((nw >> 4) + 1, last_tile), 0, N, K);
         bt_tstream wa = bt_tstream::of(pa, lane), wb = bt_tstream::of(pb, lane);
 
-        float aa[BW_MT / 8][4], ab[BW_MT / 8][4];
+        float aa[XP_MT / 8][4], ab[XP_MT / 8][4];
 #pragma unroll
-        for (int i = 0; i < BW_MT / 8; i++)
+        for (int i = 0; i < XP_MT / 8; i++)
 #pragma unroll
             for (int j = 0; j < 4; j++) aa[i][j] = ab[i][j] = 0.0f;
 
@@ -134,7 +188,7 @@ gq_w32_xperm_kernel(gq_args a, const int *__restrict__ starts, const int *__rest
         xc.init(x, row0, rows, rows_pad, K, a.xrow, a.xdiv);
 #pragma unroll
         for (int p = 0; p < 2; p++) { /* P0, P1 */
-            if (p < XP_XA && p < nsteps) xc.issue(smem + p * BW_MT * BT_XROW, p * BT_KSTEP, K);
+            if (p < XP_XA && p < nsteps) xc.issue(smem + p * XP_MT * BT_XROW, p * BT_KSTEP, K);
             wa.issue_next(ring + p * 2 * BW_THREADS, p, nsteps);
             wb.issue_next(ring + p * 2 * BW_THREADS + BW_THREADS, p, nsteps);
             bt_cp_commit();
@@ -144,7 +198,7 @@ gq_w32_xperm_kernel(gq_args a, const int *__restrict__ starts, const int *__rest
             bt_cp_wait<XP_XA - 1>(); /* this thread's copies of step s (x and weights) have landed */
             __syncthreads(); /* everyone's: x of step s visible; step s - 1 done by every warp */
             const int nxt = s + 2, sl_n = nxt % XP_STAGES, nx = s + XP_XA;
-            if (nx < nsteps) xc.issue(smem + (nx % XP_XBUF) * BW_MT * BT_XROW, nx * BT_KSTEP, K);
+            if (nx < nsteps) xc.issue(smem + (nx % XP_XBUF) * XP_MT * BT_XROW, nx * BT_KSTEP, K);
             wa.issue_next(ring + sl_n * 2 * BW_THREADS, nxt, nsteps);
             wb.issue_next(ring + sl_n * 2 * BW_THREADS + BW_THREADS, nxt, nsteps);
             bt_cp_commit();
@@ -153,7 +207,7 @@ gq_w32_xperm_kernel(gq_args a, const int *__restrict__ starts, const int *__rest
             wb.read(sl + BW_THREADS, b0, b1, swb0, swb1);
             bt_scales4<__nv_bfloat16>(swa0, swa1, sa, sb);
             bt_scales4<__nv_bfloat16>(swb0, swb1, ta, tb);
-            bw_step_ntv(ntv, aa, ab, a0, a1, b0, b1, sa, sb, ta, tb, smem + (s % XP_XBUF) * BW_MT * BT_XROW + xoff);
+            xp_step_ntv(ntv, aa, ab, a0, a1, b0, b1, sa, sb, ta, tb, smem + (s % XP_XBUF) * XP_MT * BT_XROW + xoff);
         }
         __syncthreads(); /* every warp done with the item's last x buffers before the next item's prologue */
         const float mult = cu_expert_gs(a.gs, e) * bt_ops<__nv_bfloat16>::kUndo;
@@ -168,12 +222,12 @@ gq_w32_xperm_kernel(gq_args a, const int *__restrict__ starts, const int *__rest
 static int xp_launch(const gq_args *a, int yperm, cudaStream_t st) {
     if (yperm && a->N % 8) return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "xperm: N %% 8 == 0 for a permuted y");
     if (yperm)
-        return bench_candidate_launch("xperm", gq_w32_xperm_kernel<true>, BW_MT, BW_NTILE, BW_THREADS, XP_SMEM, a, st,
+        return bench_candidate_launch("xperm", gq_w32_xperm_kernel<true>, XP_MT, BW_NTILE, BW_THREADS, XP_SMEM, a, st,
                                       [&](unsigned grid, const int *starts, const int *tile_off) {
                                           cu_launch(gq_w32_xperm_kernel<true>, grid, BW_THREADS, XP_SMEM, st, *a,
                                                     starts, tile_off, sched_counter(a, tile_off));
                                       });
-    return bench_candidate_launch("xperm", gq_w32_xperm_kernel<false>, BW_MT, BW_NTILE, BW_THREADS, XP_SMEM, a, st,
+    return bench_candidate_launch("xperm", gq_w32_xperm_kernel<false>, XP_MT, BW_NTILE, BW_THREADS, XP_SMEM, a, st,
                                   [&](unsigned grid, const int *starts, const int *tile_off) {
                                       cu_launch(gq_w32_xperm_kernel<false>, grid, BW_THREADS, XP_SMEM, st, *a, starts,
                                                 tile_off, sched_counter(a, tile_off));

@@ -23,7 +23,8 @@
  * in session 17, measured 0.88x at 512 tokens and moved to production in session 18) replaced;
  * tiled layout only. The timing table has uniform and skewed routing (Zipf exponent 0.5) at each size
  * (session 19). WK_XPERM=1: the candidate is bench/gather_xperm.cuh's w32 kernel staging x by cp.async from an
- * x its producer wrote permuted (session 28; tiled layout only; XP_MINB=4 for 4 blocks an SM). Usage: gpu_gather_wg (WK_CHECKS=small: only the small checks, for compute-sanitizer;
+ * x its producer wrote permuted (session 28; tiled layout only; XP_XBUF=2 XP_MINB=4 for 4 blocks an SM, XP_MT=40
+ * for 40-row items). Usage: gpu_gather_wg (WK_CHECKS=small: only the small checks, for compute-sanitizer;
  * WK_CHECKS=none: no checks, WK_TOKENS=T: only the timings of T tokens, for Nsight Compute) */
 #include "kernels/cuda/gather_batched.cu"
 
@@ -70,7 +71,7 @@ static int wk_launch(const gq_args *a, cudaStream_t st) {
 #elif WK_XPERM
 #include "gather_xperm.cuh"
 #undef WK_MT
-#define WK_MT 32
+#define WK_MT XP_MT
 /* the checks' form of the candidate: x (natural) permuted into a scratch copy first; with wk_check_yperm the
  * output goes permuted into a scratch and is permuted back into a->y (so both forms are compared with
  * production bit for bit). The timings call xp_launch directly on an x permuted once (run_pair). */
