@@ -25,7 +25,7 @@
  * (session 19). WK_XPERM=1: the candidate is bench/gather_xperm.cuh's w32 kernel staging x by cp.async from an
  * x its producer wrote permuted (session 28; tiled layout only; XP_XBUF=2 XP_MINB=4 for 4 blocks an SM, XP_MT=40
  * for 40-row items). Usage: gpu_gather_wg (WK_CHECKS=small: only the small checks, for compute-sanitizer;
- * WK_CHECKS=none: no checks, WK_TOKENS=T: only the timings of T tokens, for Nsight Compute) */
+ * WK_CHECKS=none: no checks, WK_TOKENS=T[,T...]: only the timings of those sizes, e.g. for Nsight Compute) */
 #include "kernels/cuda/gather_batched.cu"
 
 extern "C" {
@@ -285,7 +285,8 @@ int main(void) {
     /* WK_CHECKS=none: no checks (for Nsight Compute runs of the timings); WK_TOKENS=T: only that size */
     const int ok = ck && !strcmp(ck, "none") ? 1 : run_checks(&r, small);
     const char *tk = getenv("WK_TOKENS");
-    const int only_T = tk ? atoi(tk) : 0;
+    /* a comma-separated list of sizes, e.g. WK_TOKENS=128,512 */
+    const char *only_T = tk && *tk ? tk : NULL;
     if (small) return ok ? 0 : 1;
     wts_t up, down;
     make_wts(&up, 128, 1856, 2688, &r);
@@ -319,7 +320,11 @@ int main(void) {
             }
         }
         for (int e = 0; e < 128; e++) { maxlen = lens[e] > maxlen ? lens[e] : maxlen; tiles32 += (lens[e] + 31) / 32; }
-        if (only_T && T != only_T) continue; /* (after the routing draws: the same routing as a full run) */
+        if (only_T) { /* (after the routing draws: the same routing as a full run) */
+            int listed = 0;
+            for (const char *p = only_T; p && *p; p = strchr(p, ',') ? strchr(p, ',') + 1 : NULL) listed |= atoi(p) == T;
+            if (!listed) continue;
+        }
         int BB;
         uint32_t *hidx = make_idx(128, lens, 0, &BB);
         uint32_t *didx = (uint32_t *)gt_upload(hidx, sizeof(uint32_t) * (size_t)B);
