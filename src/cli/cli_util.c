@@ -34,19 +34,75 @@ void cli_print_usage(const cli_spec *spec, FILE *out) {
     fprintf(out, "  %-28s %s\n", "-h, --help", "show this help and exit");
 }
 
+/* --json state (cli_util.h): the mode, whether the command printed its object, the last error message */
+static int g_json_mode, g_json_printed;
+static char g_last_error[1024];
+
+void cli_json_mode_on(void) { g_json_mode = 1; }
+int cli_json_mode(void) { return g_json_mode; }
+
+void cli_json_print(const char *text) {
+    printf("%s\n", text);
+    fflush(stdout);
+    g_json_printed = 1;
+}
+
+static cJSON *error_object(const char *command, int exit_code) {
+    cJSON *e = cJSON_CreateObject();
+    if (!e) return NULL;
+    cJSON_AddStringToObject(e, "command", command);
+    cJSON_AddStringToObject(e, "message", g_last_error[0] ? g_last_error : "failed (the reason is on stderr)");
+    cJSON_AddNumberToObject(e, "exit_code", exit_code);
+    return e;
+}
+
+char *cli_json_error_text(const char *command, int exit_code) {
+    cJSON *e = error_object(command, exit_code);
+    char *t = e ? cJSON_PrintUnformatted(e) : NULL;
+    cJSON_Delete(e);
+    return t;
+}
+
+int cli_json_finish(const char *command, int exit_code) {
+    if (!g_json_mode || !exit_code || g_json_printed) return exit_code;
+    cJSON *o = cJSON_CreateObject(), *e = error_object(command, exit_code);
+    char *t = NULL;
+    if (o && e) {
+        cJSON_AddItemToObject(o, "error", e);
+        e = NULL;
+        t = cJSON_Print(o);
+    }
+    if (t) printf("%s\n", t);
+    else printf("{\"error\": {\"exit_code\": %d}}\n", exit_code); /* out of memory */
+    fflush(stdout);
+    free(t);
+    cJSON_Delete(e);
+    cJSON_Delete(o);
+    return exit_code;
+}
+
 int cli_usage_error(const char *command, const char *fmt, ...) {
     va_list ap;
     va_start(ap, fmt);
-    fprintf(stderr, "fp4moe %s: ", command);
-    vfprintf(stderr, fmt, ap);
-    fprintf(stderr, "\nTry 'fp4moe %s --help'.\n", command);
+    vsnprintf(g_last_error, sizeof g_last_error, fmt, ap);
     va_end(ap);
+    fprintf(stderr, "fp4moe %s: %s\nTry 'fp4moe %s --help'.\n", command, g_last_error, command);
     return CLI_USAGE;
+}
+
+int cli_error(const char *command, int exit_code, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(g_last_error, sizeof g_last_error, fmt, ap);
+    va_end(ap);
+    fprintf(stderr, "fp4moe %s: error: %s\n", command, g_last_error);
+    return exit_code;
 }
 
 int cli_fail(const char *command, int status) {
     const char *msg = fp4moe_last_error();
-    fprintf(stderr, "fp4moe %s: error: %s\n", command, msg[0] ? msg : fp4moe_status_name(status));
+    snprintf(g_last_error, sizeof g_last_error, "%s", msg[0] ? msg : fp4moe_status_name(status));
+    fprintf(stderr, "fp4moe %s: error: %s\n", command, g_last_error);
     return 1;
 }
 
@@ -93,8 +149,25 @@ static int set_value(const cli_spec *spec, const cli_opt *o, const char *v) {
     }
 }
 
+/* --json among argv (a --json flag of spec given before "--"; the values of other options skipped) */
+static int argv_sets_json(const cli_spec *spec, int argc, char **argv) {
+    const cli_opt *json = find_opt(spec, "--json", 6);
+    if (!json || json->kind != CLI_FLAG) return 0;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        if (!strcmp(a, "--")) return 0;
+        if (a[0] != '-' || a[1] == '\0') continue;
+        const char *eq = a[1] == '-' ? strchr(a, '=') : NULL;
+        const cli_opt *o = find_opt(spec, a, eq ? (size_t)(eq - a) : strlen(a));
+        if (o == json && !eq) return 1;
+        if (o && o->kind != CLI_FLAG && !eq) i++; /* its value */
+    }
+    return 0;
+}
+
 int cli_parse(const cli_spec *spec, int argc, char **argv) {
     int npos = 0, only_pos = 0;
+    if (argv_sets_json(spec, argc, argv)) cli_json_mode_on();
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         if (!only_pos && !strcmp(a, "--")) {
@@ -135,13 +208,9 @@ int cli_parse(const cli_spec *spec, int argc, char **argv) {
 int cli_require_model_dir(const char *command, const char *dir) {
     if (!dir || cli_is_dir(dir)) return CLI_OK;
     struct stat sb;
-    if (stat(dir, &sb) != 0) {
-        fprintf(stderr, "fp4moe %s: error: model directory %s does not exist\n", command, dir);
-        return 1;
-    }
-    fprintf(stderr, "fp4moe %s: error: %s is a file; a model is a directory (config.json, *.safetensors, "
-            "tokenizer.json): give its directory\n", command, dir);
-    return 1;
+    if (stat(dir, &sb) != 0) return cli_error(command, 1, "model directory %s does not exist", dir);
+    return cli_error(command, 1, "%s is a file; a model is a directory (config.json, *.safetensors, tokenizer.json): "
+                     "give its directory", dir);
 }
 
 int cli_set_threads(const char *command, int64_t n) {

@@ -75,6 +75,32 @@ int cli_set_threads(const char *command, int64_t n);
 /* Prints "fp4moe CMD: error: <fp4moe_last_error()>" on stderr; returns 1 (failure exit). */
 int cli_fail(const char *command, int status);
 
+/* Prints "fp4moe CMD: error: MESSAGE" on stderr (and keeps it for --json, below); returns exit_code. */
+int cli_error(const char *command, int exit_code, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 3, 4)))
+#endif
+    ;
+
+/* ---- --json: failures as JSON too ---------------------------------------------------------------------
+ * A command run with --json prints one JSON object on stdout. When it fails before printing it (exit 1 or
+ * 2), main() prints {"error": {"command": C, "message": M, "exit_code": N}} on stdout instead, so that a
+ * script reading stdout gets one JSON object either way. M is the last message of cli_usage_error,
+ * cli_fail or cli_error (those still go to stderr too), or "failed (the reason is on stderr)".
+ * cli_parse turns the mode on when the command's options have a --json flag and argv sets it (before any
+ * other option is checked, so a usage error is JSON too); a command with its own parser calls
+ * cli_json_mode_on. */
+void cli_json_mode_on(void);
+int cli_json_mode(void);
+/* Prints text and a newline on stdout: the command's JSON object is out (no error object after it). */
+void cli_json_print(const char *text);
+/* The error object's fields {"command", "message", "exit_code"} as a JSON text (malloc'd; NULL when out of
+ * memory), for a command that adds it to an object it prints anyway. */
+char *cli_json_error_text(const char *command, int exit_code);
+/* main(): prints the error object when the mode is on, exit_code != 0 and no JSON object was printed.
+ * Returns exit_code. */
+int cli_json_finish(const char *command, int exit_code);
+
 /* ---- time and progress --------------------------------------------------------------------------- */
 
 /* Monotonic wall-clock seconds. */

@@ -189,7 +189,7 @@ static void report(const bench_args *a, const fp4moe_model *m, fp4moe_device dev
             cJSON_AddItemToObject(o, "decode_split_ms_per_token", split_json(sm.split_dc));
         }
         char *s = cJSON_Print(o);
-        printf("%s\n", s);
+        if (s) cli_json_print(s);
         free(s);
         cJSON_Delete(o);
         return;
@@ -379,7 +379,7 @@ static int bench_batch(const bench_args *a, const fp4moe_model *m, fp4moe_dtype 
                 cJSON_AddItemToObject(j, "decode_split_ms_per_step", split_json(split_dc));
             }
             char *txt = cJSON_Print(j);
-            printf("%s\n", txt);
+            if (txt) cli_json_print(txt);
             free(txt);
             cJSON_Delete(j);
         } else {
@@ -613,7 +613,7 @@ static int bench_ep(const bench_args *a, fp4moe_dtype dt, fp4moe_route route, fp
             cJSON_AddStringToObject(j, "gen_ids_fnv1a_all", h);
             cJSON_AddItemToObject(j, "gen_ids_fnv1a", hash_array(hash0, N));
             char *txt = cJSON_Print(j);
-            printf("%s\n", txt);
+            if (txt) cli_json_print(txt);
             free(txt);
             cJSON_Delete(j);
         } else {

@@ -19,6 +19,8 @@
 #include "cli/commands.h"
 #include "fp4moe/fp4moe.h"
 
+#define CMD "bench-kernel"
+
 typedef struct {
     int64_t E, N, K, tokens;
     int topk, repeats, both, json, w4a8, cold;
@@ -192,8 +194,7 @@ static int time_routes(const fp4moe_nvfp4_weights *w, const void *x, fp4moe_dtyp
                                    : fp4moe_gather_qmm_cpu_route(w, x, dtype, ix, B, 1, routes[r], y);
             const double dt = omp_get_wtime() - t0;
             if (st) {
-                fprintf(stderr, "fp4moe bench-kernel: route %s: %s\n", fp4moe_route_name(routes[r]),
-                        fp4moe_last_error());
+                cli_error(CMD, FP4MOE_EXIT_FAIL, "route %s: %s", fp4moe_route_name(routes[r]), fp4moe_last_error());
                 return -1;
             }
             if (i >= 0) t[r][i] = dt;
@@ -206,18 +207,16 @@ static int bench_shape(const bench_opts *o, const char *label, int64_t N, int64_
     const int64_t B = o->tokens * o->topk;
     fp4moe_nvfp4_weights w;
     if (make_weights(o->E, N, K, o->seed, &w)) {
-        fprintf(stderr, "fp4moe bench-kernel: out of memory for E=%lld N=%lld K=%lld weights\n",
-                (long long)o->E, (long long)N, (long long)K);
-        return FP4MOE_EXIT_FAIL;
+        return cli_error(CMD, FP4MOE_EXIT_FAIL, "out of memory for E=%lld N=%lld K=%lld weights", (long long)o->E,
+                         (long long)N, (long long)K);
     }
     const int nsets = o->cold ? 16 : 1;
     uint32_t *idx = malloc((size_t)(B ? B * nsets : 1) * sizeof *idx);
     void *x = make_x(B, K, o->dtype, o->seed);
     void *y = malloc((size_t)(B * N) * fp4moe_dtype_size(o->dtype) + 1);
     if (!idx || !x || !y) {
-        fprintf(stderr, "fp4moe bench-kernel: out of memory for %lld rows\n", (long long)B);
         free(idx); free(x); free(y); free_weights(&w);
-        return FP4MOE_EXIT_FAIL;
+        return cli_error(CMD, FP4MOE_EXIT_FAIL, "out of memory for %lld rows", (long long)B);
     }
     for (int i = 0; i < nsets; i++) make_idx(o->tokens, o->topk, o->E, o->seed + (uint64_t)i, idx + (int64_t)i * B);
     int64_t touched = 0;
@@ -292,8 +291,7 @@ static int parse_i64(const char *name, const char *s, int64_t lo, int64_t hi, in
     char *end;
     const long long v = strtoll(s, &end, 10);
     if (!*s || *end || v < lo || v > hi) {
-        fprintf(stderr, "fp4moe bench-kernel: --%s %s: expected an integer in [%lld, %lld]\n", name, s,
-                (long long)lo, (long long)hi);
+        cli_usage_error(CMD, "--%s %s: expected an integer in [%lld, %lld]", name, s, (long long)lo, (long long)hi);
         return -1;
     }
     *out = v;
@@ -316,6 +314,13 @@ int cmd_bench_kernel(int argc, char **argv) {
     int64_t v;
     optind = 1;
     opterr = 0;
+    /* --json (or -json, as getopt_long_only takes it) anywhere before "--": usage errors are JSON too */
+    for (int i = 1; i < argc && strcmp(argv[i], "--"); i++) {
+        if (!strcmp(argv[i], "--json") || !strcmp(argv[i], "-json")) cli_json_mode_on();
+        const char *n = argv[i] + (argv[i][0] == '-') + (argv[i][0] == '-' && argv[i][1] == '-');
+        for (int j = 0; longopts[j].name; j++)
+            if (argv[i][0] == '-' && longopts[j].has_arg == required_argument && !strcmp(n, longopts[j].name)) i++;
+    }
     while ((c = getopt_long_only(argc, argv, "h", longopts, NULL)) != -1) {
         switch (c) {
         case 'E': if (parse_i64("E", optarg, 1, 1 << 20, &v)) return FP4MOE_EXIT_USAGE; o.E = v; break;
@@ -327,8 +332,7 @@ int cmd_bench_kernel(int argc, char **argv) {
         case 's': if (parse_i64("seed", optarg, 0, INT64_MAX, &v)) return FP4MOE_EXIT_USAGE; o.seed = (uint64_t)v; break;
         case 'd':
             if (fp4moe_dtype_parse(optarg, &o.dtype)) {
-                fprintf(stderr, "fp4moe bench-kernel: --dtype: %s\n", fp4moe_last_error());
-                return FP4MOE_EXIT_USAGE;
+                return cli_usage_error(CMD, "--dtype: %s", fp4moe_last_error());
             }
             break;
         case 'r': {
@@ -339,8 +343,7 @@ int cmd_bench_kernel(int argc, char **argv) {
             } else if (fp4moe_route_parse(optarg, &r) == FP4MOE_OK) {
                 o.routes[r] = 1;
             } else {
-                fprintf(stderr, "fp4moe bench-kernel: --route: %s (or all)\n", fp4moe_last_error());
-                return FP4MOE_EXIT_USAGE;
+                return cli_usage_error(CMD, "--route: %s (or all)", fp4moe_last_error());
             }
             break;
         }
@@ -350,27 +353,20 @@ int cmd_bench_kernel(int argc, char **argv) {
         case 'j': o.json = 1; break;
         case 'h': usage(stdout); return FP4MOE_EXIT_OK;
         default:
-            fprintf(stderr, "fp4moe bench-kernel: unknown or incomplete option '%s'\n", argv[optind - 1]);
-            usage(stderr);
-            return FP4MOE_EXIT_USAGE;
+            return cli_usage_error(CMD, "unknown or incomplete option '%s'", argv[optind - 1]);
         }
     }
     if (optind < argc) {
-        fprintf(stderr, "fp4moe bench-kernel: unexpected argument '%s'\n", argv[optind]);
-        usage(stderr);
-        return FP4MOE_EXIT_USAGE;
+        return cli_usage_error(CMD, "unexpected argument '%s'", argv[optind]);
     }
     if (o.K % 16) {
-        fprintf(stderr, "fp4moe bench-kernel: --K %lld is not a multiple of 16\n", (long long)o.K);
-        return FP4MOE_EXIT_USAGE;
+        return cli_usage_error(CMD, "--K %lld is not a multiple of 16", (long long)o.K);
     }
     if (o.topk > o.E) {
-        fprintf(stderr, "fp4moe bench-kernel: --topk %d is more than the %lld experts (--E)\n", o.topk, (long long)o.E);
-        return FP4MOE_EXIT_USAGE;
+        return cli_usage_error(CMD, "--topk %d is more than the %lld experts (--E)", o.topk, (long long)o.E);
     }
     if (o.both && (o.K % 16 || o.N % 16)) {
-        fprintf(stderr, "fp4moe bench-kernel: --both swaps N and K, so N must be a multiple of 16 too\n");
-        return FP4MOE_EXIT_USAGE;
+        return cli_usage_error(CMD, "--both swaps N and K, so N must be a multiple of 16 too");
     }
 
     const double read_gbs = cli_measure_read_gbs((size_t)512 << 20), copy_gbs = measure_copy_gbs((size_t)512 << 20);
@@ -400,8 +396,13 @@ int cmd_bench_kernel(int argc, char **argv) {
     int rc = bench_shape(&o, o.both ? "up" : one, o.N, o.K, jshapes);
     if (rc == FP4MOE_EXIT_OK && o.both) rc = bench_shape(&o, "down", o.K, o.N, jshapes);
     if (root) {
+        if (rc) { /* the shapes measured before the failure, and the error */
+            char *e = cli_json_error_text(CMD, rc);
+            if (e) cJSON_AddItemToObject(root, "error", cJSON_Parse(e));
+            free(e);
+        }
         char *s = cJSON_Print(root);
-        if (s) puts(s);
+        if (s) cli_json_print(s);
         free(s);
         cJSON_Delete(root);
     }

@@ -383,7 +383,7 @@ static int run_generation(const gen_args *a, gen_state *g, const volatile sig_at
         cJSON_AddNumberToObject(o, "prefill_tok_s", t_prefill > 0 ? (double)g->T / t_prefill : 0.0);
         cJSON_AddNumberToObject(o, "decode_tok_s", t_decode > 0 && produced > 1 ? (double)(produced - 1) / t_decode : 0.0);
         char *js = cJSON_Print(o);
-        if (js) printf("%s\n", js);
+        if (js) cli_json_print(js);
         free(js);
         cJSON_Delete(o);
     }
@@ -482,9 +482,9 @@ static int generate(const gen_args *a) {
         fprintf(stderr, "%s: warning: --ctx %lld is above the model's max_position_embeddings %lld (it was not "
                 "trained that long)\n", CMD, (long long)a->ctx, (long long)fp4moe_model_config(g.m)->max_position);
     if (ctx > 0 && g.T > ctx) {
-        fprintf(stderr, "fp4moe %s: the prompt has %lld tokens, more than the context limit of %lld tokens "
-                "(--ctx; the model's max_position_embeddings is %lld)\n", CMD, (long long)g.T, (long long)ctx,
-                (long long)fp4moe_model_config(g.m)->max_position);
+        cli_error(CMD, FP4MOE_EXIT_FAIL, "the prompt has %lld tokens, more than the context limit of %lld tokens "
+                  "(--ctx; the model's max_position_embeddings is %lld)", (long long)g.T, (long long)ctx,
+                  (long long)fp4moe_model_config(g.m)->max_position);
         gen_free(&g);
         return FP4MOE_EXIT_FAIL;
     }
@@ -563,7 +563,7 @@ static int generate(const gen_args *a) {
         for (int r = 1; r <= nfol; r++) {
             pthread_join(th[r], NULL);
             if (fol[r].st && fol[r].err[0]) {
-                fprintf(stderr, "fp4moe %s: %s\n", CMD, fol[r].err);
+                cli_error(CMD, FP4MOE_EXIT_FAIL, "%s", fol[r].err);
                 if (rc == FP4MOE_EXIT_OK) rc = FP4MOE_EXIT_FAIL;
             }
         }

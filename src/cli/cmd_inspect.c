@@ -234,7 +234,7 @@ int cmd_inspect(int argc, char **argv) {
         cJSON_AddNumberToObject(r.root, "nonfinite_float_values", (double)r.nonfinite_total);
         cJSON_AddBoolToObject(r.root, "ok", r.problems_n == 0);
         char *s = cJSON_Print(r.root);
-        if (s) puts(s);
+        if (s) cli_json_print(s);
         free(s);
         cJSON_Delete(r.root);
     } else {

@@ -162,7 +162,7 @@ static void report(const ppl_args *a, const ppl_state *p, int64_t windows, int64
         cJSON_AddNumberToObject(o, "seconds", seconds);
         cJSON_AddNumberToObject(o, "tok_per_s", tps);
         char *s = cJSON_Print(o);
-        printf("%s\n", s);
+        if (s) cli_json_print(s);
         free(s);
         cJSON_Delete(o);
         return;
@@ -251,12 +251,10 @@ static int perplexity(const ppl_args *a) {
     if (st && !interrupted) {
         rc = cli_fail(CMD, st);
     } else if (done == 0) {
-        fprintf(stderr, "%s: stopped (Ctrl-C) before the first window finished\n", CMD);
-        rc = FP4MOE_EXIT_FAIL;
+        rc = cli_error(CMD, FP4MOE_EXIT_FAIL, "stopped (Ctrl-C) before the first window finished");
     } else if (!isfinite(nll_mean(&all))) {
-        fprintf(stderr, "fp4moe %s: error: the forward produced NaN or infinite logits: the model's weights hold "
-                "NaN/Inf values (check the checkpoint, e.g. with fp4moe inspect)\n", CMD);
-        rc = FP4MOE_EXIT_FAIL;
+        rc = cli_error(CMD, FP4MOE_EXIT_FAIL, "the forward produced NaN or infinite logits: the model's weights hold "
+                       "NaN/Inf values (check the checkpoint, e.g. with fp4moe inspect)");
     } else {
         report(a, &p, windows, done, &half, &all, seconds, interrupted);
         rc = interrupted ? FP4MOE_EXIT_INTERRUPTED : FP4MOE_EXIT_OK;

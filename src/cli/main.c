@@ -4,6 +4,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cli/cli_util.h"
 #include "cli/commands.h"
 #include "fp4moe/fp4moe.h"
 
@@ -61,7 +62,7 @@ int main(int argc, char **argv) {
     for (int i = 0; i < N_COMMANDS; i++) {
         if (strcmp(cmd, k_commands[i].name)) continue;
         const int env = check_environment();
-        return env ? env : k_commands[i].run(argc - 1, argv + 1);
+        return env ? env : cli_json_finish(k_commands[i].name, k_commands[i].run(argc - 1, argv + 1));
     }
     fprintf(stderr, "fp4moe: unknown command '%s'\n\n", cmd);
     usage(stderr);

@@ -1027,6 +1027,50 @@ static const char *json_str(const char *json, const char *key, char *out, size_t
 /* Inputs a new user's trial found mishandled (session 27): a named pipe (the open used to wait for a writer), a
  * directory as a text file, a --max-tokens shorter than --ctx (the count printed was the file's), a failed quantize
  * into an existing file (it claimed to remove a directory), --topk above --E, an unreadable config.json's reason. */
+/* With --json a failure is one JSON object on stdout too ({"error": {"command", "message", "exit_code"}}), the
+ * message still on stderr; without --json nothing goes to stdout. */
+static void expect_json_error(const char *command, int code, const char *msg) {
+    cJSON *j = cJSON_Parse(g_out);
+    if (!j) fail_msg("stdout is not one JSON object: %.2000s\nstderr: %.2000s", g_out, g_err);
+    const cJSON *e = cJSON_GetObjectItemCaseSensitive(j, "error");
+    assert_non_null(e);
+    const cJSON *c = cJSON_GetObjectItemCaseSensitive(e, "command"), *m = cJSON_GetObjectItemCaseSensitive(e, "message"),
+                *x = cJSON_GetObjectItemCaseSensitive(e, "exit_code");
+    assert_true(cJSON_IsString(c) && cJSON_IsString(m) && cJSON_IsNumber(x));
+    assert_string_equal(c->valuestring, command);
+    expect_in(m->valuestring, msg);
+    expect_in(g_err, msg); /* the same reason on stderr */
+    assert_int_equal((int)x->valuedouble, code);
+    cJSON_Delete(j);
+}
+
+static void test_json_errors(void **state) {
+    (void)state;
+    const char *M = "models/nemotron-h-tiny-moe", *P = "The little girl opened the door";
+    EXPECT_RC(2, "bench-kernel", "--json", "--E", "4", "--topk", "5"); /* a usage error */
+    expect_json_error("bench-kernel", 2, "--topk 5 is more than the 4 experts");
+    EXPECT_RC(2, "bench-kernel", "--E", "x", "--json"); /* --json after the bad option */
+    expect_json_error("bench-kernel", 2, "--E x: expected an integer");
+    EXPECT_RC(2, "bench", "--json", "--bogus");
+    expect_json_error("bench", 2, "unknown option '--bogus'");
+    EXPECT_RC(2, "bench", "--bogus", "--json");
+    expect_json_error("bench", 2, "unknown option '--bogus'");
+    EXPECT_RC(1, "perplexity", "-m", io_path("no-such-model"), "--file", "x", "--json");
+    expect_json_error("perplexity", 1, "does not exist");
+    EXPECT_RC(1, "inspect", "--json", io_path("no-such-file.safetensors"));
+    expect_json_error("inspect", 1, "cannot stat");
+    EXPECT_RC(1, "generate", "-m", M, "-p", P, "--ctx", "3", "--json");
+    expect_json_error("generate", 1, "more than the context limit of 3 tokens");
+    /* "--json" as another option's value does not switch the mode on */
+    EXPECT_RC(1, "generate", "-m", M, "-p", "--json", "--ctx", "1");
+    assert_string_equal(g_out, "");
+    /* without --json: nothing on stdout */
+    EXPECT_RC(2, "bench", "--bogus");
+    assert_string_equal(g_out, "");
+    EXPECT_RC(1, "perplexity", "-m", io_path("no-such-model"), "--file", "x");
+    assert_string_equal(g_out, "");
+}
+
 static void test_odd_inputs(void **state) {
     (void)state;
     const char *mdl = "models/nemotron-h-tiny-moe", *held = "tests/golden/default/heldout_short.txt";
@@ -1152,6 +1196,7 @@ int main(void) {
         cmocka_unit_test(test_matches_golden_mlx),
         cmocka_unit_test(test_bench_ep_ranks),
         cmocka_unit_test(test_odd_inputs),
+        cmocka_unit_test(test_json_errors),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }
