@@ -2,6 +2,7 @@
  * template of a model directory and its special tokens (chat, serve), sampling defaults and stop
  * ids from generation_config.json (chat, serve). */
 #include <cjson/cJSON.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -189,11 +190,53 @@ void cli_template_special_tokens(const char *dir, cJSON *ctx) {
 
 /* ---- generation_config.json ------------------------------------------------------------------------ */
 
-static void add_stop(fp4moe_sampler_params *sp, int64_t vocab, int64_t id) {
-    if (id < 0 || id >= vocab) return;
+/* 0: id added (or there already), 1: outside the vocabulary, 2: no room (FP4MOE_MAX_STOP_IDS) */
+static int add_stop(fp4moe_sampler_params *sp, int64_t vocab, int64_t id) {
+    if (id < 0 || id >= vocab) return 1;
     for (int i = 0; i < sp->n_stop; i++)
-        if (sp->stop_ids[i] == id) return;
-    if (sp->n_stop < FP4MOE_MAX_STOP_IDS) sp->stop_ids[sp->n_stop++] = (int32_t)id;
+        if (sp->stop_ids[i] == id) return 0;
+    if (sp->n_stop == FP4MOE_MAX_STOP_IDS) return 2;
+    sp->stop_ids[sp->n_stop++] = (int32_t)id;
+    return 0;
+}
+
+/* A value of generation_config.json (path p) that is not used: a warning naming the file, the key and why. */
+static void gen_ignored(const char *p, const char *key, const cJSON *v, const char *why) {
+    char *t = v ? cJSON_PrintUnformatted(v) : NULL;
+    fprintf(stderr, "fp4moe: warning: %s: %s %s %s: ignored\n", p, key, t ? t : "?", why);
+    free(t);
+}
+
+/* one eos_token_id value of generation_config.json */
+static void gen_stop(const char *p, fp4moe_sampler_params *sp, int64_t vocab, const cJSON *v) {
+    char why[96];
+    if (!cJSON_IsNumber(v) || v->valuedouble != floor(v->valuedouble) || fabs(v->valuedouble) > 9e15) {
+        gen_ignored(p, "eos_token_id", v, "is not an integer token id");
+        return;
+    }
+    const int st = add_stop(sp, vocab, (int64_t)v->valuedouble);
+    if (st == 1) {
+        snprintf(why, sizeof why, "is not a token id of the vocabulary (0 .. %lld)", (long long)vocab - 1);
+        gen_ignored(p, "eos_token_id", v, why);
+    } else if (st == 2) {
+        snprintf(why, sizeof why, "is one stop id more than the %d kept", FP4MOE_MAX_STOP_IDS);
+        gen_ignored(p, "eos_token_id", v, why);
+    }
+}
+
+/* a sampling default of generation_config.json: the number in [lo, hi] (lo_open: > lo), else a warning */
+static int gen_number(const char *p, const cJSON *j, const char *key, double lo, int lo_open, double hi, double *out) {
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(j, key);
+    if (!v || cJSON_IsNull(v)) return 0;
+    char why[64];
+    if (cJSON_IsNumber(v) && (lo_open ? v->valuedouble > lo : v->valuedouble >= lo) && v->valuedouble <= hi) {
+        *out = v->valuedouble;
+        return 1;
+    }
+    if (hi < 1e300) snprintf(why, sizeof why, "is not a number in %s%g, %g]", lo_open ? "(" : "[", lo, hi);
+    else snprintf(why, sizeof why, "is not a number >= %g", lo);
+    gen_ignored(p, key, v, why);
+    return 0;
 }
 
 int cli_generation_defaults(const char *dir, const fp4moe_tokenizer *tok, int64_t vocab, fp4moe_sampler_params *sp) {
@@ -209,22 +252,18 @@ int cli_generation_defaults(const char *dir, const fp4moe_tokenizer *tok, int64_
         } else {
             found = 1;
             const cJSON *v = cJSON_GetObjectItemCaseSensitive(j, "eos_token_id"), *it;
-            if (cJSON_IsNumber(v)) add_stop(sp, vocab, (int64_t)v->valuedouble);
-            else if (cJSON_IsArray(v)) cJSON_ArrayForEach(it, v) if (cJSON_IsNumber(it)) add_stop(sp, vocab, (int64_t)it->valuedouble);
+            if (cJSON_IsArray(v)) cJSON_ArrayForEach(it, v) gen_stop(p, sp, vocab, it);
+            else if (v && !cJSON_IsNull(v)) gen_stop(p, sp, vocab, v);
             v = cJSON_GetObjectItemCaseSensitive(j, "do_sample");
+            if (v && !cJSON_IsBool(v) && !cJSON_IsNull(v)) gen_ignored(p, "do_sample", v, "is not true or false");
+            double d;
             if (cJSON_IsFalse(v)) {
                 sp->temperature = 0.0f;
             } else {
-                if (cJSON_IsNumber(v = cJSON_GetObjectItemCaseSensitive(j, "temperature")) && v->valuedouble >= 0)
-                    sp->temperature = (float)v->valuedouble;
-                if (cJSON_IsNumber(v = cJSON_GetObjectItemCaseSensitive(j, "top_p")) && v->valuedouble > 0 &&
-                    v->valuedouble <= 1)
-                    sp->top_p = (float)v->valuedouble;
-                if (cJSON_IsNumber(v = cJSON_GetObjectItemCaseSensitive(j, "top_k")) && v->valuedouble >= 0)
-                    sp->top_k = (int64_t)v->valuedouble;
-                if (cJSON_IsNumber(v = cJSON_GetObjectItemCaseSensitive(j, "min_p")) && v->valuedouble >= 0 &&
-                    v->valuedouble <= 1)
-                    sp->min_p = (float)v->valuedouble;
+                if (gen_number(p, j, "temperature", 0, 0, 1e308, &d)) sp->temperature = (float)d;
+                if (gen_number(p, j, "top_p", 0, 1, 1, &d)) sp->top_p = (float)d;
+                if (gen_number(p, j, "top_k", 0, 0, 1e308, &d)) sp->top_k = (int64_t)d;
+                if (gen_number(p, j, "min_p", 0, 0, 1, &d)) sp->min_p = (float)d;
             }
         }
         cJSON_Delete(j);

@@ -1071,6 +1071,39 @@ static void test_json_errors(void **state) {
     assert_string_equal(g_out, "");
 }
 
+/* Values of generation_config.json that are not used are named on stderr (they were dropped silently):
+ * a model directory of links to the default model's files with a broken generation_config.json. */
+static void test_generation_config_warnings(void **state) {
+    (void)state;
+    char dir[PATH_MAX], src[PATH_MAX * 2], dst[PATH_MAX * 2];
+    snprintf(dir, sizeof dir, "%s", io_path("genconf-model"));
+    assert_int_equal(mkdir(dir, 0777), 0);
+    const char *files[] = {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"};
+    char cwd[PATH_MAX];
+    assert_non_null(getcwd(cwd, sizeof cwd));
+    for (int i = 0; i < 4; i++) {
+        snprintf(src, sizeof src, "%s/models/nemotron-h-tiny-moe/%s", cwd, files[i]);
+        snprintf(dst, sizeof dst, "%s/%s", dir, files[i]);
+        assert_int_equal(symlink(src, dst), 0);
+    }
+    snprintf(dst, sizeof dst, "%s/generation_config.json", dir);
+    const char *bad = "{\"eos_token_id\": [2, 99999, \"x\", 1.5], \"do_sample\": \"yes\", \"temperature\": -1, "
+                      "\"top_p\": 1.5, \"top_k\": \"40\", \"min_p\": 2}";
+    io_write_bytes(dst, bad, strlen(bad));
+    EXPECT_RC(0, "generate", "-m", dir, "-p", "The little girl", "-n", "4", "--seed", "1");
+    expect_in(g_err, "generation_config.json: eos_token_id 99999 is not a token id of the vocabulary (0 .. 8191): ignored");
+    expect_in(g_err, "eos_token_id \"x\" is not an integer token id: ignored");
+    expect_in(g_err, "eos_token_id 1.5 is not an integer token id: ignored");
+    expect_in(g_err, "do_sample \"yes\" is not true or false: ignored");
+    expect_in(g_err, "temperature -1 is not a number >= 0: ignored");
+    expect_in(g_err, "top_p 1.5 is not a number in (0, 1]: ignored");
+    expect_in(g_err, "top_k \"40\" is not a number >= 0: ignored");
+    expect_in(g_err, "min_p 2 is not a number in [0, 1]: ignored");
+    /* the model's own file: no warning */
+    EXPECT_RC(0, "generate", "-m", "models/nemotron-h-tiny-moe", "-p", "The little girl", "-n", "4");
+    assert_null(strstr(g_err, "warning"));
+}
+
 static void test_odd_inputs(void **state) {
     (void)state;
     const char *mdl = "models/nemotron-h-tiny-moe", *held = "tests/golden/default/heldout_short.txt";
@@ -1197,6 +1230,7 @@ int main(void) {
         cmocka_unit_test(test_bench_ep_ranks),
         cmocka_unit_test(test_odd_inputs),
         cmocka_unit_test(test_json_errors),
+        cmocka_unit_test(test_generation_config_warnings),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }
