@@ -51,6 +51,13 @@ void fp4moe_from_f32(const float *src, int64_t n, fp4moe_dtype dtype, void *dst)
 /* max |w| over n elements of w (dtype); NaN elements are ignored. Used for the global amax. */
 float fp4moe_amax(const void *w, fp4moe_dtype dtype, int64_t n);
 
+/* The NaN / infinite values among n elements of w (dtype f32, f16 or bf16; an exponent field of all ones):
+ * returns their count and sets *first (may be NULL) to the index of the first, -1 if none. NVFP4 has no NaN
+ * or infinity (spec section 3 saturates them to finite codes), so callers that quantize real weights check
+ * with this first and refuse such a tensor (fp4moe quantize, the loader's quantize-on-load, inspect).
+ * Returns 0 for another dtype or n <= 0. */
+int64_t fp4moe_count_nonfinite(const void *w, fp4moe_dtype dtype, int64_t n, int64_t *first);
+
 /* NVFP4-quantizes a (rows x K) row-major tensor w of dtype `dtype` (spec section 3).
  *   global_amax: <= 0 for no global scale (decode multiplier 1); otherwise the tensor amax `a`
  *     (MLX convention): blocks are encoded with enc = 2688 / a and the decode multiplier a / 2688

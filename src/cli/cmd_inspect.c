@@ -93,18 +93,13 @@ static void check_scales(report *r, const fp4moe_qtensor *q) {
 /* Scans a float tensor (F32, F16, BF16) for NaN / Inf (an exponent of all ones), which the engine refuses at run
  * time ("weights hold NaN/Inf values"): one problem line a tensor, with the first index and the count. */
 static void check_floats(report *r, const fp4moe_st_tensor *t) {
-    int64_t first = -1, count = 0;
-    if (t->dtype == FP4MOE_ST_F32) {
-        const uint32_t *v = t->data;
-        for (int64_t i = 0; i < t->numel; i++)
-            if ((v[i] & 0x7F800000u) == 0x7F800000u && count++ == 0) first = i;
-    } else if (t->dtype == FP4MOE_ST_BF16 || t->dtype == FP4MOE_ST_F16) {
-        const uint16_t *v = t->data, mask = t->dtype == FP4MOE_ST_BF16 ? 0x7F80u : 0x7C00u;
-        for (int64_t i = 0; i < t->numel; i++)
-            if ((v[i] & mask) == mask && count++ == 0) first = i;
-    } else {
-        return;
-    }
+    const fp4moe_dtype dt = t->dtype == FP4MOE_ST_F32    ? FP4MOE_F32
+                            : t->dtype == FP4MOE_ST_BF16 ? FP4MOE_BF16
+                            : t->dtype == FP4MOE_ST_F16  ? FP4MOE_F16
+                                                         : (fp4moe_dtype)-1;
+    if ((int)dt < 0) return;
+    int64_t first = -1;
+    const int64_t count = fp4moe_count_nonfinite(t->data, dt, t->numel, &first);
     r->float_values += t->numel;
     r->nonfinite_total += count;
     if (count) {

@@ -266,20 +266,6 @@ static int expert_amax(const item *it, int64_t e, float *out) {
     return FP4MOE_OK;
 }
 
-/* Index of the first NaN / infinity among n values of dtype dt (by exponent bits), or -1. */
-static int64_t first_non_finite(const void *v, fp4moe_dtype dt, int64_t n) {
-    if (dt == FP4MOE_F32) {
-        const uint32_t *u = v;
-        for (int64_t i = 0; i < n; i++)
-            if ((u[i] & 0x7F800000u) == 0x7F800000u) return i;
-    } else {
-        const uint16_t *u = v, mask = dt == FP4MOE_BF16 ? 0x7F80 : 0x7C00;
-        for (int64_t i = 0; i < n; i++)
-            if ((u[i] & mask) == mask) return i;
-    }
-    return -1;
-}
-
 static int fill_copy(void *vctx, fp4moe_st_sink *sink, int64_t nbytes) {
     fill_ctx *c = vctx;
     for (int64_t e = 0; e < c->it->nsrc; e++) {
@@ -329,8 +315,8 @@ static int fill_quant(void *vctx, fp4moe_st_sink *sink, int64_t nbytes) {
             const uint8_t *p = src + (size_t)r0 * (size_t)K * es;
             if ((uintptr_t)p % es) p = memcpy(aligned, p, (size_t)(r * K) * es);
             if ((st = cli_check_interrupt())) break;
-            const int64_t bad = first_non_finite(p, dt, r * K);
-            if (bad >= 0) {
+            int64_t bad = -1;
+            if (fp4moe_count_nonfinite(p, dt, r * K, &bad)) {
                 st = fp4moe_set_error(FP4MOE_EFORMAT, "tensor '%s' holds a NaN or infinite value at expert %lld, row "
                                       "%lld, column %lld: refusing to quantize it (NVFP4 has no NaN; the codes "
                                       "would be silently finite)", it->name, (long long)e,

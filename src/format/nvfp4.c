@@ -49,6 +49,21 @@ float fp4moe_amax(const void *w, fp4moe_dtype dtype, int64_t n) {
     return m;
 }
 
+int64_t fp4moe_count_nonfinite(const void *w, fp4moe_dtype dtype, int64_t n, int64_t *first) {
+    int64_t count = 0, at = -1;
+    if (w && dtype == FP4MOE_F32) {
+        const uint32_t *u = w;
+        for (int64_t i = 0; i < n; i++)
+            if ((u[i] & 0x7F800000u) == 0x7F800000u && count++ == 0) at = i;
+    } else if (w && (dtype == FP4MOE_BF16 || dtype == FP4MOE_F16)) {
+        const uint16_t *u = w, mask = dtype == FP4MOE_BF16 ? 0x7F80u : 0x7C00u;
+        for (int64_t i = 0; i < n; i++)
+            if ((u[i] & mask) == mask && count++ == 0) at = i;
+    }
+    if (first) *first = at;
+    return count;
+}
+
 /* One block of 16 weights (spec section 3, steps 1-4; `enc` from step 1). Writes 8 code bytes
  * and returns the E4M3 scale byte. */
 static uint8_t quantize_block(const float v[16], float enc, uint8_t codes[8]) {

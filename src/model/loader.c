@@ -194,6 +194,16 @@ static int nvfp4_alloc(loader *L, int64_t E, int64_t N, int64_t K, int with_gs, 
     return FP4MOE_OK;
 }
 
+/* A NaN / Inf weight of a tensor quantized on load (element `at` of rows of K): NVFP4 has none (spec section 3
+ * would saturate it to a finite code, i.e. change the model silently), so the load stops, as fp4moe quantize
+ * does. */
+static int nonfinite_error(const char *name, int64_t at, int64_t K) {
+    return fp4moe_set_error(FP4MOE_EFORMAT, "tensor '%s' holds a NaN or infinite value at row %lld, column %lld: "
+                            "refusing to quantize it on load (NVFP4 has no NaN; the codes would be silently finite; "
+                            "fp4moe inspect lists such values, --no-quantize keeps the weights as they are)", name,
+                            (long long)(at / K), (long long)(at % K));
+}
+
 /* Quantizes rows [row0, row0 + rows) of the dense tensor t (K columns; rows < 0: all its rows,
  * N or E*N) into lin from expert slot e on (spec NVFP4.md section 3, no global scale). */
 static int quantize_into(const fp4moe_st_tensor *t, fp4moe_dtype dt, op_linear *lin, int64_t e, int64_t row0,
@@ -211,7 +221,10 @@ static int quantize_into(const fp4moe_st_tensor *t, fp4moe_dtype dt, op_linear *
         memcpy(tmp, src, bytes);
         src = tmp;
     }
-    int st = fp4moe_nvfp4_quantize(src, dt, rows, K, 0.0f, codes, scales, NULL);
+    int64_t bad = -1;
+    int st = fp4moe_count_nonfinite(src, dt, rows * K, &bad) ? nonfinite_error(t->name, row0 * K + bad, K)
+                                                              : fp4moe_nvfp4_quantize(src, dt, rows, K, 0.0f, codes,
+                                                                                      scales, NULL);
     free(tmp);
     return st ? fp4moe_error_context(st, "quantizing '%s'", t->name) : FP4MOE_OK;
 }
@@ -577,8 +590,12 @@ static int load_head(loader *L) {
     if (m->embed.nvfp4 || !want_quantize(L, c->hidden)) return FP4MOE_OK;
     int st = nvfp4_alloc(L, 1, c->vocab, c->hidden, 0, &m->lm_head);
     if (st) return st;
-    st = fp4moe_nvfp4_quantize(m->embed.dense[0], m->embed.dtype, c->vocab, c->hidden, 0.0f,
-                               (uint8_t *)m->lm_head.q.codes, (uint8_t *)m->lm_head.q.scales, NULL);
+    int64_t bad = -1;
+    if (fp4moe_count_nonfinite(m->embed.dense[0], m->embed.dtype, c->vocab * c->hidden, &bad))
+        st = nonfinite_error("backbone.embeddings.weight (the tied lm_head)", bad, c->hidden);
+    else
+        st = fp4moe_nvfp4_quantize(m->embed.dense[0], m->embed.dtype, c->vocab, c->hidden, 0.0f,
+                                   (uint8_t *)m->lm_head.q.codes, (uint8_t *)m->lm_head.q.scales, NULL);
     return st ? fp4moe_error_context(st, "quantizing the tied lm_head") : FP4MOE_OK;
 }
 

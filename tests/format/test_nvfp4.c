@@ -162,6 +162,30 @@ static void test_invalid_arguments(void **state) {
     assert_int_equal(fp4moe_nvfp4_dequantize(c, NULL, 1, 16, 1, FP4MOE_F32, w), FP4MOE_EINVAL);
 }
 
+/* fp4moe_count_nonfinite: NaN and +-Inf counted in each float dtype by the exponent field; the largest finite
+ * values, zeros and subnormals not; the first index reported */
+static void test_count_nonfinite(void **state) {
+    (void)state;
+    float f[7] = {1.0f, 3.4028235e38f, -0.0f, 1e-45f, INFINITY, NAN, -INFINITY};
+    int64_t first = 99;
+    assert_int_equal(fp4moe_count_nonfinite(f, FP4MOE_F32, 7, &first), 3);
+    assert_int_equal(first, 4);
+    assert_int_equal(fp4moe_count_nonfinite(f, FP4MOE_F32, 4, &first), 0);
+    assert_int_equal(first, -1);
+    const uint16_t b[6] = {0x3F80, 0x7F7F /* largest finite bf16 */, 0xFF80 /* -Inf */, 0x0001, 0x7FC1, 0x8000};
+    assert_int_equal(fp4moe_count_nonfinite(b, FP4MOE_BF16, 6, &first), 2);
+    assert_int_equal(first, 2);
+    const uint16_t h[5] = {0x7BFF /* largest finite f16 */, 0x0001, 0x7C00 /* +Inf */, 0xFE00 /* NaN */, 0x3C00};
+    assert_int_equal(fp4moe_count_nonfinite(h, FP4MOE_F16, 5, NULL), 2);
+    assert_int_equal(fp4moe_count_nonfinite(h, FP4MOE_F16, 5, &first), 2);
+    assert_int_equal(first, 2);
+    /* the same bits read as bf16 (exponent bits 7..14): all finite there */
+    assert_int_equal(fp4moe_count_nonfinite(h, FP4MOE_BF16, 5, &first), 0);
+    assert_int_equal(first, -1);
+    assert_int_equal(fp4moe_count_nonfinite(f, FP4MOE_F32, 0, &first), 0);
+    assert_int_equal(first, -1);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_hand_computed_block),
@@ -173,6 +197,7 @@ int main(void) {
         cmocka_unit_test(test_roundtrip_f32_gs),
         cmocka_unit_test(test_bytes_match_spec_steps),
         cmocka_unit_test(test_invalid_arguments),
+        cmocka_unit_test(test_count_nonfinite),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -917,6 +917,32 @@ static void test_nan_weights_are_an_error(void **state) {
     assert_true(cJSON_IsFalse(cJSON_GetObjectItem(ij, "ok")));
     assert_true(cJSON_GetObjectItem(ij, "nonfinite_float_values")->valuedouble > 0);
     cJSON_Delete(ij);
+    /* a bf16 checkpoint, quantized on load: a NaN weight stops the load, naming the tensor and its place (spec
+       section 3 would saturate it to a finite code: the model changed silently, found by a helper's trial) */
+    char dirn[512], cmdn[1400], filen[600];
+    snprintf(dirn, sizeof dirn, "%s", io_path("nan-bf16-model"));
+    snprintf(cmdn, sizeof cmdn, "rm -rf '%s' && cp -r tests/golden/models/tiny-a-bf16 '%s'", dirn, dirn);
+    assert_int_equal(system(cmdn), 0);
+    snprintf(filen, sizeof filen, "%s/model.safetensors", dirn);
+    assert_int_equal(fp4moe_st_open(filen, &f), FP4MOE_OK);
+    t = fp4moe_st_find(f, "backbone.layers.0.mixer.in_proj.weight");
+    assert_non_null(t);
+    assert_int_equal((int)t->dtype, (int)FP4MOE_ST_BF16);
+    const int64_t K3 = t->shape[1], at = 2 * K3 + 5; /* row 2, column 5 */
+    fp = fopen(filen, "r+b");
+    assert_non_null(fp);
+    fseek(fp, 0, SEEK_END);
+    const long d3 = ftell(fp) - (long)fp4moe_st_data_size(f);
+    assert_int_equal(fseek(fp, d3 + (long)t->offset + 2 * (long)at, SEEK_SET), 0);
+    fputc(0xC0, fp); /* bf16 0x7FC0 (little-endian): a quiet NaN */
+    fputc(0x7F, fp);
+    fclose(fp);
+    fp4moe_st_close(f);
+    EXPECT_RC(1, "generate", "-m", dirn, "-p", "Hello", "-n", "4");
+    expect_in(g_err, "tensor 'backbone.layers.0.mixer.in_proj.weight' holds a NaN or infinite value at row 2, column 5: "
+                     "refusing to quantize it on load");
+    EXPECT_RC(1, "generate", "-m", dirn, "-p", "Hello", "-n", "4", "--no-quantize"); /* kept dense: the forward's check */
+    expect_in(g_err, "NaN or infinite logits");
     /* an MLX checkpoint with one .scales tensor missing: the message names the missing scales (not
        the U32 codes' dtype or shape) */
     char dir2[512], cmd2[2048], file2[600];
