@@ -289,7 +289,7 @@ int cli_sampling_check(const char *cmd, cli_sampling *s) {
             if (fread(&r, sizeof r, 1, ur) != 1) r ^= 0x9E3779B97F4A7C15ull;
             fclose(ur);
         }
-        s->seed = (int64_t)(r >> 11) + 1;          /* < 2^53: exact in JSON */
+        s->seed = (int64_t)(r >> 11) + 1;          /* < 2^53: exact as a double (generate --json prints it as an integer) */
         if (s->temp > 0.0) fprintf(stderr, "%s: seed %lld (repeat with --seed %lld)\n", cmd, (long long)s->seed,
                                    (long long)s->seed);
     } else if (s->seed < 0) {

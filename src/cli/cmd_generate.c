@@ -377,7 +377,10 @@ static int run_generation(const gen_args *a, gen_state *g, const volatile sig_at
         cJSON_AddStringToObject(o, "finish_reason", reason);
         cJSON_AddStringToObject(o, "cpu_act", g->cpu_act ? g->cpu_act : "float");
         cJSON_AddStringToObject(o, "kv_cache_dtype", a->kv_cache ? a->kv_cache : "auto");
-        cJSON_AddNumberToObject(o, "seed", (double)a->smp.seed);
+        char seed[32]; /* as an exact integer: cJSON writes numbers with 15 significant digits when they round-trip
+                          within its epsilon, which loses the last digit of 16-digit seeds */
+        snprintf(seed, sizeof seed, "%lld", (long long)a->smp.seed);
+        cJSON_AddRawToObject(o, "seed", seed);
         cJSON_AddNumberToObject(o, "prefill_seconds", t_prefill);
         cJSON_AddNumberToObject(o, "decode_seconds", t_decode);
         cJSON_AddNumberToObject(o, "prefill_tok_s", t_prefill > 0 ? (double)g->T / t_prefill : 0.0);

@@ -847,6 +847,13 @@ static void test_generate_inputs_and_context(void **state) {
     cJSON_Delete(j);
     EXPECT_RC(0, "generate", "-m", M, "-p", P, "-n", "4", "--temp", "0.8");  /* a random seed, printed */
     expect_in(g_err, "repeat with --seed");
+    /* --json's seed is the exact integer (cJSON wrote 5.42372507014113e+15 for this one, another seed) */
+    EXPECT_RC(0, "generate", "-m", M, "-p", P, "-n", "2", "--temp", "0.8", "--seed", "5423725070141131", "--json");
+    expect_in(g_out, "\"seed\":\t5423725070141131");
+    j = cJSON_Parse(g_out);
+    assert_non_null(j);
+    assert_true(cJSON_GetObjectItem(j, "seed")->valuedouble == 5423725070141131.0);
+    cJSON_Delete(j);
     /* a NUL byte would end the text there without a word: an error naming the file (or standard input) */
     char nulp[512];
     snprintf(nulp, sizeof nulp, "%s", io_path("prompt-nul.txt"));
