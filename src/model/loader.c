@@ -78,6 +78,17 @@ static int shape_error(const fp4moe_st_tensor *t, int ndim, const int64_t *dims,
                             t->name, what, have, want);
 }
 
+/* An NVFP4 tensor whose logical shape (q: codes unpacked) is not dims: both the logical and the stored shape
+ * are named (the stored one is packed: K / 8 U32 words or K / 2 bytes a row). */
+static int qshape_error(const fp4moe_st_tensor *t, const fp4moe_qtensor *q, int ndim, const int64_t *dims) {
+    char have[160], stored[160], want[160];
+    format_shape(have, sizeof have, q->ndim, q->shape);
+    format_shape(stored, sizeof stored, t->ndim, t->shape);
+    format_shape(want, sizeof want, ndim, dims);
+    return fp4moe_set_error(FP4MOE_EFORMAT, "%s: NVFP4 tensor '%s' has logical shape %s (stored %s %s), expected %s",
+                            t->file, t->name, have, fp4moe_st_dtype_name(t->dtype), stored, want);
+}
+
 static int same_shape(int n1, const int64_t *a, int n2, const int64_t *b) {
     if (n1 != n2) return 0;
     for (int d = 0; d < n1; d++)
@@ -334,7 +345,7 @@ static int load_linear(loader *L, const char *module, int64_t N, int64_t K, int 
     const int isq = fp4moe_qtensor_of(L->m->st, t, &q);
     if (isq < 0) return isq;
     if (isq) {
-        if (!same_shape(q.ndim, q.shape, 2, dims)) return shape_error(t, 2, dims, "logical ");
+        if (!same_shape(q.ndim, q.shape, 2, dims)) return qshape_error(t, &q, 2, dims);
         st = nvfp4_in_place(L, &q, lin);
     } else {
         fp4moe_dtype dt;
@@ -359,7 +370,7 @@ static int load_experts_stacked(loader *L, const fp4moe_st_tensor *t, int64_t E,
     if (isq < 0) return isq;
     progress(L, t);
     if (isq) {
-        if (!same_shape(q.ndim, q.shape, 3, dims)) return shape_error(t, 3, dims, "logical ");
+        if (!same_shape(q.ndim, q.shape, 3, dims)) return qshape_error(t, &q, 3, dims);
         const int st = nvfp4_in_place(L, &q, lin);
         if (!st) op_linear_experts(lin, L->m->expert_lo, L->m->expert_hi, lin); /* the rank's share */
         return st;
@@ -424,7 +435,7 @@ static int load_experts_unstacked(loader *L, const char *prefix, const char *pro
                                     t->file, name, isq ? "NVFP4" : "dense", (long long)lo,
                                     first_q ? "NVFP4" : "dense");
         if (isq) {
-            if (!same_shape(q.ndim, q.shape, 2, dims)) return shape_error(t, 2, dims, "logical ");
+            if (!same_shape(q.ndim, q.shape, 2, dims)) return qshape_error(t, &q, 2, dims);
             st = copy_nvfp4_expert(L, &q, lin, e - lo);
         } else {
             fp4moe_dtype dt;
@@ -569,7 +580,7 @@ static int load_embedding(loader *L) {
     const int isq = fp4moe_qtensor_of(L->m->st, t, &q);
     if (isq < 0) return isq;
     if (isq) {
-        if (!same_shape(q.ndim, q.shape, 2, dims)) return shape_error(t, 2, dims, "logical ");
+        if (!same_shape(q.ndim, q.shape, 2, dims)) return qshape_error(t, &q, 2, dims);
         return nvfp4_in_place(L, &q, &L->m->embed);
     }
     fp4moe_dtype dt;

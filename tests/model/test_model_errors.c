@@ -120,6 +120,11 @@ static void test_misshaped_tensor(void **state) {
     edit e3 = {.reshape = "backbone.layers.2.mixer.switch_mlp.fc1.weight", .new_ndim = 3, .new_shape = {4, 64, 8}};
     d = corrupt_copy("tiny-a-mlx", "misshaped-experts", &e3, NULL, NULL);
     expect_load_error(d, 1, FP4MOE_EFORMAT, "switch_mlp.fc1", NULL, NULL);
+    /* an MLX checkpoint whose config says another vocabulary: the NVFP4 embedding's logical shape (codes unpacked)
+       and its stored U32 shape are both named (the stored one was called "logical" until session 28) */
+    d = corrupt_copy("tiny-a-mlx", "mlx-vocab", NULL, "\"vocab_size\": 272", "\"vocab_size\": 280");
+    expect_load_error(d, 1, FP4MOE_EFORMAT, "NVFP4 tensor 'backbone.embeddings.weight' has logical shape [272, 64]",
+                      "(stored U32 [272, 8])", "expected [280, 64]");
     edit e4 = {.reshape = "backbone.embeddings.weight", .new_ndim = 2, .new_shape = {136, 128}};
     d = corrupt_copy("tiny-a-bf16", "misshaped-embed", &e4, NULL, NULL);
     expect_load_error(d, 1, FP4MOE_EFORMAT, "'backbone.embeddings.weight' has shape [136, 128]",
