@@ -1025,7 +1025,9 @@ char *srv_engine_metrics(srv_engine *e) {
         cache_bytes += e->ranks[r].cache_bytes;
         n_cache += e->ranks[r].n_cache;
     }
-    srv_buf_printf(&b, "# HELP fp4moe_requests_total HTTP responses by status code.\n# TYPE fp4moe_requests_total counter\n");
+    srv_buf_printf(&b, "# HELP fp4moe_requests_total HTTP responses by status code (a stream counts 200 when its headers go "
+                       "out, also if its client leaves later: fp4moe_generations_total{reason=\"cancelled\"} counts "
+                       "those; 499: a non-stream client that left).\n# TYPE fp4moe_requests_total counter\n");
     for (int i = 0; i < e->n_codes; i++)
         srv_buf_printf(&b, "fp4moe_requests_total{code=\"%d\"} %llu\n", e->http_code[i], (unsigned long long)e->http_count[i]);
     static const char *const fin[] = {"stop", "length", "cancelled", "error"};

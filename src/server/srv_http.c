@@ -18,6 +18,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <sys/socket.h>
 #include <time.h>
 #include <unistd.h>
@@ -83,6 +84,7 @@ static enum MHD_Result respond(srv_http *h, struct MHD_Connection *c, int status
     }
     MHD_add_response_header(r, "Content-Type", type);
     if (status == 401) MHD_add_response_header(r, "WWW-Authenticate", "Bearer");
+    if (status == 429) MHD_add_response_header(r, "Retry-After", "1"); /* busy: the queue moves within seconds */
     const enum MHD_Result ok = MHD_queue_response(c, (unsigned)status, r);
     MHD_destroy_response(r);
     srv_engine_count_http(h->e, status);
@@ -131,26 +133,47 @@ static void sse_free(void *cls) {
 static int authorized(srv_http *h, struct MHD_Connection *c) {
     if (!h->o->api_key) return 1;
     const char *v = MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_AUTHORIZATION);
-    if (!v || strncmp(v, "Bearer ", 7)) return 0;
+    if (!v || strncasecmp(v, "Bearer ", 7)) return 0; /* the scheme is case-insensitive (RFC 9110 11.1) */
     const char *k = v + 7, *want = h->o->api_key;
+    while (*k == ' ') k++;
     const size_t lk = strlen(k), lw = strlen(want);
     unsigned diff = (unsigned)(lk != lw);
     for (size_t i = 0; i < lk && i < lw; i++) diff |= (unsigned)(k[i] ^ want[i]);
     return diff == 0;
 }
 
-static enum MHD_Result get_models(srv_http *h, struct MHD_Connection *c) {
-    cJSON *o = cJSON_CreateObject(), *d = cJSON_AddArrayToObject(o, "data"), *m = cJSON_CreateObject();
-    cJSON_AddStringToObject(o, "object", "list");
+/* the served model as an OpenAI model object */
+static cJSON *model_object(const srv_http *h) {
+    cJSON *m = cJSON_CreateObject();
     cJSON_AddStringToObject(m, "id", h->pc->model_name);
     cJSON_AddStringToObject(m, "object", "model");
     cJSON_AddNumberToObject(m, "created", (double)time(NULL));
     cJSON_AddStringToObject(m, "owned_by", "fp4moe");
     cJSON_AddNumberToObject(m, "max_model_len", (double)h->pc->context);
-    cJSON_AddItemToArray(d, m);
+    return m;
+}
+
+/* GET /v1/models: the list; GET /v1/models/ID: the model ID (OpenAI's "retrieve model"), 404 model_not_found for
+ * another ID */
+static enum MHD_Result get_models(srv_http *h, struct MHD_Connection *c, const char *id) {
+    cJSON *o;
+    if (id) {
+        if (strcmp(id, h->pc->model_name)) {
+            srv_error er;
+            srv_fail(&er, 404, "model", "The model '%.200s' does not exist (this server serves '%.200s')", id,
+                     h->pc->model_name);
+            er.code = "model_not_found";
+            return respond_error(h, c, &er);
+        }
+        o = model_object(h);
+    } else {
+        o = cJSON_CreateObject();
+        cJSON_AddStringToObject(o, "object", "list");
+        cJSON_AddItemToArray(cJSON_AddArrayToObject(o, "data"), model_object(h));
+    }
     char *s = cJSON_PrintUnformatted(o);
     cJSON_Delete(o);
-    return respond(h, c, 200, "application/json", s, strlen(s));
+    return s ? respond(h, c, 200, "application/json", s, strlen(s)) : MHD_NO;
 }
 
 static enum MHD_Result get_health(srv_http *h, struct MHD_Connection *c) {
@@ -334,7 +357,9 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
         return s ? respond(h, c, 200, "text/plain; version=0.0.4", s, strlen(s)) : MHD_NO;
     }
     if (v1 && !authorized(h, c)) return fail(h, c, 401, "%s", "missing or wrong API key (Authorization: Bearer KEY)");
-    if (!strcmp(url, "/v1/models")) return is_get ? get_models(h, c) : fail(h, c, 405, "%s /v1/models: use GET", method);
+    if (!strcmp(url, "/v1/models")) return is_get ? get_models(h, c, NULL) : fail(h, c, 405, "%s /v1/models: use GET", method);
+    if (!strncmp(url, "/v1/models/", 11) && url[11])
+        return is_get ? get_models(h, c, url + 11) : fail(h, c, 405, "%s /v1/models/ID: use GET", method);
     const int chat = !strcmp(url, "/v1/chat/completions"), comp = !strcmp(url, "/v1/completions");
     if (!chat && !comp) return fail(h, c, 404, "no route %s", url);
     if (!is_post) return fail(h, c, 405, "%s: use POST", url);

@@ -196,9 +196,11 @@ static int parse_common(const srv_parse_ctx *c, const cJSON *o, srv_request *r, 
     int b = 0, st;
     if ((st = get_number(o, "temperature", 0.0, 100.0, &d, e)) < 0) return -1;
     if (st) r->sp.temperature = (float)d;
+    const cJSON *tp = field(o, "top_p"); /* (0, 1]: the same message for 0 and for 2 */
+    if (tp && cJSON_IsNumber(tp) && !(tp->valuedouble > 0.0 && tp->valuedouble <= 1.0))
+        return srv_fail(e, 400, "top_p", "'top_p' is %g; it must be in (0, 1]", tp->valuedouble);
     if ((st = get_number(o, "top_p", 0.0, 1.0, &d, e)) < 0) return -1;
     if (st) {
-        if (d <= 0.0) return srv_fail(e, 400, "top_p", "'top_p' must be in (0, 1]");
         r->sp.top_p = (float)d;
     }
     if ((st = get_int(o, "top_k", -1, 1 << 30, &i, e)) < 0) return -1;
@@ -253,9 +255,13 @@ static int ids_from_array(const srv_parse_ctx *c, const cJSON *a, srv_request *r
     const cJSON *it;
     cJSON_ArrayForEach(it, a) {
         const double d = cJSON_IsNumber(it) ? it->valuedouble : -1.0;
-        if (!(d == floor(d)) || d < 0 || d >= (double)c->vocab)
-            return srv_fail(e, 400, "prompt", "prompt token %lld is not an id in [0, %lld)", (long long)r->n_ids,
-                            (long long)c->vocab);
+        if (!(d == floor(d)) || d < 0 || d >= (double)c->vocab) {
+            char *t = cJSON_PrintUnformatted(it);
+            srv_fail(e, 400, "prompt", "prompt token %.40s (at index %lld) is not a token id in [0, %lld)", t ? t : "?",
+                     (long long)r->n_ids, (long long)c->vocab);
+            free(t);
+            return -1;
+        }
         r->ids[r->n_ids++] = (int32_t)d;
     }
     return 0;

@@ -157,6 +157,19 @@ def main():
         # --- basics ------------------------------------------------------------------------------
         models = [m.id for m in c.models.list().data]
         check(models == ["nemotron-h-tiny-moe"], "GET /v1/models lists the served model: %s" % models)
+        m = c.models.retrieve("nemotron-h-tiny-moe")
+        check(m.id == "nemotron-h-tiny-moe" and m.object == "model", "GET /v1/models/ID (models.retrieve): %s" % m.id)
+        try:
+            c.models.retrieve("other-model")
+            check(False, "GET /v1/models/other-model is a 404")
+        except openai.NotFoundError as ex:
+            check(ex.code == "model_not_found", "GET /v1/models/other-model: 404 model_not_found (%s)" % ex.code)
+        st, body = s.raw("POST", "/v1/completions", '{"prompt": [1, 99999]}', {"Content-Type": "application/json"})
+        check(st == 400 and "prompt token 99999 (at index 1)" in body, "a bad prompt id is named: %d %s" % (st, body))
+        st, body = s.raw("POST", "/v1/completions", '{"prompt": "x", "top_p": 2}', {"Content-Type": "application/json"})
+        st0, body0 = s.raw("POST", "/v1/completions", '{"prompt": "x", "top_p": 0}', {"Content-Type": "application/json"})
+        check(st == st0 == 400 and "must be in (0, 1]" in body and "must be in (0, 1]" in body0,
+              "top_p 0 and 2: the same range in the message: %s / %s" % (body, body0))
         st, body = s.raw("GET", "/health")
         check(st == 200 and json.loads(body)["status"] == "ok", "GET /health: %d %s" % (st, body))
         p0 = "The little girl opened the door and saw"
@@ -370,6 +383,8 @@ def main():
             check(True, "a wrong API key gets 401")
         st, _ = s2.raw("POST", "/v1/completions", '{"prompt": "x"}')
         check(st == 401, "no API key: 401 (%d)" % st)
+        st, _ = s2.raw("GET", "/v1/models", None, {"Authorization": "bearer sekret"})
+        check(st == 200, "the auth scheme is case-insensitive ('bearer KEY'): %d" % st)
         ref2 = chat(s2.client("sekret"), turn2, 24, False, **off_kw)
         check(cached > 0 and a2[:3] == ref2[:3] and ref2[3].prompt_tokens_details is None,
               "turn 2 reuses %d of %d prompt tokens and answers as without the cache" % (cached, a2[3].prompt_tokens))
@@ -384,8 +399,10 @@ def main():
         try:
             s3.client().completions.create(model="nemotron-h-tiny-moe", prompt="x", max_tokens=2)
             check(False, "a request beyond --max-seqs + --max-queue gets 429")
-        except openai.RateLimitError:
-            check(True, "a request beyond --max-seqs + --max-queue gets 429")
+        except openai.RateLimitError as ex:
+            check(ex.response.headers.get("retry-after") == "1",
+                  "a request beyond --max-seqs + --max-queue gets 429, with Retry-After: %r"
+                  % ex.response.headers.get("retry-after"))
         sock.close()
         t = None
         for _ in range(100):  # the server frees the slot when it sees the disconnect (a loaded machine: later)
