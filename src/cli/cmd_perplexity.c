@@ -202,8 +202,9 @@ static int perplexity(const ppl_args *a) {
         if (used < p.n_ids)
             return cli_usage_error(CMD, "%s: --max-tokens %lld (of its %lld tokens) is fewer than --ctx %lld", a->file,
                                    (long long)used, (long long)p.n_ids, (long long)a->ctx);
-        return cli_usage_error(CMD, "%s has %lld tokens, fewer than --ctx %lld", a->file, (long long)p.n_ids,
-                               (long long)a->ctx);
+        /* the text is too short for one window: a failure of the input (exit 1), as llama.cpp's perplexity says it */
+        return cli_error(CMD, FP4MOE_EXIT_FAIL, "%s has %lld tokens, fewer than --ctx %lld (one window): give a longer "
+                         "text or a smaller --ctx", a->file, (long long)p.n_ids, (long long)a->ctx);
     }
     if ((rc = cli_load_model_on(CMD, a->model, !a->no_quantize, dev, &p.m))) {
         ppl_free(&p);

@@ -1079,6 +1079,12 @@ static void expect_json_error(const char *command, int code, const char *msg) {
 
 static void test_json_errors(void **state) {
     (void)state;
+    /* a text shorter than one window: exit 1 (bad input), not 2 (usage) */
+    char shortp[512];
+    snprintf(shortp, sizeof shortp, "%s", io_path("short.txt"));
+    io_write_bytes(shortp, "Once upon a time.", 17);
+    EXPECT_RC(1, "perplexity", "-m", "models/nemotron-h-tiny-moe", "--file", shortp, "--ctx", "64", "--json");
+    expect_json_error("perplexity", 1, "tokens, fewer than --ctx 64 (one window)");
     const char *M = "models/nemotron-h-tiny-moe", *P = "The little girl opened the door";
     EXPECT_RC(2, "bench-kernel", "--json", "--E", "4", "--topk", "5"); /* a usage error */
     expect_json_error("bench-kernel", 2, "--topk 5 is more than the 4 experts");
