@@ -770,7 +770,7 @@ int cmd_bench(int argc, char **argv) {
     if (!a.model == !a.synthetic) return cli_usage_error(CMD, "give exactly one of -m DIR and --synthetic CONFIG");
     if (a.batch < 0 || a.batch > 65535) return cli_usage_error(CMD, "--batch must be in 0 .. 65535");
     if (a.gpus < 0 || a.gpus > 64 || a.ep_ranks < 0 || a.ep_ranks > 64)
-        return cli_usage_error(CMD, "--gpus and --ep-ranks must be in 1 .. 64");
+        return cli_usage_error(CMD, "--gpus and --ep-ranks must be in 1 .. 64 (0: none, the default)");
     if (a.gpus > 1 && a.ep_ranks > 1) return cli_usage_error(CMD, "give one of --gpus and --ep-ranks");
     if (a.prompt_tokens < 1 || a.gen_tokens < 1 || a.repeats < 1)
         return cli_usage_error(CMD, "--prompt-tokens, --gen-tokens and --repeats must be >= 1");

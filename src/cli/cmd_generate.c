@@ -615,7 +615,7 @@ int cmd_generate(int argc, char **argv) {
     if (rc) return FP4MOE_EXIT_USAGE;
     if (a.chunk < 0) return cli_usage_error(CMD, "--chunk must be >= 1 (0: the default)");
     if (a.gpus < 0 || a.gpus > 64 || a.ep_ranks < 0 || a.ep_ranks > 64)
-        return cli_usage_error(CMD, "--gpus and --ep-ranks must be in 1 .. 64");
+        return cli_usage_error(CMD, "--gpus and --ep-ranks must be in 1 .. 64 (0: none, the default)");
     if (a.gpus > 1 && a.ep_ranks > 0) return cli_usage_error(CMD, "give one of --gpus and --ep-ranks");
     if (!a.model) return cli_usage_error(CMD, "-m DIR is required");
     if ((a.prompt != NULL) + (a.prompt_ids != NULL) + (a.file != NULL) != 1)

@@ -272,8 +272,9 @@ static int parse_image(fp4moe_st_file *f) {
     uint64_t hlen = 0;
     for (int i = 7; i >= 0; i--) hlen = (hlen << 8) | f->image[i];
     if (hlen > (uint64_t)FP4MOE_ST_MAX_HEADER)
-        return fp4moe_set_error(FP4MOE_EFORMAT, "%s: header length %llu exceeds the %lld-byte limit",
-                                path, (unsigned long long)hlen, (long long)FP4MOE_ST_MAX_HEADER);
+        return fp4moe_set_error(FP4MOE_EFORMAT, "%s: not a safetensors file? Its first 8 bytes, read as the header "
+                                "length, give %llu, over the %lld-byte limit", path, (unsigned long long)hlen,
+                                (long long)FP4MOE_ST_MAX_HEADER);
     if (hlen > f->size - 8)
         return fp4moe_set_error(FP4MOE_EFORMAT,
                                 "%s: header length %llu runs past the end of the file (%zu bytes; "

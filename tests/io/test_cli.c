@@ -1085,6 +1085,8 @@ static void test_json_errors(void **state) {
     io_write_bytes(shortp, "Once upon a time.", 17);
     EXPECT_RC(1, "perplexity", "-m", "models/nemotron-h-tiny-moe", "--file", shortp, "--ctx", "64", "--json");
     expect_json_error("perplexity", 1, "tokens, fewer than --ctx 64 (one window)");
+    EXPECT_RC(1, "inspect", "README.md"); /* a text file: its first bytes are no header length */
+    expect_in(g_err, "README.md: not a safetensors file? Its first 8 bytes, read as the header length, give");
     const char *M = "models/nemotron-h-tiny-moe", *P = "The little girl opened the door";
     EXPECT_RC(2, "bench-kernel", "--json", "--E", "4", "--topk", "5"); /* a usage error */
     expect_json_error("bench-kernel", 2, "--topk 5 is more than the 4 experts");
