@@ -356,15 +356,21 @@ static int parse_special_tokens(const cfg_src *c, fp4moe_config *cfg) {
     int64_t *dst[3] = {&cfg->bos_id, &cfg->eos_id, &cfg->pad_id};
     const char *names[3] = {"bos_token_id", "eos_token_id", "pad_token_id"};
     for (int i = 0; i < 3; i++) {
-        const cJSON *it = field(c, names[i]);
-        if (cJSON_IsArray(it)) it = cJSON_GetArrayItem(it, 0);   /* eos may be a list */
+        const cJSON *f = field(c, names[i]), *it;
         *dst[i] = -1;
-        if (!cJSON_IsNumber(it) || it->valuedouble < 0) continue;  /* absent, null, negative: none */
-        const double v = it->valuedouble;                        /* range first: no overflowing cast */
-        if (!(v < 2147483648.0) || v != (double)(int64_t)v)
-            return fp4moe_set_error(FP4MOE_EFORMAT, "%s: %s = %g is not a token id (an integer below 2^31)",
-                                    c->label, names[i], v);
-        *dst[i] = (int64_t)v;
+        /* absent, null or negative: none; a list (eos): every entry an id, the first kept */
+        for (it = cJSON_IsArray(f) ? f->child : f; it; it = cJSON_IsArray(f) ? it->next : NULL) {
+            if (cJSON_IsNull(it) || (cJSON_IsNumber(it) && it->valuedouble < 0)) continue;
+            const double v = cJSON_IsNumber(it) ? it->valuedouble : NAN; /* range first: no overflowing cast */
+            if (!(v < (double)cfg->vocab) || v != (double)(int64_t)v) {
+                char *t = cJSON_PrintUnformatted(it);
+                fp4moe_set_error(FP4MOE_EFORMAT, "%s: %s %s is not a token id (an integer below vocab_size %lld)",
+                                 c->label, names[i], t ? t : "?", (long long)cfg->vocab);
+                free(t);
+                return FP4MOE_EFORMAT;
+            }
+            if (*dst[i] < 0) *dst[i] = (int64_t)v;
+        }
     }
     /* fields that would change the math, which this forward does not implement */
     const char *acts[2][2] = {{"mlp_hidden_act", "relu2"}, {"mamba_hidden_act", "silu"}};
