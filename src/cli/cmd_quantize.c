@@ -445,10 +445,16 @@ int cmd_quantize(int argc, char **argv) {
     if ((st = build_plan(m, inc, exc, &p))) goto fail;
     p.stash_cap = (int64_t)atoll(fp4moe_env_value("FP4MOE_QUANTIZE_STASH_MB")) << 20;
     int64_t nq = 0;
+    for (int64_t i = 0; i < p.n; i++) nq += p.items[i].quantize != 0;
+    if (nq == 0) { /* the output would claim nvfp4 in config.json and hold no NVFP4 tensor */
+        rc = cli_error(CMD, FP4MOE_EXIT_FAIL, "no tensor of %s is to be quantized (%s%s%s%s%s): nothing written", input,
+                       include ? "--include '" : "the default rules", include ? include : "",
+                       include ? "'" : "", exclude ? ", --exclude " : "", exclude ? exclude : "");
+        goto done;
+    }
     for (int64_t i = 0; i < p.n; i++) {
         item *it = &p.items[i];
         if (!it->quantize) continue;
-        nq++;
         if (!with_gs) continue;
         if (!(it->amax = malloc(sizeof *it->amax * (size_t)it->E))) {
             st = fp4moe_set_error(FP4MOE_ENOMEM, "out of memory");

@@ -582,6 +582,11 @@ static void test_include_exclude(void **state) {
     snprintf(q1, sizeof q1, "%s", io_path("ie-inc.safetensors"));
     snprintf(q2, sizeof q2, "%s", io_path("ie-exc.safetensors"));
     write_model(in, 0);
+    /* a pattern that matches nothing: an error, nothing written (the output's config claimed nvfp4 without one
+       NVFP4 tensor until session 28) */
+    EXPECT_RC(1, "quantize", "-i", in, "-o", q1, "--include", "no-such-tensor");
+    expect_in(g_err, "is to be quantized (--include 'no-such-tensor'): nothing written");
+    assert_int_equal(access(q1, F_OK), -1);
     EXPECT_RC(0, "quantize", "-i", in, "-o", q1, "--include", "^(lm_head|backbone\\.embeddings)\\.");
     fp4moe_st_model *m;
     assert_int_equal(fp4moe_st_model_open(q1, &m), FP4MOE_OK);
