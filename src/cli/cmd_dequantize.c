@@ -125,7 +125,9 @@ int cmd_dequantize(int argc, char **argv) {
         goto done;
     }
     const fp4moe_qformat fmt = fp4moe_qformat_detect(m);
-    if (fmt == FP4MOE_QFMT_PLAIN) fprintf(stderr, "dequantize: %s has no quantized tensor; copying it\n", input);
+    if (fmt == FP4MOE_QFMT_PLAIN)
+        fprintf(stderr, "dequantize: %s has no quantized tensor; copying it unchanged (its dtypes kept, not --dtype)\n",
+                input);
     const int64_t n = fp4moe_st_model_count(m);
     int64_t max_ctx = 0; /* one producer per quantized tensor, E with --unstack */
     for (int64_t i = 0; i < n; i++) {
@@ -180,9 +182,13 @@ int cmd_dequantize(int argc, char **argv) {
     }
     cli_progress_finish(&progress);
     char b[32];
-    fprintf(stderr, "dequantize: %lld %s tensors -> %s, %lld tensors written (%s) in %.1f s\n", (long long)ndeq,
-            fp4moe_qformat_name(fmt), fp4moe_dtype_name(out_dt), (long long)fp4moe_st_writer_count(w),
-            cli_format_bytes(fp4moe_st_writer_data_size(w), b), cli_now() - t0);
+    if (ndeq)
+        fprintf(stderr, "dequantize: %lld %s tensors -> %s, %lld tensors written (%s) in %.1f s\n", (long long)ndeq,
+                fp4moe_qformat_name(fmt), fp4moe_dtype_name(out_dt), (long long)fp4moe_st_writer_count(w),
+                cli_format_bytes(fp4moe_st_writer_data_size(w), b), cli_now() - t0);
+    else
+        fprintf(stderr, "dequantize: nothing to dequantize; %lld tensors copied unchanged (%s) in %.1f s\n",
+                (long long)fp4moe_st_writer_count(w), cli_format_bytes(fp4moe_st_writer_data_size(w), b), cli_now() - t0);
     rc = FP4MOE_EXIT_OK;
     goto done;
 fail:
