@@ -433,6 +433,35 @@ static long long json_nul_at(const char *body, size_t len) {
     return -1;
 }
 
+/* The first key that an object holds twice, at any depth (NULL: none). A JSON parser keeps the first value here
+ * (cJSON) and the last in Python's json (vLLM, the OpenAI SDKs' servers): a request with one is refused rather than
+ * read differently. Depth is bounded by the parser's nesting limit. */
+static int cmp_key(const void *a, const void *b) { return strcmp(*(const char *const *)a, *(const char *const *)b); }
+
+static const char *duplicate_key(const cJSON *o) {
+    if (cJSON_IsObject(o)) { /* the keys sorted: n log n, whatever a body holds */
+        size_t n = 0;
+        for (const cJSON *a = o->child; a; a = a->next) n++;
+        const char **k = n > 1 ? malloc(n * sizeof *k) : NULL;
+        if (k) {
+            size_t m = 0;
+            for (const cJSON *a = o->child; a; a = a->next) k[m++] = a->string ? a->string : "";
+            qsort(k, m, sizeof *k, cmp_key);
+            const char *dup = NULL;
+            for (size_t i = 1; i < m && !dup; i++)
+                if (!strcmp(k[i - 1], k[i])) dup = k[i];
+            free(k);
+            if (dup) return dup;
+        }
+    }
+    for (const cJSON *a = o ? o->child : NULL; a; a = a->next)
+        if (cJSON_IsObject(a) || cJSON_IsArray(a)) {
+            const char *d = duplicate_key(a);
+            if (d) return d;
+        }
+    return NULL;
+}
+
 int srv_parse_request(const srv_parse_ctx *c, srv_kind kind, const char *body, size_t len, srv_request *r,
                       srv_error *e) {
     memset(r, 0, sizeof *r);
@@ -456,6 +485,8 @@ int srv_parse_request(const srv_parse_ctx *c, srv_kind kind, const char *body, s
         rc = srv_fail(e, 400, NULL, "the request body has a NUL character (U+0000) in a string (at byte %lld of %zu); "
                       "fp4moe does not accept it in any text", nul, len);
     else if (!cJSON_IsObject(o)) rc = srv_fail(e, 400, NULL, "the request body must be a JSON object");
+    else if (duplicate_key(o))
+        rc = srv_fail(e, 400, NULL, "the request body has the key '%.100s' twice in one object", duplicate_key(o));
     else if (parse_common(c, o, r, &has_max, e)) rc = -1;
     else if (kind == SRV_CHAT ? parse_chat(c, o, r, e) : parse_completion(c, o, r, e)) rc = -1;
     else if (check_length(c, r, has_max, e)) rc = -1;

@@ -231,6 +231,9 @@ static void test_request_errors(void **state) {
         {SRV_COMPLETION, "{\"prompt\": \"x\", \"temperature\": -0.1}", 400, "temperature"},
         {SRV_COMPLETION, "{\"prompt\": \"x\", \"temperature\": \"1\"}", 400, "temperature"},
         {SRV_COMPLETION, "{\"prompt\": \"x\", \"top_p\": 0}", 400, "top_p"},
+        /* a key twice: cJSON would read the first, Python's json (vLLM) the last - refused (session 28) */
+        {SRV_COMPLETION, "{\"prompt\": \"x\", \"max_tokens\": 5, \"max_tokens\": 9}", 400, ""},
+        {SRV_CHAT, "{\"messages\": [{\"role\": \"user\", \"content\": \"a\", \"content\": \"b\"}]}", 400, ""},
         {SRV_COMPLETION, "{\"prompt\": \"x\", \"top_p\": 1.5}", 400, "top_p"},
         {SRV_COMPLETION, "{\"prompt\": \"x\", \"top_k\": 2.5}", 400, "top_k"},
         {SRV_COMPLETION, "{\"prompt\": \"x\", \"min_p\": 2}", 400, "min_p"},
