@@ -39,7 +39,6 @@ static int g_json_mode, g_json_printed;
 static char g_last_error[1024];
 
 void cli_json_mode_on(void) { g_json_mode = 1; }
-int cli_json_mode(void) { return g_json_mode; }
 
 void cli_json_print(const char *text) {
     printf("%s\n", text);

@@ -91,7 +91,6 @@ int cli_error(const char *command, int exit_code, const char *fmt, ...)
  * other option is checked, so a usage error is JSON too); a command with its own parser calls
  * cli_json_mode_on. */
 void cli_json_mode_on(void);
-int cli_json_mode(void);
 /* Prints text and a newline on stdout: the command's JSON object is out (no error object after it). */
 void cli_json_print(const char *text);
 /* The error object's fields {"command", "message", "exit_code"} as a JSON text (malloc'd; NULL when out of
