@@ -57,6 +57,10 @@ int fp4moe_tokenizer_load(const char *path, fp4moe_tokenizer **out);
 /* Frees everything the tokenizer owns; NULL is a no-op. */
 void fp4moe_tokenizer_free(fp4moe_tokenizer *tok);
 
+/* Byte offset of the first invalid UTF-8 sequence in text[0..len) (RFC 3629: no overlongs, no surrogates,
+ * <= U+10FFFF), or -1 when all of it is valid (also for len <= 0 or a NULL text): what encode refuses. */
+int64_t fp4moe_utf8_invalid_at(const char *text, int64_t len);
+
 /* Encodes `len` bytes of UTF-8 `text` (may hold NUL bytes; len 0 gives 0 ids). add_special != 0
  * adds the post-processor's special tokens (e.g. BOS), as HF add_special_tokens=True.
  * On success *ids is a malloc'ed array of *n_ids int32 token ids in [0, vocab_size) that the

@@ -279,8 +279,10 @@ int cli_sampling_check(const char *cmd, cli_sampling *s) {
     if (!(s->top_p > 0.0 && s->top_p <= 1.0)) return cli_usage_error(cmd, "--top-p must be in (0, 1]");
     if (s->top_k < 0) return cli_usage_error(cmd, "--top-k must be >= 0");
     if (!(s->min_p >= 0.0 && s->min_p <= 1.0)) return cli_usage_error(cmd, "--min-p must be in [0, 1]");
-    if (!(s->temp >= 0.0)) return cli_usage_error(cmd, "--temp must be >= 0");
-    if (!(s->repeat_penalty > 0.0 && s->repeat_penalty < 1e6)) return cli_usage_error(cmd, "--repeat-penalty must be > 0");
+    /* (as floats: the sampler's type; 1e39 would be inf there, 1e-50 zero) */
+    if (!(s->temp >= 0.0 && isfinite((float)s->temp))) return cli_usage_error(cmd, "--temp must be >= 0 (and < 3.4e38)");
+    if (!(s->repeat_penalty >= 1e-6 && s->repeat_penalty < 1e6))
+        return cli_usage_error(cmd, "--repeat-penalty must be in [1e-6, 1e6) (1: off)");
     if (s->repeat_last_n < 1) return cli_usage_error(cmd, "--repeat-last-n must be >= 1");
     if (s->seed == INT64_MIN) {   /* a random seed, printed so that the run can be repeated */
         FILE *ur = fopen("/dev/urandom", "rb");

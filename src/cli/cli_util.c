@@ -133,6 +133,8 @@ static int set_value(const cli_spec *spec, const cli_opt *o, const char *v) {
         long long x = strtoll(v, &end, 10);
         if (errno || end == v || *end)
             return cli_usage_error(spec->command, "%s expects an integer, got '%s'", o->name, v);
+        if (x == INT64_MIN) /* the options' "not given" value (e.g. --seed: a random seed) */
+            return cli_usage_error(spec->command, "%s %s is out of range", o->name, v);
         *(int64_t *)o->dst = x;
         return CLI_OK;
     }
@@ -219,6 +221,9 @@ int cli_set_threads(const char *command, int64_t n) {
         fprintf(stderr, "%s: warning: --threads %lld is more than the %ld CPUs online; every step waits on "
                 "threads that share a core (slower, not faster)\n", command, (long long)n, cpus);
     if (n > 0) fp4moe_set_threads((int)n);
+    else if (cpus > 0 && getenv("OMP_NUM_THREADS") && omp_get_max_threads() > cpus)
+        fprintf(stderr, "%s: warning: OMP_NUM_THREADS gives %d threads, more than the %ld CPUs online; every step waits "
+                "on threads that share a core (slower, not faster)\n", command, omp_get_max_threads(), cpus);
     return CLI_OK;
 }
 

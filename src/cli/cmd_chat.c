@@ -169,6 +169,12 @@ static int chat(const chat_args *a) {
                     (long long)((const char *)memchr(line, 0, len) - line));
             continue;
         }
+        const int64_t bad = fp4moe_utf8_invalid_at(line, (int64_t)len); /* the tokenizer would refuse the whole turn */
+        if (bad >= 0) {
+            fprintf(stderr, "%s: the line is not valid UTF-8 at byte %lld (0x%02X): not sent\n", CMD, (long long)bad,
+                    (unsigned)(unsigned char)line[bad]);
+            continue;
+        }
         if (!strcmp(line, "/exit") || !strcmp(line, "/quit")) break;
         if (!strcmp(line, "/reset")) {
             while (cJSON_GetArraySize(msgs) > (a->system ? 1 : 0))

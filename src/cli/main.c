@@ -40,6 +40,17 @@ static void usage(FILE *out) {
 /* The environment switches the library reads (fp4moe_env_*: one table): a value the library would
  * ignore is a usage error here, so that a typo cannot pass for a measurement. */
 static int check_environment(void) {
+    /* OMP_NUM_THREADS (OpenMP's; a list "N[,M...]", the first for our parallel regions): past 4096, --threads'
+     * bound, libgomp crashes creating the threads (seen at 100,000) or takes minutes */
+    const char *omp = getenv("OMP_NUM_THREADS");
+    if (omp && *omp) {
+        char *end = NULL;
+        const long long n = strtoll(omp, &end, 10);
+        if (end != omp && n > 4096) {
+            fprintf(stderr, "fp4moe: OMP_NUM_THREADS=%s: more than 4096 threads (--threads takes 1 .. 4096)\n", omp);
+            return FP4MOE_EXIT_USAGE;
+        }
+    }
     if (fp4moe_env_check() == FP4MOE_OK) return FP4MOE_EXIT_OK;
     fprintf(stderr, "fp4moe: %s\n", fp4moe_last_error());
     return FP4MOE_EXIT_USAGE;

@@ -258,6 +258,10 @@ static int utf8_valid_seq(const unsigned char *s, int64_t n) {
     return len;
 }
 
+int64_t fp4moe_utf8_invalid_at(const char *text, int64_t len) {
+    return text && len > 0 ? tok_utf8_invalid_at(text, len) : -1;
+}
+
 int64_t tok_utf8_invalid_at(const char *s, int64_t n) {
     const unsigned char *u = (const unsigned char *)s;
     int64_t i = 0;

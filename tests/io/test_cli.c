@@ -1029,6 +1029,14 @@ static void test_chat(void **state) {
     expect_in(g_err, "answer stopped at the context limit of 64 tokens");    /* "hello" fits, its answer stops */
     expect_in(g_err, "the line has a NUL byte at offset 4: not sent");
     EXPECT_RC(2, "chat", "-m", "models/nemotron-h-tiny-moe", "--ctx", "-1");
+    /* a line that is not UTF-8 is not sent, and the conversation goes on (it ended the whole chat until session 28:
+       the tokenizer refused the rendered conversation) */
+    const char *bad8 = "Tell me about the sea.\nHi \xff there\nTell me about the sea.\n/exit\n";
+    io_write_bytes(in, bad8, strlen(bad8));
+    g_stdin_path = in;
+    EXPECT_RC(0, "chat", "-m", "models/nemotron-h-tiny-moe", "--chat-template", T, "-n", "12", "--think", "off");
+    expect_in(g_err, "the line is not valid UTF-8 at byte 3 (0xFF): not sent");
+    assert_true(strlen(g_out) > 2); /* the two other lines answered */
     /* a template that does not compile: the message names its file */
     char bad[512];
     snprintf(bad, sizeof bad, "%s", io_path("bad.jinja"));
@@ -1080,6 +1088,31 @@ static void expect_json_error(const char *command, int code, const char *msg) {
     expect_in(g_err, msg); /* the same reason on stderr */
     assert_int_equal((int)x->valuedouble, code);
     cJSON_Delete(j);
+}
+
+/* Limits a second helper's trial found unguarded (session 28) */
+static void test_limits(void **state) {
+    (void)state;
+    const char *M = "models/nemotron-h-tiny-moe";
+    setenv("OMP_NUM_THREADS", "100000", 1); /* libgomp crashed creating them */
+    EXPECT_RC(2, "generate", "-m", M, "-p", "Once", "-n", "2");
+    unsetenv("OMP_NUM_THREADS");
+    expect_in(g_err, "OMP_NUM_THREADS=100000: more than 4096 threads");
+    /* the prompt filling the context leaves no room: an error (1 token was made, 1 also for one more ctx) */
+    EXPECT_RC(1, "generate", "-m", M, "--prompt-ids", "5,6", "--ctx", "2", "-n", "4");
+    expect_in(g_err, "the prompt has 2 tokens, all of the context limit of 2 tokens (--ctx)");
+    EXPECT_RC(0, "generate", "-m", M, "--prompt-ids", "5,6", "--ctx", "4", "-n", "9", "--json");
+    cJSON *j = cJSON_Parse(g_out);
+    assert_non_null(j);
+    assert_int_equal(cJSON_GetArraySize(cJSON_GetObjectItem(j, "ids")), 2); /* prompt + generated <= ctx */
+    cJSON_Delete(j);
+    EXPECT_RC(2, "generate", "-m", M, "-p", "Once", "--seed", "-9223372036854775808"); /* was a random seed */
+    expect_in(g_err, "--seed -9223372036854775808 is out of range");
+    EXPECT_RC(2, "generate", "-m", M, "-p", "Once", "--temp", "1e39"); /* inf as a float: failed after loading */
+    expect_in(g_err, "--temp must be >= 0");
+    EXPECT_RC(2, "generate", "-m", M, "-p", "Once", "--repeat-penalty", "1e10");
+    expect_in(g_err, "--repeat-penalty must be in [1e-6, 1e6)");
+    EXPECT_RC(2, "generate", "-m", M, "-p", "Once", "--repeat-penalty", "1e-50"); /* 0 as a float: silently off */
 }
 
 static void test_json_errors(void **state) {
@@ -1276,6 +1309,7 @@ int main(void) {
         cmocka_unit_test(test_bench_ep_ranks),
         cmocka_unit_test(test_odd_inputs),
         cmocka_unit_test(test_json_errors),
+        cmocka_unit_test(test_limits),
         cmocka_unit_test(test_generation_config_warnings),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
