@@ -40,6 +40,16 @@ typedef struct {
     double split_prefill[FP4MOE_PROF_KINDS], split_decode[FP4MOE_PROF_KINDS]; /* ms */
 } bench_run;
 
+
+/* --route, and the environment's route switches where set (they act under --route auto) */
+static const char *route_text(const char *route, char *buf, size_t cap) {
+    const char *er = fp4moe_env_value("FP4MOE_GATHER_ROUTE"), *eb = fp4moe_env_value("FP4MOE_GATHER_EXPERT_BATCHED");
+    const int r = er && *er && strcmp(er, "auto"), b = eb && !strcmp(eb, "0");
+    snprintf(buf, cap, "%s%s%s%s%s%s", route, r || b ? " (" : "", r ? "FP4MOE_GATHER_ROUTE=" : "", r ? er : "",
+             b ? (r ? ", FP4MOE_GATHER_EXPERT_BATCHED=0" : "FP4MOE_GATHER_EXPERT_BATCHED=0") : "", r || b ? ")" : "");
+    return buf;
+}
+
 static uint64_t fnv1a(uint64_t h, int32_t id) {
     for (int i = 0; i < 4; i++) {
         h ^= (uint64_t)((uint32_t)id >> (8 * i) & 0xFF);
@@ -196,10 +206,11 @@ static void report(const bench_args *a, const fp4moe_model *m, fp4moe_device dev
     }
     printf("model          %s (%s%s)\n", what, fp4moe_quant_mode_name(fp4moe_model_format(m)),
            a->synthetic ? ", synthetic weights" : "");
+    char rs[160];
     printf("setup          %lld prompt tokens, %lld generated, %lld repeats, %s activations%s, "
            "route %s, device %s, %d threads, %s kernels\n", (long long)a->prompt_tokens, (long long)a->gen_tokens,
            (long long)R, a->dtype, !strcmp(a->cpu_act, "q8") ? " (NVFP4 matmuls W4A8)" : "",
-           a->route, fp4moe_device_name(dev), omp_get_max_threads(), fp4moe_gather_cpu_isa());
+           route_text(a->route, rs, sizeof rs), fp4moe_device_name(dev), omp_get_max_threads(), fp4moe_gather_cpu_isa());
     printf("prefill        %.2f tok/s (median); floor %.0f tok/s (%.2f GB at %.4g GB/s): %.3f of it\n", sm.pf,
            sm.pf_floor, sm.wb_prefill * 1e-9, a->floor_bw * 1e-9, sm.pf / sm.pf_floor);
     printf("decode         %.2f tok/s (median); floor %.2f tok/s (%.3f GB per token): %.3f of it\n", sm.dc,

@@ -1113,6 +1113,11 @@ static void test_limits(void **state) {
     EXPECT_RC(2, "generate", "-m", M, "-p", "Once", "--repeat-penalty", "1e10");
     expect_in(g_err, "--repeat-penalty must be in [1e-6, 1e6)");
     EXPECT_RC(2, "generate", "-m", M, "-p", "Once", "--repeat-penalty", "1e-50"); /* 0 as a float: silently off */
+    /* bench's setup line names the route switches of the environment (it said "route auto" under them) */
+    setenv("FP4MOE_GATHER_ROUTE", "batched", 1);
+    EXPECT_RC(0, "bench", "-m", M, "--prompt-tokens", "8", "--gen-tokens", "2", "--repeats", "1");
+    unsetenv("FP4MOE_GATHER_ROUTE");
+    expect_in(g_out, "route auto (FP4MOE_GATHER_ROUTE=batched)");
 }
 
 static void test_json_errors(void **state) {
