@@ -40,11 +40,12 @@ static void add_message(cJSON *msgs, const char *role, const char *content) {
  * the context limit in tokens - a conversation of ctx_len tokens or more is not sent (*too_long = 1, nothing
  * printed but the message), an answer stops at the limit. */
 static int answer(const chat_args *a, fp4moe_session *s, int64_t V, fp4moe_tokenizer *tok, fp4moe_sampler *smp,
-                  const fp4moe_template *tmpl, cJSON *ctx, int64_t ctx_len, cli_text *answer, int *too_long) {
+                  const fp4moe_template *tmpl, const char *tmpl_name, cJSON *ctx, int64_t ctx_len, cli_text *answer,
+                  int *too_long) {
     *too_long = 0;
     char *prompt = NULL;
     int st = fp4moe_template_render(tmpl, ctx, NULL, &prompt, NULL);
-    if (st) return st;
+    if (st) return fp4moe_error_context(st, "%s", tmpl_name); /* e.g. the template's raise_exception */
     int32_t *ids = NULL;
     int64_t T = 0;
     st = fp4moe_tokenizer_encode(tok, prompt, (int64_t)strlen(prompt), 0, &ids, &T);
@@ -114,6 +115,8 @@ static int chat(const chat_args *a) {
     fp4moe_template *tmpl = NULL;
     int st = fp4moe_template_compile(src, strlen(src), &tmpl);
     if (st) fp4moe_error_context(st, "%s", where ? where : "chat template");
+    char tmpl_name[512]; /* for the errors of its renders */
+    snprintf(tmpl_name, sizeof tmpl_name, "%s", where ? where : "chat template");
     free(src);
     free(where);
     if (st) return cli_fail(CMD, st);
@@ -191,7 +194,7 @@ static int chat(const chat_args *a) {
         add_message(msgs, "user", line[0] == '/' && line[1] == '/' ? line + 1 : line);
         cli_text ans = {0};
         int too_long = 0;
-        st = answer(a, s, fp4moe_model_config(m)->vocab, tok, &smp, tmpl, ctx, ctx_len, &ans, &too_long);
+        st = answer(a, s, fp4moe_model_config(m)->vocab, tok, &smp, tmpl, tmpl_name, ctx, ctx_len, &ans, &too_long);
         if (too_long) cJSON_DeleteItemFromArray(msgs, cJSON_GetArraySize(msgs) - 1); /* the message not sent */
         else add_message(msgs, "assistant", ans.s ? ans.s : "");
         free(ans.s);

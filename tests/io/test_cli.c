@@ -1037,6 +1037,14 @@ static void test_chat(void **state) {
     EXPECT_RC(0, "chat", "-m", "models/nemotron-h-tiny-moe", "--chat-template", T, "-n", "12", "--think", "off");
     expect_in(g_err, "the line is not valid UTF-8 at byte 3 (0xFF): not sent");
     assert_true(strlen(g_out) > 2); /* the two other lines answered */
+    /* a template that raises when rendered: the message names its file too */
+    char raise_t[512];
+    snprintf(raise_t, sizeof raise_t, "%s", io_path("raise.jinja"));
+    io_write_bytes(raise_t, "{{ raise_exception('nope') }}", 29);
+    io_write_bytes(in, "hi\n", 3);
+    g_stdin_path = in;
+    EXPECT_RC(1, "chat", "-m", "models/nemotron-h-tiny-moe", "--chat-template", raise_t, "-n", "2");
+    expect_in(g_err, "raise.jinja: template line 1: nope");
     /* a template that does not compile: the message names its file */
     char bad[512];
     snprintf(bad, sizeof bad, "%s", io_path("bad.jinja"));
