@@ -9,6 +9,8 @@
 #                                        (tests/model/test_ep must fail; it runs once, no routes)
 #   -DFP4MOE_INJECT_FAULT=kv_fp8_scale   the FP8 KV cache is read without its per-head scales
 #                                        (tests/model/test_ops must fail; once, no routes)
+#   -DFP4MOE_INJECT_FAULT=sampler_count  the sampler's frequency penalty ignores the counts
+#                                        (tests/model/test_ops must fail; once, no routes)
 # and runs tests/kernels/test_gather_qmm once per route and activation mode (FP4MOE_TEST_ROUTE=
 # qmv|batched|dequant_gemm|auto with FP4MOE_TEST_ACT=float, qmv|batched|auto with FP4MOE_TEST_ACT=q8),
 # so that one failing route cannot hide another that passes. Passes only if EVERY route's tests FAIL in
@@ -21,7 +23,7 @@ cd "$(dirname "$0")/.."
 
 JOBS=${JOBS:-2}
 FAULT_CMAKE_FLAGS=${FAULT_CMAKE_FLAGS:--DFP4MOE_CUDA=OFF}
-FAULTS=(global_scale expert_offset q8_offset ep_order kv_fp8_scale)
+FAULTS=(global_scale expert_offset q8_offset ep_order kv_fp8_scale sampler_count)
 ROUTES=(qmv:float batched:float dequant_gemm:float auto:float qmv:q8 batched:q8 auto:q8)
 quick=1
 [[ "${FAULT_CHECK_FULL:-0}" == 1 ]] && quick=0
@@ -34,7 +36,7 @@ for fault in "${FAULTS[@]}"; do
   # shellcheck disable=SC2086
   if ! cmake -S . -B "$dir" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DFP4MOE_INJECT_FAULT="$fault" \
          $FAULT_CMAKE_FLAGS > "$log" 2>&1 ||
-     ! cmake --build "$dir" -j "$JOBS" --target "$(case $fault in ep_order) echo test_ep ;; kv_fp8_scale) echo test_ops ;;
+     ! cmake --build "$dir" -j "$JOBS" --target "$(case $fault in ep_order) echo test_ep ;; kv_fp8_scale|sampler_count) echo test_ops ;;
                                                    *) echo test_gather_qmm ;; esac)" \
          >> "$log" 2>&1; then
     echo "fault-check: FAILED to build $dir (see $log)"
@@ -49,11 +51,11 @@ for fault in "${FAULTS[@]}"; do
   for combo in "${ROUTES[@]}"; do
     route=${combo%%:*} act=${combo##*:}
     [[ $fault == q8_offset && $act != q8 ]] && continue
-    [[ ( $fault == ep_order || $fault == kv_fp8_scale ) && $combo != qmv:float ]] && continue
+    [[ ( $fault == ep_order || $fault == kv_fp8_scale || $fault == sampler_count ) && $combo != qmv:float ]] && continue
     log=build-fault-$fault/fault-$route-$act.log
     prog=build-fault-$fault/test_gather_qmm
     [[ $fault == ep_order ]] && prog=build-fault-$fault/test_ep
-    [[ $fault == kv_fp8_scale ]] && prog=build-fault-$fault/test_ops
+    [[ $fault == kv_fp8_scale || $fault == sampler_count ]] && prog=build-fault-$fault/test_ops
     FP4MOE_TEST_ROUTE=$route FP4MOE_TEST_ACT=$act FP4MOE_TEST_QUICK=$quick $prog > "$log" 2>&1
     rc=$?
     nfail=$(grep '^\[  FAILED  \] [^0-9]' "$log" | sort -u | wc -l)

@@ -487,6 +487,16 @@ typedef struct {
                                    repeat_last_n accepted ids becomes l / p if l > 0, else l * p
                                    (CTRL / HF RepetitionPenaltyLogitsProcessor, llama.cpp) */
     int64_t repeat_last_n;      /* window of fp4moe_sampler_accept'ed ids; 0: 64 */
+    float presence_penalty;     /* finite; 0 = off: every id the output holds (the ids given to
+                                   fp4moe_sampler_accept_output) loses presence_penalty from its
+                                   logit (OpenAI / vLLM presence_penalty, -2..2 there) */
+    float frequency_penalty;    /* finite; 0 = off: each such id loses frequency_penalty x the
+                                   times it occurs in the output (OpenAI / vLLM) */
+    const int32_t *bias_ids;    /* logit_bias (OpenAI): n_bias ids in [0, vocab) whose logits get
+                                   bias[i] (finite) added; both arrays copied by init (an id given
+                                   twice: its biases add) */
+    const float *bias;
+    int64_t n_bias;
 } fp4moe_sampler_params;
 
 /* temperature 0 (greedy), top_p 1, top_k 0, min_p 0, seed 0, no stop ids. */
@@ -503,15 +513,27 @@ typedef struct {
     float repeat_penalty;
     int64_t repeat_last_n, n_recent, recent_head;
     int32_t *recent;            /* ring of the last repeat_last_n accepted ids (owned; NULL: off) */
-    float *pen;                 /* vocab scratch: penalized logits (owned) */
+    uint32_t *mark;             /* vocab: the pass that last penalized each id (owned; with recent) */
+    uint32_t pass;
+    float presence_penalty, frequency_penalty;
+    int32_t *count;             /* vocab: times each id occurs in the output (owned; NULL: both
+                                   penalties off) */
+    int32_t *out_ids;           /* the distinct ids of the output, first occurrence first (owned) */
+    int64_t n_out_ids;
+    int32_t *bias_ids;          /* logit_bias (owned copies; NULL: none) */
+    float *bias;
+    int64_t n_bias;
+    float *pen;                 /* vocab scratch: the logits after bias and penalties (owned) */
     uint64_t rng;               /* xorshift64* state */
     float *probs;               /* vocab scratch (owned) */
     fp4moe_prob_id *cand;       /* vocab scratch (owned) */
 } fp4moe_sampler;
 
 /* Errors: FP4MOE_EINVAL (vocab < 1, top_p outside (0, 1], min_p outside [0, 1], top_k < 0, NaN or
- * infinite temperature, n_stop outside [0, FP4MOE_MAX_STOP_IDS], a stop id outside [0, vocab)),
- * repeat_penalty negative, NaN or infinite, repeat_last_n < 0), FP4MOE_ENOMEM. */
+ * infinite temperature, n_stop outside [0, FP4MOE_MAX_STOP_IDS], a stop id outside [0, vocab),
+ * repeat_penalty negative, NaN or infinite, repeat_last_n < 0, a NaN or infinite presence /
+ * frequency penalty, n_bias < 0, n_bias > 0 with a NULL array, a bias id outside [0, vocab) or a
+ * bias NaN or infinite: the message names it), FP4MOE_ENOMEM. */
 int fp4moe_sampler_init_params(fp4moe_sampler *s, int64_t vocab, const fp4moe_sampler_params *p);
 /* fp4moe_sampler_init_params with only temperature, top_p and seed set. */
 int fp4moe_sampler_init(fp4moe_sampler *s, int64_t vocab, float temperature, float top_p,
@@ -519,13 +541,18 @@ int fp4moe_sampler_init(fp4moe_sampler *s, int64_t vocab, float temperature, flo
 void fp4moe_sampler_free(fp4moe_sampler *s);
 
 /* Records a token of the sequence (prompt or generated) for the repetition penalty; a no-op when
- * the penalty is off. */
+ * the penalty is off (and for ids outside [0, vocab)). */
 void fp4moe_sampler_accept(fp4moe_sampler *s, int32_t id);
-/* Empties that window (a new sequence with the same sampler). */
+/* Records a generated token: fp4moe_sampler_accept, and its count in the output for the presence
+ * and frequency penalties. */
+void fp4moe_sampler_accept_output(fp4moe_sampler *s, int32_t id);
+/* Empties that window and the output's counts (a new sequence with the same sampler). */
 void fp4moe_sampler_forget(fp4moe_sampler *s);
 
-/* The next token id from V logits (after the repetition penalty, if on): greedy when temperature
- * <= 0; else probs = softmax(logits / T),
+/* The next token id from V logits, after (in vLLM's order) the logit bias is added, the repetition
+ * penalty applied (once per distinct id of the window) and the presence / frequency penalties
+ * subtracted (l - frequency_penalty x count - presence_penalty for the output's ids), each only
+ * when on: greedy when temperature <= 0; else probs = softmax(logits / T),
  * candidates by probability (descending; ties: lower id first), cut to the top_k first, then to
  * those with p >= min_p * p_max, then to the smallest prefix whose mass reaches top_p (the order of
  * vLLM's and llama.cpp's samplers), and one draw from the renormalised rest. */
@@ -536,6 +563,15 @@ int fp4moe_sampler_is_stop(const fp4moe_sampler *s, int32_t id);
 
 /* argmax over n logits, lowest index on ties; NaN never wins. */
 int32_t fp4moe_argmax(const float *logits, int64_t n);
+
+/* Log-probabilities of the model's distribution over V tokens: log_softmax(logits)_i = l_i - max -
+ * log(sum_j exp(l_j - max)), the sum in double (NaN logits count as -inf; the logits are those of
+ * the model, before temperature, penalties and bias: vLLM's default "raw" logprobs). *lp (when lp
+ * is not NULL) receives token id's; top[0..k) the k = min(top_n, V) most likely tokens, .p their
+ * log-probability (descending; ties: lower id first). Returns k, or -1 with FP4MOE_EINVAL (NULL
+ * logits, V < 1, id outside [0, V), top_n < 0, top_n > 0 with a NULL top). O(V x (1 + k)) at worst,
+ * ~2V typically. */
+int64_t fp4moe_logprobs(const float *logits, int64_t V, int32_t id, float *lp, int64_t top_n, fp4moe_prob_id *top);
 
 #ifdef __cplusplus
 }

@@ -284,6 +284,8 @@ int cli_sampling_check(const char *cmd, cli_sampling *s) {
     if (!(s->repeat_penalty >= 1e-6 && s->repeat_penalty < 1e6))
         return cli_usage_error(cmd, "--repeat-penalty must be in [1e-6, 1e6) (1: off)");
     if (s->repeat_last_n < 1) return cli_usage_error(cmd, "--repeat-last-n must be >= 1");
+    if (!(fabs(s->presence_penalty) <= 2.0)) return cli_usage_error(cmd, "--presence-penalty must be in [-2, 2]");
+    if (!(fabs(s->frequency_penalty) <= 2.0)) return cli_usage_error(cmd, "--frequency-penalty must be in [-2, 2]");
     if (s->seed == INT64_MIN) {   /* a random seed, printed so that the run can be repeated */
         FILE *ur = fopen("/dev/urandom", "rb");
         uint64_t r = (uint64_t)time(NULL) ^ ((uint64_t)getpid() << 32);
@@ -311,4 +313,6 @@ void cli_sampling_params(const cli_sampling *s, const char *dir, const fp4moe_to
     sp->seed = (uint64_t)s->seed;
     sp->repeat_penalty = (float)s->repeat_penalty;
     sp->repeat_last_n = s->repeat_last_n;
+    sp->presence_penalty = (float)s->presence_penalty;
+    sp->frequency_penalty = (float)s->frequency_penalty;
 }

@@ -64,13 +64,14 @@ static int answer(const chat_args *a, fp4moe_session *s, int64_t V, fp4moe_token
     fp4moe_tokenizer_stream ts;
     fp4moe_tokenizer_stream_init(&ts, tok, 1);
     fp4moe_session_reset(s);
-    fp4moe_sampler_forget(smp);                  /* the repeat penalty sees this conversation's tokens */
+    fp4moe_sampler_forget(smp);                  /* the repeat penalty sees this conversation's tokens, the
+                                                    presence / frequency penalties this answer's */
     for (int64_t i = 0; !st && i < T; i++) fp4moe_sampler_accept(smp, ids[i]);
     if (!st) st = fp4moe_session_forward(s, ids, T, lg, 0);
     for (int64_t i = 0; !st && i < a->n && !*stop; i++) {
         const int32_t id = fp4moe_sample(smp, lg);
         if (fp4moe_sampler_is_stop(smp, id)) break;
-        fp4moe_sampler_accept(smp, id);
+        fp4moe_sampler_accept_output(smp, id);
         const char *text;
         int64_t len;
         if ((st = fp4moe_tokenizer_stream_push(&ts, id, &text, &len))) break;

@@ -326,7 +326,7 @@ static int run_generation(const gen_args *a, gen_state *g, const volatile sig_at
         t0 = cli_now();
         while (produced < a->n && !*stop) {
             int32_t id = fp4moe_sample(&g->smp, g->logits);
-            fp4moe_sampler_accept(&g->smp, id);
+            fp4moe_sampler_accept_output(&g->smp, id);
             produced++;
             if (!a->ignore_eos && (id == eos || fp4moe_sampler_is_stop(&g->smp, id))) {
                 reason = "eos";

@@ -84,7 +84,7 @@ char *cli_load_chat_template(const char *dir, const char *override, char **where
 void cli_template_special_tokens(const char *dir, cJSON *ctx);
 /* The sampling options of the commands that generate (generate, chat): one group, one check. */
 typedef struct {
-    double temp, top_p, min_p, repeat_penalty;
+    double temp, top_p, min_p, repeat_penalty, presence_penalty, frequency_penalty;
     int64_t top_k, seed, repeat_last_n;
 } cli_sampling;
 #define CLI_SAMPLING_INIT {.top_p = 1.0, .repeat_penalty = 1.0, .repeat_last_n = 64, .seed = INT64_MIN}
@@ -100,7 +100,11 @@ typedef struct {
     {"--repeat-penalty", NULL, CLI_DOUBLE, &(s).repeat_penalty, "P", "divide positive / multiply negative "    \
      "logits of recent tokens by P; 1 = off (default 1)"},                                                     \
     {"--repeat-last-n", NULL, CLI_INT, &(s).repeat_last_n, "N", "tokens the repeat penalty looks back "        \
-     "(default 64)"}
+     "(default 64)"},                                                                                          \
+    {"--presence-penalty", NULL, CLI_DOUBLE, &(s).presence_penalty, "P", "subtract P from the logit of every " \
+     "token the answer holds, in [-2, 2] (OpenAI's; default 0)"},                                              \
+    {"--frequency-penalty", NULL, CLI_DOUBLE, &(s).frequency_penalty, "P", "subtract P x its count in the "    \
+     "answer from a token's logit, in [-2, 2] (OpenAI's; default 0)"}
 /* Usage errors for out-of-range values; draws the random seed when none was given (printed on
  * stderr when sampling, so that the run can be repeated). Returns an exit code. */
 int cli_sampling_check(const char *cmd, cli_sampling *s);

@@ -48,6 +48,19 @@ int fp4moe_sampler_init_params(fp4moe_sampler *s, int64_t vocab, const fp4moe_sa
     if (!(p->repeat_penalty >= 0.0f) || isinf(p->repeat_penalty) || p->repeat_last_n < 0)
         return fp4moe_set_error(FP4MOE_EINVAL, "sampler: repeat_penalty=%g / repeat_last_n=%lld", p->repeat_penalty,
                                 (long long)p->repeat_last_n);
+    if (!isfinite(p->presence_penalty) || !isfinite(p->frequency_penalty))
+        return fp4moe_set_error(FP4MOE_EINVAL, "sampler: presence_penalty=%g / frequency_penalty=%g (finite values)",
+                                p->presence_penalty, p->frequency_penalty);
+    if (p->n_bias < 0 || (p->n_bias > 0 && (!p->bias_ids || !p->bias)))
+        return fp4moe_set_error(FP4MOE_EINVAL, "sampler: %lld logit biases without their arrays", (long long)p->n_bias);
+    for (int64_t i = 0; i < p->n_bias; i++) {
+        if (p->bias_ids[i] < 0 || p->bias_ids[i] >= vocab)
+            return fp4moe_set_error(FP4MOE_EINVAL, "sampler: logit bias %lld: id %d outside [0, %lld)", (long long)i,
+                                    p->bias_ids[i], (long long)vocab);
+        if (!isfinite(p->bias[i]))
+            return fp4moe_set_error(FP4MOE_EINVAL, "sampler: logit bias %lld (id %d) is %g", (long long)i,
+                                    p->bias_ids[i], p->bias[i]);
+    }
     s->rng = p->seed ? p->seed : 0x9E3779B97F4A7C15ull;
     s->probs = malloc((size_t)vocab * sizeof(float));
     s->cand = malloc((size_t)vocab * sizeof *s->cand);
@@ -56,8 +69,29 @@ int fp4moe_sampler_init_params(fp4moe_sampler *s, int64_t vocab, const fp4moe_sa
         s->repeat_penalty = p->repeat_penalty;
         s->repeat_last_n = p->repeat_last_n ? p->repeat_last_n : 64;
         s->recent = malloc((size_t)s->repeat_last_n * sizeof(int32_t));
+        s->mark = calloc((size_t)vocab, sizeof(uint32_t));
+        pen_ok = s->recent && s->mark;
+    }
+    if (p->presence_penalty != 0.0f || p->frequency_penalty != 0.0f) {
+        s->presence_penalty = p->presence_penalty;
+        s->frequency_penalty = p->frequency_penalty;
+        s->count = calloc((size_t)vocab, sizeof(int32_t));
+        s->out_ids = malloc((size_t)vocab * sizeof(int32_t));
+        pen_ok = pen_ok && s->count && s->out_ids;
+    }
+    if (p->n_bias > 0) {
+        s->n_bias = p->n_bias;
+        s->bias_ids = malloc((size_t)p->n_bias * sizeof(int32_t));
+        s->bias = malloc((size_t)p->n_bias * sizeof(float));
+        if (s->bias_ids && s->bias) {
+            memcpy(s->bias_ids, p->bias_ids, (size_t)p->n_bias * sizeof(int32_t));
+            memcpy(s->bias, p->bias, (size_t)p->n_bias * sizeof(float));
+        }
+        pen_ok = pen_ok && s->bias_ids && s->bias;
+    }
+    if (s->recent || s->count || s->n_bias) {
         s->pen = malloc((size_t)vocab * sizeof(float));
-        pen_ok = s->recent && s->pen;
+        pen_ok = pen_ok && s->pen;
     }
     if (!s->probs || !s->cand || !pen_ok) {
         fp4moe_sampler_free(s);
@@ -87,11 +121,19 @@ void fp4moe_sampler_free(fp4moe_sampler *s) {
     free(s->probs);
     free(s->cand);
     free(s->recent);
+    free(s->mark);
+    free(s->count);
+    free(s->out_ids);
+    free(s->bias_ids);
+    free(s->bias);
     free(s->pen);
     s->probs = NULL;
     s->cand = NULL;
     s->recent = NULL;
-    s->pen = NULL;
+    s->mark = NULL;
+    s->count = s->out_ids = s->bias_ids = NULL;
+    s->bias = s->pen = NULL;
+    s->n_bias = s->n_out_ids = s->n_recent = 0;
 }
 
 /* Uniform in [0, 1) from xorshift64*. */
@@ -167,23 +209,81 @@ void fp4moe_sampler_accept(fp4moe_sampler *s, int32_t id) {
     if (s->n_recent < s->repeat_last_n) s->n_recent++;
 }
 
-void fp4moe_sampler_forget(fp4moe_sampler *s) {
-    if (s) s->n_recent = s->recent_head = 0;
+void fp4moe_sampler_accept_output(fp4moe_sampler *s, int32_t id) {
+    fp4moe_sampler_accept(s, id);
+    if (!s || !s->count || id < 0 || id >= s->vocab) return;
+    if (s->count[id]++ == 0) s->out_ids[s->n_out_ids++] = id;
 }
 
-/* logits with the repetition penalty applied once per distinct recent id (into s->pen). */
+void fp4moe_sampler_forget(fp4moe_sampler *s) {
+    if (!s) return;
+    s->n_recent = s->recent_head = 0;
+    for (int64_t i = 0; s->count && i < s->n_out_ids; i++) s->count[s->out_ids[i]] = 0;
+    s->n_out_ids = 0;
+}
+
+/* The logits after the logit bias, the repetition penalty (once per distinct id of the window: an
+ * id is marked with this pass's number when first penalized) and the presence / frequency penalties,
+ * in vLLM's order, into s->pen; the logits themselves when all are off or have nothing to do. */
 static const float *penalize(fp4moe_sampler *s, const float *logits) {
-    if (!s->recent || !s->n_recent) return logits;
+    const int rep = s->recent && s->n_recent, out = s->count && s->n_out_ids;
+    if (!rep && !out && !s->n_bias) return logits;
     memcpy(s->pen, logits, (size_t)s->vocab * sizeof(float));
-    for (int64_t i = 0; i < s->n_recent; i++) {
-        const int32_t id = s->recent[i];
-        int dup = 0;
-        for (int64_t j = 0; j < i && !dup; j++) dup = s->recent[j] == id;
-        if (dup) continue;
-        const float l = logits[id];
-        s->pen[id] = l > 0.0f ? l / s->repeat_penalty : l * s->repeat_penalty;
+    for (int64_t i = 0; i < s->n_bias; i++) s->pen[s->bias_ids[i]] += s->bias[i];
+    if (rep) {
+        if (++s->pass == 0) { /* the marks wrapped: clear them */
+            memset(s->mark, 0, (size_t)s->vocab * sizeof(uint32_t));
+            s->pass = 1;
+        }
+        for (int64_t i = 0; i < s->n_recent; i++) {
+            const int32_t id = s->recent[i];
+            if (s->mark[id] == s->pass) continue;
+            s->mark[id] = s->pass;
+            const float l = s->pen[id];
+            s->pen[id] = l > 0.0f ? l / s->repeat_penalty : l * s->repeat_penalty;
+        }
+    }
+    for (int64_t i = 0; out && i < s->n_out_ids; i++) {
+        const int32_t id = s->out_ids[i];
+#ifdef FP4MOE_INJECT_FAULT_SAMPLER_COUNT /* deliberate fault (tests must catch it): the count ignored */
+        s->pen[id] -= s->frequency_penalty + s->presence_penalty;
+#else
+        s->pen[id] -= s->frequency_penalty * (float)s->count[id] + s->presence_penalty;
+#endif
     }
     return s->pen;
+}
+
+int64_t fp4moe_logprobs(const float *logits, int64_t V, int32_t id, float *lp, int64_t top_n, fp4moe_prob_id *top) {
+    if (!logits || V < 1 || id < 0 || id >= V || top_n < 0 || (top_n > 0 && !top)) {
+        fp4moe_set_error(FP4MOE_EINVAL, "logprobs: bad arguments (V=%lld, id=%d, top_n=%lld)", (long long)V, id,
+                         (long long)top_n);
+        return -1;
+    }
+    float mx = -INFINITY;
+    for (int64_t i = 0; i < V; i++)
+        if (logits[i] > mx) mx = logits[i];
+    double sum = 0.0;
+    for (int64_t i = 0; i < V; i++)
+        if (logits[i] > -INFINITY) sum += exp((double)logits[i] - (double)mx); /* NaN: not > -inf */
+    const double lz = (double)mx + log(sum);
+    if (lp) *lp = isnan(logits[id]) ? -INFINITY : (float)((double)logits[id] - lz);
+    const int64_t k = top_n < V ? top_n : V;
+    if (k == 0) return 0;
+    /* top[0..m) sorted by (logit desc, id asc): an insertion when a logit beats the last kept one */
+    int64_t m = 0;
+    for (int64_t i = 0; i < V; i++) {
+        const float l = isnan(logits[i]) ? -INFINITY : logits[i];
+        if (m == k && !(l > top[m - 1].p)) continue; /* ties keep the lower id already there */
+        int64_t pos = m < k ? m++ : k - 1;
+        while (pos > 0 && l > top[pos - 1].p) {
+            top[pos] = top[pos - 1];
+            pos--;
+        }
+        top[pos] = (fp4moe_prob_id){l, (int32_t)i};
+    }
+    for (int64_t i = 0; i < k; i++) top[i].p = (float)((double)top[i].p - lz);
+    return k;
 }
 
 int32_t fp4moe_sample(fp4moe_sampler *s, const float *logits) {

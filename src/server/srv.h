@@ -41,6 +41,11 @@ int srv_buf_printf(srv_buf *b, const char *fmt, ...)
     ;
 void srv_buf_free(srv_buf *b);
 
+/* Appends bytes s[0..n) as valid UTF-8 (RFC 3629): each maximal invalid subsequence becomes one U+FFFD, as
+ * Rust's String::from_utf8_lossy and Python's bytes.decode("utf-8", "replace") (a token's text in logprobs: a
+ * token may hold part of a character). Returns the code points appended, or -1 when out of memory. */
+int64_t srv_utf8_lossy(srv_buf *b, const char *s, size_t n);
+
 /* ---- errors --------------------------------------------------------------------------------- */
 
 typedef struct {
@@ -91,7 +96,16 @@ typedef struct {
     int reasoning_start;               /* 1: the output starts inside <think> (the prompt opened
                                           it); 0: in content */
     int reasoning;                     /* split reasoning at all (chat and ctx->reasoning) */
+    int logprobs;                      /* return each output token's log-probability (chat
+                                          logprobs true, completion logprobs given) */
+    int top_logprobs;                  /* and its most likely alternatives: 0..SRV_MAX_TOP_LOGPROBS */
+    int tokens_as_ids;                 /* vLLM's return_tokens_as_token_ids: tokens as "token_id:N" */
+    int32_t *bias_ids;                 /* logit_bias (malloc'd; sp.bias_ids / sp.bias point here) */
+    float *bias;
 } srv_request;
+
+#define SRV_MAX_TOP_LOGPROBS 20        /* vLLM's default max_logprobs */
+#define SRV_MAX_LOGIT_BIAS 4096        /* entries of logit_bias */
 
 /* Parses and validates one request body (len bytes of JSON) of kind `kind`. Chat: renders the
  * messages with the template (tools, chat_template_kwargs, add_generation_prompt true) and

@@ -52,6 +52,10 @@ struct srv_job {
     int n_steps_prefill;
     srv_buf acc[2];                           /* non-stream: reasoning, content */
     int role_sent;
+    cJSON *lp;                                /* logprobs not yet sent (a stream) or all (non-stream): chat
+                                                 {"content": [...]}, completion {"tokens", "token_logprobs",
+                                                 "top_logprobs", "text_offset"} */
+    int64_t text_chars;                       /* code points of the decoded output so far (text_offset) */
     /* shared with the HTTP side (e->lock) */
     srv_buf out;                              /* SSE bytes, or the final body */
     size_t n_read;
@@ -180,6 +184,32 @@ static cJSON *usage_json(const srv_job *j) {
     return u;
 }
 
+/* An empty logprobs object of the job's kind. */
+static cJSON *lp_new(const srv_job *j) {
+    cJSON *o = cJSON_CreateObject();
+    if (j->r.kind == SRV_CHAT) {
+        cJSON_AddArrayToObject(o, "content");
+    } else {
+        cJSON_AddArrayToObject(o, "tokens");
+        cJSON_AddArrayToObject(o, "token_logprobs");
+        cJSON_AddArrayToObject(o, "top_logprobs");
+        cJSON_AddArrayToObject(o, "text_offset");
+    }
+    return o;
+}
+
+/* choice.logprobs: the entries gathered since the last chunk (a stream) or all of them, null when the request
+ * asked for none */
+static void add_logprobs(srv_job *j, cJSON *choice) {
+    const cJSON *first = j->lp ? j->lp->child : NULL; /* content / tokens: empty when nothing is pending */
+    if (!j->r.logprobs || !j->lp || (j->r.stream && !(first && first->child))) {
+        cJSON_AddNullToObject(choice, "logprobs");
+        return;
+    }
+    cJSON_AddItemToObject(choice, "logprobs", j->lp);
+    j->lp = lp_new(j);
+}
+
 /* One SSE chunk with a delta (stream), or the text kept for the final body (non-stream). */
 static void emit(srv_job *j, const srv_delta *d, const char *finish) {
     if (!j->r.stream) {
@@ -188,7 +218,7 @@ static void emit(srv_job *j, const srv_delta *d, const char *finish) {
         for (int k = 0; k < 2; k++) srv_buf_add(&j->acc[k], part[k], n[k]);
         return;
     }
-    if (!d->n_reasoning && !d->n_content && !finish && j->role_sent) return;
+    if (!d->n_reasoning && !d->n_content && !finish && j->role_sent) return; /* (logprobs wait for text) */
     cJSON *o = chunk_base(j), *ch = cJSON_AddArrayToObject(o, "choices"), *c = cJSON_CreateObject();
     cJSON_AddItemToArray(ch, c);
     cJSON_AddNumberToObject(c, "index", 0);
@@ -202,7 +232,7 @@ static void emit(srv_job *j, const srv_delta *d, const char *finish) {
         cJSON_AddStringToObject(c, "text", d->content);
         j->role_sent = 1;
     }
-    cJSON_AddNullToObject(c, "logprobs");
+    add_logprobs(j, c);
     if (finish) cJSON_AddStringToObject(c, "finish_reason", finish);
     else cJSON_AddNullToObject(c, "finish_reason");
     out_event(j, o);
@@ -226,7 +256,7 @@ static void final_body(srv_job *j, const char *finish) {
     } else {
         cJSON_AddStringToObject(c, "text", j->acc[1].n ? j->acc[1].p : "");
     }
-    cJSON_AddNullToObject(c, "logprobs");
+    add_logprobs(j, c);
     cJSON_AddStringToObject(c, "finish_reason", finish);
     cJSON_AddItemToObject(o, "usage", usage_json(j));
     char *s = cJSON_PrintUnformatted(o);
@@ -420,10 +450,19 @@ static int admit(srv_rank *rk, srv_job *j) {
         return -1;
     }
     j->smp_ok = 1;
-    if (j->r.sp.temperature > 0.0f && !(j->logits = malloc((size_t)e->V * sizeof(float)))) {
+    /* logits on the host: to sample, for logprobs, or for penalties / a logit bias (the sampler's pen buffer);
+       else greedy ids come from the device's argmax */
+    const int host = j->r.sp.temperature > 0.0f || j->r.logprobs || j->smp.pen;
+    if (host && !(j->logits = malloc((size_t)e->V * sizeof(float)))) {
         finish_error(e, j, 500, "out of memory");
         return -1;
     }
+    if (j->r.logprobs && !(j->lp = lp_new(j))) {
+        finish_error(e, j, 500, "out of memory");
+        return -1;
+    }
+    for (int64_t i = 0; i < j->r.n_ids; i++) fp4moe_sampler_accept(&j->smp, j->r.ids[i]); /* (a no-op unless
+                                                                         repetition_penalty is on) */
     fp4moe_tokenizer_stream_init(&j->ts, e->tok, 1);
     j->ts_ok = 1;
     srv_text_init(&j->text, j->r.stop, j->r.n_stop, j->r.reasoning, j->r.reasoning_start);
@@ -456,6 +495,78 @@ static int admit(srv_rank *rk, srv_job *j) {
     return 0;
 }
 
+/* The token's text as logprobs give it: its bytes (*piece, *n: maybe a part of a character) as lossy UTF-8 (NULL:
+ * out of memory). */
+static cJSON *token_text(const srv_engine *e, const srv_job *j, int32_t id, const char **piece, int64_t *n) {
+    *piece = "";
+    *n = 0;
+    if ((int64_t)id < e->tok_vocab && fp4moe_tokenizer_id_to_token(e->tok, id))
+        fp4moe_tokenizer_token_to_piece(e->tok, id, piece, n);
+    if (j->r.tokens_as_ids) { /* vLLM's return_tokens_as_token_ids */
+        char t[32];
+        snprintf(t, sizeof t, "token_id:%d", id);
+        return cJSON_CreateString(t);
+    }
+    srv_buf b = {0};
+    cJSON *s = srv_utf8_lossy(&b, *piece, (size_t)*n) < 0 ? NULL : cJSON_CreateString(b.p ? b.p : "");
+    srv_buf_free(&b);
+    return s;
+}
+
+static cJSON *token_bytes(const char *piece, int64_t n) {
+    cJSON *a = cJSON_CreateArray();
+    for (int64_t i = 0; a && i < n; i++) cJSON_AddItemToArray(a, cJSON_CreateNumber((double)(unsigned char)piece[i]));
+    return a;
+}
+
+/* A logprob as JSON: -inf (a token of zero probability, e.g. after a bias of -100 chose it) as -9999.0, as vLLM */
+static double lp_json(float lp) { return lp > -9999.0f ? (double)lp : -9999.0; }
+
+/* Appends token id's entry to j->lp: its log-probability among the logits that chose it and the top_logprobs most
+ * likely tokens (chat: {token, logprob, bytes, top_logprobs}; completion: the four parallel lists). */
+static void add_logprob_entry(srv_engine *e, srv_job *j, int32_t id) {
+    fp4moe_prob_id top[SRV_MAX_TOP_LOGPROBS];
+    float lp = 0.0f;
+    const int64_t k = fp4moe_logprobs(j->logits, e->V, id, &lp, j->r.top_logprobs, top);
+    if (k < 0 || !j->lp) return;
+    const char *piece;
+    int64_t n;
+    if (j->r.kind == SRV_CHAT) {
+        cJSON *ent = cJSON_CreateObject(), *tops = cJSON_CreateArray();
+        cJSON_AddItemToObject(ent, "token", token_text(e, j, id, &piece, &n));
+        cJSON_AddNumberToObject(ent, "logprob", lp_json(lp));
+        cJSON_AddItemToObject(ent, "bytes", token_bytes(piece, n));
+        for (int64_t i = 0; i < k; i++) {
+            cJSON *t = cJSON_CreateObject();
+            cJSON_AddItemToObject(t, "token", token_text(e, j, top[i].id, &piece, &n));
+            cJSON_AddNumberToObject(t, "logprob", lp_json(top[i].p));
+            cJSON_AddItemToObject(t, "bytes", token_bytes(piece, n));
+            cJSON_AddItemToArray(tops, t);
+        }
+        cJSON_AddItemToObject(ent, "top_logprobs", tops);
+        cJSON_AddItemToArray(cJSON_GetObjectItemCaseSensitive(j->lp, "content"), ent);
+        return;
+    }
+    cJSON_AddItemToArray(cJSON_GetObjectItemCaseSensitive(j->lp, "tokens"), token_text(e, j, id, &piece, &n));
+    cJSON_AddItemToArray(cJSON_GetObjectItemCaseSensitive(j->lp, "token_logprobs"), cJSON_CreateNumber(lp_json(lp)));
+    cJSON *d = cJSON_CreateObject();
+    for (int64_t i = 0; i < k; i++) {
+        cJSON *s = token_text(e, j, top[i].id, &piece, &n);
+        if (s && !cJSON_GetObjectItemCaseSensitive(d, s->valuestring)) /* two tokens of one text: the likelier */
+            cJSON_AddNumberToObject(d, s->valuestring, lp_json(top[i].p));
+        cJSON_Delete(s);
+    }
+    cJSON_AddItemToArray(cJSON_GetObjectItemCaseSensitive(j->lp, "top_logprobs"), d);
+    cJSON_AddItemToArray(cJSON_GetObjectItemCaseSensitive(j->lp, "text_offset"), cJSON_CreateNumber((double)j->text_chars));
+}
+
+/* Code points in n bytes of valid UTF-8 (the streaming decoder's output). */
+static int64_t utf8_chars(const char *s, int64_t n) {
+    int64_t c = 0;
+    for (int64_t i = 0; i < n; i++) c += ((unsigned char)s[i] & 0xC0) != 0x80;
+    return c;
+}
+
 /* A sampled token: stop checks, text, output; 1 when the job ended. */
 static int take_token(srv_engine *e, srv_job *j, int32_t id) {
     const double t = now_s();
@@ -481,6 +592,7 @@ static int take_token(srv_engine *e, srv_job *j, int32_t id) {
         finish_ok(e, j, 0);
         return 1;
     }
+    if (j->r.logprobs) add_logprob_entry(e, j, id);   /* (every output token but a stop id, which has no text) */
     const char *text;
     int64_t n = 0;
     char unknown[4] = "\xEF\xBF\xBD";
@@ -488,6 +600,7 @@ static int take_token(srv_engine *e, srv_job *j, int32_t id) {
     else if (id == e->think_close && e->think_close >= 0) text = "</think>", n = 8;
     else if ((int64_t)id >= e->tok_vocab || !fp4moe_tokenizer_id_to_token(e->tok, id)) text = unknown, n = 3;
     else if (fp4moe_tokenizer_stream_push(&j->ts, id, &text, &n)) text = unknown, n = 3;
+    j->text_chars += utf8_chars(text, n);
     srv_delta d;
     const int stopped = srv_text_feed(&j->text, text, (size_t)n, &d);
     if (stopped < 0) {
@@ -518,6 +631,7 @@ static void job_free(srv_job *j) {
     srv_text_free(&j->text);
     free(j->gen);
     free(j->logits);
+    cJSON_Delete(j->lp);
     srv_buf_free(&j->acc[0]);
     srv_buf_free(&j->acc[1]);
     srv_buf_free(&j->out);
@@ -689,6 +803,7 @@ static void step_once(srv_rank *rk, uint64_t events) {
         }
         if (!it->out_token && !it->out_logits) continue;
         const int32_t id = j->logits ? fp4moe_sample(&j->smp, j->logits) : j->next_tok;
+        fp4moe_sampler_accept_output(&j->smp, id);     /* (a no-op unless a penalty is on) */
         take_token(e, j, id);
     }
 }

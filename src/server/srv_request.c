@@ -1,8 +1,8 @@
 /* Request JSON -> srv_request (see srv.h). Field rules follow OpenAI's API reference for
  * /v1/chat/completions and /v1/completions, with vLLM's extensions top_k, min_p, ignore_eos,
- * stop_token_ids and chat_template_kwargs. What fp4moe cannot do (n > 1, logprobs, echo,
- * penalties, response formats other than text, forced tool choice) is a 400 naming the field,
- * never silently ignored. */
+ * repetition_penalty, stop_token_ids and chat_template_kwargs. What fp4moe cannot do (n > 1, echo,
+ * response formats other than text, forced tool choice, ...) is a 400 naming the field, never
+ * silently ignored. */
 #include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -44,6 +44,8 @@ void srv_request_free(srv_request *r) {
     if (!r) return;
     for (int i = 0; i < r->n_stop; i++) free(r->stop[i]);
     free(r->ids);
+    free(r->bias_ids);
+    free(r->bias);
     memset(r, 0, sizeof *r);
 }
 
@@ -91,20 +93,10 @@ static int get_bool(const cJSON *o, const char *name, int *out, srv_error *e) {
 /* A field fp4moe does not implement: accepted only with its neutral value. */
 static int refuse_unless_neutral(const cJSON *o, srv_error *e) {
     const cJSON *v;
-    static const char *const zero_num[] = {"presence_penalty", "frequency_penalty"};
-    for (int i = 0; i < 2; i++)
-        if ((v = field(o, zero_num[i])) && !(cJSON_IsNumber(v) && v->valuedouble == 0.0))
-            return srv_fail(e, 400, zero_num[i], "'%s' is not supported by fp4moe (only 0)", zero_num[i]);
-    if ((v = field(o, "repetition_penalty")) && !(cJSON_IsNumber(v) && v->valuedouble == 1.0))
-        return srv_fail(e, 400, "repetition_penalty", "'repetition_penalty' is not supported by fp4moe (only 1)");
     if ((v = field(o, "n")) && !(cJSON_IsNumber(v) && v->valuedouble == 1.0))
         return srv_fail(e, 400, "n", "'n' must be 1 (one choice per request)");
     if ((v = field(o, "best_of")) && !(cJSON_IsNumber(v) && v->valuedouble == 1.0))
         return srv_fail(e, 400, "best_of", "'best_of' must be 1");
-    if ((v = field(o, "logprobs")) && !cJSON_IsFalse(v))
-        return srv_fail(e, 400, "logprobs", "'logprobs' is not supported by fp4moe");
-    if ((v = field(o, "top_logprobs")))
-        return srv_fail(e, 400, "top_logprobs", "'top_logprobs' is not supported by fp4moe");
     if ((v = field(o, "echo")) && !cJSON_IsFalse(v))
         return srv_fail(e, 400, "echo", "'echo' is not supported by fp4moe");
     if ((v = field(o, "suffix")))
@@ -126,8 +118,6 @@ static int refuse_unless_neutral(const cJSON *o, srv_error *e) {
     if ((v = field(o, "functions")) && !(cJSON_IsArray(v) && cJSON_GetArraySize(v) == 0))
         return srv_fail(e, 400, "functions", "'functions' (the deprecated form) is not supported by fp4moe: give "
                         "'tools'");
-    if ((v = field(o, "logit_bias")) && !(cJSON_IsObject(v) && !v->child))
-        return srv_fail(e, 400, "logit_bias", "'logit_bias' is not supported by fp4moe");
     /* vLLM's extra sampling / structured-output fields (clients send them to any OpenAI-compatible server) */
     if ((v = field(o, "min_tokens")) && !(cJSON_IsNumber(v) && v->valuedouble == 0.0))
         return srv_fail(e, 400, "min_tokens", "'min_tokens' is not supported by fp4moe (only 0)");
@@ -142,6 +132,77 @@ static int refuse_unless_neutral(const cJSON *o, srv_error *e) {
     for (int i = 0; i < 6; i++)
         if ((v = field(o, never[i])))
             return srv_fail(e, 400, never[i], "'%s' is not supported by fp4moe", never[i]);
+    return 0;
+}
+
+/* logprobs / top_logprobs: chat takes {"logprobs": bool, "top_logprobs": 0..20} (top_logprobs > 0 needs logprobs
+ * true, as vLLM), a completion {"logprobs": 0..20} (the alternatives of each token; null: none) */
+static int parse_logprobs(const cJSON *o, srv_request *r, srv_error *e) {
+    int64_t k = 0;
+    int st;
+    if (r->kind == SRV_CHAT) {
+        if (get_bool(o, "logprobs", &r->logprobs, e) < 0) return -1;
+        if ((st = get_int(o, "top_logprobs", 0, SRV_MAX_TOP_LOGPROBS, &k, e)) < 0) return -1;
+        if (st && k > 0 && !r->logprobs)
+            return srv_fail(e, 400, "top_logprobs", "'top_logprobs' needs 'logprobs': true");
+    } else {
+        const cJSON *v = field(o, "logprobs");
+        if (v && cJSON_IsBool(v)) return srv_fail(e, 400, "logprobs", "'logprobs' of a completion is the number of "
+                                                  "alternatives to return (0 to %d), not true / false",
+                                                  SRV_MAX_TOP_LOGPROBS);
+        if ((st = get_int(o, "logprobs", 0, SRV_MAX_TOP_LOGPROBS, &k, e)) < 0) return -1;
+        r->logprobs = st;
+        if (field(o, "top_logprobs"))
+            return srv_fail(e, 400, "top_logprobs", "'top_logprobs' is a chat field: a completion gives the number as "
+                            "'logprobs'");
+    }
+    r->top_logprobs = (int)k;
+    return get_bool(o, "return_tokens_as_token_ids", &r->tokens_as_ids, e) < 0 ? -1 : 0;
+}
+
+/* presence_penalty, frequency_penalty (OpenAI, over the output's tokens), repetition_penalty (vLLM: over the
+ * prompt's and the output's tokens; the window is set by check_length), logit_bias {"token id": -100..100} */
+static int parse_penalties(const srv_parse_ctx *c, const cJSON *o, srv_request *r, srv_error *e) {
+    double d;
+    int st;
+    if ((st = get_number(o, "presence_penalty", -2.0, 2.0, &d, e)) < 0) return -1;
+    if (st) r->sp.presence_penalty = (float)d;
+    if ((st = get_number(o, "frequency_penalty", -2.0, 2.0, &d, e)) < 0) return -1;
+    if (st) r->sp.frequency_penalty = (float)d;
+    const cJSON *v = field(o, "repetition_penalty");
+    if (v && cJSON_IsNumber(v) && isfinite(v->valuedouble) && !(v->valuedouble > 0.0))
+        return srv_fail(e, 400, "repetition_penalty", "'repetition_penalty' is %g; it must be in (0, 100]",
+                        v->valuedouble);
+    if ((st = get_number(o, "repetition_penalty", 0.0, 100.0, &d, e)) < 0) return -1;
+    if (st) r->sp.repeat_penalty = (float)d;
+    if (!(v = field(o, "logit_bias"))) return 0;
+    if (!cJSON_IsObject(v))
+        return srv_fail(e, 400, "logit_bias", "'logit_bias' must be an object mapping token ids to numbers");
+    const int n = cJSON_GetArraySize(v);
+    if (n > SRV_MAX_LOGIT_BIAS)
+        return srv_fail(e, 400, "logit_bias", "'logit_bias' holds %d entries; at most %d", n, SRV_MAX_LOGIT_BIAS);
+    if (n == 0) return 0;
+    r->bias_ids = malloc((size_t)n * sizeof(int32_t));
+    r->bias = malloc((size_t)n * sizeof(float));
+    if (!r->bias_ids || !r->bias) return srv_fail(e, 500, NULL, "out of memory");
+    int k = 0;
+    const cJSON *it;
+    cJSON_ArrayForEach(it, v) {
+        const char *key = it->string ? it->string : "";
+        size_t nd = 0;
+        while (key[nd] >= '0' && key[nd] <= '9') nd++;
+        const long long id = nd && !key[nd] && nd <= 10 ? strtoll(key, NULL, 10) : -1;
+        if (id < 0 || id >= c->vocab)
+            return srv_fail(e, 400, "logit_bias", "'logit_bias' key '%.40s' is not a token id in [0, %lld)", key,
+                            (long long)c->vocab);
+        if (!cJSON_IsNumber(it) || !isfinite(it->valuedouble) || it->valuedouble < -100.0 || it->valuedouble > 100.0)
+            return srv_fail(e, 400, "logit_bias", "'logit_bias' of token %lld must be a number in [-100, 100]", id);
+        r->bias_ids[k] = (int32_t)id;
+        r->bias[k++] = (float)it->valuedouble;
+    }
+    r->sp.bias_ids = r->bias_ids;
+    r->sp.bias = r->bias;
+    r->sp.n_bias = k;
     return 0;
 }
 
@@ -222,7 +283,7 @@ static int parse_common(const srv_parse_ctx *c, const cJSON *o, srv_request *r, 
     if ((st = get_bool(o, "ignore_eos", &b, e)) < 0) return -1;
     if (st) r->ignore_eos = b;
     if (r->ignore_eos) r->sp.n_stop = 0;
-    if (parse_stop(o, r, e)) return -1;
+    if (parse_stop(o, r, e) || parse_logprobs(o, r, e) || parse_penalties(c, o, r, e)) return -1;
     const char *mt = field(o, "max_completion_tokens") ? "max_completion_tokens" : "max_tokens";
     if ((st = get_int(o, mt, 1, INT64_MAX, &r->max_tokens, e)) < 0) return -1;
     *has_max = st;
@@ -243,6 +304,7 @@ static int check_length(const srv_parse_ctx *c, srv_request *r, int has_max, srv
                         "(%lld in the prompt, %lld for the completion).", (long long)c->context,
                         (long long)(r->n_ids + r->max_tokens), (long long)r->n_ids, (long long)r->max_tokens);
     }
+    r->sp.repeat_last_n = r->n_ids + r->max_tokens; /* vLLM's repetition_penalty: every prompt and output token */
     return 0;
 }
 

@@ -889,6 +889,16 @@ static void test_generate_inputs_and_context(void **state) {
     EXPECT_RC(0, "generate", "-m", M, "-p", P, "-n", "24", "--repeat-penalty", "1.5");
     assert_true(strcmp(g_out, plain) != 0);
     EXPECT_RC(2, "generate", "-m", M, "-p", P, "--repeat-penalty", "0");
+    /* --frequency-penalty / --presence-penalty change it too; 0 is off; [-2, 2] */
+    EXPECT_RC(0, "generate", "-m", M, "-p", P, "-n", "24", "--frequency-penalty", "0", "--presence-penalty", "0");
+    assert_string_equal(g_out, plain);
+    EXPECT_RC(0, "generate", "-m", M, "-p", P, "-n", "24", "--frequency-penalty", "1.5");
+    assert_true(strcmp(g_out, plain) != 0);
+    EXPECT_RC(0, "generate", "-m", M, "-p", P, "-n", "24", "--presence-penalty", "2");
+    assert_true(strcmp(g_out, plain) != 0);
+    EXPECT_RC(2, "generate", "-m", M, "-p", P, "--presence-penalty", "2.5");
+    expect_in(g_err, "--presence-penalty must be in [-2, 2]");
+    EXPECT_RC(2, "chat", "-m", M, "--frequency-penalty", "nan");
     /* --threads */
     EXPECT_RC(0, "generate", "-m", M, "-p", P, "-n", "8", "--threads", "1");
     assert_string_equal(g_out, ref);

@@ -563,6 +563,196 @@ static void test_sampler(void **state) {
     fp4moe_sampler_free(&s);
 }
 
+/* vLLM's logits processing in double: bias, then the repetition penalty over the distinct ids of `win`, then
+ * frequency x count + presence over the output ids `out` */
+static void ref_penalize(const float *l, int64_t V, const int32_t *bid, const float *bv, int64_t nb, const int32_t *win,
+                         int64_t nw, float rp, const int32_t *out, int64_t no, float fp, float pp, double *y) {
+    for (int64_t i = 0; i < V; i++) y[i] = l[i];
+    for (int64_t i = 0; i < nb; i++) y[bid[i]] = (float)(y[bid[i]] + bv[i]);
+    char *seen = calloc((size_t)V, 1);
+    for (int64_t i = 0; i < nw; i++) seen[win[i]] = 1;
+    for (int64_t i = 0; rp != 1.0f && i < V; i++)
+        if (seen[i]) y[i] = (float)(y[i] > 0 ? y[i] / rp : y[i] * rp);
+    int *cnt = calloc((size_t)V, sizeof(int));
+    for (int64_t i = 0; i < no; i++) cnt[out[i]]++;
+    for (int64_t i = 0; i < V; i++)
+        if (cnt[i]) y[i] -= fp * cnt[i] + pp;
+    free(seen);
+    free(cnt);
+}
+
+/* logit bias, presence / frequency penalties (greedy picks against the reference's argmax on random logits, the
+ * penalized values through temperature sampling of a two-token vocabulary), their errors, forget */
+static void test_sampler_penalties(void **state) {
+    (void)state;
+    tu_rng r;
+    tu_rng_seed(&r, 7);
+    const int64_t V = 300;
+    float *lg = rnd(&r, V, 2.0);
+    double *y = malloc((size_t)V * sizeof(double));
+    const int32_t bid[3] = {5, 17, 5};                 /* id 5 twice: its biases add */
+    const float bv[3] = {1.5f, -30.0f, 0.75f};
+    fp4moe_sampler_params sp;
+    fp4moe_sampler_params_default(&sp);
+    sp.presence_penalty = 0.6f;
+    sp.frequency_penalty = 0.45f;
+    sp.repeat_penalty = 1.3f;
+    sp.repeat_last_n = 8;
+    sp.bias_ids = bid;
+    sp.bias = bv;
+    sp.n_bias = 3;
+    fp4moe_sampler s;
+    assert_int_equal(fp4moe_sampler_init_params(&s, V, &sp), FP4MOE_OK);
+    int32_t win[64], out[64];
+    int64_t nw = 0, no = 0;
+    for (int i = 0; i < 5; i++) { /* a "prompt": the window only */
+        win[nw++] = (int32_t)(tu_rng_u64(&r) % (uint64_t)V);
+        fp4moe_sampler_accept(&s, win[nw - 1]);
+    }
+    for (int step = 0; step < 40; step++) {
+        for (int64_t i = 0; i < V; i++) lg[i] = (float)(2.0 * tu_rng_normal(&r));
+        if (step % 3 == 0 && no) lg[out[no - 1]] += 6.0f; /* make repeats likely, so that counts of 2+ occur */
+        const int64_t w0 = nw > 8 ? nw - 8 : 0;
+        ref_penalize(lg, V, bid, bv, 3, win + w0, nw - w0, 1.3f, out, no, 0.45f, 0.6f, y);
+        int64_t best = 0;
+        for (int64_t i = 1; i < V; i++)
+            if (y[i] > y[best]) best = i;
+        const int32_t id = fp4moe_sample(&s, lg);
+        if (id != best) fail_msg("step %d: sampled %d, reference argmax %lld", step, id, (long long)best);
+        /* every penalized logit as the reference (float32 arithmetic of the same steps) */
+        for (int64_t i = 0; i < V; i++)
+            if (fabs(s.pen[i] - y[i]) > 1e-5 * (1.0 + fabs(y[i]))) fail_msg("step %d: pen[%lld] %g vs %g", step, (long long)i, s.pen[i], y[i]);
+        out[no++] = id;
+        win[nw++] = id;
+        fp4moe_sampler_accept_output(&s, id);
+    }
+    int twice = 0;
+    for (int64_t i = 0; i < V; i++) twice |= s.count && s.count[i] >= 2;
+    assert_true(twice);                                 /* the frequency term saw counts above 1 */
+    /* the repetition marks wrapping around: the next pass clears them and still penalizes once */
+    s.pass = UINT32_MAX;
+    ref_penalize(lg, V, bid, bv, 3, win + nw - 8, 8, 1.3f, out, no, 0.45f, 0.6f, y);
+    (void)fp4moe_sample(&s, lg);
+    for (int64_t i = 0; i < V; i++)
+        if (fabs(s.pen[i] - y[i]) > 1e-5 * (1.0 + fabs(y[i]))) fail_msg("after the wrap: pen[%lld] %g vs %g", (long long)i, s.pen[i], y[i]);
+    fp4moe_sampler_forget(&s);                          /* counts and window emptied: the bias alone remains */
+    ref_penalize(lg, V, bid, bv, 3, NULL, 0, 1.3f, NULL, 0, 0.45f, 0.6f, y);
+    (void)fp4moe_sample(&s, lg);
+    for (int64_t i = 0; i < V; i++) {
+        if (fabs(s.pen[i] - y[i]) > 1e-6 * (1.0 + fabs(y[i]))) fail_msg("after forget: pen[%lld] %g vs %g", (long long)i, s.pen[i], y[i]);
+        assert_int_equal(s.count[i], 0);
+    }
+    fp4moe_sampler_free(&s);
+    /* a penalty through sampling: two tokens of equal logits, the first generated once with presence 0 and frequency
+       ln 3: p = 1 / (1 + 3) for it, measured over 20,000 draws */
+    const float l2[2] = {0.5f, 0.5f};
+    fp4moe_sampler_params_default(&sp);
+    sp.temperature = 1.0f;
+    sp.frequency_penalty = (float)log(3.0);
+    sp.seed = 99;
+    assert_int_equal(fp4moe_sampler_init_params(&s, 2, &sp), FP4MOE_OK);
+    fp4moe_sampler_accept_output(&s, 0);
+    int n0 = 0;
+    for (int i = 0; i < 20000; i++) n0 += fp4moe_sample(&s, l2) == 0;
+    assert_true(fabs(n0 / 20000.0 - 0.25) < 0.015);
+    fp4moe_sampler_free(&s);
+    /* errors: each names its field */
+    fp4moe_sampler_params_default(&sp);
+    sp.presence_penalty = NAN;
+    assert_int_equal(fp4moe_sampler_init_params(&s, V, &sp), FP4MOE_EINVAL);
+    sp.presence_penalty = 0.0f;
+    sp.frequency_penalty = INFINITY;
+    assert_int_equal(fp4moe_sampler_init_params(&s, V, &sp), FP4MOE_EINVAL);
+    sp.frequency_penalty = 0.0f;
+    sp.n_bias = 1;                                      /* no arrays */
+    assert_int_equal(fp4moe_sampler_init_params(&s, V, &sp), FP4MOE_EINVAL);
+    const int32_t bad_id[1] = {(int32_t)V};
+    const float bad_v[1] = {NAN}, ok_v[1] = {1.0f};
+    sp.bias_ids = bad_id;
+    sp.bias = ok_v;
+    assert_int_equal(fp4moe_sampler_init_params(&s, V, &sp), FP4MOE_EINVAL);
+    assert_non_null(strstr(fp4moe_last_error(), "outside"));
+    sp.bias_ids = bid;
+    sp.bias = bad_v;
+    assert_int_equal(fp4moe_sampler_init_params(&s, V, &sp), FP4MOE_EINVAL);
+    sp.n_bias = -1;
+    assert_int_equal(fp4moe_sampler_init_params(&s, V, &sp), FP4MOE_EINVAL);
+    /* all off: no buffers, the logits themselves */
+    fp4moe_sampler_params_default(&sp);
+    assert_int_equal(fp4moe_sampler_init_params(&s, V, &sp), FP4MOE_OK);
+    assert_null(s.pen);
+    assert_null(s.count);
+    fp4moe_sampler_accept_output(&s, 3);                /* a no-op */
+    assert_int_equal(fp4moe_sample(&s, lg), fp4moe_argmax(lg, V));
+    fp4moe_sampler_free(&s);
+    free(lg);
+    free(y);
+}
+
+/* fp4moe_logprobs against log_softmax in long double on random logits with ties, a NaN and -inf; the top-k order */
+static void test_logprobs(void **state) {
+    (void)state;
+    tu_rng r;
+    tu_rng_seed(&r, 11);
+    const int64_t Vs[4] = {1, 3, 257, 8192};
+    for (int c = 0; c < 4; c++) {
+        const int64_t V = Vs[c];
+        float *lg = rnd(&r, V, 3.0);
+        if (V > 10) {
+            lg[3] = lg[9] = lg[V - 1] = 40.0f;               /* a three-way tie at the top: ids 3, 9, V-1 in order */
+            lg[4] = NAN;                                     /* counts as -inf */
+            lg[5] = -INFINITY;
+        }
+        long double mx = -INFINITY, sum = 0;
+        for (int64_t i = 0; i < V; i++)
+            if (!isnan(lg[i]) && lg[i] > mx) mx = lg[i];
+        for (int64_t i = 0; i < V; i++)
+            if (!isnan(lg[i])) sum += expl((long double)lg[i] - mx);
+        const long double lz = mx + logl(sum);
+        fp4moe_prob_id top[21];
+        for (int64_t k = 0; k <= 20; k += 4) {
+            for (int i = 0; i < 21; i++) top[i] = (fp4moe_prob_id){NAN, -7}; /* poison */
+            const int32_t id = (int32_t)(tu_rng_u64(&r) % (uint64_t)V);
+            float lp = NAN;
+            const int64_t got = fp4moe_logprobs(lg, V, id, &lp, k, top);
+            assert_int_equal(got, k < V ? k : V);
+            const double want = isnan(lg[id]) ? -INFINITY : (double)((long double)lg[id] - lz);
+            if (!(lp == want || fabs(lp - want) <= 2e-6 * (1.0 + fabs(want))))
+                fail_msg("V %lld id %d: logprob %.9g, want %.9g", (long long)V, id, lp, want);
+            for (int64_t i = 0; i < got; i++) {
+                const int32_t t = top[i].id;
+                assert_true(t >= 0 && t < V);
+                const double w = isnan(lg[t]) ? -INFINITY : (double)((long double)lg[t] - lz);
+                if (!(top[i].p == w || fabs(top[i].p - w) <= 2e-6 * (1.0 + fabs(w))))
+                    fail_msg("V %lld top[%lld] (id %d): %.9g, want %.9g", (long long)V, (long long)i, t, top[i].p, w);
+                /* nothing outside the list beats its last entry; the list is ordered (ties: lower id first) */
+                if (i > 0) assert_true(top[i - 1].p > top[i].p || (top[i - 1].p == top[i].p && top[i - 1].id < t));
+            }
+            for (int64_t j = 0; got && j < V; j++) {
+                int in = 0;
+                for (int64_t i = 0; i < got; i++) in |= top[i].id == j;
+                const float lj = isnan(lg[j]) ? -INFINITY : lg[j], last = top[got - 1].p + (float)lz;
+                if (!in && (lj > last + 1e-5f * fabsf(last) ||
+                            (lg[j] == lg[top[got - 1].id] && j < top[got - 1].id)))
+                    fail_msg("V %lld k %lld: id %lld (logit %g) left out", (long long)V, (long long)k, (long long)j, lj);
+            }
+            if (V > 10 && k >= 4) assert_true(top[0].id == 3 && top[1].id == 9 && top[2].id == V - 1);
+            for (int64_t i = got; i < 21; i++) assert_int_equal(top[i].id, -7); /* nothing written past k */
+        }
+        free(lg);
+    }
+    const float l3[3] = {0.0f, 0.0f, 0.0f};
+    float lp;
+    fp4moe_prob_id t1[1];
+    assert_int_equal(fp4moe_logprobs(l3, 3, 1, &lp, 0, NULL), 0);
+    assert_true(fabs(lp + log(3.0)) < 1e-6);
+    assert_int_equal(fp4moe_logprobs(l3, 3, 3, &lp, 1, t1), -1);  /* id outside */
+    assert_int_equal(fp4moe_logprobs(l3, 3, 0, &lp, 1, NULL), -1); /* no top array */
+    assert_int_equal(fp4moe_logprobs(l3, 3, 0, &lp, -1, t1), -1);
+    assert_int_equal(fp4moe_logprobs(NULL, 3, 0, &lp, 0, NULL), -1);
+    assert_int_equal(fp4moe_logprobs(l3, 0, 0, &lp, 0, NULL), -1);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_router_ties_and_bias),
@@ -576,6 +766,8 @@ int main(void) {
         cmocka_unit_test(test_attention_fp8_cache),
         cmocka_unit_test(test_linear_dense_and_nvfp4),
         cmocka_unit_test(test_sampler),
+        cmocka_unit_test(test_sampler_penalties),
+        cmocka_unit_test(test_logprobs),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -7,7 +7,8 @@ real openai client and with curl: models, completions and chat (stream and not, 
 split, stop strings), greedy answers equal to `fp4moe generate`, 32 concurrent clients x 4
 requests each equal to the same request sent alone, a client that disconnects mid-stream frees its
 sequence, malformed requests get their 4xx and the server goes on, the API key, the bounded queue
-(429), prefix reuse across chat turns (same answer as without the cache), and shutdown exit codes.
+(429), prefix reuse across chat turns (same answer as without the cache), shutdown exit codes, and
+logprobs / penalties / logit_bias against mlx-lm's logits (a --cpu-act float server).
 
 usage: test_server.py FP4MOE_BINARY
 """
@@ -286,7 +287,8 @@ def main():
             ("POST", "/v1/completions", '{"prompt": "x", "max_tokens": -1}', 400),
             ("POST", "/v1/completions", '{"prompt": "x", "max_tokens": 100000}', 400),
             ("POST", "/v1/completions", '{"prompt": "x", "n": 3}', 400),
-            ("POST", "/v1/completions", '{"prompt": "x", "logprobs": 2}', 400),
+            ("POST", "/v1/completions", '{"prompt": "x", "logprobs": 21}', 400),
+            ("POST", "/v1/completions", '{"prompt": "x", "logit_bias": {"x": 1}}', 400),
             ("POST", "/v1/completions", '{"prompt": [1, 2, 99999999]}', 400),
             ("POST", "/v1/completions", '{"prompt": ""}', 400),
             ("POST", "/v1/completions", json.dumps({"prompt": long_prompt}), 400),
@@ -415,8 +417,122 @@ def main():
         check(t == ref, "after the 429 and the disconnect the server answers again (within 10 s)")
     finally:
         s3.stop()
+    logprobs_and_penalties(p0)
     print("%d failure(s)" % len(FAILS))
     return 1 if FAILS else 0
+
+
+def logprobs_and_penalties(p0):
+    """logprobs, presence / frequency / repetition penalties and logit_bias against mlx-lm (the second oracle of the
+    default model: its fp32 logits equal fp4moe's float mode within ~1e-6, tests/golden/mlx): a server with
+    --cpu-act float; mlx-lm teacher-forced on the prompt and the output gives every step's raw logits, vLLM's
+    formulas on them give the penalized greedy choices."""
+    import numpy as np
+    import mlx.core as mx
+    import mlx_lm
+    model, hf_tok = mlx_lm.load(MODEL)
+    model.set_dtype(mx.float32)
+
+    def log_softmax_rows(ids, first):
+        """float64 log_softmax of the logits that chose ids[first:] (rows first-1 .., one forward)"""
+        lg = np.array(model(mx.array([ids[:-1]]))[0].astype(mx.float32)).astype(np.float64)[first - 1:]
+        return lg, lg - (lg.max(axis=1, keepdims=True) +
+                         np.log(np.exp(lg - lg.max(axis=1, keepdims=True)).sum(axis=1, keepdims=True)))
+
+    def ids_of(tokens):
+        return [int(t.split(":")[1]) for t in tokens]
+
+    pids = hf_tok.encode(p0, add_special_tokens=False)
+    sf = Server("--cpu-act", "float", "--chat-template", TEMPLATE)
+    try:
+        c = sf.client()
+        kw = dict(model="nemotron-h-tiny-moe", prompt=pids, max_tokens=14, temperature=0,
+                  extra_body={"return_tokens_as_token_ids": True})
+        r = c.completions.create(logprobs=5, **kw)
+        lp = r.choices[0].logprobs
+        gen = ids_of(lp.tokens)
+        _, L = log_softmax_rows(pids + gen, len(pids))
+        err = max(abs(lp.token_logprobs[t] - L[t, g]) for t, g in enumerate(gen))
+        top_ok, near = True, 0
+        for t in range(len(gen)):
+            order = np.argsort(-L[t], kind="stable")
+            if L[t, order[4]] - L[t, order[5]] < 1e-3:
+                near += 1
+                continue
+            got = {int(k.split(":")[1]): v for k, v in lp.top_logprobs[t].items()}
+            top_ok &= set(got) == set(int(i) for i in order[:5]) and \
+                all(abs(v - L[t, i]) <= 1e-3 for i, v in got.items())
+        check(len(gen) == 14 and err <= 1e-3 and top_ok and all(int(np.argmax(L[t])) == g for t, g in enumerate(gen)),
+              "completion logprobs (top 5, 14 greedy tokens) equal mlx-lm's log_softmax: max |diff| %.2e, top-5 sets "
+              "equal (%d steps with a near tie skipped)" % (err, near))
+        text_offsets_ok = lp.text_offset[0] == 0 and all(b >= a for a, b in zip(lp.text_offset, lp.text_offset[1:]))
+        check(text_offsets_ok, "text_offset starts at 0 and grows: %s" % lp.text_offset[:6])
+        # streamed: the same entries, each once, in order
+        st_tok, st_lp = [], []
+        for ch in c.completions.create(logprobs=5, stream=True, **kw):
+            if ch.choices and ch.choices[0].logprobs:
+                st_tok += ch.choices[0].logprobs.tokens
+                st_lp += ch.choices[0].logprobs.token_logprobs
+        check(st_tok == lp.tokens and st_lp == lp.token_logprobs, "streamed logprobs equal the whole answer's")
+        # chat: the entries' tokens (and bytes) make the text; top_logprobs[0] is the greedy token
+        msgs = [{"role": "user", "content": prompt(5)}]
+        rc_ = c.chat.completions.create(model="nemotron-h-tiny-moe", messages=msgs, max_tokens=12, temperature=0,
+                                        logprobs=True, top_logprobs=3,
+                                        extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+        ents = rc_.choices[0].logprobs.content
+        text = rc_.choices[0].message.content
+        check("".join(e.token for e in ents) == text and bytes(b for e in ents for b in e.bytes).decode() == text and
+              all(len(e.top_logprobs) == 3 and e.top_logprobs[0].token == e.token and
+                  e.top_logprobs[0].logprob == e.logprob for e in ents) and
+              len(ents) == rc_.usage.completion_tokens - (rc_.choices[0].finish_reason == "stop"),
+              "chat logprobs: %d entries; their tokens and bytes make the content %r" % (len(ents), text[:30]))
+
+        # penalties and logit_bias: the greedy choices of vLLM's formulas on mlx-lm's raw logits; the logprobs stay raw
+        plain = gen
+        bias = {plain[0]: -5.0, plain[3]: 1.5}
+        pen = dict(presence_penalty=0.7, frequency_penalty=0.9)
+        rp = 1.3
+        r = c.completions.create(logprobs=0, logit_bias={str(k): v for k, v in bias.items()},
+                                 **dict(kw, extra_body={"return_tokens_as_token_ids": True, "repetition_penalty": rp}),
+                                 **pen)
+        g2 = ids_of(r.choices[0].logprobs.tokens)
+        raw, L2 = log_softmax_rows(pids + g2, len(pids))
+        ok, margin = True, 1e9
+        for t, g in enumerate(g2):
+            y = raw[t].copy()
+            for k, v in bias.items():
+                y[k] += v
+            seen = sorted(set(pids + g2[:t]))
+            y[seen] = np.where(y[seen] > 0, y[seen] / rp, y[seen] * rp)
+            cnt = np.bincount(np.array(g2[:t], dtype=np.int64), minlength=len(y)) if t else np.zeros(len(y))
+            y -= pen["frequency_penalty"] * cnt + pen["presence_penalty"] * (cnt > 0)
+            s2 = np.sort(y)
+            margin = min(margin, s2[-1] - s2[-2])
+            ok &= int(np.argmax(y)) == g
+        lp_raw = max(abs(v - L2[t, g]) for t, (v, g) in enumerate(zip(r.choices[0].logprobs.token_logprobs, g2)))
+        check(ok and g2 != plain and lp_raw <= 1e-3,
+              "presence 0.7 / frequency 0.9 / repetition 1.3 / logit_bias: the 14 greedy tokens are vLLM's formulas' "
+              "choices on mlx-lm's logits (min margin %.3g; output differs from the plain one; logprobs raw, %.1e)"
+              % (margin, lp_raw))
+        # fp4moe generate's --presence-penalty / --frequency-penalty / --repeat-penalty (same sampler): the same text
+        # as the server's request with those fields (the window covering prompt and output, as vLLM)
+        out = subprocess.run([BIN, "generate", "-m", MODEL, "-p", p0, "-n", "14", "--json", "--cpu-act", "float",
+                              "--presence-penalty", "0.7", "--frequency-penalty", "0.9", "--repeat-penalty", "1.3",
+                              "--repeat-last-n", "1000"], capture_output=True, text=True)
+        r = c.completions.create(model="nemotron-h-tiny-moe", prompt=p0, max_tokens=14, temperature=0,
+                                 extra_body={"repetition_penalty": 1.3}, **pen)
+        check(out.returncode == 0 and json.loads(out.stdout)["text"] == r.choices[0].text,
+              "generate --presence-penalty / --frequency-penalty / --repeat-penalty equals the server's request: %r"
+              % r.choices[0].text[:40])
+        # logit_bias -100 on the greedy token: the runner-up comes
+        r = c.completions.create(model="nemotron-h-tiny-moe", prompt=pids, max_tokens=1, temperature=0,
+                                 logit_bias={str(plain[0]): -100}, logprobs=0,
+                                 extra_body={"return_tokens_as_token_ids": True})
+        runner = int(np.argsort(-L[0], kind="stable")[1])
+        check(ids_of(r.choices[0].logprobs.tokens) == [runner], "logit_bias -100 on the greedy token: the runner-up "
+              "(id %d) is chosen" % runner)
+    finally:
+        sf.stop()
 
 
 if __name__ == "__main__":

@@ -250,17 +250,39 @@ static void test_request_errors(void **state) {
         {SRV_COMPLETION, "{\"prompt\": \"x\", \"stop_token_ids\": [\"a\"]}", 400, "stop_token_ids"},
         {SRV_COMPLETION, "{\"prompt\": \"x\", \"n\": 2}", 400, "n"},
         {SRV_COMPLETION, "{\"prompt\": \"x\", \"best_of\": 2}", 400, "best_of"},
-        {SRV_COMPLETION, "{\"prompt\": \"x\", \"logprobs\": 1}", 400, "logprobs"},
+        {SRV_COMPLETION, "{\"prompt\": \"x\", \"logprobs\": true}", 400, "logprobs"},
+        {SRV_COMPLETION, "{\"prompt\": \"x\", \"logprobs\": 21}", 400, "logprobs"},
+        {SRV_COMPLETION, "{\"prompt\": \"x\", \"logprobs\": -1}", 400, "logprobs"},
+        {SRV_COMPLETION, "{\"prompt\": \"x\", \"logprobs\": 1.5}", 400, "logprobs"},
+        {SRV_COMPLETION, "{\"prompt\": \"x\", \"logprobs\": 2, \"top_logprobs\": 2}", 400, "top_logprobs"},
+        {SRV_CHAT, "{\"messages\": [{\"role\": \"user\", \"content\": \"a\"}], \"logprobs\": 1}", 400, "logprobs"},
+        {SRV_CHAT, "{\"messages\": [{\"role\": \"user\", \"content\": \"a\"}], \"top_logprobs\": 2}", 400,
+         "top_logprobs"},
+        {SRV_CHAT, "{\"messages\": [{\"role\": \"user\", \"content\": \"a\"}], \"logprobs\": true, "
+                   "\"top_logprobs\": 21}", 400, "top_logprobs"},
+        {SRV_COMPLETION, "{\"prompt\": \"x\", \"logprobs\": 1, \"return_tokens_as_token_ids\": 1}", 400,
+         "return_tokens_as_token_ids"},
         {SRV_COMPLETION, "{\"prompt\": \"x\", \"echo\": true}", 400, "echo"},
         {SRV_COMPLETION, "{\"prompt\": \"x\", \"suffix\": \"y\"}", 400, "suffix"},
-        {SRV_COMPLETION, "{\"prompt\": \"x\", \"presence_penalty\": 0.5}", 400, "presence_penalty"},
-        {SRV_COMPLETION, "{\"prompt\": \"x\", \"frequency_penalty\": 1}", 400, "frequency_penalty"},
-        {SRV_COMPLETION, "{\"prompt\": \"x\", \"repetition_penalty\": 1.1}", 400, "repetition_penalty"},
+        {SRV_COMPLETION, "{\"prompt\": \"x\", \"presence_penalty\": 2.5}", 400, "presence_penalty"},
+        {SRV_COMPLETION, "{\"prompt\": \"x\", \"presence_penalty\": \"1\"}", 400, "presence_penalty"},
+        {SRV_COMPLETION, "{\"prompt\": \"x\", \"frequency_penalty\": -2.01}", 400, "frequency_penalty"},
+        {SRV_COMPLETION, "{\"prompt\": \"x\", \"repetition_penalty\": 0}", 400, "repetition_penalty"},
+        {SRV_COMPLETION, "{\"prompt\": \"x\", \"repetition_penalty\": -1}", 400, "repetition_penalty"},
+        {SRV_COMPLETION, "{\"prompt\": \"x\", \"repetition_penalty\": 101}", 400, "repetition_penalty"},
+        {SRV_COMPLETION, "{\"prompt\": \"x\", \"logit_bias\": []}", 400, "logit_bias"},
+        {SRV_COMPLETION, "{\"prompt\": \"x\", \"logit_bias\": {\"a\": 1}}", 400, "logit_bias"},
+        {SRV_COMPLETION, "{\"prompt\": \"x\", \"logit_bias\": {\"-1\": 1}}", 400, "logit_bias"},
+        {SRV_COMPLETION, "{\"prompt\": \"x\", \"logit_bias\": {\"8192\": 1}}", 400, "logit_bias"},
+        {SRV_COMPLETION, "{\"prompt\": \"x\", \"logit_bias\": {\"12345678901\": 1}}", 400, "logit_bias"},
+        {SRV_COMPLETION, "{\"prompt\": \"x\", \"logit_bias\": {\" 5\": 1}}", 400, "logit_bias"},
+        {SRV_COMPLETION, "{\"prompt\": \"x\", \"logit_bias\": {\"5\": 101}}", 400, "logit_bias"},
+        {SRV_COMPLETION, "{\"prompt\": \"x\", \"logit_bias\": {\"5\": \"1\"}}", 400, "logit_bias"},
+        {SRV_COMPLETION, "{\"prompt\": \"x\", \"logit_bias\": {\"5\": null}}", 400, "logit_bias"},
         {SRV_COMPLETION, "{\"prompt\": \"x\", \"response_format\": {\"type\": \"json_object\"}}", 400, "response_format"},
         {SRV_COMPLETION, "{\"prompt\": \"\\ud800\"}", 400, ""},          /* cJSON: a lone surrogate */
         {SRV_COMPLETION, "{\"prompt\": \"a\xff\"}", 400, "prompt"},        /* invalid UTF-8: the tokenizer */
         {SRV_COMPLETION, "{\"prompt\": \"x\\u0000 and more\"}", 400, ""}, /* NUL: cJSON's string would end there */
-        {SRV_COMPLETION, "{\"prompt\": \"x\", \"logit_bias\": {\"5\": 10}}", 400, "logit_bias"},
         {SRV_COMPLETION, "{\"prompt\": \"x\", \"min_tokens\": 3}", 400, "min_tokens"},
         {SRV_COMPLETION, "{\"prompt\": \"x\", \"use_beam_search\": true}", 400, "use_beam_search"},
         {SRV_COMPLETION, "{\"prompt\": \"x\", \"bad_words\": [\"a\"]}", 400, "bad_words"},
@@ -392,7 +414,76 @@ static void test_request_fields(void **state) {
     snprintf(body, sizeof body, chat, ", \"chat_template_kwargs\": {\"enable_thinking\": false}");
     assert_int_equal(parse(SRV_CHAT, body, &r, &e), 0);
     assert_int_equal(r.reasoning_start, 0);
+    assert_int_equal(r.logprobs, 0);
     srv_request_free(&r);
+    /* logprobs, penalties, logit_bias */
+    snprintf(body, sizeof body, chat, ", \"logprobs\": true, \"top_logprobs\": 20, \"presence_penalty\": -2, "
+             "\"frequency_penalty\": 0.5, \"repetition_penalty\": 1.25, \"return_tokens_as_token_ids\": true, "
+             "\"max_tokens\": 7");
+    assert_int_equal(parse(SRV_CHAT, body, &r, &e), 0);
+    assert_true(r.logprobs && r.tokens_as_ids);
+    assert_int_equal(r.top_logprobs, 20);
+    assert_float_equal(r.sp.presence_penalty, -2.0f, 0);
+    assert_float_equal(r.sp.frequency_penalty, 0.5f, 0);
+    assert_float_equal(r.sp.repeat_penalty, 1.25f, 0);
+    assert_int_equal(r.sp.repeat_last_n, r.n_ids + 7);         /* vLLM: every prompt and output token */
+    assert_int_equal(r.sp.n_bias, 0);
+    srv_request_free(&r);
+    snprintf(body, sizeof body, chat, ", \"logprobs\": false, \"top_logprobs\": 0");
+    assert_int_equal(parse(SRV_CHAT, body, &r, &e), 0);
+    assert_int_equal(r.logprobs, 0);
+    srv_request_free(&r);
+    assert_int_equal(parse(SRV_COMPLETION, "{\"prompt\": \"x\", \"logprobs\": 0, \"logit_bias\": {\"5\": -100, "
+                           "\"0\": 100, \"8191\": 0.5, \"007\": 1}}", &r, &e), 0);
+    assert_true(r.logprobs);
+    assert_int_equal(r.top_logprobs, 0);
+    assert_int_equal(r.sp.n_bias, 4);
+    assert_true(r.sp.bias_ids == r.bias_ids && r.sp.bias == r.bias);
+    assert_int_equal(r.bias_ids[0], 5);
+    assert_float_equal(r.bias[0], -100.0f, 0);
+    assert_int_equal(r.bias_ids[2], 8191);
+    assert_int_equal(r.bias_ids[3], 7);
+    srv_request_free(&r);
+    assert_int_equal(parse(SRV_COMPLETION, "{\"prompt\": \"x\", \"logprobs\": null, \"logit_bias\": {}, "
+                           "\"presence_penalty\": 0, \"repetition_penalty\": 1}", &r, &e), 0);
+    assert_int_equal(r.logprobs, 0);
+    assert_int_equal(r.sp.n_bias, 0);
+    srv_request_free(&r);
+}
+
+/* srv_utf8_lossy against Python's bytes.decode("utf-8", "replace") on fixed cases (maximal subparts) */
+static void test_utf8_lossy(void **state) {
+    (void)state;
+    static const struct {
+        const char *in;
+        size_t n;
+        const char *out;
+        int64_t chars;
+    } cases[] = {
+        {"abc", 3, "abc", 3},
+        {"\xC3\xA9", 2, "\xC3\xA9", 1},                         /* e acute */
+        {"\xC3", 1, "\xEF\xBF\xBD", 1},                           /* a lone lead byte */
+        {"\xE2\x82", 2, "\xEF\xBF\xBD", 1},                       /* a truncated 3-byte: one U+FFFD */
+        {"\xE2\x82\xACx", 4, "\xE2\x82\xACx", 2},               /* the euro sign */
+        {"\xE2\x82x", 3, "\xEF\xBF\xBDx", 2},
+        {"\x80\x80", 2, "\xEF\xBF\xBD\xEF\xBF\xBD", 2},         /* continuation bytes: one each */
+        {"\xC0\xAF", 2, "\xEF\xBF\xBD\xEF\xBF\xBD", 2},         /* an overlong lead: invalid alone */
+        {"\xED\xA0\x80", 3, "\xEF\xBF\xBD\xEF\xBF\xBD\xEF\xBF\xBD", 3}, /* a surrogate: ED A0 is not a prefix */
+        {"\xF0\x9F\x98\x80", 4, "\xF0\x9F\x98\x80", 1},          /* an emoji */
+        {"\xF0\x9F\x98", 3, "\xEF\xBF\xBD", 1},
+        {"\xF4\x90\x80\x80", 4, "\xEF\xBF\xBD\xEF\xBF\xBD\xEF\xBF\xBD\xEF\xBF\xBD", 4}, /* > U+10FFFF */
+        {"\xFF" "a", 2, "\xEF\xBF\xBD" "a", 2},
+        {"a\0b", 3, "a\0b", 3},
+        {"", 0, "", 0},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        srv_buf b = {0};
+        const int64_t c = srv_utf8_lossy(&b, cases[i].in, cases[i].n);
+        const size_t want = cases[i].n == 3 && !cases[i].in[1] ? 3 : strlen(cases[i].out);
+        if (c != cases[i].chars || b.n != want || (want && memcmp(b.p, cases[i].out, want)))
+            fail_msg("case %zu: %lld chars, %zu bytes", i, (long long)c, b.n);
+        srv_buf_free(&b);
+    }
 }
 
 /* Every input kept by fuzz/run_request.sh: parses to a request or a 4xx, never a crash. */
@@ -429,6 +520,7 @@ int main(void) {
         cmocka_unit_test(test_reasoning_split),
         cmocka_unit_test(test_utf8_never_split),
         cmocka_unit_test(test_random_splits),
+        cmocka_unit_test(test_utf8_lossy),
     };
     const struct CMUnitTest request_tests[] = {
         cmocka_unit_test(test_request_errors),
