@@ -85,7 +85,7 @@ typedef struct {
     srv_kind kind;
     int stream, include_usage, ignore_eos;
     int has_seed;                      /* the request gave a seed (else the engine draws one) */
-    int64_t max_tokens;                /* after defaults: >= 1, prompt + max_tokens <= context */
+    int64_t max_tokens;                /* after defaults: >= 1 (>= 0 with echo), prompt + max_tokens <= context */
     fp4moe_sampler_params sp;
     char *stop[SRV_MAX_STOP];          /* stop strings (malloc'd) */
     int n_stop;
@@ -100,6 +100,9 @@ typedef struct {
                                           logprobs true, completion logprobs given) */
     int top_logprobs;                  /* and its most likely alternatives: 0..SRV_MAX_TOP_LOGPROBS */
     int tokens_as_ids;                 /* vLLM's return_tokens_as_token_ids: tokens as "token_id:N" */
+    int echo;                          /* completion: the prompt's text (and with logprobs its tokens'
+                                          log-probabilities, the first one null) before the output;
+                                          max_tokens may then be 0 */
     int32_t *bias_ids;                 /* logit_bias (malloc'd; sp.bias_ids / sp.bias point here) */
     float *bias;
 } srv_request;

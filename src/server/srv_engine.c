@@ -56,6 +56,10 @@ struct srv_job {
                                                  {"content": [...]}, completion {"tokens", "token_logprobs",
                                                  "top_logprobs", "text_offset"} */
     int64_t text_chars;                       /* code points of the decoded output so far (text_offset) */
+    srv_buf echo;                             /* echo: the prompt's text (decoded) */
+    int64_t echo_chars, *echo_off;            /* its code points; echo + logprobs: each prompt token's offset */
+    float *plog;                              /* echo + logprobs: the logits of a prefill chunk's rows */
+    int64_t plog_rows;
     /* shared with the HTTP side (e->lock) */
     srv_buf out;                              /* SSE bytes, or the final body */
     size_t n_read;
@@ -439,6 +443,8 @@ static uint64_t mix64(uint64_t x) {
     return x ^ (x >> 31);
 }
 
+static int echo_setup(srv_engine *e, srv_job *j);
+
 /* Sets a job up for its first step; 0, or -1 when it already failed. */
 static int admit(srv_rank *rk, srv_job *j) {
     srv_engine *e = rk->e;
@@ -466,7 +472,12 @@ static int admit(srv_rank *rk, srv_job *j) {
     fp4moe_tokenizer_stream_init(&j->ts, e->tok, 1);
     j->ts_ok = 1;
     srv_text_init(&j->text, j->r.stop, j->r.n_stop, j->r.reasoning, j->r.reasoning_start);
-    const int64_t hit = cache_find(rk, j->r.ids, j->r.n_ids);
+    if (j->r.echo && echo_setup(e, j)) {
+        finish_error(e, j, 500, "out of memory");
+        return -1;
+    }
+    /* (echo + logprobs needs the logits of every prompt position: no snapshot) */
+    const int64_t hit = j->plog ? -1 : cache_find(rk, j->r.ids, j->r.n_ids);
     int st;
     if (hit >= 0) {
         const double t = now_s();
@@ -522,12 +533,13 @@ static cJSON *token_bytes(const char *piece, int64_t n) {
 /* A logprob as JSON: -inf (a token of zero probability, e.g. after a bias of -100 chose it) as -9999.0, as vLLM */
 static double lp_json(float lp) { return lp > -9999.0f ? (double)lp : -9999.0; }
 
-/* Appends token id's entry to j->lp: its log-probability among the logits that chose it and the top_logprobs most
- * likely tokens (chat: {token, logprob, bytes, top_logprobs}; completion: the four parallel lists). */
-static void add_logprob_entry(srv_engine *e, srv_job *j, int32_t id) {
+/* Appends token id's entry to j->lp: its log-probability among the logits that chose it (row: V logits; NULL for
+ * the first token of an echoed prompt, which has none: null) and the top_logprobs most likely tokens (chat: {token,
+ * logprob, bytes, top_logprobs}; completion: the four parallel lists, text_offset `offset`). */
+static void add_logprob_entry(srv_engine *e, srv_job *j, int32_t id, const float *row, int64_t offset) {
     fp4moe_prob_id top[SRV_MAX_TOP_LOGPROBS];
     float lp = 0.0f;
-    const int64_t k = fp4moe_logprobs(j->logits, e->V, id, &lp, j->r.top_logprobs, top);
+    const int64_t k = row ? fp4moe_logprobs(row, e->V, id, &lp, j->r.top_logprobs, top) : 0;
     if (k < 0 || !j->lp) return;
     const char *piece;
     int64_t n;
@@ -548,7 +560,13 @@ static void add_logprob_entry(srv_engine *e, srv_job *j, int32_t id) {
         return;
     }
     cJSON_AddItemToArray(cJSON_GetObjectItemCaseSensitive(j->lp, "tokens"), token_text(e, j, id, &piece, &n));
-    cJSON_AddItemToArray(cJSON_GetObjectItemCaseSensitive(j->lp, "token_logprobs"), cJSON_CreateNumber(lp_json(lp)));
+    cJSON_AddItemToArray(cJSON_GetObjectItemCaseSensitive(j->lp, "token_logprobs"),
+                         row ? cJSON_CreateNumber(lp_json(lp)) : cJSON_CreateNull());
+    cJSON_AddItemToArray(cJSON_GetObjectItemCaseSensitive(j->lp, "text_offset"), cJSON_CreateNumber((double)offset));
+    if (!row) {
+        cJSON_AddItemToArray(cJSON_GetObjectItemCaseSensitive(j->lp, "top_logprobs"), cJSON_CreateNull());
+        return;
+    }
     cJSON *d = cJSON_CreateObject();
     for (int64_t i = 0; i < k; i++) {
         cJSON *s = token_text(e, j, top[i].id, &piece, &n);
@@ -557,7 +575,6 @@ static void add_logprob_entry(srv_engine *e, srv_job *j, int32_t id) {
         cJSON_Delete(s);
     }
     cJSON_AddItemToArray(cJSON_GetObjectItemCaseSensitive(j->lp, "top_logprobs"), d);
-    cJSON_AddItemToArray(cJSON_GetObjectItemCaseSensitive(j->lp, "text_offset"), cJSON_CreateNumber((double)j->text_chars));
 }
 
 /* Code points in n bytes of valid UTF-8 (the streaming decoder's output). */
@@ -565,6 +582,41 @@ static int64_t utf8_chars(const char *s, int64_t n) {
     int64_t c = 0;
     for (int64_t i = 0; i < n; i++) c += ((unsigned char)s[i] & 0xC0) != 0x80;
     return c;
+}
+
+#define ECHO_LOGITS_BYTES ((int64_t)32 << 20) /* echo + logprobs: a prefill chunk's logits at most (rows x V x 4) */
+
+/* echo: the prompt's text, decoded as the output is (special tokens skipped), and with logprobs each prompt token's
+ * text_offset in it, the first token's null entry and the buffer of a prefill chunk's logits (chunks of at most
+ * ECHO_LOGITS_BYTES). Returns 0, or -1 when out of memory. */
+static int echo_setup(srv_engine *e, srv_job *j) {
+    const int64_t T = j->r.n_ids;
+    if (j->r.logprobs) {
+        j->plog_rows = ECHO_LOGITS_BYTES / (e->V * (int64_t)sizeof(float));
+        if (j->plog_rows > e->o.max_step_tokens) j->plog_rows = e->o.max_step_tokens;
+        if (j->plog_rows < 1) j->plog_rows = 1;
+        j->echo_off = malloc((size_t)T * sizeof(int64_t));
+        j->plog = malloc((size_t)(j->plog_rows * e->V) * sizeof(float));
+        if (!j->echo_off || !j->plog) return -1;
+    }
+    fp4moe_tokenizer_stream ts;
+    fp4moe_tokenizer_stream_init(&ts, e->tok, 1);
+    int rc = 0;
+    for (int64_t k = 0; k <= T && !rc; k++) {
+        const char *text = "\xEF\xBF\xBD";
+        int64_t n = 3;
+        if (k < T && j->echo_off) j->echo_off[k] = j->echo_chars;
+        if (k == T) {
+            if (fp4moe_tokenizer_stream_flush(&ts, &text, &n)) rc = -1;
+        } else if ((int64_t)j->r.ids[k] < e->tok_vocab && fp4moe_tokenizer_id_to_token(e->tok, j->r.ids[k])) {
+            if (fp4moe_tokenizer_stream_push(&ts, j->r.ids[k], &text, &n)) text = "\xEF\xBF\xBD", n = 3;
+        }
+        if (!rc && srv_buf_add(&j->echo, text, (size_t)n)) rc = -1;
+        j->echo_chars += utf8_chars(text, n);
+    }
+    fp4moe_tokenizer_stream_free(&ts);
+    if (!rc && j->lp) add_logprob_entry(e, j, j->r.ids[0], NULL, 0);
+    return rc;
 }
 
 /* A sampled token: stop checks, text, output; 1 when the job ended. */
@@ -592,7 +644,8 @@ static int take_token(srv_engine *e, srv_job *j, int32_t id) {
         finish_ok(e, j, 0);
         return 1;
     }
-    if (j->r.logprobs) add_logprob_entry(e, j, id);   /* (every output token but a stop id, which has no text) */
+    if (j->r.logprobs)   /* (every output token but a stop id, which has no text) */
+        add_logprob_entry(e, j, id, j->logits, j->echo_chars + j->text_chars);
     const char *text;
     int64_t n = 0;
     char unknown[4] = "\xEF\xBF\xBD";
@@ -632,6 +685,9 @@ static void job_free(srv_job *j) {
     free(j->gen);
     free(j->logits);
     cJSON_Delete(j->lp);
+    srv_buf_free(&j->echo);
+    free(j->echo_off);
+    free(j->plog);
     srv_buf_free(&j->acc[0]);
     srv_buf_free(&j->acc[1]);
     srv_buf_free(&j->out);
@@ -738,11 +794,15 @@ static void step_once(srv_rank *rk, uint64_t events) {
                 if (j->r.history > j->fed && j->fed + n > j->r.history && j->r.history >= e->o.prefix_min_tokens &&
                     rk->cache_budget > 0)
                     n = j->r.history - j->fed;   /* end a chunk at the history: keep its snapshot */
+                if (j->plog && n > j->plog_rows) n = j->plog_rows;
                 it->tokens = j->r.ids + j->fed;
                 it->n = n;
             }
             const int last = pass == 0 || j->fed + it->n == j->r.n_ids;
-            if (last) {
+            if (pass == 1 && j->plog) {   /* echo + logprobs: every row's logits (the last row's choose) */
+                it->logits = FP4MOE_LOGITS_ALL;
+                it->out_logits = j->plog;
+            } else if (last) {
                 if (j->logits) {
                     it->logits = FP4MOE_LOGITS_LAST;
                     it->out_logits = j->logits;
@@ -794,12 +854,31 @@ static void step_once(srv_rank *rk, uint64_t events) {
             finish_error(e, j, st ? 500 : (it->status == FP4MOE_EOVERFLOW ? 503 : 500), msg);
             continue;
         }
+        const int64_t fed0 = j->fed;
         j->fed += it->n;
         if (j->phase == PH_PREFILL) j->n_steps_prefill++;
+        if (j->phase == PH_PREFILL && j->plog) { /* echo + logprobs: the prompt tokens that these rows predict */
+            for (int64_t q = 0; q < it->n; q++)
+                if (fed0 + q + 1 < j->r.n_ids)
+                    add_logprob_entry(e, j, j->r.ids[fed0 + q + 1], j->plog + q * e->V, j->echo_off[fed0 + q + 1]);
+            if (j->fed == j->r.n_ids) memcpy(j->logits, j->plog + (it->n - 1) * e->V, (size_t)e->V * sizeof(float));
+        }
         if (j->phase == PH_PREFILL && j->fed == j->r.history && j->r.history > j->cached) {
             const double t = now_s();
             cache_put(rk, j->seq, j->r.ids, j->r.history, NULL, j->r.history);
             j->ms_snapshot += 1e3 * (now_s() - t);
+        }
+        if (j->phase == PH_PREFILL && j->fed < j->r.n_ids) continue;
+        if (j->phase == PH_PREFILL && j->r.echo) { /* the prompt's text first (with its logprobs, when asked) */
+            const srv_delta d = {"", j->echo.p ? j->echo.p : "", 0, j->echo.n};
+            pthread_mutex_lock(&e->lock);
+            emit(j, &d, NULL);
+            notify(j);
+            pthread_mutex_unlock(&e->lock);
+            if (j->r.max_tokens == 0) {
+                finish_ok(e, j, 1);
+                continue;
+            }
         }
         if (!it->out_token && !it->out_logits) continue;
         const int32_t id = j->logits ? fp4moe_sample(&j->smp, j->logits) : j->next_tok;

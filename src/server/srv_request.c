@@ -1,6 +1,6 @@
 /* Request JSON -> srv_request (see srv.h). Field rules follow OpenAI's API reference for
  * /v1/chat/completions and /v1/completions, with vLLM's extensions top_k, min_p, ignore_eos,
- * repetition_penalty, stop_token_ids and chat_template_kwargs. What fp4moe cannot do (n > 1, echo,
+ * repetition_penalty, stop_token_ids and chat_template_kwargs. What fp4moe cannot do (n > 1, a chat echo,
  * response formats other than text, forced tool choice, ...) is a 400 naming the field, never
  * silently ignored. */
 #include <math.h>
@@ -97,8 +97,6 @@ static int refuse_unless_neutral(const cJSON *o, srv_error *e) {
         return srv_fail(e, 400, "n", "'n' must be 1 (one choice per request)");
     if ((v = field(o, "best_of")) && !(cJSON_IsNumber(v) && v->valuedouble == 1.0))
         return srv_fail(e, 400, "best_of", "'best_of' must be 1");
-    if ((v = field(o, "echo")) && !cJSON_IsFalse(v))
-        return srv_fail(e, 400, "echo", "'echo' is not supported by fp4moe");
     if ((v = field(o, "suffix")))
         return srv_fail(e, 400, "suffix", "'suffix' is not supported by fp4moe");
     if ((v = field(o, "response_format"))) {
@@ -284,8 +282,12 @@ static int parse_common(const srv_parse_ctx *c, const cJSON *o, srv_request *r, 
     if (st) r->ignore_eos = b;
     if (r->ignore_eos) r->sp.n_stop = 0;
     if (parse_stop(o, r, e) || parse_logprobs(o, r, e) || parse_penalties(c, o, r, e)) return -1;
+    if ((st = get_bool(o, "echo", &b, e)) < 0) return -1;
+    if (st && b && r->kind == SRV_CHAT)
+        return srv_fail(e, 400, "echo", "'echo' is supported on /v1/completions only");
+    r->echo = st && b;
     const char *mt = field(o, "max_completion_tokens") ? "max_completion_tokens" : "max_tokens";
-    if ((st = get_int(o, mt, 1, INT64_MAX, &r->max_tokens, e)) < 0) return -1;
+    if ((st = get_int(o, mt, r->echo ? 0 : 1, INT64_MAX, &r->max_tokens, e)) < 0) return -1;
     *has_max = st;
     return 0;
 }

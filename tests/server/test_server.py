@@ -443,7 +443,7 @@ def logprobs_and_penalties(p0):
         return [int(t.split(":")[1]) for t in tokens]
 
     pids = hf_tok.encode(p0, add_special_tokens=False)
-    sf = Server("--cpu-act", "float", "--chat-template", TEMPLATE)
+    sf = Server("--cpu-act", "float", "--chat-template", TEMPLATE, "--max-step-tokens", "16")
     try:
         c = sf.client()
         kw = dict(model="nemotron-h-tiny-moe", prompt=pids, max_tokens=14, temperature=0,
@@ -524,6 +524,36 @@ def logprobs_and_penalties(p0):
         check(out.returncode == 0 and json.loads(out.stdout)["text"] == r.choices[0].text,
               "generate --presence-penalty / --frequency-penalty / --repeat-penalty equals the server's request: %r"
               % r.choices[0].text[:40])
+        # echo + logprobs (lm-evaluation-harness's loglikelihood request: max_tokens 1, logprobs 1, the prompt as ids):
+        # the prompt's tokens with their log-probabilities (the first null), in chunks of 16 rows here
+        ctx = hf_tok.encode(prompt(7, 30), add_special_tokens=False)
+        cont = hf_tok.encode(" and the little girl was very happy", add_special_tokens=False)
+        ids = ctx + cont
+        r = c.completions.create(model="nemotron-h-tiny-moe", prompt=[ids], max_tokens=1, temperature=0, logprobs=1,
+                                 echo=True, extra_body={"return_tokens_as_token_ids": True})
+        lp = r.choices[0].logprobs
+        _, Lp = log_softmax_rows(ids + [0], 1)   # rows 0 .. len(ids) - 1: each predicts the token after it
+        n = len(ids)
+        ll = sum(lp.token_logprobs[len(ctx):-1])
+        want = sum(Lp[k - 1, ids[k]] for k in range(len(ctx), n))
+        greedy = all(t == max(top.values()) for t, top in zip(lp.token_logprobs[len(ctx):-1], lp.top_logprobs[len(ctx):-1]))
+        want_greedy = all(int(np.argmax(Lp[k - 1])) == ids[k] for k in range(len(ctx), n))
+        err = max(abs(lp.token_logprobs[k] - Lp[k - 1, ids[k]]) for k in range(1, n))
+        check(len(lp.tokens) == n + 1 and ids_of(lp.tokens[:n]) == ids and lp.token_logprobs[0] is None and
+              lp.top_logprobs[0] is None and err <= 1e-3 and abs(ll - want) <= 1e-3 * len(cont) and greedy == want_greedy
+              and r.usage.completion_tokens == 1,
+              "echo + logprobs (%d prompt tokens, 16-row chunks): the prompt's logprobs equal mlx-lm's (max |diff| %.1e), "
+              "the continuation's loglikelihood %.4f (mlx-lm %.4f), is_greedy %s as lm-eval computes it"
+              % (n, err, ll, want, greedy))
+        r0 = c.completions.create(model="nemotron-h-tiny-moe", prompt=p0, max_tokens=0, echo=True, logprobs=0)
+        rs = c.completions.create(model="nemotron-h-tiny-moe", prompt=p0, max_tokens=6, echo=True, temperature=0,
+                                  stop=["girl"])
+        plain6 = c.completions.create(model="nemotron-h-tiny-moe", prompt=p0, max_tokens=6, temperature=0, stop=["girl"])
+        check(r0.choices[0].text == p0 and r0.usage.completion_tokens == 0 and
+              len(r0.choices[0].logprobs.tokens) == r0.usage.prompt_tokens and
+              rs.choices[0].text == p0 + plain6.choices[0].text,
+              "echo with max_tokens 0: the prompt alone (%d tokens); echo with a stop string: the prompt + the same "
+              "output as without echo (%r)" % (r0.usage.prompt_tokens, plain6.choices[0].text))
         # logit_bias -100 on the greedy token: the runner-up comes
         r = c.completions.create(model="nemotron-h-tiny-moe", prompt=pids, max_tokens=1, temperature=0,
                                  logit_bias={str(plain[0]): -100}, logprobs=0,

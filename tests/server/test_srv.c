@@ -262,7 +262,10 @@ static void test_request_errors(void **state) {
                    "\"top_logprobs\": 21}", 400, "top_logprobs"},
         {SRV_COMPLETION, "{\"prompt\": \"x\", \"logprobs\": 1, \"return_tokens_as_token_ids\": 1}", 400,
          "return_tokens_as_token_ids"},
-        {SRV_COMPLETION, "{\"prompt\": \"x\", \"echo\": true}", 400, "echo"},
+        {SRV_COMPLETION, "{\"prompt\": \"x\", \"echo\": 1}", 400, "echo"},
+        {SRV_CHAT, "{\"messages\": [{\"role\": \"user\", \"content\": \"a\"}], \"echo\": true}", 400, "echo"},
+        {SRV_COMPLETION, "{\"prompt\": \"x\", \"max_tokens\": 0, \"echo\": false}", 400, "max_tokens"},
+        {SRV_COMPLETION, "{\"prompt\": \"x\", \"max_tokens\": -1, \"echo\": true}", 400, "max_tokens"},
         {SRV_COMPLETION, "{\"prompt\": \"x\", \"suffix\": \"y\"}", 400, "suffix"},
         {SRV_COMPLETION, "{\"prompt\": \"x\", \"presence_penalty\": 2.5}", 400, "presence_penalty"},
         {SRV_COMPLETION, "{\"prompt\": \"x\", \"presence_penalty\": \"1\"}", 400, "presence_penalty"},
@@ -443,6 +446,11 @@ static void test_request_fields(void **state) {
     assert_float_equal(r.bias[0], -100.0f, 0);
     assert_int_equal(r.bias_ids[2], 8191);
     assert_int_equal(r.bias_ids[3], 7);
+    srv_request_free(&r);
+    assert_int_equal(parse(SRV_COMPLETION, "{\"prompt\": \"x\", \"echo\": true, \"max_tokens\": 0, \"logprobs\": 1}",
+                           &r, &e), 0);                        /* lm-evaluation-harness's loglikelihood request */
+    assert_true(r.echo && r.logprobs);
+    assert_int_equal(r.max_tokens, 0);
     srv_request_free(&r);
     assert_int_equal(parse(SRV_COMPLETION, "{\"prompt\": \"x\", \"logprobs\": null, \"logit_bias\": {}, "
                            "\"presence_penalty\": 0, \"repetition_penalty\": 1}", &r, &e), 0);
