@@ -133,6 +133,9 @@ int fp4moe_tokenizer_stream_push(fp4moe_tokenizer_stream *s, int32_t id, const c
 int fp4moe_tokenizer_stream_flush(fp4moe_tokenizer_stream *s, const char **text,
                                   int64_t *text_len);
 
+/* Bytes the stream holds back (an incomplete character, a ByteFallback run): 0 when everything pushed so far has
+ * been returned. */
+int64_t fp4moe_tokenizer_stream_pending(const fp4moe_tokenizer_stream *s);
 /* Frees the buffers of s (s itself is the caller's). */
 void fp4moe_tokenizer_stream_free(fp4moe_tokenizer_stream *s);
 

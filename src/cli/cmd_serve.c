@@ -84,18 +84,19 @@ static int serve(const serve_args *a) {
     free(where);
     if (!src) fprintf(stderr, "%s: %s has no chat template: /v1/chat/completions will answer 400 (give one with "
                       "--chat-template FILE)\n", CMD, tok_dir);
-    free(src);
     /* the model: one, or (expert parallelism) one per rank: rank r's share of the routed experts of a
        checkpoint; --synthetic: the whole model per GPU (NCCL) or one shared by the loopback ranks */
     const int nccl = a->gpus > 1, W = nccl ? (int)a->gpus : a->ep_ranks > 1 ? (int)a->ep_ranks : 1;
     if (nccl && dev != FP4MOE_DEVICE_CUDA) {
         fp4moe_template_free(tmpl);
+        free(src);
         fp4moe_tokenizer_free(tok);
         return cli_usage_error(CMD, "--gpus needs --device cuda");
     }
     if (nccl && fp4moe_cuda_device_count() < W) {
         fprintf(stderr, "fp4moe %s: --gpus %d: %d CUDA device(s) visible\n", CMD, W, fp4moe_cuda_device_count());
         fp4moe_template_free(tmpl);
+        free(src);
         fp4moe_tokenizer_free(tok);
         return FP4MOE_EXIT_USAGE;
     }
@@ -138,6 +139,7 @@ static int serve(const serve_args *a) {
         free_models(models, W);
         fp4moe_ep_group_free(grp);
         fp4moe_template_free(tmpl);
+        free(src);
         fp4moe_tokenizer_free(tok);
         return rc;
     }
@@ -158,6 +160,7 @@ static int serve(const serve_args *a) {
     pc.model_name = a->name ? a->name : base_name(a->synthetic ? a->synthetic : a->model);
     pc.tok = tok;
     pc.tmpl = tmpl;
+    pc.chat_template = src;
     pc.bos_token = cJSON_GetStringValue(cJSON_GetObjectItem(special, "bos_token"));
     pc.eos_token = cJSON_GetStringValue(cJSON_GetObjectItem(special, "eos_token"));
     pc.vocab = cfg->vocab;
@@ -194,6 +197,7 @@ static int serve(const serve_args *a) {
         free_models(models, W);
         fp4moe_ep_group_free(grp);
         fp4moe_template_free(tmpl);
+        free(src);
         fp4moe_tokenizer_free(tok);
         return cli_fail(CMD, st);
     }
@@ -223,6 +227,7 @@ static int serve(const serve_args *a) {
     free_models(models, W);
     fp4moe_ep_group_free(grp);
     fp4moe_template_free(tmpl);
+    free(src);
     fp4moe_tokenizer_free(tok);
     if (st) return FP4MOE_EXIT_FAIL;
     return g_signal == SIGINT ? 130 : FP4MOE_EXIT_OK;

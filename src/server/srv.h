@@ -74,6 +74,7 @@ typedef struct {
     const char *model_name;            /* the served name (/v1/models) */
     const fp4moe_tokenizer *tok;
     const fp4moe_template *tmpl;       /* NULL: chat requests are refused with a clear error */
+    const char *chat_template;         /* its source (GET /tokenizer_info), NULL when none */
     const char *bos_token, *eos_token; /* strings for the template context ("" when unknown) */
     int64_t vocab;                     /* the model's vocabulary (ids of completion prompts) */
     int64_t context;                   /* tokens per sequence: prompt + output */
@@ -120,6 +121,18 @@ int srv_parse_request(const srv_parse_ctx *ctx, srv_kind kind, const char *body,
                       srv_request *out, srv_error *err);
 void srv_request_free(srv_request *r);
 
+/* ---- vLLM's tokenizer endpoints (lm-evaluation-harness's remote tokenizer) -------------------------------- */
+
+/* POST /tokenize: {"prompt": TEXT, "add_special_tokens": bool (default true)} or {"messages": [...] (rendered by
+ * the chat template as a chat request is, "add_generation_prompt" default true), "add_special_tokens" (default
+ * false)} -> {"count", "max_model_len", "tokens", "token_strs": null}. POST /detokenize: {"tokens": [ids]} ->
+ * {"prompt": TEXT} (special tokens kept, as vLLM). Each returns 0 with *out (malloc'd JSON) or -1 with *err (4xx). */
+int srv_tokenize(const srv_parse_ctx *c, const char *body, size_t len, char **out, srv_error *err);
+int srv_detokenize(const srv_parse_ctx *c, const char *body, size_t len, char **out, srv_error *err);
+/* GET /tokenizer_info: {"tokenizer_class", "bos_token", "eos_token", "pad_token", "model_max_length",
+ * "chat_template"} (null where unknown), malloc'd JSON (NULL: out of memory). */
+char *srv_tokenizer_info(const srv_parse_ctx *c);
+
 /* ---- generated text: stop strings and the reasoning split ------------------------------------ */
 
 /* Feeds the detokenized output of one request through (1) the stop strings (matched anywhere in
@@ -153,6 +166,8 @@ void srv_text_free(srv_text *t);
 int srv_text_feed(srv_text *t, const char *s, size_t n, srv_delta *d);
 /* The end of the output: everything still held back. */
 int srv_text_finish(srv_text *t, srv_delta *d);
+/* 1 when t holds back none of the bytes fed so far (every one was returned, or dropped as a tag / after a stop). */
+int srv_text_idle(const srv_text *t);
 
 /* ---- the engine ----------------------------------------------------------------------------- */
 

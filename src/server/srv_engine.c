@@ -203,10 +203,12 @@ static cJSON *lp_new(const srv_job *j) {
 }
 
 /* choice.logprobs: the entries gathered since the last chunk (a stream) or all of them, null when the request
- * asked for none */
-static void add_logprobs(srv_job *j, cJSON *choice) {
+ * asked for none. A stream's chunk carries them only when no text is held back (a possible stop string, a partial
+ * tag or character), so that each entry comes with its token's text or after it; the last chunk carries the rest. */
+static void add_logprobs(srv_job *j, cJSON *choice, int final) {
     const cJSON *first = j->lp ? j->lp->child : NULL; /* content / tokens: empty when nothing is pending */
-    if (!j->r.logprobs || !j->lp || (j->r.stream && !(first && first->child))) {
+    const int held = !final && (!srv_text_idle(&j->text) || (j->ts_ok && fp4moe_tokenizer_stream_pending(&j->ts)));
+    if (!j->r.logprobs || !j->lp || (j->r.stream && (!(first && first->child) || held))) {
         cJSON_AddNullToObject(choice, "logprobs");
         return;
     }
@@ -236,7 +238,7 @@ static void emit(srv_job *j, const srv_delta *d, const char *finish) {
         cJSON_AddStringToObject(c, "text", d->content);
         j->role_sent = 1;
     }
-    add_logprobs(j, c);
+    add_logprobs(j, c, finish != NULL);
     if (finish) cJSON_AddStringToObject(c, "finish_reason", finish);
     else cJSON_AddNullToObject(c, "finish_reason");
     out_event(j, o);
@@ -260,7 +262,7 @@ static void final_body(srv_job *j, const char *finish) {
     } else {
         cJSON_AddStringToObject(c, "text", j->acc[1].n ? j->acc[1].p : "");
     }
-    add_logprobs(j, c);
+    add_logprobs(j, c, 1);
     cJSON_AddStringToObject(c, "finish_reason", finish);
     cJSON_AddItemToObject(o, "usage", usage_json(j));
     char *s = cJSON_PrintUnformatted(o);
@@ -568,10 +570,12 @@ static void add_logprob_entry(srv_engine *e, srv_job *j, int32_t id, const float
         return;
     }
     cJSON *d = cJSON_CreateObject();
-    for (int64_t i = 0; i < k; i++) {
-        cJSON *s = token_text(e, j, top[i].id, &piece, &n);
+    for (int64_t i = 0; i <= k; i++) { /* the k most likely, then the chosen token when not among them (OpenAI: "up
+                                         to logprobs + 1 elements", vLLM) */
+        const int32_t t = i < k ? top[i].id : id;
+        cJSON *s = token_text(e, j, t, &piece, &n);
         if (s && !cJSON_GetObjectItemCaseSensitive(d, s->valuestring)) /* two tokens of one text: the likelier */
-            cJSON_AddNumberToObject(d, s->valuestring, lp_json(top[i].p));
+            cJSON_AddNumberToObject(d, s->valuestring, lp_json(i < k ? top[i].p : lp));
         cJSON_Delete(s);
     }
     cJSON_AddItemToArray(cJSON_GetObjectItemCaseSensitive(j->lp, "top_logprobs"), d);

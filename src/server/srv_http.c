@@ -356,7 +356,24 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
         char *s = srv_engine_metrics(h->e);
         return s ? respond(h, c, 200, "text/plain; version=0.0.4", s, strlen(s)) : MHD_NO;
     }
-    if (v1 && !authorized(h, c)) return fail(h, c, 401, "%s", "missing or wrong API key (Authorization: Bearer KEY)");
+    const int tk = !strcmp(url, "/tokenize"), dtk = !strcmp(url, "/detokenize"), tinfo = !strcmp(url, "/tokenizer_info");
+    if ((v1 || tk || dtk || tinfo) && !authorized(h, c))
+        return fail(h, c, 401, "%s", "missing or wrong API key (Authorization: Bearer KEY)");
+    if (tinfo) {
+        if (!is_get) return fail(h, c, 405, "%s /tokenizer_info: use GET", method);
+        char *s = srv_tokenizer_info(h->pc);
+        return s ? respond(h, c, 200, "application/json", s, strlen(s)) : MHD_NO;
+    }
+    if (tk || dtk) { /* vLLM's tokenizer endpoints: answered here, no engine */
+        if (!is_post) return fail(h, c, 405, "%s: use POST", url);
+        if (cc->too_big) return fail(h, c, 413, "%s", "the request body is larger than --max-body");
+        char *s = NULL;
+        srv_error er;
+        const char *b = cc->body.p ? cc->body.p : "";
+        if (tk ? srv_tokenize(h->pc, b, cc->body.n, &s, &er) : srv_detokenize(h->pc, b, cc->body.n, &s, &er))
+            return respond_error(h, c, &er);
+        return respond(h, c, 200, "application/json", s, strlen(s));
+    }
     if (!strcmp(url, "/v1/models")) return is_get ? get_models(h, c, NULL) : fail(h, c, 405, "%s /v1/models: use GET", method);
     if (!strncmp(url, "/v1/models/", 11) && url[11])
         return is_get ? get_models(h, c, url + 11) : fail(h, c, 405, "%s /v1/models/ID: use GET", method);

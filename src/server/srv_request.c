@@ -167,12 +167,10 @@ static int parse_penalties(const srv_parse_ctx *c, const cJSON *o, srv_request *
     if (st) r->sp.presence_penalty = (float)d;
     if ((st = get_number(o, "frequency_penalty", -2.0, 2.0, &d, e)) < 0) return -1;
     if (st) r->sp.frequency_penalty = (float)d;
-    const cJSON *v = field(o, "repetition_penalty");
-    if (v && cJSON_IsNumber(v) && isfinite(v->valuedouble) && !(v->valuedouble > 0.0))
-        return srv_fail(e, 400, "repetition_penalty", "'repetition_penalty' is %g; it must be in (0, 100]",
-                        v->valuedouble);
-    if ((st = get_number(o, "repetition_penalty", 0.0, 100.0, &d, e)) < 0) return -1;
+    /* (from 1e-6: a smaller one divides a logit past the float range) */
+    if ((st = get_number(o, "repetition_penalty", 1e-6, 100.0, &d, e)) < 0) return -1;
     if (st) r->sp.repeat_penalty = (float)d;
+    const cJSON *v;
     if (!(v = field(o, "logit_bias"))) return 0;
     if (!cJSON_IsObject(v))
         return srv_fail(e, 400, "logit_bias", "'logit_bias' must be an object mapping token ids to numbers");
@@ -185,19 +183,31 @@ static int parse_penalties(const srv_parse_ctx *c, const cJSON *o, srv_request *
     if (!r->bias_ids || !r->bias) return srv_fail(e, 500, NULL, "out of memory");
     int k = 0;
     const cJSON *it;
+    int32_t *slot = malloc((size_t)c->vocab * sizeof(int32_t)); /* id -> its entry: one id under two spellings ("7",
+                                                                    "007"): the last one counts, as vLLM's int(key) */
+    if (!slot) return srv_fail(e, 500, NULL, "out of memory");
+    for (int64_t i = 0; i < c->vocab; i++) slot[i] = -1;
     cJSON_ArrayForEach(it, v) {
         const char *key = it->string ? it->string : "";
         size_t nd = 0;
         while (key[nd] >= '0' && key[nd] <= '9') nd++;
         const long long id = nd && !key[nd] && nd <= 10 ? strtoll(key, NULL, 10) : -1;
-        if (id < 0 || id >= c->vocab)
+        if (id < 0 || id >= c->vocab) {
+            free(slot);
             return srv_fail(e, 400, "logit_bias", "'logit_bias' key '%.40s' is not a token id in [0, %lld)", key,
                             (long long)c->vocab);
-        if (!cJSON_IsNumber(it) || !isfinite(it->valuedouble) || it->valuedouble < -100.0 || it->valuedouble > 100.0)
+        }
+        if (!cJSON_IsNumber(it) || !isfinite(it->valuedouble) || it->valuedouble < -100.0 || it->valuedouble > 100.0) {
+            free(slot);
             return srv_fail(e, 400, "logit_bias", "'logit_bias' of token %lld must be a number in [-100, 100]", id);
-        r->bias_ids[k] = (int32_t)id;
-        r->bias[k++] = (float)it->valuedouble;
+        }
+        if (slot[id] < 0) {
+            slot[id] = k;
+            r->bias_ids[k++] = (int32_t)id;
+        }
+        r->bias[slot[id]] = (float)it->valuedouble;
     }
+    free(slot);
     r->sp.bias_ids = r->bias_ids;
     r->sp.bias = r->bias;
     r->sp.n_bias = k;

@@ -85,6 +85,8 @@ int64_t srv_utf8_lossy(srv_buf *b, const char *s, size_t n) {
     return chars;
 }
 
+int srv_text_idle(const srv_text *t) { return t->stopped || (t->released == t->all.n && t->pend.n == 0); }
+
 static const char k_open[] = "<think>", k_close[] = "</think>";
 
 void srv_text_init(srv_text *t, char *const *stop, int n_stop, int split, int reasoning_start) {

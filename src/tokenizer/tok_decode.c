@@ -306,6 +306,8 @@ int fp4moe_tokenizer_stream_flush(fp4moe_tokenizer_stream *s, const char **text,
     return stream_call(s, 0, 1, text, text_len);
 }
 
+int64_t fp4moe_tokenizer_stream_pending(const fp4moe_tokenizer_stream *s) { return s ? s->n_pending : 0; }
+
 int fp4moe_tokenizer_decode(const fp4moe_tokenizer *tok, const int32_t *ids, int64_t n,
                             int skip_special, char **text, int64_t *text_len) {
     if (text) *text = NULL;

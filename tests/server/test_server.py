@@ -474,6 +474,24 @@ def logprobs_and_penalties(p0):
                 st_tok += ch.choices[0].logprobs.tokens
                 st_lp += ch.choices[0].logprobs.token_logprobs
         check(st_tok == lp.tokens and st_lp == lp.token_logprobs, "streamed logprobs equal the whole answer's")
+        # with a stop string that the text keeps matching in part, each chunk's entries come with their text or after
+        # it: the tokens received so far always make a prefix of the text received so far (a trial found entries
+        # sent ahead of their held-back text)
+        ahead, text, toks, n_ev = [], "", "", 0
+        for ch in c.completions.create(model="nemotron-h-tiny-moe", prompt="Once upon a time", max_tokens=16,
+                                       temperature=0, logprobs=0, stop=["said to tx"], stream=True):
+            if not ch.choices:
+                continue
+            n_ev += 1
+            text += ch.choices[0].text
+            if ch.choices[0].logprobs:
+                toks += "".join(ch.choices[0].logprobs.tokens)
+                tops = ch.choices[0].logprobs.top_logprobs
+                ahead += [t for t, d in zip(ch.choices[0].logprobs.tokens, tops) if list(d) != [t]]
+            if not ch.choices[0].finish_reason and not text.startswith(toks):
+                ahead.append((text, toks))
+        check(not ahead and n_ev > 3, "a stop string held back: no logprobs entry ahead of its text (%d chunks); "
+              "logprobs 0 gives each token's own entry in top_logprobs (OpenAI: up to logprobs + 1)" % n_ev)
         # chat: the entries' tokens (and bytes) make the text; top_logprobs[0] is the greedy token
         msgs = [{"role": "user", "content": prompt(5)}]
         rc_ = c.chat.completions.create(model="nemotron-h-tiny-moe", messages=msgs, max_tokens=12, temperature=0,
@@ -554,6 +572,16 @@ def logprobs_and_penalties(p0):
               rs.choices[0].text == p0 + plain6.choices[0].text,
               "echo with max_tokens 0: the prompt alone (%d tokens); echo with a stop string: the prompt + the same "
               "output as without echo (%r)" % (r0.usage.prompt_tokens, plain6.choices[0].text))
+        # vLLM's tokenizer endpoints (lm-evaluation-harness finds its remote tokenizer through them)
+        st, info = sf.raw("GET", "/tokenizer_info")
+        info = json.loads(info)
+        st2, tk = sf.raw("POST", "/tokenize", json.dumps({"prompt": p0, "add_special_tokens": False}))
+        st3, dt = sf.raw("POST", "/detokenize", json.dumps({"tokens": json.loads(tk)["tokens"]}))
+        st4, _ = sf.raw("POST", "/tokenize", "{}")
+        check(st == st2 == st3 == 200 and st4 == 400 and info["eos_token"] == "</s>" and
+              json.loads(tk)["tokens"] == hf_tok.encode(p0, add_special_tokens=False) and json.loads(dt)["prompt"] == p0,
+              "/tokenizer_info (eos %r), /tokenize equals HF's ids, /detokenize gives the text back, a bad body 400"
+              % info["eos_token"])
         # logit_bias -100 on the greedy token: the runner-up comes
         r = c.completions.create(model="nemotron-h-tiny-moe", prompt=pids, max_tokens=1, temperature=0,
                                  logit_bias={str(plain[0]): -100}, logprobs=0,

@@ -186,7 +186,8 @@ static int setup(void **state) {
     const size_t n = fread(src, 1, sizeof src, f);
     fclose(f);
     if (fp4moe_template_compile(src, n, &g_tmpl)) return -1;
-    g_ctx = (srv_parse_ctx){.model_name = "tiny", .tok = g_tok, .tmpl = g_tmpl, .bos_token = "<s>",
+    src[n < sizeof src ? n : sizeof src - 1] = 0;
+    g_ctx = (srv_parse_ctx){.model_name = "tiny", .tok = g_tok, .tmpl = g_tmpl, .chat_template = src, .bos_token = "<s>",
                             .eos_token = "</s>", .vocab = 8192, .context = 512, .reasoning = 1};
     fp4moe_sampler_params_default(&g_ctx.defaults);
     g_ctx.defaults.temperature = 0.7f;
@@ -273,6 +274,8 @@ static void test_request_errors(void **state) {
         {SRV_COMPLETION, "{\"prompt\": \"x\", \"repetition_penalty\": 0}", 400, "repetition_penalty"},
         {SRV_COMPLETION, "{\"prompt\": \"x\", \"repetition_penalty\": -1}", 400, "repetition_penalty"},
         {SRV_COMPLETION, "{\"prompt\": \"x\", \"repetition_penalty\": 101}", 400, "repetition_penalty"},
+        {SRV_COMPLETION, "{\"prompt\": \"x\", \"repetition_penalty\": 1e-39}", 400, "repetition_penalty"}, /* inf logits */
+        {SRV_COMPLETION, "{\"prompt\": \"x\", \"repetition_penalty\": 1e-46}", 400, "repetition_penalty"}, /* 0 as a float */
         {SRV_COMPLETION, "{\"prompt\": \"x\", \"logit_bias\": []}", 400, "logit_bias"},
         {SRV_COMPLETION, "{\"prompt\": \"x\", \"logit_bias\": {\"a\": 1}}", 400, "logit_bias"},
         {SRV_COMPLETION, "{\"prompt\": \"x\", \"logit_bias\": {\"-1\": 1}}", 400, "logit_bias"},
@@ -447,6 +450,13 @@ static void test_request_fields(void **state) {
     assert_int_equal(r.bias_ids[2], 8191);
     assert_int_equal(r.bias_ids[3], 7);
     srv_request_free(&r);
+    /* one id under two spellings: the last one counts (vLLM's int(key)), one entry */
+    assert_int_equal(parse(SRV_COMPLETION, "{\"prompt\": \"x\", \"logit_bias\": {\"14\": 100, \"3\": 1, \"014\": -100}}",
+                           &r, &e), 0);
+    assert_int_equal(r.sp.n_bias, 2);
+    assert_int_equal(r.bias_ids[0], 14);
+    assert_float_equal(r.bias[0], -100.0f, 0);
+    srv_request_free(&r);
     assert_int_equal(parse(SRV_COMPLETION, "{\"prompt\": \"x\", \"echo\": true, \"max_tokens\": 0, \"logprobs\": 1}",
                            &r, &e), 0);                        /* lm-evaluation-harness's loglikelihood request */
     assert_true(r.echo && r.logprobs);
@@ -494,6 +504,88 @@ static void test_utf8_lossy(void **state) {
     }
 }
 
+/* vLLM's /tokenize, /detokenize, /tokenizer_info (lm-evaluation-harness's remote tokenizer): round trips against the
+ * tokenizer itself, the chat form equal to a chat request's ids, and the errors */
+static void test_tokenize_endpoints(void **state) {
+    (void)state;
+    const char *text = "Once upon a time, \xC3\xA9t\xC3\xA9 </s> end";
+    int32_t *ids = NULL;
+    int64_t n = 0;
+    assert_int_equal(fp4moe_tokenizer_encode(g_tok, text, (int64_t)strlen(text), 0, &ids, &n), 0);
+    char body[512], *out = NULL;
+    srv_error e;
+    snprintf(body, sizeof body, "{\"prompt\": \"%s\", \"add_special_tokens\": false}", text);
+    assert_int_equal(srv_tokenize(&g_ctx, body, strlen(body), &out, &e), 0);
+    cJSON *o = cJSON_Parse(out), *t = cJSON_GetObjectItem(o, "tokens");
+    assert_int_equal(cJSON_GetArraySize(t), n);
+    assert_int_equal((int64_t)cJSON_GetObjectItem(o, "count")->valuedouble, n);
+    assert_int_equal((int64_t)cJSON_GetObjectItem(o, "max_model_len")->valuedouble, 512);
+    for (int64_t i = 0; i < n; i++) assert_int_equal((int32_t)cJSON_GetArrayItem(t, (int)i)->valuedouble, ids[i]);
+    assert_true(cJSON_IsNull(cJSON_GetObjectItem(o, "token_strs")));
+    /* back: /detokenize keeps special tokens (</s> is in the text) */
+    srv_buf b = {0};
+    char *ts = cJSON_PrintUnformatted(t);
+    srv_buf_printf(&b, "{\"tokens\": %s}", ts);
+    free(ts);
+    free(out);
+    assert_int_equal(srv_detokenize(&g_ctx, b.p, b.n, &out, &e), 0);
+    cJSON *d = cJSON_Parse(out);
+    assert_string_equal(cJSON_GetObjectItem(d, "prompt")->valuestring, text);
+    cJSON_Delete(d);
+    cJSON_Delete(o);
+    srv_buf_free(&b);
+    free(out);
+    free(ids);
+    /* messages: the ids of the same chat request */
+    const char *msgs = "{\"messages\": [{\"role\": \"user\", \"content\": \"Hi there\"}]}";
+    srv_request r;
+    assert_int_equal(parse(SRV_CHAT, msgs, &r, &e), 0);
+    assert_int_equal(srv_tokenize(&g_ctx, msgs, strlen(msgs), &out, &e), 0);
+    o = cJSON_Parse(out);
+    t = cJSON_GetObjectItem(o, "tokens");
+    assert_int_equal(cJSON_GetArraySize(t), r.n_ids);
+    for (int64_t i = 0; i < r.n_ids; i++) assert_int_equal((int32_t)cJSON_GetArrayItem(t, (int)i)->valuedouble, r.ids[i]);
+    cJSON_Delete(o);
+    free(out);
+    srv_request_free(&r);
+    /* info: the special tokens and the template */
+    out = srv_tokenizer_info(&g_ctx);
+    o = cJSON_Parse(out);
+    assert_string_equal(cJSON_GetObjectItem(o, "eos_token")->valuestring, "</s>");
+    assert_string_equal(cJSON_GetObjectItem(o, "bos_token")->valuestring, "<s>");
+    assert_string_equal(cJSON_GetObjectItem(o, "chat_template")->valuestring, g_ctx.chat_template);
+    cJSON_Delete(o);
+    free(out);
+    /* errors: each a 400 naming its field */
+    static const struct {
+        int tok;
+        const char *body, *param;
+    } bad[] = {
+        {1, "{}", "prompt"},
+        {1, "[1]", ""},
+        {1, "{\"prompt\": 5}", "prompt"},
+        {1, "{\"prompt\": \"a\", \"messages\": []}", "prompt"},
+        {1, "{\"prompt\": \"a\", \"add_special_tokens\": 1}", "add_special_tokens"},
+        {1, "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"add_special_tokens\": true}", "add_special_tokens"},
+        {1, "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"add_generation_prompt\": false}",
+         "add_generation_prompt"},
+        {1, "{\"messages\": [{\"content\": \"x\"}]}", "messages"},
+        {0, "{}", "tokens"},
+        {0, "{\"tokens\": [1, 8192]}", "tokens"},
+        {0, "{\"tokens\": [1, -1]}", "tokens"},
+        {0, "{\"tokens\": [1.5]}", "tokens"},
+        {0, "{\"tokens\": \"1\"}", "tokens"},
+        {0, "not json", ""},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        out = (char *)1;
+        const int rc = bad[i].tok ? srv_tokenize(&g_ctx, bad[i].body, strlen(bad[i].body), &out, &e)
+                                  : srv_detokenize(&g_ctx, bad[i].body, strlen(bad[i].body), &out, &e);
+        if (rc != -1 || e.http != 400 || strcmp(e.param, bad[i].param) || out)
+            fail_msg("case %zu %s: rc %d http %d param '%s'", i, bad[i].body, rc, e.http, e.param);
+    }
+}
+
 /* Every input kept by fuzz/run_request.sh: parses to a request or a 4xx, never a crash. */
 #include <dirent.h>
 static void test_regressions(void **state) {
@@ -534,6 +626,7 @@ int main(void) {
         cmocka_unit_test(test_request_errors),
         cmocka_unit_test(test_request_fields),
         cmocka_unit_test(test_regressions),
+        cmocka_unit_test(test_tokenize_endpoints),
     };
     const int a = cmocka_run_group_tests_name("srv_text", text_tests, NULL, NULL);
     return a | cmocka_run_group_tests_name("srv_request", request_tests, setup, teardown);
