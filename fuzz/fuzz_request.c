@@ -1,7 +1,9 @@
 /* libFuzzer harness: fp4moe serve's request parsing (srv_parse_request: JSON, every field rule,
  * chat rendering with the real Nemotron-3 template, tokenization with the default model's
- * tokenizer) and its error bodies. The first input byte picks the endpoint (even: chat, odd:
- * completions); the rest is the request body. Run by fuzz/run_request.sh from the repository root. */
+ * tokenizer), its error bodies, and vLLM's tokenizer endpoints (srv_tokenize / srv_detokenize).
+ * The first input byte picks the endpoint (bit 1 set: bit 2 set /tokenize, else /detokenize;
+ * otherwise bit 0: 0 chat, 1 completions); the rest is the request body. Run by
+ * fuzz/run_request.sh from the repository root. */
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -34,10 +36,24 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     srv_request r;
     srv_error e;
     const srv_kind k = (data[0] & 1) ? SRV_COMPLETION : SRV_CHAT;
+    if (data[0] & 2) { /* the tokenizer endpoints: a 200 body or a 4xx */
+        char *out = NULL;
+        const int rc = data[0] & 4 ? srv_tokenize(&g_ctx, (const char *)data + 1, size - 1, &out, &e)
+                                   : srv_detokenize(&g_ctx, (const char *)data + 1, size - 1, &out, &e);
+        if (rc == 0 ? !out : (out || e.http < 400 || e.http > 599 || !e.message[0])) abort();
+        free(out);
+        return 0;
+    }
     if (srv_parse_request(&g_ctx, k, (const char *)data + 1, size - 1, &r, &e) == 0) {
-        if (r.n_ids < 1 || r.max_tokens < 1 || r.n_ids + r.max_tokens > g_ctx.context || r.history >= r.n_ids) abort();
+        if (r.n_ids < 1 || r.max_tokens < (r.echo ? 0 : 1) || r.n_ids + r.max_tokens > g_ctx.context ||
+            r.history >= r.n_ids || (r.echo && r.kind != SRV_COMPLETION) || r.top_logprobs < 0 ||
+            r.top_logprobs > SRV_MAX_TOP_LOGPROBS)
+            abort();
         for (int64_t i = 0; i < r.n_ids; i++)
             if (r.ids[i] < 0 || r.ids[i] >= g_ctx.vocab) abort();
+        fp4moe_sampler s; /* whatever the parser accepts, the sampler takes */
+        if (fp4moe_sampler_init_params(&s, g_ctx.vocab, &r.sp)) abort();
+        fp4moe_sampler_free(&s);
         srv_request_free(&r);
     } else {
         if (e.http < 400 || e.http > 599 || !e.message[0]) abort();

@@ -371,8 +371,12 @@ int fp4moe_ep_idle(fp4moe_batch *b, int stop, int *stepped, int *done);
  * removed at any step; each has its own conv/SSM state (a pool slot) and KV cache (pages of 32
  * tokens from a pool shared by all sequences). A step takes a ragged set of (sequence, tokens):
  * prefill chunks of some sequences and single decode tokens of others together. Results per
- * sequence are those the sequence gets alone (bitwise on the CPU; on CUDA the same up to the
- * gather route's row grouping, which the tests check on greedy ids). A session
+ * sequence are those the sequence gets alone within the fp32 tolerance, not bitwise: the rows a
+ * step holds decide some summation orders (on the CPU the dense fp32 matmuls - the router, bf16
+ * linears, the lm_head - take OpenBLAS from 8 rows and large enough products, their own loops
+ * below; on CUDA the gather route's row grouping), so logits move at the ~1e-6 relative level
+ * with the step's make-up (measured: 8.6e-6 in a logprob when a prompt's chunks change); the
+ * tests check every sequence's greedy ids equal its solo run's. A session
  * (fp4moe_session_*) is a batch of one. Sampling is per sequence: greedy sequences take out_token
  * (the argmax on the device, only 4 bytes back), the others their logits (FP4MOE_LOGITS_LAST) and
  * their own fp4moe_sampler (temperature, top-p, top-k, min-p, seed, stop ids). Threading: one
@@ -442,6 +446,11 @@ typedef struct {
  * error, FP4MOE_EINTERRUPTED, FP4MOE_ENOMEM): then the sequences of the step are in an undefined
  * state and must be removed. */
 int fp4moe_batch_step(fp4moe_batch *b, fp4moe_batch_item *items, int64_t n);
+
+/* Rows of logits one step can return over all its items (an item takes 1 with FP4MOE_LOGITS_LAST or an
+ * out_token, n with FP4MOE_LOGITS_ALL, else 0; an item beyond them fails with FP4MOE_EOVERFLOW):
+ * min(max_step_tokens, max(max_seqs, 256)). */
+int64_t fp4moe_batch_logit_rows(const fp4moe_batch *b);
 
 /* Device time by layer kind of the batch's steps (option profile, CUDA): as fp4moe_session_profile.
  * Errors: FP4MOE_EINVAL (profiling off, or a CPU batch). */

@@ -834,3 +834,4 @@ int batch_profile(fp4moe_batch *b, double ms[FP4MOE_PROF_KINDS], int reset) {
 int batch_on_cuda(const fp4moe_batch *b) { return b->cuda; }
 
 int64_t batch_logit_rows(const fp4moe_batch *b) { return b->bufs.lg_rows; }
+int64_t fp4moe_batch_logit_rows(const fp4moe_batch *b) { return b ? b->bufs.lg_rows : 0; }

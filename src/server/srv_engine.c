@@ -779,8 +779,8 @@ static void step_once(srv_rank *rk, uint64_t events) {
         admit(rk, j);
     }
     /* 2. the step: decode rows first, then prefill chunks */
-    int64_t n_items = 0, rows = 0;
-    const int64_t budget = e->o.max_step_tokens;
+    int64_t n_items = 0, rows = 0, heads = 0;
+    const int64_t budget = e->o.max_step_tokens, head_cap = fp4moe_batch_logit_rows(rk->b); /* rows of logits */
     for (int pass = 0; pass < 2; pass++) {
         for (int64_t i = 0; i < rk->n_act && rows < budget; i++) {
             srv_job *j = rk->act[i];
@@ -799,10 +799,15 @@ static void step_once(srv_rank *rk, uint64_t events) {
                     rk->cache_budget > 0)
                     n = j->r.history - j->fed;   /* end a chunk at the history: keep its snapshot */
                 if (j->plog && n > j->plog_rows) n = j->plog_rows;
+                if (j->plog && n > head_cap - heads) n = head_cap - heads; /* each row returns logits */
+                if (n < 1) continue;
                 it->tokens = j->r.ids + j->fed;
                 it->n = n;
             }
             const int last = pass == 0 || j->fed + it->n == j->r.n_ids;
+            const int64_t need = pass == 1 && j->plog ? it->n : last;
+            if (heads + need > head_cap) continue;   /* (the logits of this step are all taken: the next one) */
+            heads += need;
             if (pass == 1 && j->plog) {   /* echo + logprobs: every row's logits (the last row's choose) */
                 it->logits = FP4MOE_LOGITS_ALL;
                 it->out_logits = j->plog;

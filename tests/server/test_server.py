@@ -563,6 +563,22 @@ def logprobs_and_penalties(p0):
               "echo + logprobs (%d prompt tokens, 16-row chunks): the prompt's logprobs equal mlx-lm's (max |diff| %.1e), "
               "the continuation's loglikelihood %.4f (mlx-lm %.4f), is_greedy %s as lm-eval computes it"
               % (n, err, ll, want, greedy))
+        # the same request while three others decode: a step returns at most 16 rows of logits here (the server's
+        # --max-step-tokens), so the prompt's chunks share them with the decode rows (a chunk of 16 failed with 503)
+        with cf.ThreadPoolExecutor(4) as ex:
+            busy = [ex.submit(lambda k: c.completions.create(model="nemotron-h-tiny-moe", prompt=prompt(k),
+                                                             max_tokens=40, temperature=0,
+                                                             extra_body={"ignore_eos": True}), k) for k in range(3)]
+            time.sleep(0.3)
+            again = c.completions.create(model="nemotron-h-tiny-moe", prompt=[ids], max_tokens=1, temperature=0,
+                                         logprobs=1, echo=True, extra_body={"return_tokens_as_token_ids": True})
+            busy_n = [f.result().usage.completion_tokens for f in busy]
+        diff = max(abs(a - b) for a, b in zip(again.choices[0].logprobs.token_logprobs[1:], lp.token_logprobs[1:]))
+        # (within 1e-4, not bitwise: the prompt's chunks then end elsewhere, and the CPU's prefill sums depend on
+        # where a chunk ends at the ~1e-6 level)
+        check(busy_n == [40, 40, 40] and again.choices[0].logprobs.token_logprobs[0] is None and diff <= 1e-4,
+              "echo + logprobs beside three decoding requests: the logprobs of the request alone (max |diff| %.2e), "
+              "all answered (%s tokens)" % (diff, busy_n))
         r0 = c.completions.create(model="nemotron-h-tiny-moe", prompt=p0, max_tokens=0, echo=True, logprobs=0)
         rs = c.completions.create(model="nemotron-h-tiny-moe", prompt=p0, max_tokens=6, echo=True, temperature=0,
                                   stop=["girl"])
