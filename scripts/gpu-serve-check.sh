@@ -72,7 +72,7 @@ th = [threading.Thread(target=client, args=(k,)) for k in range(32)]
 [t.start() for t in th]; [t.join() for t in th]
 alone = {i: run(i) for i in range(64)}
 diff = [i for i in range(64) if alone[i] != together.get(i)]
-bad = [req("/v1/completions", b)[0] for b in ({"prompt": 5}, {"prompt": "x", "n": 2}, {"prompt": "x", "model": "no"})]
+bad = [req("/v1/completions", b)[0] for b in ({"prompt": 5}, {"prompt": "x", "n": 0}, {"prompt": "x", "model": "no"})]
 s = socket.create_connection((url.hostname, url.port))
 body = json.dumps({"prompt": "Once", "max_tokens": 500, "stream": True, "ignore_eos": True})
 s.sendall(("POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)).encode())

@@ -101,6 +101,8 @@ typedef struct {
                                           logprobs true, completion logprobs given) */
     int top_logprobs;                  /* and its most likely alternatives: 0..SRV_MAX_TOP_LOGPROBS */
     int tokens_as_ids;                 /* vLLM's return_tokens_as_token_ids: tokens as "token_id:N" */
+    int n;                             /* choices: 1..SRV_MAX_N, each its own sequence and sampler (seed
+                                          + i when a seed is given) */
     int echo;                          /* completion: the prompt's text (and with logprobs its tokens'
                                           log-probabilities, the first one null) before the output;
                                           max_tokens may then be 0 */
@@ -109,6 +111,7 @@ typedef struct {
 } srv_request;
 
 #define SRV_MAX_TOP_LOGPROBS 20        /* vLLM's default max_logprobs */
+#define SRV_MAX_N 64                   /* choices of one request */
 #define SRV_MAX_LOGIT_BIAS 4096        /* entries of logit_bias */
 
 /* Parses and validates one request body (len bytes of JSON) of kind `kind`. Chat: renders the
@@ -120,6 +123,9 @@ typedef struct {
 int srv_parse_request(const srv_parse_ctx *ctx, srv_kind kind, const char *body, size_t len,
                       srv_request *out, srv_error *err);
 void srv_request_free(srv_request *r);
+/* A deep copy of a parsed request (*b owns its own arrays; sp's bias pointers point at them). Returns 0, or -1 when
+ * out of memory (*b then holds nothing). */
+int srv_request_copy(const srv_request *a, srv_request *b);
 
 /* ---- vLLM's tokenizer endpoints (lm-evaluation-harness's remote tokenizer) -------------------------------- */
 

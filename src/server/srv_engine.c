@@ -60,7 +60,16 @@ struct srv_job {
     int64_t echo_chars, *echo_off;            /* its code points; echo + logprobs: each prompt token's offset */
     float *plog;                              /* echo + logprobs: the logits of a prefill chunk's rows */
     int64_t plog_rows;
-    /* shared with the HTTP side (e->lock) */
+    int fin;                                  /* this job's sequence has ended (done, failed or cancelled) */
+    cJSON *choice_json;                       /* non-stream: the finished choice object */
+    /* n > 1 choices: the HTTP side holds a group job, never queued, and each choice is a job of its own (one
+       sequence, its own sampler) whose output goes to the group; a request of one choice is its own group */
+    srv_job *grp;                             /* the group (this job itself when n = 1) */
+    int index;                                /* the choice's index */
+    srv_job **choice;                         /* group, n > 1: its choices (a reference on each) */
+    int n_choice, n_fin;                      /* group: choices, and those finished (e->lock) */
+    int64_t gen_total;                        /* group: output tokens of the finished choices */
+    /* shared with the HTTP side (e->lock), used on the group */
     srv_buf out;                              /* SSE bytes, or the final body */
     size_t n_read;
     int done, cancelled, http, armed;
@@ -159,28 +168,30 @@ static double now_s(void) {
 
 /* ---- output (engine thread, e->lock held) ------------------------------------------------------ */
 
+/* An SSE event into the group's output. */
 static void out_event(srv_job *j, cJSON *o) {
     char *s = cJSON_PrintUnformatted(o);
     cJSON_Delete(o);
     if (!s) return;
-    srv_buf_printf(&j->out, "data: %s\n\n", s);
+    srv_buf_printf(&j->grp->out, "data: %s\n\n", s);
     free(s);
 }
 
 static cJSON *chunk_base(const srv_job *j) {
     cJSON *o = cJSON_CreateObject();
-    cJSON_AddStringToObject(o, "id", j->id);
+    cJSON_AddStringToObject(o, "id", j->grp->id);
     cJSON_AddStringToObject(o, "object", j->r.kind == SRV_CHAT ? "chat.completion.chunk" : "text_completion");
-    cJSON_AddNumberToObject(o, "created", (double)j->created);
+    cJSON_AddNumberToObject(o, "created", (double)j->grp->created);
     cJSON_AddStringToObject(o, "model", j->e->model_name);
     return o;
 }
 
+/* The usage of a group: the prompt once, the output tokens of every choice, the prompt tokens a choice reused */
 static cJSON *usage_json(const srv_job *j) {
     cJSON *u = cJSON_CreateObject();
     cJSON_AddNumberToObject(u, "prompt_tokens", (double)j->r.n_ids);
-    cJSON_AddNumberToObject(u, "completion_tokens", (double)j->n_gen);
-    cJSON_AddNumberToObject(u, "total_tokens", (double)(j->r.n_ids + j->n_gen));
+    cJSON_AddNumberToObject(u, "completion_tokens", (double)j->gen_total);
+    cJSON_AddNumberToObject(u, "total_tokens", (double)(j->r.n_ids + j->gen_total));
     if (j->cached) {
         cJSON *d = cJSON_AddObjectToObject(u, "prompt_tokens_details");
         cJSON_AddNumberToObject(d, "cached_tokens", (double)j->cached);
@@ -218,6 +229,7 @@ static void add_logprobs(srv_job *j, cJSON *choice, int final) {
 
 /* One SSE chunk with a delta (stream), or the text kept for the final body (non-stream). */
 static void emit(srv_job *j, const srv_delta *d, const char *finish) {
+    if (j->grp->done) return; /* (the request ended: a sibling choice failed, or the client went) */
     if (!j->r.stream) {
         const char *part[2] = {d->reasoning, d->content};
         const size_t n[2] = {d->n_reasoning, d->n_content};
@@ -227,7 +239,7 @@ static void emit(srv_job *j, const srv_delta *d, const char *finish) {
     if (!d->n_reasoning && !d->n_content && !finish && j->role_sent) return; /* (logprobs wait for text) */
     cJSON *o = chunk_base(j), *ch = cJSON_AddArrayToObject(o, "choices"), *c = cJSON_CreateObject();
     cJSON_AddItemToArray(ch, c);
-    cJSON_AddNumberToObject(c, "index", 0);
+    cJSON_AddNumberToObject(c, "index", j->index);
     if (j->r.kind == SRV_CHAT) {
         cJSON *delta = cJSON_AddObjectToObject(c, "delta");
         if (!j->role_sent) cJSON_AddStringToObject(delta, "role", "assistant");
@@ -244,15 +256,10 @@ static void emit(srv_job *j, const srv_delta *d, const char *finish) {
     out_event(j, o);
 }
 
-static void final_body(srv_job *j, const char *finish) {
-    cJSON *o = cJSON_CreateObject();
-    cJSON_AddStringToObject(o, "id", j->id);
-    cJSON_AddStringToObject(o, "object", j->r.kind == SRV_CHAT ? "chat.completion" : "text_completion");
-    cJSON_AddNumberToObject(o, "created", (double)j->created);
-    cJSON_AddStringToObject(o, "model", j->e->model_name);
-    cJSON *ch = cJSON_AddArrayToObject(o, "choices"), *c = cJSON_CreateObject();
-    cJSON_AddItemToArray(ch, c);
-    cJSON_AddNumberToObject(c, "index", 0);
+/* A finished choice of a whole (non-stream) answer. */
+static cJSON *choice_object(srv_job *j, const char *finish) {
+    cJSON *c = cJSON_CreateObject();
+    cJSON_AddNumberToObject(c, "index", j->index);
     if (j->r.kind == SRV_CHAT) {
         cJSON *msg = cJSON_AddObjectToObject(c, "message");
         cJSON_AddStringToObject(msg, "role", "assistant");
@@ -264,10 +271,26 @@ static void final_body(srv_job *j, const char *finish) {
     }
     add_logprobs(j, c, 1);
     cJSON_AddStringToObject(c, "finish_reason", finish);
-    cJSON_AddItemToObject(o, "usage", usage_json(j));
+    return c;
+}
+
+/* The whole answer of group g: its choices in index order, the usage. */
+static void final_body(srv_job *g) {
+    cJSON *o = cJSON_CreateObject();
+    cJSON_AddStringToObject(o, "id", g->id);
+    cJSON_AddStringToObject(o, "object", g->r.kind == SRV_CHAT ? "chat.completion" : "text_completion");
+    cJSON_AddNumberToObject(o, "created", (double)g->created);
+    cJSON_AddStringToObject(o, "model", g->e->model_name);
+    cJSON *ch = cJSON_AddArrayToObject(o, "choices");
+    for (int i = 0; i < g->n_choice; i++) {
+        srv_job *c = g->choice ? g->choice[i] : g;
+        if (c->choice_json) cJSON_AddItemToArray(ch, c->choice_json);
+        c->choice_json = NULL;
+    }
+    cJSON_AddItemToObject(o, "usage", usage_json(g));
     char *s = cJSON_PrintUnformatted(o);
     cJSON_Delete(o);
-    if (s) srv_buf_add(&j->out, s, strlen(s));
+    if (s) srv_buf_add(&g->out, s, strlen(s));
     free(s);
 }
 
@@ -364,8 +387,9 @@ static void log_job(const srv_engine *e, const srv_job *j, int http, const char 
     if (!e->o.log) return;
     const double now = now_s(), ttft = j->n_gen ? j->t_first - j->t_submit : now - j->t_submit;
     const double dec = j->n_gen > 1 ? (double)(j->n_gen - 1) / (j->t_last - j->t_first) : 0.0;
-    char rank[24] = "";
+    char rank[48] = "";
     if (e->n_ranks > 1 && j->rk) snprintf(rank, sizeof rank, " rank %d", j->rk->rank);
+    if (j->grp != j) snprintf(rank + strlen(rank), sizeof rank - strlen(rank), " choice %d", j->index);
     fprintf(stderr, "serve: %s %d%s prompt %lld (cached %lld) output %lld (%s) queue %.1f ms ttft %.1f ms "
             "decode %.1f tok/s total %.1f ms (prefill steps %d, restore %.1f ms, snapshot %.1f ms)\n", j->id, http, rank,
             (long long)j->r.n_ids, (long long)j->cached, (long long)j->n_gen, finish,
@@ -374,25 +398,41 @@ static void log_job(const srv_engine *e, const srv_job *j, int http, const char 
 }
 
 /* Ends a job that failed: its HTTP status, an OpenAI error body (or an SSE error event). */
-static void finish_error(srv_engine *e, srv_job *j, int http, const char *msg) {
-    release_seq(j);
-    pthread_mutex_lock(&e->lock);
+/* The other choices of j's group that still run are dropped at the engine's next step (e->lock held). */
+static void cancel_siblings(srv_engine *e, srv_job *j) {
+    srv_job *g = j->grp;
+    for (int i = 0; g->choice && i < g->n_choice; i++)
+        if (g->choice[i] != j && !g->choice[i]->fin) g->choice[i]->cancelled = 1;
+    e->events++;
+}
+
+/* Ends group g with an error (e->lock held; nothing when it has ended): a stream (headers sent or not) ends with an
+ * SSE error event, a whole answer is replaced by the error body with its status. */
+static void group_fail(srv_job *g, int http, const char *msg) {
+    if (g->done) return;
     srv_error er;
     srv_fail(&er, http, NULL, "%s", msg);
     char *body = srv_error_json(&er);
-    /* a stream (headers sent or not) ends with an SSE error event; a whole answer is replaced by
-       the error body with its status */
-    if (!j->r.stream) j->out.n = 0;
-    j->http = http;                  /* read for whole answers only (a stream sent its 200) */
-    if (j->r.stream) srv_buf_printf(&j->out, "data: %s\n\ndata: [DONE]\n\n", body ? body : "{}");
-    else if (body) srv_buf_add(&j->out, body, strlen(body));
+    if (!g->r.stream) g->out.n = 0;
+    g->http = http;                  /* read for whole answers only (a stream sent its 200) */
+    if (g->r.stream) srv_buf_printf(&g->out, "data: %s\n\ndata: [DONE]\n\n", body ? body : "{}");
+    else if (body) srv_buf_add(&g->out, body, strlen(body));
     free(body);
-    j->done = 1;
+    g->done = 1;
+    notify(g);
+}
+
+/* Ends a job that failed: its group fails with this status and message (the other choices are dropped). */
+static void finish_error(srv_engine *e, srv_job *j, int http, const char *msg) {
+    release_seq(j);
+    pthread_mutex_lock(&e->lock);
+    j->fin = 1;
     j->phase = PH_DONE;
     e->finish[3]++;
     log_job(e, j, http, msg);
     e->n_running--;
-    notify(j);
+    group_fail(j->grp, http, msg);
+    cancel_siblings(e, j);
     pthread_mutex_unlock(&e->lock);
 }
 
@@ -415,25 +455,35 @@ static void finish_ok(srv_engine *e, srv_job *j, int reason /* 0 stop, 1 length 
     }
     release_seq(j);
     pthread_mutex_lock(&e->lock);
-    emit(j, &d, j->r.stream ? k_finish_name[reason] : NULL);
-    if (j->r.stream) {
-        if (j->r.include_usage) {
-            cJSON *o = chunk_base(j);
-            cJSON_AddArrayToObject(o, "choices");
-            cJSON_AddItemToObject(o, "usage", usage_json(j));
-            out_event(j, o);
-        }
-        srv_buf_add(&j->out, "data: [DONE]\n\n", 14);
-    } else {
-        final_body(j, k_finish_name[reason]);
+    srv_job *g = j->grp;
+    if (!g->done) {
+        emit(j, &d, j->r.stream ? k_finish_name[reason] : NULL);
+        if (!j->r.stream) j->choice_json = choice_object(j, k_finish_name[reason]);
     }
-    j->http = 200;
-    j->done = 1;
+    j->fin = 1;
     j->phase = PH_DONE;
     e->finish[reason]++;
     log_job(e, j, 200, k_finish_name[reason]);
     e->n_running--;
-    notify(j);
+    g->n_fin++;
+    g->gen_total += j->n_gen;
+    if (j->cached > g->cached) g->cached = j->cached;
+    if (!g->done && g->n_fin == g->n_choice) { /* the last choice: the usage, the end */
+        if (g->r.stream) {
+            if (g->r.include_usage) {
+                cJSON *o = chunk_base(j);
+                cJSON_AddArrayToObject(o, "choices");
+                cJSON_AddItemToObject(o, "usage", usage_json(g));
+                out_event(j, o);
+            }
+            srv_buf_add(&g->out, "data: [DONE]\n\n", 14);
+        } else {
+            final_body(g);
+        }
+        g->http = 200;
+        g->done = 1;
+    }
+    notify(g);
     pthread_mutex_unlock(&e->lock);
 }
 
@@ -666,7 +716,7 @@ static int take_token(srv_engine *e, srv_job *j, int32_t id) {
     }
     pthread_mutex_lock(&e->lock);
     emit(j, &d, NULL);
-    notify(j);
+    notify(j->grp);
     pthread_mutex_unlock(&e->lock);
     if (stopped) {
         finish_ok(e, j, 0);
@@ -689,6 +739,10 @@ static void job_free(srv_job *j) {
     free(j->gen);
     free(j->logits);
     cJSON_Delete(j->lp);
+    cJSON_Delete(j->choice_json);
+    for (int i = 0; j->choice && i < j->n_choice; i++) /* a group: its references on the choices */
+        if (j->choice[i] && --j->choice[i]->refs == 0) job_free(j->choice[i]);
+    free(j->choice);
     srv_buf_free(&j->echo);
     free(j->echo_off);
     free(j->plog);
@@ -717,20 +771,31 @@ static int least_loaded(const srv_rank *rk) {
  * request"); a connection still waiting for the whole answer is woken (it then sends an error body to the closed
  * socket and lets go of the job). */
 static void finish_cancelled(srv_engine *e, srv_job *j) {
-    j->done = 1;
+    srv_job *g = j->grp;
+    j->fin = 1;
     j->phase = PH_DONE;
     e->finish[2]++;
-    j->http = 499;
-    if (!j->r.stream) {
+    log_job(e, j, g->done ? g->http : 499, g->done ? "dropped: its request ended" : "cancelled");
+    if (g->done) return;       /* (a choice whose sibling failed) */
+    g->http = 499;
+    if (!g->r.stream) {
         srv_error er;
         srv_fail(&er, 499, NULL, "%s", "cancelled: the client closed the connection");
         char *body = srv_error_json(&er);
-        j->out.n = 0;
-        if (body) srv_buf_add(&j->out, body, strlen(body));
+        g->out.n = 0;
+        if (body) srv_buf_add(&g->out, body, strlen(body));
         free(body);
     }
-    log_job(e, j, 499, "cancelled");
-    notify(j);
+    g->done = 1;
+    cancel_siblings(e, j);
+    notify(g);
+}
+
+/* The engine lets go of a job it has ended (e->lock held): its reference, and a choice's on its group. */
+static void engine_drop(srv_job *j) {
+    srv_job *g = j->grp;
+    job_unref_locked(j);
+    if (g != j) job_unref_locked(g);
 }
 
 /* One round of rank rk: admissions, then one step of its jobs, or (expert parallelism, no work)
@@ -743,17 +808,17 @@ static void step_once(srv_rank *rk, uint64_t events) {
     pthread_mutex_lock(&e->lock);
     for (int64_t i = 0; i < rk->n_act;) {
         srv_job *j = rk->act[i];
-        if (j->cancelled && !j->done) {
+        if (j->cancelled && !j->fin) {
             pthread_mutex_unlock(&e->lock);
             release_seq(j);
             pthread_mutex_lock(&e->lock);
             e->n_running--;
             finish_cancelled(e, j);
         }
-        if (j->done) {
+        if (j->fin) {
             rk->act[i] = rk->act[--rk->n_act];
             rk->n_load--;
-            job_unref_locked(j);
+            engine_drop(j);
             continue;
         }
         i++;
@@ -765,7 +830,7 @@ static void step_once(srv_rank *rk, uint64_t events) {
         e->n_queued--;
         if (j->cancelled) {
             finish_cancelled(e, j);
-            job_unref_locked(j);
+            engine_drop(j);
             continue;
         }
         e->n_running++;
@@ -784,7 +849,7 @@ static void step_once(srv_rank *rk, uint64_t events) {
     for (int pass = 0; pass < 2; pass++) {
         for (int64_t i = 0; i < rk->n_act && rows < budget; i++) {
             srv_job *j = rk->act[i];
-            if (j->done) continue;
+            if (j->fin) continue;
             if (j->phase != (pass == 0 ? PH_DECODE : PH_PREFILL)) continue;
             fp4moe_batch_item *it = &rk->items[n_items];
             memset(it, 0, sizeof *it);
@@ -882,7 +947,7 @@ static void step_once(srv_rank *rk, uint64_t events) {
             const srv_delta d = {"", j->echo.p ? j->echo.p : "", 0, j->echo.n};
             pthread_mutex_lock(&e->lock);
             emit(j, &d, NULL);
-            notify(j);
+            notify(j->grp);
             pthread_mutex_unlock(&e->lock);
             if (j->r.max_tokens == 0) {
                 finish_ok(e, j, 1);
@@ -929,9 +994,9 @@ static void *rank_main(void *arg) {
     pthread_mutex_unlock(&e->lock);
     for (int64_t i = 0; i < rk->n_act; i++) {
         srv_job *j = rk->act[i];
-        if (!j->done) finish_error(e, j, 503, "the server is shutting down");
+        if (!j->fin) finish_error(e, j, 503, "the server is shutting down");
         pthread_mutex_lock(&e->lock);
-        job_unref_locked(j);
+        engine_drop(j);
         pthread_mutex_unlock(&e->lock);
     }
     rk->n_act = 0;
@@ -1096,47 +1161,89 @@ void srv_engine_shutdown(srv_engine *e) {
     pthread_mutex_unlock(&e->lock);
 }
 
-srv_job *srv_engine_submit(srv_engine *e, srv_request *r, void (*wake)(void *), void *ctx, srv_error *err) {
+/* A job of request r (moved in; for a choice of a group: a copy), not yet queued. */
+static srv_job *job_new(srv_engine *e, srv_request *r, int copy) {
     srv_job *j = calloc(1, sizeof *j);
-    if (!j) {
+    if (!j) return NULL;
+    if (copy) {
+        if (srv_request_copy(r, &j->r)) {
+            free(j);
+            return NULL;
+        }
+    } else {
+        j->r = *r;
+        memset(r, 0, sizeof *r);
+    }
+    j->e = e;
+    j->seq = -1;
+    j->grp = j;
+    j->n_choice = 1;
+    j->t_submit = now_s();
+    j->created = (int64_t)time(NULL);
+    return j;
+}
+
+srv_job *srv_engine_submit(srv_engine *e, srv_request *r, void (*wake)(void *), void *ctx, srv_error *err) {
+    const int n = r->n > 1 ? r->n : 1;
+    const long long cap = (long long)e->n_ranks * e->o.max_seqs + e->o.max_queue;
+    if (n > cap) {
+        srv_fail(err, 400, "n", "'n' is %d; this server runs at most %lld sequences at once and in its queue "
+                 "(--max-seqs x ranks + --max-queue)", n, cap);
+        return NULL;
+    }
+    srv_job *g = job_new(e, r, 0);
+    if (!g) {
         srv_fail(err, 500, NULL, "out of memory");
         return NULL;
     }
-    j->e = e;
-    j->r = *r;
-    memset(r, 0, sizeof *r);
-    j->seq = -1;
-    j->wake = wake;
-    j->wake_ctx = ctx;
-    j->t_submit = now_s();
-    j->created = (int64_t)time(NULL);
-    j->refs = 2;
-    pthread_mutex_lock(&e->lock);
-    if (e->stopping) {
-        pthread_mutex_unlock(&e->lock);
-        srv_fail(err, 503, NULL, "the server is shutting down");
-        job_free(j);
-        return NULL;
+    g->wake = wake;
+    g->wake_ctx = ctx;
+    g->refs = 2;                       /* the HTTP side; the engine (n = 1: g is the job it runs) */
+    int ok = 1;
+    if (n > 1) {                       /* the choices: jobs of their own, the engine holding each and g */
+        g->refs = 1 + n;
+        g->n_choice = n;
+        ok = (g->choice = calloc((size_t)n, sizeof *g->choice)) != NULL;
+        for (int i = 0; ok && i < n; i++) {
+            srv_job *c = job_new(e, &g->r, 1);
+            if (!(ok = c != NULL)) break;
+            c->grp = g;
+            c->index = i;
+            c->refs = 2;               /* the engine, the group */
+            c->created = g->created;
+            if (g->r.has_seed) c->r.sp.seed = g->r.sp.seed + (uint64_t)i * 0x9E3779B97F4A7C15ull; /* distinct */
+            if (!c->r.sp.seed) c->r.sp.seed = 1;
+            g->choice[i] = c;
+        }
     }
-    if (e->n_running + e->n_queued >= e->n_ranks * e->o.max_seqs + e->o.max_queue) { /* no free sequence, queue full */
+    pthread_mutex_lock(&e->lock);
+    if (!ok || e->stopping || e->n_running + e->n_queued + n > cap) {
         const long long q = (long long)e->n_queued, run = (long long)e->n_running;
-        const long long cap = (long long)e->n_ranks * e->o.max_seqs + e->o.max_queue;
+        const int stopping = e->stopping;
         pthread_mutex_unlock(&e->lock);
-        srv_fail(err, 429, NULL, "the server is busy: %lld requests running and %lld waiting, the most it takes (%lld: "
-                 "--max-seqs x ranks + --max-queue); retry later", run, q, cap);
-        job_free(j);
+        if (!ok) srv_fail(err, 500, NULL, "out of memory");
+        else if (stopping) srv_fail(err, 503, NULL, "the server is shutting down");
+        else srv_fail(err, 429, NULL, "the server is busy: %lld requests running and %lld waiting, the most it takes "
+                      "(%lld: --max-seqs x ranks + --max-queue); retry later", run, q, cap);
+        for (int i = 0; g->choice && i < n; i++)
+            if (g->choice[i]) g->choice[i]->refs = 1; /* never queued: the group's reference is the only one */
+        job_free(g);
         return NULL;
     }
     const unsigned long long id = (unsigned long long)mix64(e->id_base + ++e->n_ids);
-    snprintf(j->id, sizeof j->id, "%s-%016llx", j->r.kind == SRV_CHAT ? "chatcmpl" : "cmpl", id);
-    if (e->qtail) e->qtail->next = j;
-    else e->qhead = j;
-    e->qtail = j;
-    e->n_queued++;
+    snprintf(g->id, sizeof g->id, "%s-%016llx", g->r.kind == SRV_CHAT ? "chatcmpl" : "cmpl", id);
+    for (int i = 0; i < n; i++) {
+        srv_job *j = g->choice ? g->choice[i] : g;
+        memcpy(j->id, g->id, sizeof j->id);
+        if (e->qtail) e->qtail->next = j;
+        else e->qhead = j;
+        e->qtail = j;
+        e->n_queued++;
+    }
     e->events++;
     pthread_cond_broadcast(&e->cv);
     pthread_mutex_unlock(&e->lock);
-    return j;
+    return g;
 }
 
 size_t srv_job_read(srv_job *j, char *buf, size_t max, int *done, int *waiting) {
@@ -1171,13 +1278,19 @@ int srv_job_arm(srv_job *j, void (*suspend)(void *), void *ctx) {
     return ready;
 }
 
+/* Marks group g and its running choices cancelled (e->lock held). */
+static void cancel_group(srv_job *g) {
+    g->cancelled = 1;
+    for (int i = 0; g->choice && i < g->n_choice; i++)
+        if (!g->choice[i]->fin) g->choice[i]->cancelled = 1;
+    g->e->events++;
+    pthread_cond_broadcast(&g->e->cv);
+}
+
 void srv_job_cancel(srv_job *j) {
     pthread_mutex_lock(&j->e->lock);
-    if (!j->done) { /* the wake stays armed: the engine wakes the waiting connection when it has dropped the job */
-        j->cancelled = 1;
-        j->e->events++;
-        pthread_cond_broadcast(&j->e->cv);
-    }
+    if (!j->done) cancel_group(j); /* the wake stays armed: the engine wakes the waiting connection when it has
+                                      dropped the job */
     pthread_mutex_unlock(&j->e->lock);
 }
 
@@ -1186,10 +1299,8 @@ void srv_job_release(srv_job *j) {
     srv_engine *e = j->e;
     pthread_mutex_lock(&e->lock);
     if (!j->done) {
-        j->cancelled = 1;
+        cancel_group(j);
         j->armed = 0;
-        e->events++;
-        pthread_cond_broadcast(&e->cv);
     }
     j->wake = NULL;
     job_unref_locked(j);

@@ -49,6 +49,33 @@ void srv_request_free(srv_request *r) {
     memset(r, 0, sizeof *r);
 }
 
+int srv_request_copy(const srv_request *a, srv_request *b) {
+    *b = *a;
+    b->ids = NULL;
+    b->bias_ids = NULL;
+    b->bias = NULL;
+    b->n_stop = 0;
+    int ok = (b->ids = malloc((size_t)(a->n_ids > 0 ? a->n_ids : 1) * sizeof(int32_t))) != NULL;
+    if (ok) memcpy(b->ids, a->ids, (size_t)a->n_ids * sizeof(int32_t));
+    for (int i = 0; ok && i < a->n_stop; i++) ok = (b->stop[b->n_stop++] = strdup(a->stop[i])) != NULL;
+    if (ok && a->sp.n_bias > 0) {
+        b->bias_ids = malloc((size_t)a->sp.n_bias * sizeof(int32_t));
+        b->bias = malloc((size_t)a->sp.n_bias * sizeof(float));
+        ok = b->bias_ids && b->bias;
+        if (ok) {
+            memcpy(b->bias_ids, a->sp.bias_ids, (size_t)a->sp.n_bias * sizeof(int32_t));
+            memcpy(b->bias, a->sp.bias, (size_t)a->sp.n_bias * sizeof(float));
+        }
+    }
+    b->sp.bias_ids = b->bias_ids;
+    b->sp.bias = b->bias;
+    if (!ok) {
+        srv_request_free(b); /* (a failed strdup left a NULL: free(NULL) is nothing) */
+        return -1;
+    }
+    return 0;
+}
+
 /* ---- typed field access ----------------------------------------------------------------------- */
 
 static const cJSON *field(const cJSON *o, const char *name) {
@@ -93,10 +120,10 @@ static int get_bool(const cJSON *o, const char *name, int *out, srv_error *e) {
 /* A field fp4moe does not implement: accepted only with its neutral value. */
 static int refuse_unless_neutral(const cJSON *o, srv_error *e) {
     const cJSON *v;
-    if ((v = field(o, "n")) && !(cJSON_IsNumber(v) && v->valuedouble == 1.0))
-        return srv_fail(e, 400, "n", "'n' must be 1 (one choice per request)");
-    if ((v = field(o, "best_of")) && !(cJSON_IsNumber(v) && v->valuedouble == 1.0))
-        return srv_fail(e, 400, "best_of", "'best_of' must be 1");
+    const cJSON *n = field(o, "n");
+    if ((v = field(o, "best_of")) && !(cJSON_IsNumber(v) && (v->valuedouble == 1.0 ||
+                                                             (cJSON_IsNumber(n) && v->valuedouble == n->valuedouble))))
+        return srv_fail(e, 400, "best_of", "'best_of' must equal 'n' (fp4moe does not rank extra samples)");
     if ((v = field(o, "suffix")))
         return srv_fail(e, 400, "suffix", "'suffix' is not supported by fp4moe");
     if ((v = field(o, "response_format"))) {
@@ -292,6 +319,8 @@ static int parse_common(const srv_parse_ctx *c, const cJSON *o, srv_request *r, 
     if (st) r->ignore_eos = b;
     if (r->ignore_eos) r->sp.n_stop = 0;
     if (parse_stop(o, r, e) || parse_logprobs(o, r, e) || parse_penalties(c, o, r, e)) return -1;
+    if ((st = get_int(o, "n", 1, SRV_MAX_N, &i, e)) < 0) return -1;
+    r->n = st ? (int)i : 1;
     if ((st = get_bool(o, "echo", &b, e)) < 0) return -1;
     if (st && b && r->kind == SRV_CHAT)
         return srv_fail(e, 400, "echo", "'echo' is supported on /v1/completions only");

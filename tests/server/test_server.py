@@ -272,6 +272,49 @@ def main():
         check(running == 1 and ok and t == ref, "a non-stream client gone while waiting: its sequence is freed, "
               "counted as cancelled, the server answers the same afterwards (running %s -> 0)" % running)
 
+        # --- n choices: each its own sequence and sampler; choice 0 is the request's seed ---------------------------
+        kw3 = dict(model="nemotron-h-tiny-moe", prompt=p0, max_tokens=12, temperature=1.0, seed=77)
+        r3 = c.completions.create(n=3, **kw3)
+        again3 = c.completions.create(n=3, **kw3)
+        one = c.completions.create(**kw3)
+        texts = [ch.text for ch in sorted(r3.choices, key=lambda ch: ch.index)]
+        check([ch.index for ch in r3.choices] == [0, 1, 2] and texts == [ch.text for ch in again3.choices] and
+              texts[0] == one.choices[0].text and len(set(texts)) > 1 and r3.usage.completion_tokens == 36 and
+              r3.usage.prompt_tokens == one.usage.prompt_tokens,
+              "n 3 (seeded sampling): indices 0-2, repeatable, choice 0 = the n 1 answer, distinct choices, usage sums "
+              "the output (%s)" % [t[:12] for t in texts])
+        parts, fins, usage = {}, {}, None
+        for ch in c.completions.create(n=3, stream=True, stream_options={"include_usage": True}, **kw3):
+            for x in ch.choices:
+                parts[x.index] = parts.get(x.index, "") + x.text
+                fins[x.index] = x.finish_reason or fins.get(x.index)
+            usage = ch.usage or usage
+        check([parts.get(i) for i in range(3)] == texts and all(fins.get(i) == "length" for i in range(3)) and
+              usage.completion_tokens == 36, "n 3 streamed: each choice's chunks make its text, each ends, one usage")
+        g4 = c.chat.completions.create(model="nemotron-h-tiny-moe", messages=msgs, max_tokens=8, temperature=0, n=4)
+        g1 = chat(c, msgs, 8, False)
+        check(len(g4.choices) == 4 and all((x.message.content or "", getattr(x.message, "reasoning_content", "") or "")
+                                           == (g1[0], g1[1]) for x in g4.choices),
+              "chat n 4, greedy: four choices equal to the n 1 answer")
+        cancelled0 = s.metric('fp4moe_generations_total{reason="cancelled"}') or 0
+        sock = socket.create_connection(("127.0.0.1", s.port))
+        body = json.dumps({"prompt": p0, "max_tokens": 3000, "stream": True, "ignore_eos": True, "n": 3})
+        sock.sendall(("POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      "Content-Length: %d\r\n\r\n%s" % (len(body), body)).encode())
+        got = b""
+        while got.count(b"data: ") < 6:
+            got += sock.recv(4096)
+        running = s.metric("fp4moe_running_sequences")
+        sock.close()
+        freed = False
+        for _ in range(100):
+            if s.metric("fp4moe_running_sequences") == 0 and \
+               (s.metric('fp4moe_generations_total{reason="cancelled"}') or 0) == cancelled0 + 3:
+                freed = True
+                break
+            time.sleep(0.05)
+        check(running == 3 and freed, "n 3 streamed, the client gone: its 3 sequences freed (running %s -> 0)" % running)
+
         # --- every response has its own id ---------------------------------------------------------
         ids = [c.completions.create(model="nemotron-h-tiny-moe", prompt="a", max_tokens=1).id for _ in range(60)]
         check(len(set(ids)) == len(ids), "60 responses, 60 distinct ids")
@@ -286,7 +329,7 @@ def main():
             ("POST", "/v1/completions", '{"prompt": "x", "temperature": "hot"}', 400),
             ("POST", "/v1/completions", '{"prompt": "x", "max_tokens": -1}', 400),
             ("POST", "/v1/completions", '{"prompt": "x", "max_tokens": 100000}', 400),
-            ("POST", "/v1/completions", '{"prompt": "x", "n": 3}', 400),
+            ("POST", "/v1/completions", '{"prompt": "x", "n": 0}', 400),
             ("POST", "/v1/completions", '{"prompt": "x", "logprobs": 21}', 400),
             ("POST", "/v1/completions", '{"prompt": "x", "logit_bias": {"x": 1}}', 400),
             ("POST", "/v1/completions", '{"prompt": [1, 2, 99999999]}', 400),

@@ -249,7 +249,10 @@ static void test_request_errors(void **state) {
         {SRV_COMPLETION, "{\"prompt\": \"x\", \"stop\": [\"a\",\"a\",\"a\",\"a\",\"a\",\"a\",\"a\",\"a\",\"a\",\"a\","
                          "\"a\",\"a\",\"a\",\"a\",\"a\",\"a\",\"a\"]}", 400, "stop"},
         {SRV_COMPLETION, "{\"prompt\": \"x\", \"stop_token_ids\": [\"a\"]}", 400, "stop_token_ids"},
-        {SRV_COMPLETION, "{\"prompt\": \"x\", \"n\": 2}", 400, "n"},
+        {SRV_COMPLETION, "{\"prompt\": \"x\", \"n\": 0}", 400, "n"},
+        {SRV_COMPLETION, "{\"prompt\": \"x\", \"n\": 65}", 400, "n"},
+        {SRV_COMPLETION, "{\"prompt\": \"x\", \"n\": 1.5}", 400, "n"},
+        {SRV_COMPLETION, "{\"prompt\": \"x\", \"n\": 2, \"best_of\": 3}", 400, "best_of"},
         {SRV_COMPLETION, "{\"prompt\": \"x\", \"best_of\": 2}", 400, "best_of"},
         {SRV_COMPLETION, "{\"prompt\": \"x\", \"logprobs\": true}", 400, "logprobs"},
         {SRV_COMPLETION, "{\"prompt\": \"x\", \"logprobs\": 21}", 400, "logprobs"},
@@ -461,7 +464,20 @@ static void test_request_fields(void **state) {
                            &r, &e), 0);                        /* lm-evaluation-harness's loglikelihood request */
     assert_true(r.echo && r.logprobs);
     assert_int_equal(r.max_tokens, 0);
+    assert_int_equal(r.n, 1);
     srv_request_free(&r);
+    assert_int_equal(parse(SRV_COMPLETION, "{\"prompt\": \"x\", \"n\": 64, \"best_of\": 64, \"stop\": [\"a\", \"bc\"], "
+                           "\"logit_bias\": {\"5\": 1}}", &r, &e), 0);
+    assert_int_equal(r.n, 64);
+    srv_request c;                                              /* a choice's deep copy */
+    assert_int_equal(srv_request_copy(&r, &c), 0);
+    assert_true(c.ids != r.ids && c.stop[1] != r.stop[1] && c.bias != r.bias && c.sp.bias == c.bias);
+    assert_string_equal(c.stop[1], "bc");
+    assert_int_equal(c.n_ids, r.n_ids);
+    assert_int_equal(c.ids[0], r.ids[0]);
+    assert_int_equal(c.sp.n_bias, 1);
+    srv_request_free(&r);
+    srv_request_free(&c);
     assert_int_equal(parse(SRV_COMPLETION, "{\"prompt\": \"x\", \"logprobs\": null, \"logit_bias\": {}, "
                            "\"presence_penalty\": 0, \"repetition_penalty\": 1}", &r, &e), 0);
     assert_int_equal(r.logprobs, 0);
