@@ -27,7 +27,8 @@
 
 #include "server/srv.h"
 
-enum { PH_QUEUED = 0, PH_PREFILL = 1, PH_DECODE = 2, PH_DONE = 3 };
+enum { PH_QUEUED = 0, PH_PREFILL = 1, PH_DECODE = 2, PH_DONE = 3, PH_WAIT = 4 /* a choice waiting for the prompt's
+                                                                              state from choice 0 */ };
 
 struct srv_job {
     srv_engine *e;
@@ -69,6 +70,15 @@ struct srv_job {
     srv_job **choice;                         /* group, n > 1: its choices (a reference on each) */
     int n_choice, n_fin;                      /* group: choices, and those finished (e->lock) */
     int64_t gen_total;                        /* group: output tokens of the finished choices */
+    /* group, n > 1 (not echo): the prompt computed once, by choice 0; the choices admitted on its rank start from
+       its state (e->lock) */
+    struct srv_rank *prank;                   /* choice 0's rank (NULL until admitted) */
+    int pstate;                               /* 0: pending; 1: ready (psnap, plogits / ptok); -1: each choice
+                                                 computes the prompt itself */
+    fp4moe_snapshot *psnap;                   /* choice 0's state right after the prompt */
+    float *plogits;                           /* the prompt's last logits (choices that sample on the host) */
+    int32_t ptok;                             /* its greedy token (the device's argmax) */
+    int pleft;                                /* choices that may still start from psnap (freed at 0) */
     /* shared with the HTTP side (e->lock), used on the group */
     srv_buf out;                              /* SSE bytes, or the final body */
     size_t n_read;
@@ -496,6 +506,82 @@ static uint64_t mix64(uint64_t x) {
 }
 
 static int echo_setup(srv_engine *e, srv_job *j);
+static int take_token(srv_engine *e, srv_job *j, int32_t id);
+
+/* One choice less may start from the group's prompt state (e->lock held): at none, it is freed. */
+static void prompt_left(srv_job *g) {
+    if (--g->pleft > 0) return;
+    fp4moe_snapshot_free(g->psnap);
+    free(g->plogits);
+    g->psnap = NULL;
+    g->plogits = NULL;
+}
+
+/* Choice j (index > 0, on the rank of choice 0, its group's prompt state ready) starts from it: a sequence restored
+ * after the prompt, its first token sampled from the prompt's last logits with its own sampler. 0, or -1 when it
+ * failed (no room: 503). */
+static int start_from_prompt(srv_rank *rk, srv_job *j) {
+    srv_engine *e = rk->e;
+    srv_job *g = j->grp;
+    const int st = fp4moe_batch_add_from_snapshot(rk->b, g->psnap, &j->seq);
+    if (st) {
+        j->seq = -1;
+        char msg[256];
+        snprintf(msg, sizeof msg, "no room for the request's sequence: %s", fp4moe_last_error());
+        pthread_mutex_lock(&e->lock);
+        prompt_left(g);
+        pthread_mutex_unlock(&e->lock);
+        finish_error(e, j, 503, msg);
+        return -1;
+    }
+    j->fed = j->r.n_ids;
+    j->phase = PH_PREFILL;
+    if (j->logits) memcpy(j->logits, g->plogits, (size_t)e->V * sizeof(float));
+    const int32_t id = j->logits ? fp4moe_sample(&j->smp, j->logits) : g->ptok;
+    pthread_mutex_lock(&e->lock);
+    prompt_left(g);
+    pthread_mutex_unlock(&e->lock);
+    fp4moe_sampler_accept_output(&j->smp, id);
+    take_token(e, j, id);
+    return 0;
+}
+
+/* Choice 0 of a group has computed the prompt: its state (a snapshot at the prompt's end, the last logits or the
+ * greedy token) is kept for the other choices, and those waiting on this rank start from it (on failure they compute
+ * the prompt themselves). */
+static void share_prompt(srv_rank *rk, srv_job *j) {
+    srv_engine *e = rk->e;
+    srv_job *g = j->grp;
+    fp4moe_snapshot *s = NULL;
+    float *pl = NULL;
+    int ok = !fp4moe_batch_snapshot(rk->b, j->seq, &s);
+    if (ok && j->logits) {
+        if ((ok = (pl = malloc((size_t)e->V * sizeof(float))) != NULL))
+            memcpy(pl, j->logits, (size_t)e->V * sizeof(float));
+    }
+    if (!ok) {
+        fp4moe_snapshot_free(s);
+        s = NULL;
+    }
+    pthread_mutex_lock(&e->lock);
+    g->psnap = s;
+    g->plogits = pl;
+    g->ptok = j->next_tok;
+    g->pstate = ok ? 1 : -1;
+    pthread_mutex_unlock(&e->lock);
+    for (int64_t i = 0; i < rk->n_act; i++) {
+        srv_job *w = rk->act[i];
+        if (w->grp != g || w->phase != PH_WAIT || w->fin) continue;
+        if (ok) {
+            start_from_prompt(rk, w);
+        } else {
+            w->phase = PH_PREFILL;
+            pthread_mutex_lock(&e->lock);
+            prompt_left(g);
+            pthread_mutex_unlock(&e->lock);
+        }
+    }
+}
 
 /* Sets a job up for its first step; 0, or -1 when it already failed. */
 static int admit(srv_rank *rk, srv_job *j) {
@@ -527,6 +613,23 @@ static int admit(srv_rank *rk, srv_job *j) {
     if (j->r.echo && echo_setup(e, j)) {
         finish_error(e, j, 500, "out of memory");
         return -1;
+    }
+    /* n > 1: choice 0 computes the prompt; the others on its rank wait for its state, or start from it */
+    srv_job *g = j->grp;
+    if (g != j && !j->r.echo) {
+        pthread_mutex_lock(&e->lock);
+        if (j->index == 0) g->prank = rk;
+        const int mine = j->index > 0 && g->prank == rk, ready = g->pstate;
+        if (j->index > 0 && (!mine || ready < 0)) prompt_left(g); /* (computes the prompt itself) */
+        pthread_mutex_unlock(&e->lock);
+        if (mine && ready >= 0) {
+            j->t_admit = now_s();
+            if (ready == 0) {
+                j->phase = PH_WAIT;
+                return 0;
+            }
+            return start_from_prompt(rk, j);
+        }
     }
     /* (echo + logprobs needs the logits of every prompt position: no snapshot) */
     const int64_t hit = j->plog ? -1 : cache_find(rk, j->r.ids, j->r.n_ids);
@@ -740,6 +843,8 @@ static void job_free(srv_job *j) {
     free(j->logits);
     cJSON_Delete(j->lp);
     cJSON_Delete(j->choice_json);
+    fp4moe_snapshot_free(j->psnap);
+    free(j->plogits);
     for (int i = 0; j->choice && i < j->n_choice; i++) /* a group: its references on the choices */
         if (j->choice[i] && --j->choice[i]->refs == 0) job_free(j->choice[i]);
     free(j->choice);
@@ -955,6 +1060,7 @@ static void step_once(srv_rank *rk, uint64_t events) {
             }
         }
         if (!it->out_token && !it->out_logits) continue;
+        if (j->phase == PH_PREFILL && j->grp != j && j->index == 0 && !j->r.echo) share_prompt(rk, j);
         const int32_t id = j->logits ? fp4moe_sample(&j->smp, j->logits) : j->next_tok;
         fp4moe_sampler_accept_output(&j->smp, id);     /* (a no-op unless a penalty is on) */
         take_token(e, j, id);
@@ -1203,6 +1309,7 @@ srv_job *srv_engine_submit(srv_engine *e, srv_request *r, void (*wake)(void *), 
     if (n > 1) {                       /* the choices: jobs of their own, the engine holding each and g */
         g->refs = 1 + n;
         g->n_choice = n;
+        g->pleft = n - 1;
         ok = (g->choice = calloc((size_t)n, sizeof *g->choice)) != NULL;
         for (int i = 0; ok && i < n; i++) {
             srv_job *c = job_new(e, &g->r, 1);
@@ -1349,7 +1456,8 @@ char *srv_engine_metrics(srv_engine *e) {
     for (int i = 0; i < 4; i++)
         srv_buf_printf(&b, "fp4moe_generations_total{reason=\"%s\"} %llu\n", fin[i], (unsigned long long)e->finish[i]);
     srv_buf_printf(&b,
-        "# HELP fp4moe_prompt_tokens_total Prompt tokens of admitted requests.\n# TYPE fp4moe_prompt_tokens_total counter\n"
+        "# HELP fp4moe_prompt_tokens_total Prompt tokens of admitted requests (once for the choices of a request that "
+        "start from the state of its choice 0).\n# TYPE fp4moe_prompt_tokens_total counter\n"
         "fp4moe_prompt_tokens_total %llu\n"
         "# HELP fp4moe_prompt_tokens_cached_total Prompt tokens restored from the prefix cache instead of computed.\n"
         "# TYPE fp4moe_prompt_tokens_cached_total counter\nfp4moe_prompt_tokens_cached_total %llu\n"

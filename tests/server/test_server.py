@@ -274,15 +274,17 @@ def main():
 
         # --- n choices: each its own sequence and sampler; choice 0 is the request's seed ---------------------------
         kw3 = dict(model="nemotron-h-tiny-moe", prompt=p0, max_tokens=12, temperature=1.0, seed=77)
+        pt0 = s.metric("fp4moe_prompt_tokens_total")
         r3 = c.completions.create(n=3, **kw3)
+        pt1 = s.metric("fp4moe_prompt_tokens_total")
         again3 = c.completions.create(n=3, **kw3)
         one = c.completions.create(**kw3)
         texts = [ch.text for ch in sorted(r3.choices, key=lambda ch: ch.index)]
         check([ch.index for ch in r3.choices] == [0, 1, 2] and texts == [ch.text for ch in again3.choices] and
               texts[0] == one.choices[0].text and len(set(texts)) > 1 and r3.usage.completion_tokens == 36 and
-              r3.usage.prompt_tokens == one.usage.prompt_tokens,
+              r3.usage.prompt_tokens == one.usage.prompt_tokens and pt1 - pt0 == r3.usage.prompt_tokens,
               "n 3 (seeded sampling): indices 0-2, repeatable, choice 0 = the n 1 answer, distinct choices, usage sums "
-              "the output (%s)" % [t[:12] for t in texts])
+              "the output, the prompt computed once (%s)" % [t[:12] for t in texts])
         parts, fins, usage = {}, {}, None
         for ch in c.completions.create(n=3, stream=True, stream_options={"include_usage": True}, **kw3):
             for x in ch.choices:
@@ -403,6 +405,9 @@ def main():
         e2 = chat(se.client(), turn2, 24, False, **off_kw)
         check(e1[:3] == a1[:3] and e2[:3] == a2[:3], "--ep-ranks 3: two chat turns (prefix cache per rank) answer as "
               "the plain server")
+        rn = se.client().completions.create(model="nemotron-h-tiny-moe", prompt=p0, max_tokens=24, temperature=0, n=3)
+        check([x.text for x in rn.choices] == [ref] * 3, "--ep-ranks 3: n 3 greedy (choices on several ranks) equal "
+              "the plain answer")
         steps = se.metric("fp4moe_steps_total")
         time.sleep(0.5)
         check(se.metric("fp4moe_steps_total") == steps, "--ep-ranks 3: idle ranks do not step while no request runs")
