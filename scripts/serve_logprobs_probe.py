@@ -3,10 +3,11 @@
 
     serve_logprobs_probe.py URL OUT.json [OTHER.json]
 
-Sends (1) a greedy completion with logprobs 5 (24 tokens) and (2) lm-evaluation-harness's loglikelihood request
+Sends (1) a greedy completion with logprobs 5 (24 tokens), (2) lm-evaluation-harness's loglikelihood request
 (echo, logprobs 1, max_tokens 1) on a ~400-token prompt of tests/golden/default/heldout_short.txt, as token ids,
-concurrently with (3) three decoding requests; checks each answer's own consistency (the greedy token is the top
-entry, every echoed prompt token but the first has a finite logprob), and writes the logprobs to OUT.json. With
+concurrently with (3) three decoding requests, then (4) request 1 with n 3 (greedy: every choice its text); checks
+each answer's own consistency (the greedy token is the top entry, every echoed prompt token but the first has a
+finite logprob, the n 3 choices equal the n 1 text), and writes the logprobs to OUT.json. With
 OTHER.json (the same probe on another server: the GPU's bf16 activations against the CPU's float mode) it compares:
 the greedy ids equal while the top-2 margin is above 0.1, and for the echoed prompt a mean |logprob difference|
 <= 0.1 nats and loglikelihoods within 0.5% (bf16 activations; the CPU's W4A8 mode against its float mode: 0.038
@@ -42,7 +43,11 @@ st1, g = req("/v1/completions", {"prompt": "The little girl opened the door and 
 st2, e = req("/v1/completions", {"prompt": [ids], "max_tokens": 1, "temperature": 0, "logprobs": 1, "echo": True,
                                  "return_tokens_as_token_ids": True})
 [t.join() for t in busy]
-ok, notes = st1 == 200 and st2 == 200, []
+# n = 3 choices (the prompt computed once, the others restored from its snapshot on the device): greedy, so each
+# equals the n = 1 answer's text
+st3, n3 = req("/v1/completions", {"prompt": "The little girl opened the door and saw", "max_tokens": 24,
+                                  "temperature": 0, "n": 3})
+ok, notes = st1 == 200 and st2 == 200 and st3 == 200, []
 if ok:
     gl, el = g["choices"][0]["logprobs"], e["choices"][0]["logprobs"]
     for t, lp, top in zip(gl["tokens"], gl["token_logprobs"], gl["top_logprobs"]):
@@ -51,7 +56,9 @@ if ok:
         all(isinstance(x, float) and x > -1e4 for x in el["token_logprobs"][1:])
     out = {"gen": gl, "echo": el}
     json.dump(out, open(sys.argv[2], "w"))
-    notes.append("self-consistent %s" % ok)
+    n3_same = [c["text"] for c in n3["choices"]] == [g["choices"][0]["text"]] * 3
+    ok &= n3_same
+    notes.append("self-consistent %s (n 3 greedy = n 1: %s)" % (ok, n3_same))
     if len(sys.argv) > 3:
         o = json.load(open(sys.argv[3]))
         dl = [abs(a - b) for a, b in zip(el["token_logprobs"][1:], o["echo"]["token_logprobs"][1:])]
@@ -68,6 +75,6 @@ if ok:
         notes.append("echo: mean |logprob diff| %.4f (max %.3f) over %d prompt tokens, loglikelihood %.2f vs %.2f; "
                      "greedy ids agree for %d tokens" % (d, max(dl), len(ids), sa, sb, same))
 else:
-    notes.append("statuses %s %s" % (st1, st2))
+    notes.append("statuses %s %s %s" % (st1, st2, st3))
 print("; ".join(notes))
 sys.exit(0 if ok else 1)
