@@ -7,7 +7,8 @@ Sends (1) a greedy completion with logprobs 5 (24 tokens), (2) lm-evaluation-har
 (echo, logprobs 1, max_tokens 1) on a ~400-token prompt of tests/golden/default/heldout_short.txt, as token ids,
 concurrently with (3) three decoding requests, then (4) request 1 with n 3 (greedy: every choice its text); checks
 each answer's own consistency (the greedy token is the top entry, every echoed prompt token but the first has a
-finite logprob, the n 3 choices equal the n 1 text), and writes the logprobs to OUT.json. With
+finite logprob, the n 3 choices equal one another; whether they equal the n 1 text is reported: on the GPU the
+batch's row count picks the gather tiles, so near ties may part), and writes the logprobs to OUT.json. With
 OTHER.json (the same probe on another server: the GPU's bf16 activations against the CPU's float mode) it compares:
 the greedy ids equal while the top-2 margin is above 0.1, and for the echoed prompt a mean |logprob difference|
 <= 0.1 nats and loglikelihoods within 0.5% (bf16 activations; the CPU's W4A8 mode against its float mode: 0.038
@@ -56,9 +57,10 @@ if ok:
         all(isinstance(x, float) and x > -1e4 for x in el["token_logprobs"][1:])
     out = {"gen": gl, "echo": el}
     json.dump(out, open(sys.argv[2], "w"))
-    n3_same = [c["text"] for c in n3["choices"]] == [g["choices"][0]["text"]] * 3
-    ok &= n3_same
-    notes.append("self-consistent %s (n 3 greedy = n 1: %s)" % (ok, n3_same))
+    t3 = [c["text"] for c in n3["choices"]]
+    ok &= len(t3) == 3 and t3 == [t3[0]] * 3   # (equal to the n 1 text too, but for the GPU's near ties: reported)
+    notes.append("self-consistent %s (n 3 greedy: choices equal %s, = n 1 %s)" % (ok, t3 == [t3[0]] * 3,
+                                                                              t3[0] == g["choices"][0]["text"]))
     if len(sys.argv) > 3:
         o = json.load(open(sys.argv[3]))
         dl = [abs(a - b) for a, b in zip(el["token_logprobs"][1:], o["echo"]["token_logprobs"][1:])]
