@@ -4,7 +4,7 @@ BUILD ?= build
 JOBS  ?= $(shell nproc)
 CMAKE_FLAGS ?=
 
-.PHONY: all deps build demo test clean
+.PHONY: all deps build demo test lm-eval-check clean
 
 all: build
 
@@ -29,6 +29,11 @@ test: build
 	cd $(BUILD) && ctest --output-on-failure -j $(JOBS)
 	scripts/fault-check.sh
 	scripts/sanitize-check.sh
+
+# lm-evaluation-harness against fp4moe serve and mlx-lm on the same requests (downloads lm-eval; not in `make test`)
+lm-eval-check: build
+	bash scripts/pyenv.sh $(BUILD) > /dev/null
+	$(BUILD)/mlx-venv/bin/python scripts/check_lm_eval.py $(BUILD)/fp4moe --venv $(BUILD)/lm-eval-venv
 
 clean:
 	rm -rf $(BUILD) build-fault-* build-asan build-asan.*.log
