@@ -176,8 +176,8 @@ char *cli_load_chat_template(const char *model, const char *override, char **whe
 void cli_template_special_tokens(const char *dir, cJSON *ctx) {
     char *p = cli_join(dir, "tokenizer_config.json"), *cfg = NULL;
     cJSON *j = p && access(p, R_OK) == 0 && !cli_read_text(p, 64 << 20, &cfg) ? cJSON_Parse(cfg) : NULL;
-    const char *keys[] = {"bos_token", "eos_token"};
-    for (int i = 0; i < 2; i++) {
+    const char *keys[] = {"bos_token", "eos_token", "pad_token"};
+    for (int i = 0; i < 3; i++) {
         const cJSON *v = cJSON_GetObjectItemCaseSensitive(j, keys[i]);
         if (cJSON_IsObject(v)) v = cJSON_GetObjectItemCaseSensitive(v, "content");
         cJSON_AddStringToObject(ctx, keys[i], cJSON_IsString(v) ? v->valuestring : "");

@@ -163,6 +163,7 @@ static int serve(const serve_args *a) {
     pc.chat_template = src;
     pc.bos_token = cJSON_GetStringValue(cJSON_GetObjectItem(special, "bos_token"));
     pc.eos_token = cJSON_GetStringValue(cJSON_GetObjectItem(special, "eos_token"));
+    pc.pad_token = cJSON_GetStringValue(cJSON_GetObjectItem(special, "pad_token"));
     pc.vocab = cfg->vocab;
     pc.context = ctx;
     pc.reasoning = !a->reasoning || !strcmp(a->reasoning, "on");

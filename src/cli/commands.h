@@ -80,7 +80,8 @@ int cli_load_share_quiet(const char *dir, int quantize, fp4moe_device dev, int w
  * fp4moe_last_error() set when there is none. where (may be NULL): the source's name for messages
  * (malloc'd; the file, or "FILE (chat_template)"), NULL when there is none. */
 char *cli_load_chat_template(const char *dir, const char *override, char **where);
-/* bos_token / eos_token of DIR/tokenizer_config.json (strings, "" when absent) into ctx. */
+/* bos_token / eos_token / pad_token of DIR/tokenizer_config.json (strings, "" when absent) into ctx (as the special
+ * tokens HF's apply_chat_template passes). */
 void cli_template_special_tokens(const char *dir, cJSON *ctx);
 /* The sampling options of the commands that generate (generate, chat): one group, one check. */
 typedef struct {

@@ -76,6 +76,7 @@ typedef struct {
     const fp4moe_template *tmpl;       /* NULL: chat requests are refused with a clear error */
     const char *chat_template;         /* its source (GET /tokenizer_info), NULL when none */
     const char *bos_token, *eos_token; /* strings for the template context ("" when unknown) */
+    const char *pad_token;             /* tokenizer_config.json's (GET /tokenizer_info; NULL or "": none) */
     int64_t vocab;                     /* the model's vocabulary (ids of completion prompts) */
     int64_t context;                   /* tokens per sequence: prompt + output */
     fp4moe_sampler_params defaults;    /* sampling when the request says nothing (+ stop ids) */
@@ -114,6 +115,12 @@ typedef struct {
 #define SRV_MAX_N 64                   /* choices of one request */
 #define SRV_MAX_LOGIT_BIAS 4096        /* entries of logit_bias */
 
+/* The byte offset of a NUL character in a JSON text (a raw 0 byte or the escape \u0000), or -1. */
+long long srv_json_nul_at(const char *body, size_t len);
+/* A JSON string of n bytes of UTF-8 that may hold NUL bytes (written as \u0000; cJSON's strings end at the first):
+ * a cJSON string, or a raw item of the escaped literal. NULL when out of memory. */
+cJSON *srv_json_string(const char *s, size_t n);
+
 /* Parses and validates one request body (len bytes of JSON) of kind `kind`. Chat: renders the
  * messages with the template (tools, chat_template_kwargs, add_generation_prompt true) and
  * tokenizes without adding special tokens (the template writes them, as transformers'
@@ -131,8 +138,10 @@ int srv_request_copy(const srv_request *a, srv_request *b);
 
 /* POST /tokenize: {"prompt": TEXT, "add_special_tokens": bool (default true)} or {"messages": [...] (rendered by
  * the chat template as a chat request is, "add_generation_prompt" default true), "add_special_tokens" (default
- * false)} -> {"count", "max_model_len", "tokens", "token_strs": null}. POST /detokenize: {"tokens": [ids]} ->
- * {"prompt": TEXT} (special tokens kept, as vLLM). Each returns 0 with *out (malloc'd JSON) or -1 with *err (4xx). */
+ * false)}, "return_token_strs" (the tokens' vocab strings), "model" (the served name, else 404) -> {"count",
+ * "max_model_len", "tokens", "token_strs"}. POST /detokenize: {"tokens": [ids]} -> {"prompt": TEXT} (special tokens
+ * kept, as vLLM). A NUL character in any string is a 400 (as every request). Each returns 0 with *out (malloc'd
+ * JSON) or -1 with *err (4xx). */
 int srv_tokenize(const srv_parse_ctx *c, const char *body, size_t len, char **out, srv_error *err);
 int srv_detokenize(const srv_parse_ctx *c, const char *body, size_t len, char **out, srv_error *err);
 /* GET /tokenizer_info: {"tokenizer_class", "bos_token", "eos_token", "pad_token", "model_max_length",

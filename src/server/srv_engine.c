@@ -253,11 +253,12 @@ static void emit(srv_job *j, const srv_delta *d, const char *finish) {
     if (j->r.kind == SRV_CHAT) {
         cJSON *delta = cJSON_AddObjectToObject(c, "delta");
         if (!j->role_sent) cJSON_AddStringToObject(delta, "role", "assistant");
-        if (d->n_reasoning) cJSON_AddStringToObject(delta, "reasoning_content", d->reasoning);
-        if (d->n_content || (!j->role_sent && !d->n_reasoning)) cJSON_AddStringToObject(delta, "content", d->content);
+        if (d->n_reasoning) cJSON_AddItemToObject(delta, "reasoning_content", srv_json_string(d->reasoning, d->n_reasoning));
+        if (d->n_content || (!j->role_sent && !d->n_reasoning))
+            cJSON_AddItemToObject(delta, "content", srv_json_string(d->content, d->n_content));
         j->role_sent = 1;
     } else {
-        cJSON_AddStringToObject(c, "text", d->content);
+        cJSON_AddItemToObject(c, "text", srv_json_string(d->content, d->n_content));
         j->role_sent = 1;
     }
     add_logprobs(j, c, finish != NULL);
@@ -273,11 +274,12 @@ static cJSON *choice_object(srv_job *j, const char *finish) {
     if (j->r.kind == SRV_CHAT) {
         cJSON *msg = cJSON_AddObjectToObject(c, "message");
         cJSON_AddStringToObject(msg, "role", "assistant");
-        cJSON_AddStringToObject(msg, "content", j->acc[1].n ? j->acc[1].p : "");
-        if (j->r.reasoning && j->acc[0].n) cJSON_AddStringToObject(msg, "reasoning_content", j->acc[0].p);
+        cJSON_AddItemToObject(msg, "content", srv_json_string(j->acc[1].n ? j->acc[1].p : "", j->acc[1].n));
+        if (j->r.reasoning && j->acc[0].n)
+            cJSON_AddItemToObject(msg, "reasoning_content", srv_json_string(j->acc[0].p, j->acc[0].n));
         else cJSON_AddNullToObject(msg, "reasoning_content");
     } else {
-        cJSON_AddStringToObject(c, "text", j->acc[1].n ? j->acc[1].p : "");
+        cJSON_AddItemToObject(c, "text", srv_json_string(j->acc[1].n ? j->acc[1].p : "", j->acc[1].n));
     }
     add_logprobs(j, c, 1);
     cJSON_AddStringToObject(c, "finish_reason", finish);
@@ -674,7 +676,7 @@ static cJSON *token_text(const srv_engine *e, const srv_job *j, int32_t id, cons
         return cJSON_CreateString(t);
     }
     srv_buf b = {0};
-    cJSON *s = srv_utf8_lossy(&b, *piece, (size_t)*n) < 0 ? NULL : cJSON_CreateString(b.p ? b.p : "");
+    cJSON *s = srv_utf8_lossy(&b, *piece, (size_t)*n) < 0 ? NULL : srv_json_string(b.p ? b.p : "", b.n);
     srv_buf_free(&b);
     return s;
 }
@@ -727,8 +729,10 @@ static void add_logprob_entry(srv_engine *e, srv_job *j, int32_t id, const float
                                          to logprobs + 1 elements", vLLM) */
         const int32_t t = i < k ? top[i].id : id;
         cJSON *s = token_text(e, j, t, &piece, &n);
-        if (s && !cJSON_GetObjectItemCaseSensitive(d, s->valuestring)) /* two tokens of one text: the likelier */
-            cJSON_AddNumberToObject(d, s->valuestring, lp_json(i < k ? top[i].p : lp));
+        /* a key is a C string: a NUL token's text (a raw \u0000 item) is "\xEF\xBF\xBD" there */
+        const char *key = s && cJSON_IsRaw(s) ? "\xEF\xBF\xBD" : s ? s->valuestring : NULL;
+        if (key && !cJSON_GetObjectItemCaseSensitive(d, key)) /* two tokens of one text: the likelier */
+            cJSON_AddNumberToObject(d, key, lp_json(i < k ? top[i].p : lp));
         cJSON_Delete(s);
     }
     cJSON_AddItemToArray(cJSON_GetObjectItemCaseSensitive(j->lp, "top_logprobs"), d);

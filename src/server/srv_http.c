@@ -357,7 +357,7 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
         return s ? respond(h, c, 200, "text/plain; version=0.0.4", s, strlen(s)) : MHD_NO;
     }
     const int tk = !strcmp(url, "/tokenize"), dtk = !strcmp(url, "/detokenize"), tinfo = !strcmp(url, "/tokenizer_info");
-    if ((v1 || tk || dtk || tinfo) && !authorized(h, c))
+    if (v1 && !authorized(h, c)) /* (the tokenizer endpoints are open, as vLLM's: the key guards /v1 only) */
         return fail(h, c, 401, "%s", "missing or wrong API key (Authorization: Bearer KEY)");
     if (tinfo) {
         if (!is_get) return fail(h, c, 405, "%s /tokenizer_info: use GET", method);

@@ -526,7 +526,7 @@ static int parse_chat(const srv_parse_ctx *c, const cJSON *o, srv_request *r, sr
 /* The byte offset of a NUL character in a valid JSON text (a raw 0 byte, or the string escape \u0000), or
  * -1: cJSON keeps strings NUL-terminated, so everything after one would be lost without a word. In a valid
  * JSON text a backslash occurs only in a string, as an escape of the next character. */
-static long long json_nul_at(const char *body, size_t len) {
+long long srv_json_nul_at(const char *body, size_t len) {
     for (size_t i = 0; i < len; i++) {
         if (body[i] == 0) return (long long)i;
         if (body[i] != '\\') continue;
@@ -534,6 +534,33 @@ static long long json_nul_at(const char *body, size_t len) {
         i++; /* the escaped character */
     }
     return -1;
+}
+
+cJSON *srv_json_string(const char *s, size_t n) {
+    if (!memchr(s, 0, n)) return cJSON_CreateString(s);
+    cJSON *t = cJSON_CreateString("");   /* the NUL-free pieces escaped by cJSON, each NUL as \u0000 */
+    srv_buf b = {0};
+    int ok = t && !srv_buf_add(&b, "\"", 1);
+    for (size_t i = 0; ok && i < n;) {
+        const char *z = memchr(s + i, 0, n - i);
+        const size_t k = z ? (size_t)(z - (s + i)) : n - i;
+        char *piece = malloc(k + 1);
+        if ((ok = piece != NULL)) {
+            memcpy(piece, s + i, k);
+            piece[k] = 0;
+            cJSON_SetValuestring(t, piece);
+            free(piece);
+            char *lit = cJSON_PrintUnformatted(t); /* "..." */
+            ok = lit && !srv_buf_add(&b, lit + 1, strlen(lit) - 2) && (!z || !srv_buf_add(&b, "\\u0000", 6));
+            free(lit);
+        }
+        i += k + (z ? 1 : 0);
+    }
+    ok = ok && !srv_buf_add(&b, "\"", 1);
+    cJSON_Delete(t);
+    cJSON *r = ok ? cJSON_CreateRaw(b.p) : NULL;
+    srv_buf_free(&b);
+    return r;
 }
 
 /* The first key that an object holds twice, at any depth (NULL: none). A JSON parser keeps the first value here
@@ -583,7 +610,7 @@ int srv_parse_request(const srv_parse_ctx *c, srv_kind kind, const char *body, s
         return srv_fail(e, 400, NULL, "the request body has data after its JSON value (at byte %zu of %zu)", at, len);
     }
     int rc = 0, has_max = 0;
-    const long long nul = json_nul_at(body, len);
+    const long long nul = srv_json_nul_at(body, len);
     if (nul >= 0)
         rc = srv_fail(e, 400, NULL, "the request body has a NUL character (U+0000) in a string (at byte %lld of %zu); "
                       "fp4moe does not accept it in any text", nul, len);

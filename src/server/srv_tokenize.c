@@ -26,8 +26,21 @@ static char *print_delete(cJSON *o) {
 
 int srv_tokenize(const srv_parse_ctx *c, const char *body, size_t len, char **out, srv_error *e) {
     *out = NULL;
+    const long long nul = srv_json_nul_at(body, len);
+    if (nul >= 0)
+        return srv_fail(e, 400, NULL, "the request body has a NUL character (U+0000) in a string (at byte %lld of %zu); "
+                        "fp4moe does not accept it in any text", nul, len);
     cJSON *o = parse_object(body, len, e);
     if (!o) return -1;
+    const cJSON *model = cJSON_GetObjectItemCaseSensitive(o, "model");
+    if (model && !cJSON_IsNull(model) && !(cJSON_IsString(model) && !strcmp(model->valuestring, c->model_name))) {
+        srv_fail(e, cJSON_IsString(model) ? 404 : 400, "model", "The model '%.200s' does not exist (this server serves "
+                 "'%.200s')", cJSON_IsString(model) ? model->valuestring : "?", c->model_name);
+        if (cJSON_IsString(model)) e->code = "model_not_found";
+        cJSON_Delete(o);
+        return -1;
+    }
+    const int strs = cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(o, "return_token_strs"));
     const cJSON *prompt = cJSON_GetObjectItemCaseSensitive(o, "prompt");
     const cJSON *msgs = cJSON_GetObjectItemCaseSensitive(o, "messages");
     const cJSON *add = cJSON_GetObjectItemCaseSensitive(o, "add_special_tokens");
@@ -78,7 +91,15 @@ int srv_tokenize(const srv_parse_ctx *c, const char *body, size_t len, char **ou
     cJSON_AddNumberToObject(res, "count", (double)n);
     cJSON_AddNumberToObject(res, "max_model_len", (double)c->context);
     for (int64_t i = 0; i < n; i++) cJSON_AddItemToArray(t, cJSON_CreateNumber(ids[i]));
-    cJSON_AddNullToObject(res, "token_strs");
+    if (strs) { /* the vocab strings, as HF convert_ids_to_tokens */
+        cJSON *ts = cJSON_AddArrayToObject(res, "token_strs");
+        for (int64_t i = 0; i < n; i++) {
+            const char *tk = fp4moe_tokenizer_id_to_token(c->tok, ids[i]);
+            cJSON_AddItemToArray(ts, cJSON_CreateString(tk ? tk : ""));
+        }
+    } else {
+        cJSON_AddNullToObject(res, "token_strs");
+    }
     free(ids);
     if (!(*out = print_delete(res))) return srv_fail(e, 500, NULL, "out of memory");
     return 0;
@@ -115,15 +136,12 @@ int srv_detokenize(const srv_parse_ctx *c, const char *body, size_t len, char **
     if (!rc && fp4moe_tokenizer_decode(c->tok, ids, k, 0, &text, &tl))
         rc = srv_fail(e, 400, "tokens", "cannot decode the tokens: %s", fp4moe_last_error());
     free(ids);
-    if (!rc && (int64_t)strlen(text) != tl)
-        rc = srv_fail(e, 400, "tokens", "the text of these tokens holds a NUL character (U+0000), which fp4moe does not "
-                      "return");
     if (rc) {
         free(text);
         return -1;
     }
     cJSON *res = cJSON_CreateObject();
-    cJSON_AddStringToObject(res, "prompt", text);
+    cJSON_AddItemToObject(res, "prompt", srv_json_string(text, (size_t)tl)); /* (a NUL token: \u0000) */
     free(text);
     if (!(*out = print_delete(res))) return srv_fail(e, 500, NULL, "out of memory");
     return 0;
@@ -142,7 +160,8 @@ char *srv_tokenizer_info(const srv_parse_ctx *c) {
         if (sp[i] && sp[i][0]) cJSON_AddStringToObject(o, key[i], sp[i]);
         else cJSON_AddNullToObject(o, key[i]);
     }
-    cJSON_AddNullToObject(o, "pad_token");
+    if (c->pad_token && c->pad_token[0]) cJSON_AddStringToObject(o, "pad_token", c->pad_token);
+    else cJSON_AddNullToObject(o, "pad_token");
     cJSON_AddNumberToObject(o, "model_max_length", (double)c->context);
     if (c->chat_template) cJSON_AddStringToObject(o, "chat_template", c->chat_template);
     else cJSON_AddNullToObject(o, "chat_template");

@@ -435,6 +435,8 @@ def main():
         check(st == 401, "no API key: 401 (%d)" % st)
         st, _ = s2.raw("GET", "/v1/models", None, {"Authorization": "bearer sekret"})
         check(st == 200, "the auth scheme is case-insensitive ('bearer KEY'): %d" % st)
+        st, _ = s2.raw("POST", "/tokenize", '{"prompt": "x"}')
+        check(st == 200, "the tokenizer endpoints need no key (vLLM guards /v1 only; lm-eval's remote tokenizer): %d" % st)
         ref2 = chat(s2.client("sekret"), turn2, 24, False, **off_kw)
         check(cached > 0 and a2[:3] == ref2[:3] and ref2[3].prompt_tokens_details is None,
               "turn 2 reuses %d of %d prompt tokens and answers as without the cache" % (cached, a2[3].prompt_tokens))
@@ -627,6 +629,13 @@ def logprobs_and_penalties(p0):
         check(busy_n == [40, 40, 40] and again.choices[0].logprobs.token_logprobs[0] is None and diff <= 1e-4,
               "echo + logprobs beside three decoding requests: the logprobs of the request alone (max |diff| %.2e), "
               "all answered (%s tokens)" % (diff, busy_n))
+        # a NUL token (byte 0) in the text: \u0000 in the JSON, not its end
+        rn = c.completions.create(model="nemotron-h-tiny-moe", prompt=[[67, 191, 68]], max_tokens=2, temperature=0,
+                                  echo=True, logprobs=1)
+        check(rn.choices[0].text.startswith("a\x00b") and len(rn.choices[0].text) > 3 and
+              rn.choices[0].logprobs.tokens[:3] == ["a", "\x00", "b"] and
+              rn.choices[0].logprobs.text_offset[-1] < len(rn.choices[0].text),
+              "echo of a prompt with a NUL token: the whole text (%r)" % rn.choices[0].text)
         r0 = c.completions.create(model="nemotron-h-tiny-moe", prompt=p0, max_tokens=0, echo=True, logprobs=0)
         rs = c.completions.create(model="nemotron-h-tiny-moe", prompt=p0, max_tokens=6, echo=True, temperature=0,
                                   stop=["girl"])

@@ -485,6 +485,36 @@ static void test_request_fields(void **state) {
     srv_request_free(&r);
 }
 
+/* srv_json_string: NUL bytes as \u0000 around cJSON's own escapes; no NUL: a plain string */
+static void test_json_string(void **state) {
+    (void)state;
+    static const struct {
+        const char *s;
+        size_t n;
+        const char *json;
+    } cases[] = {
+        {"abc", 3, "\"abc\""},
+        {"a\0b", 3, "\"a\\u0000b\""},
+        {"\0", 1, "\"\\u0000\""},
+        {"x\"\0\n\0", 5, "\"x\\\"\\u0000\\n\\u0000\""},
+        {"\xC3\xA9\0", 3, "\"\xC3\xA9\\u0000\""},
+        {"", 0, "\"\""},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        cJSON *a = cJSON_CreateArray();
+        cJSON_AddItemToArray(a, srv_json_string(cases[i].s, cases[i].n));
+        char *p = cJSON_PrintUnformatted(a);
+        char want[64];
+        snprintf(want, sizeof want, "[%s]", cases[i].json);
+        if (strcmp(p, want)) fail_msg("case %zu: %s, want %s", i, p, want);
+        cJSON *back = cJSON_Parse(p); /* valid JSON */
+        assert_non_null(back);
+        cJSON_Delete(back);
+        free(p);
+        cJSON_Delete(a);
+    }
+}
+
 /* srv_utf8_lossy against Python's bytes.decode("utf-8", "replace") on fixed cases (maximal subparts) */
 static void test_utf8_lossy(void **state) {
     (void)state;
@@ -573,31 +603,45 @@ static void test_tokenize_endpoints(void **state) {
     cJSON_Delete(o);
     free(out);
     /* errors: each a 400 naming its field */
+    /* return_token_strs: the vocab strings; a NUL token decodes to \u0000 (not the end of the text) */
+    const char *ts_body = "{\"prompt\": \"Hello world\", \"return_token_strs\": true, \"model\": \"tiny\"}";
+    assert_int_equal(srv_tokenize(&g_ctx, ts_body, strlen(ts_body), &out, &e), 0);
+    assert_non_null(strstr(out, "\"token_strs\":[\"H\",\"ell\",\"o\",\"\xC4\xA0world\"]"));
+    free(out);
+    const char *nul_ids = "{\"tokens\": [67, 191, 68]}";
+    assert_int_equal(srv_detokenize(&g_ctx, nul_ids, strlen(nul_ids), &out, &e), 0);
+    assert_string_equal(out, "{\"prompt\":\"a\\u0000b\"}");
+    free(out);
     static const struct {
         int tok;
         const char *body, *param;
+        int http;
     } bad[] = {
-        {1, "{}", "prompt"},
-        {1, "[1]", ""},
-        {1, "{\"prompt\": 5}", "prompt"},
-        {1, "{\"prompt\": \"a\", \"messages\": []}", "prompt"},
-        {1, "{\"prompt\": \"a\", \"add_special_tokens\": 1}", "add_special_tokens"},
-        {1, "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"add_special_tokens\": true}", "add_special_tokens"},
+        {1, "{\"prompt\": \"a\\u0000b\"}", "", 400},
+        {1, "{\"prompt\": \"hi\", \"model\": \"other\"}", "model", 404},
+        {1, "{\"prompt\": \"hi\", \"model\": 5}", "model", 400},
+        {1, "{}", "prompt", 400},
+        {1, "[1]", "", 400},
+        {1, "{\"prompt\": 5}", "prompt", 400},
+        {1, "{\"prompt\": \"a\", \"messages\": []}", "prompt", 400},
+        {1, "{\"prompt\": \"a\", \"add_special_tokens\": 1}", "add_special_tokens", 400},
+        {1, "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"add_special_tokens\": true}",
+         "add_special_tokens", 400},
         {1, "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"add_generation_prompt\": false}",
-         "add_generation_prompt"},
-        {1, "{\"messages\": [{\"content\": \"x\"}]}", "messages"},
-        {0, "{}", "tokens"},
-        {0, "{\"tokens\": [1, 8192]}", "tokens"},
-        {0, "{\"tokens\": [1, -1]}", "tokens"},
-        {0, "{\"tokens\": [1.5]}", "tokens"},
-        {0, "{\"tokens\": \"1\"}", "tokens"},
-        {0, "not json", ""},
+         "add_generation_prompt", 400},
+        {1, "{\"messages\": [{\"content\": \"x\"}]}", "messages", 400},
+        {0, "{}", "tokens", 400},
+        {0, "{\"tokens\": [1, 8192]}", "tokens", 400},
+        {0, "{\"tokens\": [1, -1]}", "tokens", 400},
+        {0, "{\"tokens\": [1.5]}", "tokens", 400},
+        {0, "{\"tokens\": \"1\"}", "tokens", 400},
+        {0, "not json", "", 400},
     };
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         out = (char *)1;
         const int rc = bad[i].tok ? srv_tokenize(&g_ctx, bad[i].body, strlen(bad[i].body), &out, &e)
                                   : srv_detokenize(&g_ctx, bad[i].body, strlen(bad[i].body), &out, &e);
-        if (rc != -1 || e.http != 400 || strcmp(e.param, bad[i].param) || out)
+        if (rc != -1 || e.http != (bad[i].http ? bad[i].http : 400) || strcmp(e.param, bad[i].param) || out)
             fail_msg("case %zu %s: rc %d http %d param '%s'", i, bad[i].body, rc, e.http, e.param);
     }
 }
@@ -637,6 +681,7 @@ int main(void) {
         cmocka_unit_test(test_utf8_never_split),
         cmocka_unit_test(test_random_splits),
         cmocka_unit_test(test_utf8_lossy),
+        cmocka_unit_test(test_json_string),
     };
     const struct CMUnitTest request_tests[] = {
         cmocka_unit_test(test_request_errors),
