@@ -51,6 +51,13 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
             abort();
         for (int64_t i = 0; i < r.n_ids; i++)
             if (r.ids[i] < 0 || r.ids[i] >= g_ctx.vocab) abort();
+        for (int p = 1; p < r.n_prompts; p++) { /* a list of prompts: each non-empty, in the vocabulary and context */
+            if (r.more_n[p - 1] < 1 || r.more_n[p - 1] >= g_ctx.context ||
+                (r.has_max && r.more_n[p - 1] + r.max_tokens > g_ctx.context))
+                abort();
+            for (int64_t i = 0; i < r.more_n[p - 1]; i++)
+                if (r.more_ids[p - 1][i] < 0 || r.more_ids[p - 1][i] >= g_ctx.vocab) abort();
+        }
         fp4moe_sampler s; /* whatever the parser accepts, the sampler takes */
         if (fp4moe_sampler_init_params(&s, g_ctx.vocab, &r.sp)) abort();
         fp4moe_sampler_free(&s);

@@ -9,7 +9,8 @@ from tests/golden/default/heldout_short.txt through lm-eval:
   fp4moe_mc    multiple_choice, 24 docs: a 20-word context and four 5-word continuations (one true) -> acc
                (lm-eval's loglikelihood requests: echo, logprobs 1, max_tokens 1, token-id prompts)
   fp4moe_roll  loglikelihood_rolling, 4 docs of ~250 words -> word_perplexity, bits_per_byte
-lm-eval finds the server's tokenizer through vLLM's /tokenizer_info and /tokenize (its remote tokenizer backend).
+lm-eval finds the server's tokenizer through vLLM's /tokenizer_info and /tokenize (its remote tokenizer backend);
+fp4moe_mc runs a second time with --batch_size 4 (four prompts a request).
 Then mlx-lm (the project venv) computes every request's loglikelihood itself (the same token ids: the server's
 tokenizer equals HF's, tests/tokenizer) and the script compares them per request, and the metrics.
 Exit 0 when every loglikelihood agrees within 1e-3 nats (a document's sum: 1e-3 x its tokens) and the is_greedy flags
@@ -85,17 +86,21 @@ def main():
     url = m.group(1)
     try:
         env = dict(os.environ, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1")
-        run = subprocess.run([lm_eval, "--model", "local-completions", "--model_args",
-                              "model=nemotron-h-tiny-moe,base_url=%s/v1/completions,tokenized_requests=True,"
-                              "num_concurrent=4,max_length=512,max_retries=1" % url,
-                              "--tasks", "fp4moe_mc,fp4moe_roll", "--include_path", tmp, "--output_path",
-                              os.path.join(tmp, "out"), "--log_samples"], capture_output=True, text=True, env=env)
+        args = ["--model", "local-completions", "--model_args",
+                "model=nemotron-h-tiny-moe,base_url=%s/v1/completions,tokenized_requests=True,num_concurrent=4,"
+                "max_length=512,max_retries=1" % url, "--include_path", tmp, "--log_samples"]
+        run = subprocess.run([lm_eval, *args, "--tasks", "fp4moe_mc,fp4moe_roll", "--output_path",
+                              os.path.join(tmp, "out")], capture_output=True, text=True, env=env)
+        # the multiple-choice task again with --batch_size 4: four prompts a request (a list of prompts)
+        run_b = subprocess.run([lm_eval, *args, "--tasks", "fp4moe_mc", "--batch_size", "4", "--output_path",
+                                os.path.join(tmp, "out-b4")], capture_output=True, text=True, env=env)
     finally:
         srv.terminate()
         srv.wait(timeout=30)
-    if run.returncode:
-        print(run.stdout[-3000:], run.stderr[-3000:])
-        sys.exit("check_lm_eval: lm_eval failed (exit %d)" % run.returncode)
+    for r in (run, run_b):
+        if r.returncode:
+            print(r.stdout[-3000:], r.stderr[-3000:])
+            sys.exit("check_lm_eval: lm_eval failed (exit %d)" % r.returncode)
     tokenizer_line = [l for l in run.stderr.split("\n") if "tokenizer" in l.lower()][:2]
 
     import mlx.core as mx
@@ -142,6 +147,12 @@ def main():
                 words += len(re.split(r"\s+", text))
                 nbytes += len(text.encode("utf-8"))
     ref_wppl, ref_bpb = float(np.exp(nll / words)), nll / nbytes / np.log(2)
+    # --batch_size 4 against the first run, request by request
+    first = {d["doc_id"]: d["resps"] for d in map(json.loads, open(glob.glob(os.path.join(tmp, "out", "*",
+                                                                                 "samples_fp4moe_mc_*.jsonl"))[0]))}
+    b4 = [json.loads(l) for l in open(glob.glob(os.path.join(tmp, "out-b4", "*", "samples_fp4moe_mc_*.jsonl"))[0])]
+    b4_diff = max(abs(float(x[0][0]) - float(y[0][0])) for d in b4 for x, y in zip(d["resps"], first[d["doc_id"]]))
+    acc_b4 = json.load(open(glob.glob(os.path.join(tmp, "out-b4", "*", "results_*.json"))[0]))["results"]["fp4moe_mc"]["acc,none"]
     got = res["fp4moe_mc"]["acc,none"], res["fp4moe_roll"]["word_perplexity,none"], res["fp4moe_roll"]["bits_per_byte,none"]
     print("\n".join(tokenizer_line))
     print("| metric | lm-eval through fp4moe serve | mlx-lm on the same requests |")
@@ -149,9 +160,12 @@ def main():
     print("| fp4moe_mc acc (24 docs, 96 loglikelihood requests) | %.4f | %.4f |" % (got[0], np.mean(acc_ref)))
     print("| fp4moe_roll word_perplexity (4 docs) | %.4f | %.4f |" % (got[1], ref_wppl))
     print("| fp4moe_roll bits_per_byte | %.5f | %.5f |" % (got[2], ref_bpb))
-    print("requests compared: %d; max |loglikelihood difference| per token %.2e nats; is_greedy flags differing: %d"
-          % (n_req, worst, greedy_diff))
-    ok = worst <= 1e-3 and greedy_diff == 0 and abs(got[0] - np.mean(acc_ref)) < 1e-9
+    print("| fp4moe_mc acc with --batch_size 4 (lists of 4 prompts) | %.4f | |" % acc_b4)
+    print("requests compared: %d; max |loglikelihood difference| per token %.2e nats; is_greedy flags differing: %d; "
+          "--batch_size 4 against the first run: max |loglikelihood difference| %.2e nats" % (n_req, worst, greedy_diff,
+                                                                                              b4_diff))
+    ok = worst <= 1e-3 and greedy_diff == 0 and abs(got[0] - np.mean(acc_ref)) < 1e-9 and acc_b4 == got[0] and \
+        b4_diff <= 1e-3
     print("check_lm_eval: %s" % ("PASS" if ok else "FAIL"))
     return 0 if ok else 1
 

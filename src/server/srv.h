@@ -104,6 +104,11 @@ typedef struct {
     int tokens_as_ids;                 /* vLLM's return_tokens_as_token_ids: tokens as "token_id:N" */
     int n;                             /* choices: 1..SRV_MAX_N, each its own sequence and sampler (seed
                                           + i when a seed is given) */
+    int n_prompts;                     /* completion: prompts (a list of prompts: choice p x n + k is
+                                          choice k of prompt p); ids / n_ids hold prompt 0 */
+    int32_t **more_ids;                /* prompts 1.. (malloc'd), more_n[p - 1] tokens each */
+    int64_t *more_n;
+    int has_max;                       /* max_tokens was given (else: the context left by each prompt) */
     int echo;                          /* completion: the prompt's text (and with logprobs its tokens'
                                           log-probabilities, the first one null) before the output;
                                           max_tokens may then be 0 */
@@ -133,6 +138,9 @@ void srv_request_free(srv_request *r);
 /* A deep copy of a parsed request (*b owns its own arrays; sp's bias pointers point at them). Returns 0, or -1 when
  * out of memory (*b then holds nothing). */
 int srv_request_copy(const srv_request *a, srv_request *b);
+/* Makes prompt p of r its only prompt (the others freed), with its own default max_tokens (context - its tokens,
+ * unless max_tokens was given) and repetition window. */
+void srv_request_pick(srv_request *r, int p, int64_t context);
 
 /* ---- vLLM's tokenizer endpoints (lm-evaluation-harness's remote tokenizer) -------------------------------- */
 

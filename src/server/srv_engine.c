@@ -79,6 +79,8 @@ struct srv_job {
     float *plogits;                           /* the prompt's last logits (choices that sample on the host) */
     int32_t ptok;                             /* its greedy token (the device's argmax) */
     int pleft;                                /* choices that may still start from psnap (freed at 0) */
+    int pshare;                               /* the choices share the prompt (one prompt, not echo) */
+    int64_t prompt_total;                     /* group: the tokens of its prompts (usage) */
     /* shared with the HTTP side (e->lock), used on the group */
     srv_buf out;                              /* SSE bytes, or the final body */
     size_t n_read;
@@ -199,9 +201,9 @@ static cJSON *chunk_base(const srv_job *j) {
 /* The usage of a group: the prompt once, the output tokens of every choice, the prompt tokens a choice reused */
 static cJSON *usage_json(const srv_job *j) {
     cJSON *u = cJSON_CreateObject();
-    cJSON_AddNumberToObject(u, "prompt_tokens", (double)j->r.n_ids);
+    cJSON_AddNumberToObject(u, "prompt_tokens", (double)j->prompt_total);
     cJSON_AddNumberToObject(u, "completion_tokens", (double)j->gen_total);
-    cJSON_AddNumberToObject(u, "total_tokens", (double)(j->r.n_ids + j->gen_total));
+    cJSON_AddNumberToObject(u, "total_tokens", (double)(j->prompt_total + j->gen_total));
     if (j->cached) {
         cJSON *d = cJSON_AddObjectToObject(u, "prompt_tokens_details");
         cJSON_AddNumberToObject(d, "cached_tokens", (double)j->cached);
@@ -618,7 +620,7 @@ static int admit(srv_rank *rk, srv_job *j) {
     }
     /* n > 1: choice 0 computes the prompt; the others on its rank wait for its state, or start from it */
     srv_job *g = j->grp;
-    if (g != j && !j->r.echo) {
+    if (g != j && g->pshare) {
         pthread_mutex_lock(&e->lock);
         if (j->index == 0) g->prank = rk;
         const int mine = j->index > 0 && g->prank == rk, ready = g->pstate;
@@ -1064,7 +1066,7 @@ static void step_once(srv_rank *rk, uint64_t events) {
             }
         }
         if (!it->out_token && !it->out_logits) continue;
-        if (j->phase == PH_PREFILL && j->grp != j && j->index == 0 && !j->r.echo) share_prompt(rk, j);
+        if (j->phase == PH_PREFILL && j->grp != j && j->index == 0 && j->grp->pshare) share_prompt(rk, j);
         const int32_t id = j->logits ? fp4moe_sample(&j->smp, j->logits) : j->next_tok;
         fp4moe_sampler_accept_output(&j->smp, id);     /* (a no-op unless a penalty is on) */
         take_token(e, j, id);
@@ -1294,13 +1296,15 @@ static srv_job *job_new(srv_engine *e, srv_request *r, int copy) {
 }
 
 srv_job *srv_engine_submit(srv_engine *e, srv_request *r, void (*wake)(void *), void *ctx, srv_error *err) {
-    const int n = r->n > 1 ? r->n : 1;
+    const int per = r->n > 1 ? r->n : 1, np = r->n_prompts > 1 ? r->n_prompts : 1, n = per * np;
     const long long cap = (long long)e->n_ranks * e->o.max_seqs + e->o.max_queue;
     if (n > cap) {
-        srv_fail(err, 400, "n", "'n' is %d; this server runs at most %lld sequences at once and in its queue "
-                 "(--max-seqs x ranks + --max-queue)", n, cap);
+        srv_fail(err, 400, np > 1 ? "prompt" : "n", "%d prompts x 'n' %d: %d sequences; this server runs at most %lld at "
+                 "once and in its queue (--max-seqs x ranks + --max-queue)", np, per, n, cap);
         return NULL;
     }
+    int64_t prompt_total = r->n_ids;
+    for (int p = 1; p < np; p++) prompt_total += r->more_n[p - 1];
     srv_job *g = job_new(e, r, 0);
     if (!g) {
         srv_fail(err, 500, NULL, "out of memory");
@@ -1309,20 +1313,23 @@ srv_job *srv_engine_submit(srv_engine *e, srv_request *r, void (*wake)(void *), 
     g->wake = wake;
     g->wake_ctx = ctx;
     g->refs = 2;                       /* the HTTP side; the engine (n = 1: g is the job it runs) */
+    g->prompt_total = prompt_total;
     int ok = 1;
     if (n > 1) {                       /* the choices: jobs of their own, the engine holding each and g */
         g->refs = 1 + n;
         g->n_choice = n;
-        g->pleft = n - 1;
+        g->pleft = np == 1 ? n - 1 : 0;
+        g->pshare = np == 1 && !g->r.echo; /* one prompt: computed once (choice 0), the others start from it */
         ok = (g->choice = calloc((size_t)n, sizeof *g->choice)) != NULL;
         for (int i = 0; ok && i < n; i++) {
             srv_job *c = job_new(e, &g->r, 1);
             if (!(ok = c != NULL)) break;
+            srv_request_pick(&c->r, i / per, e->o.context);
             c->grp = g;
             c->index = i;
             c->refs = 2;               /* the engine, the group */
             c->created = g->created;
-            if (g->r.has_seed) c->r.sp.seed = g->r.sp.seed + (uint64_t)i * 0x9E3779B97F4A7C15ull; /* distinct */
+            if (g->r.has_seed) c->r.sp.seed = g->r.sp.seed + (uint64_t)(i % per) * 0x9E3779B97F4A7C15ull; /* distinct */
             if (!c->r.sp.seed) c->r.sp.seed = 1;
             g->choice[i] = c;
         }

@@ -46,7 +46,27 @@ void srv_request_free(srv_request *r) {
     free(r->ids);
     free(r->bias_ids);
     free(r->bias);
+    for (int i = 0; r->more_ids && i < r->n_prompts - 1; i++) free(r->more_ids[i]);
+    free(r->more_ids);
+    free(r->more_n);
     memset(r, 0, sizeof *r);
+}
+
+void srv_request_pick(srv_request *r, int p, int64_t context) {
+    if (p > 0 && p < r->n_prompts) {
+        free(r->ids);
+        r->ids = r->more_ids[p - 1];
+        r->n_ids = r->more_n[p - 1];
+        r->more_ids[p - 1] = NULL;
+    }
+    for (int i = 0; r->more_ids && i < r->n_prompts - 1; i++) free(r->more_ids[i]);
+    free(r->more_ids);
+    free(r->more_n);
+    r->more_ids = NULL;
+    r->more_n = NULL;
+    r->n_prompts = 1;
+    if (!r->has_max) r->max_tokens = context - r->n_ids;
+    r->sp.repeat_last_n = r->n_ids + r->max_tokens;
 }
 
 int srv_request_copy(const srv_request *a, srv_request *b) {
@@ -69,6 +89,21 @@ int srv_request_copy(const srv_request *a, srv_request *b) {
     }
     b->sp.bias_ids = b->bias_ids;
     b->sp.bias = b->bias;
+    b->more_ids = NULL;
+    b->more_n = NULL;
+    const int extra = a->n_prompts > 1 ? a->n_prompts - 1 : 0;
+    b->n_prompts = 1;
+    if (ok && extra) {
+        b->more_ids = calloc((size_t)extra, sizeof *b->more_ids);
+        b->more_n = malloc((size_t)extra * sizeof *b->more_n);
+        ok = b->more_ids && b->more_n;
+        if (ok) b->n_prompts = 1 + extra;
+        for (int i = 0; ok && i < extra; i++) {
+            b->more_n[i] = a->more_n[i];
+            if ((ok = (b->more_ids[i] = malloc((size_t)(a->more_n[i] > 0 ? a->more_n[i] : 1) * sizeof(int32_t))) != NULL))
+                memcpy(b->more_ids[i], a->more_ids[i], (size_t)a->more_n[i] * sizeof(int32_t));
+        }
+    }
     if (!ok) {
         srv_request_free(b); /* (a failed strdup left a NULL: free(NULL) is nothing) */
         return -1;
@@ -328,22 +363,31 @@ static int parse_common(const srv_parse_ctx *c, const cJSON *o, srv_request *r, 
     const char *mt = field(o, "max_completion_tokens") ? "max_completion_tokens" : "max_tokens";
     if ((st = get_int(o, mt, r->echo ? 0 : 1, INT64_MAX, &r->max_tokens, e)) < 0) return -1;
     *has_max = st;
+    r->has_max = st;
     return 0;
 }
 
 static int check_length(const srv_parse_ctx *c, srv_request *r, int has_max, srv_error *e) {
-    if (r->n_ids == 0) return srv_fail(e, 400, r->kind == SRV_CHAT ? "messages" : "prompt", "the prompt encodes to no tokens");
-    if (r->n_ids >= c->context)
-        return srv_fail(e, 400, r->kind == SRV_CHAT ? "messages" : "prompt",
-                        "This model's maximum context length is %lld tokens. However, your prompt has %lld tokens "
-                        "(at least one must remain for the output).", (long long)c->context, (long long)r->n_ids);
+    const char *param = r->kind == SRV_CHAT ? "messages" : "prompt";
+    int64_t longest = 0;
+    for (int p = 0; p < (r->n_prompts > 1 ? r->n_prompts : 1); p++) { /* every prompt of a list */
+        const int64_t n = p ? r->more_n[p - 1] : r->n_ids;
+        char which[32] = "";
+        if (r->n_prompts > 1) snprintf(which, sizeof which, " (prompt %d)", p);
+        if (n == 0) return srv_fail(e, 400, param, "the prompt encodes to no tokens%s", which);
+        if (n >= c->context)
+            return srv_fail(e, 400, param, "This model's maximum context length is %lld tokens. However, your prompt%s "
+                            "has %lld tokens (at least one must remain for the output).", (long long)c->context, which,
+                            (long long)n);
+        if (n > longest) longest = n;
+    }
     if (!has_max) {
-        r->max_tokens = c->context - r->n_ids;
-    } else if (r->max_tokens > c->context - r->n_ids) {
+        r->max_tokens = c->context - r->n_ids;   /* (each prompt of a list: its own, srv_request_pick) */
+    } else if (r->max_tokens > c->context - longest) {
         return srv_fail(e, 400, "max_tokens",
                         "This model's maximum context length is %lld tokens. However, you requested %lld tokens "
                         "(%lld in the prompt, %lld for the completion).", (long long)c->context,
-                        (long long)(r->n_ids + r->max_tokens), (long long)r->n_ids, (long long)r->max_tokens);
+                        (long long)(longest + r->max_tokens), (long long)longest, (long long)r->max_tokens);
     }
     r->sp.repeat_last_n = r->n_ids + r->max_tokens; /* vLLM's repetition_penalty: every prompt and output token */
     return 0;
@@ -351,21 +395,23 @@ static int check_length(const srv_parse_ctx *c, srv_request *r, int has_max, srv
 
 /* ---- /v1/completions -------------------------------------------------------------------------- */
 
-static int ids_from_array(const srv_parse_ctx *c, const cJSON *a, srv_request *r, srv_error *e) {
+/* which: "" or " of prompt P" (a list of prompts) */
+static int ids_from_array(const srv_parse_ctx *c, const cJSON *a, int32_t **ids, int64_t *n_ids, const char *which,
+                          srv_error *e) {
     const int n = cJSON_GetArraySize(a);
-    r->ids = malloc((size_t)(n > 0 ? n : 1) * sizeof(int32_t));
-    if (!r->ids) return srv_fail(e, 500, NULL, "out of memory");
+    *ids = malloc((size_t)(n > 0 ? n : 1) * sizeof(int32_t));
+    if (!*ids) return srv_fail(e, 500, NULL, "out of memory");
     const cJSON *it;
     cJSON_ArrayForEach(it, a) {
         const double d = cJSON_IsNumber(it) ? it->valuedouble : -1.0;
         if (!(d == floor(d)) || d < 0 || d >= (double)c->vocab) {
             char *t = cJSON_PrintUnformatted(it);
-            srv_fail(e, 400, "prompt", "prompt token %.40s (at index %lld) is not a token id in [0, %lld)", t ? t : "?",
-                     (long long)r->n_ids, (long long)c->vocab);
+            srv_fail(e, 400, "prompt", "prompt token %.40s (at index %lld%s) is not a token id in [0, %lld)", t ? t : "?",
+                     (long long)*n_ids, which, (long long)c->vocab);
             free(t);
             return -1;
         }
-        r->ids[r->n_ids++] = (int32_t)d;
+        (*ids)[(*n_ids)++] = (int32_t)d;
     }
     return 0;
 }
@@ -377,16 +423,40 @@ static int encode(const srv_parse_ctx *c, const char *text, size_t len, int add_
     return 0;
 }
 
+/* One prompt: a string (encoded with the special tokens, as vLLM) or a list of token ids. */
+static int one_prompt(const srv_parse_ctx *c, const cJSON *p, const char *which, int32_t **ids, int64_t *n,
+                      srv_error *e) {
+    if (cJSON_IsString(p)) return encode(c, p->valuestring, strlen(p->valuestring), 1, ids, n, "prompt", e);
+    if (cJSON_IsArray(p) && (cJSON_GetArraySize(p) == 0 || cJSON_IsNumber(p->child)))
+        return ids_from_array(c, p, ids, n, which, e);
+    return srv_fail(e, 400, "prompt", "'prompt'%s must be a string or a list of token ids", which);
+}
+
 static int parse_completion(const srv_parse_ctx *c, const cJSON *o, srv_request *r, srv_error *e) {
     const cJSON *p = cJSON_GetObjectItemCaseSensitive(o, "prompt");
     if (!p || cJSON_IsNull(p)) return srv_fail(e, 400, "prompt", "'prompt' is required");
-    if (cJSON_IsArray(p) && cJSON_GetArraySize(p) == 1 && (cJSON_IsString(p->child) || cJSON_IsArray(p->child)))
-        p = p->child;   /* a batch of one prompt */
-    if (cJSON_IsString(p)) return encode(c, p->valuestring, strlen(p->valuestring), 1, &r->ids, &r->n_ids, "prompt", e);
-    if (cJSON_IsArray(p) && (cJSON_GetArraySize(p) == 0 || cJSON_IsNumber(p->child))) return ids_from_array(c, p, r, e);
-    if (cJSON_IsArray(p)) return srv_fail(e, 400, "prompt", "'prompt' must be one string or one list of token ids "
-                                          "(one prompt per request)");
-    return srv_fail(e, 400, "prompt", "'prompt' must be a string or a list of token ids");
+    const int list = cJSON_IsArray(p) && cJSON_GetArraySize(p) > 0 && (cJSON_IsString(p->child) || cJSON_IsArray(p->child));
+    if (!list) return one_prompt(c, p, "", &r->ids, &r->n_ids, e);
+    /* a list of prompts (strings or lists of ids, as OpenAI's and vLLM's): choice p x n + k is choice k of prompt p */
+    const int np = cJSON_GetArraySize(p);
+    if (np > SRV_MAX_N)
+        return srv_fail(e, 400, "prompt", "'prompt' holds %d prompts; at most %d in one request", np, SRV_MAX_N);
+    if (np > 1) {
+        r->more_ids = calloc((size_t)(np - 1), sizeof *r->more_ids);
+        r->more_n = calloc((size_t)(np - 1), sizeof *r->more_n);
+        if (!r->more_ids || !r->more_n) return srv_fail(e, 500, NULL, "out of memory");
+        r->n_prompts = np;
+    }
+    int k = 0;
+    const cJSON *it;
+    cJSON_ArrayForEach(it, p) {
+        char which[32] = "";
+        if (np > 1) snprintf(which, sizeof which, " of prompt %d", k);
+        if (one_prompt(c, it, which, k ? &r->more_ids[k - 1] : &r->ids, k ? &r->more_n[k - 1] : &r->n_ids, e))
+            return -1;
+        k++;
+    }
+    return 0;
 }
 
 /* ---- /v1/chat/completions --------------------------------------------------------------------- */
@@ -597,6 +667,7 @@ int srv_parse_request(const srv_parse_ctx *c, srv_kind kind, const char *body, s
     memset(r, 0, sizeof *r);
     memset(e, 0, sizeof *e);
     r->kind = kind;
+    r->n_prompts = 1;
     const char *end = NULL;
     cJSON *o = cJSON_ParseWithLengthOpts(body, len, &end, 0);
     if (!o) {

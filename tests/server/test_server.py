@@ -636,6 +636,21 @@ def logprobs_and_penalties(p0):
               rn.choices[0].logprobs.tokens[:3] == ["a", "\x00", "b"] and
               rn.choices[0].logprobs.text_offset[-1] < len(rn.choices[0].text),
               "echo of a prompt with a NUL token: the whole text (%r)" % rn.choices[0].text)
+        # a list of prompts (lm-eval --batch_size: several loglikelihood requests in one): each choice as its
+        # prompt alone
+        batch = [ids, ctx, cont + ctx]
+        rb = c.completions.create(model="nemotron-h-tiny-moe", prompt=batch, max_tokens=1, temperature=0, logprobs=1,
+                                  echo=True, extra_body={"return_tokens_as_token_ids": True})
+        alone_b = [c.completions.create(model="nemotron-h-tiny-moe", prompt=[b], max_tokens=1, temperature=0,
+                                        logprobs=1, echo=True, extra_body={"return_tokens_as_token_ids": True})
+                   for b in batch]
+        bd = max(abs(x - y) for got, one in zip(sorted(rb.choices, key=lambda x: x.index), alone_b)
+                 for x, y in zip(got.logprobs.token_logprobs[1:], one.choices[0].logprobs.token_logprobs[1:]))
+        check([x.index for x in rb.choices] == [0, 1, 2] and
+              [ids_of(x.logprobs.tokens[:-1]) for x in rb.choices] == batch and bd <= 1e-4 and
+              rb.usage.prompt_tokens == sum(len(b) for b in batch),
+              "a list of 3 prompts with echo + logprobs: each choice is its prompt's answer alone (max |diff| %.1e), "
+              "the usage counts every prompt" % bd)
         r0 = c.completions.create(model="nemotron-h-tiny-moe", prompt=p0, max_tokens=0, echo=True, logprobs=0)
         rs = c.completions.create(model="nemotron-h-tiny-moe", prompt=p0, max_tokens=6, echo=True, temperature=0,
                                   stop=["girl"])

@@ -221,7 +221,10 @@ static void test_request_errors(void **state) {
         {SRV_COMPLETION, "{}", 400, "prompt"},
         {SRV_COMPLETION, "{\"prompt\": null}", 400, "prompt"},
         {SRV_COMPLETION, "{\"prompt\": {\"a\": 1}}", 400, "prompt"},
-        {SRV_COMPLETION, "{\"prompt\": [\"a\", \"b\"]}", 400, "prompt"},
+        {SRV_COMPLETION, "{\"prompt\": [\"a\", 5]}", 400, "prompt"},
+        {SRV_COMPLETION, "{\"prompt\": [[1], [2, 8192]]}", 400, "prompt"},
+        {SRV_COMPLETION, "{\"prompt\": [\"a\", \"\"]}", 400, "prompt"},
+        {SRV_COMPLETION, "{\"prompt\": [[1, 2], {}]}", 400, "prompt"},
         {SRV_COMPLETION, "{\"prompt\": [1, 8192]}", 400, "prompt"},
         {SRV_COMPLETION, "{\"prompt\": [1, -1]}", 400, "prompt"},
         {SRV_COMPLETION, "{\"prompt\": [1.5]}", 400, "prompt"},
@@ -469,6 +472,7 @@ static void test_request_fields(void **state) {
     assert_int_equal(parse(SRV_COMPLETION, "{\"prompt\": \"x\", \"n\": 64, \"best_of\": 64, \"stop\": [\"a\", \"bc\"], "
                            "\"logit_bias\": {\"5\": 1}}", &r, &e), 0);
     assert_int_equal(r.n, 64);
+    assert_int_equal(r.n_prompts, 1);
     srv_request c;                                              /* a choice's deep copy */
     assert_int_equal(srv_request_copy(&r, &c), 0);
     assert_true(c.ids != r.ids && c.stop[1] != r.stop[1] && c.bias != r.bias && c.sp.bias == c.bias);
@@ -478,6 +482,26 @@ static void test_request_fields(void **state) {
     assert_int_equal(c.sp.n_bias, 1);
     srv_request_free(&r);
     srv_request_free(&c);
+    /* a list of prompts: prompt 0 in ids, the others in more_ids; each choice picks its own (its default max_tokens) */
+    assert_int_equal(parse(SRV_COMPLETION, "{\"prompt\": [[5, 6, 7], [8], [9, 10]]}", &r, &e), 0);
+    assert_int_equal(r.n_prompts, 3);
+    assert_int_equal(r.n_ids, 3);
+    assert_int_equal(r.more_n[0], 1);
+    assert_int_equal(r.more_ids[1][1], 10);
+    assert_int_equal(srv_request_copy(&r, &c), 0);
+    srv_request_pick(&c, 2, 512);
+    assert_true(c.n_prompts == 1 && c.n_ids == 2 && c.ids[0] == 9 && !c.more_ids);
+    assert_int_equal(c.max_tokens, 510);                        /* no max_tokens: the context this prompt leaves */
+    srv_request_free(&c);
+    srv_request_free(&r);
+    assert_int_equal(parse(SRV_COMPLETION, "{\"prompt\": [\"Once upon\", \"a time\"], \"max_tokens\": 4}", &r, &e), 0);
+    assert_int_equal(r.n_prompts, 2);
+    assert_int_equal(srv_request_copy(&r, &c), 0);
+    srv_request_pick(&c, 1, 512);
+    assert_int_equal(c.max_tokens, 4);
+    assert_int_equal(c.n_ids, r.more_n[0]);
+    srv_request_free(&c);
+    srv_request_free(&r);
     assert_int_equal(parse(SRV_COMPLETION, "{\"prompt\": \"x\", \"logprobs\": null, \"logit_bias\": {}, "
                            "\"presence_penalty\": 0, \"repetition_penalty\": 1}", &r, &e), 0);
     assert_int_equal(r.logprobs, 0);
