@@ -1,6 +1,7 @@
 /* libFuzzer harness: fp4moe serve's request parsing (srv_parse_request: JSON, every field rule,
  * chat rendering with the real Nemotron-3 template, tokenization with the default model's
- * tokenizer), its error bodies, and vLLM's tokenizer endpoints (srv_tokenize / srv_detokenize).
+ * tokenizer), the structured-output grammars it compiles (64 masked steps each), its error bodies, and vLLM's
+ * tokenizer endpoints (srv_tokenize / srv_detokenize).
  * The first input byte picks the endpoint (bit 1 set: bit 2 set /tokenize, else /detokenize;
  * otherwise bit 0: 0 chat, 1 completions); the rest is the request body. Run by
  * fuzz/run_request.sh from the repository root. */
@@ -12,6 +13,7 @@
 #include "server/srv.h"
 
 static srv_parse_ctx g_ctx;
+static fp4moe_grammar_vocab *g_gv;
 
 int LLVMFuzzerInitialize(int *argc, char ***argv) {
     (void)argc;
@@ -19,6 +21,7 @@ int LLVMFuzzerInitialize(int *argc, char ***argv) {
     static fp4moe_tokenizer *tok;
     static fp4moe_template *tmpl;
     if (fp4moe_tokenizer_load("models/nemotron-h-tiny-moe", &tok)) abort();
+    if (fp4moe_grammar_vocab_new(tok, &g_gv)) abort();
     FILE *f = fopen("tests/golden/templates/nemotron-3-nano-30b-a3b.jinja", "rb");
     static char src[1 << 16];
     const size_t n = f ? fread(src, 1, sizeof src, f) : 0;
@@ -61,6 +64,26 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         fp4moe_sampler s; /* whatever the parser accepts, the sampler takes */
         if (fp4moe_sampler_init_params(&s, g_ctx.vocab, &r.sp)) abort();
         fp4moe_sampler_free(&s);
+        if (r.grammar) { /* a structured-output grammar: 64 steps of the mask, each taking an allowed token picked by
+                            the input's bytes; the mask never empties before the value is complete */
+            static float lg[8192];
+            fp4moe_grammar_matcher *m = NULL;
+            if (fp4moe_grammar_matcher_new(r.grammar->g, g_gv, r.sp.stop_ids, r.sp.n_stop, &m)) abort();
+            for (int step = 0; step < 64 && !fp4moe_grammar_is_ended(m); step++) {
+                for (int i = 0; i < 8192; i++) lg[i] = 0.0f;
+                const int64_t left = fp4moe_grammar_mask_logits(m, lg, 8192);
+                if (left == 0) {
+                    if (!fp4moe_grammar_is_complete(m)) abort();
+                    break;
+                }
+                int64_t k = (int64_t)(data[(step * 7) % size] * 131 + step) % left;
+                int32_t id = 0;
+                for (; id < 8192; id++)
+                    if (lg[id] == 0.0f && k-- == 0) break;
+                if (id == 8192 || fp4moe_grammar_accept_token(m, id)) abort();
+            }
+            fp4moe_grammar_matcher_free(m);
+        }
         srv_request_free(&r);
     } else {
         if (e.http < 400 || e.http > 599 || !e.message[0]) abort();

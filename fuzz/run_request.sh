@@ -11,7 +11,7 @@ OUT=fuzz-out/request
 mkdir -p "$OUT/corpus" "$OUT/artifacts"
 CC=${CC:-clang}
 $CC -std=c11 -g -O1 -D_GNU_SOURCE -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined \
-    -Iinclude -Isrc fuzz/fuzz_request.c src/server/srv_request.c src/server/srv_text.c src/server/srv_tokenize.c src/template/*.c src/tokenizer/*.c \
+    -Iinclude -Isrc fuzz/fuzz_request.c src/server/srv_request.c src/server/srv_text.c src/server/srv_tokenize.c src/template/*.c src/tokenizer/*.c src/grammar/*.c \
     src/common/error.c src/common/json.c src/model/sampler.c $(pkg-config --cflags --libs libpcre2-8) -lcjson -lm -o "$OUT/fuzz_request"
 cp tests/server/regressions/* "$OUT/corpus/" 2>/dev/null || true
 echo "fuzzing for ${SECONDS_TO_RUN}s ..."

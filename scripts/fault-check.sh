@@ -11,6 +11,8 @@
 #                                        (tests/model/test_ops must fail; once, no routes)
 #   -DFP4MOE_INJECT_FAULT=sampler_count  the sampler's frequency penalty ignores the counts
 #                                        (tests/model/test_ops must fail; once, no routes)
+#   -DFP4MOE_INJECT_FAULT=grammar_plain  structured output: tokens holding a quote pass as plain string text
+#                                        (tests/grammar/test_grammar must fail; once, no routes)
 # and runs tests/kernels/test_gather_qmm once per route and activation mode (FP4MOE_TEST_ROUTE=
 # qmv|batched|dequant_gemm|auto with FP4MOE_TEST_ACT=float, qmv|batched|auto with FP4MOE_TEST_ACT=q8),
 # so that one failing route cannot hide another that passes. Passes only if EVERY route's tests FAIL in
@@ -23,7 +25,7 @@ cd "$(dirname "$0")/.."
 
 JOBS=${JOBS:-2}
 FAULT_CMAKE_FLAGS=${FAULT_CMAKE_FLAGS:--DFP4MOE_CUDA=OFF}
-FAULTS=(global_scale expert_offset q8_offset ep_order kv_fp8_scale sampler_count)
+FAULTS=(global_scale expert_offset q8_offset ep_order kv_fp8_scale sampler_count grammar_plain)
 ROUTES=(qmv:float batched:float dequant_gemm:float auto:float qmv:q8 batched:q8 auto:q8)
 quick=1
 [[ "${FAULT_CHECK_FULL:-0}" == 1 ]] && quick=0
@@ -36,7 +38,7 @@ for fault in "${FAULTS[@]}"; do
   # shellcheck disable=SC2086
   if ! cmake -S . -B "$dir" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DFP4MOE_INJECT_FAULT="$fault" \
          $FAULT_CMAKE_FLAGS > "$log" 2>&1 ||
-     ! cmake --build "$dir" -j "$JOBS" --target "$(case $fault in ep_order) echo test_ep ;; kv_fp8_scale|sampler_count) echo test_ops ;;
+     ! cmake --build "$dir" -j "$JOBS" --target "$(case $fault in ep_order) echo test_ep ;; kv_fp8_scale|sampler_count) echo test_ops ;; grammar_plain) echo test_grammar ;;
                                                    *) echo test_gather_qmm ;; esac)" \
          >> "$log" 2>&1; then
     echo "fault-check: FAILED to build $dir (see $log)"
@@ -51,11 +53,13 @@ for fault in "${FAULTS[@]}"; do
   for combo in "${ROUTES[@]}"; do
     route=${combo%%:*} act=${combo##*:}
     [[ $fault == q8_offset && $act != q8 ]] && continue
-    [[ ( $fault == ep_order || $fault == kv_fp8_scale || $fault == sampler_count ) && $combo != qmv:float ]] && continue
+    [[ ( $fault == ep_order || $fault == kv_fp8_scale || $fault == sampler_count || $fault == grammar_plain ) &&
+       $combo != qmv:float ]] && continue
     log=build-fault-$fault/fault-$route-$act.log
     prog=build-fault-$fault/test_gather_qmm
     [[ $fault == ep_order ]] && prog=build-fault-$fault/test_ep
     [[ $fault == kv_fp8_scale || $fault == sampler_count ]] && prog=build-fault-$fault/test_ops
+    [[ $fault == grammar_plain ]] && prog=build-fault-$fault/test_grammar
     FP4MOE_TEST_ROUTE=$route FP4MOE_TEST_ACT=$act FP4MOE_TEST_QUICK=$quick $prog > "$log" 2>&1
     rc=$?
     nfail=$(grep '^\[  FAILED  \] [^0-9]' "$log" | sort -u | wc -l)

@@ -17,6 +17,7 @@
 #include "cli/commands.h"
 #include "server/srv.h"
 #include "fp4moe/fp4moe.h"
+#include "fp4moe/grammar.h"
 #include "fp4moe/model.h"
 #include "fp4moe/tokenizer.h"
 
@@ -183,6 +184,8 @@ typedef struct {
     cli_sampling smp;
     int no_quantize, ignore_eos, json;
     cli_strings stop;
+    const char *json_schema, *json_schema_file; /* structured output */
+    int json_object;
 } gen_args;
 
 /* "1,2,3" -> ids (malloc'd). */
@@ -236,6 +239,10 @@ struct gen_state {
     int64_t n_ids;
     srv_text stop;                  /* --stop strings (none: passes text through) */
     int stopped;                    /* a stop string matched */
+    fp4moe_grammar *grammar;        /* --json-schema / --json-schema-file / --json-object (NULL: free text) */
+    fp4moe_grammar_vocab *gv;
+    fp4moe_grammar_matcher *gm;
+    float *mlog;                    /* the logits with the grammar's mask */
 };
 
 /* A token: text through the streaming decoder (printed, or kept with --json), or " id" without a
@@ -281,6 +288,10 @@ static void gen_free(gen_state *g) {
     free(g->logits);
     free(g->text.s);
     free(g->ids);
+    fp4moe_grammar_matcher_free(g->gm);
+    fp4moe_grammar_vocab_free(g->gv);
+    fp4moe_grammar_free(g->grammar);
+    free(g->mlog);
 }
 
 /* Tokenizer from the model directory (NULL when it has none and ids are given). */
@@ -325,7 +336,20 @@ static int run_generation(const gen_args *a, gen_state *g, const volatile sig_at
         print_speed("prefill", g->T, t_prefill);
         t0 = cli_now();
         while (produced < a->n && !*stop) {
-            int32_t id = fp4moe_sample(&g->smp, g->logits);
+            int32_t id;
+            if (g->gm) { /* structured output: the tokens that cannot come next masked, then the sampler */
+                memcpy(g->mlog, g->logits, (size_t)c->vocab * sizeof(float));
+                if (fp4moe_grammar_mask_logits(g->gm, g->mlog, c->vocab) == 0) {
+                    if (!fp4moe_grammar_is_complete(g->gm))
+                        st = fp4moe_set_error(FP4MOE_EINVAL, "structured output: no token continues the grammar");
+                    reason = "eos";
+                    break;
+                }
+                id = fp4moe_sample(&g->smp, g->mlog);
+                if ((st = fp4moe_grammar_accept_token(g->gm, id))) break;
+            } else {
+                id = fp4moe_sample(&g->smp, g->logits);
+            }
             fp4moe_sampler_accept_output(&g->smp, id);
             produced++;
             if (!a->ignore_eos && (id == eos || fp4moe_sampler_is_stop(&g->smp, id))) {
@@ -451,6 +475,35 @@ static void *follower_main(void *arg) {
     return NULL;
 }
 
+/* --json-schema TEXT / --json-schema-file FILE / --json-object: the grammar, the tokenizer's trie, a matcher whose
+ * end tokens are the sampler's stop ids */
+static int setup_grammar(const gen_args *a, gen_state *g, const fp4moe_sampler_params *sp, int64_t V) {
+    if (!g->tok) return fp4moe_set_error(FP4MOE_EINVAL, "structured output needs the model's tokenizer.json");
+    char *text = NULL;
+    int st = FP4MOE_OK;
+    if (a->json_schema_file) st = cli_read_text(a->json_schema_file, (int64_t)16 << 20, &text);
+    if (!st && !a->json_object) {
+        const char *src = text ? text : a->json_schema;
+        cJSON *schema = cJSON_Parse(src);
+        if (!schema) {
+            st = fp4moe_set_error(FP4MOE_EINVAL, "%s is not JSON (near byte %lld)",
+                                  a->json_schema_file ? a->json_schema_file : "--json-schema",
+                                  cJSON_GetErrorPtr() ? (long long)(cJSON_GetErrorPtr() - src) : 0LL);
+        } else {
+            st = fp4moe_grammar_from_json_schema(schema, a->json_schema_file ? a->json_schema_file : "--json-schema",
+                                                 &g->grammar);
+            cJSON_Delete(schema);
+        }
+    } else if (!st) {
+        st = fp4moe_grammar_from_json_schema(NULL, NULL, &g->grammar);
+    }
+    free(text);
+    if (!st) st = fp4moe_grammar_vocab_new(g->tok, &g->gv);
+    if (!st) st = fp4moe_grammar_matcher_new(g->grammar, g->gv, sp->stop_ids, sp->n_stop, &g->gm);
+    if (!st && !(g->mlog = malloc((size_t)V * sizeof(float)))) st = fp4moe_set_error(FP4MOE_ENOMEM, "out of memory");
+    return st;
+}
+
 static int generate(const gen_args *a) {
     gen_state g;
     memset(&g, 0, sizeof g);
@@ -563,6 +616,7 @@ static int generate(const gen_args *a) {
     cli_sampling_params(&a->smp, a->model, g.tok, V, a->ignore_eos, &sp);
     srv_text_init(&g.stop, (char *const *)a->stop.v, a->stop.n, 0, 0);
     if (!st) st = fp4moe_sampler_init_params(&g.smp, V, &sp);
+    if (!st && (a->json_schema || a->json_schema_file || a->json_object)) st = setup_grammar(a, &g, &sp, V);
     if (!st && !(g.logits = malloc((size_t)V * sizeof(float)))) st = FP4MOE_ENOMEM;
     g.json = a->json;
     if (!st && a->json && !(g.ids = malloc((size_t)a->n * sizeof(int32_t)))) st = FP4MOE_ENOMEM;
@@ -610,6 +664,10 @@ int cmd_generate(int argc, char **argv) {
         {"--ep-ranks", NULL, CLI_INT, &a.ep_ranks, "N",
          "expert parallelism with N ranks on this one device (in-process loopback)"},
         {"--json", NULL, CLI_FLAG, &a.json, NULL, "print one JSON object (text, ids, finish_reason, seed, timings) at the end"},
+        {"--json-schema", NULL, CLI_STRING, &a.json_schema, "SCHEMA",
+         "constrain the output to JSON that satisfies this JSON Schema (the subset of include/fp4moe/grammar.h)"},
+        {"--json-schema-file", NULL, CLI_STRING, &a.json_schema_file, "FILE", "--json-schema, read from FILE"},
+        {"--json-object", NULL, CLI_FLAG, &a.json_object, NULL, "constrain the output to a JSON object"},
     };
     const cli_spec spec = {CMD, "fp4moe generate -m DIR -p TEXT [options]",
                            "Generates text with a nemotron_h model (MLX nvfp4, ModelOpt NVFP4 or dense\n"
@@ -629,6 +687,10 @@ int cmd_generate(int argc, char **argv) {
     if (a.ctx < 0) return cli_usage_error(CMD, "--ctx must be >= 1 (0: the model's max_position_embeddings)");
     if (a.n < 1) return cli_usage_error(CMD, "-n must be >= 1");
     if ((rc = cli_sampling_check(CMD, &a.smp))) return rc;
+    if (!!a.json_schema + !!a.json_schema_file + !!a.json_object > 1)
+        return cli_usage_error(CMD, "give one of --json-schema, --json-schema-file and --json-object");
+    if ((a.json_schema || a.json_schema_file || a.json_object) && a.ignore_eos)
+        return cli_usage_error(CMD, "--ignore-eos cannot end a structured output: drop one of them");
     for (int i = 0; i < a.stop.n; i++)
         if (!a.stop.v[i][0]) return cli_usage_error(CMD, "--stop must not be empty");
     if ((rc = cli_set_threads(CMD, a.threads))) return rc;

@@ -15,6 +15,7 @@
 
 #include <cjson/cJSON.h>
 
+#include "fp4moe/grammar.h"
 #include "fp4moe/model.h"
 #include "fp4moe/template.h"
 #include "fp4moe/tokenizer.h"
@@ -83,6 +84,13 @@ typedef struct {
     int reasoning;                     /* split <think>...</think> into reasoning_content */
 } srv_parse_ctx;
 
+/* A compiled structured-output grammar, shared by a request's copies (its choices): refs counted atomically. */
+typedef struct {
+    fp4moe_grammar *g;
+    int refs;
+    int json;                          /* 1: JSON (a schema / json_object); 0: guided_choice text */
+} srv_grammar;
+
 typedef struct {
     srv_kind kind;
     int stream, include_usage, ignore_eos;
@@ -114,6 +122,10 @@ typedef struct {
                                           max_tokens may then be 0 */
     int32_t *bias_ids;                 /* logit_bias (malloc'd; sp.bias_ids / sp.bias point here) */
     float *bias;
+    srv_grammar *grammar;              /* structured output (response_format json_object / json_schema, vLLM's
+                                          guided_json / guided_choice / structured_outputs): the output is
+                                          constrained to it (after the reasoning, when the output starts in it);
+                                          NULL: free text */
 } srv_request;
 
 #define SRV_MAX_TOP_LOGPROBS 20        /* vLLM's default max_logprobs */

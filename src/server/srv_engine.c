@@ -48,6 +48,9 @@ struct srv_job {
     int32_t *gen;
     int64_t n_gen, cap_gen;
     float *logits;
+    fp4moe_grammar_matcher *gm;               /* structured output: the output's place in r.grammar (NULL: none) */
+    float *mlog;                              /* ... and the logits with its mask (the sampler's input; logprobs
+                                                 come from the raw ones, as vLLM's) */
     double t_submit, t_admit, t_first, t_last;
     double ms_restore, ms_snapshot;           /* prefix cache copies of this job */
     int n_steps_prefill;
@@ -152,6 +155,7 @@ struct srv_engine {
     srv_engine_options o;
     int64_t V, tok_vocab;
     int32_t think_open, think_close;
+    fp4moe_grammar_vocab *gv;         /* the tokenizer's byte trie for structured output (built once) */
     pthread_mutex_t lock;
     pthread_cond_t cv;
     int lock_ok;
@@ -524,6 +528,27 @@ static void prompt_left(srv_job *g) {
 /* Choice j (index > 0, on the rank of choice 0, its group's prompt state ready) starts from it: a sequence restored
  * after the prompt, its first token sampled from the prompt's last logits with its own sampler. 0, or -1 when it
  * failed (no room: 503). */
+/* The job's next token from its logits (j->logits; greedy ids from the device when there are none), through the
+ * structured-output mask while the output is under a grammar (not while it is in the reasoning that the prompt
+ * opened). Returns the id, or -1 when the job ended here: the grammar's value is complete and no stop id may end
+ * it (ignore_eos: finished, "stop"), or no token continues it (an error). */
+static int32_t job_sample(srv_engine *e, srv_job *j, int32_t device_id) {
+    if (!j->logits) return device_id;
+    if (!j->gm || (j->r.reasoning && j->text.in_reasoning)) return fp4moe_sample(&j->smp, j->logits);
+    memcpy(j->mlog, j->logits, (size_t)e->V * sizeof(float));
+    if (fp4moe_grammar_mask_logits(j->gm, j->mlog, e->V) == 0) {
+        if (fp4moe_grammar_is_complete(j->gm)) finish_ok(e, j, 0);
+        else finish_error(e, j, 500, "structured output: no token of the vocabulary continues the grammar here");
+        return -1;
+    }
+    const int32_t id = fp4moe_sample(&j->smp, j->mlog);
+    if (fp4moe_grammar_accept_token(j->gm, id)) { /* (the mask allowed it: cannot happen) */
+        finish_error(e, j, 500, fp4moe_last_error());
+        return -1;
+    }
+    return id;
+}
+
 static int start_from_prompt(srv_rank *rk, srv_job *j) {
     srv_engine *e = rk->e;
     srv_job *g = j->grp;
@@ -541,10 +566,11 @@ static int start_from_prompt(srv_rank *rk, srv_job *j) {
     j->fed = j->r.n_ids;
     j->phase = PH_PREFILL;
     if (j->logits) memcpy(j->logits, g->plogits, (size_t)e->V * sizeof(float));
-    const int32_t id = j->logits ? fp4moe_sample(&j->smp, j->logits) : g->ptok;
     pthread_mutex_lock(&e->lock);
     prompt_left(g);
     pthread_mutex_unlock(&e->lock);
+    const int32_t id = job_sample(e, j, g->ptok);
+    if (id < 0) return 0;
     fp4moe_sampler_accept_output(&j->smp, id);
     take_token(e, j, id);
     return 0;
@@ -600,10 +626,18 @@ static int admit(srv_rank *rk, srv_job *j) {
     j->smp_ok = 1;
     /* logits on the host: to sample, for logprobs, or for penalties / a logit bias (the sampler's pen buffer);
        else greedy ids come from the device's argmax */
-    const int host = j->r.sp.temperature > 0.0f || j->r.logprobs || j->smp.pen;
+    const int host = j->r.sp.temperature > 0.0f || j->r.logprobs || j->smp.pen || j->r.grammar;
     if (host && !(j->logits = malloc((size_t)e->V * sizeof(float)))) {
         finish_error(e, j, 500, "out of memory");
         return -1;
+    }
+    if (j->r.grammar) {
+        const int st = e->gv ? fp4moe_grammar_matcher_new(j->r.grammar->g, e->gv, j->r.sp.stop_ids, j->r.sp.n_stop, &j->gm)
+                             : fp4moe_set_error(FP4MOE_ENOMEM, "no grammar vocab");
+        if (st || !(j->mlog = malloc((size_t)e->V * sizeof(float)))) {
+            finish_error(e, j, 500, "out of memory");
+            return -1;
+        }
     }
     if (j->r.logprobs && !(j->lp = lp_new(j))) {
         finish_error(e, j, 500, "out of memory");
@@ -847,6 +881,8 @@ static void job_free(srv_job *j) {
     srv_text_free(&j->text);
     free(j->gen);
     free(j->logits);
+    fp4moe_grammar_matcher_free(j->gm);
+    free(j->mlog);
     cJSON_Delete(j->lp);
     cJSON_Delete(j->choice_json);
     fp4moe_snapshot_free(j->psnap);
@@ -1067,7 +1103,8 @@ static void step_once(srv_rank *rk, uint64_t events) {
         }
         if (!it->out_token && !it->out_logits) continue;
         if (j->phase == PH_PREFILL && j->grp != j && j->index == 0 && j->grp->pshare) share_prompt(rk, j);
-        const int32_t id = j->logits ? fp4moe_sample(&j->smp, j->logits) : j->next_tok;
+        const int32_t id = job_sample(e, j, j->next_tok);
+        if (id < 0) continue;
         fp4moe_sampler_accept_output(&j->smp, id);     /* (a no-op unless a penalty is on) */
         take_token(e, j, id);
     }
@@ -1176,6 +1213,11 @@ int srv_engine_new(const fp4moe_model *m, const fp4moe_tokenizer *tok, const cha
     e->tok_vocab = fp4moe_tokenizer_vocab_size(tok);
     e->think_open = fp4moe_tokenizer_token_to_id(tok, "<think>");
     e->think_close = fp4moe_tokenizer_token_to_id(tok, "</think>");
+    if (fp4moe_grammar_vocab_new(tok, &e->gv)) {
+        free(e->model_name);
+        free(e);
+        return FP4MOE_ENOMEM;
+    }
     histo_init(&e->rows, k_row_b, N_ROW_BUCKETS);
     histo_init(&e->ttft, k_ttft_b, N_TIME_BUCKETS);
     histo_init(&e->itl, k_itl_b, N_TIME_BUCKETS);
@@ -1261,6 +1303,7 @@ void srv_engine_free(srv_engine *e) {
         pthread_mutex_destroy(&e->lock);
         pthread_cond_destroy(&e->cv);
     }
+    fp4moe_grammar_vocab_free(e->gv);
     free(e->model_name);
     free(e);
 }

@@ -1,7 +1,7 @@
 /* Request JSON -> srv_request (see srv.h). Field rules follow OpenAI's API reference for
  * /v1/chat/completions and /v1/completions, with vLLM's extensions top_k, min_p, ignore_eos,
- * repetition_penalty, stop_token_ids and chat_template_kwargs. What fp4moe cannot do (n > 1, a chat echo,
- * response formats other than text, forced tool choice, ...) is a 400 naming the field, never
+ * repetition_penalty, stop_token_ids, chat_template_kwargs and the structured outputs (guided_json,
+ * guided_choice, structured_outputs). What fp4moe cannot do (a chat echo, guided_regex, forced tool choice, ...) is a 400 naming the field, never
  * silently ignored. */
 #include <math.h>
 #include <stdarg.h>
@@ -49,6 +49,10 @@ void srv_request_free(srv_request *r) {
     for (int i = 0; r->more_ids && i < r->n_prompts - 1; i++) free(r->more_ids[i]);
     free(r->more_ids);
     free(r->more_n);
+    if (r->grammar && __atomic_sub_fetch(&r->grammar->refs, 1, __ATOMIC_ACQ_REL) == 0) {
+        fp4moe_grammar_free(r->grammar->g);
+        free(r->grammar);
+    }
     memset(r, 0, sizeof *r);
 }
 
@@ -89,6 +93,7 @@ int srv_request_copy(const srv_request *a, srv_request *b) {
     }
     b->sp.bias_ids = b->bias_ids;
     b->sp.bias = b->bias;
+    if (b->grammar) __atomic_add_fetch(&b->grammar->refs, 1, __ATOMIC_ACQ_REL);
     b->more_ids = NULL;
     b->more_n = NULL;
     const int extra = a->n_prompts > 1 ? a->n_prompts - 1 : 0;
@@ -161,12 +166,6 @@ static int refuse_unless_neutral(const cJSON *o, srv_error *e) {
         return srv_fail(e, 400, "best_of", "'best_of' must equal 'n' (fp4moe does not rank extra samples)");
     if ((v = field(o, "suffix")))
         return srv_fail(e, 400, "suffix", "'suffix' is not supported by fp4moe");
-    if ((v = field(o, "response_format"))) {
-        const cJSON *t = cJSON_GetObjectItemCaseSensitive(v, "type");
-        if (!cJSON_IsObject(v) || !cJSON_IsString(t) || strcmp(t->valuestring, "text"))
-            return srv_fail(e, 400, "response_format", "'response_format' other than {\"type\": \"text\"} is not "
-                            "supported by fp4moe");
-    }
     if ((v = field(o, "tool_choice")) && !(cJSON_IsString(v) && (!strcmp(v->valuestring, "auto") ||
                                                                 !strcmp(v->valuestring, "none"))))
         return srv_fail(e, 400, "tool_choice", "'tool_choice' must be \"auto\" or \"none\" (fp4moe does not force "
@@ -187,11 +186,123 @@ static int refuse_unless_neutral(const cJSON *o, srv_error *e) {
     for (int i = 0; i < 2; i++)
         if ((v = field(o, empty_list[i])) && !(cJSON_IsArray(v) && cJSON_GetArraySize(v) == 0))
             return srv_fail(e, 400, empty_list[i], "'%s' is not supported by fp4moe", empty_list[i]);
-    static const char *const never[] = {"prompt_logprobs", "guided_json", "guided_regex", "guided_choice",
-                                        "guided_grammar", "structured_outputs"};
-    for (int i = 0; i < 6; i++)
+    static const char *const never[] = {"prompt_logprobs", "guided_regex", "guided_grammar"};
+    for (int i = 0; i < 3; i++)
         if ((v = field(o, never[i])))
             return srv_fail(e, 400, never[i], "'%s' is not supported by fp4moe", never[i]);
+    return 0;
+}
+
+/* A schema given as an object, or as JSON text (vLLM's guided_json / structured_outputs.json take both) ->
+ * r->grammar; `where` names the field. */
+static int set_grammar(srv_request *r, const cJSON *schema, int any_object, const char *where, const char *param,
+                       srv_error *e) {
+    cJSON *parsed = NULL;
+    if (!any_object && cJSON_IsString(schema)) {
+        if (!(parsed = cJSON_Parse(schema->valuestring)))
+            return srv_fail(e, 400, param, "'%s' is a string but not JSON text of a schema", where);
+        schema = parsed;
+    }
+    if (!any_object && !cJSON_IsObject(schema) && !cJSON_IsBool(schema)) {
+        cJSON_Delete(parsed);
+        return srv_fail(e, 400, param, "'%s' must be a JSON Schema (an object)", where);
+    }
+    srv_grammar *sg = calloc(1, sizeof *sg);
+    if (!sg) {
+        cJSON_Delete(parsed);
+        return srv_fail(e, 500, NULL, "out of memory");
+    }
+    const int st = fp4moe_grammar_from_json_schema(any_object ? NULL : schema, where, &sg->g);
+    cJSON_Delete(parsed);
+    if (st) {
+        free(sg);
+        return srv_fail(e, st == FP4MOE_ENOMEM ? 500 : 400, param, "%s", fp4moe_last_error());
+    }
+    sg->refs = 1;
+    sg->json = 1;
+    r->grammar = sg;
+    return 0;
+}
+
+static int set_choices(srv_request *r, const cJSON *list, const char *where, const char *param, srv_error *e) {
+    const int n = cJSON_GetArraySize(list);
+    if (!cJSON_IsArray(list) || n < 1 || n > 65536)
+        return srv_fail(e, 400, param, "'%s' must be a list of 1..65536 strings", where);
+    const char **ch = malloc((size_t)n * sizeof *ch);
+    if (!ch) return srv_fail(e, 500, NULL, "out of memory");
+    int i = 0;
+    for (const cJSON *c = list->child; c; c = c->next, i++) {
+        if (!cJSON_IsString(c) || !c->valuestring[0]) {
+            free(ch);
+            return srv_fail(e, 400, param, "'%s' must list non-empty strings (item %d is not one)", where, i);
+        }
+        ch[i] = c->valuestring;
+    }
+    srv_grammar *sg = calloc(1, sizeof *sg);
+    const int st = sg ? fp4moe_grammar_from_choices(ch, NULL, n, &sg->g) : FP4MOE_ENOMEM;
+    free(ch);
+    if (st) {
+        free(sg);
+        return srv_fail(e, st == FP4MOE_ENOMEM ? 500 : 400, param, "'%s': %s", where, fp4moe_last_error());
+    }
+    sg->refs = 1;
+    r->grammar = sg;
+    return 0;
+}
+
+/* Structured output: OpenAI's response_format ({"type": "text" | "json_object" | "json_schema", "json_schema":
+ * {"name", "schema", "strict", "description"}}) and vLLM's guided_json (a schema or its JSON text), guided_choice
+ * (strings) and structured_outputs ({"json" | "choice" | "json_object"}); at most one of them. */
+static int parse_structured(const cJSON *o, srv_request *r, srv_error *e) {
+    const cJSON *rf = field(o, "response_format"), *gj = field(o, "guided_json"), *gc = field(o, "guided_choice"),
+                *so = field(o, "structured_outputs");
+    if (rf) {
+        const cJSON *t = cJSON_GetObjectItemCaseSensitive(rf, "type");
+        if (!cJSON_IsObject(rf) || !cJSON_IsString(t))
+            return srv_fail(e, 400, "response_format", "'response_format' must be an object with a 'type'");
+        if (!strcmp(t->valuestring, "text")) rf = NULL;
+        else if (strcmp(t->valuestring, "json_object") && strcmp(t->valuestring, "json_schema"))
+            return srv_fail(e, 400, "response_format", "'response_format.type' must be \"text\", \"json_object\" or "
+                            "\"json_schema\" (fp4moe does not support \"%.64s\")", t->valuestring);
+    }
+    if (!!rf + !!gj + !!gc + !!so > 1)
+        return srv_fail(e, 400, rf ? "response_format" : "guided_json", "give one of 'response_format' (json_object / "
+                        "json_schema), 'guided_json', 'guided_choice' and 'structured_outputs'");
+    if (rf) {
+        const char *t = cJSON_GetObjectItemCaseSensitive(rf, "type")->valuestring;
+        if (!strcmp(t, "json_object")) return set_grammar(r, NULL, 1, "response_format", "response_format", e);
+        const cJSON *js = cJSON_GetObjectItemCaseSensitive(rf, "json_schema");
+        if (!cJSON_IsObject(js))
+            return srv_fail(e, 400, "response_format", "'response_format.json_schema' must be an object with a 'schema'");
+        const cJSON *sc = cJSON_GetObjectItemCaseSensitive(js, "schema");
+        if (!sc) return srv_fail(e, 400, "response_format", "'response_format.json_schema.schema' is required");
+        return set_grammar(r, sc, 0, "response_format.json_schema.schema", "response_format", e);
+    }
+    if (gj) return set_grammar(r, gj, 0, "guided_json", "guided_json", e);
+    if (gc) return set_choices(r, gc, "guided_choice", "guided_choice", e);
+    if (so) {
+        if (!cJSON_IsObject(so)) return srv_fail(e, 400, "structured_outputs", "'structured_outputs' must be an object");
+        const cJSON *pick = NULL;
+        for (const cJSON *k = so->child; k; k = k->next) {
+            const int known = !strcmp(k->string, "json") || !strcmp(k->string, "choice") ||
+                              !strcmp(k->string, "json_object");
+            if (!known && !cJSON_IsNull(k) && !cJSON_IsFalse(k))
+                return srv_fail(e, 400, "structured_outputs", "'structured_outputs.%.64s' is not supported by fp4moe "
+                                "(json, choice and json_object are)", k->string);
+            if (!known || cJSON_IsNull(k) || cJSON_IsFalse(k)) continue;
+            if (pick) return srv_fail(e, 400, "structured_outputs", "'structured_outputs' must give one of json, "
+                                      "choice and json_object");
+            pick = k;
+        }
+        if (!pick) return srv_fail(e, 400, "structured_outputs", "'structured_outputs' gives none of json, choice "
+                                   "and json_object");
+        if (!strcmp(pick->string, "json")) return set_grammar(r, pick, 0, "structured_outputs.json", "structured_outputs", e);
+        if (!strcmp(pick->string, "choice"))
+            return set_choices(r, pick, "structured_outputs.choice", "structured_outputs", e);
+        if (!cJSON_IsTrue(pick)) return srv_fail(e, 400, "structured_outputs", "'structured_outputs.json_object' must be "
+                                                 "true");
+        return set_grammar(r, NULL, 1, "structured_outputs.json_object", "structured_outputs", e);
+    }
     return 0;
 }
 
@@ -321,6 +432,7 @@ static int parse_common(const srv_parse_ctx *c, const cJSON *o, srv_request *r, 
         }
     }
     if (refuse_unless_neutral(o, e)) return -1;
+    if (parse_structured(o, r, e)) return -1;
     r->sp = c->defaults;
     double d;
     int64_t i;

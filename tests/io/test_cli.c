@@ -899,6 +899,21 @@ static void test_generate_inputs_and_context(void **state) {
     EXPECT_RC(2, "generate", "-m", M, "-p", P, "--presence-penalty", "2.5");
     expect_in(g_err, "--presence-penalty must be in [-2, 2]");
     EXPECT_RC(2, "chat", "-m", M, "--frequency-penalty", "nan");
+    /* --json-schema: the output parses and has the required keys; a keyword outside the subset is named */
+    EXPECT_RC(0, "generate", "-m", M, "-p", P, "-n", "400", "--json-schema",
+              "{\"type\":\"object\",\"properties\":{\"name\":{\"type\":\"string\",\"maxLength\":8},"
+              "\"n\":{\"type\":\"integer\"}},\"required\":[\"name\",\"n\"]}");
+    cJSON *js = cJSON_Parse(g_out);
+    assert_non_null(js);
+    assert_true(cJSON_IsString(cJSON_GetObjectItem(js, "name")) && cJSON_IsNumber(cJSON_GetObjectItem(js, "n")));
+    cJSON_Delete(js);
+    EXPECT_RC(0, "generate", "-m", M, "-p", P, "-n", "400", "--json-object", "--temp", "0.8", "--seed", "5");
+    js = cJSON_Parse(g_out);
+    assert_true(cJSON_IsObject(js) || strlen(g_out) > 300); /* (a free string may run to -n) */
+    cJSON_Delete(js);
+    EXPECT_RC(1, "generate", "-m", M, "-p", P, "--json-schema", "{\"type\":\"integer\",\"minimum\":0}");
+    expect_in(g_err, "--json-schema: 'minimum' is not supported");
+    EXPECT_RC(2, "generate", "-m", M, "-p", P, "--json-object", "--ignore-eos");
     /* --threads */
     EXPECT_RC(0, "generate", "-m", M, "-p", P, "-n", "8", "--threads", "1");
     assert_string_equal(g_out, ref);

@@ -374,6 +374,8 @@ def main():
         except openai.BadRequestError as ex:
             check("maximum context length" in str(ex), "openai client: BadRequestError for a too-long prompt")
 
+        structured_outputs(s, c)
+
         # --- prefix reuse across chat turns -------------------------------------------------------
         sys_msg = {"role": "system", "content": " ".join(TEXT.split()[:220])}
         turn1 = [sys_msg, {"role": "user", "content": prompt(11)}]
@@ -470,6 +472,107 @@ def main():
     logprobs_and_penalties(p0)
     print("%d failure(s)" % len(FAILS))
     return 1 if FAILS else 0
+
+
+def structured_outputs(s, c):
+    """response_format json_schema / json_object, vLLM's guided_choice / guided_json / structured_outputs: the
+    outputs parse and satisfy their schema (pydantic through the openai client's parse(), the oracle), stream
+    equals non-stream, the constraint waits for the end of the reasoning the prompt opened, bad schemas are 400s
+    naming the keyword, and free requests beside constrained ones answer as when alone."""
+    from typing import List, Literal, Optional
+    from pydantic import BaseModel, Field
+
+    class Pet(BaseModel):
+        kind: Literal["cat", "dog", "fish"]
+        name: str = Field(max_length=12)
+
+    class Person(BaseModel):
+        name: str = Field(max_length=24)
+        age: int
+        nick: Optional[str] = Field(max_length=16)
+        pets: List[Pet] = Field(max_length=2)
+
+    off = {"chat_template_kwargs": {"enable_thinking": False}}
+    msgs = [{"role": "user", "content": "Describe a person with their pets as JSON."}]
+    r = c.chat.completions.parse(model="nemotron-h-tiny-moe", messages=msgs, response_format=Person, max_tokens=1500,
+                                 temperature=0, extra_body=off)
+    m = r.choices[0].message
+    check(r.choices[0].finish_reason == "stop" and isinstance(m.parsed, Person),
+          "openai chat.completions.parse(response_format=pydantic model): a valid %s (%r)"
+          % (type(m.parsed).__name__, (m.content or "")[:80]))
+    # the same schema by hand, streamed: the same text
+    schema = Person.model_json_schema()
+    rf = {"type": "json_schema", "json_schema": {"name": "person", "schema": schema, "strict": True}}
+    st = c.chat.completions.create(model="nemotron-h-tiny-moe", messages=msgs, response_format=rf, max_tokens=1500,
+                                   temperature=0, stream=True, extra_body=off)
+    text = "".join((ch.choices[0].delta.content or "") for ch in st if ch.choices)
+    check(text == (m.content or ""), "response_format json_schema streamed equals the non-streamed text")
+    # json_object, sampled: every answer that ends (free strings of a tiny model may run to max_tokens) is an object
+    objs = []
+    for seed in range(6):
+        r = c.chat.completions.create(model="nemotron-h-tiny-moe", messages=msgs, max_tokens=600, temperature=1.0,
+                                      seed=seed, response_format={"type": "json_object"}, extra_body=off)
+        if r.choices[0].finish_reason != "stop":
+            continue
+        try:
+            objs.append(isinstance(json.loads(r.choices[0].message.content), dict))
+        except ValueError:
+            objs.append(False)
+    check(len(objs) >= 2 and all(objs), "response_format json_object, temperature 1, 6 seeds: the %d that ended are "
+          "JSON objects %s" % (len(objs), objs))
+    # completions: guided_choice (n 6 sampled), structured_outputs.json as a string, guided_json
+    ch = ["positive", "negative", "neutral"]
+    r = c.completions.create(model="nemotron-h-tiny-moe", prompt="The review was great. Sentiment:", max_tokens=24, n=6,
+                             temperature=1.5, seed=7, extra_body={"guided_choice": ch})
+    got = [x.text for x in r.choices]
+    check(all(t in ch for t in got) and all(x.finish_reason == "stop" for x in r.choices),
+          "guided_choice, n 6 at temperature 1.5: every choice one of the options %s" % got)
+    colors = {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "minItems": 2, "maxItems": 4}
+    r = c.completions.create(model="nemotron-h-tiny-moe", prompt="Colors:", max_tokens=300, temperature=0.7, seed=1,
+                             extra_body={"structured_outputs": {"json": json.dumps(colors)}})
+    try:
+        v = json.loads(r.choices[0].text)
+        ok = isinstance(v, list) and 2 <= len(v) <= 4 and all(x in ("red", "green", "blue") for x in v)
+    except ValueError:
+        ok = False
+    check(ok and r.choices[0].finish_reason == "stop",
+          "structured_outputs.json (schema as text): an array of 2..4 colors %r" % r.choices[0].text[-60:])
+    r = c.completions.create(model="nemotron-h-tiny-moe", prompt="Age:", max_tokens=40, temperature=0,
+                             extra_body={"guided_json": {"type": "integer"}})
+    check(re.fullmatch(r"\s*-?(0|[1-9][0-9]*)", r.choices[0].text) is not None,
+          "guided_json integer: %r" % r.choices[0].text)
+    # the reasoning the template opened is free text; the constraint applies to the content after it
+    r = c.chat.completions.create(model="nemotron-h-tiny-moe", messages=msgs, max_tokens=24, temperature=0,
+                                  response_format={"type": "json_object"})
+    rc = getattr(r.choices[0].message, "reasoning_content", None) or ""
+    check(rc.strip() != "" and not rc.lstrip().startswith("{"),
+          "json_object with thinking on: the reasoning is not constrained (%r)" % rc[:40])
+    # errors name the field and the keyword
+    bad = [({"guided_json": {"type": "integer", "minimum": 0}}, "'minimum' is not supported"),
+           ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object",
+             "properties": {"a": {"type": "string", "pattern": "^a"}}}}}},
+            "response_format.json_schema.schema.properties.a: 'pattern' is not supported"),
+           ({"response_format": {"type": "json_object"}, "guided_choice": ["a"]}, "give one of"),
+           ({"guided_json": "{not json"}, "not JSON text"),
+           ({"guided_choice": []}, "list of 1..65536 strings"),
+           ({"response_format": {"type": "json_schema"}}, "must be an object with a 'schema'"),
+           ({"guided_regex": "a+"}, "'guided_regex' is not supported"),
+           ({"structured_outputs": {"grammar": "root ::= x"}}, "'structured_outputs.grammar' is not supported")]
+    for extra, msg in bad:
+        body = {"prompt": "x", "max_tokens": 4}
+        body.update(extra)
+        code, txt = s.raw("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+        check(code == 400 and msg in txt, "structured output error %s: %d %s" % (list(extra)[0], code, txt[:140]))
+    # constrained and free requests at once: the free ones answer as alone
+    p = "The little girl opened the door and saw"
+    alone = complete(c, p, 24, False)[0]
+    with cf.ThreadPoolExecutor(8) as ex:
+        fut = [ex.submit(lambda i=i: c.completions.create(model="nemotron-h-tiny-moe", prompt=p, max_tokens=300,
+                                                         temperature=0.9, seed=i, extra_body={"guided_json": colors}))
+               for i in range(4)] + [ex.submit(lambda: complete(c, p, 24, False)[0]) for _ in range(4)]
+        res = [f.result() for f in fut]
+    check(all(t == alone for t in res[4:]) and all(x.choices[0].finish_reason in ("stop", "length") for x in res[:4]),
+          "4 free greedy completions beside 4 constrained ones equal the one alone")
 
 
 def logprobs_and_penalties(p0):

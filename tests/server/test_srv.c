@@ -291,7 +291,7 @@ static void test_request_errors(void **state) {
         {SRV_COMPLETION, "{\"prompt\": \"x\", \"logit_bias\": {\"5\": 101}}", 400, "logit_bias"},
         {SRV_COMPLETION, "{\"prompt\": \"x\", \"logit_bias\": {\"5\": \"1\"}}", 400, "logit_bias"},
         {SRV_COMPLETION, "{\"prompt\": \"x\", \"logit_bias\": {\"5\": null}}", 400, "logit_bias"},
-        {SRV_COMPLETION, "{\"prompt\": \"x\", \"response_format\": {\"type\": \"json_object\"}}", 400, "response_format"},
+        {SRV_COMPLETION, "{\"prompt\": \"x\", \"response_format\": {\"type\": \"structural_tag\"}}", 400, "response_format"},
         {SRV_COMPLETION, "{\"prompt\": \"\\ud800\"}", 400, ""},          /* cJSON: a lone surrogate */
         {SRV_COMPLETION, "{\"prompt\": \"a\xff\"}", 400, "prompt"},        /* invalid UTF-8: the tokenizer */
         {SRV_COMPLETION, "{\"prompt\": \"x\\u0000 and more\"}", 400, ""}, /* NUL: cJSON's string would end there */
@@ -300,9 +300,9 @@ static void test_request_errors(void **state) {
         {SRV_COMPLETION, "{\"prompt\": \"x\", \"bad_words\": [\"a\"]}", 400, "bad_words"},
         {SRV_COMPLETION, "{\"prompt\": \"x\", \"allowed_token_ids\": [1]}", 400, "allowed_token_ids"},
         {SRV_COMPLETION, "{\"prompt\": \"x\", \"prompt_logprobs\": 1}", 400, "prompt_logprobs"},
-        {SRV_COMPLETION, "{\"prompt\": \"x\", \"guided_choice\": [\"a\", \"b\"]}", 400, "guided_choice"},
-        {SRV_COMPLETION, "{\"prompt\": \"x\", \"guided_json\": {}}", 400, "guided_json"},
-        {SRV_COMPLETION, "{\"prompt\": \"x\", \"structured_outputs\": {\"choice\": [\"a\"]}}", 400,
+        {SRV_COMPLETION, "{\"prompt\": \"x\", \"guided_choice\": \"a\"}", 400, "guided_choice"},
+        {SRV_COMPLETION, "{\"prompt\": \"x\", \"guided_json\": {\"minimum\": 1}}", 400, "guided_json"},
+        {SRV_COMPLETION, "{\"prompt\": \"x\", \"structured_outputs\": {\"regex\": \"a\"}}", 400,
          "structured_outputs"},
         {SRV_CHAT, "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"function_call\": {\"name\": \"f\"}}",
          400, "function_call"},
@@ -670,6 +670,57 @@ static void test_tokenize_endpoints(void **state) {
     }
 }
 
+/* Structured output fields: which set a grammar, that copies share it (refs; ASan: no double free), the 400s */
+static void test_structured_fields(void **state) {
+    (void)state;
+    srv_request r, c1, c2;
+    srv_error e;
+    assert_int_equal(parse(SRV_COMPLETION, "{\"prompt\": \"x\", \"response_format\": {\"type\": \"text\"}}", &r, &e), 0);
+    assert_null(r.grammar);
+    srv_request_free(&r);
+    static const char *const ok[] = {
+        "{\"prompt\": \"x\", \"response_format\": {\"type\": \"json_object\"}}",
+        "{\"prompt\": \"x\", \"response_format\": {\"type\": \"json_schema\", \"json_schema\": {\"name\": \"n\", "
+        "\"strict\": true, \"schema\": {\"type\": \"object\", \"properties\": {\"a\": {\"type\": \"integer\"}}}}}}",
+        "{\"prompt\": \"x\", \"guided_json\": \"{\\\"type\\\": \\\"string\\\"}\"}",
+        "{\"prompt\": \"x\", \"guided_choice\": [\"a\", \"b\"], \"guided_decoding_backend\": null}",
+        "{\"prompt\": \"x\", \"structured_outputs\": {\"choice\": [\"a\"], \"regex\": null}}",
+        "{\"prompt\": \"x\", \"structured_outputs\": {\"json_object\": true}}",
+    };
+    for (size_t i = 0; i < sizeof ok / sizeof *ok; i++) {
+        if (parse(SRV_COMPLETION, ok[i], &r, &e)) fail_msg("case %zu: %s", i, e.message);
+        assert_non_null(r.grammar);
+        assert_int_equal(r.grammar->json, i < 3 || i == 5);
+        assert_int_equal(srv_request_copy(&r, &c1), 0);
+        assert_int_equal(srv_request_copy(&c1, &c2), 0);
+        assert_ptr_equal(c2.grammar, r.grammar);
+        assert_int_equal(r.grammar->refs, 3);
+        srv_request_free(&r);
+        srv_request_free(&c2);
+        assert_int_equal(c1.grammar->refs, 1);
+        srv_request_free(&c1);
+    }
+    static const struct {
+        const char *body, *param, *msg;
+    } bad[] = {
+        {"{\"prompt\": \"x\", \"response_format\": {\"type\": \"regex\"}}", "response_format", "\"regex\""},
+        {"{\"prompt\": \"x\", \"response_format\": \"json_object\"}", "response_format", "with a 'type'"},
+        {"{\"prompt\": \"x\", \"guided_json\": 5}", "guided_json", "must be a JSON Schema"},
+        {"{\"prompt\": \"x\", \"guided_json\": {\"type\": \"array\", \"uniqueItems\": true}}", "guided_json",
+         "guided_json: 'uniqueItems' is not supported"},
+        {"{\"prompt\": \"x\", \"guided_choice\": [\"a\", 1]}", "guided_choice", "item 1"},
+        {"{\"prompt\": \"x\", \"structured_outputs\": {\"json\": {}, \"choice\": [\"a\"]}}", "structured_outputs",
+         "one of"},
+        {"{\"prompt\": \"x\", \"structured_outputs\": {}}", "structured_outputs", "gives none"},
+        {"{\"prompt\": \"x\", \"guided_grammar\": \"root ::= x\"}", "guided_grammar", "not supported"},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
+        if (parse(SRV_COMPLETION, bad[i].body, &r, &e) != -1 || e.http != 400 || strcmp(e.param, bad[i].param) ||
+            !strstr(e.message, bad[i].msg))
+            fail_msg("case %zu %s: http %d param '%s' message '%s'", i, bad[i].body, e.http, e.param, e.message);
+    }
+}
+
 /* Every input kept by fuzz/run_request.sh: parses to a request or a 4xx, never a crash. */
 #include <dirent.h>
 static void test_regressions(void **state) {
@@ -710,6 +761,7 @@ int main(void) {
     const struct CMUnitTest request_tests[] = {
         cmocka_unit_test(test_request_errors),
         cmocka_unit_test(test_request_fields),
+        cmocka_unit_test(test_structured_fields),
         cmocka_unit_test(test_regressions),
         cmocka_unit_test(test_tokenize_endpoints),
     };
