@@ -1207,15 +1207,27 @@ int64_t fp4moe_grammar_mask_logits(fp4moe_grammar_matcher *m, float *logits, int
             walk(m, &v->all, v->tnext_all, 0, 0);
         }
     }
+    /* the stop ids: exactly when the value is complete (the walk never reaches them: special tokens are not in the
+       trie, and an ordinary token used as a stop id is taken out here) */
     const int done = !m->ended && state_complete(m->g, &m->s);
-    int64_t left = 0;
-    for (int64_t i = 0; i < n; i++) {
-        int ok = i < v->V && ((m->allow[i >> 6] >> (i & 63)) & 1);
-        if (ok && is_stop(m, (int32_t)i)) ok = 0;
-        if (!ok && done && i < v->V && is_stop(m, (int32_t)i)) ok = 1;
-        if (ok) left++;
-        else logits[i] = -INFINITY;
+    for (int i = 0; i < m->n_stop; i++) {
+        const int32_t id = m->stop[i];
+        if (done) m->allow[id >> 6] |= 1ull << (id & 63);
+        else m->allow[id >> 6] &= ~(1ull << (id & 63));
     }
+    /* a word of the bitset at a time: all-allowed words are skipped */
+    int64_t left = 0;
+    const int64_t nv = n < v->V ? n : v->V;
+    for (int64_t w = 0; w * 64 < nv; w++) {
+        uint64_t a = m->allow[w];
+        const int64_t base = w * 64, cnt = nv - base < 64 ? nv - base : 64;
+        if (cnt < 64) a &= (1ull << cnt) - 1;
+        left += __builtin_popcountll(a);
+        if (a == ~0ull) continue;
+        for (int64_t k = 0; k < cnt; k++)
+            if (!((a >> k) & 1)) logits[base + k] = -INFINITY;
+    }
+    for (int64_t i = nv; i < n; i++) logits[i] = -INFINITY;
     return left;
 }
 
