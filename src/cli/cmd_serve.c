@@ -23,7 +23,7 @@
 #define CMD "serve"
 
 typedef struct {
-    const char *model, *synthetic, *tokenizer, *chat_template, *host, *api_key, *name, *device, *dtype, *reasoning, *cpu_act,
+    const char *model, *synthetic, *tokenizer, *chat_template, *host, *api_key, *name, *device, *dtype, *reasoning, *tool_parser, *cpu_act,
         *kv_cache;
     int64_t port, ctx, max_seqs, max_step_tokens, max_queue, max_body, prefix_cache_mb, prefix_min_tokens,
         http_threads, seed, kv_tokens, gpus, ep_ranks;
@@ -167,6 +167,11 @@ static int serve(const serve_args *a) {
     pc.vocab = cfg->vocab;
     pc.context = ctx;
     pc.reasoning = !a->reasoning || !strcmp(a->reasoning, "on");
+    /* tool calls: the format the template asks for, unless --tool-call-parser says */
+    pc.tools = !a->tool_parser || !strcmp(a->tool_parser, "auto") ? srv_tool_format_of_template(src)
+               : !strcmp(a->tool_parser, "qwen3_coder")          ? SRV_TOOLS_XML
+               : !strcmp(a->tool_parser, "nemotron_json")        ? SRV_TOOLS_JSON
+                                                                 : SRV_TOOLS_NONE;
     fp4moe_sampler_params_default(&pc.defaults);
     pc.defaults.temperature = 1.0f;   /* OpenAI's default, unless generation_config.json says otherwise */
     cli_generation_defaults(tok_dir, tok, cfg->vocab, &pc.defaults);
@@ -258,6 +263,9 @@ int cmd_serve(int argc, char **argv) {
         {"--quiet", "-q", CLI_FLAG, &a.quiet, NULL, "no line per finished request on stderr"},
         {"--prefix-min-tokens", NULL, CLI_INT, &a.prefix_min_tokens, "N", "shortest prefix worth keeping (default 32)"},
         {"--reasoning", NULL, CLI_STRING, &a.reasoning, "on|off", "return <think> text as reasoning_content (default on)"},
+        {"--tool-call-parser", NULL, CLI_STRING, &a.tool_parser, "P",
+         "tool calls in chat answers -> tool_calls: auto (the chat template's format), qwen3_coder (<tool_call><function=...>, "
+         "Nemotron-3), nemotron_json (<TOOLCALL>[...], Nemotron-Nano-9B-v2) or none (default auto)"},
         {"--http-threads", NULL, CLI_INT, &a.http_threads, "N", "HTTP worker threads (default 4)"},
         {"--threads", "-t", CLI_INT, &a.threads, "N", "CPU threads (default: one per core)"},
         {"--device", NULL, CLI_STRING, &a.device, "DEV", "cpu, cuda or auto (default auto)"},
@@ -289,6 +297,10 @@ int cmd_serve(int argc, char **argv) {
                                ">= 0, --prefix-min-tokens >= 1, --http-threads in [1, 64], --max-body >= 1024");
     if (a.reasoning && strcmp(a.reasoning, "on") && strcmp(a.reasoning, "off"))
         return cli_usage_error(CMD, "--reasoning must be on or off");
+    if (a.tool_parser && strcmp(a.tool_parser, "auto") && strcmp(a.tool_parser, "qwen3_coder") &&
+        strcmp(a.tool_parser, "nemotron_json") && strcmp(a.tool_parser, "none"))
+        return cli_usage_error(CMD, "--tool-call-parser must be auto, qwen3_coder, nemotron_json or none (got '%s')",
+                               a.tool_parser);
     if (a.api_key && !a.api_key[0]) return cli_usage_error(CMD, "--api-key must not be empty");
     if (a.gpus < 0 || a.gpus > 64 || a.ep_ranks < 0 || a.ep_ranks > 64)
         return cli_usage_error(CMD, "--gpus and --ep-ranks must be in 1 .. 64");

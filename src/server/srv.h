@@ -66,6 +66,13 @@ int srv_fail(srv_error *e, int http, const char *param, const char *fmt, ...)
 /* The OpenAI error body of e, malloc'd JSON text. */
 char *srv_error_json(const srv_error *e);
 
+typedef enum {
+    SRV_TOOLS_NONE = 0,
+    SRV_TOOLS_XML = 1,  /* <tool_call><function=NAME><parameter=P>VALUE</parameter></function></tool_call> */
+    SRV_TOOLS_JSON = 2  /* <TOOLCALL>[{"name": ..., "arguments": {...}}]</TOOLCALL> */
+} srv_tool_format;
+
+
 /* ---- requests ------------------------------------------------------------------------------- */
 
 typedef enum { SRV_CHAT = 0, SRV_COMPLETION = 1 } srv_kind;
@@ -82,6 +89,8 @@ typedef struct {
     int64_t context;                   /* tokens per sequence: prompt + output */
     fp4moe_sampler_params defaults;    /* sampling when the request says nothing (+ stop ids) */
     int reasoning;                     /* split <think>...</think> into reasoning_content */
+    srv_tool_format tools;             /* how the model writes tool calls (chat requests with tools: the
+                                          answer's calls become tool_calls); SRV_TOOLS_NONE: left as content */
 } srv_parse_ctx;
 
 /* A compiled structured-output grammar, shared by a request's copies (its choices): refs counted atomically. */
@@ -122,6 +131,11 @@ typedef struct {
                                           max_tokens may then be 0 */
     int32_t *bias_ids;                 /* logit_bias (malloc'd; sp.bias_ids / sp.bias point here) */
     float *bias;
+    srv_tool_format tools_fmt;         /* chat with tools (tool_choice auto): the answer's calls in this format
+                                          become tool_calls; SRV_TOOLS_NONE: none */
+    char *tools_json;                  /* the request's tools (JSON text, malloc'd): the parameters' types */
+    char *tool_forced;                 /* tool_choice naming a function (malloc'd): the output is its arguments
+                                          (grammar: its parameters schema), returned as that one call */
     srv_grammar *grammar;              /* structured output (response_format json_object / json_schema, vLLM's
                                           guided_json / guided_choice / structured_outputs): the output is
                                           constrained to it (after the reasoning, when the output starts in it);
@@ -167,6 +181,29 @@ int srv_detokenize(const srv_parse_ctx *c, const char *body, size_t len, char **
 /* GET /tokenizer_info: {"tokenizer_class", "bos_token", "eos_token", "pad_token", "model_max_length",
  * "chat_template"} (null where unknown), malloc'd JSON (NULL: out of memory). */
 char *srv_tokenizer_info(const srv_parse_ctx *c);
+
+/* ---- tool calls in a chat answer (srv_tools.c) ------------------------------------------------------------ */
+
+/* The format a chat template asks for (from its text: "<function=" with "<parameter=", or "<TOOLCALL>"). */
+srv_tool_format srv_tool_format_of_template(const char *src);
+
+/* Content -> (content before the first call marker, the calls' text). Content that could still begin a marker is
+ * held back; after a marker everything goes to `calls`. */
+typedef struct {
+    srv_tool_format fmt;
+    int in_calls;
+    srv_buf held, calls;
+} srv_tool_split;
+void srv_tool_split_init(srv_tool_split *t, srv_tool_format fmt);
+/* Appends to `content` what passed; 0, or -1 when out of memory. */
+int srv_tool_split_feed(srv_tool_split *t, const char *s, size_t n, srv_buf *content);
+/* The end of the answer: the held-back text is content after all. */
+int srv_tool_split_flush(srv_tool_split *t, srv_buf *content);
+void srv_tool_split_free(srv_tool_split *t);
+/* The calls of text (the calls' text of a split) as an OpenAI tool_calls array ({"id": "call_...", "type":
+ * "function", "function": {"name", "arguments": JSON text}}); tools: the request's tools (the parameters' types),
+ * may be NULL; rng: the ids' state. NULL when no call parses (the text is then content). */
+cJSON *srv_tool_calls_parse(srv_tool_format fmt, const char *text, size_t n, const cJSON *tools, uint64_t *rng);
 
 /* ---- generated text: stop strings and the reasoning split ------------------------------------ */
 

@@ -48,6 +48,9 @@ struct srv_job {
     int32_t *gen;
     int64_t n_gen, cap_gen;
     float *logits;
+    srv_tool_split tsplit;                    /* chat with tools: content -> (content, the calls' text) */
+    int tsplit_on;
+    uint64_t call_rng;                        /* tool call ids */
     fp4moe_grammar_matcher *gm;               /* structured output: the output's place in r.grammar (NULL: none) */
     float *mlog;                              /* ... and the logits with its mask (the sampler's input; logprobs
                                                  come from the raw ones, as vLLM's) */
@@ -243,16 +246,113 @@ static void add_logprobs(srv_job *j, cJSON *choice, int final) {
     j->lp = lp_new(j);
 }
 
-/* One SSE chunk with a delta (stream), or the text kept for the final body (non-stream). */
+/* A tool call delta of a stream: {"index": 0, ["id", "type", "function": {"name"}], "function": {"arguments"}} */
+static cJSON *call_delta(const cJSON *call, int index, int head, const char *args, size_t n_args) {
+    cJSON *c = cJSON_CreateObject(), *f;
+    cJSON_AddNumberToObject(c, "index", index);
+    if (head) {
+        cJSON_AddItemToObject(c, "id", cJSON_Duplicate(cJSON_GetObjectItemCaseSensitive(call, "id"), 1));
+        cJSON_AddStringToObject(c, "type", "function");
+    }
+    f = cJSON_AddObjectToObject(c, "function");
+    if (head) cJSON_AddItemToObject(f, "name", cJSON_Duplicate(cJSON_GetObjectItemCaseSensitive(
+                                                   cJSON_GetObjectItemCaseSensitive(call, "function"), "name"), 1));
+    cJSON_AddItemToObject(f, "arguments", srv_json_string(args ? args : "", n_args));
+    return c;
+}
+
+/* A one-call tool_calls array for the named tool_choice (id drawn here) with the arguments text so far */
+static cJSON *forced_call(srv_job *j, const char *args, size_t n) {
+    cJSON *arr = cJSON_CreateArray(), *c = cJSON_CreateObject(), *f;
+    char id[32];
+    uint64_t a = (j->call_rng += 0x9e3779b97f4a7c15ull), b = (j->call_rng += 0x9e3779b97f4a7c15ull);
+    a = (a ^ (a >> 31)) * 0xbf58476d1ce4e5b9ull;
+    b = (b ^ (b >> 29)) * 0x94d049bb133111ebull;
+    snprintf(id, sizeof id, "call_%016llx%08llx", (unsigned long long)(a ^ (a >> 32)), (unsigned long long)(b >> 32));
+    cJSON_AddStringToObject(c, "id", id);
+    cJSON_AddStringToObject(c, "type", "function");
+    f = cJSON_AddObjectToObject(c, "function");
+    cJSON_AddStringToObject(f, "name", j->r.tool_forced);
+    cJSON_AddItemToObject(f, "arguments", srv_json_string(args ? args : "", n));
+    cJSON_AddItemToArray(arr, c);
+    return arr;
+}
+
+/* The tool calls of a finished answer (auto tool choice): the split's calls parsed, or NULL (then the calls' text
+ * joins the content in *rest) */
+static cJSON *finish_calls(srv_job *j, srv_buf *rest) {
+    if (!j->tsplit_on) return NULL;
+    srv_tool_split_flush(&j->tsplit, rest);
+    if (!j->tsplit.in_calls) return NULL;
+    cJSON *tools = j->r.tools_json ? cJSON_Parse(j->r.tools_json) : NULL;
+    cJSON *calls = srv_tool_calls_parse(j->tsplit.fmt, j->tsplit.calls.p, j->tsplit.calls.n, tools, &j->call_rng);
+    cJSON_Delete(tools);
+    if (!calls) srv_buf_add(rest, j->tsplit.calls.p, j->tsplit.calls.n);
+    j->tsplit.calls.n = 0;
+    return calls;
+}
+
+/* One SSE chunk with a delta (stream), or the text kept for the final body (non-stream). Chat with tools: the
+ * content goes through the tool-call split first (the calls come at the end: the last chunk / the message); a named
+ * tool_choice: the content is the call's arguments. */
+static void emit_raw(srv_job *j, const srv_delta *d, const char *finish, cJSON *calls);
 static void emit(srv_job *j, const srv_delta *d, const char *finish) {
-    if (j->grp->done) return; /* (the request ended: a sibling choice failed, or the client went) */
+    if (j->grp->done) return;
+    if (j->r.kind != SRV_CHAT || (!j->tsplit_on && !j->r.tool_forced)) {
+        emit_raw(j, d, finish, NULL);
+        return;
+    }
+    srv_delta d2 = *d;
+    srv_buf pass = {0};
+    cJSON *calls = NULL;
+    if (j->r.tool_forced) { /* the content is the arguments: a stream sends them as the call's deltas */
+        if (!j->r.stream) {
+            emit_raw(j, d, finish, NULL);
+            return;
+        }
+        if (d->n_content || !j->role_sent) {
+            calls = cJSON_CreateArray();
+            cJSON *one = forced_call(j, NULL, 0);
+            cJSON_AddItemToArray(calls, call_delta(one->child, 0, !j->role_sent, d->content, d->n_content));
+            cJSON_Delete(one);
+        }
+        d2.content = "";
+        d2.n_content = 0;
+        emit_raw(j, &d2, finish, calls);
+        return;
+    }
+    srv_tool_split_feed(&j->tsplit, d->content, d->n_content, &pass);
+    if (finish && j->r.stream) calls = finish_calls(j, &pass);
+    d2.content = pass.p ? pass.p : "";
+    d2.n_content = pass.n;
+    if (calls && j->r.stream) { /* a stream's calls: one delta each, whole */
+        cJSON *deltas = cJSON_CreateArray();
+        int i = 0;
+        for (const cJSON *c = calls->child; c; c = c->next, i++) {
+            const cJSON *a = cJSON_GetObjectItemCaseSensitive(cJSON_GetObjectItemCaseSensitive(c, "function"), "arguments");
+            cJSON_AddItemToArray(deltas, call_delta(c, i, 1, cJSON_GetStringValue(a),
+                                                    cJSON_GetStringValue(a) ? strlen(cJSON_GetStringValue(a)) : 0));
+        }
+        cJSON_Delete(calls);
+        calls = deltas;
+        finish = "tool_calls";
+    }
+    emit_raw(j, &d2, finish, calls);
+    srv_buf_free(&pass);
+}
+
+static void emit_raw(srv_job *j, const srv_delta *d, const char *finish, cJSON *calls) {
+    if (j->grp->done) { /* (the request ended: a sibling choice failed, or the client went) */
+        cJSON_Delete(calls);
+        return;
+    }
     if (!j->r.stream) {
         const char *part[2] = {d->reasoning, d->content};
         const size_t n[2] = {d->n_reasoning, d->n_content};
         for (int k = 0; k < 2; k++) srv_buf_add(&j->acc[k], part[k], n[k]);
         return;
     }
-    if (!d->n_reasoning && !d->n_content && !finish && j->role_sent) return; /* (logprobs wait for text) */
+    if (!d->n_reasoning && !d->n_content && !finish && j->role_sent && !calls) return; /* (logprobs wait for text) */
     cJSON *o = chunk_base(j), *ch = cJSON_AddArrayToObject(o, "choices"), *c = cJSON_CreateObject();
     cJSON_AddItemToArray(ch, c);
     cJSON_AddNumberToObject(c, "index", j->index);
@@ -260,13 +360,16 @@ static void emit(srv_job *j, const srv_delta *d, const char *finish) {
         cJSON *delta = cJSON_AddObjectToObject(c, "delta");
         if (!j->role_sent) cJSON_AddStringToObject(delta, "role", "assistant");
         if (d->n_reasoning) cJSON_AddItemToObject(delta, "reasoning_content", srv_json_string(d->reasoning, d->n_reasoning));
-        if (d->n_content || (!j->role_sent && !d->n_reasoning))
+        if (d->n_content || (!j->role_sent && !d->n_reasoning && !calls))
             cJSON_AddItemToObject(delta, "content", srv_json_string(d->content, d->n_content));
+        if (calls) cJSON_AddItemToObject(delta, "tool_calls", calls);
+        calls = NULL;
         j->role_sent = 1;
     } else {
         cJSON_AddItemToObject(c, "text", srv_json_string(d->content, d->n_content));
         j->role_sent = 1;
     }
+    cJSON_Delete(calls);
     add_logprobs(j, c, finish != NULL);
     if (finish) cJSON_AddStringToObject(c, "finish_reason", finish);
     else cJSON_AddNullToObject(c, "finish_reason");
@@ -280,7 +383,16 @@ static cJSON *choice_object(srv_job *j, const char *finish) {
     if (j->r.kind == SRV_CHAT) {
         cJSON *msg = cJSON_AddObjectToObject(c, "message");
         cJSON_AddStringToObject(msg, "role", "assistant");
-        cJSON_AddItemToObject(msg, "content", srv_json_string(j->acc[1].n ? j->acc[1].p : "", j->acc[1].n));
+        cJSON *calls = j->r.tool_forced ? forced_call(j, j->acc[1].p, j->acc[1].n) : finish_calls(j, &j->acc[1]);
+        if (calls) {
+            if (j->acc[1].n) cJSON_AddItemToObject(msg, "content", srv_json_string(j->acc[1].p, j->acc[1].n));
+            else cJSON_AddNullToObject(msg, "content");
+            if (j->r.tool_forced) cJSON_ReplaceItemInObject(msg, "content", cJSON_CreateNull());
+            cJSON_AddItemToObject(msg, "tool_calls", calls);
+            if (!j->r.tool_forced) finish = "tool_calls";
+        } else {
+            cJSON_AddItemToObject(msg, "content", srv_json_string(j->acc[1].n ? j->acc[1].p : "", j->acc[1].n));
+        }
         if (j->r.reasoning && j->acc[0].n)
             cJSON_AddItemToObject(msg, "reasoning_content", srv_json_string(j->acc[0].p, j->acc[0].n));
         else cJSON_AddNullToObject(msg, "reasoning_content");
@@ -631,6 +743,11 @@ static int admit(srv_rank *rk, srv_job *j) {
         finish_error(e, j, 500, "out of memory");
         return -1;
     }
+    if (j->r.tools_fmt != SRV_TOOLS_NONE) {
+        srv_tool_split_init(&j->tsplit, j->r.tools_fmt);
+        j->tsplit_on = 1;
+    }
+    j->call_rng = mix64(e->id_base ^ mix64((uint64_t)(uintptr_t)j) ^ (uint64_t)j->index);
     if (j->r.grammar) {
         const int st = e->gv ? fp4moe_grammar_matcher_new(j->r.grammar->g, e->gv, j->r.sp.stop_ids, j->r.sp.n_stop, &j->gm)
                              : fp4moe_set_error(FP4MOE_ENOMEM, "no grammar vocab");
@@ -883,6 +1000,7 @@ static void job_free(srv_job *j) {
     free(j->logits);
     fp4moe_grammar_matcher_free(j->gm);
     free(j->mlog);
+    if (j->tsplit_on) srv_tool_split_free(&j->tsplit);
     cJSON_Delete(j->lp);
     cJSON_Delete(j->choice_json);
     fp4moe_snapshot_free(j->psnap);

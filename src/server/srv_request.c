@@ -49,6 +49,8 @@ void srv_request_free(srv_request *r) {
     for (int i = 0; r->more_ids && i < r->n_prompts - 1; i++) free(r->more_ids[i]);
     free(r->more_ids);
     free(r->more_n);
+    free(r->tools_json);
+    free(r->tool_forced);
     if (r->grammar && __atomic_sub_fetch(&r->grammar->refs, 1, __ATOMIC_ACQ_REL) == 0) {
         fp4moe_grammar_free(r->grammar->g);
         free(r->grammar);
@@ -94,6 +96,10 @@ int srv_request_copy(const srv_request *a, srv_request *b) {
     b->sp.bias_ids = b->bias_ids;
     b->sp.bias = b->bias;
     if (b->grammar) __atomic_add_fetch(&b->grammar->refs, 1, __ATOMIC_ACQ_REL);
+    b->tools_json = NULL;
+    b->tool_forced = NULL;
+    if (ok && a->tools_json) ok = (b->tools_json = strdup(a->tools_json)) != NULL;
+    if (ok && a->tool_forced) ok = (b->tool_forced = strdup(a->tool_forced)) != NULL;
     b->more_ids = NULL;
     b->more_n = NULL;
     const int extra = a->n_prompts > 1 ? a->n_prompts - 1 : 0;
@@ -166,10 +172,13 @@ static int refuse_unless_neutral(const cJSON *o, srv_error *e) {
         return srv_fail(e, 400, "best_of", "'best_of' must equal 'n' (fp4moe does not rank extra samples)");
     if ((v = field(o, "suffix")))
         return srv_fail(e, 400, "suffix", "'suffix' is not supported by fp4moe");
+    if ((v = field(o, "tool_choice")) && cJSON_IsString(v) && !strcmp(v->valuestring, "required"))
+        return srv_fail(e, 400, "tool_choice", "'tool_choice' \"required\" is not supported by fp4moe (\"auto\", \"none\" "
+                        "and a named function are)");
     if ((v = field(o, "tool_choice")) && !(cJSON_IsString(v) && (!strcmp(v->valuestring, "auto") ||
-                                                                !strcmp(v->valuestring, "none"))))
-        return srv_fail(e, 400, "tool_choice", "'tool_choice' must be \"auto\" or \"none\" (fp4moe does not force "
-                        "tool calls)");
+                                                                !strcmp(v->valuestring, "none"))) && !cJSON_IsObject(v))
+        return srv_fail(e, 400, "tool_choice", "'tool_choice' must be \"auto\", \"none\" or {\"type\": \"function\", "
+                        "\"function\": {\"name\": ...}}");
     if ((v = field(o, "function_call")) && !(cJSON_IsString(v) && (!strcmp(v->valuestring, "auto") ||
                                                                   !strcmp(v->valuestring, "none"))))
         return srv_fail(e, 400, "function_call", "'function_call' must be \"auto\" or \"none\" (fp4moe does not "
@@ -639,6 +648,49 @@ static int render(const srv_parse_ctx *c, cJSON *ctx, int gen_prompt, char **tex
     return 0;
 }
 
+/* tools + tool_choice: "none" (the calls stay text), "auto" (default: the calls of the answer become tool_calls when
+ * the server knows the model's format), or {"type": "function", "function": {"name": N}}: the output is N's arguments,
+ * constrained to its parameters schema (vLLM's named tool choice), returned as one call to N. */
+static int parse_tool_choice(const srv_parse_ctx *c, const cJSON *o, const cJSON *tools, srv_request *r,
+                             srv_error *e) {
+    const cJSON *tc = field(o, "tool_choice");
+    const int n = tools ? cJSON_GetArraySize(tools) : 0;
+    if (cJSON_IsObject(tc)) {
+        const cJSON *ty = cJSON_GetObjectItemCaseSensitive(tc, "type");
+        const cJSON *nm = cJSON_GetObjectItemCaseSensitive(cJSON_GetObjectItemCaseSensitive(tc, "function"), "name");
+        if (!cJSON_IsString(ty) || strcmp(ty->valuestring, "function") || !cJSON_IsString(nm))
+            return srv_fail(e, 400, "tool_choice", "'tool_choice' must be {\"type\": \"function\", \"function\": "
+                            "{\"name\": ...}}");
+        const cJSON *params = NULL;
+        int found = 0;
+        for (const cJSON *t = n ? tools->child : NULL; t; t = t->next) {
+            const cJSON *f = cJSON_GetObjectItemCaseSensitive(t, "function");
+            const cJSON *fn = cJSON_GetObjectItemCaseSensitive(f, "name");
+            if (cJSON_IsString(fn) && !strcmp(fn->valuestring, nm->valuestring)) {
+                found = 1;
+                params = cJSON_GetObjectItemCaseSensitive(f, "parameters");
+                break;
+            }
+        }
+        if (!found)
+            return srv_fail(e, 400, "tool_choice", "'tool_choice' names the function '%.200s', which 'tools' does not "
+                            "have", nm->valuestring);
+        if (r->grammar)
+            return srv_fail(e, 400, "tool_choice", "a named 'tool_choice' constrains the output itself: give no "
+                            "response_format / guided_* / structured_outputs with it");
+        if (!(r->tool_forced = strdup(nm->valuestring))) return srv_fail(e, 500, NULL, "out of memory");
+        cJSON *obj = params ? NULL : cJSON_Parse("{\"type\": \"object\"}");
+        const int st = set_grammar(r, params ? params : obj, 0, "tool_choice.function.parameters", "tools", e);
+        cJSON_Delete(obj);
+        return st;
+    }
+    if (n && c->tools != SRV_TOOLS_NONE && !(cJSON_IsString(tc) && !strcmp(tc->valuestring, "none"))) {
+        r->tools_fmt = c->tools;
+        if (!(r->tools_json = cJSON_PrintUnformatted(tools))) return srv_fail(e, 500, NULL, "out of memory");
+    }
+    return 0;
+}
+
 static int parse_chat(const srv_parse_ctx *c, const cJSON *o, srv_request *r, srv_error *e) {
     if (!c->tmpl)
         return srv_fail(e, 400, "messages", "model '%s' has no chat template: start the server with --chat-template "
@@ -663,6 +715,10 @@ static int parse_chat(const srv_parse_ctx *c, const cJSON *o, srv_request *r, sr
         return srv_fail(e, 400, "tools", "'tools' must be a list");
     }
     cJSON_AddItemToObject(ctx, "tools", tools && cJSON_GetArraySize(tools) ? cJSON_Duplicate(tools, 1) : cJSON_CreateNull());
+    if (parse_tool_choice(c, o, tools, r, e)) {
+        cJSON_Delete(ctx);
+        return -1;
+    }
     cJSON_AddNullToObject(ctx, "documents");
     cJSON_AddTrueToObject(ctx, "add_generation_prompt");
     cJSON_AddStringToObject(ctx, "bos_token", c->bos_token ? c->bos_token : "");

@@ -375,6 +375,7 @@ def main():
             check("maximum context length" in str(ex), "openai client: BadRequestError for a too-long prompt")
 
         structured_outputs(s, c)
+        tool_calls(s, c)
 
         # --- prefix reuse across chat turns -------------------------------------------------------
         sys_msg = {"role": "system", "content": " ".join(TEXT.split()[:220])}
@@ -573,6 +574,88 @@ def structured_outputs(s, c):
         res = [f.result() for f in fut]
     check(all(t == alone for t in res[4:]) and all(x.choices[0].finish_reason in ("stop", "length") for x in res[:4]),
           "4 free greedy completions beside 4 constrained ones equal the one alone")
+
+
+def tool_calls(s, c):
+    """tools: a named tool_choice returns one call whose arguments satisfy the tool's parameters (stream: the same
+    arguments in deltas); with tool_choice auto the model's own call format (Nemotron-3: <tool_call><function=...>) in
+    the answer becomes tool_calls with finish_reason "tool_calls" - the tiny model is made to write one through
+    guided_choice -, the conversation goes on with the call and its result; "required" and unknown names are 400s."""
+    off = {"chat_template_kwargs": {"enable_thinking": False}}
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+              "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                                              "days": {"type": "integer"}},
+                             "required": ["city", "days"]}}},
+             {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}]
+    msgs = [{"role": "user", "content": "What is the weather in Paris for 3 days?"}]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    r = c.chat.completions.create(model="nemotron-h-tiny-moe", messages=msgs, tools=tools, tool_choice=named,
+                                  max_tokens=400, temperature=0, extra_body=off)
+    m = r.choices[0].message
+    ok = bool(m.tool_calls) and len(m.tool_calls) == 1 and m.tool_calls[0].function.name == "get_weather"
+    args = json.loads(m.tool_calls[0].function.arguments) if ok else {}
+    check(ok and set(args) == {"city", "days"} and isinstance(args["days"], int) and len(args["city"]) <= 12 and
+          m.tool_calls[0].id.startswith("call_") and r.choices[0].finish_reason == "stop",
+          "named tool_choice: one get_weather call with valid arguments %r" % (m.tool_calls and m.tool_calls[0]))
+    st = c.chat.completions.create(model="nemotron-h-tiny-moe", messages=msgs, tools=tools, tool_choice=named,
+                                   max_tokens=400, temperature=0, stream=True, extra_body=off)
+    name, sargs, ids = None, "", set()
+    for ch in st:
+        for d in (ch.choices[0].delta.tool_calls or []) if ch.choices else []:
+            name = name or (d.function.name if d.function else None)
+            sargs += (d.function.arguments or "") if d.function else ""
+            if d.id:
+                ids.add(d.id)
+    check(name == "get_weather" and len(ids) == 1 and ok and sargs == m.tool_calls[0].function.arguments,
+          "named tool_choice streamed: the name once, the same arguments in deltas")
+    # tool_choice auto: a call in the model's format becomes tool_calls (forced here through guided_choice)
+    call_text = "Sure.<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n" \
+                "3\n</parameter>\n</function>\n</tool_call>"
+    for stream in (False, True):
+        kw = dict(model="nemotron-h-tiny-moe", messages=msgs, tools=tools, max_tokens=200, temperature=0,
+                  extra_body=dict(off, guided_choice=[call_text]))
+        if not stream:
+            r = c.chat.completions.create(**kw)
+            m = r.choices[0].message
+            calls = [(t.function.name, json.loads(t.function.arguments), t.id) for t in (m.tool_calls or [])]
+            content, fin = m.content, r.choices[0].finish_reason
+        else:
+            acc = {}
+            content, fin = "", None
+            for ch in c.chat.completions.create(stream=True, **kw):
+                if not ch.choices:
+                    continue
+                dl = ch.choices[0].delta
+                content += dl.content or ""
+                for d in dl.tool_calls or []:
+                    e = acc.setdefault(d.index, ["", "", d.id])
+                    e[0] += (d.function.name or "") if d.function else ""
+                    e[1] += (d.function.arguments or "") if d.function else ""
+                fin = ch.choices[0].finish_reason or fin
+            calls = [(v[0], json.loads(v[1]), v[2]) for _, v in sorted(acc.items())]
+        check(len(calls) == 1 and calls[0][0] == "get_weather" and calls[0][1] == {"city": "Paris", "days": 3} and
+              content == "Sure." and fin == "tool_calls",
+              "tool_choice auto%s: the model's <tool_call> becomes tool_calls %r, content %r, finish %s"
+              % (" (stream)" if stream else "", calls, content, fin))
+    # the conversation goes on: the call and its result in the messages
+    if calls:
+        turn = msgs + [{"role": "assistant", "content": None, "tool_calls": [{"id": calls[0][2], "type": "function",
+                        "function": {"name": "get_weather", "arguments": json.dumps(calls[0][1])}}]},
+                       {"role": "tool", "tool_call_id": calls[0][2], "content": "{\"temp_c\": 18}"}]
+        r = c.chat.completions.create(model="nemotron-h-tiny-moe", messages=turn, tools=tools, max_tokens=8,
+                                      temperature=0, extra_body=off)
+        check(r.choices[0].finish_reason in ("stop", "length", "tool_calls"),
+              "a turn with the call and its result is answered (%r)" % r.choices[0].message.content)
+    # tool_choice none: the call stays text
+    r = c.chat.completions.create(model="nemotron-h-tiny-moe", messages=msgs, tools=tools, tool_choice="none",
+                                  max_tokens=200, temperature=0, extra_body=dict(off, guided_choice=[call_text]))
+    check(r.choices[0].message.content == call_text and not r.choices[0].message.tool_calls,
+          "tool_choice none: the call stays content")
+    for tc, msg in (("required", "is not supported by fp4moe"),
+                    ({"type": "function", "function": {"name": "nope"}}, "names the function 'nope'")):
+        body = {"messages": msgs, "tools": tools, "tool_choice": tc, "max_tokens": 4}
+        code, txt = s.raw("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+        check(code == 400 and msg in txt, "tool_choice %s: 400 %s" % (tc, txt[:120]))
 
 
 def logprobs_and_penalties(p0):

@@ -721,6 +721,140 @@ static void test_structured_fields(void **state) {
     }
 }
 
+/* Tool calls: an assistant message with tool_calls rendered by the real chat template (NVIDIA's format: the
+ * Nemotron-3 XML one, the Nano-9B-v2 JSON one) comes back through srv_tool_split (random splits of the text) and
+ * srv_tool_calls_parse as the same names and arguments, the content before the calls as content; text without a
+ * call stays content; a marker with no parsable call goes back to the content. */
+static void render_assistant(const char *tmpl_path, const char *calls_json, char **out) {
+    FILE *f = fopen(tmpl_path, "rb");
+    assert_non_null(f);
+    static char src[1 << 16];
+    const size_t n = fread(src, 1, sizeof src, f);
+    fclose(f);
+    fp4moe_template *t = NULL;
+    assert_int_equal(fp4moe_template_compile(src, n, &t), FP4MOE_OK);
+    char ctxs[4096];
+    snprintf(ctxs, sizeof ctxs, "{\"messages\": [{\"role\": \"user\", \"content\": \"Weather?\"}, {\"role\": "
+             "\"assistant\", \"content\": \"Let me check.\", \"tool_calls\": %s}], \"add_generation_prompt\": false, "
+             "\"bos_token\": \"<s>\", \"eos_token\": \"</s>\"}", calls_json);
+    cJSON *ctx = cJSON_Parse(ctxs);
+    assert_non_null(ctx);
+    size_t len;
+    assert_int_equal(fp4moe_template_render(t, ctx, NULL, out, &len), FP4MOE_OK);
+    cJSON_Delete(ctx);
+    fp4moe_template_free(t);
+}
+
+static void split_parse(srv_tool_format fmt, const char *text, uint64_t *rng, const cJSON *tools, srv_buf *content,
+                        cJSON **calls) {
+    srv_tool_split t;
+    srv_tool_split_init(&t, fmt);
+    content->n = 0;
+    for (size_t at = 0, n = strlen(text); at < n;) {
+        *rng = *rng * 6364136223846793005ull + 1442695040888963407ull;
+        size_t k = 1 + (*rng >> 33) % 7;
+        if (at + k > n) k = n - at;
+        assert_int_equal(srv_tool_split_feed(&t, text + at, k, content), 0);
+        at += k;
+    }
+    assert_int_equal(srv_tool_split_flush(&t, content), 0);
+    uint64_t ids = 1;
+    *calls = t.in_calls ? srv_tool_calls_parse(fmt, t.calls.p, t.calls.n, tools, &ids) : NULL;
+    if (t.in_calls && !*calls) srv_buf_add(content, t.calls.p, t.calls.n);
+    srv_tool_split_free(&t);
+}
+
+static void test_tool_calls(void **state) {
+    (void)state;
+    const char *calls_json = "[{\"id\": \"c1\", \"type\": \"function\", \"function\": {\"name\": \"get_weather\", "
+                             "\"arguments\": {\"city\": \"Paris, FR\\nrive gauche\", \"days\": 3, \"ratio\": 2.5, "
+                             "\"metric\": true, \"units\": {\"t\": \"C\"}, \"tags\": [\"a\", 1], \"note\": null}}}, "
+                             "{\"id\": \"c2\", \"type\": \"function\", \"function\": {\"name\": \"now\", \"arguments\": {}}}]";
+    const char *tools_json = "[{\"type\": \"function\", \"function\": {\"name\": \"get_weather\", \"parameters\": "
+                             "{\"type\": \"object\", \"properties\": {\"city\": {\"type\": \"string\"}, \"days\": "
+                             "{\"type\": \"integer\"}, \"ratio\": {\"type\": \"number\"}, \"metric\": {\"type\": "
+                             "\"boolean\"}, \"units\": {\"type\": \"object\"}, \"tags\": {\"type\": \"array\"}, "
+                             "\"note\": {\"type\": \"string\"}}}}}, {\"type\": \"function\", \"function\": {\"name\": "
+                             "\"now\", \"parameters\": {\"type\": \"object\", \"properties\": {}}}}]";
+    cJSON *want = cJSON_Parse(calls_json), *tools = cJSON_Parse(tools_json);
+    assert_non_null(want);
+    assert_non_null(tools);
+    const struct {
+        const char *tmpl, *start, *end;
+        srv_tool_format fmt;
+    } fm[] = {{"tests/golden/templates/nemotron-3-nano-30b-a3b.jinja", "</think>", "<|im_end|>", SRV_TOOLS_XML},
+              {"tests/golden/templates/nemotron-nano-9b-v2.jinja", "<SPECIAL_11>Assistant\n", "<SPECIAL_12>",
+               SRV_TOOLS_JSON}};
+    uint64_t rng = 99;
+    for (int k = 0; k < 2; k++) {
+        char *text = NULL;
+        render_assistant(fm[k].tmpl, calls_json, &text);
+        FILE *f = fopen(fm[k].tmpl, "rb");
+        static char src[1 << 16];
+        const size_t n = fread(src, 1, sizeof src - 1, f);
+        fclose(f);
+        src[n] = 0;
+        assert_int_equal(srv_tool_format_of_template(src), fm[k].fmt);
+        /* the assistant's answer as the model writes it: after the generation prompt, up to the end-of-turn */
+        const char *a = NULL; /* (the last one: Nano-9B-v2 writes a last turn's calls in an assistant block of their own) */
+        for (const char *p = text; (p = strstr(p, fm[k].start)); p++) a = p;
+        if (!a) fail_msg("template %s: no '%s' in [%s]", fm[k].tmpl, fm[k].start, text);
+        a += strlen(fm[k].start);
+        const char *b = strstr(a, fm[k].end);
+        assert_non_null(b);
+        char *answer = strndup(a, (size_t)(b - a));
+        for (int trial = 0; trial < 50; trial++) {
+            srv_buf content = {0};
+            cJSON *calls = NULL;
+            split_parse(fm[k].fmt, answer, &rng, tools, &content, &calls);
+            if (!calls) fail_msg("template %d: no calls in [%s]", k, answer);
+            assert_int_equal(cJSON_GetArraySize(calls), 2);
+            if (k == 0) assert_true(content.n >= 13 && !memcmp(content.p, "Let me check.", 13));
+            int i = 0;
+            for (const cJSON *c = calls->child, *w = want->child; c && w; c = c->next, w = w->next, i++) {
+                const cJSON *cf = cJSON_GetObjectItem(c, "function"), *wf = cJSON_GetObjectItem(w, "function");
+                assert_string_equal(cJSON_GetObjectItem(cf, "name")->valuestring, cJSON_GetObjectItem(wf, "name")->valuestring);
+                cJSON *args = cJSON_Parse(cJSON_GetObjectItem(cf, "arguments")->valuestring);
+                cJSON *wa = cJSON_Duplicate(cJSON_GetObjectItem(wf, "arguments"), 1);
+                /* the XML template writes null as Python's str(None); vLLM's parser keeps that text, as here */
+                if (k == 0 && cJSON_GetObjectItem(wa, "note")) cJSON_ReplaceItemInObject(wa, "note", cJSON_CreateString("None"));
+                const int same = cJSON_Compare(args, wa, 1);
+                cJSON_Delete(wa);
+                if (!same)
+                    fail_msg("template %d call %d: arguments %s", k, i, cJSON_GetObjectItem(cf, "arguments")->valuestring);
+                cJSON_Delete(args);
+                assert_int_equal(strncmp(cJSON_GetObjectItem(c, "id")->valuestring, "call_", 5), 0);
+                assert_string_equal(cJSON_GetObjectItem(c, "type")->valuestring, "function");
+            }
+            cJSON_Delete(calls);
+            srv_buf_free(&content);
+        }
+        free(answer);
+        free(text);
+    }
+    /* no call: the text unchanged (a partial marker at the end included); a marker without a call: content */
+    const char *plain[] = {"just text, no call <tool_", "a < b <function", "<TOOLCALL>not json", "<tool_call>\n</tool_call>"};
+    for (int i = 0; i < 4; i++) {
+        srv_buf content = {0};
+        cJSON *calls = NULL;
+        split_parse(i == 2 ? SRV_TOOLS_JSON : SRV_TOOLS_XML, plain[i], &rng, NULL, &content, &calls);
+        assert_null(calls);
+        assert_true(content.n == strlen(plain[i]) && !memcmp(content.p, plain[i], content.n));
+        srv_buf_free(&content);
+    }
+    /* without the tools' schema every value is a string; "null" is null whatever the type */
+    uint64_t ids = 5;
+    const char *x = "<tool_call>\n<function=f>\n<parameter=n>\n42\n</parameter>\n<parameter=z>\nNULL\n</parameter>\n"
+                    "</function>\n</tool_call>";
+    cJSON *c = srv_tool_calls_parse(SRV_TOOLS_XML, x, strlen(x), NULL, &ids);
+    assert_non_null(c);
+    assert_string_equal(cJSON_GetObjectItem(cJSON_GetObjectItem(c->child, "function"), "arguments")->valuestring,
+                        "{\"n\":\"42\",\"z\":null}");
+    cJSON_Delete(c);
+    cJSON_Delete(want);
+    cJSON_Delete(tools);
+}
+
 /* Every input kept by fuzz/run_request.sh: parses to a request or a 4xx, never a crash. */
 #include <dirent.h>
 static void test_regressions(void **state) {
@@ -762,6 +896,7 @@ int main(void) {
         cmocka_unit_test(test_request_errors),
         cmocka_unit_test(test_request_fields),
         cmocka_unit_test(test_structured_fields),
+        cmocka_unit_test(test_tool_calls),
         cmocka_unit_test(test_regressions),
         cmocka_unit_test(test_tokenize_endpoints),
     };
