@@ -21,10 +21,16 @@
  *   as xgrammar and OpenAI strict mode emit them; optional ones may be left out; no other keys
  *   unless the object has no "properties"), additionalProperties (false, or with no "properties":
  *   true or the schema of every value), items, minItems, maxItems, minLength, maxLength (code
- *   points, an escape counting as one), anyOf / oneOf (oneOf as anyOf) whose alternatives begin
+ *   points, an escape - or a \\uD83D\\uDE00 surrogate pair - counting as one), anyOf / oneOf (oneOf as anyOf)
+ *   whose alternatives begin
  *   with different bytes (a string, an object, a number, ... - e.g. Optional[...] = anyOf [X,
  *   null]; two object alternatives are refused), allOf of one schema, $ref to "#", "#/$defs/N" or
- *   "#/definitions/N" (recursion allowed). Annotations are ignored: title, description, default,
+ *   "#/definitions/N" (recursion allowed; a schema no finite document satisfies, or whose smallest document
+ *   nests deeper than FP4MOE_GRAMMAR_MAX_DEPTH, is refused, and a value is begun only where it can still end
+ *   within that depth). enum / const stand alone (beside them only "type", which filters them); their numbers
+ *   are written as Python does (shortest round trip; integral values from 2^53 to 1e21 are refused: cJSON keeps
+ *   doubles, the digits written are not known). An integer alternative beside a number one is the number.
+ *   Strings: UTF-16 surrogate escapes only as high + low pairs. Annotations are ignored: title, description, default,
  *   examples, $schema, $id, $comment, deprecated, readOnly, writeOnly, format (an annotation in
  *   2020-12 unless a validator opts in), contentMediaType, contentEncoding, and "x-..." keys.
  *   Every other keyword (minimum, pattern, uniqueItems, prefixItems, ...) is refused with an error
@@ -70,6 +76,13 @@ int fp4moe_grammar_from_json_schema(const cJSON *schema, const char *where, fp4m
  * a NULL or empty choice, invalid UTF-8), FP4MOE_EOVERFLOW (n > 65,536), FP4MOE_ENOMEM. */
 int fp4moe_grammar_from_choices(const char *const *choices, const int64_t *lens, int64_t n,
                                 fp4moe_grammar **out);
+
+/* Forced tool calls (OpenAI tool_choice "required", as vLLM writes them): a JSON array of one or more objects
+ * {"name": NAME, "parameters": VALUE} (those two keys, in that order) where NAME is one of the n names (JSON
+ * strings) and VALUE satisfies the parameters schema of that tool (params[i]: a JSON Schema as above, borrowed;
+ * NULL: any object). Errors: FP4MOE_EINVAL (n < 1, an empty or repeated name), a schema's errors (named
+ * "tools[i].function.parameters..."), FP4MOE_EOVERFLOW (n > 4096), FP4MOE_ENOMEM. */
+int fp4moe_grammar_from_tools(const char *const *names, const cJSON *const *params, int64_t n, fp4moe_grammar **out);
 
 /* Frees a grammar (after its matchers); NULL is a no-op. */
 void fp4moe_grammar_free(fp4moe_grammar *g);

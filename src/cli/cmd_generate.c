@@ -484,9 +484,9 @@ static int setup_grammar(const gen_args *a, gen_state *g, const fp4moe_sampler_p
     if (a->json_schema_file) st = cli_read_text(a->json_schema_file, (int64_t)16 << 20, &text);
     if (!st && !a->json_object) {
         const char *src = text ? text : a->json_schema;
-        cJSON *schema = cJSON_Parse(src);
+        cJSON *schema = cJSON_ParseWithOpts(src, NULL, 1); /* (nothing after the schema) */
         if (!schema) {
-            st = fp4moe_set_error(FP4MOE_EINVAL, "%s is not JSON (near byte %lld)",
+            st = fp4moe_set_error(FP4MOE_EINVAL, "%s is not one JSON value (near byte %lld)",
                                   a->json_schema_file ? a->json_schema_file : "--json-schema",
                                   cJSON_GetErrorPtr() ? (long long)(cJSON_GetErrorPtr() - src) : 0LL);
         } else {

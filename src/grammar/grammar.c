@@ -25,6 +25,11 @@ typedef struct {
     int64_t lo, hi;   /* ARR: min / max items; STR: min / max length (hi < 0: none) */
     int raw;          /* LIT: raw text (choices): no whitespace before it */
     int amap;         /* ALT: its 256-byte map (first byte -> alternative, 255: none) in g->amaps */
+    int mind;         /* the fewest open values (frames) a document of this node needs, itself included: a value
+                         is begun only where it can end within FP4MOE_GRAMMAR_MAX_DEPTH (no dead ends) */
+    int path;         /* ALT: its place in the schema (g->paths), for errors; -1: none */
+    int tag;          /* OBJ: -1; else the node of property 1 depends on the literal property 0 took: it is
+                         g->tagmap[tag + (that literal's index - the first literal of property 0's node)] */
     int state;        /* compile: 0 done, 1 alias pending, 2 in a first-set walk */
     uint8_t first[32];
 } gnode;
@@ -50,6 +55,10 @@ struct fp4moe_grammar {
     int n_alts, cap_alts;
     uint8_t *amaps;
     int n_amaps;
+    int *tagmap;
+    int n_tagmap;
+    char **paths;
+    int n_paths;
     int root, any, any_str;
 };
 
@@ -58,6 +67,7 @@ struct fp4moe_grammar {
 typedef struct {
     fp4moe_grammar *g;
     const cJSON *root;
+    const char *where;    /* the root's name in messages */
     const cJSON **memo_s; /* $ref targets compiled: schema -> node */
     int *memo_n;
     int n_memo, cap_memo;
@@ -84,6 +94,8 @@ static int new_node(fp4moe_grammar *g, int kind) {
     n->kind = kind;
     n->hi = -1;
     n->amap = -1;
+    n->tag = -1;
+    n->path = -1;
     return g->n_nodes++;
 }
 
@@ -137,7 +149,7 @@ static int lit_node(fp4moe_grammar *g, const char *const *s, const int64_t *lens
     return id;
 }
 
-static int alt_node(fp4moe_grammar *g, const int *alts, int n) {
+static int alt_node(fp4moe_grammar *g, const int *alts, int n, const char *path) {
     const int a = g->n_alts;
     int st = grow((void **)&g->alts, &g->cap_alts, a + n, sizeof(int));
     if (st) return st;
@@ -147,6 +159,11 @@ static int alt_node(fp4moe_grammar *g, const int *alts, int n) {
     if (id < 0) return id;
     g->nodes[id].a = a;
     g->nodes[id].b = n;
+    char **pp = realloc(g->paths, (size_t)(g->n_paths + 1) * sizeof(char *));
+    if (!pp) return fp4moe_set_error(FP4MOE_ENOMEM, "grammar: out of memory");
+    g->paths = pp;
+    if (!(pp[g->n_paths] = strdup(path))) return fp4moe_set_error(FP4MOE_ENOMEM, "grammar: out of memory");
+    g->nodes[id].path = g->n_paths++;
     return id;
 }
 
@@ -223,12 +240,79 @@ static int type_matches(const cJSON *v, const char *type) {
 }
 
 /* enum / const values (those of `type` when given) -> a LIT node of their JSON texts */
-static int comp_enum(gcomp *cx, const cJSON *vals, int n, const cJSON *type, const char *path, const char *kw) {
+typedef struct {
+    char *p;
+    size_t n, cap;
+} gbuf;
+
+static int gb_add(gbuf *b, const char *s, size_t n) {
+    if (b->n + n + 1 > b->cap) {
+        size_t c = b->cap ? b->cap * 2 : 64;
+        while (c < b->n + n + 1) c *= 2;
+        char *q = realloc(b->p, c);
+        if (!q) return fp4moe_set_error(FP4MOE_ENOMEM, "grammar: out of memory");
+        b->p = q;
+        b->cap = c;
+    }
+    memcpy(b->p + b->n, s, n);
+    b->n += n;
+    b->p[b->n] = 0;
+    return 0;
+}
+
+/* JSON text of an enum / const value (compact, as cJSON prints it), numbers in the shortest form that reads back as
+ * the same double (Python's repr; integral values of magnitude below 2^53 as integers). An integral value from 2^53
+ * to 1e21 is refused: cJSON keeps numbers as doubles, so the digits the client wrote (an int?) are not known. */
+static int print_value(const cJSON *v, gbuf *b, const char *path, int depth) {
+    if (depth > 64) return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "%s: an enum / const value nested deeper than 64", path);
+    if (cJSON_IsNumber(v)) {
+        const double x = v->valuedouble;
+        char t[40];
+        if (!isfinite(x)) return fp4moe_set_error(FP4MOE_EINVAL, "%s: a non-finite number in enum / const", path);
+        if (x == floor(x) && fabs(x) >= 9007199254740992.0 && fabs(x) < 1e21) /* (from 1e21 only a float: 1e+300) */
+            return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "%s: the enum / const number %.17g is beyond 2^53 (not held "
+                                    "exactly)", path, x);
+        if (x == floor(x) && fabs(x) < 1e16) { /* (Python writes floats from 1e16 with an exponent) */
+            snprintf(t, sizeof t, "%.0f", x);
+            if (!strcmp(t, "-0")) snprintf(t, sizeof t, "0");
+        } else {
+            for (int prec = 1; prec <= 17; prec++) {
+                snprintf(t, sizeof t, "%.*g", prec, x);
+                if (strtod(t, NULL) == x) break;
+            }
+        }
+        return gb_add(b, t, strlen(t));
+    }
+    if (cJSON_IsArray(v) || cJSON_IsObject(v)) {
+        const int arr = cJSON_IsArray(v);
+        int st = gb_add(b, arr ? "[" : "{", 1);
+        for (const cJSON *c = v->child; !st && c; c = c->next) {
+            if (c != v->child) st = gb_add(b, ",", 1);
+            if (!st && !arr) {
+                cJSON *k = cJSON_CreateString(c->string);
+                char *kt = k ? cJSON_PrintUnformatted(k) : NULL;
+                cJSON_Delete(k);
+                st = kt ? gb_add(b, kt, strlen(kt)) : fp4moe_set_error(FP4MOE_ENOMEM, "grammar: out of memory");
+                free(kt);
+                if (!st) st = gb_add(b, ":", 1);
+            }
+            if (!st) st = print_value(c, b, path, depth + 1);
+        }
+        return st ? st : gb_add(b, arr ? "]" : "}", 1);
+    }
+    char *txt = cJSON_PrintUnformatted(v); /* strings, true, false, null */
+    if (!txt) return fp4moe_set_error(FP4MOE_ENOMEM, "grammar: out of memory");
+    const int st = gb_add(b, txt, strlen(txt));
+    free(txt);
+    return st;
+}
+
+/* enum (a list) / const (one value; list 0) -> a LIT node of their JSON texts (those of `type` when given) */
+static int comp_enum(gcomp *cx, const cJSON *vals, int list, const cJSON *type, const char *path, const char *kw) {
     fp4moe_grammar *g = cx->g;
     const int a = g->n_lits;
     int k = 0;
-    for (int i = 0; i < n; i++) {
-        const cJSON *v = cJSON_IsArray(vals) ? cJSON_GetArrayItem(vals, i) : vals;
+    for (const cJSON *v = list ? vals->child : vals; v; v = list ? v->next : NULL) {
         if (type) {
             int ok = 0;
             if (cJSON_IsString(type)) ok = type_matches(v, type->valuestring);
@@ -236,10 +320,10 @@ static int comp_enum(gcomp *cx, const cJSON *vals, int n, const cJSON *type, con
                 for (const cJSON *t = type->child; t; t = t->next) ok |= cJSON_IsString(t) && type_matches(v, t->valuestring);
             if (!ok) continue;
         }
-        char *txt = cJSON_PrintUnformatted(v);
-        if (!txt) return fp4moe_set_error(FP4MOE_ENOMEM, "grammar: out of memory");
-        const int st = add_lit(g, txt, strlen(txt));
-        free(txt);
+        gbuf b = {0};
+        int st = print_value(v, &b, path, 0);
+        if (!st) st = add_lit(g, b.p, b.n);
+        free(b.p);
         if (st) return st;
         k++;
     }
@@ -425,7 +509,7 @@ static int comp_ref(gcomp *cx, const char *ref, const char *path, int depth) {
     cx->memo_s[cx->n_memo] = t;
     cx->memo_n[cx->n_memo++] = id;
     char sub[512];
-    snprintf(sub, sizeof sub, "%s", ref);
+    snprintf(sub, sizeof sub, "%s%s", cx->where ? cx->where : "schema", ref);
     const int body = comp(cx, t, sub, depth + 1);
     if (body < 0) return body;
     cx->g->nodes[id] = cx->g->nodes[body];
@@ -473,19 +557,23 @@ static int comp(gcomp *cx, const cJSON *s, const char *path, int depth) {
             snprintf(sub, sizeof sub, "%s.%s[%d]", path, comb[c], i);
             if ((alts[i] = comp(cx, cJSON_GetArrayItem(v, i), sub, depth + 1)) < 0) return alts[i];
         }
-        return n == 1 ? alts[0] : alt_node(g, alts, n);
+        return n == 1 ? alts[0] : alt_node(g, alts, n, path);
     }
     const cJSON *type = cJSON_GetObjectItemCaseSensitive(s, "type");
     if (type && !cJSON_IsString(type) && !(cJSON_IsArray(type) && cJSON_GetArraySize(type) > 0))
         return fp4moe_set_error(FP4MOE_EINVAL, "%s: 'type' must be a string or a non-empty array", path);
     for (const cJSON *t = cJSON_IsArray(type) ? type->child : NULL; t; t = t->next)
         if (!cJSON_IsString(t)) return fp4moe_set_error(FP4MOE_EINVAL, "%s: 'type' must list strings", path);
-    if ((v = cJSON_GetObjectItemCaseSensitive(s, "enum"))) {
-        if (!cJSON_IsArray(v) || cJSON_GetArraySize(v) < 1)
+    const cJSON *en = cJSON_GetObjectItemCaseSensitive(s, "enum"), *co = cJSON_GetObjectItemCaseSensitive(s, "const");
+    if (en || co) { /* the values are the whole constraint: beside them only 'type' (which filters them) */
+        for (const cJSON *k = s->child; k; k = k->next)
+            if (!is_annotation(k->string) && strcmp(k->string, "type") && strcmp(k->string, en ? "enum" : "const"))
+                return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "%s: '%s' beside '%s' is not supported (give the allowed "
+                                        "values alone)", path, k->string, en ? "enum" : "const");
+        if (en && (!cJSON_IsArray(en) || !en->child))
             return fp4moe_set_error(FP4MOE_EINVAL, "%s: 'enum' must be a non-empty array", path);
-        return comp_enum(cx, v, cJSON_GetArraySize(v), type, path, "enum");
+        return en ? comp_enum(cx, en, 1, type, path, "enum") : comp_enum(cx, co, 0, type, path, "const");
     }
-    if ((v = cJSON_GetObjectItemCaseSensitive(s, "const"))) return comp_enum(cx, v, 1, type, path, "const");
     if (cJSON_IsString(type)) return comp_typed(cx, s, type->valuestring, path, depth);
     if (cJSON_IsArray(type)) {
         const int n = cJSON_GetArraySize(type);
@@ -500,7 +588,7 @@ static int comp(gcomp *cx, const cJSON *s, const char *path, int depth) {
             if ((alts[k] = comp_typed(cx, s, t->valuestring, path, depth)) < 0) return alts[k];
             k++;
         }
-        return k == 1 ? alts[0] : alt_node(g, alts, k);
+        return k == 1 ? alts[0] : alt_node(g, alts, k, path);
     }
     /* no type: from the keywords given */
     if (cJSON_GetObjectItemCaseSensitive(s, "properties") || cJSON_GetObjectItemCaseSensitive(s, "required") ||
@@ -521,8 +609,8 @@ static int bget(const uint8_t *b, int c) { return (b[c >> 3] >> (c & 7)) & 1; }
 static int first_set(fp4moe_grammar *g, int id) {
     gnode *n = &g->nodes[id];
     if (n->state == 2)
-        return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "grammar: a schema that refers to itself before any object or "
-                                "array ($ref / anyOf cycle)");
+        return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "%s: a schema that refers to itself before any object or array "
+                                "($ref / anyOf cycle)", n->path >= 0 ? g->paths[n->path] : "schema");
     if (n->amap >= 0 || n->kind != GK_ALT) {
         if (n->kind == GK_ALT) return 0;
         memset(n->first, 0, 32);
@@ -553,10 +641,17 @@ static int first_set(fp4moe_grammar *g, int id) {
         for (int c = 0; c < 256; c++) {
             if (!bget(an->first, c)) continue;
             if (map[c] != 255) {
-                g->nodes[id].state = 0;
-                return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "grammar: anyOf / oneOf / type alternatives %d and %d "
-                                        "both begin with '%c' (alternatives must begin differently: an object, an "
-                                        "array, a string, a number, true / false / null)", map[c], i, c);
+                /* an integer beside a number: the number takes both (Union[int, float]) */
+                const int pk = g->nodes[g->alts[g->nodes[id].a + map[c]]].kind;
+                if (pk == GK_NUM && an->kind == GK_INT) continue;
+                if (!(pk == GK_INT && an->kind == GK_NUM)) {
+                    g->nodes[id].state = 0;
+                    const int pi = g->nodes[id].path;
+                    return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "%s: anyOf / oneOf / type alternatives %d and %d both "
+                                            "begin with '%c' (alternatives must begin differently: an object, an array, "
+                                            "a string, a number, true / false / null)", pi >= 0 ? g->paths[pi] : "schema",
+                                            map[c], i, c);
+                }
             }
             map[c] = (uint8_t)i;
             bset(un, c);
@@ -580,11 +675,56 @@ static fp4moe_grammar *g_new(void) {
     return g;
 }
 
-static int g_finish(fp4moe_grammar *g) {
+#define G_INF (1 << 20)
+
+/* the fewest frames a node's document needs (G_INF: none is finite), by fixpoint: a string / number / literal / free
+ * object 1, an array 1 (+ its item's when minItems > 0), an object 1 + the most of its required values, an
+ * alternative the least of its alternatives */
+static int node_mind(const fp4moe_grammar *g, const gnode *n) {
+    switch (n->kind) {
+    case GK_ARR: return n->lo == 0 ? 1 : 1 + g->nodes[n->a].mind;
+    case GK_OBJ: {
+        int m = 0;
+        for (int k = 0; k < n->b; k++) {
+            if (!g->props[n->a + k].required) continue;
+            int v = g->nodes[g->props[n->a + k].node].mind;
+            if (n->tag >= 0 && k == 1)
+                for (int i = 0; i < g->n_tagmap; i++) v = v > g->nodes[g->tagmap[i]].mind ? v : g->nodes[g->tagmap[i]].mind;
+            if (v > m) m = v;
+        }
+        return m >= G_INF ? G_INF : 1 + m;
+    }
+    case GK_ALT: {
+        int m = G_INF;
+        for (int k = 0; k < n->b; k++)
+            if (g->nodes[g->alts[n->a + k]].mind < m) m = g->nodes[g->alts[n->a + k]].mind;
+        return m;
+    }
+    default: return 1;
+    }
+}
+
+static int g_finish(fp4moe_grammar *g, const char *where) {
     for (int i = 0; i < g->n_nodes; i++) {
         int st = first_set(g, i);
         if (st) return st;
     }
+    for (int i = 0; i < g->n_nodes; i++) g->nodes[i].mind = G_INF;
+    for (int changed = 1; changed;) {
+        changed = 0;
+        for (int i = 0; i < g->n_nodes; i++) {
+            int m = node_mind(g, &g->nodes[i]);
+            if (m > G_INF) m = G_INF;
+            if (m < g->nodes[i].mind) g->nodes[i].mind = m, changed = 1;
+        }
+    }
+    const int rm = g->nodes[g->root].mind;
+    if (rm >= G_INF)
+        return fp4moe_set_error(FP4MOE_EINVAL, "%s: no finite document satisfies it (a required value refers back to "
+                                "itself with no way out)", where);
+    if (rm > FP4MOE_GRAMMAR_MAX_DEPTH)
+        return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "%s: its smallest document nests %d values deep; fp4moe allows %d",
+                                where, rm, FP4MOE_GRAMMAR_MAX_DEPTH);
     return 0;
 }
 
@@ -593,7 +733,7 @@ int fp4moe_grammar_from_json_schema(const cJSON *schema, const char *where, fp4m
     *out = NULL;
     fp4moe_grammar *g = g_new();
     if (!g) return fp4moe_set_error(FP4MOE_ENOMEM, "grammar: out of memory");
-    gcomp cx = {.g = g, .root = schema};
+    gcomp cx = {.g = g, .root = schema, .where = where ? where : "schema"};
     int st;
     if (!schema) {
         st = any_node(g);
@@ -609,7 +749,7 @@ int fp4moe_grammar_from_json_schema(const cJSON *schema, const char *where, fp4m
     free(cx.memo_n);
     if (st >= 0) {
         g->root = st;
-        st = g_finish(g);
+        st = g_finish(g, where ? where : "schema");
     }
     if (st < 0) {
         fp4moe_grammar_free(g);
@@ -637,8 +777,107 @@ int fp4moe_grammar_from_choices(const char *const *choices, const int64_t *lens,
     int st = lit_node(g, choices, lens, (int)n, 1);
     if (st >= 0) {
         g->root = st;
-        st = g_finish(g);
+        st = g_finish(g, "grammar");
     }
+    if (st < 0) {
+        fp4moe_grammar_free(g);
+        return st;
+    }
+    *out = g;
+    return FP4MOE_OK;
+}
+
+int fp4moe_grammar_from_tools(const char *const *names, const cJSON *const *params, int64_t n, fp4moe_grammar **out) {
+    if (!out) return fp4moe_set_error(FP4MOE_EINVAL, "grammar: NULL out");
+    *out = NULL;
+    if (!names || !params || n < 1) return fp4moe_set_error(FP4MOE_EINVAL, "grammar: no tools");
+    if (n > 4096) return fp4moe_set_error(FP4MOE_EOVERFLOW, "grammar: more than 4096 tools");
+    for (int64_t i = 0; i < n; i++) {
+        if (!names[i] || !names[i][0]) return fp4moe_set_error(FP4MOE_EINVAL, "grammar: tool %lld has no name", (long long)i);
+        for (int64_t k = 0; k < i; k++)
+            if (!strcmp(names[k], names[i]))
+                return fp4moe_set_error(FP4MOE_EINVAL, "grammar: two tools are named '%s'", names[i]);
+    }
+    fp4moe_grammar *g = g_new();
+    int *pn = calloc((size_t)n, sizeof(int));
+    if (!g || !pn) {
+        free(pn);
+        fp4moe_grammar_free(g);
+        return fp4moe_set_error(FP4MOE_ENOMEM, "grammar: out of memory");
+    }
+    int st = 0;
+    char where[300];
+    for (int64_t i = 0; st >= 0 && i < n; i++) { /* each tool's parameters, its own $defs */
+        snprintf(where, sizeof where, "tools[%lld].function.parameters", (long long)i);
+        gcomp cx = {.g = g, .root = params[i], .where = where};
+        cJSON *obj = params[i] ? NULL : cJSON_Parse("{\"type\": \"object\"}");
+        if (obj) cx.root = obj;
+        st = pn[i] = comp(&cx, cx.root, where, 0);
+        cJSON_Delete(obj);
+        free(cx.memo_s);
+        free(cx.memo_n);
+    }
+    /* the names as JSON strings, sorted as the LIT node keeps them; the tag map follows that order */
+    const int la = g->n_lits;
+    for (int64_t i = 0; st >= 0 && i < n; i++) {
+        cJSON *ks = cJSON_CreateString(names[i]);
+        char *txt = ks ? cJSON_PrintUnformatted(ks) : NULL;
+        cJSON_Delete(ks);
+        st = txt ? add_lit(g, txt, strlen(txt)) : fp4moe_set_error(FP4MOE_ENOMEM, "grammar: out of memory");
+        free(txt);
+    }
+    int lit = -1, obj = -1, arr = -1;
+    if (st >= 0) {
+        qsort(g->lits + la, (size_t)n, sizeof(glit), lit_cmp);
+        lit = new_node(g, GK_LIT);
+        st = lit;
+    }
+    if (st >= 0) {
+        g->nodes[lit].a = la;
+        g->nodes[lit].b = (int)n;
+        g->tagmap = malloc((size_t)n * sizeof(int));
+        if (!g->tagmap) st = fp4moe_set_error(FP4MOE_ENOMEM, "grammar: out of memory");
+        for (int64_t k = 0; st >= 0 && k < n; k++) { /* literal k is the name of tool i */
+            for (int64_t i = 0; i < n; i++) {
+                cJSON *ks = cJSON_CreateString(names[i]);
+                char *txt = ks ? cJSON_PrintUnformatted(ks) : NULL;
+                cJSON_Delete(ks);
+                const int same = txt && (int)strlen(txt) == g->lits[la + k].len && !memcmp(txt, g->lits[la + k].s, strlen(txt));
+                free(txt);
+                if (same) g->tagmap[k] = pn[i];
+            }
+        }
+        g->n_tagmap = (int)n;
+    }
+    if (st >= 0) st = grow((void **)&g->props, &g->cap_props, g->n_props + 2, sizeof(gprop));
+    if (st >= 0) {
+        const char *keys[2] = {"\"name\"", "\"parameters\""};
+        const int pa = g->n_props;
+        for (int k = 0; k < 2 && st >= 0; k++) {
+            gprop *pr = &g->props[pa + k];
+            if (!(pr->key = strdup(keys[k]))) {
+                st = fp4moe_set_error(FP4MOE_ENOMEM, "grammar: out of memory");
+                break;
+            }
+            pr->len = (int)strlen(keys[k]);
+            pr->node = k ? pn[0] : lit; /* (property 1's node comes from the tag map) */
+            pr->required = 1;
+            g->n_props++;
+        }
+        if (st >= 0 && (obj = st = new_node(g, GK_OBJ)) >= 0) {
+            g->nodes[obj].a = pa;
+            g->nodes[obj].b = 2;
+            g->nodes[obj].tag = 0;
+        }
+    }
+    if (st >= 0 && (arr = st = new_node(g, GK_ARR)) >= 0) {
+        g->nodes[arr].a = obj;
+        g->nodes[arr].lo = 1;
+        g->nodes[arr].hi = -1;
+        g->root = arr;
+        st = g_finish(g, "tools");
+    }
+    free(pn);
     if (st < 0) {
         fp4moe_grammar_free(g);
         return st;
@@ -656,6 +895,9 @@ void fp4moe_grammar_free(fp4moe_grammar *g) {
     free(g->lits);
     free(g->alts);
     free(g->amaps);
+    free(g->tagmap);
+    for (int i = 0; i < g->n_paths; i++) free(g->paths[i]);
+    free(g->paths);
     free(g);
 }
 
@@ -665,6 +907,7 @@ typedef struct {
     int32_t node;
     int16_t st, ws;
     int32_t a, b, c;
+    int32_t t; /* OBJ: the literal index its last value popped with (a tagged object's property 0) */
 } gframe;
 
 typedef struct {
@@ -674,8 +917,13 @@ typedef struct {
 
 static int is_ws(unsigned c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r'; }
 
-static int push(gstate *s, int node) {
-    if (s->depth >= FP4MOE_GRAMMAR_MAX_DEPTH) return 0;
+/* 1 when a value of node begun above the top frame can still end within the depth limit */
+static int fits(const fp4moe_grammar *g, const gstate *s, int node) {
+    return s->depth + g->nodes[node].mind <= FP4MOE_GRAMMAR_MAX_DEPTH;
+}
+
+static int push_node(const fp4moe_grammar *g, gstate *s, int node) {
+    if (!fits(g, s, node)) return 0;
     gframe *f = &s->f[s->depth++];
     memset(f, 0, sizeof *f);
     f->node = node;
@@ -690,7 +938,7 @@ static void pop_done(gstate *s) {
     p->ws = 0;
     switch (p->st) {
     case 3: p->st = 4; break;             /* FREEOBJ: the key */
-    case 5: p->st = 6; break;             /* OBJ / FREEOBJ: the value */
+    case 5: p->st = 6; p->t = s->f[s->depth].a; break; /* OBJ / FREEOBJ: the value (a LIT child's a: its literal) */
     case 7: p->st = 2; p->a++; break;     /* ARR: an item */
     default: break;
     }
@@ -725,6 +973,14 @@ static int next_required(const fp4moe_grammar *g, const gnode *n, int i) {
     return i;
 }
 
+/* some property from index i on may come next (up to the first required one) and its value fits */
+static int key_possible(const fp4moe_grammar *g, const gnode *n, const gstate *s, int i) {
+    const int lim = next_required(g, n, i);
+    for (int k = i; k < n->b && k <= lim; k++)
+        if (g->props[n->a + k].required || fits(g, s, g->props[n->a + k].node)) return 1;
+    return 0;
+}
+
 static int step(const fp4moe_grammar *g, gstate *s, unsigned c) {
     for (;;) {
         if (!s->depth) return 0;
@@ -739,7 +995,9 @@ static int step(const fp4moe_grammar *g, gstate *s, unsigned c) {
         case GK_ALT: {
             const int k = g->amaps[(size_t)n->amap * 256 + c];
             if (k == 255) return 0;
-            f->node = g->alts[n->a + k];
+            const int alt = g->alts[n->a + k];
+            if (s->depth - 1 + g->nodes[alt].mind > FP4MOE_GRAMMAR_MAX_DEPTH) return 0; /* (it could not end) */
+            f->node = alt;
             continue; /* the same byte, now as that alternative */
         }
         case GK_OBJ: case GK_FREEOBJ: {
@@ -762,9 +1020,10 @@ static int step(const fp4moe_grammar *g, gstate *s, unsigned c) {
                     return 1;
                 }
                 if (c != '"') return 0;
+                if (free_keys ? !fits(g, s, n->a) : !key_possible(g, n, s, f->c)) return 0;
                 if (free_keys) {
                     f->st = 3, f->ws = 0;
-                    if (!push(s, g->any_str)) return 0;
+                    if (!push_node(g, s, g->any_str)) return 0;
                     s->f[s->depth - 1].st = 1; /* inside the key string */
                     return 1;
                 }
@@ -776,6 +1035,7 @@ static int step(const fp4moe_grammar *g, gstate *s, unsigned c) {
                 const gprop *cur = &g->props[n->a + f->a];
                 for (int k = f->a; k < n->b && k <= lim; k++) {
                     const gprop *p = &g->props[n->a + k];
+                    if (!p->required && !fits(g, s, p->node)) continue;
                     if (p->len > f->b && (unsigned char)p->key[f->b] == c && !memcmp(p->key, cur->key, (size_t)f->b)) {
                         f->a = k;
                         if (++f->b == p->len) f->st = 4, f->c = k + 1;
@@ -788,11 +1048,15 @@ static int step(const fp4moe_grammar *g, gstate *s, unsigned c) {
                 if (c != ':') return 0;
                 f->st = 5, f->ws = 0;
                 return 1;
-            case 5: /* the value's first byte */
-                if (!push(s, free_keys ? n->a : g->props[n->a + f->a].node)) return 0;
+            case 5: { /* the value's first byte */
+                int node = free_keys ? n->a : g->props[n->a + f->a].node;
+                if (!free_keys && n->tag >= 0 && f->a == 1)
+                    node = g->tagmap[n->tag + (f->t - g->nodes[g->props[n->a].node].a)];
+                if (!push_node(g, s, node)) return 0;
                 continue;
+            }
             case 6:
-                if (c == ',' && (free_keys || f->c < n->b)) {
+                if (c == ',' && (free_keys ? fits(g, s, n->a) : key_possible(g, n, s, f->c))) {
                     f->st = 2, f->ws = 0;
                     return 1;
                 }
@@ -828,7 +1092,7 @@ static int step(const fp4moe_grammar *g, gstate *s, unsigned c) {
             /* st 1 / 3: an item's first byte */
             if (n->hi >= 0 && f->a >= n->hi) return 0;
             f->st = 7, f->ws = 0;
-            if (!push(s, n->a)) return 0;
+            if (!push_node(g, s, n->a)) return 0;
             continue;
         case GK_STR:
             switch (f->st) {
@@ -876,15 +1140,38 @@ static int step(const fp4moe_grammar *g, gstate *s, unsigned c) {
                 }
             case 2:
                 if (c == 'u') {
-                    f->st = 3, f->b = 4;
+                    f->st = 3, f->b = 4, f->t = 0;
                     return 1;
                 }
                 if (!strchr("\"\\/bfnrt", (int)c) || !c) return 0;
                 f->st = 1, f->a++;
                 return 1;
-            case 3:
-                if (!((c >= '0' && c <= '9') || (c >= 'a' && c <= 'f') || (c >= 'A' && c <= 'F'))) return 0;
-                if (!--f->b) f->st = 1, f->a++;
+            case 3: { /* \uXXXX (t: the digits so far); UTF-16 surrogates only as a high + low pair (RFC 8259 section
+                         7: a lone one is no character, and Python's json / pydantic refuse it) */
+                const int d = c >= '0' && c <= '9' ? (int)c - '0' : c >= 'a' && c <= 'f' ? (int)c - 'a' + 10
+                              : c >= 'A' && c <= 'F' ? (int)c - 'A' + 10 : -1;
+                if (d < 0) return 0;
+                const int v = f->t * 16 + d, low = f->c == 1; /* c 1: this escape must be a low surrogate */
+                if (f->b == 4 && low && d != 0xD) return 0;
+                if (f->b == 3 && (v >= 0xDC && v <= 0xDF) != low && (v >= 0xD8 || low)) return 0;
+                f->t = v;
+                if (--f->b) return 1;
+                if (v >= 0xD800 && v <= 0xDBFF) { /* a high surrogate: "\\u" + a low one must follow; the pair is one
+                                                     character */
+                    f->st = 4, f->c = 0, f->a++;
+                    return 1;
+                }
+                if (!low) f->a++;
+                f->st = 1, f->c = 0;
+                return 1;
+            }
+            case 4:
+                if (c != '\\') return 0;
+                f->st = 5;
+                return 1;
+            case 5:
+                if (c != 'u') return 0;
+                f->st = 3, f->b = 4, f->t = 0, f->c = 1;
                 return 1;
             }
             return 0;
@@ -1137,7 +1424,7 @@ int fp4moe_grammar_matcher_new(const fp4moe_grammar *g, const fp4moe_grammar_voc
     }
     if (n_stop) memcpy(m->stop, stop_ids, (size_t)n_stop * sizeof(int32_t));
     m->s.depth = 0;
-    push(&m->s, g->root);
+    push_node(g, &m->s, g->root);
     *out = m;
     return FP4MOE_OK;
 }

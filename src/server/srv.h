@@ -136,6 +136,8 @@ typedef struct {
     char *tools_json;                  /* the request's tools (JSON text, malloc'd): the parameters' types */
     char *tool_forced;                 /* tool_choice naming a function (malloc'd): the output is its arguments
                                           (grammar: its parameters schema), returned as that one call */
+    int tool_required;                 /* tool_choice "required": the output is [{"name", "parameters"}, ...]
+                                          (grammar: fp4moe_grammar_from_tools), returned as those calls */
     srv_grammar *grammar;              /* structured output (response_format json_object / json_schema, vLLM's
                                           guided_json / guided_choice / structured_outputs): the output is
                                           constrained to it (after the reasoning, when the output starts in it);
@@ -204,6 +206,9 @@ void srv_tool_split_free(srv_tool_split *t);
  * "function", "function": {"name", "arguments": JSON text}}); tools: the request's tools (the parameters' types),
  * may be NULL; rng: the ids' state. NULL when no call parses (the text is then content). */
 cJSON *srv_tool_calls_parse(srv_tool_format fmt, const char *text, size_t n, const cJSON *tools, uint64_t *rng);
+/* tool_choice "required": the output [{"name": N, "parameters": {...}}, ...] as a tool_calls array (NULL: not such
+ * an array). */
+cJSON *srv_tool_calls_required(const char *text, size_t n, uint64_t *rng);
 
 /* ---- generated text: stop strings and the reasoning split ------------------------------------ */
 

@@ -159,6 +159,7 @@ struct srv_engine {
     int64_t V, tok_vocab;
     int32_t think_open, think_close;
     fp4moe_grammar_vocab *gv;         /* the tokenizer's byte trie for structured output (built once) */
+    uint64_t call_counter;            /* tool call ids: each job's own sequence */
     pthread_mutex_t lock;
     pthread_cond_t cv;
     int lock_ok;
@@ -298,7 +299,7 @@ static cJSON *finish_calls(srv_job *j, srv_buf *rest) {
 static void emit_raw(srv_job *j, const srv_delta *d, const char *finish, cJSON *calls);
 static void emit(srv_job *j, const srv_delta *d, const char *finish) {
     if (j->grp->done) return;
-    if (j->r.kind != SRV_CHAT || (!j->tsplit_on && !j->r.tool_forced)) {
+    if (j->r.kind != SRV_CHAT || (!j->tsplit_on && !j->r.tool_forced && !j->r.tool_required)) {
         emit_raw(j, d, finish, NULL);
         return;
     }
@@ -321,8 +322,18 @@ static void emit(srv_job *j, const srv_delta *d, const char *finish) {
         emit_raw(j, &d2, finish, calls);
         return;
     }
-    srv_tool_split_feed(&j->tsplit, d->content, d->n_content, &pass);
-    if (finish && j->r.stream) calls = finish_calls(j, &pass);
+    if (j->r.tool_required) { /* the output is the calls: kept (j->acc[1]), sent whole at the end */
+        if (j->r.stream) {
+            srv_buf_add(&j->acc[1], d->content, d->n_content);
+            if (finish && (calls = srv_tool_calls_required(j->acc[1].p, j->acc[1].n, &j->call_rng))) j->acc[1].n = 0;
+            else if (finish) srv_buf_add(&pass, j->acc[1].p, j->acc[1].n); /* (cut short: the text as content) */
+        } else {
+            srv_buf_add(&pass, d->content, d->n_content);
+        }
+    } else {
+        srv_tool_split_feed(&j->tsplit, d->content, d->n_content, &pass);
+        if (finish && j->r.stream) calls = finish_calls(j, &pass);
+    }
     d2.content = pass.p ? pass.p : "";
     d2.n_content = pass.n;
     if (calls && j->r.stream) { /* a stream's calls: one delta each, whole */
@@ -383,7 +394,10 @@ static cJSON *choice_object(srv_job *j, const char *finish) {
     if (j->r.kind == SRV_CHAT) {
         cJSON *msg = cJSON_AddObjectToObject(c, "message");
         cJSON_AddStringToObject(msg, "role", "assistant");
-        cJSON *calls = j->r.tool_forced ? forced_call(j, j->acc[1].p, j->acc[1].n) : finish_calls(j, &j->acc[1]);
+        cJSON *calls = j->r.tool_forced    ? forced_call(j, j->acc[1].p, j->acc[1].n)
+                       : j->r.tool_required ? srv_tool_calls_required(j->acc[1].p, j->acc[1].n, &j->call_rng)
+                                            : finish_calls(j, &j->acc[1]);
+        if (calls && j->r.tool_required) j->acc[1].n = 0;
         if (calls) {
             if (j->acc[1].n) cJSON_AddItemToObject(msg, "content", srv_json_string(j->acc[1].p, j->acc[1].n));
             else cJSON_AddNullToObject(msg, "content");
@@ -646,7 +660,8 @@ static void prompt_left(srv_job *g) {
  * it (ignore_eos: finished, "stop"), or no token continues it (an error). */
 static int32_t job_sample(srv_engine *e, srv_job *j, int32_t device_id) {
     if (!j->logits) return device_id;
-    if (!j->gm || (j->r.reasoning && j->text.in_reasoning)) return fp4moe_sample(&j->smp, j->logits);
+    /* (the constraint waits only for a reasoning the prompt opened: an output that opens <think> itself is under it) */
+    if (!j->gm || (j->r.reasoning && j->r.reasoning_start && j->text.in_reasoning)) return fp4moe_sample(&j->smp, j->logits);
     memcpy(j->mlog, j->logits, (size_t)e->V * sizeof(float));
     if (fp4moe_grammar_mask_logits(j->gm, j->mlog, e->V) == 0) {
         if (fp4moe_grammar_is_complete(j->gm)) finish_ok(e, j, 0);
@@ -747,7 +762,7 @@ static int admit(srv_rank *rk, srv_job *j) {
         srv_tool_split_init(&j->tsplit, j->r.tools_fmt);
         j->tsplit_on = 1;
     }
-    j->call_rng = mix64(e->id_base ^ mix64((uint64_t)(uintptr_t)j) ^ (uint64_t)j->index);
+    j->call_rng = mix64(e->id_base ^ mix64(__atomic_add_fetch(&e->call_counter, 1, __ATOMIC_RELAXED))); /* (unique ids) */
     if (j->r.grammar) {
         const int st = e->gv ? fp4moe_grammar_matcher_new(j->r.grammar->g, e->gv, j->r.sp.stop_ids, j->r.sp.n_stop, &j->gm)
                              : fp4moe_set_error(FP4MOE_ENOMEM, "no grammar vocab");

@@ -172,13 +172,11 @@ static int refuse_unless_neutral(const cJSON *o, srv_error *e) {
         return srv_fail(e, 400, "best_of", "'best_of' must equal 'n' (fp4moe does not rank extra samples)");
     if ((v = field(o, "suffix")))
         return srv_fail(e, 400, "suffix", "'suffix' is not supported by fp4moe");
-    if ((v = field(o, "tool_choice")) && cJSON_IsString(v) && !strcmp(v->valuestring, "required"))
-        return srv_fail(e, 400, "tool_choice", "'tool_choice' \"required\" is not supported by fp4moe (\"auto\", \"none\" "
-                        "and a named function are)");
     if ((v = field(o, "tool_choice")) && !(cJSON_IsString(v) && (!strcmp(v->valuestring, "auto") ||
-                                                                !strcmp(v->valuestring, "none"))) && !cJSON_IsObject(v))
-        return srv_fail(e, 400, "tool_choice", "'tool_choice' must be \"auto\", \"none\" or {\"type\": \"function\", "
-                        "\"function\": {\"name\": ...}}");
+                                                                !strcmp(v->valuestring, "none") ||
+                                                                !strcmp(v->valuestring, "required"))) && !cJSON_IsObject(v))
+        return srv_fail(e, 400, "tool_choice", "'tool_choice' must be \"auto\", \"none\", \"required\" or {\"type\": "
+                        "\"function\", \"function\": {\"name\": ...}}");
     if ((v = field(o, "function_call")) && !(cJSON_IsString(v) && (!strcmp(v->valuestring, "auto") ||
                                                                   !strcmp(v->valuestring, "none"))))
         return srv_fail(e, 400, "function_call", "'function_call' must be \"auto\" or \"none\" (fp4moe does not "
@@ -195,8 +193,15 @@ static int refuse_unless_neutral(const cJSON *o, srv_error *e) {
     for (int i = 0; i < 2; i++)
         if ((v = field(o, empty_list[i])) && !(cJSON_IsArray(v) && cJSON_GetArraySize(v) == 0))
             return srv_fail(e, 400, empty_list[i], "'%s' is not supported by fp4moe", empty_list[i]);
-    static const char *const never[] = {"prompt_logprobs", "guided_regex", "guided_grammar"};
-    for (int i = 0; i < 3; i++)
+    if ((v = field(o, "include_stop_str_in_output")) && !cJSON_IsFalse(v))
+        return srv_fail(e, 400, "include_stop_str_in_output", "'include_stop_str_in_output' is not supported by fp4moe "
+                        "(only false)");
+    /* vLLM's backend name is a hint fp4moe has one answer to; its options (after ':') change the output: refused */
+    if ((v = field(o, "guided_decoding_backend")) && !(cJSON_IsString(v) && !strchr(v->valuestring, ':')))
+        return srv_fail(e, 400, "guided_decoding_backend", "'guided_decoding_backend' options are not supported by "
+                        "fp4moe (a backend name alone is accepted and ignored)");
+    static const char *const never[] = {"prompt_logprobs", "guided_regex", "guided_grammar", "guided_whitespace_pattern"};
+    for (int i = 0; i < 4; i++)
         if ((v = field(o, never[i])))
             return srv_fail(e, 400, never[i], "'%s' is not supported by fp4moe", never[i]);
     return 0;
@@ -208,8 +213,8 @@ static int set_grammar(srv_request *r, const cJSON *schema, int any_object, cons
                        srv_error *e) {
     cJSON *parsed = NULL;
     if (!any_object && cJSON_IsString(schema)) {
-        if (!(parsed = cJSON_Parse(schema->valuestring)))
-            return srv_fail(e, 400, param, "'%s' is a string but not JSON text of a schema", where);
+        if (!(parsed = cJSON_ParseWithOpts(schema->valuestring, NULL, 1)))
+            return srv_fail(e, 400, param, "'%s' is a string but not JSON text of a schema (or has more after it)", where);
         schema = parsed;
     }
     if (!any_object && !cJSON_IsObject(schema) && !cJSON_IsBool(schema)) {
@@ -683,6 +688,44 @@ static int parse_tool_choice(const srv_parse_ctx *c, const cJSON *o, const cJSON
         const int st = set_grammar(r, params ? params : obj, 0, "tool_choice.function.parameters", "tools", e);
         cJSON_Delete(obj);
         return st;
+    }
+    if (cJSON_IsString(tc) && !strcmp(tc->valuestring, "required")) { /* [{"name", "parameters"}, ...] */
+        if (!n) return srv_fail(e, 400, "tool_choice", "'tool_choice' \"required\" needs 'tools'");
+        if (r->grammar)
+            return srv_fail(e, 400, "tool_choice", "'tool_choice' \"required\" constrains the output itself: give no "
+                            "response_format / guided_* / structured_outputs with it");
+        const char **names = calloc((size_t)n, sizeof *names);
+        const cJSON **params = calloc((size_t)n, sizeof *params);
+        srv_grammar *sg = calloc(1, sizeof *sg);
+        if (!names || !params || !sg) {
+            free(names);
+            free(params);
+            free(sg);
+            return srv_fail(e, 500, NULL, "out of memory");
+        }
+        int i = 0, bad = -1;
+        for (const cJSON *t = tools->child; t; t = t->next, i++) {
+            const cJSON *f = cJSON_GetObjectItemCaseSensitive(t, "function");
+            names[i] = cJSON_GetStringValue(cJSON_GetObjectItemCaseSensitive(f, "name"));
+            params[i] = cJSON_GetObjectItemCaseSensitive(f, "parameters");
+            if (!names[i] && bad < 0) bad = i;
+        }
+        int st = bad >= 0 ? srv_fail(e, 400, "tools", "'tools[%d].function.name' must be a string", bad) : 0;
+        if (!st) {
+            const int gs = fp4moe_grammar_from_tools(names, params, n, &sg->g);
+            if (gs) st = srv_fail(e, gs == FP4MOE_ENOMEM ? 500 : 400, "tools", "%s", fp4moe_last_error());
+        }
+        free(names);
+        free(params);
+        if (st) {
+            free(sg);
+            return st;
+        }
+        sg->refs = 1;
+        sg->json = 1;
+        r->grammar = sg;
+        r->tool_required = 1;
+        return 0;
     }
     if (n && c->tools != SRV_TOOLS_NONE && !(cJSON_IsString(tc) && !strcmp(tc->valuestring, "none"))) {
         r->tools_fmt = c->tools;

@@ -289,3 +289,23 @@ cJSON *srv_tool_calls_parse(srv_tool_format fmt, const char *text, size_t n, con
     if (fmt == SRV_TOOLS_JSON) return parse_json(text, n, rng);
     return NULL;
 }
+
+cJSON *srv_tool_calls_required(const char *text, size_t n, uint64_t *rng) {
+    cJSON *list = text && n ? cJSON_ParseWithLength(text, n) : NULL;
+    if (!cJSON_IsArray(list) || !cJSON_GetArraySize(list)) {
+        cJSON_Delete(list);
+        return NULL;
+    }
+    cJSON *arr = cJSON_CreateArray();
+    for (const cJSON *c = list->child; c; c = c->next) {
+        const cJSON *nm = cJSON_GetObjectItemCaseSensitive(c, "name");
+        const cJSON *pa = cJSON_GetObjectItemCaseSensitive(c, "parameters");
+        if (!cJSON_IsString(nm) || !pa || add_call(arr, nm->valuestring, strlen(nm->valuestring), cJSON_Duplicate(pa, 1), rng)) {
+            cJSON_Delete(arr);
+            cJSON_Delete(list);
+            return NULL;
+        }
+    }
+    cJSON_Delete(list);
+    return arr;
+}

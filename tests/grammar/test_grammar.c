@@ -138,6 +138,18 @@ static void test_documents(void **state) {
         {"{\"type\":\"array\",\"minItems\":1}", "[]", 0}, {"{\"type\":\"array\",\"minItems\":1}", "[{}]", 1},
         {"true", "[\"any\"]", 1},
         {"{\"title\":\"T\",\"description\":\"d\",\"type\":\"string\",\"format\":\"date\",\"x-note\":1}", "\"s\"", 1},
+        /* const of an array is that array; enum / const numbers as Python writes them (shortest round trip) */
+        {"{\"const\":[1,2]}", "[1,2]", 1}, {"{\"const\":[1,2]}", "1", 0},
+        {"{\"const\":9007199254740991}", "9007199254740991", 1}, {"{\"const\":0.30000000000000004}", "0.30000000000000004", 1},
+        {"{\"const\":0.30000000000000004}", "0.3", 0}, {"{\"enum\":[1e300,-0.0,2.5e-7]}", "1e+300", 1},
+        {"{\"enum\":[1e300,-0.0,2.5e-7]}", "0", 1}, {"{\"enum\":[1e300,-0.0,2.5e-7]}", "2.5e-07", 1},
+        /* UTF-16 surrogates only in pairs; a pair is one character */
+        {"{\"type\":\"string\",\"maxLength\":1}", "\"\\ud83d\\ude00\"", 1}, {"{\"type\":\"string\"}", "\"\\udddd\"", 0},
+        {"{\"type\":\"string\"}", "\"\\ud83d\"", 0}, {"{\"type\":\"string\"}", "\"\\ud83dx\"", 0},
+        {"{\"type\":\"string\"}", "\"\\ud83d\\u0041\"", 0}, {"{\"type\":\"string\"}", "\"\\uD7FF\\uE000\"", 1},
+        {"{\"type\":\"string\",\"minLength\":2}", "\"\\ud83d\\ude00\"", 0},
+        /* an integer beside a number: the number */
+        {"{\"anyOf\":[{\"type\":\"integer\"},{\"type\":\"number\"}]}", "2.5", 1},
     };
     for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
         fp4moe_grammar *g = compile(cases[i].schema);
@@ -150,9 +162,37 @@ static void test_documents(void **state) {
     }
 }
 
-/* nesting deeper than FP4MOE_GRAMMAR_MAX_DEPTH is refused, at the limit accepted */
+/* nesting deeper than FP4MOE_GRAMMAR_MAX_DEPTH is refused, at the limit accepted; a value is begun only where it can
+ * end within the limit (no dead end: after as many '[' as allowed, null still comes); a schema whose smallest
+ * document is deeper is refused */
 static void test_depth(void **state) {
     tvocab *tv = *state;
+    {
+        fp4moe_grammar *g = compile("{\"anyOf\":[{\"type\":\"array\",\"items\":{\"$ref\":\"#\"},\"minItems\":1,"
+                                    "\"maxItems\":1},{\"type\":\"null\"}]}");
+        fp4moe_grammar_matcher *m = NULL;
+        assert_int_equal(fp4moe_grammar_matcher_new(g, tv->v, &tv->eos, 1, &m), FP4MOE_OK);
+        int k = 0;
+        while (k < 100 && fp4moe_grammar_accept_bytes(m, "[", 1) == FP4MOE_OK) k++;
+        assert_true(k >= FP4MOE_GRAMMAR_MAX_DEPTH - 2 && k < FP4MOE_GRAMMAR_MAX_DEPTH);
+        float lg[8192];
+        for (int i = 0; i < 8192; i++) lg[i] = 0.0f;
+        assert_true(fp4moe_grammar_mask_logits(m, lg, 8192) > 0);
+        assert_int_equal(fp4moe_grammar_accept_bytes(m, "null", 4), FP4MOE_OK);
+        for (int i = 0; i < k; i++) assert_int_equal(fp4moe_grammar_accept_bytes(m, "]", 1), FP4MOE_OK);
+        assert_int_equal(fp4moe_grammar_is_complete(m), 1);
+        fp4moe_grammar_matcher_free(m);
+        fp4moe_grammar_free(g);
+        /* 33 required levels: refused when compiled */
+        char sch[4096] = "";
+        for (int i = 0; i < 33; i++) strcat(sch, "{\"type\":\"array\",\"minItems\":1,\"items\":");
+        strcat(sch, "{\"type\":\"null\"}");
+        for (int i = 0; i < 33; i++) strcat(sch, "}");
+        cJSON *sj = cJSON_Parse(sch);
+        assert_int_equal(fp4moe_grammar_from_json_schema(sj, NULL, &g), FP4MOE_EUNSUPPORTED);
+        assert_non_null(strstr(fp4moe_last_error(), "nests 34 values deep"));
+        cJSON_Delete(sj);
+    }
     fp4moe_grammar *g = compile("{\"type\":\"array\"}");
     char doc[256];
     for (int d = FP4MOE_GRAMMAR_MAX_DEPTH - 1; d <= FP4MOE_GRAMMAR_MAX_DEPTH + 1; d++) {
@@ -190,6 +230,16 @@ static void test_schema_errors(void **state) {
         {"{\"type\":\"array\",\"items\":[{}]}", FP4MOE_EUNSUPPORTED, "tuple form"},
         {"{\"allOf\":[{},{}]}", FP4MOE_EUNSUPPORTED, "allOf"},
         {"[1]", FP4MOE_EINVAL, "must be an object or a boolean"},
+        {"{\"const\":9007199254740992}", FP4MOE_EUNSUPPORTED, "beyond 2^53"},
+        {"{\"type\":\"string\",\"enum\":[\"abc\",\"x\"],\"maxLength\":1}", FP4MOE_EUNSUPPORTED, "'maxLength' beside 'enum'"},
+        {"{\"const\":\"a\",\"enum\":[\"b\"]}", FP4MOE_EUNSUPPORTED, "beside 'enum'"},
+        {"{\"$ref\":\"#\"}", FP4MOE_EINVAL, "no finite document"},
+        {"{\"type\":\"object\",\"properties\":{\"x\":{\"$ref\":\"#\"}},\"required\":[\"x\"]}", FP4MOE_EINVAL,
+         "no finite document"},
+        {"{\"properties\":{\"deep\":{\"anyOf\":[{\"type\":\"string\"},{\"type\":\"string\",\"maxLength\":2}]}}}",
+         FP4MOE_EUNSUPPORTED, "schema.properties.deep: anyOf"},
+        {"{\"$defs\":{\"u\":{\"properties\":{\"q\":{\"minimum\":1}}}},\"$ref\":\"#/$defs/u\"}", FP4MOE_EUNSUPPORTED,
+         "schema#/$defs/u.properties.q: 'minimum'"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
         cJSON *s = cJSON_Parse(cases[i].schema);
@@ -356,6 +406,49 @@ static void test_mask_walks(void **state) {
     assert_true(e1 >= 1 && e2 >= 1 && e3 == 6);
 }
 
+/* tool_choice "required": [{"name": N, "parameters": P(N)}, ...], P chosen by the name */
+static void test_tools(void **state) {
+    tvocab *tv = *state;
+    const char *names[] = {"get_weather", "now", "get"};
+    cJSON *p0 = cJSON_Parse("{\"type\":\"object\",\"properties\":{\"city\":{\"type\":\"string\",\"maxLength\":6},"
+                            "\"days\":{\"type\":\"integer\"}},\"required\":[\"city\",\"days\"]}");
+    cJSON *p2 = cJSON_Parse("{\"$defs\":{\"k\":{\"enum\":[\"a\",\"b\"]}},\"type\":\"object\",\"properties\":"
+                            "{\"key\":{\"$ref\":\"#/$defs/k\"}},\"required\":[\"key\"]}");
+    const cJSON *params[] = {p0, NULL, p2};
+    fp4moe_grammar *g = NULL;
+    assert_int_equal(fp4moe_grammar_from_tools(names, params, 3, &g), FP4MOE_OK);
+    static const struct {
+        const char *doc;
+        int ok;
+    } cases[] = {
+        {"[{\"name\": \"get_weather\", \"parameters\": {\"city\": \"Paris\", \"days\": 3}}]", 1},
+        {"[{\"name\": \"now\", \"parameters\": {\"any\": [1]}}, {\"name\": \"get\", \"parameters\": {\"key\": \"b\"}}]", 1},
+        {"[{\"name\": \"get\", \"parameters\": {\"city\": \"Paris\", \"days\": 3}}]", 0},
+        {"[{\"name\": \"get_weather\", \"parameters\": {\"key\": \"a\"}}]", 0},
+        {"[{\"name\": \"get_weather\", \"parameters\": {\"city\": \"Paris!!\", \"days\": 3}}]", 0},
+        {"[{\"name\": \"other\", \"parameters\": {}}]", 0},
+        {"[{\"parameters\": {}, \"name\": \"now\"}]", 0},
+        {"[]", 0},
+        {"[{\"name\": \"get\", \"parameters\": {\"key\": \"c\"}}]", 0},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof *cases; i++)
+        if (doc_ok(g, tv->v, cases[i].doc) != cases[i].ok) fail_msg("tools case %zu: %s", i, cases[i].doc);
+    const int e = walks(tv, g, 4, 200, 0x777ull, NULL, NULL, 0);
+    (void)e;
+    fp4moe_grammar_free(g);
+    const char *dup[] = {"a", "a"};
+    const cJSON *none[] = {NULL, NULL};
+    assert_int_equal(fp4moe_grammar_from_tools(dup, none, 2, &g), FP4MOE_EINVAL);
+    cJSON *bad = cJSON_Parse("{\"type\":\"integer\",\"minimum\":1}");
+    const cJSON *pb[] = {NULL, bad};
+    const char *two[] = {"a", "b"};
+    assert_int_equal(fp4moe_grammar_from_tools(two, pb, 2, &g), FP4MOE_EUNSUPPORTED);
+    assert_non_null(strstr(fp4moe_last_error(), "tools[1].function.parameters: 'minimum'"));
+    cJSON_Delete(bad);
+    cJSON_Delete(p0);
+    cJSON_Delete(p2);
+}
+
 /* the end: the stop id only when complete; nothing after it */
 static void test_stop(void **state) {
     tvocab *tv = *state;
@@ -384,6 +477,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_documents), cmocka_unit_test(test_depth),     cmocka_unit_test(test_schema_errors),
         cmocka_unit_test(test_choices),   cmocka_unit_test(test_stop),      cmocka_unit_test(test_mask_walks),
+        cmocka_unit_test(test_tools),
     };
     return cmocka_run_group_tests(tests, tok_setup, tok_teardown);
 }

@@ -548,6 +548,16 @@ def structured_outputs(s, c):
     rc = getattr(r.choices[0].message, "reasoning_content", None) or ""
     check(rc.strip() != "" and not rc.lstrip().startswith("{"),
           "json_object with thinking on: the reasoning is not constrained (%r)" % rc[:40])
+    # with thinking off, a constrained output that opens <think> itself stays under the constraint (then split)
+    r = c.chat.completions.create(model="nemotron-h-tiny-moe", messages=msgs, max_tokens=30, temperature=0,
+                                  extra_body=dict(off, guided_choice=["<think>y</think>z"]))
+    check((r.choices[0].message.content, getattr(r.choices[0].message, "reasoning_content", None),
+           r.choices[0].finish_reason) == ("z", "y", "stop"),
+          "guided_choice ['<think>y</think>z'] with thinking off: reasoning 'y', content 'z' (%r)" % r.choices[0].message)
+    r = c.completions.create(model="nemotron-h-tiny-moe", prompt="x", max_tokens=80, temperature=0,
+                             extra_body={"guided_json": {"const": [1, 2]}, "guided_decoding_backend": "xgrammar"})
+    check(r.choices[0].text.strip() == "[1,2]", "const [1, 2] is that array (a backend name is accepted): %r"
+          % r.choices[0].text)
     # errors name the field and the keyword
     bad = [({"guided_json": {"type": "integer", "minimum": 0}}, "'minimum' is not supported"),
            ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object",
@@ -558,7 +568,14 @@ def structured_outputs(s, c):
            ({"guided_choice": []}, "list of 1..65536 strings"),
            ({"response_format": {"type": "json_schema"}}, "must be an object with a 'schema'"),
            ({"guided_regex": "a+"}, "'guided_regex' is not supported"),
-           ({"structured_outputs": {"grammar": "root ::= x"}}, "'structured_outputs.grammar' is not supported")]
+           ({"structured_outputs": {"grammar": "root ::= x"}}, "'structured_outputs.grammar' is not supported"),
+           ({"guided_json": "{\"type\": \"string\"} garbage"}, "has more after it"),
+           ({"guided_json": {"type": "string"}, "guided_whitespace_pattern": "[ ]?"}, "'guided_whitespace_pattern'"),
+           ({"guided_json": {"type": "string"}, "guided_decoding_backend": "xgrammar:disable-any-whitespace"},
+            "'guided_decoding_backend' options"),
+           ({"include_stop_str_in_output": True}, "'include_stop_str_in_output'"),
+           ({"guided_json": {"$ref": "#"}}, "no finite document"),
+           ({"guided_json": {"type": "string", "enum": ["abc", "x"], "maxLength": 1}}, "'maxLength' beside 'enum'")]
     for extra, msg in bad:
         body = {"prompt": "x", "max_tokens": 4}
         body.update(extra)
@@ -580,7 +597,8 @@ def tool_calls(s, c):
     """tools: a named tool_choice returns one call whose arguments satisfy the tool's parameters (stream: the same
     arguments in deltas); with tool_choice auto the model's own call format (Nemotron-3: <tool_call><function=...>) in
     the answer becomes tool_calls with finish_reason "tool_calls" - the tiny model is made to write one through
-    guided_choice -, the conversation goes on with the call and its result; "required" and unknown names are 400s."""
+    guided_choice -, the conversation goes on with the call and its result; "required" gives calls of the tools with
+    valid arguments; unknown names are 400s."""
     off = {"chat_template_kwargs": {"enable_thinking": False}}
     tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
               "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
@@ -651,8 +669,34 @@ def tool_calls(s, c):
                                   max_tokens=200, temperature=0, extra_body=dict(off, guided_choice=[call_text]))
     check(r.choices[0].message.content == call_text and not r.choices[0].message.tool_calls,
           "tool_choice none: the call stays content")
-    for tc, msg in (("required", "is not supported by fp4moe"),
-                    ({"type": "function", "function": {"name": "nope"}}, "names the function 'nope'")):
+    # tool_choice required: one or more calls of the given tools, each with valid arguments (stream: the same calls)
+    got = []
+    for stream in (False, True):
+        # (a logit bias on "]" (id 63) ends the list after a call: the tiny model would go on adding calls)
+        kw = dict(model="nemotron-h-tiny-moe", messages=msgs, tools=tools, tool_choice="required", max_tokens=600,
+                  temperature=0, logit_bias={"63": 8}, extra_body=off)
+        if not stream:
+            r = c.chat.completions.create(**kw)
+            got.append(([(t.function.name, json.loads(t.function.arguments)) for t in r.choices[0].message.tool_calls or []],
+                        r.choices[0].finish_reason, r.choices[0].message.content))
+        else:
+            acc, fin, content = {}, None, ""
+            for ch in c.chat.completions.create(stream=True, **kw):
+                if not ch.choices:
+                    continue
+                content += ch.choices[0].delta.content or ""
+                for d in ch.choices[0].delta.tool_calls or []:
+                    e = acc.setdefault(d.index, ["", ""])
+                    e[0] += (d.function.name or "") if d.function else ""
+                    e[1] += (d.function.arguments or "") if d.function else ""
+                fin = ch.choices[0].finish_reason or fin
+            got.append(([(v[0], json.loads(v[1])) for _, v in sorted(acc.items())], fin, content or None))
+    valid = all(n == "now" and isinstance(a, dict) or n == "get_weather" and set(a) == {"city", "days"} and
+                isinstance(a["days"], int) and len(a["city"]) <= 12 for n, a in got[0][0])
+    check(len(got[0][0]) >= 1 and valid and got[0][1] == "tool_calls" and not got[0][2] and got[1] == got[0],
+          "tool_choice required: %d valid call(s), finish tool_calls, the stream the same: %r" % (len(got[0][0]), got))
+    for tc, msg in (({"type": "function", "function": {"name": "nope"}}, "names the function 'nope'"),
+                    ({"type": "function"}, "must be {")):
         body = {"messages": msgs, "tools": tools, "tool_choice": tc, "max_tokens": 4}
         code, txt = s.raw("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
         check(code == 400 and msg in txt, "tool_choice %s: 400 %s" % (tc, txt[:120]))
