@@ -676,20 +676,21 @@ gq_batched_kernel(gq_args a, const int *__restrict__ starts, const int *__restri
 #define BT_W32 1 /* 0: the 32-row tiles of bf16 tiled calls on gq_batched_kernel (for measuring, session 18) */
 #endif
 #define BW_MT 32
-/* 4 warps (128 features) a block, 3 blocks an SM. 6 warps (192 features, 2 blocks: a third less x staged per
- * feature) measured -2.8% at a 512-token prefill (session 26): removed. Variant at its off default (session 28,
- * not yet measured): -DBW_MINB=4 -DBW_STAGES=3, 4 blocks (16 warps) an SM - ptxas fits the kernel in 128
- * registers (146 now) with 24 bytes spilled outside the K loop, and a 3-slot ring leaves 4 x 49,152 bytes of
- * shared memory (4 slots would be 4 x 59,392, over the SM's 228 KB); session 18's 4 blocks spilled at 166. */
+/* 4 warps (128 features) a block, 4 blocks (16 warps) an SM with a 3-slot weight ring: ptxas fits the kernel in 128
+ * registers (146 with 3 blocks) with 24 bytes spilled outside the K loop, and the ring leaves 4 x 49,152 bytes of
+ * shared memory (4 slots would be 4 x 59,392, over the SM's 228 KB); session 18's 4 blocks spilled at 166. Measured
+ * in session 30 (H200, 512 + 128 tokens, 3 rounds, medians): prefill 32,059 -> 32,681 tok/s (+1.9%), decode 596.7
+ * -> 600.9, greedy hashes equal; -DBW_MINB=3 -DBW_STAGES=4 is the former form. 6 warps (192 features, 2 blocks: a
+ * third less x staged per feature) measured -2.8% at a 512-token prefill (session 26): removed. */
 #define BW_WARPS 4
 #ifndef BW_MINB
-#define BW_MINB 3
+#define BW_MINB 4
 #endif
 #define BW_THREADS (BW_WARPS * 32)
 #define BW_NTILE (BW_WARPS * 32)
 #define BW_XBYTES (2 * BW_MT * BT_XROW)
 #ifndef BW_STAGES
-#define BW_STAGES BT_STAGES /* the weight ring's depth in this kernel */
+#define BW_STAGES 3 /* the weight ring's depth in this kernel (BT_STAGES, 4, with 3 blocks an SM) */
 #endif
 #define BW_SMEM (BW_XBYTES + BW_STAGES * BW_THREADS * 2 * BT_SLOT_BYTES)
 
