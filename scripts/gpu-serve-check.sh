@@ -2,7 +2,8 @@
 # scripts/gpu-serve-check.sh: fp4moe serve on a machine with an NVIDIA GPU (issue 10), in ONE command:
 #   1. the default model on the GPU: 32 concurrent streams x 2 greedy requests vs the same requests
 #      alone (answers compared), a disconnect, bad requests (the server must go on); logprobs and
-#      echo + logprobs against a CPU server in float mode (scripts/serve_logprobs_probe.py);
+#      echo + logprobs against a CPU server in float mode (scripts/serve_logprobs_probe.py); structured
+#      output and tool calls (scripts/serve_structured_probe.py);
 #   2. the synthetic Nemotron-3-Nano-30B-A3B shape (--synthetic, the default model's tokenizer):
 #      scripts/loadtest.py at 1 / 8 / 32 / 64 concurrent streams (requests/s, output tok/s, TTFT,
 #      ITL), and turn-2 TTFT of a ~2,000-token chat with the prefix cache and without it.
@@ -87,6 +88,8 @@ PY
     rc=$?
     row "default model, GPU: 32x2 concurrent == alone" "$([ $rc = 0 ] && echo PASS || echo FAIL) ($(tail -1 "$OUT/tiny-check.log" | cut -c1-90))"
     python3 scripts/serve_logprobs_probe.py "$URL" "$OUT/logprobs-gpu.json" >"$OUT/logprobs-gpu.log" 2>&1
+    python3 scripts/serve_structured_probe.py "$URL" >"$OUT/structured-gpu.log" 2>&1
+    row "  structured output / tool calls, GPU" "$([ $? = 0 ] && echo PASS || echo FAIL) ($(tail -1 "$OUT/structured-gpu.log" | cut -c1-90))"
     stop
     row "  exit code on SIGTERM" "$SRC"
     # logprobs and echo + logprobs (a 400-token prompt: chunks of rows of logits) against the CPU's float mode
