@@ -136,6 +136,7 @@ typedef struct {
     char *tools_json;                  /* the request's tools (JSON text, malloc'd): the parameters' types */
     char *tool_forced;                 /* tool_choice naming a function (malloc'd): the output is its arguments
                                           (grammar: its parameters schema), returned as that one call */
+    int tool_single;                   /* parallel_tool_calls false: the first call only */
     int tool_required;                 /* tool_choice "required": the output is [{"name", "parameters"}, ...]
                                           (grammar: fp4moe_grammar_from_tools), returned as those calls */
     srv_grammar *grammar;              /* structured output (response_format json_object / json_schema, vLLM's

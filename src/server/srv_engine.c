@@ -49,7 +49,7 @@ struct srv_job {
     int64_t n_gen, cap_gen;
     float *logits;
     srv_tool_split tsplit;                    /* chat with tools: content -> (content, the calls' text) */
-    int tsplit_on;
+    int tsplit_on, held;                      /* held: deltas held back whole (a stream's keep-alive comments) */
     uint64_t call_rng;                        /* tool call ids */
     fp4moe_grammar_matcher *gm;               /* structured output: the output's place in r.grammar (NULL: none) */
     float *mlog;                              /* ... and the logits with its mask (the sampler's input; logprobs
@@ -336,6 +336,11 @@ static void emit(srv_job *j, const srv_delta *d, const char *finish) {
     }
     d2.content = pass.p ? pass.p : "";
     d2.n_content = pass.n;
+    /* a stream holding a call back sends an SSE comment now and then: a write that finds a client gone (cancelled
+       then, as any stream), which clients ignore */
+    if (j->r.stream && !finish && !pass.n && d->n_content && ++j->held % 8 == 0) srv_buf_add(&j->grp->out, ":\n\n", 3);
+    if (calls && j->r.tool_single) /* parallel_tool_calls false: the first call */
+        while (cJSON_GetArraySize(calls) > 1) cJSON_DeleteItemFromArray(calls, 1);
     if (calls && j->r.stream) { /* a stream's calls: one delta each, whole */
         cJSON *deltas = cJSON_CreateArray();
         int i = 0;
@@ -346,7 +351,7 @@ static void emit(srv_job *j, const srv_delta *d, const char *finish) {
         }
         cJSON_Delete(calls);
         calls = deltas;
-        finish = "tool_calls";
+        if (strcmp(finish, "length")) finish = "tool_calls"; /* (cut by max_tokens: "length", the calls as parsed) */
     }
     emit_raw(j, &d2, finish, calls);
     srv_buf_free(&pass);
@@ -398,12 +403,14 @@ static cJSON *choice_object(srv_job *j, const char *finish) {
                        : j->r.tool_required ? srv_tool_calls_required(j->acc[1].p, j->acc[1].n, &j->call_rng)
                                             : finish_calls(j, &j->acc[1]);
         if (calls && j->r.tool_required) j->acc[1].n = 0;
+        if (calls && j->r.tool_single)
+            while (cJSON_GetArraySize(calls) > 1) cJSON_DeleteItemFromArray(calls, 1);
         if (calls) {
             if (j->acc[1].n) cJSON_AddItemToObject(msg, "content", srv_json_string(j->acc[1].p, j->acc[1].n));
             else cJSON_AddNullToObject(msg, "content");
             if (j->r.tool_forced) cJSON_ReplaceItemInObject(msg, "content", cJSON_CreateNull());
             cJSON_AddItemToObject(msg, "tool_calls", calls);
-            if (!j->r.tool_forced) finish = "tool_calls";
+            if (!j->r.tool_forced && strcmp(finish, "length")) finish = "tool_calls";
         } else {
             cJSON_AddItemToObject(msg, "content", srv_json_string(j->acc[1].n ? j->acc[1].p : "", j->acc[1].n));
         }

@@ -1,7 +1,7 @@
 /* Request JSON -> srv_request (see srv.h). Field rules follow OpenAI's API reference for
  * /v1/chat/completions and /v1/completions, with vLLM's extensions top_k, min_p, ignore_eos,
  * repetition_penalty, stop_token_ids, chat_template_kwargs and the structured outputs (guided_json,
- * guided_choice, structured_outputs). What fp4moe cannot do (a chat echo, guided_regex, forced tool choice, ...) is a 400 naming the field, never
+ * guided_choice, structured_outputs). What fp4moe cannot do (a chat echo, guided_regex, ...) is a 400 naming the field, never
  * silently ignored. */
 #include <math.h>
 #include <stdarg.h>
@@ -178,9 +178,10 @@ static int refuse_unless_neutral(const cJSON *o, srv_error *e) {
         return srv_fail(e, 400, "tool_choice", "'tool_choice' must be \"auto\", \"none\", \"required\" or {\"type\": "
                         "\"function\", \"function\": {\"name\": ...}}");
     if ((v = field(o, "function_call")) && !(cJSON_IsString(v) && (!strcmp(v->valuestring, "auto") ||
-                                                                  !strcmp(v->valuestring, "none"))))
-        return srv_fail(e, 400, "function_call", "'function_call' must be \"auto\" or \"none\" (fp4moe does not "
-                        "force tool calls)");
+                                                                  !strcmp(v->valuestring, "none"))) &&
+        !(cJSON_IsObject(v) && cJSON_IsString(cJSON_GetObjectItemCaseSensitive(v, "name"))))
+        return srv_fail(e, 400, "function_call", "'function_call' must be \"auto\", \"none\" or {\"name\": ...} (the "
+                        "deprecated form of tool_choice)");
     if ((v = field(o, "functions")) && !(cJSON_IsArray(v) && cJSON_GetArraySize(v) == 0))
         return srv_fail(e, 400, "functions", "'functions' (the deprecated form) is not supported by fp4moe: give "
                         "'tools'");
@@ -629,16 +630,37 @@ static cJSON *clean_message(const cJSON *m, int index, srv_error *e) {
             return NULL;
         }
         cJSON *copy = cJSON_Duplicate(kv, 1);
-        if (!strcmp(kv->string, "tool_calls") && cJSON_IsArray(copy)) {
+        if (!strcmp(kv->string, "tool_calls") && !cJSON_IsNull(copy)) { /* OpenAI's shape, arguments as an object */
+            int k = 0;
+            const char *bad = !cJSON_IsArray(copy) ? "must be a list" : NULL;
             cJSON *call;
             cJSON_ArrayForEach(call, copy) {
                 cJSON *fn = cJSON_GetObjectItemCaseSensitive(call, "function");
+                cJSON *nm = cJSON_GetObjectItemCaseSensitive(fn, "name");
                 cJSON *args = cJSON_GetObjectItemCaseSensitive(fn, "arguments");
-                if (cJSON_IsString(args)) {
+                if (bad) break;
+                if (!cJSON_IsObject(call) || !cJSON_IsObject(fn) || !cJSON_IsString(nm) || !nm->valuestring[0])
+                    bad = "must be {\"id\", \"type\": \"function\", \"function\": {\"name\", \"arguments\"}}";
+                else if (cJSON_IsString(args)) {
                     cJSON *parsed = cJSON_Parse(args->valuestring);
                     if (cJSON_IsObject(parsed)) cJSON_ReplaceItemInObjectCaseSensitive(fn, "arguments", parsed);
-                    else cJSON_Delete(parsed);
+                    else {
+                        cJSON_Delete(parsed);
+                        bad = ".function.arguments must be JSON text of an object";
+                    }
+                } else if (args && !cJSON_IsObject(args) && !cJSON_IsNull(args)) {
+                    bad = ".function.arguments must be JSON text of an object";
                 }
+                if (!bad) k++;
+            }
+            if (bad) {
+                cJSON_Delete(copy);
+                cJSON_Delete(out);
+                if (bad[0] == '.')
+                    srv_fail(e, 400, "messages", "messages[%d].tool_calls[%d]%s", index, k, bad);
+                else srv_fail(e, 400, "messages", "messages[%d].tool_calls%s%s %s", index, cJSON_IsArray(kv) ? "[" : "",
+                              cJSON_IsArray(kv) ? "]" : "", bad);
+                return NULL;
             }
         }
         cJSON_AddItemToObject(out, kv->string, copy);
@@ -656,10 +678,60 @@ static int render(const srv_parse_ctx *c, cJSON *ctx, int gen_prompt, char **tex
 /* tools + tool_choice: "none" (the calls stay text), "auto" (default: the calls of the answer become tool_calls when
  * the server knows the model's format), or {"type": "function", "function": {"name": N}}: the output is N's arguments,
  * constrained to its parameters schema (vLLM's named tool choice), returned as one call to N. */
+static int parse_tool_choice2(const srv_parse_ctx *c, const cJSON *tc, const cJSON *tools, int n, srv_request *r,
+                              srv_error *e);
+
+/* a tool's parameters for a grammar: {} (any JSON) stands for an object, as the arguments always are */
+static const cJSON *tool_params(const cJSON *params, cJSON **made) {
+    *made = NULL;
+    int empty = cJSON_IsObject(params);
+    for (const cJSON *k = params ? params->child : NULL; empty && k; k = k->next)
+        empty = !strcmp(k->string, "title") || !strcmp(k->string, "description") || !strcmp(k->string, "$schema");
+    if (!params || empty) return *made = cJSON_Parse("{\"type\": \"object\"}");
+    return params;
+}
+
 static int parse_tool_choice(const srv_parse_ctx *c, const cJSON *o, const cJSON *tools, srv_request *r,
                              srv_error *e) {
     const cJSON *tc = field(o, "tool_choice");
     const int n = tools ? cJSON_GetArraySize(tools) : 0;
+    int ti = 0;
+    for (const cJSON *t = n ? tools->child : NULL; t; t = t->next, ti++) { /* OpenAI's shape of a tool */
+        const cJSON *ty = cJSON_GetObjectItemCaseSensitive(t, "type"), *f = cJSON_GetObjectItemCaseSensitive(t, "function");
+        const cJSON *nm = cJSON_GetObjectItemCaseSensitive(f, "name"), *pa = cJSON_GetObjectItemCaseSensitive(f, "parameters");
+        if (!cJSON_IsObject(t) || !cJSON_IsString(ty) || strcmp(ty->valuestring, "function"))
+            return srv_fail(e, 400, "tools", "'tools[%d].type' must be \"function\"", ti);
+        if (!cJSON_IsObject(f) || !cJSON_IsString(nm) || !nm->valuestring[0])
+            return srv_fail(e, 400, "tools", "'tools[%d].function.name' must be a non-empty string", ti);
+        if (pa && !cJSON_IsObject(pa) && !cJSON_IsNull(pa))
+            return srv_fail(e, 400, "tools", "'tools[%d].function.parameters' must be a JSON Schema object", ti);
+    }
+    /* the legacy form: function_call "none" / "auto" / {"name": N} stands for tool_choice when that is absent */
+    cJSON *legacy = NULL;
+    const cJSON *fc = field(o, "function_call");
+    if (!tc && fc) {
+        if (cJSON_IsObject(fc)) {
+            legacy = cJSON_CreateObject();
+            cJSON_AddStringToObject(legacy, "type", "function");
+            cJSON_AddItemToObject(cJSON_AddObjectToObject(legacy, "function"), "name",
+                                  cJSON_Duplicate(cJSON_GetObjectItemCaseSensitive(fc, "name"), 1));
+        } else {
+            legacy = cJSON_Duplicate(fc, 1);
+        }
+        tc = legacy;
+    }
+    const int st = parse_tool_choice2(c, tc, tools, n, r, e);
+    cJSON_Delete(legacy);
+    if (!st) {
+        const cJSON *ptc = field(o, "parallel_tool_calls");
+        if (ptc && !cJSON_IsBool(ptc)) return srv_fail(e, 400, "parallel_tool_calls", "'parallel_tool_calls' must be true or false");
+        r->tool_single = cJSON_IsFalse(ptc);
+    }
+    return st;
+}
+
+static int parse_tool_choice2(const srv_parse_ctx *c, const cJSON *tc, const cJSON *tools, int n, srv_request *r,
+                              srv_error *e) {
     if (cJSON_IsObject(tc)) {
         const cJSON *ty = cJSON_GetObjectItemCaseSensitive(tc, "type");
         const cJSON *nm = cJSON_GetObjectItemCaseSensitive(cJSON_GetObjectItemCaseSensitive(tc, "function"), "name");
@@ -667,12 +739,12 @@ static int parse_tool_choice(const srv_parse_ctx *c, const cJSON *o, const cJSON
             return srv_fail(e, 400, "tool_choice", "'tool_choice' must be {\"type\": \"function\", \"function\": "
                             "{\"name\": ...}}");
         const cJSON *params = NULL;
-        int found = 0;
-        for (const cJSON *t = n ? tools->child : NULL; t; t = t->next) {
+        int found = 0, idx = 0;
+        for (const cJSON *t = n ? tools->child : NULL; t; t = t->next, idx++) {
             const cJSON *f = cJSON_GetObjectItemCaseSensitive(t, "function");
             const cJSON *fn = cJSON_GetObjectItemCaseSensitive(f, "name");
             if (cJSON_IsString(fn) && !strcmp(fn->valuestring, nm->valuestring)) {
-                found = 1;
+                found = idx + 1;
                 params = cJSON_GetObjectItemCaseSensitive(f, "parameters");
                 break;
             }
@@ -684,8 +756,11 @@ static int parse_tool_choice(const srv_parse_ctx *c, const cJSON *o, const cJSON
             return srv_fail(e, 400, "tool_choice", "a named 'tool_choice' constrains the output itself: give no "
                             "response_format / guided_* / structured_outputs with it");
         if (!(r->tool_forced = strdup(nm->valuestring))) return srv_fail(e, 500, NULL, "out of memory");
-        cJSON *obj = params ? NULL : cJSON_Parse("{\"type\": \"object\"}");
-        const int st = set_grammar(r, params ? params : obj, 0, "tool_choice.function.parameters", "tools", e);
+        cJSON *obj;
+        const cJSON *sch = tool_params(params, &obj);
+        char where[64];
+        snprintf(where, sizeof where, "tools[%d].function.parameters", found - 1);
+        const int st = set_grammar(r, sch, 0, where, "tools", e);
         cJSON_Delete(obj);
         return st;
     }
@@ -704,10 +779,16 @@ static int parse_tool_choice(const srv_parse_ctx *c, const cJSON *o, const cJSON
             return srv_fail(e, 500, NULL, "out of memory");
         }
         int i = 0, bad = -1;
+        cJSON *mades = cJSON_CreateArray();
         for (const cJSON *t = tools->child; t; t = t->next, i++) {
             const cJSON *f = cJSON_GetObjectItemCaseSensitive(t, "function");
             names[i] = cJSON_GetStringValue(cJSON_GetObjectItemCaseSensitive(f, "name"));
-            params[i] = cJSON_GetObjectItemCaseSensitive(f, "parameters");
+            cJSON *made;
+            params[i] = tool_params(cJSON_GetObjectItemCaseSensitive(f, "parameters"), &made);
+            if (made) { /* (kept until the grammar is made: a list of them, freed below) */
+                cJSON_AddItemToArray(mades, made);
+                params[i] = cJSON_GetArrayItem(mades, cJSON_GetArraySize(mades) - 1);
+            }
             if (!names[i] && bad < 0) bad = i;
         }
         int st = bad >= 0 ? srv_fail(e, 400, "tools", "'tools[%d].function.name' must be a string", bad) : 0;
@@ -717,6 +798,7 @@ static int parse_tool_choice(const srv_parse_ctx *c, const cJSON *o, const cJSON
         }
         free(names);
         free(params);
+        cJSON_Delete(mades);
         if (st) {
             free(sg);
             return st;

@@ -10,7 +10,7 @@
  *    string); a value that does not convert stays a string.
  *  - JSON (Nemotron-Nano-9B-v2): <TOOLCALL>[{"name": NAME, "arguments": {...}}, ...]</TOOLCALL>
  * The content before the first call marker stays content (null when empty); the calls' arguments are
- * JSON text (json.dumps with ensure_ascii=False, as vLLM). Text that has a marker but no parsable call
+ * JSON text (compact, as cJSON prints it; integers with their exact digits). Text that has a marker but no parsable call
  * goes back to the content, unchanged. */
 #include <math.h>
 #include <stdio.h>
@@ -116,6 +116,36 @@ static int prefix_of(const char *type, const char *const *list, int n, int by_pr
     return 0;
 }
 
+/* Python's int(v) (optional sign, decimal digits, '_' between digits not taken; leading zeros dropped) as the exact
+ * digits (a raw JSON number: no rounding through a double); number != 0: else Python's float(v) in decimal form (no
+ * hex, inf or nan), integral values as integers (vLLM). NULL when it is not such a number: the text stays a string. */
+static cJSON *int_value(const char *v, int number) {
+    const char *p = v;
+    while (*p == ' ' || *p == '\t' || *p == '\n' || *p == '\r') p++;
+    const char *q = p;
+    if (*q == '-' || *q == '+') q++;
+    const char *d = q;
+    while (*q >= '0' && *q <= '9') q++;
+    const char *r = q;
+    while (*r == ' ' || *r == '\t' || *r == '\n' || *r == '\r') r++;
+    if (q > d && !*r) { /* an integer */
+        while (*d == '0' && d + 1 < q) d++;
+        char buf[512];
+        const int neg = *p == '-' && !(q - d == 1 && *d == '0');
+        if ((size_t)(q - d) + 2 > sizeof buf) return cJSON_CreateString(v);
+        snprintf(buf, sizeof buf, "%s%.*s", neg ? "-" : "", (int)(q - d), d);
+        return cJSON_CreateRaw(buf);
+    }
+    if (!number) return cJSON_CreateString(v);
+    for (const char *c = p; *c; c++) /* (decimal only: float("0x10") is an error in Python) */
+        if (!strchr("0123456789+-.eE \t\n\r", *c)) return cJSON_CreateString(v);
+    char *end;
+    const double x = strtod(p, &end);
+    while (*end == ' ' || *end == '\t' || *end == '\n' || *end == '\r') end++;
+    if (end == p || *end || !isfinite(x)) return cJSON_CreateString(v);
+    return cJSON_CreateNumber(x);
+}
+
 /* a parameter's text -> its JSON value by the schema's type (vLLM qwen3_coder's _convert_param_value) */
 static cJSON *convert_value(const char *v, const cJSON *props, const char *pname) {
     char low[8];
@@ -138,22 +168,8 @@ static cJSON *convert_value(const char *v, const cJSON *props, const char *pname
     static const char *const nums[] = {"num", "float"};
     static const char *const bools[] = {"boolean", "bool", "binary"};
     if (prefix_of(type, strs, 6, 0)) return cJSON_CreateString(v);
-    if (prefix_of(type, ints, 5, 1)) {
-        char *end;
-        const char *p = v;
-        while (*p == ' ' || *p == '\t' || *p == '\n') p++;
-        const long long x = strtoll(p, &end, 10);
-        while (*end == ' ' || *end == '\t' || *end == '\n') end++;
-        if (end != p && !*end && (p[0] != '0' || !p[1] || end - p == 1)) return cJSON_CreateNumber((double)x);
-        return cJSON_CreateString(v);
-    }
-    if (prefix_of(type, nums, 2, 1)) {
-        char *end;
-        const double x = strtod(v, &end);
-        while (*end == ' ' || *end == '\t' || *end == '\n') end++;
-        if (end != v && !*end && isfinite(x)) return cJSON_CreateNumber(x);
-        return cJSON_CreateString(v);
-    }
+    if (prefix_of(type, ints, 5, 1)) return int_value(v, 0);
+    if (prefix_of(type, nums, 2, 1)) return int_value(v, 1);
     if (prefix_of(type, bools, 3, 0)) return cJSON_CreateBool(!strcmp(low, "true") && !v[4]);
     cJSON *j = cJSON_Parse(v);
     return j ? j : cJSON_CreateString(v);
@@ -234,20 +250,33 @@ static int parse_function(const char *p, const char *end, const cJSON *tools, cJ
     return add_call(arr, name, nl, args, rng);
 }
 
+/* vLLM qwen3_coder's order: the <tool_call>...</tool_call> blocks (the last may be open; none: the whole text), in
+ * each the <function=NAME> ... </function> bodies (to the first </function>, or the block's end) */
 static cJSON *parse_xml(const char *text, size_t n, const cJSON *tools, uint64_t *rng) {
     const char *end = text + n;
     cJSON *arr = cJSON_CreateArray();
-    for (const char *p = text; (p = find(p, end, "<function=")); ) {
-        p += 10;
-        const char *fe = find(p, end, "</function>");
-        const char *nextf = find(p, end, "<function=");
-        const char *stop = fe ? fe : end;
-        if (nextf && nextf < stop) stop = nextf;
-        if (parse_function(p, stop, tools, arr, rng)) {
-            cJSON_Delete(arr);
-            return NULL;
+    const int blocks = find(text, end, "<tool_call>") != NULL;
+    for (const char *b = text; b && b < end;) {
+        const char *bs = b, *be = end;
+        if (blocks) {
+            if (!(bs = find(b, end, "<tool_call>"))) break;
+            bs += 11;
+            const char *c = find(bs, end, "</tool_call>");
+            be = c ? c : end;
+            b = c ? c + 12 : end;
+        } else {
+            b = end;
         }
-        p = stop;
+        for (const char *p = bs; (p = find(p, be, "<function=")); ) {
+            p += 10;
+            const char *fe = find(p, be, "</function>");
+            const char *stop = fe ? fe : be;
+            if (parse_function(p, stop, tools, arr, rng)) {
+                cJSON_Delete(arr);
+                return NULL;
+            }
+            p = fe ? fe + 11 : be;
+        }
     }
     if (!cJSON_GetArraySize(arr)) {
         cJSON_Delete(arr);
@@ -257,29 +286,36 @@ static cJSON *parse_xml(const char *text, size_t n, const cJSON *tools, uint64_t
 }
 
 static cJSON *parse_json(const char *text, size_t n, uint64_t *rng) {
-    const char *end = text + n, *p = find(text, end, "<TOOLCALL>");
-    if (!p) return NULL;
-    p += 10;
-    const char *e = find(p, end, "</TOOLCALL>");
-    cJSON *list = cJSON_ParseWithLength(p, (size_t)((e ? e : end) - p));
-    if (!cJSON_IsArray(list) || !cJSON_GetArraySize(list)) {
-        cJSON_Delete(list);
-        return NULL;
-    }
+    const char *end = text + n;
     cJSON *arr = cJSON_CreateArray();
-    for (const cJSON *c = list->child; c; c = c->next) {
-        const cJSON *nm = cJSON_GetObjectItemCaseSensitive(c, "name");
-        const cJSON *a = cJSON_GetObjectItemCaseSensitive(c, "arguments");
-        if (!cJSON_IsString(nm)) {
-            cJSON_Delete(arr);
+    for (const char *p = text; (p = find(p, end, "<TOOLCALL>"));) { /* every block */
+        p += 10;
+        const char *e = find(p, end, "</TOOLCALL>");
+        cJSON *list = cJSON_ParseWithLength(p, (size_t)((e ? e : end) - p));
+        p = e ? e + 11 : end;
+        if (!cJSON_IsArray(list) || !cJSON_GetArraySize(list)) {
             cJSON_Delete(list);
+            cJSON_Delete(arr);
             return NULL;
         }
-        cJSON *args = cJSON_IsString(a) ? cJSON_Parse(a->valuestring) : a ? cJSON_Duplicate(a, 1) : cJSON_CreateObject();
-        if (!args) args = cJSON_CreateString(a->valuestring); /* (arguments as text that is not JSON: kept) */
-        add_call(arr, nm->valuestring, strlen(nm->valuestring), args, rng);
+        for (const cJSON *c = list->child; c; c = c->next) {
+            const cJSON *nm = cJSON_GetObjectItemCaseSensitive(c, "name");
+            const cJSON *a = cJSON_GetObjectItemCaseSensitive(c, "arguments");
+            cJSON *args = !a ? cJSON_CreateObject() : cJSON_IsString(a) ? cJSON_Parse(a->valuestring) : cJSON_Duplicate(a, 1);
+            if (!cJSON_IsString(nm) || !nm->valuestring[0] || !cJSON_IsObject(args)) { /* (arguments: an object) */
+                cJSON_Delete(args);
+                cJSON_Delete(list);
+                cJSON_Delete(arr);
+                return NULL;
+            }
+            add_call(arr, nm->valuestring, strlen(nm->valuestring), args, rng);
+        }
+        cJSON_Delete(list);
     }
-    cJSON_Delete(list);
+    if (!cJSON_GetArraySize(arr)) {
+        cJSON_Delete(arr);
+        return NULL;
+    }
     return arr;
 }
 

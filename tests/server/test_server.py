@@ -695,11 +695,42 @@ def tool_calls(s, c):
                 isinstance(a["days"], int) and len(a["city"]) <= 12 for n, a in got[0][0])
     check(len(got[0][0]) >= 1 and valid and got[0][1] == "tool_calls" and not got[0][2] and got[1] == got[0],
           "tool_choice required: %d valid call(s), finish tool_calls, the stream the same: %r" % (len(got[0][0]), got))
+    # parallel_tool_calls false keeps the first of two calls; the legacy function_call names one; a stream holding a
+    # call back sends SSE comments (what finds a client gone)
+    two = call_text + "<tool_call>\n<function=now>\n</function>\n</tool_call>"
+    r = c.chat.completions.create(model="nemotron-h-tiny-moe", messages=msgs, tools=tools, max_tokens=200, temperature=0,
+                                  extra_body=dict(off, guided_choice=[two]))
+    r1 = c.chat.completions.create(model="nemotron-h-tiny-moe", messages=msgs, tools=tools, max_tokens=200, temperature=0,
+                                   parallel_tool_calls=False, extra_body=dict(off, guided_choice=[two]))
+    check(len(r.choices[0].message.tool_calls or []) == 2 and len(r1.choices[0].message.tool_calls or []) == 1,
+          "two calls; parallel_tool_calls false keeps the first")
+    code, txt = s.raw("POST", "/v1/chat/completions", json.dumps({"messages": msgs, "tools": tools, "max_tokens": 300,
+                      "temperature": 0, "function_call": {"name": "get_weather"}, "chat_template_kwargs": off["chat_template_kwargs"]}),
+                      {"Content-Type": "application/json"})
+    tcs = json.loads(txt)["choices"][0]["message"].get("tool_calls") if code == 200 else None
+    check(code == 200 and tcs and tcs[0]["function"]["name"] == "get_weather",
+          "legacy function_call {name} forces that function: %d" % code)
+    code, txt = s.raw("POST", "/v1/chat/completions", json.dumps({"messages": msgs, "tools": tools, "max_tokens": 200,
+                      "temperature": 0, "stream": True, "guided_choice": [call_text], "chat_template_kwargs":
+                      off["chat_template_kwargs"]}), {"Content-Type": "application/json"})
+    check(code == 200 and "\n:\n\n" in txt and txt.rstrip().endswith("data: [DONE]"),
+          "a stream holding a call back sends SSE comments (%d)" % txt.count("\n:\n\n"))
     for tc, msg in (({"type": "function", "function": {"name": "nope"}}, "names the function 'nope'"),
                     ({"type": "function"}, "must be {")):
         body = {"messages": msgs, "tools": tools, "tool_choice": tc, "max_tokens": 4}
         code, txt = s.raw("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
         check(code == 400 and msg in txt, "tool_choice %s: 400 %s" % (tc, txt[:120]))
+    bad = [({"tools": [{"type": "function"}]}, "'tools[0].function.name' must be a non-empty string"),
+           ({"tools": [{"type": "retrieval"}]}, "'tools[0].type' must be"),
+           ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "abc"}}]}, "'tools[0].function.parameters'"),
+           ({"messages": msgs + [{"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function",
+             "function": {"name": "f", "arguments": "abc"}}]}]}, "messages[1].tool_calls[0].function.arguments"),
+           ({"messages": msgs + [{"role": "assistant", "content": None, "tool_calls": "ab"}]}, "messages[1].tool_calls must be a list")]
+    for extra, msg in bad:
+        body = {"messages": msgs, "max_tokens": 4}
+        body.update(extra)
+        code, txt = s.raw("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+        check(code == 400 and msg in txt, "bad tools / tool_calls: 400 naming it (%s)" % txt[:110])
 
 
 def logprobs_and_penalties(p0):

@@ -305,7 +305,7 @@ static void test_request_errors(void **state) {
         {SRV_COMPLETION, "{\"prompt\": \"x\", \"structured_outputs\": {\"regex\": \"a\"}}", 400,
          "structured_outputs"},
         {SRV_CHAT, "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"function_call\": {\"name\": \"f\"}}",
-         400, "function_call"},
+         400, "tool_choice"},
         {SRV_CHAT, "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"functions\": [{\"name\": \"f\"}]}",
          400, "functions"},
         {SRV_COMPLETION, "{\"prompt\": \"x\", \"stop\": [\"\\u0000\"]}", 400, ""},
@@ -851,6 +851,41 @@ static void test_tool_calls(void **state) {
     assert_string_equal(cJSON_GetObjectItem(cJSON_GetObjectItem(c->child, "function"), "arguments")->valuestring,
                         "{\"n\":\"42\",\"z\":null}");
     cJSON_Delete(c);
+    /* vLLM's reading of malformed XML: a value ends at </tool_call> too; <function= inside a value is text; integers
+       keep their digits (no double), "03" is 3, a hex "number" stays a string */
+    static const struct {
+        const char *text, *args;
+        int n;
+    } xml[] = {
+        {"<tool_call>\n<function=f>\n<parameter=tz>\nUTC\n</tool_call>", "{\"tz\":\"UTC\"}", 1},
+        {"<tool_call>\n<function=f>\n<parameter=a>\nuse <function=g> here\n</parameter>\n</function>\n</tool_call>",
+         "{\"a\":\"use <function=g> here\"}", 1},
+        {"<tool_call>\n<function=get_weather>\n<parameter=days>\n9007199254740993\n</parameter>\n<parameter=ratio>\n0x10\n"
+         "</parameter>\n</function>\n</tool_call>", "{\"days\":9007199254740993,\"ratio\":\"0x10\"}", 1},
+        {"<tool_call>\n<function=get_weather>\n<parameter=days>\n03\n</parameter>\n<parameter=ratio>\n-12345678901234567890\n"
+         "</parameter>\n</function>\n</tool_call><tool_call>\n<function=now>\n</function>\n</tool_call>",
+         "{\"days\":3,\"ratio\":-12345678901234567890}", 2},
+    };
+    tools = cJSON_Parse(tools_json);
+    for (int i = 0; i < 4; i++) {
+        c = srv_tool_calls_parse(SRV_TOOLS_XML, xml[i].text, strlen(xml[i].text), tools, &ids);
+        assert_non_null(c);
+        assert_int_equal(cJSON_GetArraySize(c), xml[i].n);
+        const char *a = cJSON_GetObjectItem(cJSON_GetObjectItem(c->child, "function"), "arguments")->valuestring;
+        if (strcmp(a, xml[i].args)) fail_msg("xml case %d: arguments %s, want %s", i, a, xml[i].args);
+        cJSON_Delete(c);
+    }
+    /* JSON format: every <TOOLCALL> block; arguments that are not an object: no call (the text stays content) */
+    const char *j2 = "<TOOLCALL>[{\"name\": \"a\", \"arguments\": {}}]</TOOLCALL>\n<TOOLCALL>[{\"name\": \"b\", "
+                     "\"arguments\": \"{\\\"x\\\": 1}\"}]</TOOLCALL>";
+    c = srv_tool_calls_parse(SRV_TOOLS_JSON, j2, strlen(j2), NULL, &ids);
+    assert_non_null(c);
+    assert_int_equal(cJSON_GetArraySize(c), 2);
+    assert_string_equal(cJSON_GetObjectItem(cJSON_GetObjectItem(cJSON_GetArrayItem(c, 1), "function"), "arguments")->valuestring,
+                        "{\"x\":1}");
+    cJSON_Delete(c);
+    const char *j3 = "<TOOLCALL>[{\"name\": \"a\", \"arguments\": \"hello\"}]</TOOLCALL>";
+    assert_null(srv_tool_calls_parse(SRV_TOOLS_JSON, j3, strlen(j3), NULL, &ids));
     cJSON_Delete(want);
     cJSON_Delete(tools);
 }
