@@ -207,6 +207,8 @@ void srv_tool_split_free(srv_tool_split *t);
  * "function", "function": {"name", "arguments": JSON text}}); tools: the request's tools (the parameters' types),
  * may be NULL; rng: the ids' state. NULL when no call parses (the text is then content). */
 cJSON *srv_tool_calls_parse(srv_tool_format fmt, const char *text, size_t n, const cJSON *tools, uint64_t *rng);
+/* A tool call id: "call_" + 24 hex digits from the state *rng (advanced). */
+void srv_tool_call_id(char out[32], uint64_t *rng);
 /* tool_choice "required": the output [{"name": N, "parameters": {...}}, ...] as a tool_calls array (NULL: not such
  * an array). */
 cJSON *srv_tool_calls_required(const char *text, size_t n, uint64_t *rng);

@@ -266,10 +266,7 @@ static cJSON *call_delta(const cJSON *call, int index, int head, const char *arg
 static cJSON *forced_call(srv_job *j, const char *args, size_t n) {
     cJSON *arr = cJSON_CreateArray(), *c = cJSON_CreateObject(), *f;
     char id[32];
-    uint64_t a = (j->call_rng += 0x9e3779b97f4a7c15ull), b = (j->call_rng += 0x9e3779b97f4a7c15ull);
-    a = (a ^ (a >> 31)) * 0xbf58476d1ce4e5b9ull;
-    b = (b ^ (b >> 29)) * 0x94d049bb133111ebull;
-    snprintf(id, sizeof id, "call_%016llx%08llx", (unsigned long long)(a ^ (a >> 32)), (unsigned long long)(b >> 32));
+    srv_tool_call_id(id, &j->call_rng);
     cJSON_AddStringToObject(c, "id", id);
     cJSON_AddStringToObject(c, "type", "function");
     f = cJSON_AddObjectToObject(c, "function");

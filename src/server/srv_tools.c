@@ -176,7 +176,7 @@ static cJSON *convert_value(const char *v, const cJSON *props, const char *pname
 }
 
 /* "call_" + 24 hex digits */
-static void call_id(char out[32], uint64_t *rng) {
+void srv_tool_call_id(char out[32], uint64_t *rng) {
     uint64_t a = (*rng += 0x9e3779b97f4a7c15ull), b = (*rng += 0x9e3779b97f4a7c15ull);
     a = (a ^ (a >> 31)) * 0xbf58476d1ce4e5b9ull;
     b = (b ^ (b >> 29)) * 0x94d049bb133111ebull;
@@ -188,7 +188,7 @@ static int add_call(cJSON *arr, const char *name, size_t nlen, cJSON *args, uint
     cJSON_Delete(args);
     if (!a) return -1;
     char id[32];
-    call_id(id, rng);
+    srv_tool_call_id(id, rng);
     cJSON *c = cJSON_CreateObject(), *f;
     cJSON_AddStringToObject(c, "id", id);
     cJSON_AddStringToObject(c, "type", "function");
