@@ -65,19 +65,25 @@ static int allowed(const fp4moe_env_var *v, const char *val) {
     return 0;
 }
 
+/* the value of each variable once read (NULL: not yet). Threads may read one at the same time (expert-parallel ranks
+ * start together): each computes the same value and publishes it with one atomic store, and a reader sees either
+ * NULL or the whole value - a separate "read" flag set beside a plain store could be seen before the value (a NULL
+ * dereference that crashed 1 run in ~60 of `fp4moe bench --ep-ranks 7` on a busy 2-core machine). */
 static const char *cache[ENV_COUNT];
-static int read[ENV_COUNT];
 
-void env_reload(void) { memset(read, 0, sizeof read); }
+void env_reload(void) {
+    for (int i = 0; i < ENV_COUNT; i++) __atomic_store_n(&cache[i], (const char *)NULL, __ATOMIC_RELEASE);
+}
 
 const char *env_get(env_id id) {
     if ((int)id < 0 || id >= ENV_COUNT) return "";
-    if (!read[id]) {                         /* benign race: every thread computes the same value */
+    const char *c = __atomic_load_n(&cache[id], __ATOMIC_ACQUIRE);
+    if (!c) {
         const char *v = getenv(k_vars[id].name);
-        cache[id] = v && *v && allowed(&k_vars[id], v) ? v : k_vars[id].def;
-        read[id] = 1;
+        c = v && *v && allowed(&k_vars[id], v) ? v : k_vars[id].def;
+        __atomic_store_n(&cache[id], c, __ATOMIC_RELEASE);
     }
-    return cache[id];
+    return c;
 }
 
 long long env_get_int(env_id id) { return atoll(env_get(id)); }
