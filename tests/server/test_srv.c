@@ -866,7 +866,7 @@ static void test_tool_calls(void **state) {
          "</parameter>\n</function>\n</tool_call><tool_call>\n<function=now>\n</function>\n</tool_call>",
          "{\"days\":3,\"ratio\":-12345678901234567890}", 2},
     };
-    tools = cJSON_Parse(tools_json);
+    /* (tools: still the parsed list of above) */
     for (int i = 0; i < 4; i++) {
         c = srv_tool_calls_parse(SRV_TOOLS_XML, xml[i].text, strlen(xml[i].text), tools, &ids);
         assert_non_null(c);
