@@ -28,7 +28,8 @@
 # Environment: OLD_ENV (default empty): settings for the OLD build, e.g. "FP4MOE_CUDA_SIDE_STREAM=1";
 #              EXTRA_TESTS="NAME=DIR ...": test programs of variant builds (DIR/PROG/0/PROG.xz), run after step 3
 #              (also with SKIP_TESTS=1);
-#              SKIP_TESTS=1: steps 4-5 only (a second call after one that ran the tests).
+#              SKIP_TESTS=1: steps 4-5 only (a second call after one that ran the tests);
+#              FAULTS_ONLY="f_w32 f_ring ..." (with --package): only those fault builds (the others are skipped).
 set -u
 cd "$(dirname "$0")/.."
 GP_NAME=batch
@@ -68,6 +69,7 @@ if [ "${1:-}" = "--package" ]; then
     gp_build || exit 1
     while read -r name test src macro _ <&3; do
         [ -n "$name" ] || continue
+        case " ${FAULTS_ONLY:-$name} " in *" $name "*) ;; *) continue ;; esac
         TARGET=$test PROG=$test bench/build-variants.sh "$BINP/$name" "$src" "-DFP4MOE_INJECT_FAULT_$macro=1" || exit 1
     done 3<<<"$FAULTS"
     gp_main --package "$BINP"

@@ -119,6 +119,16 @@ static int lit_cmp(const void *x, const void *y) {
     return c ? c : (a->len > b->len) - (a->len < b->len);
 }
 
+/* a tool's name literal and the tool's index (fp4moe_grammar_from_tools) */
+typedef struct {
+    glit l;
+    int tool;
+} tool_lit;
+static int tool_lit_cmp(const void *x, const void *y) {
+    const tool_lit *a = x, *b = y;
+    return lit_cmp(&a->l, &b->l);
+}
+
 /* sorts lits [a, a + n), drops repeats; returns the count left */
 static int lits_sort(fp4moe_grammar *g, int a, int n) {
     qsort(g->lits + a, (size_t)n, sizeof(glit), lit_cmp);
@@ -792,16 +802,14 @@ int fp4moe_grammar_from_tools(const char *const *names, const cJSON *const *para
     *out = NULL;
     if (!names || !params || n < 1) return fp4moe_set_error(FP4MOE_EINVAL, "grammar: no tools");
     if (n > 4096) return fp4moe_set_error(FP4MOE_EOVERFLOW, "grammar: more than 4096 tools");
-    for (int64_t i = 0; i < n; i++) {
+    for (int64_t i = 0; i < n; i++)
         if (!names[i] || !names[i][0]) return fp4moe_set_error(FP4MOE_EINVAL, "grammar: tool %lld has no name", (long long)i);
-        for (int64_t k = 0; k < i; k++)
-            if (!strcmp(names[k], names[i]))
-                return fp4moe_set_error(FP4MOE_EINVAL, "grammar: two tools are named '%s'", names[i]);
-    }
     fp4moe_grammar *g = g_new();
     int *pn = calloc((size_t)n, sizeof(int));
-    if (!g || !pn) {
+    tool_lit *tl = calloc((size_t)n, sizeof(tool_lit));
+    if (!g || !pn || !tl) {
         free(pn);
+        free(tl);
         fp4moe_grammar_free(g);
         return fp4moe_set_error(FP4MOE_ENOMEM, "grammar: out of memory");
     }
@@ -817,7 +825,8 @@ int fp4moe_grammar_from_tools(const char *const *names, const cJSON *const *para
         free(cx.memo_s);
         free(cx.memo_n);
     }
-    /* the names as JSON strings, sorted as the LIT node keeps them; the tag map follows that order */
+    /* the names as JSON strings, sorted as the LIT node keeps them (each with its tool: the tag map follows that
+     * order); distinct names print as distinct strings, so a repeat is two equal neighbours */
     const int la = g->n_lits;
     for (int64_t i = 0; st >= 0 && i < n; i++) {
         cJSON *ks = cJSON_CreateString(names[i]);
@@ -825,10 +834,17 @@ int fp4moe_grammar_from_tools(const char *const *names, const cJSON *const *para
         cJSON_Delete(ks);
         st = txt ? add_lit(g, txt, strlen(txt)) : fp4moe_set_error(FP4MOE_ENOMEM, "grammar: out of memory");
         free(txt);
+        if (st >= 0) tl[i] = (tool_lit){g->lits[la + i], (int)i};
+    }
+    if (st >= 0) {
+        qsort(tl, (size_t)n, sizeof(tool_lit), tool_lit_cmp);
+        for (int64_t k = 0; k < n; k++) g->lits[la + k] = tl[k].l; /* the same strings, sorted */
+        for (int64_t k = 1; st >= 0 && k < n; k++)
+            if (!lit_cmp(&tl[k - 1].l, &tl[k].l))
+                st = fp4moe_set_error(FP4MOE_EINVAL, "grammar: two tools are named '%s'", names[tl[k].tool]);
     }
     int lit = -1, obj = -1, arr = -1;
     if (st >= 0) {
-        qsort(g->lits + la, (size_t)n, sizeof(glit), lit_cmp);
         lit = new_node(g, GK_LIT);
         st = lit;
     }
@@ -837,17 +853,8 @@ int fp4moe_grammar_from_tools(const char *const *names, const cJSON *const *para
         g->nodes[lit].b = (int)n;
         g->tagmap = malloc((size_t)n * sizeof(int));
         if (!g->tagmap) st = fp4moe_set_error(FP4MOE_ENOMEM, "grammar: out of memory");
-        for (int64_t k = 0; st >= 0 && k < n; k++) { /* literal k is the name of tool i */
-            for (int64_t i = 0; i < n; i++) {
-                cJSON *ks = cJSON_CreateString(names[i]);
-                char *txt = ks ? cJSON_PrintUnformatted(ks) : NULL;
-                cJSON_Delete(ks);
-                const int same = txt && (int)strlen(txt) == g->lits[la + k].len && !memcmp(txt, g->lits[la + k].s, strlen(txt));
-                free(txt);
-                if (same) g->tagmap[k] = pn[i];
-            }
-        }
-        g->n_tagmap = (int)n;
+        for (int64_t k = 0; st >= 0 && k < n; k++) g->tagmap[k] = pn[tl[k].tool]; /* literal k names tool tl[k].tool */
+        if (st >= 0) g->n_tagmap = (int)n;
     }
     if (st >= 0) st = grow((void **)&g->props, &g->cap_props, g->n_props + 2, sizeof(gprop));
     if (st >= 0) {
@@ -878,6 +885,7 @@ int fp4moe_grammar_from_tools(const char *const *names, const cJSON *const *para
         st = g_finish(g, "tools");
     }
     free(pn);
+    free(tl);
     if (st < 0) {
         fp4moe_grammar_free(g);
         return st;

@@ -436,9 +436,33 @@ static void test_tools(void **state) {
     const int e = walks(tv, g, 4, 200, 0x777ull, NULL, NULL, 0);
     (void)e;
     fp4moe_grammar_free(g);
-    const char *dup[] = {"a", "a"};
-    const cJSON *none[] = {NULL, NULL};
-    assert_int_equal(fp4moe_grammar_from_tools(dup, none, 2, &g), FP4MOE_EINVAL);
+    const char *dup[] = {"b", "a", "b"};
+    const cJSON *none[] = {NULL, NULL, NULL};
+    assert_int_equal(fp4moe_grammar_from_tools(dup, none, 3, &g), FP4MOE_EINVAL);
+    assert_non_null(strstr(fp4moe_last_error(), "two tools are named 'b'"));
+    /* 4,096 tools (the limit), named in an order other than the literals' sorted one: each call's parameters are
+     * its own tool's (tool 4000 has p2's enum, the others any object) */
+    enum { NT = 4096 };
+    char(*tn)[16] = malloc(NT * sizeof *tn);
+    const char **tnames = malloc(NT * sizeof *tnames);
+    const cJSON **tparams = calloc(NT, sizeof *tparams);
+    assert_non_null(tn);
+    assert_non_null(tnames);
+    assert_non_null(tparams);
+    for (int i = 0; i < NT; i++) {
+        snprintf(tn[i], sizeof tn[i], "t%d", NT - 1 - i);
+        tnames[i] = tn[i];
+    }
+    tparams[NT - 1 - 4000] = p2;
+    assert_int_equal(fp4moe_grammar_from_tools(tnames, tparams, NT, &g), FP4MOE_OK);
+    assert_int_equal(doc_ok(g, tv->v, "[{\"name\": \"t4000\", \"parameters\": {\"key\": \"a\"}}]"), 1);
+    assert_int_equal(doc_ok(g, tv->v, "[{\"name\": \"t4000\", \"parameters\": {\"key\": \"c\"}}]"), 0);
+    assert_int_equal(doc_ok(g, tv->v, "[{\"name\": \"t400\", \"parameters\": {\"key\": \"c\"}}]"), 1);
+    assert_int_equal(doc_ok(g, tv->v, "[{\"name\": \"t4096\", \"parameters\": {}}]"), 0);
+    fp4moe_grammar_free(g);
+    free(tn);
+    free(tnames);
+    free(tparams);
     cJSON *bad = cJSON_Parse("{\"type\":\"integer\",\"minimum\":1}");
     const cJSON *pb[] = {NULL, bad};
     const char *two[] = {"a", "b"};
