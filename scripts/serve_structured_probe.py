@@ -111,7 +111,7 @@ try:
 except (TypeError, ValueError, KeyError, IndexError):
     ok = False
 check(ok, "named tool_choice: one valid get_weather call %r" % (calls or b)[:1])
-st, b = req("/v1/chat/completions", {"messages": msgs, "tools": tools, "max_tokens": 400, "temperature": 0,
+st, b = req("/v1/chat/completions", {"messages": msgs, "tools": tools, "max_tokens": 600, "temperature": 0,
                                      "chat_template_kwargs": off, "tool_choice": "required",
                                      "logit_bias": {"63": 8}})
 calls = b["choices"][0]["message"].get("tool_calls") if st == 200 else None
@@ -120,6 +120,9 @@ try:
                                  set(json.loads(c["function"]["arguments"])) == {"city", "days"} for c in calls)
 except (TypeError, ValueError, KeyError):
     ok = False
-check(ok, "tool_choice required: %d valid call(s)" % (len(calls) if calls else 0))
+ch = b["choices"][0] if st == 200 else {}
+check(ok, "tool_choice required: %d valid call(s), finish %s, usage %s, content %r" % (
+    len(calls) if calls else 0, ch.get("finish_reason"), b.get("usage", {}).get("completion_tokens"),
+    (ch.get("message", {}).get("content") or "")[:160]))
 print("structured output: %d check(s) failed" % len(fails) if fails else "structured output: all checks pass")
 sys.exit(1 if fails else 0)

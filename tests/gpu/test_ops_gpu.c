@@ -487,6 +487,7 @@ static void test_tiled_layout(void **state) {
     tiled_case(g, 8, 72, 128, 48, TU_IDX_TOPK_SORTED, FP4MOE_ROUTE_BATCHED, 0, 3);    /* 48 rows: 32-row tiles (w32) */
     tiled_case(g, 8, 72, 128, 40, TU_IDX_UNSORTED, FP4MOE_ROUTE_QMV, 3, 12);          /* unsorted > 32 rows: refused */
     tiled_case(g, 16, 200, 320, 600, TU_IDX_OOR_TAIL, FP4MOE_ROUTE_BATCHED, 0, 4);    /* 32-row tiles */
+    tiled_case(g, 3, 136, 256, 117, TU_IDX_TOPK_SORTED, FP4MOE_ROUTE_BATCHED, 0, 19); /* runs of ~39: a full and a partial w32 item */
     tiled_case(g, 4, 100, 256, 900, TU_IDX_ONE_EXPERT, FP4MOE_ROUTE_BATCHED, 0, 5);   /* 64-row tiles */
     tiled_case(g, 8, 200, 320, 3072, TU_IDX_EMPTY_EXPERTS, FP4MOE_ROUTE_BATCHED, 0, 13); /* 64-row tiles, K % 128 = 64 */
     tiled_case(g, 16, 200, 320, 600, TU_IDX_DUPLICATES, FP4MOE_ROUTE_QMV, 0, 6);      /* qmv, tiled by 8 rows */
