@@ -109,9 +109,9 @@ int cli_parse_device(const char *cmd, const char *s, fp4moe_device *d) {
     return FP4MOE_EXIT_OK;
 }
 
-/* Model-level summary for `inspect -m DIR`: format, layer pattern, parameters, bytes per component.
- * Loads without quantizing (weights in place). Returns an exit code. */
-int cli_model_summary(const char *cmd, const char *dir, FILE *out) {
+/* Model-level summary for `inspect -m DIR`: format, layer pattern, parameters, bytes per component (text on out, or
+ * json's "model" object). Loads without quantizing (weights in place). Returns an exit code. */
+int cli_model_summary(const char *cmd, const char *dir, FILE *out, cJSON *json) {
     fp4moe_load_options o;
     fp4moe_load_options_default(&o);
     o.quantize = 0;
@@ -122,18 +122,33 @@ int cli_model_summary(const char *cmd, const char *dir, FILE *out) {
     fp4moe_model_stats s;
     fp4moe_model_get_stats(m, &s);
     char b[32];
-    fprintf(out, "model:   nemotron_h, %s, %lld layers: %s\n", fp4moe_quant_mode_name(fp4moe_model_format(m)),
-            (long long)c->n_layers, c->layer_types);
-    fprintf(out, "params:  %lld total, %lld active per token\n", (long long)s.params_total,
-            (long long)s.params_active);
-    const struct { const char *name; int64_t bytes; } parts[] = {
-        {"embedding", s.bytes_embed}, {"lm_head", s.bytes_lm_head}, {"mamba", s.bytes_mamba},
-        {"attention", s.bytes_attention}, {"moe experts", s.bytes_moe_experts},
-        {"moe shared", s.bytes_moe_shared}, {"moe router", s.bytes_moe_router}, {"mlp", s.bytes_mlp},
-        {"norms", s.bytes_norms}};
-    for (size_t i = 0; i < sizeof parts / sizeof parts[0]; i++)
-        if (parts[i].bytes) fprintf(out, "  %-12s %s\n", parts[i].name, cli_format_bytes(parts[i].bytes, b));
-    fprintf(out, "linears: %lld NVFP4, %lld dense\n", (long long)s.n_nvfp4_linears, (long long)s.n_dense_linears);
+    const struct { const char *name, *key; int64_t bytes; } parts[] = {
+        {"embedding", "embedding", s.bytes_embed}, {"lm_head", "lm_head", s.bytes_lm_head},
+        {"mamba", "mamba", s.bytes_mamba}, {"attention", "attention", s.bytes_attention},
+        {"moe experts", "moe_experts", s.bytes_moe_experts}, {"moe shared", "moe_shared", s.bytes_moe_shared},
+        {"moe router", "moe_router", s.bytes_moe_router}, {"mlp", "mlp", s.bytes_mlp}, {"norms", "norms", s.bytes_norms}};
+    const size_t np = sizeof parts / sizeof parts[0];
+    if (json) {
+        cJSON *mo = cJSON_AddObjectToObject(json, "model");
+        cJSON_AddStringToObject(mo, "architecture", "nemotron_h");
+        cJSON_AddStringToObject(mo, "format", fp4moe_quant_mode_name(fp4moe_model_format(m)));
+        cJSON_AddNumberToObject(mo, "layers", (double)c->n_layers);
+        cJSON_AddStringToObject(mo, "layer_types", c->layer_types);
+        cJSON_AddNumberToObject(mo, "params_total", (double)s.params_total);
+        cJSON_AddNumberToObject(mo, "params_active", (double)s.params_active);
+        cJSON *by = cJSON_AddObjectToObject(mo, "bytes");
+        for (size_t i = 0; i < np; i++) cJSON_AddNumberToObject(by, parts[i].key, (double)parts[i].bytes);
+        cJSON_AddNumberToObject(mo, "nvfp4_linears", (double)s.n_nvfp4_linears);
+        cJSON_AddNumberToObject(mo, "dense_linears", (double)s.n_dense_linears);
+    } else {
+        fprintf(out, "model:   nemotron_h, %s, %lld layers: %s\n", fp4moe_quant_mode_name(fp4moe_model_format(m)),
+                (long long)c->n_layers, c->layer_types);
+        fprintf(out, "params:  %lld total, %lld active per token\n", (long long)s.params_total,
+                (long long)s.params_active);
+        for (size_t i = 0; i < np; i++)
+            if (parts[i].bytes) fprintf(out, "  %-12s %s\n", parts[i].name, cli_format_bytes(parts[i].bytes, b));
+        fprintf(out, "linears: %lld NVFP4, %lld dense\n", (long long)s.n_nvfp4_linears, (long long)s.n_dense_linears);
+    }
     fp4moe_model_free(m);
     return FP4MOE_EXIT_OK;
 }

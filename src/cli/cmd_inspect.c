@@ -176,7 +176,7 @@ int cmd_inspect(int argc, char **argv) {
         {"--summary", NULL, CLI_FLAG, &r.summary, NULL, "omit the per-tensor listing"},
         {"--model", "-m", CLI_STRING, &model_dir, "DIR", "model directory: model summary (layers, parameters), then the checks"},
     };
-    const cli_spec spec = {CMD, "fp4moe inspect PATH [--json] [--summary]  |  fp4moe inspect -m DIR", k_help, opts,
+    const cli_spec spec = {CMD, "fp4moe inspect PATH [--json] [--summary]  |  fp4moe inspect -m DIR [--json]", k_help, opts,
                            (int)(sizeof opts / sizeof opts[0]), pos, 1, &npos};
     int rc = cli_parse(&spec, argc, argv);
     if (rc == CLI_HELP) return FP4MOE_EXIT_OK;
@@ -184,15 +184,23 @@ int cmd_inspect(int argc, char **argv) {
     if (npos && model_dir) return cli_usage_error(CMD, "give PATH or -m DIR, not both");
     const char *path = npos ? pos[0] : model_dir;
     if (!path) return cli_usage_error(CMD, "missing PATH (a .safetensors file or a model directory)");
-    if (model_dir && !r.json) {
-        const int mrc = cli_model_summary(CMD, model_dir, stdout);
-        if (mrc) return mrc;
+    cJSON *model_json = NULL; /* -m DIR --json: the summary as the "model" object */
+    if (model_dir) {
+        if (r.json && !(model_json = cJSON_CreateObject())) return cli_fail(CMD, FP4MOE_ENOMEM);
+        const int mrc = cli_model_summary(CMD, model_dir, stdout, model_json);
+        if (mrc) {
+            cJSON_Delete(model_json);
+            return mrc;
+        }
         r.summary = 1;
     }
 
     fp4moe_st_model *m = NULL;
     int st = fp4moe_st_model_open(path, &m);
-    if (st) return cli_fail(CMD, st);
+    if (st) {
+        cJSON_Delete(model_json);
+        return cli_fail(CMD, st);
+    }
     const fp4moe_qformat fmt = fp4moe_qformat_detect(m);
     int64_t total = 0;
     for (int64_t i = 0; i < fp4moe_st_model_count(m); i++) total += fp4moe_st_model_at(m, i)->nbytes;
@@ -201,6 +209,9 @@ int cmd_inspect(int argc, char **argv) {
     if (r.json) {
         r.root = cJSON_CreateObject();
         cJSON_AddStringToObject(r.root, "path", path);
+        if (model_json) cJSON_AddItemToObject(r.root, "model", cJSON_DetachItemFromObject(model_json, "model"));
+        cJSON_Delete(model_json);
+        model_json = NULL;
         cJSON_AddStringToObject(r.root, "format", fp4moe_qformat_name(fmt));
         if (cq) cJSON_AddItemToObject(r.root, "config_quantization", cq); /* the object itself */
         cq = NULL;

@@ -36,8 +36,9 @@ int cli_parse_device(const char *cmd, const char *s, fp4moe_device *d);
 /* Default prefill chunk of CUDA sessions (tokens): large, so that a prompt reads the weights once. */
 #define CLI_CUDA_CHUNK 8192
 /* Model-level summary (format, layer pattern, parameters, bytes per component) of model dir `dir`
- * on `out`, for `inspect -m DIR`. Returns an exit code. */
-int cli_model_summary(const char *cmd, const char *dir, FILE *out);
+ * for `inspect -m DIR`: as text on `out`, or (json non-NULL) as json's "model" object. Returns an exit code. */
+struct cJSON;
+int cli_model_summary(const char *cmd, const char *dir, FILE *out, struct cJSON *json);
 /* "bf16"/"f32" -> dtype, else a usage error (exit code 2). */
 int cli_parse_dtype(const char *cmd, const char *s, fp4moe_dtype *dt);
 /* --cpu-act: "float" -> FLOAT, "q8" -> Q8; NULL -> Q8 on the CPU, FLOAT on CUDA (dev DEFAULT: CUDA

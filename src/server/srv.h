@@ -103,6 +103,7 @@ typedef struct {
 typedef struct {
     srv_kind kind;
     int stream, include_usage, ignore_eos;
+    int continuous_usage;              /* stream_options.continuous_usage_stats (with include_usage): usage in every chunk */
     int has_seed;                      /* the request gave a seed (else the engine draws one) */
     int64_t max_tokens;                /* after defaults: >= 1 (>= 0 with echo), prompt + max_tokens <= context */
     fp4moe_sampler_params sp;
@@ -125,7 +126,8 @@ typedef struct {
                                           choice k of prompt p); ids / n_ids hold prompt 0 */
     int32_t **more_ids;                /* prompts 1.. (malloc'd), more_n[p - 1] tokens each */
     int64_t *more_n;
-    int has_max;                       /* max_tokens was given (else: the context left by each prompt) */
+    int has_max;                       /* max_tokens was given (else: srv_default_max_tokens for each prompt) */
+    int64_t truncate;                  /* truncate_prompt_tokens: keep each prompt's last `truncate` tokens (0: no) */
     int echo;                          /* completion: the prompt's text (and with logprobs its tokens'
                                           log-probabilities, the first one null) before the output;
                                           max_tokens may then be 0 */
@@ -167,9 +169,12 @@ void srv_request_free(srv_request *r);
 /* A deep copy of a parsed request (*b owns its own arrays; sp's bias pointers point at them). Returns 0, or -1 when
  * out of memory (*b then holds nothing). */
 int srv_request_copy(const srv_request *a, srv_request *b);
-/* Makes prompt p of r its only prompt (the others freed), with its own default max_tokens (context - its tokens,
+/* Makes prompt p of r its only prompt (the others freed), with its own default max_tokens (srv_default_max_tokens,
  * unless max_tokens was given) and repetition window. */
 void srv_request_pick(srv_request *r, int p, int64_t context);
+/* The max_tokens of a request that gives none (tokens): chat, context - r->n_ids (vLLM); completions, 16 (the OpenAI
+ * legacy Completions API's and vLLM's default), at most context - r->n_ids. */
+int64_t srv_default_max_tokens(const srv_request *r, int64_t context);
 
 /* ---- vLLM's tokenizer endpoints (lm-evaluation-harness's remote tokenizer) -------------------------------- */
 

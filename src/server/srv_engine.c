@@ -386,6 +386,12 @@ static void emit_raw(srv_job *j, const srv_delta *d, const char *finish, cJSON *
     add_logprobs(j, c, finish != NULL);
     if (finish) cJSON_AddStringToObject(c, "finish_reason", finish);
     else cJSON_AddNullToObject(c, "finish_reason");
+    if (j->r.continuous_usage) { /* vLLM's continuous_usage_stats: this choice's prompt and its tokens so far */
+        cJSON *u = cJSON_AddObjectToObject(o, "usage");
+        cJSON_AddNumberToObject(u, "prompt_tokens", (double)j->r.n_ids);
+        cJSON_AddNumberToObject(u, "completion_tokens", (double)j->n_gen);
+        cJSON_AddNumberToObject(u, "total_tokens", (double)(j->r.n_ids + j->n_gen));
+    }
     out_event(j, o);
 }
 

@@ -75,8 +75,9 @@ static void do_wake(void *ctx) {
     MHD_resume_connection(w->c);
 }
 
-static enum MHD_Result respond(srv_http *h, struct MHD_Connection *c, int status, const char *type, char *body,
-                               size_t len) {
+/* allow: the Allow header of a 405 (RFC 9110 section 15.5.6: the methods the route takes), or NULL */
+static enum MHD_Result respond_allow(srv_http *h, struct MHD_Connection *c, int status, const char *type, char *body,
+                                     size_t len, const char *allow) {
     struct MHD_Response *r = MHD_create_response_from_buffer(len, body, MHD_RESPMEM_MUST_FREE);
     if (!r) {
         free(body);
@@ -85,10 +86,16 @@ static enum MHD_Result respond(srv_http *h, struct MHD_Connection *c, int status
     MHD_add_response_header(r, "Content-Type", type);
     if (status == 401) MHD_add_response_header(r, "WWW-Authenticate", "Bearer");
     if (status == 429) MHD_add_response_header(r, "Retry-After", "1"); /* busy: the queue moves within seconds */
+    if (allow) MHD_add_response_header(r, "Allow", allow);
     const enum MHD_Result ok = MHD_queue_response(c, (unsigned)status, r);
     MHD_destroy_response(r);
     srv_engine_count_http(h->e, status);
     return ok;
+}
+
+static enum MHD_Result respond(srv_http *h, struct MHD_Connection *c, int status, const char *type, char *body,
+                               size_t len) {
+    return respond_allow(h, c, status, type, body, len, NULL);
 }
 
 static enum MHD_Result respond_error(srv_http *h, struct MHD_Connection *c, const srv_error *er) {
@@ -101,6 +108,15 @@ static enum MHD_Result fail(srv_http *h, struct MHD_Connection *c, int http, con
     srv_error er;
     srv_fail(&er, http, NULL, fmt, arg);
     return respond_error(h, c, &er);
+}
+
+/* 405 for a route that takes only `allow` ("GET, HEAD" or "POST"): the error body and the Allow header */
+static enum MHD_Result fail_method(srv_http *h, struct MHD_Connection *c, const char *allow, const char *fmt,
+                                   const char *arg) {
+    srv_error er;
+    srv_fail(&er, 405, NULL, fmt, arg);
+    char *s = srv_error_json(&er);
+    return s ? respond_allow(h, c, 405, "application/json", s, strlen(s), allow) : MHD_NO;
 }
 
 /* ---- SSE ---------------------------------------------------------------------------------------- */
@@ -348,11 +364,12 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
         return MHD_YES;
     }
     cc->answered = 1;
-    const int is_get = !strcmp(method, "GET"), is_post = !strcmp(method, "POST");
+    /* HEAD wherever GET (RFC 9110 section 9.1; libmicrohttpd sends the headers of the GET answer without its body) */
+    const int is_get = !strcmp(method, "GET") || !strcmp(method, "HEAD"), is_post = !strcmp(method, "POST");
     const int v1 = !strncmp(url, "/v1/", 4);
-    if (!strcmp(url, "/health")) return is_get ? get_health(h, c) : fail(h, c, 405, "%s /health: use GET", method);
+    if (!strcmp(url, "/health")) return is_get ? get_health(h, c) : fail_method(h, c, "GET, HEAD", "%s /health: use GET", method);
     if (!strcmp(url, "/metrics")) {
-        if (!is_get) return fail(h, c, 405, "%s /metrics: use GET", method);
+        if (!is_get) return fail_method(h, c, "GET, HEAD", "%s /metrics: use GET", method);
         char *s = srv_engine_metrics(h->e);
         return s ? respond(h, c, 200, "text/plain; version=0.0.4", s, strlen(s)) : MHD_NO;
     }
@@ -360,12 +377,12 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
     if (v1 && !authorized(h, c)) /* (the tokenizer endpoints are open, as vLLM's: the key guards /v1 only) */
         return fail(h, c, 401, "%s", "missing or wrong API key (Authorization: Bearer KEY)");
     if (tinfo) {
-        if (!is_get) return fail(h, c, 405, "%s /tokenizer_info: use GET", method);
+        if (!is_get) return fail_method(h, c, "GET, HEAD", "%s /tokenizer_info: use GET", method);
         char *s = srv_tokenizer_info(h->pc);
         return s ? respond(h, c, 200, "application/json", s, strlen(s)) : MHD_NO;
     }
     if (tk || dtk) { /* vLLM's tokenizer endpoints: answered here, no engine */
-        if (!is_post) return fail(h, c, 405, "%s: use POST", url);
+        if (!is_post) return fail_method(h, c, "POST", "%s: use POST", url);
         if (cc->too_big) return fail(h, c, 413, "%s", "the request body is larger than --max-body");
         char *s = NULL;
         srv_error er;
@@ -374,12 +391,12 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
             return respond_error(h, c, &er);
         return respond(h, c, 200, "application/json", s, strlen(s));
     }
-    if (!strcmp(url, "/v1/models")) return is_get ? get_models(h, c, NULL) : fail(h, c, 405, "%s /v1/models: use GET", method);
+    if (!strcmp(url, "/v1/models")) return is_get ? get_models(h, c, NULL) : fail_method(h, c, "GET, HEAD", "%s /v1/models: use GET", method);
     if (!strncmp(url, "/v1/models/", 11) && url[11])
-        return is_get ? get_models(h, c, url + 11) : fail(h, c, 405, "%s /v1/models/ID: use GET", method);
+        return is_get ? get_models(h, c, url + 11) : fail_method(h, c, "GET, HEAD", "%s /v1/models/ID: use GET", method);
     const int chat = !strcmp(url, "/v1/chat/completions"), comp = !strcmp(url, "/v1/completions");
     if (!chat && !comp) return fail(h, c, 404, "no route %s", url);
-    if (!is_post) return fail(h, c, 405, "%s: use POST", url);
+    if (!is_post) return fail_method(h, c, "POST", "%s: use POST", url);
     if (cc->too_big) {
         char lim[64];
         snprintf(lim, sizeof lim, "%lld", (long long)h->o->max_body);

@@ -3,6 +3,7 @@
  * repetition_penalty, stop_token_ids, chat_template_kwargs and the structured outputs (guided_json,
  * guided_choice, structured_outputs). What fp4moe cannot do (a chat echo, guided_regex, ...) is a 400 naming the field, never
  * silently ignored. */
+#include <ctype.h>
 #include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -71,7 +72,7 @@ void srv_request_pick(srv_request *r, int p, int64_t context) {
     r->more_ids = NULL;
     r->more_n = NULL;
     r->n_prompts = 1;
-    if (!r->has_max) r->max_tokens = context - r->n_ids;
+    if (!r->has_max) r->max_tokens = srv_default_max_tokens(r, context);
     r->sp.repeat_last_n = r->n_ids + r->max_tokens;
 }
 
@@ -473,9 +474,14 @@ static int parse_common(const srv_parse_ctx *c, const cJSON *o, srv_request *r, 
     r->has_seed = st;
     if ((st = get_bool(o, "stream", &b, e)) < 0) return -1;
     if (st) r->stream = b;
-    if ((v = field(o, "stream_options"))) {
+    if ((v = field(o, "stream_options")) && !cJSON_IsNull(v)) {
         if (!cJSON_IsObject(v)) return srv_fail(e, 400, "stream_options", "'stream_options' must be an object");
-        if (get_bool(v, "include_usage", &r->include_usage, e) < 0) return -1;
+        if (!r->stream) /* vLLM's and OpenAI's answer */
+            return srv_fail(e, 400, "stream_options", "Stream options can only be defined when `stream=True`.");
+        if (get_bool(v, "include_usage", &r->include_usage, e) < 0 ||
+            get_bool(v, "continuous_usage_stats", &r->continuous_usage, e) < 0)
+            return -1;
+        r->continuous_usage = r->continuous_usage && r->include_usage; /* (vLLM: continuous only with include_usage) */
     }
     if ((st = get_bool(o, "ignore_eos", &b, e)) < 0) return -1;
     if (st) r->ignore_eos = b;
@@ -487,6 +493,12 @@ static int parse_common(const srv_parse_ctx *c, const cJSON *o, srv_request *r, 
     if (st && b && r->kind == SRV_CHAT)
         return srv_fail(e, 400, "echo", "'echo' is supported on /v1/completions only");
     r->echo = st && b;
+    /* vLLM's truncate_prompt_tokens: k >= 1 keeps the last k tokens of each prompt (left truncation), -1 the last
+     * context-length ones */
+    if ((st = get_int(o, "truncate_prompt_tokens", -1, INT64_MAX, &i, e)) < 0) return -1;
+    if (st && i == 0)
+        return srv_fail(e, 400, "truncate_prompt_tokens", "'truncate_prompt_tokens' must be -1 or at least 1");
+    r->truncate = st ? (i < 0 ? c->context : i) : 0;
     const char *mt = field(o, "max_completion_tokens") ? "max_completion_tokens" : "max_tokens";
     if ((st = get_int(o, mt, r->echo ? 0 : 1, INT64_MAX, &r->max_tokens, e)) < 0) return -1;
     *has_max = st;
@@ -494,9 +506,22 @@ static int parse_common(const srv_parse_ctx *c, const cJSON *o, srv_request *r, 
     return 0;
 }
 
+/* the last k of n ids moved to the front (left truncation); returns k when n > k, else n */
+static int64_t keep_last(int32_t *ids, int64_t n, int64_t k) {
+    if (k <= 0 || n <= k) return n;
+    memmove(ids, ids + (n - k), (size_t)k * sizeof *ids);
+    return k;
+}
+
 static int check_length(const srv_parse_ctx *c, srv_request *r, int has_max, srv_error *e) {
     const char *param = r->kind == SRV_CHAT ? "messages" : "prompt";
     int64_t longest = 0;
+    if (r->truncate) { /* every prompt of a list; a chat's history (a prefix of the prompt) no longer is one */
+        const int64_t n0 = r->n_ids;
+        r->n_ids = keep_last(r->ids, r->n_ids, r->truncate);
+        if (r->n_ids != n0) r->history = 0;
+        for (int p = 1; p < r->n_prompts; p++) r->more_n[p - 1] = keep_last(r->more_ids[p - 1], r->more_n[p - 1], r->truncate);
+    }
     for (int p = 0; p < (r->n_prompts > 1 ? r->n_prompts : 1); p++) { /* every prompt of a list */
         const int64_t n = p ? r->more_n[p - 1] : r->n_ids;
         char which[32] = "";
@@ -509,7 +534,7 @@ static int check_length(const srv_parse_ctx *c, srv_request *r, int has_max, srv
         if (n > longest) longest = n;
     }
     if (!has_max) {
-        r->max_tokens = c->context - r->n_ids;   /* (each prompt of a list: its own, srv_request_pick) */
+        r->max_tokens = srv_default_max_tokens(r, c->context); /* (each prompt of a list: its own, srv_request_pick) */
     } else if (r->max_tokens > c->context - longest) {
         return srv_fail(e, 400, "max_tokens",
                         "This model's maximum context length is %lld tokens. However, you requested %lld tokens "
@@ -518,6 +543,13 @@ static int check_length(const srv_parse_ctx *c, srv_request *r, int has_max, srv
     }
     r->sp.repeat_last_n = r->n_ids + r->max_tokens; /* vLLM's repetition_penalty: every prompt and output token */
     return 0;
+}
+
+/* max_tokens when a request gives none (or null): chat, the rest of the context (vLLM); completions, 16 (the
+ * OpenAI legacy Completions API's and vLLM's default), within the context */
+int64_t srv_default_max_tokens(const srv_request *r, int64_t context) {
+    const int64_t left = context - r->n_ids;
+    return r->kind == SRV_CHAT || left < 16 ? left : 16;
 }
 
 /* ---- /v1/completions -------------------------------------------------------------------------- */
@@ -816,6 +848,38 @@ static int parse_tool_choice2(const srv_parse_ctx *c, const cJSON *tc, const cJS
     return 0;
 }
 
+/* continue_final_message: the rendered chat `text` (*len bytes) cut after the last message's content (its text, or
+ * the last text part of a list), as transformers' apply_chat_template does: after its last occurrence, keeping the
+ * message's trailing white space where the template kept it. 0, or -1 (e: 400) when the content is not found. */
+static int open_final_message(const cJSON *m, char *text, size_t *len, srv_error *e) {
+    const cJSON *ct = cJSON_GetObjectItemCaseSensitive(m, "content");
+    const char *fin = cJSON_IsString(ct) ? ct->valuestring : NULL;
+    if (cJSON_IsArray(ct))
+        for (const cJSON *part = ct->child; part; part = part->next) {
+            const cJSON *tx = cJSON_GetObjectItemCaseSensitive(part, "text");
+            if (cJSON_IsString(tx)) fin = tx->valuestring;
+        }
+    const char *lead = fin; /* fin stripped of white space at both ends: [lead, lead + sn) */
+    while (lead && *lead && isspace((unsigned char)*lead)) lead++;
+    size_t sn = lead ? strlen(lead) : 0;
+    const size_t ln = sn;
+    while (sn > 0 && isspace((unsigned char)lead[sn - 1])) sn--;
+    if (!sn)
+        return srv_fail(e, 400, "continue_final_message", "continue_final_message: the final message has no text "
+                        "content to continue");
+    const char *at = NULL;
+    for (const char *q = text; q + sn <= text + *len; q++) /* the last occurrence */
+        if (!memcmp(q, lead, sn)) at = q;
+    if (!at)
+        return srv_fail(e, 400, "continue_final_message", "continue_final_message is set but the final message does "
+                        "not appear in the chat after applying the chat template");
+    /* the message kept whole when it has no leading white space and the template kept its trailing white space */
+    const size_t keep = (size_t)(at - text) + (lead == fin && (size_t)(at - text) + ln <= *len && !memcmp(at, lead, ln) ? ln : sn);
+    *len = keep;
+    text[keep] = 0;
+    return 0;
+}
+
 static int parse_chat(const srv_parse_ctx *c, const cJSON *o, srv_request *r, srv_error *e) {
     if (!c->tmpl)
         return srv_fail(e, 400, "messages", "model '%s' has no chat template: start the server with --chat-template "
@@ -823,6 +887,21 @@ static int parse_chat(const srv_parse_ctx *c, const cJSON *o, srv_request *r, sr
     const cJSON *msgs = cJSON_GetObjectItemCaseSensitive(o, "messages");
     if (!cJSON_IsArray(msgs)) return srv_fail(e, 400, "messages", "'messages' is required and must be a list");
     if (cJSON_GetArraySize(msgs) == 0) return srv_fail(e, 400, "messages", "'messages' must not be empty");
+    /* vLLM's prompt-shaping fields: add_generation_prompt (default true), continue_final_message (the last message
+     * left open for the model to continue: transformers' apply_chat_template cuts the rendered chat after its
+     * content); a template in the request is refused, as vLLM refuses one unless started with
+     * --trust-request-chat-template */
+    int gen = 1, cont = 0, st;
+    if ((st = get_bool(o, "add_generation_prompt", &gen, e)) < 0 || get_bool(o, "continue_final_message", &cont, e) < 0)
+        return -1;
+    if (!st) gen = !cont;
+    if (gen && cont)
+        return srv_fail(e, 400, "continue_final_message", "Cannot set both `continue_final_message` and "
+                        "`add_generation_prompt` to True.");
+    const cJSON *tv = field(o, "chat_template");
+    if (tv && !cJSON_IsNull(tv))
+        return srv_fail(e, 400, "chat_template", "a chat template in the request is not accepted by fp4moe: start the "
+                        "server with --chat-template FILE");
     cJSON *ctx = cJSON_CreateObject(), *list = cJSON_AddArrayToObject(ctx, "messages");
     int idx = 0, rc = 0;
     const cJSON *m;
@@ -863,7 +942,8 @@ static int parse_chat(const srv_parse_ctx *c, const cJSON *o, srv_request *r, sr
     }
     char *text = NULL, *hist = NULL;
     size_t len = 0, hlen = 0;
-    if (render(c, ctx, 1, &text, &len, e) || encode(c, text, len, 0, &r->ids, &r->n_ids, "messages", e)) {
+    if (render(c, ctx, gen, &text, &len, e) || (cont && open_final_message(cJSON_GetArrayItem(list, idx - 1), text, &len, e)) ||
+        encode(c, text, len, 0, &r->ids, &r->n_ids, "messages", e)) {
         rc = -1;
     } else {
         /* does the output start inside <think>? (the last <think> of the prompt is not closed) */

@@ -44,7 +44,6 @@ int srv_tokenize(const srv_parse_ctx *c, const char *body, size_t len, char **ou
     const cJSON *prompt = cJSON_GetObjectItemCaseSensitive(o, "prompt");
     const cJSON *msgs = cJSON_GetObjectItemCaseSensitive(o, "messages");
     const cJSON *add = cJSON_GetObjectItemCaseSensitive(o, "add_special_tokens");
-    const cJSON *gen = cJSON_GetObjectItemCaseSensitive(o, "add_generation_prompt");
     int32_t *ids = NULL;
     int64_t n = 0;
     int rc = 0;
@@ -59,14 +58,13 @@ int srv_tokenize(const srv_parse_ctx *c, const char *body, size_t len, char **ou
     } else if (cJSON_IsTrue(add)) {
         rc = srv_fail(e, 400, "add_special_tokens", "'add_special_tokens' true with 'messages' is not supported (the "
                       "chat template writes the special tokens)");
-    } else if (gen && !cJSON_IsTrue(gen) && !cJSON_IsNull(gen)) {
-        rc = srv_fail(e, 400, "add_generation_prompt", "'add_generation_prompt' other than true is not supported");
     } else { /* the messages as a chat request renders them */
         cJSON *req = cJSON_CreateObject();
         cJSON_AddItemToObject(req, "messages", cJSON_Duplicate(msgs, 1));
         const cJSON *kv;
-        static const char *const pass[] = {"tools", "chat_template_kwargs"};
-        for (int i = 0; i < 2; i++)
+        static const char *const pass[] = {"tools", "chat_template_kwargs", "add_generation_prompt",
+                                           "continue_final_message", "chat_template"};
+        for (int i = 0; i < 5; i++)
             if ((kv = cJSON_GetObjectItemCaseSensitive(o, pass[i]))) cJSON_AddItemToObject(req, pass[i], cJSON_Duplicate(kv, 1));
         cJSON_AddNumberToObject(req, "max_tokens", 1);
         char *s = cJSON_PrintUnformatted(req);

@@ -428,6 +428,26 @@ static void test_quantize_then_dequantize_dir(void **state) {
     cJSON_Delete(j);
     EXPECT_RC(0, "inspect", "tests/golden/models/tiny-a-modelopt");
     expect_in(g_out, "\"backbone.layers.*.mixer.conv1d\"],\"quant_method\":\"modelopt\"");
+    /* inspect -m DIR --json: the model summary of the text form as the "model" object */
+    EXPECT_RC(0, "inspect", "-m", "tests/golden/models/tiny-a-modelopt");
+    expect_in(g_out, "params:");
+    EXPECT_RC(0, "inspect", "-m", "tests/golden/models/tiny-a-modelopt", "--json");
+    j = cJSON_Parse(g_out);
+    assert_non_null(j);
+    const cJSON *mo = cJSON_GetObjectItem(j, "model");
+    assert_true(cJSON_IsObject(mo));
+    assert_string_equal(cJSON_GetObjectItem(mo, "architecture")->valuestring, "nemotron_h");
+    assert_true(cJSON_GetObjectItem(mo, "layers")->valueint > 0);
+    assert_true(cJSON_GetObjectItem(mo, "params_active")->valuedouble > 0 &&
+                cJSON_GetObjectItem(mo, "params_active")->valuedouble <= cJSON_GetObjectItem(mo, "params_total")->valuedouble);
+    assert_true(cJSON_GetObjectItem(cJSON_GetObjectItem(mo, "bytes"), "moe_experts")->valuedouble > 0);
+    {
+        char pt[64];
+        snprintf(pt, sizeof pt, "params:  %.0f total", cJSON_GetObjectItem(mo, "params_total")->valuedouble);
+        cJSON_Delete(j);
+        EXPECT_RC(0, "inspect", "-m", "tests/golden/models/tiny-a-modelopt");
+        expect_in(g_out, pt); /* the same count as the text form */
+    }
     EXPECT_RC(0, "inspect", in);
     expect_in(g_out, "plain");
 
@@ -1153,6 +1173,24 @@ static void test_limits(void **state) {
     expect_in(g_out, "route auto (FP4MOE_GATHER_ROUTE=batched)");
 }
 
+/* --ctx above the model's max_position_embeddings: perplexity warns, as generate and chat do (a copy of the default
+ * model with max_position_embeddings 48) */
+static void test_ctx_above_max_position(void **state) {
+    (void)state;
+    char dir[512], cmd[2000];
+    snprintf(dir, sizeof dir, "%s", io_path("pos48-model"));
+    snprintf(cmd, sizeof cmd, "rm -rf '%s' && cp -r models/nemotron-h-tiny-moe '%s' && sed -i -E "
+             "'s/\"max_position_embeddings\":[[:space:]]*[0-9]+/\"max_position_embeddings\": 48/' '%s/config.json'", dir,
+             dir, dir);
+    assert_int_equal(system(cmd), 0);
+    EXPECT_RC(0, "perplexity", "-m", dir, "--file", "tests/golden/default/heldout_short.txt", "--ctx", "64",
+              "--max-tokens", "128");
+    expect_in(g_err, "warning: --ctx 64 is above the model's max_position_embeddings 48");
+    EXPECT_RC(0, "perplexity", "-m", dir, "--file", "tests/golden/default/heldout_short.txt", "--ctx", "32",
+              "--max-tokens", "64");
+    assert_null(strstr(g_err, "max_position_embeddings"));
+}
+
 static void test_json_errors(void **state) {
     (void)state;
     /* a text shorter than one window: exit 1 (bad input), not 2 (usage) */
@@ -1347,6 +1385,7 @@ int main(void) {
         cmocka_unit_test(test_bench_ep_ranks),
         cmocka_unit_test(test_odd_inputs),
         cmocka_unit_test(test_json_errors),
+        cmocka_unit_test(test_ctx_above_max_position),
         cmocka_unit_test(test_limits),
         cmocka_unit_test(test_generation_config_warnings),
     };

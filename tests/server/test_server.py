@@ -173,10 +173,35 @@ def main():
               "top_p 0 and 2: the same range in the message: %s / %s" % (body, body0))
         st, body = s.raw("GET", "/health")
         check(st == 200 and json.loads(body)["status"] == "ok", "GET /health: %d %s" % (st, body))
+        heads = []
+        for method, path in (("HEAD", "/health"), ("HEAD", "/v1/models"), ("GET", "/v1/completions"),
+                             ("DELETE", "/health")):
+            hc = http.client.HTTPConnection("127.0.0.1", s.port, timeout=60)
+            hc.request(method, path)
+            hr = hc.getresponse()
+            heads.append((hr.status, hr.getheader("Allow"), hr.read()))
+            hc.close()
+        check(heads[0][0] == heads[1][0] == 200 and heads[0][2] == heads[1][2] == b"" and
+              heads[2][:2] == (405, "POST") and heads[3][:2] == (405, "GET, HEAD"),
+              "HEAD answers where GET does (no body); a 405 names the allowed methods (Allow): %s" % heads)
         p0 = "The little girl opened the door and saw"
         ref = generate_cli(p0, 24)
         t, fin, n = complete(c, p0, 24, False)
         check(t == ref and fin == "length" and n == 24, "completion (greedy) equals fp4moe generate: %r" % t[:60])
+        r16 = c.completions.create(model="nemotron-h-tiny-moe", prompt=p0, temperature=0)
+        check(r16.usage.completion_tokens <= 16 and ref.startswith(r16.choices[0].text) and
+              (r16.usage.completion_tokens == 16) == (r16.choices[0].finish_reason == "length"),
+              "/v1/completions without max_tokens: 16 tokens at most (OpenAI's / vLLM's default): %d %r" %
+              (r16.usage.completion_tokens, r16.choices[0].text))
+        # stream_options.continuous_usage_stats (vLLM): every chunk's usage, completion_tokens counting up to the end
+        us = [ch.usage for ch in c.completions.create(model="nemotron-h-tiny-moe", prompt=p0, max_tokens=12,
+                                                      temperature=0, stream=True,
+                                                      stream_options={"include_usage": True,
+                                                                      "continuous_usage_stats": True})]
+        counts = [u.completion_tokens for u in us if u]
+        check(all(us) and counts == sorted(counts) and counts[-1] == 12 and
+              all(u.total_tokens == u.prompt_tokens + u.completion_tokens for u in us),
+              "continuous_usage_stats: usage in each of %d chunks, counts %s" % (len(us), counts))
         t2, fin2, n2 = complete(c, p0, 24, True)
         check(t2 == ref and fin2 == "length" and n2 == 24, "streamed completion equals it, usage chunk %s" % n2)
         r = c.completions.create(model="nemotron-h-tiny-moe", prompt=p0, max_tokens=24, temperature=0, stop=["girl"])
@@ -190,6 +215,34 @@ def main():
               "chat: thinking output is reasoning_content, stream equals non-stream (%r)" % a[1][:40])
         off = chat(c, msgs, 16, False, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
         check(off[0] != "" and off[1] == "", "chat with enable_thinking false: content %r" % off[0][:40])
+        # vLLM's prompt-shaping fields: continue_final_message (the assistant's text left open: the answer continues
+        # it), add_generation_prompt, truncate_prompt_tokens; a template in the request is a 400
+        prefill = msgs + [{"role": "assistant", "content": "Once upon a time the little"}]
+        shape = {"continue_final_message": True, "add_generation_prompt": False,
+                 "chat_template_kwargs": {"enable_thinking": False}}
+        st, tk = s.raw("POST", "/tokenize", json.dumps(dict(messages=prefill, **shape)))
+        st2, dt = s.raw("POST", "/detokenize", json.dumps({"tokens": json.loads(tk)["tokens"]}))
+        rc = c.chat.completions.create(model="nemotron-h-tiny-moe", messages=prefill, max_tokens=8, temperature=0,
+                                       extra_body=shape)
+        check(st == st2 == 200 and json.loads(dt)["prompt"].endswith("Once upon a time the little") and
+              rc.usage.prompt_tokens == json.loads(tk)["count"] and rc.choices[0].message.content,
+              "continue_final_message: the prompt ends with the assistant's text (%d tokens), the answer goes on: %r" %
+              (rc.usage.prompt_tokens, rc.choices[0].message.content))
+        ng = c.chat.completions.create(model="nemotron-h-tiny-moe", messages=msgs, max_tokens=1, temperature=0,
+                                       extra_body={"add_generation_prompt": False})
+        yg = c.chat.completions.create(model="nemotron-h-tiny-moe", messages=msgs, max_tokens=1, temperature=0)
+        check(ng.usage.prompt_tokens < yg.usage.prompt_tokens,
+              "add_generation_prompt false: no assistant opening (%d < %d prompt tokens)" %
+              (ng.usage.prompt_tokens, yg.usage.prompt_tokens))
+        rt = c.completions.create(model="nemotron-h-tiny-moe", prompt=prompt(5, 60), max_tokens=2, temperature=0,
+                                  extra_body={"truncate_prompt_tokens": 10})
+        check(rt.usage.prompt_tokens == 10, "truncate_prompt_tokens 10: %d prompt tokens" % rt.usage.prompt_tokens)
+        try:
+            c.chat.completions.create(model="nemotron-h-tiny-moe", messages=msgs, max_tokens=1,
+                                      extra_body={"chat_template": "{{ messages[0].content }}"})
+            check(False, "a chat template in the request is a 400")
+        except openai.BadRequestError as ex:
+            check("chat template in the request" in str(ex), "a chat template in the request is a 400: %s" % str(ex)[:100])
         # curl, as a user would
         out = subprocess.run(["curl", "-sS", s.url + "/v1/completions", "-H", "Content-Type: application/json",
                               "-d", json.dumps({"prompt": p0, "max_tokens": 24, "temperature": 0})],

@@ -247,6 +247,9 @@ static void test_request_errors(void **state) {
         {SRV_COMPLETION, "{\"prompt\": \"x\", \"max_completion_tokens\": \"5\"}", 400, "max_completion_tokens"},
         {SRV_COMPLETION, "{\"prompt\": \"x\", \"stream\": 1}", 400, "stream"},
         {SRV_COMPLETION, "{\"prompt\": \"x\", \"stream_options\": 1}", 400, "stream_options"},
+        {SRV_COMPLETION, "{\"prompt\": \"x\", \"stream_options\": {\"include_usage\": true}}", 400, "stream_options"},
+        {SRV_COMPLETION, "{\"prompt\": \"x\", \"stream\": true, \"stream_options\": {\"continuous_usage_stats\": 1}}", 400,
+         "continuous_usage_stats"},
         {SRV_COMPLETION, "{\"prompt\": \"x\", \"stop\": 5}", 400, "stop"},
         {SRV_COMPLETION, "{\"prompt\": \"x\", \"stop\": [\"\"]}", 400, "stop"},
         {SRV_COMPLETION, "{\"prompt\": \"x\", \"stop\": [\"a\",\"a\",\"a\",\"a\",\"a\",\"a\",\"a\",\"a\",\"a\",\"a\","
@@ -382,7 +385,7 @@ static void test_request_fields(void **state) {
     srv_error e;
     assert_int_equal(parse(SRV_COMPLETION, "{\"prompt\": \"Once upon a time\"}", &r, &e), 0);
     assert_true(r.n_ids > 0);
-    assert_int_equal(r.max_tokens, 512 - r.n_ids);             /* default: the rest of the context */
+    assert_int_equal(r.max_tokens, 16);                         /* default: 16 (OpenAI's / vLLM's completions) */
     assert_float_equal(r.sp.temperature, 0.7f, 0);             /* the server's default */
     assert_int_equal(r.sp.n_stop, 1);
     assert_int_equal(r.stream, 0);
@@ -491,7 +494,7 @@ static void test_request_fields(void **state) {
     assert_int_equal(srv_request_copy(&r, &c), 0);
     srv_request_pick(&c, 2, 512);
     assert_true(c.n_prompts == 1 && c.n_ids == 2 && c.ids[0] == 9 && !c.more_ids);
-    assert_int_equal(c.max_tokens, 510);                        /* no max_tokens: the context this prompt leaves */
+    assert_int_equal(c.max_tokens, 16);                         /* no max_tokens: 16 within the context */
     srv_request_free(&c);
     srv_request_free(&r);
     assert_int_equal(parse(SRV_COMPLETION, "{\"prompt\": [\"Once upon\", \"a time\"], \"max_tokens\": 4}", &r, &e), 0);
@@ -651,7 +654,7 @@ static void test_tokenize_endpoints(void **state) {
         {1, "{\"prompt\": \"a\", \"add_special_tokens\": 1}", "add_special_tokens", 400},
         {1, "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"add_special_tokens\": true}",
          "add_special_tokens", 400},
-        {1, "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"add_generation_prompt\": false}",
+        {1, "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"add_generation_prompt\": 0}",
          "add_generation_prompt", 400},
         {1, "{\"messages\": [{\"content\": \"x\"}]}", "messages", 400},
         {0, "{}", "tokens", 400},
@@ -668,6 +671,80 @@ static void test_tokenize_endpoints(void **state) {
         if (rc != -1 || e.http != (bad[i].http ? bad[i].http : 400) || strcmp(e.param, bad[i].param) || out)
             fail_msg("case %zu %s: rc %d http %d param '%s'", i, bad[i].body, rc, e.http, e.param);
     }
+}
+
+/* vLLM's prompt-shaping fields and the max_tokens defaults: add_generation_prompt false renders the chat without the
+ * assistant turn's opening (a prefix of the usual prompt), continue_final_message leaves the last message open (the
+ * prompt ends with its text), both true / a template in the request are 400s; truncate_prompt_tokens keeps the last k
+ * tokens of each prompt; completions default to 16 tokens within the context, chats to the rest of the context. */
+static void test_prompt_shaping(void **state) {
+    (void)state;
+    srv_request a, b, t;
+    srv_error e;
+    const char *user = "{\"messages\": [{\"role\": \"user\", \"content\": \"Hello\"}]";
+    char body[512];
+    snprintf(body, sizeof body, "%s}", user);
+    assert_int_equal(parse(SRV_CHAT, body, &a, &e), 0);
+    assert_int_equal(a.max_tokens, 512 - a.n_ids); /* chat: the rest of the context */
+    snprintf(body, sizeof body, "%s, \"add_generation_prompt\": false}", user);
+    assert_int_equal(parse(SRV_CHAT, body, &b, &e), 0);
+    assert_true(b.n_ids < a.n_ids && !memcmp(a.ids, b.ids, (size_t)b.n_ids * sizeof *b.ids));
+    srv_request_free(&b);
+    const char *turns = "{\"messages\": [{\"role\": \"user\", \"content\": \"Hello\"}, {\"role\": \"assistant\", "
+                        "\"content\": \"The answer is\"}]";
+    snprintf(body, sizeof body, "%s, \"continue_final_message\": true, \"add_generation_prompt\": false}", turns);
+    assert_int_equal(parse(SRV_CHAT, body, &b, &e), 0);
+    char *text = NULL;
+    int64_t tl = 0;
+    assert_int_equal(fp4moe_tokenizer_decode(g_tok, b.ids, b.n_ids, 0, &text, &tl), FP4MOE_OK);
+    if (tl < 13 || memcmp(text + tl - 13, "The answer is", 13)) fail_msg("continued prompt ends: [%s]", text);
+    free(text);
+    srv_request_free(&b);
+    snprintf(body, sizeof body, "%s, \"continue_final_message\": true}", turns); /* add_generation_prompt unset */
+    assert_int_equal(parse(SRV_CHAT, body, &b, &e), 0);
+    srv_request_free(&b);
+    static const struct {
+        const char *tail, *param;
+    } bad[] = {
+        {", \"continue_final_message\": true, \"add_generation_prompt\": true}", "continue_final_message"},
+        {", \"continue_final_message\": \"yes\"}", "continue_final_message"},
+        {", \"chat_template\": \"{{ messages }}\"}", "chat_template"},
+        {", \"truncate_prompt_tokens\": 0}", "truncate_prompt_tokens"},
+        {", \"truncate_prompt_tokens\": -2}", "truncate_prompt_tokens"},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
+        snprintf(body, sizeof body, "%s%s", turns, bad[i].tail);
+        if (parse(SRV_CHAT, body, &b, &e) != -1 || e.http != 400 || strcmp(e.param, bad[i].param))
+            fail_msg("case %zu: %s -> http %d param '%s'", i, body, e.http, e.param);
+    }
+    /* the final message's text not in the render (a template that drops it): 400 */
+    snprintf(body, sizeof body, "{\"messages\": [{\"role\": \"user\", \"content\": \"   \"}], \"continue_final_message\": "
+             "true, \"add_generation_prompt\": false}");
+    assert_int_equal(parse(SRV_CHAT, body, &b, &e), -1);
+    assert_string_equal(e.param, "continue_final_message");
+    /* truncate_prompt_tokens: the last k ids of each prompt; -1: at most the context */
+    assert_int_equal(parse(SRV_COMPLETION, "{\"prompt\": [[5, 6, 7, 8, 9], [10, 11]], \"truncate_prompt_tokens\": 3}", &t,
+                           &e), 0);
+    assert_true(t.n_ids == 3 && t.ids[0] == 7 && t.ids[2] == 9 && t.more_n[0] == 2 && t.more_ids[0][0] == 10);
+    srv_request_free(&t);
+    snprintf(body, sizeof body, "%s, \"truncate_prompt_tokens\": 4}", user);
+    assert_int_equal(parse(SRV_CHAT, body, &t, &e), 0);
+    assert_true(t.n_ids == 4 && !memcmp(t.ids, a.ids + a.n_ids - 4, 4 * sizeof *t.ids));
+    srv_request_free(&t);
+    assert_int_equal(parse(SRV_COMPLETION, "{\"prompt\": [5, 6, 7], \"truncate_prompt_tokens\": -1}", &t, &e), 0);
+    assert_int_equal(t.n_ids, 3);
+    srv_request_free(&t);
+    srv_request_free(&a);
+    /* completions: 16 tokens by default, fewer where the context ends first (505 of 512 taken: 7) */
+    char *big = malloc(8 * 505 + 32);
+    assert_non_null(big);
+    int o = sprintf(big, "{\"prompt\": [");
+    for (int i = 0; i < 505; i++) o += sprintf(big + o, "%s5", i ? ", " : "");
+    sprintf(big + o, "]}");
+    assert_int_equal(parse(SRV_COMPLETION, big, &t, &e), 0);
+    assert_int_equal(t.max_tokens, 7);
+    srv_request_free(&t);
+    free(big);
 }
 
 /* Structured output fields: which set a grammar, that copies share it (refs; ASan: no double free), the 400s */
@@ -931,6 +1008,7 @@ int main(void) {
         cmocka_unit_test(test_request_errors),
         cmocka_unit_test(test_request_fields),
         cmocka_unit_test(test_structured_fields),
+        cmocka_unit_test(test_prompt_shaping),
         cmocka_unit_test(test_tool_calls),
         cmocka_unit_test(test_regressions),
         cmocka_unit_test(test_tokenize_endpoints),
