@@ -16,6 +16,10 @@
 #include <stdint.h>
 #include "fp4moe/safetensors.h"
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 typedef enum {
     FP4MOE_QFMT_PLAIN = 0,     /* no quantized module */
     FP4MOE_QFMT_MLX_NVFP4 = 1,
@@ -57,5 +61,9 @@ int fp4moe_qtensor_gs(const fp4moe_qtensor *q, int64_t e, float *gs);
 /* Whether the tensor named `name` is an auxiliary tensor of a quantized module of m (its scales,
  * global scale or input scale), i.e. no tensor of its own. */
 int fp4moe_qtensor_is_aux(const fp4moe_st_model *m, const char *name);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif

@@ -1,6 +1,6 @@
 /* fp4moe/gather_qmm.h: the MoE gather quantized matmul on NVFP4 expert weights.
  *
- * Contract (../shared/spec/NVFP4.md section 4; MLX gather_qmm(transpose=True, M=1, rhs indices)):
+ * Contract (docs/spec/NVFP4.md section 4; MLX gather_qmm(transpose=True, M=1, rhs indices)):
  *   y[b][n] = sum_k x[b][k] * w[idx[b]][n][k]     for b < B, n < N
  * x: B x K activations of `dtype` (row-major); y: B x N of the same dtype; fp32 accumulation,
  * rounded once to dtype. w[e][n][k] = e2m1(code) * e4m3(scale) * (global_scale ? gs[e] : 1).

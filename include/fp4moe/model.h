@@ -1,8 +1,8 @@
 /* fp4moe/model.h: nemotron_h models on the CPU and (CUDA builds) the GPU: config, checkpoint
  * loading, synthetic weights, forward pass, sampling.
  *
- * The model is specified in ../shared/spec/NEMOTRON_H.md (the reference implementation is HF
- * transformers' NemotronHForCausalLM, torch path); the NVFP4 format in ../shared/spec/NVFP4.md.
+ * The model is specified in docs/spec/NEMOTRON_H.md (the reference implementation is HF
+ * transformers' NemotronHForCausalLM, torch path); the NVFP4 format in docs/spec/NVFP4.md.
  *
  * A model is a directory: config.json, *.safetensors (+ model.safetensors.index.json when sharded),
  * optionally hf_quant_config.json (ModelOpt) and tokenizer files. Three checkpoint formats load
@@ -20,8 +20,9 @@
  * matmul except the output of lm_head: the logits are fp32 on every device; norms, router, softmax
  * and the SSM state stay fp32.
  *
- * Errors: every function returns an fp4moe_status; fp4moe_last_error() names the file, tensor or
- * field. Threading: a model may be shared by several sessions, each session used by one thread. */
+ * Errors: every function that can fail returns an int fp4moe_status (the others say what they return);
+ * fp4moe_last_error() names the file, tensor or field. Threading: a model may be shared by several sessions, each
+ * session used by one thread. */
 #ifndef FP4MOE_MODEL_H
 #define FP4MOE_MODEL_H
 
@@ -252,7 +253,8 @@ typedef struct {
                                    (FP4MOE_CUDA_GRAPH=0: launched op by op) */
     int profile;                /* CUDA: time each layer kind with device events (see
                                    fp4moe_session_profile); off by default: it adds event records */
-    fp4moe_cpu_act cpu_act;     /* CPU: FLOAT (default) or Q8 (W4A8 NVFP4 matmuls) */
+    fp4moe_cpu_act cpu_act;     /* CPU: FLOAT (default here: fp32 activations, the reference) or Q8 (W4A8 NVFP4
+                                   matmuls; the fp4moe CLI's default on the CPU: faster, +0.03% perplexity) */
     fp4moe_kv_dtype kv_dtype;   /* KV cache storage: AUTO (default) or FP8 (CPU) */
     struct fp4moe_ep_group *ep; /* NULL (default); else the session is rank ep_rank of that
                                    expert-parallel group (as fp4moe_batch_options.ep): the other
@@ -570,7 +572,8 @@ int32_t fp4moe_sample(fp4moe_sampler *s, const float *logits);
 /* 1 when id is one of the sampler's stop ids. */
 int fp4moe_sampler_is_stop(const fp4moe_sampler *s, int32_t id);
 
-/* argmax over n logits, lowest index on ties; NaN never wins. */
+/* argmax over n logits, lowest index on ties; NaN never wins (all NaN: 0). n >= 1; n <= 0 returns 0 without
+ * reading logits. */
 int32_t fp4moe_argmax(const float *logits, int64_t n);
 
 /* Log-probabilities of the model's distribution over V tokens: log_softmax(logits)_i = l_i - max -

@@ -1,6 +1,6 @@
 /* fp4moe/nvfp4.h: scalar codecs (E2M1, E4M3, fp16, bf16) and NVFP4 block quantize/dequantize.
  *
- * Formulas: ../shared/spec/NVFP4.md (section 1 for the codecs, section 3 for quantize), which
+ * Formulas: docs/spec/NVFP4.md (section 1 for the codecs, section 3 for quantize), which
  * follows OCP "Microscaling Formats (MX) v1.0" for E2M1/E4M3 and MLX's nvfp4 GPU quantizer for
  * the block procedure. All functions are pure and thread-safe.
  *

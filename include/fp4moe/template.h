@@ -48,9 +48,9 @@ typedef struct {
     unsigned long long max_steps; /* loop iterations + macro / filter calls: default 50,000,000 */
 } fp4moe_template_limits;
 
-/* Compiles template source `src` of `len` bytes (not necessarily NUL-terminated).
- * On success *out owns a compiled template (free with fp4moe_template_free) and FP4MOE_OK is
- * returned. Errors: FP4MOE_EINVAL (NULL argument), FP4MOE_EFORMAT (syntax error: the message names
+/* Compiles template source `src` of `len` bytes (not necessarily NUL-terminated; NULL with len 0: the empty
+ * template). On success *out owns a compiled template (free with fp4moe_template_free) and FP4MOE_OK is
+ * returned. Errors: FP4MOE_EINVAL (NULL out, or NULL src with len > 0), FP4MOE_EFORMAT (syntax error: the message names
  * the line and what is wrong, e.g. "template line 3: No filter named 'foo'"), FP4MOE_ENOMEM.
  * Semantics: jinja2.Environment.from_string in the environment described above. */
 int fp4moe_template_compile(const char *src, size_t len, fp4moe_template **out);

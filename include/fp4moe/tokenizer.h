@@ -61,8 +61,9 @@ void fp4moe_tokenizer_free(fp4moe_tokenizer *tok);
  * <= U+10FFFF), or -1 when all of it is valid (also for len <= 0 or a NULL text): what encode refuses. */
 int64_t fp4moe_utf8_invalid_at(const char *text, int64_t len);
 
-/* Encodes `len` bytes of UTF-8 `text` (may hold NUL bytes; len 0 gives 0 ids). add_special != 0
- * adds the post-processor's special tokens (e.g. BOS), as HF add_special_tokens=True.
+/* Encodes `len` bytes of UTF-8 `text` (may hold NUL bytes; text may be NULL when len is 0). add_special != 0
+ * adds the post-processor's special tokens (e.g. BOS), as HF add_special_tokens=True: so len 0 gives those
+ * tokens alone (e.g. [BOS]), or no ids without add_special.
  * On success *ids is a malloc'ed array of *n_ids int32 token ids in [0, vocab_size) that the
  * caller frees with free() (non-NULL even when *n_ids == 0).
  * Errors: FP4MOE_EINVAL (NULL argument, len < 0, invalid UTF-8 at a byte offset),

@@ -15,6 +15,11 @@
 extern "C" {
 #endif
 
+/* The library's version (MAJOR.MINOR.PATCH, CMakeLists.txt's project version): the headers' FP4MOE_VERSION, and
+ * fp4moe_version() the one the linked library was built with (equal unless headers and library are mixed up). */
+#define FP4MOE_VERSION "0.1.0"
+const char *fp4moe_version(void);
+
 /* Activation / output element types. Sizes: F32 4 bytes, F16 2 (IEEE binary16), BF16 2. */
 typedef enum { FP4MOE_F32 = 0, FP4MOE_F16 = 1, FP4MOE_BF16 = 2 } fp4moe_dtype;
 

@@ -68,6 +68,8 @@ size_t fp4moe_dtype_size(fp4moe_dtype dtype) {
     }
 }
 
+const char *fp4moe_version(void) { return FP4MOE_VERSION; }
+
 const char *fp4moe_dtype_name(fp4moe_dtype dtype) {
     switch (dtype) {
     case FP4MOE_F32: return "f32";

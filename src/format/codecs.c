@@ -1,5 +1,5 @@
 /* Scalar codecs: E2M1 (FP4), E4M3 (FP8), IEEE fp16 and bfloat16 <-> fp32.
- * Formulas: ../shared/spec/NVFP4.md section 1; OCP Microscaling Formats (MX) v1.0 for E2M1/E4M3;
+ * Formulas: docs/spec/NVFP4.md section 1; OCP Microscaling Formats (MX) v1.0 for E2M1/E4M3;
  * IEEE 754-2008 binary16 for fp16. All rounding is round-to-nearest-even. */
 #include "fp4moe/nvfp4.h"
 #include "format/codecs_inline.h"

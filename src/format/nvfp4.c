@@ -1,4 +1,4 @@
-/* NVFP4 block quantize / dequantize (../shared/spec/NVFP4.md sections 1 and 3; the block procedure
+/* NVFP4 block quantize / dequantize (docs/spec/NVFP4.md sections 1 and 3; the block procedure
  * matches MLX's nvfp4 GPU quantizer, which real checkpoints come from). */
 #include "fp4moe/nvfp4.h"
 

@@ -1,6 +1,6 @@
 /* Internal: the route-agnostic pieces of gather_qmm that every backend (CPU, CUDA) shares:
  * expert runs of an idx vector, the environment switches, and the two deliberate-fault hooks.
- * Contract: ../shared/spec/NVFP4.md section 4 and include/fp4moe/gather_qmm.h.
+ * Contract: docs/spec/NVFP4.md section 4 and include/fp4moe/gather_qmm.h.
  * Implemented in src/kernels/cpu/gather_common.c (that directory is compiled in every build). */
 #ifndef FP4MOE_KERNELS_GATHER_COMMON_H
 #define FP4MOE_KERNELS_GATHER_COMMON_H

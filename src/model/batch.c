@@ -217,6 +217,8 @@ int fp4moe_batch_new(const fp4moe_model *m, const fp4moe_batch_options *opts, fp
     if (o.act_dtype != FP4MOE_F32 && o.act_dtype != FP4MOE_BF16)
         return fp4moe_set_error(FP4MOE_EINVAL, "activation dtype %s (supported: f32, bf16)",
                                 fp4moe_dtype_name(o.act_dtype));
+    if ((int)o.route < FP4MOE_ROUTE_AUTO || (int)o.route > FP4MOE_ROUTE_DEQUANT_GEMM)
+        return fp4moe_set_error(FP4MOE_EINVAL, "route %d (auto, qmv, batched or dequant_gemm)", (int)o.route);
     if (o.cpu_act != FP4MOE_CPU_ACT_FLOAT && o.cpu_act != FP4MOE_CPU_ACT_Q8)
         return fp4moe_set_error(FP4MOE_EINVAL, "cpu_act %d (float or q8)", (int)o.cpu_act);
     if (cuda && o.cpu_act == FP4MOE_CPU_ACT_Q8)

@@ -719,6 +719,10 @@ int fp4moe_model_load(const char *dir, const fp4moe_load_options *opts, fp4moe_m
     loader L = {.m = m};
     if (opts) L.opt = *opts;
     else fp4moe_load_options_default(&L.opt);
+    if (L.opt.device != FP4MOE_DEVICE_DEFAULT && L.opt.device != FP4MOE_DEVICE_CPU && L.opt.device != FP4MOE_DEVICE_CUDA) {
+        free(m);
+        return fp4moe_set_error(FP4MOE_EINVAL, "model_load: unknown device %d (cpu, cuda or default)", (int)L.opt.device);
+    }
     int st = fp4moe_config_load(dir, &m->cfg);
     if (!st) { /* the routed experts to keep: a rank's share, or all */
         const int64_t E = m->cfg.n_experts, lo = L.opt.expert_lo, hi = L.opt.expert_hi;

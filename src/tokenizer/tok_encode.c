@@ -243,8 +243,8 @@ int fp4moe_tokenizer_encode(const fp4moe_tokenizer *tok, const char *text, int64
     if (ids) *ids = NULL;
     if (n_ids) *n_ids = 0;
     if (!tok || !ids || !n_ids || (!text && len != 0) || len < 0)
-        return fp4moe_set_error(FP4MOE_EINVAL, "fp4moe_tokenizer_encode: NULL argument or len %lld < 0",
-                                (long long)len);
+        return fp4moe_set_error(FP4MOE_EINVAL, "fp4moe_tokenizer_encode: %s", !tok ? "NULL tokenizer"
+                                : !ids || !n_ids ? "NULL output pointer" : len < 0 ? "len < 0" : "NULL text with len > 0");
     int64_t bad = tok_utf8_invalid_at(text, len);
     if (bad >= 0)
         return fp4moe_set_error(FP4MOE_EINVAL,

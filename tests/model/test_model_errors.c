@@ -185,6 +185,29 @@ static void test_bad_forward_arguments(void **state) {
     o.act_dtype = FP4MOE_F16;
     assert_int_equal(fp4moe_session_new(m, &o, &s), FP4MOE_EINVAL);
     assert_non_null(strstr(fp4moe_last_error(), "activation dtype f16"));
+    /* enum values out of range: refused at creation, each named (the route was accepted and failed at the first
+     * forward before session 31) */
+    fp4moe_session_options_default(&o);
+    o.route = (fp4moe_route)9;
+    assert_int_equal(fp4moe_session_new(m, &o, &s), FP4MOE_EINVAL);
+    assert_non_null(strstr(fp4moe_last_error(), "route 9"));
+    fp4moe_batch_options bo;
+    fp4moe_batch_options_default(&bo);
+    bo.route = (fp4moe_route)-1;
+    fp4moe_batch *b = NULL;
+    assert_int_equal(fp4moe_batch_new(m, &bo, &b), FP4MOE_EINVAL);
+    assert_null(b);
+    fp4moe_session_options_default(&o);
+    o.cpu_act = (fp4moe_cpu_act)7;
+    assert_int_equal(fp4moe_session_new(m, &o, &s), FP4MOE_EINVAL);
+    fp4moe_load_options lo;
+    fp4moe_load_options_default(&lo);
+    lo.device = (fp4moe_device)9;
+    fp4moe_model *m2 = NULL;
+    assert_int_equal(fp4moe_model_load("models/nemotron-h-tiny-moe", &lo, &m2), FP4MOE_EINVAL);
+    assert_non_null(strstr(fp4moe_last_error(), "unknown device 9"));
+    assert_null(m2);
+    assert_string_equal(fp4moe_version(), FP4MOE_VERSION);
     fp4moe_session_options_default(&o);
     o.max_context = 10;
     assert_int_equal(fp4moe_session_new(m, &o, &s), FP4MOE_OK);

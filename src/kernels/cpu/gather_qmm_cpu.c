@@ -1,5 +1,5 @@
 /* gather_qmm on the CPU: route choice and the three routes (qmv, expert-batched, dequant + sgemm).
- * Contract: include/fp4moe/gather_qmm.h and ../shared/spec/NVFP4.md section 4. The drivers here
+ * Contract: include/fp4moe/gather_qmm.h and docs/spec/NVFP4.md section 4. The drivers here
  * split the work into OpenMP work items; the arithmetic lives in the kernel tables of
  * gather_cpu.h (AVX2 or portable, chosen at run time). Every route: fp32 accumulation, the
  * per-expert global scale applied once in the fp32 epilogue, rows with idx >= E written as zeros. */

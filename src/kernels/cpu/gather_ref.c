@@ -1,5 +1,5 @@
 /* The fp64 reference of gather_qmm: the test oracle. Deliberately the plain formula of
- * ../shared/spec/NVFP4.md section 4, sharing no code with the routes (not even the fault hooks of
+ * docs/spec/NVFP4.md section 4, sharing no code with the routes (not even the fault hooks of
  * gather_common.h), so that a broken route cannot also break its oracle. */
 #include "fp4moe/gather_qmm.h"
 

@@ -1,5 +1,5 @@
 /* The expert-batched gather_qmm route on tensor cores (sorted idx; f16 / bf16 activations).
- * Contract: ../shared/spec/NVFP4.md section 4; design notes and measurements: docs/GPU-NOTES.md.
+ * Contract: docs/spec/NVFP4.md section 4; design notes and measurements: docs/GPU-NOTES.md.
  *
  * Work item = (expert e, row-tile of e's run, N-tile of 64 output features). The runs kernel
  * (gather_qmm_cuda.cu) finds each expert's run [starts[e], starts[e+1]) and the prefix sum of

@@ -1,5 +1,5 @@
 /* Internal: pieces shared by the CUDA gather_qmm routes (the .cu files of src/kernels/cuda).
- * Contract: ../shared/spec/NVFP4.md section 4 and include/fp4moe/gather_qmm.h.
+ * Contract: docs/spec/NVFP4.md section 4 and include/fp4moe/gather_qmm.h.
  *
  * Number tricks used by the kernels (all exact; spec section 1: every e2m1 * e4m3 product is exact
  * in bf16 and fp16):

@@ -1,4 +1,4 @@
-/* The dequantize + cuBLAS gather_qmm route (sorted idx). Contract: ../shared/spec/NVFP4.md
+/* The dequantize + cuBLAS gather_qmm route (sorted idx). Contract: docs/spec/NVFP4.md
  * section 4; measurements: docs/PERFORMANCE.md, docs/GPU-NOTES.md.
  *
  * 1. The runs kernel finds each expert's run on the device; its E+1 run starts (and the global

@@ -1,5 +1,5 @@
 /* gather_qmm on CUDA: the public entry points, the route choice, the device-side expert runs and
- * the per-call scratch. Contract: ../shared/spec/NVFP4.md section 4, include/fp4moe/gather_qmm.h.
+ * the per-call scratch. Contract: docs/spec/NVFP4.md section 4, include/fp4moe/gather_qmm.h.
  *
  * Routes (src/kernels/cuda/):
  *   qmv           gather_qmv.cu      decode / unsorted: bf16 with B <= 32 and K % 32 == 0 on tensor

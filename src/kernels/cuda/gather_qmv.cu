@@ -1,7 +1,7 @@
 /* The qmv gather_qmm route: decode and unsorted batches, any activation dtype. bf16 batches of
  * <= 32 rows with K % 32 == 0 take the tensor-core kernel (v5, gq_qmv_mma_kernel, below); the
  * others the fp32 CUDA-core FMA kernel described here (v4).
- * Contract: ../shared/spec/NVFP4.md section 4; notes: docs/GPU-NOTES.md.
+ * Contract: docs/spec/NVFP4.md section 4; notes: docs/GPU-NOTES.md.
  *
  * Rows are taken in chunks of 32 (one warp-wide load of idx). Inside a chunk a *segment* is a run of
  * consecutive rows with the same expert, cut every QMV_G rows; the warp finds the segments with two
