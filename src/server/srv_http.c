@@ -364,6 +364,14 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
         return MHD_YES;
     }
     cc->answered = 1;
+    /* one trailing slash is the route without it (/v1/completions/: FastAPI servers such as vLLM's redirect it) */
+    char route[64];
+    const size_t ul = strlen(url);
+    if (ul > 1 && ul < sizeof route && url[ul - 1] == '/') {
+        memcpy(route, url, ul - 1);
+        route[ul - 1] = 0;
+        url = route;
+    }
     /* HEAD wherever GET (RFC 9110 section 9.1; libmicrohttpd sends the headers of the GET answer without its body) */
     const int is_get = !strcmp(method, "GET") || !strcmp(method, "HEAD"), is_post = !strcmp(method, "POST");
     const int v1 = !strncmp(url, "/v1/", 4);

@@ -181,6 +181,10 @@ def main():
             hr = hc.getresponse()
             heads.append((hr.status, hr.getheader("Allow"), hr.read()))
             hc.close()
+        st_sl, body_sl = s.raw("POST", "/v1/completions/", json.dumps({"prompt": "x", "max_tokens": 1}),
+                               {"Content-Type": "application/json"})
+        check(st_sl == 200 and json.loads(body_sl)["usage"]["completion_tokens"] == 1,
+              "a trailing slash names the same route: POST /v1/completions/ -> %d" % st_sl)
         check(heads[0][0] == heads[1][0] == 200 and heads[0][2] == heads[1][2] == b"" and
               heads[2][:2] == (405, "POST") and heads[3][:2] == (405, "GET, HEAD"),
               "HEAD answers where GET does (no body); a 405 names the allowed methods (Allow): %s" % heads)
