@@ -14,6 +14,8 @@ trap 'rm -rf "$T"' EXIT
 cmake --install "$BUILD" --prefix "$T/prefix" >"$T/install.log" 2>&1 || { cat "$T/install.log"; exit 1; }
 export PKG_CONFIG_PATH="$T/prefix/lib/pkgconfig:$T/prefix/lib64/pkgconfig:$T/prefix/lib/x86_64-linux-gnu/pkgconfig:${PKG_CONFIG_PATH:-}"
 FLAGS=$(pkg-config --cflags --libs fp4moe) || { echo "FAIL: pkg-config fp4moe"; exit 1; }
+# a sanitizer build's library (scripts/sanitize-check.sh) needs its runtime in the program too
+FLAGS="$FLAGS $(sed -n 's/^CMAKE_C_FLAGS:[A-Z]*=//p' "$BUILD/CMakeCache.txt" | grep -oE -- '-fsanitize=[^ ]+' | tr '\n' ' ')"
 LIB=$(ls "$T"/prefix/lib*/libfp4moe.a "$T"/prefix/lib/*/libfp4moe.a 2>/dev/null | head -1)
 [ -n "$LIB" ] || { echo "FAIL: no libfp4moe.a installed"; exit 1; }
 other=$(nm -g --defined-only "$LIB" | awk 'NF == 3 {print $3}' | grep -v '^fp4moe_' | head -5)
