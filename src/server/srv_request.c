@@ -867,9 +867,20 @@ static int open_final_message(const cJSON *m, char *text, size_t *len, srv_error
     if (!sn)
         return srv_fail(e, 400, "continue_final_message", "continue_final_message: the final message has no text "
                         "content to continue");
-    const char *at = NULL;
-    for (const char *q = text; q + sn <= text + *len; q++) /* the last occurrence */
-        if (!memcmp(q, lead, sn)) at = q;
+    /* the last occurrence: the first one in the reversed texts (memmem's two-way search: linear, whatever the
+     * request holds, where a loop of memcmp's would be quadratic on a long repetitive message) */
+    char *rt = malloc(*len + 1), *rm = malloc(sn + 1);
+    if (!rt || !rm) {
+        free(rt);
+        free(rm);
+        return srv_fail(e, 500, NULL, "out of memory");
+    }
+    for (size_t k = 0; k < *len; k++) rt[k] = text[*len - 1 - k];
+    for (size_t k = 0; k < sn; k++) rm[k] = lead[sn - 1 - k];
+    const char *hit = memmem(rt, *len, rm, sn);
+    const char *at = hit ? text + (*len - (size_t)(hit - rt) - sn) : NULL;
+    free(rt);
+    free(rm);
     if (!at)
         return srv_fail(e, 400, "continue_final_message", "continue_final_message is set but the final message does "
                         "not appear in the chat after applying the chat template");

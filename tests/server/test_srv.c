@@ -703,6 +703,16 @@ static void test_prompt_shaping(void **state) {
     snprintf(body, sizeof body, "%s, \"continue_final_message\": true}", turns); /* add_generation_prompt unset */
     assert_int_equal(parse(SRV_CHAT, body, &b, &e), 0);
     srv_request_free(&b);
+    /* the text also earlier in the chat: the cut comes after its last occurrence (the final message) */
+    const char *twice = "{\"messages\": [{\"role\": \"user\", \"content\": \"The answer is\"}, {\"role\": \"assistant\", "
+                        "\"content\": \"The answer is\"}], \"continue_final_message\": true}";
+    assert_int_equal(parse(SRV_CHAT, twice, &b, &e), 0);
+    assert_int_equal(fp4moe_tokenizer_decode(g_tok, b.ids, b.n_ids, 0, &text, &tl), FP4MOE_OK);
+    const char *first = strstr(text, "The answer is");
+    if (!first || !strstr(first + 1, "The answer is") || memcmp(text + tl - 13, "The answer is", 13))
+        fail_msg("cut after the last occurrence: [%s]", text);
+    free(text);
+    srv_request_free(&b);
     static const struct {
         const char *tail, *param;
     } bad[] = {
