@@ -706,3 +706,9 @@ double cli_measure_read_gbs(size_t bytes) {
     free(a);
     return best;
 }
+
+void cli_warn_ctx(const char *cmd, int64_t ctx, int64_t max_position) {
+    if (ctx > 0 && max_position > 0 && ctx > max_position)
+        fprintf(stderr, "%s: warning: --ctx %lld is above the model's max_position_embeddings %lld (it was not "
+                "trained that long)\n", cmd, (long long)ctx, (long long)max_position);
+}

@@ -107,6 +107,9 @@ double cli_now(void);
 
 /* "12.3 MiB" style (binary units) into buf. Returns buf. */
 const char *cli_format_bytes(int64_t bytes, char buf[32]);
+/* The warning of generate, chat and perplexity on stderr when --ctx (ctx > 0) exceeds the model's
+ * max_position_embeddings (max_position > 0): it was not trained that long. */
+void cli_warn_ctx(const char *cmd, int64_t ctx, int64_t max_position);
 
 /* A progress line on stderr for long runs: on a terminal it is redrawn in place at most 10 times a
  * second; otherwise one line every 10 s. Nothing is printed during the first second. */

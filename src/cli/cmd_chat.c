@@ -143,9 +143,7 @@ static int chat(const chat_args *a) {
     so.device = dev;
     so.interrupt = cli_install_sigint();
     const int64_t maxpos = fp4moe_model_config(m)->max_position, ctx_len = a->ctx > 0 ? a->ctx : maxpos;
-    if (a->ctx > 0 && maxpos > 0 && a->ctx > maxpos)
-        fprintf(stderr, "%s: warning: --ctx %lld is above the model's max_position_embeddings %lld (it was not "
-                "trained that long)\n", CMD, (long long)a->ctx, (long long)maxpos);
+    cli_warn_ctx(CMD, a->ctx, maxpos);
     if (dev == FP4MOE_DEVICE_CUDA) so.max_chunk = CLI_CUDA_CHUNK;
     if (a->chunk > 0) so.max_chunk = a->chunk;
     st = fp4moe_session_new(m, &so, &s);

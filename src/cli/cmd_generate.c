@@ -549,9 +549,7 @@ static int generate(const gen_args *a) {
     }
     free(text);
     const int64_t ctx = a->ctx > 0 ? a->ctx : fp4moe_model_config(g.m)->max_position;
-    if (a->ctx > 0 && fp4moe_model_config(g.m)->max_position > 0 && a->ctx > fp4moe_model_config(g.m)->max_position)
-        fprintf(stderr, "%s: warning: --ctx %lld is above the model's max_position_embeddings %lld (it was not "
-                "trained that long)\n", CMD, (long long)a->ctx, (long long)fp4moe_model_config(g.m)->max_position);
+    cli_warn_ctx(CMD, a->ctx, fp4moe_model_config(g.m)->max_position);
     if (ctx > 0 && g.T == ctx) { /* prompt + generated tokens <= ctx, as the server's limit (vLLM's max_model_len) */
         cli_error(CMD, FP4MOE_EXIT_FAIL, "the prompt has %lld tokens, all of the context limit of %lld tokens (--ctx): "
                   "no room for a generated token", (long long)g.T, (long long)ctx);

@@ -210,10 +210,7 @@ static int perplexity(const ppl_args *a) {
         ppl_free(&p);
         return rc;
     }
-    const int64_t maxpos = fp4moe_model_config(p.m)->max_position;
-    if (maxpos > 0 && a->ctx > maxpos) /* as generate and chat warn */
-        fprintf(stderr, "%s: warning: --ctx %lld is above the model's max_position_embeddings %lld (it was not "
-                "trained that long)\n", CMD, (long long)a->ctx, (long long)maxpos);
+    cli_warn_ctx(CMD, a->ctx, fp4moe_model_config(p.m)->max_position);
     const volatile sig_atomic_t *stop = cli_install_sigint();
     fp4moe_session_options so;
     fp4moe_session_options_default(&so);
