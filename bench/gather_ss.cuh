@@ -150,8 +150,8 @@ __device__ __forceinline__ void ss_item(const gq_args &a, int e, int64_t row0, i
 #pragma unroll
         for (int j = 0; j < 2; j++) { /* word 2r + j: k16 steps 4r + 2j, 4r + 2j + 1 */
             uint32_t pa[4], pb[4];
-            bt_dec4<__nv_bfloat16>::pairs(j ? c0.y : c0.x, pa);
-            bt_dec4<__nv_bfloat16>::pairs(j ? c1.y : c1.x, pb);
+            bt_dec4<__nv_bfloat16>::pairs_tl(j ? c0.y : c0.x, pa);
+            bt_dec4<__nv_bfloat16>::pairs_tl(j ? c1.y : c1.x, pb);
             const int ks = 4 * r + 2 * j;
             ss_stmatrix4(abase + ks * 2048, cu_mul_bf16x2(pa[0], s0), cu_mul_bf16x2(pb[0], s1), cu_mul_bf16x2(pa[1], s0),
                          cu_mul_bf16x2(pb[1], s1));

@@ -113,10 +113,10 @@ __device__ __forceinline__ void xp_step(float (&aa)[XP_MT / 8][4], float (&ab)[X
 #pragma unroll
     for (int q = 0; q < 4; q++) {
         uint32_t pa[4], pb[4], qa[4], qb[4];
-        bt_dec4<__nv_bfloat16>::pairs(a0[q], pa);
-        bt_dec4<__nv_bfloat16>::pairs(a1[q], pb);
-        bt_dec4<__nv_bfloat16>::pairs(b0[q], qa);
-        bt_dec4<__nv_bfloat16>::pairs(b1[q], qb);
+        bt_dec4<__nv_bfloat16>::pairs_tl(a0[q], pa);
+        bt_dec4<__nv_bfloat16>::pairs_tl(a1[q], pb);
+        bt_dec4<__nv_bfloat16>::pairs_tl(b0[q], qa);
+        bt_dec4<__nv_bfloat16>::pairs_tl(b1[q], qb);
         const uint32_t s0 = sa[q >> 1], s1 = sb[q >> 1], u0 = ta[q >> 1], u1 = tb[q >> 1];
         const uint32_t ra0 = ops::mul2(pa[0], s0), ra1 = ops::mul2(pa[1], s0), ra2 = ops::mul2(pa[2], s0),
                        ra3 = ops::mul2(pa[3], s0);

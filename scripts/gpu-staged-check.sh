@@ -63,6 +63,8 @@ f_kg test_gather_qmm_gpu src/kernels/cuda/gather_batched.cu KG
 f_planes test_ops_gpu src/kernels/cuda/ops_moe.cu PLANES test_moe_route
 f_wgd test_gather_qmm_gpu src/kernels/cuda/gather_batched.cu WG_DESC
 f_tstr test_ops_gpu src/kernels/cuda/gather_batched.cu TSTREAM test_tiled_layout
+f_tcb test_ops_gpu src/kernels/cuda/gather_batched.cu TILED_CODES test_tiled_layout
+f_tcq test_ops_gpu src/kernels/cuda/gather_qmv.cu TILED_CODES test_tiled_layout
 "
 if [ "${1:-}" = "--package" ]; then
     BINP=${2:?usage: --package BIN}

@@ -18,7 +18,9 @@
  *    shared-memory ring, 3 steps ahead (fast path, K % 64 == 0; otherwise 8-byte register loads one
  *    step ahead);
  *  - codes become f16x2/bf16x2 pairs by bit operations (gather_cuda.cuh), pair i of a 32-bit word
- *    holding codes (i, i+4), times the block scale (one packed multiply per pair, exact);
+ *    holding codes (i, i+4), times the block scale (one packed multiply per pair, exact); words of the
+ *    tiled layout are stored with their bits arranged so that the bf16 pairs take 8 instructions a word
+ *    instead of 13 (src/kernels/tiled_codes.h, bt_dec4::pairs_tl; the same pairs, bit for bit);
  *  - the mma's k16 slots of thread t therefore hold K indices 32t + {8q + i, 8q + i + 4}; the x tile
  *    in shared memory is stored with the same permutation (four byte-permutes per 16-byte piece
  *    when it is written) so that one 16-byte shared load gives the B fragments of two k16 steps;
@@ -85,7 +87,9 @@ template <> struct bt_ops<__nv_bfloat16> {
 /* v4 (round 4, docs/GPU-NOTES.md): the A pairs of a code word and the scale pair with fewer
  * instructions. pairs(): word w -> the four A operand pairs p[0..3]; k16 step 2q of word q uses
  * (p0, p1), step 2q+1 uses (p2, p3), and the x tile holds the same K pairs (xstage::store).
- *  - bf16: pairs (i, i+4) as in v3, by one integer multiply per pair (cu_e2m1x2_bf16_mul);
+ *  - bf16: pairs (i, i+4) as in v3, by one integer multiply per pair (cu_e2m1x2_bf16_mul); a word of the
+ *    tiled layout by pairs_tl (tc_pairs: 8 instructions a word; session 32 on the H200: the w32 gather
+ *    0.360 -> 0.341 ms at 512 tokens, prefill 512 +3.7%, decode +5.2%, docs/PERFORMANCE.md);
  *  - f16: pairs (0,2), (4,6), (1,3), (5,7) from the high bytes of the codes and a byte permute.
  * scales(): the two E4M3 scale bytes of a thread's row (low byte: block 2t) -> one packed pair
  * (low: block 2t) times the power of two of bt_ops (one paired fp8 convert for both). */
@@ -98,6 +102,8 @@ template <> struct bt_dec4<__half> {
         p[2] = cu_hb_pair_f16<0>(hi); /* codes 1, 3 */
         p[3] = cu_hb_pair_f16<1>(hi); /* codes 5, 7 */
     }
+    /* a word of the tiled layout (tc_arrange): its checkpoint word's pairs */
+    __device__ static void pairs_tl(uint32_t a, uint32_t (&p)[4]) { pairs(tc_unarrange(a), p); }
     __device__ static __half2 scales(uint32_t b16) {
         const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(b16 & 0xffffu), __NV_E4M3);
         return __hmul2(__half2(h), __float2half2_rn(128.0f)); /* s * 2^7 <= 57344: exact */
@@ -113,6 +119,14 @@ template <> struct bt_dec4<__nv_bfloat16> {
         p[2] = cu_e2m1x2_bf16_mul<2>(w, w8); /* codes 2, 6 */
         p[3] = cu_e2m1x2_bf16_mul<3>(w, w8); /* codes 3, 7 */
     }
+    /* a word of the tiled layout (tc_arrange): the same four pairs from 8 instructions */
+    __device__ static void pairs_tl(uint32_t a, uint32_t (&p)[4]) {
+#ifdef FP4MOE_INJECT_FAULT_TILED_CODES /* deliberate fault (tests must catch it): the checkpoint decode */
+        pairs(a, p);
+#else
+        tc_pairs(a, p);
+#endif
+    }
     __device__ static __nv_bfloat162 scales(uint32_t b16) {
         const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(b16 & 0xffffu), __NV_E4M3);
         const float2 f = __half22float2(__half2(h));
@@ -127,6 +141,12 @@ template <> struct bt_dec4<__nv_bfloat16> {
         return *reinterpret_cast<const uint32_t *>(&r);
     }
 };
+
+/* The four A pairs of a code word: of the tiled layout's arrangement (TL) or of the checkpoint's */
+template <typename T, bool TL> __device__ __forceinline__ void bt_pairs(uint32_t w, uint32_t (&p)[4]) {
+    if constexpr (TL) bt_dec4<T>::pairs_tl(w, p);
+    else bt_dec4<T>::pairs(w, p);
+}
 
 /* The packed scale pairs of a step (bt_step's sa / sb) from the two scale bytes of rows g (sw0) and
  * g + 8 (sw1), low byte: block 2t. */
@@ -380,7 +400,7 @@ struct bt_tstream {
 
 /* One 128-K step of one warp: 16 features x (8 * NTV) token rows. w0/w1: code words of rows g and
  * g+8 (blocks 2t, 2t+1); sa/sb: their packed scales; xb: this thread's x fragment base. */
-template <typename T, int NTV, int MT, int V>
+template <typename T, int NTV, int MT, int V, bool TL>
 __device__ __forceinline__ void bt_step(float (&acc)[MT / 8][4], const uint32_t (&w0)[4], const uint32_t (&w1)[4],
                                         const uint32_t (&sa)[2], const uint32_t (&sb)[2], const uint8_t *xb) {
     typedef bt_ops<T> ops;
@@ -390,13 +410,14 @@ __device__ __forceinline__ void bt_step(float (&acc)[MT / 8][4], const uint32_t 
         /* A operand pairs: row g (ra) and row g+8 (rb); v3: codes (i, i+4) of word q; v4: bt_dec4 */
         uint32_t pa[4], pb[4];
         if constexpr (V == 4) {
-            bt_dec4<T>::pairs(w0[q], pa);
-            bt_dec4<T>::pairs(w1[q], pb);
+            bt_pairs<T, TL>(w0[q], pa);
+            bt_pairs<T, TL>(w1[q], pb);
         } else {
-            pa[0] = ops::template code2<0>(w0[q]); pa[1] = ops::template code2<1>(w0[q]);
-            pa[2] = ops::template code2<2>(w0[q]); pa[3] = ops::template code2<3>(w0[q]);
-            pb[0] = ops::template code2<0>(w1[q]); pb[1] = ops::template code2<1>(w1[q]);
-            pb[2] = ops::template code2<2>(w1[q]); pb[3] = ops::template code2<3>(w1[q]);
+            const uint32_t u0 = TL ? tc_unarrange(w0[q]) : w0[q], u1 = TL ? tc_unarrange(w1[q]) : w1[q];
+            pa[0] = ops::template code2<0>(u0); pa[1] = ops::template code2<1>(u0);
+            pa[2] = ops::template code2<2>(u0); pa[3] = ops::template code2<3>(u0);
+            pb[0] = ops::template code2<0>(u1); pb[1] = ops::template code2<1>(u1);
+            pb[2] = ops::template code2<2>(u1); pb[3] = ops::template code2<3>(u1);
         }
         const uint32_t ra0 = ops::mul2(pa[0], s0), ra1 = ops::mul2(pa[1], s0);
         const uint32_t ra2 = ops::mul2(pa[2], s0), ra3 = ops::mul2(pa[3], s0);
@@ -411,27 +432,27 @@ __device__ __forceinline__ void bt_step(float (&acc)[MT / 8][4], const uint32_t 
     }
 }
 
-template <typename T, int MT, int V>
+template <typename T, int MT, int V, bool TL>
 __device__ __forceinline__ void bt_step_ntv(int ntv, float (&acc)[MT / 8][4], const uint32_t (&w0)[4],
                                             const uint32_t (&w1)[4], const uint32_t (&sa)[2],
                                             const uint32_t (&sb)[2], const uint8_t *xb) {
     /* only the n8 tiles the run has: a specialised step per count (no predicated-off mma) */
     if constexpr (MT == 8) { /* one n8 tile */
         (void)ntv;
-        bt_step<T, 1, MT, V>(acc, w0, w1, sa, sb, xb);
+        bt_step<T, 1, MT, V, TL>(acc, w0, w1, sa, sb, xb);
     } else {
         switch (ntv) {
-        case 1: bt_step<T, 1, MT, V>(acc, w0, w1, sa, sb, xb); break;
-        case 2: bt_step<T, 2, MT, V>(acc, w0, w1, sa, sb, xb); break;
-        case 3: bt_step<T, 3, MT, V>(acc, w0, w1, sa, sb, xb); break;
-        case 4: bt_step<T, 4, MT, V>(acc, w0, w1, sa, sb, xb); break;
+        case 1: bt_step<T, 1, MT, V, TL>(acc, w0, w1, sa, sb, xb); break;
+        case 2: bt_step<T, 2, MT, V, TL>(acc, w0, w1, sa, sb, xb); break;
+        case 3: bt_step<T, 3, MT, V, TL>(acc, w0, w1, sa, sb, xb); break;
+        case 4: bt_step<T, 4, MT, V, TL>(acc, w0, w1, sa, sb, xb); break;
         default:
             if constexpr (MT > 32) {
                 switch (ntv) {
-                case 5: bt_step<T, 5, MT, V>(acc, w0, w1, sa, sb, xb); break;
-                case 6: bt_step<T, 6, MT, V>(acc, w0, w1, sa, sb, xb); break;
-                case 7: bt_step<T, 7, MT, V>(acc, w0, w1, sa, sb, xb); break;
-                default: bt_step<T, 8, MT, V>(acc, w0, w1, sa, sb, xb); break;
+                case 5: bt_step<T, 5, MT, V, TL>(acc, w0, w1, sa, sb, xb); break;
+                case 6: bt_step<T, 6, MT, V, TL>(acc, w0, w1, sa, sb, xb); break;
+                case 7: bt_step<T, 7, MT, V, TL>(acc, w0, w1, sa, sb, xb); break;
+                default: bt_step<T, 8, MT, V, TL>(acc, w0, w1, sa, sb, xb); break;
                 }
             }
         }
@@ -643,7 +664,7 @@ gq_batched_kernel(gq_args a, const int *__restrict__ starts, const int *__restri
                 if (s + 1 < nsteps) cur = bt_load_w(crow0, crow1, srow0, srow1, (s + 1) * 8 + 2 * t, KB);
             }
             if (s + 1 < nsteps) xr.load((s + 1) * BT_KSTEP, K);
-            bt_step_ntv<T, MT, V>(ntv, acc, w0, w1, sa, sb, ((s & 1) ? xs1 : xs0) + xoff);
+            bt_step_ntv<T, MT, V, TL>(ntv, acc, w0, w1, sa, sb, ((s & 1) ? xs1 : xs0) + xoff);
             if (s + 1 < nsteps) xr.store((s & 1) ? xs0 : xs1);
             __syncthreads();
         }
@@ -705,10 +726,10 @@ __device__ __forceinline__ void bw_step(float (&aa)[BW_MT / 8][4], float (&ab)[B
 #pragma unroll
     for (int q = 0; q < 4; q++) {
         uint32_t pa[4], pb[4], qa[4], qb[4];
-        bt_dec4<__nv_bfloat16>::pairs(a0[q], pa);
-        bt_dec4<__nv_bfloat16>::pairs(a1[q], pb);
-        bt_dec4<__nv_bfloat16>::pairs(b0[q], qa);
-        bt_dec4<__nv_bfloat16>::pairs(b1[q], qb);
+        bt_dec4<__nv_bfloat16>::pairs_tl(a0[q], pa); /* the w32 kernel reads the tiled layout only */
+        bt_dec4<__nv_bfloat16>::pairs_tl(a1[q], pb);
+        bt_dec4<__nv_bfloat16>::pairs_tl(b0[q], qa);
+        bt_dec4<__nv_bfloat16>::pairs_tl(b1[q], qb);
 #ifdef FP4MOE_INJECT_FAULT_W32 /* deliberate fault (tests must catch it): tile B's rows g+8 with row g's scales */
         const uint32_t s0 = sa[q >> 1], s1 = sb[q >> 1], u0 = ta[q >> 1], u1 = ta[q >> 1];
         (void)tb;
@@ -907,7 +928,7 @@ __global__ void __launch_bounds__(KG_GROUPS * KG_GT, 1) gq_dense_kg_kernel(gq_ar
             ws.issue(ring + (nxt % BT_STAGES) * KG_GT, grp + KG_GROUPS * nxt, nsteps);
             bt_cp_commit();
             if (j + 1 < nj) xr.load((s + KG_GROUPS) * BT_KSTEP, K);
-            bt_step_ntv<__nv_bfloat16, KG_MT, 4>(ntv, acc, w0, w1, sa, sb, ((j & 1) ? xs1 : xs0) + xoff);
+            bt_step_ntv<__nv_bfloat16, KG_MT, 4, TL>(ntv, acc, w0, w1, sa, sb, ((j & 1) ? xs1 : xs0) + xoff);
             if (j + 1 < nj) xr.store((j & 1) ? xs0 : xs1);
             kg_bar(1 + grp);
         }
@@ -1098,14 +1119,14 @@ __device__ __forceinline__ uint64_t gw_desc(uint32_t dlo, uint32_t off) {
 }
 
 /* One 128-K step of a warpgroup: the decode of bt_step (V = 4, bf16) and 8 wgmma, one commit group. */
-template <int N, int KS>
+template <int N, int KS, bool TL>
 __device__ __forceinline__ void gw_step(float (&d)[N / 2], const uint32_t (&w0)[4], const uint32_t (&w1)[4],
                                         const uint32_t (&sa)[2], const uint32_t (&sb)[2], uint32_t dlo) {
 #pragma unroll
     for (int q = 0; q < 4; q++) {
         uint32_t pa[4], pb[4];
-        bt_dec4<__nv_bfloat16>::pairs(w0[q], pa);
-        bt_dec4<__nv_bfloat16>::pairs(w1[q], pb);
+        bt_pairs<__nv_bfloat16, TL>(w0[q], pa);
+        bt_pairs<__nv_bfloat16, TL>(w1[q], pb);
         const uint32_t s0 = sa[q >> 1], s1 = sb[q >> 1];
         const uint32_t ra0 = cu_mul_bf16x2(pa[0], s0), ra1 = cu_mul_bf16x2(pa[1], s0);
         const uint32_t ra2 = cu_mul_bf16x2(pa[2], s0), ra3 = cu_mul_bf16x2(pa[3], s0);
@@ -1196,7 +1217,7 @@ __device__ __forceinline__ void gw_item(const gq_args &a, int e, int64_t row0, i
         bt_scales4<__nv_bfloat16>(sw0, sw1, sa, sb);
         const int nxt = s + BT_STAGES - 1;
         if (active) {
-            gw_step<N, cfg::KS>(acc, w0, w1, sa, sb, (s & 1) ? xd1 : xd0);
+            gw_step<N, cfg::KS, TL>(acc, w0, w1, sa, sb, (s & 1) ? xd1 : xd0);
             wg_wait<0>(); /* this step's products are done: the other x buffer may be written */
         }
         if (s + 1 < nsteps) {

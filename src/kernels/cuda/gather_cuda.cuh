@@ -23,6 +23,7 @@
 #include "common/error.h"
 #include "fp4moe/gather_qmm.h"
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/tiled_codes.h"
 #include "kernels/cuda/ops_cuda.h"
 
 /* One gather_qmm call, device pointers; sizes already validated to fit in int. */
@@ -60,7 +61,9 @@ __device__ __forceinline__ int64_t gq_x_row(const uint32_t *xrow, int xdiv, int6
  * zeros past N and past K. Lane (g, t) of a warp reads exactly its own 16 + 16 + 4 bytes: the
  * qmv (tensor cores) and expert-batched kernels give every lane the rows g, g + 8 and chunk
  * 4 step + t. Measured on the H200 (bench/gpu_qmv_tiled, 2026-12-02): the decode qmv 0.89-0.92x the
- * time of the checkpoint layout's, bitwise equal. K % 32 == 0. */
+ * time of the checkpoint layout's, bitwise equal. Each 4-byte code word is stored with its bits arranged
+ * (src/kernels/tiled_codes.h: tc_arrange) so that the bf16 kernels decode its four code pairs with 8
+ * instructions instead of 13 (tc_pairs; the same bits as the checkpoint word's decode). K % 32 == 0. */
 #define GQ_TILE_PIECE 1152
 __host__ __device__ __forceinline__ int64_t gq_tiled_nsteps(int64_t K) { return (K / 32 + 3) / 4; }
 __host__ __device__ __forceinline__ int64_t gq_tiled_expert_bytes(int64_t N, int64_t K) {

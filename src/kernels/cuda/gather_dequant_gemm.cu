@@ -43,6 +43,8 @@ __global__ void gq_dequant_kernel(const uint8_t *__restrict__ codes, const uint8
         const int lane = (r16 & 7) * 4 + (ch & 3), hb = r16 >> 3; /* hb: row r + 8 of the tile */
         const uint8_t *p = gq_tiled_piece(codes, cu_weight_expert(e, E), n >> 4, ch >> 2, N, K);
         c = cu_ld_stream8(p + hb * 512 + lane * 16 + (kb & 1) * 8);
+        c.x = tc_unarrange(c.x); /* the checkpoint words (src/kernels/tiled_codes.h) */
+        c.y = tc_unarrange(c.y);
         s = cu_e4m3_to_float(__ldg(p + 1024 + lane * 4 + hb * 2 + (kb & 1)));
     } else {
         const int64_t src = cu_weight_expert(e, E) * nblocks + i; /* block index within all experts */

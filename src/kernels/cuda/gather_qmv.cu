@@ -261,6 +261,7 @@ __device__ __forceinline__ uint32_t qmma_scale_bytes(const uint8_t *sa, const ui
 
 /* One K step of a lane: code words wa (row a) and wb (row b), their scale bytes sraw, the 32
  * activations at xp (NULL: zeros), into the m16n8 accumulator tile. */
+template <bool TL>
 __device__ __forceinline__ void qmma_step(float (&acc)[4], const uint4 wa, const uint4 wb, uint32_t sraw,
                                           const __nv_bfloat16 *xp) {
     uint4 xv[4] = {};
@@ -274,16 +275,30 @@ __device__ __forceinline__ void qmma_step(float (&acc)[4], const uint4 wa, const
     const uint32_t wB[4] = {wb.x, wb.y, wb.z, wb.w};
 #pragma unroll
     for (int j = 0; j < 4; j++) { /* code word j: codes 32c + 8j .. +7, block 2c + j/2 */
-        const uint32_t a8 = wA[j] >> 8, b8 = wB[j] >> 8;
         const uint32_t sA = sc[j >> 1], sB = sc[2 + (j >> 1)];
-        const uint32_t pa0 = cu_mul_bf16x2(cu_e2m1x2_bf16_mul<0>(wA[j], a8), sA);
-        const uint32_t pa1 = cu_mul_bf16x2(cu_e2m1x2_bf16_mul<1>(wA[j], a8), sA);
-        const uint32_t pa2 = cu_mul_bf16x2(cu_e2m1x2_bf16_mul<2>(wA[j], a8), sA);
-        const uint32_t pa3 = cu_mul_bf16x2(cu_e2m1x2_bf16_mul<3>(wA[j], a8), sA);
-        const uint32_t pb0 = cu_mul_bf16x2(cu_e2m1x2_bf16_mul<0>(wB[j], b8), sB);
-        const uint32_t pb1 = cu_mul_bf16x2(cu_e2m1x2_bf16_mul<1>(wB[j], b8), sB);
-        const uint32_t pb2 = cu_mul_bf16x2(cu_e2m1x2_bf16_mul<2>(wB[j], b8), sB);
-        const uint32_t pb3 = cu_mul_bf16x2(cu_e2m1x2_bf16_mul<3>(wB[j], b8), sB);
+        uint32_t ca[4], cb[4]; /* code pairs (i, i+4): tiled words by tc_pairs (src/kernels/tiled_codes.h) */
+        if constexpr (TL) {
+#ifdef FP4MOE_INJECT_FAULT_TILED_CODES /* deliberate fault (tests must catch it): the checkpoint decode */
+            const uint32_t a8 = wA[j] >> 8, b8 = wB[j] >> 8;
+            ca[0] = cu_e2m1x2_bf16_mul<0>(wA[j], a8); ca[1] = cu_e2m1x2_bf16_mul<1>(wA[j], a8);
+            ca[2] = cu_e2m1x2_bf16_mul<2>(wA[j], a8); ca[3] = cu_e2m1x2_bf16_mul<3>(wA[j], a8);
+            cb[0] = cu_e2m1x2_bf16_mul<0>(wB[j], b8); cb[1] = cu_e2m1x2_bf16_mul<1>(wB[j], b8);
+            cb[2] = cu_e2m1x2_bf16_mul<2>(wB[j], b8); cb[3] = cu_e2m1x2_bf16_mul<3>(wB[j], b8);
+#else
+            tc_pairs(wA[j], ca);
+            tc_pairs(wB[j], cb);
+#endif
+        } else {
+            const uint32_t a8 = wA[j] >> 8, b8 = wB[j] >> 8;
+            ca[0] = cu_e2m1x2_bf16_mul<0>(wA[j], a8); ca[1] = cu_e2m1x2_bf16_mul<1>(wA[j], a8);
+            ca[2] = cu_e2m1x2_bf16_mul<2>(wA[j], a8); ca[3] = cu_e2m1x2_bf16_mul<3>(wA[j], a8);
+            cb[0] = cu_e2m1x2_bf16_mul<0>(wB[j], b8); cb[1] = cu_e2m1x2_bf16_mul<1>(wB[j], b8);
+            cb[2] = cu_e2m1x2_bf16_mul<2>(wB[j], b8); cb[3] = cu_e2m1x2_bf16_mul<3>(wB[j], b8);
+        }
+        const uint32_t pa0 = cu_mul_bf16x2(ca[0], sA), pa1 = cu_mul_bf16x2(ca[1], sA);
+        const uint32_t pa2 = cu_mul_bf16x2(ca[2], sA), pa3 = cu_mul_bf16x2(ca[3], sA);
+        const uint32_t pb0 = cu_mul_bf16x2(cb[0], sB), pb1 = cu_mul_bf16x2(cb[1], sB);
+        const uint32_t pb2 = cu_mul_bf16x2(cb[2], sB), pb3 = cu_mul_bf16x2(cb[3], sB);
         /* x[8j .. 8j+7] of the lane's 32 as 4 bf16 pairs; B pairs (i, i+4) */
         const uint32_t X[4] = {xv[j].x, xv[j].y, xv[j].z, xv[j].w};
         cu_mma_bf16(acc, pa0, pb0, pa1, pb1, __byte_perm(X[0], X[2], 0x5410), __byte_perm(X[0], X[2], 0x7632));
@@ -412,7 +427,7 @@ gq_qmv_mma_kernel(gq_args a, int slots, int pf) {
                 for (int j = 0; j < QMMA_WPRE; j++, stp += QMMA_WARPS)
                     if (stp < nsteps) {
                         const int c = stp * 4 + q;
-                        qmma_step(acc, wp.wa[j], wp.wb[j], wp.sr[j], c < nchunk && hasx ? xr + (int64_t)c * 32 : nullptr);
+                        qmma_step<true>(acc, wp.wa[j], wp.wb[j], wp.sr[j], c < nchunk && hasx ? xr + (int64_t)c * 32 : nullptr);
                     }
             }
 #else
@@ -423,7 +438,7 @@ gq_qmv_mma_kernel(gq_args a, int slots, int pf) {
                 const uint4 wa = cu_ld_stream16(sp + lane * 16), wb = cu_ld_stream16(sp + 512 + lane * 16);
                 const uint32_t sr = __ldg(reinterpret_cast<const uint32_t *>(sp + 1024) + lane);
                 const int c = stp * 4 + q;
-                qmma_step(acc, wa, wb, sr, c < nchunk && hasx ? xr + (int64_t)c * 32 : nullptr);
+                qmma_step<true>(acc, wa, wb, sr, c < nchunk && hasx ? xr + (int64_t)c * 32 : nullptr);
             }
         } else if (!TL && e < (uint32_t)a.E) {
             const int64_t wrow = cu_weight_expert(e, a.E) * a.N;
@@ -452,7 +467,7 @@ gq_qmv_mma_kernel(gq_args a, int slots, int pf) {
                     const int stp = st0 + p * QMMA_WARPS;
                     if (stp >= nsteps) break; /* warp-uniform */
                     const int c = stp * 4 + q;
-                    qmma_step(acc, wa[p], wb[p], sr[p], c < nchunk && hasx ? xr + (int64_t)c * 32 : nullptr);
+                    qmma_step<false>(acc, wa[p], wb[p], sr[p], c < nchunk && hasx ? xr + (int64_t)c * 32 : nullptr);
                 }
             }
         }
@@ -590,6 +605,8 @@ __global__ void gq_relayout_kernel(const uint8_t *__restrict__ codes, const uint
         sr = sr >> 16 | sr << 16;
 #endif
         uint8_t *p = out + piece * GQ_TILE_PIECE;
+        wa = make_uint4(tc_arrange(wa.x), tc_arrange(wa.y), tc_arrange(wa.z), tc_arrange(wa.w)); /* tiled_codes.h */
+        wb = make_uint4(tc_arrange(wb.x), tc_arrange(wb.y), tc_arrange(wb.z), tc_arrange(wb.w));
         *reinterpret_cast<uint4 *>(p + lane * 16) = wa;
         *reinterpret_cast<uint4 *>(p + 512 + lane * 16) = wb;
         *reinterpret_cast<uint32_t *>(p + 1024 + lane * 4) = sr;
