@@ -207,6 +207,9 @@ int fp4moe_st_writer_write(const fp4moe_st_writer *w, const char *path);
  * (each up to max_shard_bytes, a larger tensor alone in its shard) plus
  * "model.safetensors.index.json" ({"metadata": {"total_size": T}, "weight_map": {...}}), like
  * transformers' save_pretrained. Every file goes through temp + rename; the index is written last.
+ * Then the weight files of an earlier split in dir are removed (model.safetensors beside new shards,
+ * model-*-of-*.safetensors of another count or beside a new single file, a stale index), so that
+ * loaders globbing "model*.safetensors" see only the new set.
  * The writer's metadata go into every shard. Errors: as fp4moe_st_writer_write. */
 int fp4moe_st_writer_write_model(const fp4moe_st_writer *w, const char *dir, int64_t max_shard_bytes);
 

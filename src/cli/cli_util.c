@@ -519,14 +519,26 @@ int cli_output_overwrites_input(const fp4moe_st_model *m, const char *input, con
     return FP4MOE_OK;
 }
 
-int cli_write_file(fp4moe_st_writer *w, const char *input, const char *output) {
+int cli_write_file(const char *cmd, fp4moe_st_writer *w, const char *input, const char *output) {
     char *path = NULL;
     if (cli_is_dir(output)) {
         const char *base = strrchr(input, '/');
         path = cli_join(output, base ? base + 1 : input);
         if (!path) return FP4MOE_ENOMEM;
     }
-    const int st = fp4moe_st_writer_write(w, path ? path : output);
+    const char *target = path ? path : output;
+    int st = FP4MOE_OK;
+    const char *slash = strrchr(target, '/');
+    if (slash && slash != target) { /* missing parent directories are created, as for a directory output */
+        char *parent = strndup(target, (size_t)(slash - target));
+        if (!parent) st = FP4MOE_ENOMEM;
+        else if (!cli_is_dir(parent)) st = cli_mkdirs(parent);
+        free(parent);
+    }
+    struct stat sb;
+    if (!st && stat(target, &sb) == 0 && S_ISREG(sb.st_mode))
+        fprintf(stderr, "%s: replacing the existing file %s\n", cmd, target);
+    if (!st) st = fp4moe_st_writer_write(w, target);
     free(path);
     return st;
 }
@@ -705,6 +717,12 @@ double cli_measure_read_gbs(size_t bytes) {
     (void)sink;
     free(a);
     return best;
+}
+
+int cli_bad_logits(const float *lg, int64_t V) {
+    for (int64_t i = 0; i < V; i++)
+        if (!isfinite(lg[i])) return 1;
+    return 0;
 }
 
 void cli_warn_ctx(const char *cmd, int64_t ctx, int64_t max_position) {

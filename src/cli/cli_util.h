@@ -110,6 +110,11 @@ const char *cli_format_bytes(int64_t bytes, char buf[32]);
 /* The warning of generate, chat and perplexity on stderr when --ctx (ctx > 0) exceeds the model's
  * max_position_embeddings (max_position > 0): it was not trained that long. */
 void cli_warn_ctx(const char *cmd, int64_t ctx, int64_t max_position);
+/* 1 when the V logits hold a NaN or an infinity (broken weights: generate, perplexity and bench report
+ * CLI_BAD_LOGITS instead of garbage or a believable number), else 0. */
+int cli_bad_logits(const float *lg, int64_t V);
+#define CLI_BAD_LOGITS "the forward produced NaN or infinite logits: the model's weights hold NaN/Inf values " \
+                       "(check the checkpoint, e.g. with fp4moe inspect)"
 
 /* A progress line on stderr for long runs: on a terminal it is redrawn in place at most 10 times a
  * second; otherwise one line every 10 s. Nothing is printed during the first second. */
@@ -145,7 +150,10 @@ char *cli_join(const char *dir, const char *name);
  * no file (not nvfp4). Errors: the input is not a JSON object (message names the file), I/O. */
 int cli_copy_config(const char *in_dir, const char *out_dir, int nvfp4);
 
-int cli_write_file(fp4moe_st_writer *w, const char *input, const char *output);
+/* Writes w as one .safetensors file: at output, or at output/<input's file name> when output is a directory;
+ * missing parent directories are created; replacing an existing file is said on stderr ("CMD: replacing ...").
+ * Errors: those of cli_mkdirs and fp4moe_st_writer_write. */
+int cli_write_file(const char *cmd, fp4moe_st_writer *w, const char *input, const char *output);
 /* 1 when a and b name the same existing file or directory (same device and inode). */
 int cli_same_file(const char *a, const char *b);
 

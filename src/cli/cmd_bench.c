@@ -644,6 +644,26 @@ static int bench_ep(const bench_args *a, fp4moe_dtype dt, fp4moe_route route, fp
 
 /* ---- the benchmark ---------------------------------------------------------------------------- */
 
+/* The benchmark's forwards hand back only the greedy id (argmax skips NaN), so broken weights would be timed
+ * and hashed as if fine: one untimed forward of the first (up to 64) prompt tokens with the settings of the
+ * run, its logits checked (CLI_BAD_LOGITS). */
+static int check_logits(fp4moe_model *m, const fp4moe_session_options *so, int64_t prompt_tokens) {
+    const int64_t V = fp4moe_model_config(m)->vocab, n = prompt_tokens < 64 ? prompt_tokens : 64;
+    int32_t *ids = malloc((size_t)n * sizeof *ids);
+    float *lg = malloc((size_t)V * sizeof *lg);
+    fp4moe_session *s = NULL;
+    int st = ids && lg ? fp4moe_session_new(m, so, &s) : FP4MOE_ENOMEM;
+    if (!st) {
+        synthetic_prompt(ids, n, V);
+        st = fp4moe_session_forward(s, ids, n, lg, 0);
+    }
+    if (!st && cli_bad_logits(lg, V)) st = fp4moe_set_error(FP4MOE_EFORMAT, CLI_BAD_LOGITS);
+    fp4moe_session_free(s);
+    free(lg);
+    free(ids);
+    return st;
+}
+
 static int bench(bench_args *a) {
     fp4moe_dtype dt;
     fp4moe_route route;
@@ -690,7 +710,15 @@ static int bench(bench_args *a) {
         }
         if (a->chunk <= 0) a->chunk = dev == FP4MOE_DEVICE_CUDA ? CLI_CUDA_CHUNK : 256;
         if (a->chunk < a->batch) a->chunk = a->batch;
-        rc = bench_batch(a, m, dt, route, dev);
+        fp4moe_session_options co;
+        fp4moe_session_options_default(&co);
+        co.act_dtype = dt;
+        co.cpu_act = ca;
+        co.kv_dtype = a->kv;
+        co.route = route;
+        co.device = dev;
+        const int cst = check_logits(m, &co, a->prompt_tokens);
+        rc = cst ? cli_fail(CMD, cst) : bench_batch(a, m, dt, route, dev);
         fp4moe_model_free(m);
         return rc;
     }
@@ -711,7 +739,8 @@ static int bench(bench_args *a) {
     bench_run *runs = calloc((size_t)(a->repeats + a->warmup), sizeof *runs);
     int32_t *ids = malloc((size_t)a->gen_tokens * sizeof *ids);
     if (runs && ids) runs[a->warmup].ids = ids;
-    int st = prompt && runs && ids ? fp4moe_session_new(m, &so, &s) : FP4MOE_ENOMEM;
+    int st = prompt && runs && ids ? check_logits(m, &so, a->prompt_tokens) : FP4MOE_ENOMEM;
+    if (!st) st = fp4moe_session_new(m, &so, &s);
     if (!st) synthetic_prompt(prompt, a->prompt_tokens, V);
     for (int64_t i = 0; !st && i < a->warmup + a->repeats; i++) {
         bench_run *r = &runs[i];

@@ -178,7 +178,7 @@ int cmd_dequantize(int argc, char **argv) {
             (st = cli_copy_model_files(fp4moe_st_model_dir(m), output, skip)))
             goto fail;
     } else {
-        if ((st = cli_write_file(w, input, output))) goto fail;
+        if ((st = cli_write_file(CMD, w, input, output))) goto fail;
     }
     cli_progress_finish(&progress);
     char b[32];

@@ -286,13 +286,6 @@ static int emit(fp4moe_tokenizer_stream *ts, gen_state *g, int32_t id) {
     return FP4MOE_OK;
 }
 
-/* 1 when the logits hold a NaN or an infinity (broken weights: a clear error instead of garbage). */
-static int bad_logits(const float *lg, int64_t V) {
-    for (int64_t i = 0; i < V; i++)
-        if (!isfinite(lg[i])) return 1;
-    return 0;
-}
-
 static void gen_free(gen_state *g) {
     fp4moe_sampler_free(&g->smp);
     fp4moe_session_free(g->s);
@@ -340,9 +333,7 @@ static int run_generation(const gen_args *a, gen_state *g, const volatile sig_at
     for (int64_t i = 0; i < g->T; i++) fp4moe_sampler_accept(&g->smp, g->prompt[i]);
     double t0 = cli_now();
     int st = fp4moe_session_forward(g->s, g->prompt, g->T, g->logits, 0);
-    if (!st && bad_logits(g->logits, c->vocab))
-        st = fp4moe_set_error(FP4MOE_EFORMAT, "the forward produced NaN or infinite logits: the model's weights hold "
-                              "NaN/Inf values (check the checkpoint, e.g. with fp4moe inspect)");
+    if (!st && cli_bad_logits(g->logits, c->vocab)) st = fp4moe_set_error(FP4MOE_EFORMAT, CLI_BAD_LOGITS);
     const double t_prefill = cli_now() - t0;
     int64_t produced = 0;
     double t_decode = 0.0;
@@ -383,7 +374,7 @@ static int run_generation(const gen_args *a, gen_state *g, const volatile sig_at
                 break;
             }
             if ((st = fp4moe_session_forward(g->s, &id, 1, g->logits, 0))) break;
-            if (bad_logits(g->logits, c->vocab)) {
+            if (cli_bad_logits(g->logits, c->vocab)) {
                 st = fp4moe_set_error(FP4MOE_EFORMAT, "the forward produced NaN or infinite logits at token %lld",
                                       (long long)produced);
                 break;

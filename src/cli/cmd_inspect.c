@@ -110,10 +110,22 @@ static void check_floats(report *r, const fp4moe_st_tensor *t) {
     }
 }
 
+static int ends_with(const char *s, const char *suffix) {
+    const size_t a = strlen(s), b = strlen(suffix);
+    return a >= b && !memcmp(s + a - b, suffix, b);
+}
+
 static void list_tensor(report *r, const fp4moe_st_model *m, const fp4moe_st_tensor *t) {
     fp4moe_qtensor q;
     const int qr = fp4moe_qtensor_of(m, t, &q);
     if (qr < 0) problem(r, fp4moe_last_error());
+    if (qr == 0 && t->dtype == FP4MOE_ST_U32 && ends_with(t->name, ".weight")) {
+        /* packed MLX codes without their block scales: no loader can read the module */
+        char msg[600];
+        snprintf(msg, sizeof msg, "'%s' holds packed MLX nvfp4 codes (U32) but its block scales '%.*s.scales' are "
+                 "missing", t->name, (int)(strlen(t->name) - strlen(".weight")), t->name);
+        problem(r, msg);
+    }
     if (qr == 1) {
         r->quantized++;
         check_scales(r, &q);
@@ -149,13 +161,27 @@ static void list_tensor(report *r, const fp4moe_st_model *m, const fp4moe_st_ten
     printf("\n");
 }
 
-/* "quantization" (or "quantization_config") of config.json: a copy (caller: cJSON_Delete), NULL when absent. */
-static cJSON *config_quant(const fp4moe_st_model *m) {
+/* "quantization" (or "quantization_config") of config.json: a copy (caller: cJSON_Delete), NULL when absent.
+ * bad (600 bytes, or NULL): set to a message when config.json exists but is not valid JSON, else left alone. */
+static cJSON *config_quant(const fp4moe_st_model *m, char *bad) {
     if (!fp4moe_st_model_is_dir(m)) return NULL;
     cJSON *out = NULL;
     char *path = cli_join(fp4moe_st_model_dir(m), "config.json"), *text = NULL;
     if (path && cli_read_text(path, 64 << 20, &text) == FP4MOE_OK) {
         cJSON *root = cJSON_Parse(text);
+        if (!root && bad) { /* the loader refuses it: a problem, located */
+            const char *at = cJSON_GetErrorPtr();
+            int line = 1, col = 1;
+            for (const char *c = text; at && c < at && *c; c++) {
+                if (*c == '\n') {
+                    line++;
+                    col = 1;
+                } else {
+                    col++;
+                }
+            }
+            snprintf(bad, 600, "%s: malformed JSON near line %d column %d", path, line, col);
+        }
         const cJSON *q = cJSON_GetObjectItemCaseSensitive(root, "quantization");
         if (!q) q = cJSON_GetObjectItemCaseSensitive(root, "quantization_config");
         if (cJSON_IsObject(q)) out = cJSON_Duplicate(q, 1);
@@ -205,7 +231,8 @@ int cmd_inspect(int argc, char **argv) {
     int64_t total = 0;
     for (int64_t i = 0; i < fp4moe_st_model_count(m); i++) total += fp4moe_st_model_at(m, i)->nbytes;
     char b[32];
-    cJSON *cq = config_quant(m);
+    char bad_config[600] = "";
+    cJSON *cq = config_quant(m, bad_config);
     if (r.json) {
         r.root = cJSON_CreateObject();
         cJSON_AddStringToObject(r.root, "path", path);
@@ -231,6 +258,7 @@ int cmd_inspect(int argc, char **argv) {
         cq = NULL;
         if (!r.summary) printf("tensors:\n");
     }
+    if (bad_config[0]) problem(&r, bad_config);
     for (int64_t i = 0; i < fp4moe_st_model_count(m); i++) list_tensor(&r, m, fp4moe_st_model_at(m, i));
     if (r.json) {
         cJSON_AddNumberToObject(r.root, "quantized_modules", (double)r.quantized);

@@ -255,8 +255,7 @@ static int perplexity(const ppl_args *a) {
     } else if (done == 0) {
         rc = cli_error(CMD, FP4MOE_EXIT_FAIL, "stopped (Ctrl-C) before the first window finished");
     } else if (!isfinite(nll_mean(&all))) {
-        rc = cli_error(CMD, FP4MOE_EXIT_FAIL, "the forward produced NaN or infinite logits: the model's weights hold "
-                       "NaN/Inf values (check the checkpoint, e.g. with fp4moe inspect)");
+        rc = cli_error(CMD, FP4MOE_EXIT_FAIL, "%s", CLI_BAD_LOGITS);
     } else {
         report(a, &p, windows, done, &half, &all, seconds, interrupted);
         rc = interrupted ? FP4MOE_EXIT_INTERRUPTED : FP4MOE_EXIT_OK;

@@ -10,8 +10,8 @@
  * ("*.gate.weight") or lm_head. mlx-lm also quantizes embeddings and lm_head by default; fp4moe
  * keeps them in the source dtype like NVIDIA's ModelOpt NVFP4 checkpoints (lm_head) because they
  * dominate the output's accuracy and the lookup needs no matmul. --include replaces the name rules
- * (e.g. --include . quantizes every eligible tensor, mlx-lm style: add --exclude 'mixer\.gate\.'
- * to keep the router, which mlx-lm does not quantize either); --exclude removes names from the set.
+ * (e.g. --include . quantizes every eligible tensor, mlx-lm style) except that router gates stay in
+ * float always (no loader reads a quantized router; a note says so); --exclude removes names from the set.
  * Both are PCRE2 patterns searched (unanchored) in the OUTPUT tensor name. mtp.* tensors (the
  * multi-token-prediction head, unused by fp4moe, dropped by mlx-lm) are copied unchanged. */
 #include <math.h>
@@ -47,6 +47,7 @@ typedef struct {
     uint8_t *stash;                    /* scales kept by the codes pass, or NULL */
     float clipped;                     /* without a global scale: the largest |w| of a block beyond E4M3 x E2M1
                                           (6 x 448 = 2688), clipped to +-2688 by the format; 0 if none */
+    int64_t nonfinite, nonfinite_first; /* a copied float tensor: its NaN / Inf values, the first's index */
 } item;
 
 typedef struct {
@@ -56,6 +57,7 @@ typedef struct {
     int64_t done;
     int64_t stashed;                   /* bytes held in items' stashes */
     int64_t stash_cap;
+    int64_t gates_kept;                /* router gates --include matched, kept in float */
 } plan;
 
 typedef struct { item *it; int what; plan *p; } fill_ctx; /* what: 0 codes, 1 scales, 2 copy */
@@ -67,7 +69,8 @@ static const char *k_help =
     "\"mode\": \"nvfp4\"} (mirrored as \"quantization_config\") and copies of the other files).\n"
     "Quantized by default: every 2-D/3-D '*.weight' of float dtype whose last dim is a multiple of 16,\n"
     "except embeddings, norms, conv1d, the router gate (*.gate.weight) and lm_head (mlx-lm also\n"
-    "quantizes embeddings and lm_head: use --include . --exclude 'mixer\\.gate\\.' for its set).\n"
+    "quantizes embeddings and lm_head: use --include . for its set). Router gates stay in float even\n"
+    "when --include matches them (fp4moe and mlx-lm read the router dense).\n"
     "Experts 'P.experts.{e}.up_proj/down_proj.weight' are stacked into 'P.switch_mlp.fc1/fc2.weight'\n"
     "and conv1d weights (C, 1, Kc) get MLX's shape (C, Kc, 1), as mlx-lm does.\n"
     "--include/--exclude are PCRE2 patterns searched in the output tensor names; --include replaces\n"
@@ -80,12 +83,16 @@ static int ends_with(const char *s, const char *suffix) {
     return a >= b && !memcmp(s + a - b, suffix, b);
 }
 
+/* The MoE router's weight (nemotron_h: "<layer>.mixer.gate.weight", E x H): never quantized, whatever
+ * --include says - the loaders (fp4moe's, mlx-lm's) read it dense, so a quantized one could not be loaded. */
+static int is_router_gate(const char *name) { return ends_with(name, ".gate.weight"); }
+
 /* The default name rules (see the file comment). */
 static int default_selected(const char *name) {
     static const char *never[] = {"embed", "norm", "conv1d", "lm_head", "router"};
     for (size_t i = 0; i < sizeof never / sizeof never[0]; i++)
         if (strstr(name, never[i])) return 0;
-    return !ends_with(name, ".gate.weight");
+    return !is_router_gate(name);
 }
 
 static int regex_search(pcre2_code *re, const char *s) {
@@ -225,6 +232,12 @@ static int build_plan(const fp4moe_st_model *m, pcre2_code *inc, pcre2_code *exc
         if (!eligible(it)) continue;
         int sel = inc ? regex_search(inc, it->name) : default_selected(it->name);
         if (exc && regex_search(exc, it->name)) sel = 0;
+        if (sel && is_router_gate(it->name)) { /* --include matched it: kept in float, said once */
+            if (!p->gates_kept++)
+                fprintf(stderr, "%s: note: router gates ('*.gate.weight', the first: %s) are kept in float even when "
+                        "--include matches them: neither fp4moe nor mlx-lm loads a quantized router\n", CMD, it->name);
+            continue;
+        }
         if (!sel) continue;
         it->quantize = 1;
         it->K = it->shape[it->ndim - 1];
@@ -264,6 +277,26 @@ static int expert_amax(const item *it, int64_t e, float *out) {
                                 "cannot compute a global scale", it->name, (long long)e);
     *out = m;
     return FP4MOE_OK;
+}
+
+/* NaN / Inf values of a float tensor t (element dtype dt): counted through an aligned copy when t's data are not
+ * aligned; *first: the first one's index (of this tensor) when the count is > 0. */
+static int64_t count_nonfinite_any(const fp4moe_st_tensor *t, fp4moe_dtype dt, int64_t *first) {
+    const size_t es = fp4moe_dtype_size(dt);
+    const int64_t n = t->nbytes / (int64_t)es;
+    if ((uintptr_t)t->data % es == 0) return fp4moe_count_nonfinite(t->data, dt, n, first);
+    enum { CH = 8192 };
+    float buf[CH]; /* CH elements of up to 4 bytes */
+    int64_t total = 0;
+    for (int64_t i = 0; i < n; i += CH) {
+        const int64_t k = n - i < CH ? n - i : CH;
+        memcpy(buf, (const uint8_t *)t->data + (size_t)i * es, (size_t)k * es);
+        int64_t f = -1;
+        const int64_t c = fp4moe_count_nonfinite(buf, dt, k, &f);
+        if (c && !total) *first = i + f;
+        total += c;
+    }
+    return total;
 }
 
 static int fill_copy(void *vctx, fp4moe_st_sink *sink, int64_t nbytes) {
@@ -317,10 +350,12 @@ static int fill_quant(void *vctx, fp4moe_st_sink *sink, int64_t nbytes) {
             if ((st = cli_check_interrupt())) break;
             int64_t bad = -1;
             if (fp4moe_count_nonfinite(p, dt, r * K, &bad)) {
-                st = fp4moe_set_error(FP4MOE_EFORMAT, "tensor '%s' holds a NaN or infinite value at expert %lld, row "
-                                      "%lld, column %lld: refusing to quantize it (NVFP4 has no NaN; the codes "
-                                      "would be silently finite)", it->name, (long long)e,
-                                      (long long)(r0 + bad / K), (long long)(bad % K));
+                char where[48] = "";
+                if (it->E > 1) snprintf(where, sizeof where, "expert %lld, ", (long long)e);
+                st = fp4moe_set_error(FP4MOE_EFORMAT, "tensor '%s' holds a NaN or infinite value at %srow %lld, "
+                                      "column %lld: refusing to quantize it (NVFP4 has no NaN; the codes would be "
+                                      "silently finite)", it->name, where, (long long)(r0 + bad / K),
+                                      (long long)(bad % K));
                 break;
             }
             st = fp4moe_nvfp4_quantize(p, dt, r, K, amax, codes, scales, NULL);
@@ -355,6 +390,16 @@ static int add_outputs(plan *p, fp4moe_st_writer *w, fill_ctx *ctx, int64_t *tot
         item *it = &p->items[i];
         int st;
         if (!it->quantize) {
+            int64_t base = 0;
+            for (int64_t e = 0; e < it->nsrc; e++) { /* a float tensor copied: its NaN / Inf values are warned of */
+                fp4moe_dtype dt;
+                if (fp4moe_st_dtype_to(it->src[e]->dtype, &dt) != FP4MOE_OK) break;
+                int64_t first = -1;
+                const int64_t bad = count_nonfinite_any(it->src[e], dt, &first);
+                if (bad && !it->nonfinite) it->nonfinite_first = base + first;
+                it->nonfinite += bad;
+                base += it->src[e]->nbytes / (int64_t)fp4moe_dtype_size(dt);
+            }
             if (!it->stacked) {
                 st = fp4moe_st_writer_add(w, it->name, it->dtype, it->ndim, it->shape, it->src[0]->data);
                 *total += it->src[0]->nbytes;
@@ -404,7 +449,9 @@ int cmd_quantize(int argc, char **argv) {
         {"--include", NULL, CLI_STRING, &include, "RE", "quantize only eligible tensors whose name matches RE"},
         {"--exclude", NULL, CLI_STRING, &exclude, "RE", "do not quantize tensors whose name matches RE"},
         {"--global-scale", NULL, CLI_FLAG, &with_gs, NULL,
-         "use a per-tensor (per-expert) global scale; stored as '<m>.global_scale' F32 = amax (MLX convention)"},
+         "use a per-tensor (per-expert) global scale; stored as '<m>.global_scale' F32 = amax (MLX convention; "
+         "mlx-lm 0.x reads it on the stacked experts only, so for an output it loads quantize only the experts with it: "
+         "--include 'switch_mlp')"},
         {"--shard-gb", NULL, CLI_DOUBLE, &shard_gb, "GB", "max shard size of a directory output (default 5)"},
     };
     const cli_spec spec = {CMD, "fp4moe quantize --input IN --output OUT [options]", k_help, opts,
@@ -482,7 +529,7 @@ int cmd_quantize(int argc, char **argv) {
             (st = cli_copy_model_files(fp4moe_st_model_dir(m), output, skip)))
             goto fail;
     } else {
-        if ((st = cli_write_file(w, input, output))) goto fail;
+        if ((st = cli_write_file(CMD, w, input, output))) goto fail;
     }
     cli_progress_finish(&p.progress);
     int64_t in_bytes = 0;
@@ -492,6 +539,11 @@ int cmd_quantize(int argc, char **argv) {
             (long long)fp4moe_st_model_count(m), (long long)fp4moe_st_writer_count(w), (long long)nq,
             cli_format_bytes(in_bytes, b1), cli_format_bytes(fp4moe_st_writer_data_size(w), b2),
             cli_now() - t0);
+    for (int64_t i = 0; i < p.n; i++)
+        if (p.items[i].nonfinite)
+            fprintf(stderr, "quantize: warning: tensor '%s' (copied unchanged) holds %lld NaN / Inf values, the first at "
+                    "index %lld: the model's forward will produce NaN (check the source checkpoint)\n", p.items[i].name,
+                    (long long)p.items[i].nonfinite, (long long)p.items[i].nonfinite_first);
     for (int64_t i = 0; i < p.n; i++)
         if (p.items[i].clipped > 0.0f)
             fprintf(stderr, "quantize: warning: tensor '%s' has weights up to |w| = %g, beyond the %g that NVFP4 holds "

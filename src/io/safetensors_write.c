@@ -4,6 +4,7 @@
  * models follow transformers' save_pretrained naming (model-00001-of-00002.safetensors + index). */
 #include "fp4moe/safetensors.h"
 
+#include <dirent.h>
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -347,6 +348,28 @@ static char *join(const char *dir, const char *name) {
     return p;
 }
 
+/* After a model was written into dir as nshards shards (0: one model.safetensors): removes the weight files of an
+ * earlier, other split - model.safetensors, model-XXXXX-of-YYYYY.safetensors not among the new ones - which loaders
+ * that glob "model*.safetensors" (mlx-lm, transformers) would read beside the new ones. Best effort. */
+static void remove_stale_weights(const char *dir, int64_t nshards) {
+    DIR *d = opendir(dir);
+    if (!d) return;
+    struct dirent *de;
+    while ((de = readdir(d))) {
+        const char *n = de->d_name;
+        int a = 0, b = 0, len = 0;
+        int stale = 0;
+        if (!strcmp(n, "model.safetensors")) stale = nshards > 0;
+        else if (sscanf(n, "model-%5d-of-%5d.safetensors%n", &a, &b, &len) == 2 && len == (int)strlen(n))
+            stale = nshards == 0 || b != nshards || a < 1 || a > nshards;
+        if (!stale) continue;
+        char *path = join(dir, n);
+        if (path) unlink(path);
+        free(path);
+    }
+    closedir(d);
+}
+
 int fp4moe_st_writer_write_model(const fp4moe_st_writer *w, const char *dir, int64_t max_shard_bytes) {
     if (!w || !dir) return fp4moe_set_error(FP4MOE_EINVAL, "st_writer_write_model: NULL argument");
     if (max_shard_bytes <= 0 || w->data_size <= max_shard_bytes) {
@@ -358,6 +381,7 @@ int fp4moe_st_writer_write_model(const fp4moe_st_writer *w, const char *dir, int
             char *index = join(dir, "model.safetensors.index.json");
             if (index) unlink(index);
             free(index);
+            remove_stale_weights(dir, 0);
         }
         return st;
     }
@@ -407,6 +431,7 @@ int fp4moe_st_writer_write_model(const fp4moe_st_writer *w, const char *dir, int
     if (!path) { st = fp4moe_set_error(FP4MOE_ENOMEM, "%s: out of memory", dir); goto done; }
     st = write_atomic(w, NULL, 0, index.p, path);
     free(path);
+    if (!st) remove_stale_weights(dir, nshards);
 done:
     free(shard_of);
     free(idx);

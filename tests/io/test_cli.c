@@ -574,7 +574,7 @@ static void test_quantize_refuses_nan(void **state) {
     snprintf(outdir, sizeof outdir, "%s", io_path("nan-out-dir"));
     write_model(in, 0);
     EXPECT_RC(1, "quantize", "-i", in, "-o", out);
-    expect_in(g_err, "in_proj.weight' holds a NaN or infinite value at expert 0, row 3, column 5");
+    expect_in(g_err, "in_proj.weight' holds a NaN or infinite value at row 3, column 5"); /* 2-D: no "expert 0" */
     struct stat sb;
     assert_int_equal(stat(out, &sb), -1);                       /* nothing written */
     char dir_in[512];
@@ -593,6 +593,14 @@ static void test_quantize_refuses_nan(void **state) {
     assert_int_equal(mkdir(outdir, 0755), 0);                   /* an existing output directory: kept */
     EXPECT_RC(0, "quantize", "-i", dir_in, "-o", outdir);
     expect_in(g_err, "existing directory");
+    /* a NaN in a tensor copied unchanged (a norm): written, with a warning naming it (a helper's trial, session 32) */
+    uint16_t *nw = src_find("backbone.norm_f.weight")->data;
+    nw[7] = 0x7FC0;
+    write_model(in, 0);
+    EXPECT_RC(0, "quantize", "-i", in, "-o", out);
+    expect_in(g_err, "warning: tensor 'backbone.norm_f.weight' (copied unchanged) holds 1 NaN / Inf values, the first "
+                     "at index 7");
+    nw[7] = 0x3F80;
 }
 
 static void test_include_exclude(void **state) {
@@ -607,6 +615,17 @@ static void test_include_exclude(void **state) {
     EXPECT_RC(1, "quantize", "-i", in, "-o", q1, "--include", "no-such-tensor");
     expect_in(g_err, "is to be quantized (--include 'no-such-tensor'): nothing written");
     assert_int_equal(access(q1, F_OK), -1);
+    /* --include matching the router gate: kept in float, with a note (a quantized router loads nowhere: a helper's
+       trial, session 32) */
+    char q0[512];
+    snprintf(q0, sizeof q0, "%s", io_path("ie-all.safetensors"));
+    EXPECT_RC(0, "quantize", "-i", in, "-o", q0, "--include", ".");
+    expect_in(g_err, "router gates ('*.gate.weight', the first: " L1 "gate.weight) are kept in float");
+    fp4moe_st_model *m0;
+    assert_int_equal(fp4moe_st_model_open(q0, &m0), FP4MOE_OK);
+    expect_copied(m0, L1 "gate.weight");
+    expect_matrix_quantized(m0, "lm_head.weight");
+    fp4moe_st_model_close(m0);
     EXPECT_RC(0, "quantize", "-i", in, "-o", q1, "--include", "^(lm_head|backbone\\.embeddings)\\.");
     fp4moe_st_model *m;
     assert_int_equal(fp4moe_st_model_open(q1, &m), FP4MOE_OK);
@@ -642,6 +661,15 @@ static void test_include_exclude(void **state) {
     assert_true(na > 1000 && na < sizeof a);
     assert_int_equal(na, nb);
     assert_memory_equal(a, b, na);
+    /* a file output under directories that do not exist yet: created (as for a directory output); writing it again
+       says that the file is replaced */
+    char deep[512];
+    snprintf(deep, sizeof deep, "%s", io_path("new/sub/q.safetensors"));
+    EXPECT_RC(0, "quantize", "-i", in, "-o", deep);
+    assert_int_equal(access(deep, F_OK), 0);
+    assert_null(strstr(g_err, "replacing"));
+    EXPECT_RC(0, "quantize", "-i", in, "-o", deep);
+    expect_in(g_err, "quantize: replacing the existing file");
 }
 
 static void test_incomplete_expert_stack(void **state) {
@@ -968,6 +996,36 @@ static void test_nan_weights_are_an_error(void **state) {
     /* the check the message points to finds it (it read only the NVFP4 scale bytes before session 27) */
     EXPECT_RC(1, "inspect", "-m", dir);
     expect_in(g_out, "NaN / Inf values in 'backbone.embeddings.weight' (BF16), the first at index 0");
+    /* one NaN, then one +Inf, in a norm weight (bf16 element 1 of layer 0's pre-norm): the default W4A8 mode
+       quantizes the normed activations, where a max and a clamped round hid it (a believable perplexity and text,
+       exit 0; a helper's trial, session 32) - now the q8 block is NaN and every command reports it; bench too
+       (its greedy ids came from an argmax that skips NaN) */
+    char dirq[512], cmdq[1400], fileq[600];
+    snprintf(dirq, sizeof dirq, "%s", io_path("nan-norm-model"));
+    snprintf(cmdq, sizeof cmdq, "rm -rf '%s' && cp -r models/nemotron-h-tiny-moe '%s'", dirq, dirq);
+    assert_int_equal(system(cmdq), 0);
+    snprintf(fileq, sizeof fileq, "%s/model.safetensors", dirq);
+    for (int inf = 0; inf < 2; inf++) {
+        patch_byte(fileq, "backbone.layers.0.norm.weight", 2, inf ? 0x80 : 0xC0); /* little-endian bf16 7FC0 / 7F80 */
+        patch_byte(fileq, "backbone.layers.0.norm.weight", 3, 0x7F);
+        for (int act = 0; act < 2; act++) {
+            const char *mode = act ? "float" : "q8";
+            EXPECT_RC(1, "generate", "-m", dirq, "-p", "The little girl", "-n", "4", "--cpu-act", mode);
+            expect_in(g_err, "NaN or infinite logits");
+            EXPECT_RC(1, "perplexity", "-m", dirq, "--file", "tests/golden/default/heldout_short.txt", "--ctx", "64",
+                      "--cpu-act", mode);
+            expect_in(g_err, "NaN or infinite logits");
+        }
+        if (!inf) {
+            EXPECT_RC(1, "bench", "-m", dirq, "--prompt-tokens", "8", "--gen-tokens", "2", "--repeats", "1");
+            expect_in(g_err, "NaN or infinite logits");
+            EXPECT_RC(1, "bench", "-m", dirq, "--prompt-tokens", "8", "--gen-tokens", "2", "--repeats", "1", "--batch",
+                      "2");
+            expect_in(g_err, "NaN or infinite logits");
+        }
+    }
+    EXPECT_RC(0, "bench", "-m", "models/nemotron-h-tiny-moe", "--prompt-tokens", "8", "--gen-tokens", "2", "--repeats",
+              "1");
     EXPECT_RC(1, "inspect", dir, "--json");
     cJSON *ij = cJSON_Parse(g_out);
     assert_non_null(ij);
@@ -1023,6 +1081,15 @@ static void test_nan_weights_are_an_error(void **state) {
     EXPECT_RC(1, "generate", "-m", dir2, "-p", "The little girl", "-n", "2");
     expect_in(g_err, "'backbone.layers.0.mixer.out_proj.weight' holds packed MLX nvfp4 codes (U32) but its block "
                      "scales 'backbone.layers.0.mixer.out_proj.scales' are missing");
+    /* inspect of the file (not only -m) reports it, and a config.json the loader rejects (cut short) */
+    EXPECT_RC(1, "inspect", file2);
+    expect_in(g_out, "PROBLEM: 'backbone.layers.0.mixer.out_proj.weight' holds packed MLX nvfp4 codes (U32) but its "
+                     "block scales 'backbone.layers.0.mixer.out_proj.scales' are missing");
+    char cfg2[600];
+    snprintf(cfg2, sizeof cfg2, "%s/config.json", dir2);
+    assert_int_equal(truncate(cfg2, 200), 0);
+    EXPECT_RC(1, "inspect", dir2, "--json");
+    expect_in(g_out, "config.json: malformed JSON near line");
     /* a dense module of a ModelOpt checkpoint that exclude_modules does not list: a warning naming it */
     const char *mo = "tests/golden/models/tiny-a-modelopt";
     EXPECT_RC(0, "generate", "-m", mo, "--prompt-ids", "1,2,3", "-n", "2");

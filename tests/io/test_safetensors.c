@@ -426,8 +426,11 @@ static void test_sharded_model_roundtrip(void **state) {
     assert_int_equal(fp4moe_st_writer_write_model(w, dir, 0), FP4MOE_OK);
     fp4moe_st_writer_free(w);
     assert_int_equal(count_files(dir, "model.safetensors.index.json"), 0);
+    /* the shards of the earlier split are gone too (mlx-lm / transformers glob model*.safetensors and would read
+       them beside the new file: a helper's trial, session 32) */
+    assert_int_equal(count_files(dir, "model-0000"), 0);
     assert_int_equal(fp4moe_st_model_open(dir, &m), FP4MOE_OK);
-    assert_int_equal(fp4moe_st_model_nfiles(m), 1); /* model.safetensors wins over stray shards */
+    assert_int_equal(fp4moe_st_model_nfiles(m), 1);
     for (int i = 0; i < NT; i++) {
         assert_memory_equal(fp4moe_st_model_find(m, names[i])->data, bufs[i], (size_t)fp4moe_st_model_find(m, names[i])->nbytes);
         free(bufs[i]);
@@ -439,6 +442,35 @@ static void test_sharded_model_roundtrip(void **state) {
     assert_false(fp4moe_st_model_is_dir(m));
     assert_string_equal(fp4moe_st_model_dir(m), io_path("sharded"));
     fp4moe_st_model_close(m);
+
+    /* back to shards: model.safetensors removed; then fewer shards: the extra ones of the earlier split removed;
+       other files of the directory stay */
+    char keep[600];
+    snprintf(keep, sizeof keep, "%s/notes.txt", dir);
+    FILE *kf = fopen(keep, "w");
+    assert_non_null(kf);
+    fputs("mine", kf);
+    fclose(kf);
+    make_writer(&r, &w, bufs, names);
+    assert_int_equal(fp4moe_st_writer_write_model(w, dir, 1000), FP4MOE_OK);
+    fp4moe_st_writer_free(w);
+    for (int i = 0; i < NT; i++) free(bufs[i]);
+    const int many = count_files(dir, "model-0000");
+    assert_true(many >= 4);
+    assert_int_equal(count_files(dir, "model.safetensors"), 1); /* the index only */
+    make_writer(&r, &w, bufs, names);
+    assert_int_equal(fp4moe_st_writer_write_model(w, dir, 2500), FP4MOE_OK);
+    fp4moe_st_writer_free(w);
+    const int fewer = count_files(dir, "model-0000");
+    assert_true(fewer >= 2 && fewer < many);
+    assert_int_equal(fp4moe_st_model_open(dir, &m), FP4MOE_OK);
+    assert_int_equal(fp4moe_st_model_nfiles(m), fewer);
+    for (int i = 0; i < NT; i++) {
+        assert_memory_equal(fp4moe_st_model_find(m, names[i])->data, bufs[i], (size_t)fp4moe_st_model_find(m, names[i])->nbytes);
+        free(bufs[i]);
+    }
+    fp4moe_st_model_close(m);
+    assert_int_equal(access(keep, F_OK), 0);
 }
 
 static void write_small(const char *path, const char *name, int n) {

@@ -219,8 +219,72 @@ static void test_case(void **state) {
     assert_int_equal(failures, 0);
 }
 
+/* A NaN or infinite activation: in the W4A8 mode (the CPU's default) as in float mode, every output of its row is
+ * non-finite - q8: NaN (a max / round of the block would hide it: the q8 quantizer returns a NaN block scale), on every kernel table
+ * and route (float mode: NaN or an infinity); the other rows are bitwise those of the same call without the bad rows,
+ * out-of-range rows zeros. */
+static void test_nonfinite_activations(void **state) {
+    (void)state;
+    const int64_t E = 6, N = 40, K = 192, B = 37;
+    tu_rng r;
+    tu_rng_seed(&r, 77);
+    tu_weights tw;
+    assert_int_equal(tu_weights_random(&tw, E, N, K, 1, &r), 0);
+    float *x = tu_random_x(FP4MOE_F32, B, K, &r), *xbad = malloc((size_t)(B * K) * sizeof *xbad);
+    uint32_t *idx = tu_make_idx(TU_IDX_OOR_TAIL, B, E, 1, &r);
+    float *y = malloc((size_t)(B * N) * sizeof *y), *yclean = malloc((size_t)(B * N) * sizeof *yclean);
+    assert_true(x && xbad && idx && y && yclean);
+    memcpy(xbad, x, (size_t)(B * K) * sizeof *x);
+    const int64_t bad_rows[3] = {2, 11, 20};
+    xbad[bad_rows[0] * K + 37] = NAN;
+    xbad[bad_rows[1] * K + 150] = INFINITY;
+    xbad[bad_rows[2] * K + 0] = -INFINITY;
+    static const char *const isas[] = {"avx512", "avx2", "portable"};
+    static const fp4moe_route routes[] = {FP4MOE_ROUTE_QMV, FP4MOE_ROUTE_BATCHED, FP4MOE_ROUTE_AUTO};
+    int checked = 0;
+    for (int isa = 0; isa < 3; isa++) {
+        tu_setenv("FP4MOE_CPU_ISA", isas[isa]);
+        for (int w4a8 = 0; w4a8 < 2; w4a8++)
+            for (int ri = 0; ri < 3; ri++) {
+                int st[2];
+                for (int pass = 0; pass < 2; pass++) {
+                    float *out = pass ? y : yclean;
+                    tu_poison(out, FP4MOE_F32, B * N);
+                    const float *in = pass ? xbad : x;
+                    st[pass] = w4a8 ? fp4moe_gather_qmm_cpu_w4a8(&tw.w, in, FP4MOE_F32, idx, B, 1, routes[ri], out)
+                                    : fp4moe_gather_qmm_cpu_route(&tw.w, in, FP4MOE_F32, idx, B, 1, routes[ri], out);
+                }
+                
+                assert_int_equal(st[0], FP4MOE_OK);
+                assert_int_equal(st[1], FP4MOE_OK);
+                for (int64_t b = 0; b < B; b++) {
+                    const int is_bad = b == bad_rows[0] || b == bad_rows[1] || b == bad_rows[2];
+                    for (int64_t n = 0; n < N; n++) {
+                        const float v = y[b * N + n];
+                        if (idx[b] >= (uint32_t)E) {
+                            if (v != 0.0f) fail_msg("isa %s %s route %s: out-of-range row %lld not zero", isas[isa],
+                                                    w4a8 ? "q8" : "float", fp4moe_route_name(routes[ri]), (long long)b);
+                        } else if (is_bad) {
+                            if (isfinite(v)) fail_msg("isa %s %s route %s: row %lld (a non-finite activation) gave %g "
+                                                      "at column %lld: finite", isas[isa], w4a8 ? "q8" : "float",
+                                                    fp4moe_route_name(routes[ri]), (long long)b, v, (long long)n);
+                        } else if (memcmp(&v, &yclean[b * N + n], sizeof v)) {
+                            fail_msg("isa %s %s route %s: row %lld column %lld differs from the clean call", isas[isa],
+                                     w4a8 ? "q8" : "float", fp4moe_route_name(routes[ri]), (long long)b, (long long)n);
+                        }
+                    }
+                }
+                checked++;
+            }
+    }
+    tu_setenv("FP4MOE_CPU_ISA", NULL);
+    assert_true(checked >= 4);
+    free(x); free(xbad); free(idx); free(y); free(yclean);
+    tu_weights_free(&tw);
+}
+
 int main(void) {
-    struct CMUnitTest tests[N_CASES];
+    struct CMUnitTest tests[N_CASES + 1];
     static char names[N_CASES][128];
     const int quick = getenv("FP4MOE_TEST_QUICK") && !strcmp(getenv("FP4MOE_TEST_QUICK"), "1");
     size_t n = 0;
@@ -233,5 +297,7 @@ int main(void) {
         tests[n] = (struct CMUnitTest){names[n], test_case, NULL, NULL, (void *)c};
         n++;
     }
+    if (!getenv("FP4MOE_TEST_ROUTE")) /* the fault check's per-route runs: the cases above */
+        tests[n++] = (struct CMUnitTest){"nonfinite_activations", test_nonfinite_activations, NULL, NULL, NULL};
     return _cmocka_run_group_tests("gather_qmm_cpu", tests, n, NULL, NULL);
 }

@@ -5,7 +5,7 @@
  *
  * Quantization (docs: include/fp4moe/gather_qmm.h, "W4A8"): per activation row, per block of 16
  * elements (the NVFP4 weight block), d = max|x| / 127 in fp32 and q = round_half_even(x / d)
- * clamped to [-127, 127] (q = 0 where d = 0).
+ * clamped to [-127, 127] (q = 0 where d = 0; a block holding a NaN or an infinity: q = 0, d = NaN).
  *
  * Layout, for a kernel with group size G (a multiple of 16; K is padded to Kp = roundup(K, G)
  * with zero activations): group g holds elements [gG, gG + G); its first G/2 bytes are the even
@@ -27,12 +27,18 @@
 
 static inline int64_t q8_padded_k(int64_t K, int G) { return (K + G - 1) / G * G; }
 
-/* One block of 16 activations -> q (16 int8) and the returned scale d. */
+/* One block of 16 activations -> q (16 int8) and the returned scale d. A NaN or infinite activation makes
+ * d NaN and q zeros, so that every product with the block is NaN (as in float mode, where the NaN reaches the
+ * logits and the forward reports it); max and a clamped round would hide it (NaN -> a finite int8). */
 static inline float q8_quantize_block(const float *x, int8_t *q) {
     float amax = 0.0f;
     for (int i = 0; i < 16; i++) {
         const float a = fabsf(x[i]);
-        amax = a > amax ? a : amax;
+        amax = (a > amax || a != a) ? a : amax; /* a NaN, once taken, stays (a > NaN is false) */
+    }
+    if (!(amax <= 3.4028235e38f)) { /* NaN or infinity */
+        for (int i = 0; i < 16; i++) q[i] = 0;
+        return NAN;
     }
     const float d = amax / 127.0f;
     for (int i = 0; i < 16; i++) {

@@ -74,9 +74,18 @@ int fp4moe_gather_qmm_ref_w4a8_f64(const fp4moe_nvfp4_weights *w, const void *x,
         }
         for (int64_t blk = 0; blk < nb; blk++) {
             float amax = 0.0f;
-            for (int i = 0; i < 16; i++) amax = fmaxf(amax, fabsf((float)load_x(x, dtype, b * K + 16 * blk + i)));
-            d[blk] = amax / 127.0f;
+            int finite = 1;
             for (int i = 0; i < 16; i++) {
+                const float a = fabsf((float)load_x(x, dtype, b * K + 16 * blk + i));
+                finite &= isfinite(a) != 0;
+                amax = fmaxf(amax, a);
+            }
+            d[blk] = finite ? amax / 127.0f : NAN; /* a NaN / Inf activation poisons its block (gather_q8.h) */
+            for (int i = 0; i < 16; i++) {
+                if (!finite) {
+                    q[16 * blk + i] = 0.0f;
+                    continue;
+                }
                 const float v = d[blk] > 0.0f ? nearbyintf((float)load_x(x, dtype, b * K + 16 * blk + i) / d[blk]) : 0.0f;
                 q[16 * blk + i] = fminf(127.0f, fmaxf(-127.0f, v));
             }
