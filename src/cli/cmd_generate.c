@@ -697,6 +697,17 @@ int cmd_generate(int argc, char **argv) {
         return cli_usage_error(CMD, "--ignore-eos cannot end a structured output: drop one of them");
     for (int i = 0; i < a.stop.n; i++)
         if (!a.stop.v[i][0]) return cli_usage_error(CMD, "--stop must not be empty");
+    if (a.json_schema) { /* a schema given inline is checked before the model loads: a usage error (exit 2) */
+        cJSON *schema = cJSON_ParseWithOpts(a.json_schema, NULL, 1);
+        if (!schema)
+            return cli_usage_error(CMD, "--json-schema is not one JSON value (near byte %lld)",
+                                   cJSON_GetErrorPtr() ? (long long)(cJSON_GetErrorPtr() - a.json_schema) : 0LL);
+        fp4moe_grammar *gr = NULL;
+        const int gst = fp4moe_grammar_from_json_schema(schema, "--json-schema", &gr);
+        cJSON_Delete(schema);
+        fp4moe_grammar_free(gr);
+        if (gst) return cli_usage_error(CMD, "%s", fp4moe_last_error());
+    }
     if ((rc = cli_set_threads(CMD, a.threads))) return rc;
     if ((rc = cli_require_model_dir(CMD, a.model))) return rc;
     return generate(&a);

@@ -959,8 +959,12 @@ static void test_generate_inputs_and_context(void **state) {
     js = cJSON_Parse(g_out);
     assert_true(cJSON_IsObject(js) || strlen(g_out) > 300); /* (a free string may run to -n) */
     cJSON_Delete(js);
-    EXPECT_RC(1, "generate", "-m", M, "-p", P, "--json-schema", "{\"type\":\"integer\",\"minimum\":0}");
+    /* an inline schema is checked before the model loads: a usage error (exit 2), also with a model that does not
+       exist */
+    EXPECT_RC(2, "generate", "-m", M, "-p", P, "--json-schema", "{\"type\":\"integer\",\"minimum\":0}");
     expect_in(g_err, "--json-schema: 'minimum' is not supported");
+    EXPECT_RC(2, "generate", "-m", "no-such-model-dir", "-p", P, "--json-schema", "{bad");
+    expect_in(g_err, "--json-schema is not one JSON value (near byte");
     EXPECT_RC(2, "generate", "-m", M, "-p", P, "--json-object", "--ignore-eos");
     /* --threads */
     EXPECT_RC(0, "generate", "-m", M, "-p", P, "-n", "8", "--threads", "1");
