@@ -24,7 +24,8 @@
 
 typedef struct {
     const char *model, *synthetic, *tokenizer, *chat_template, *host, *api_key, *name, *device, *dtype, *reasoning, *tool_parser, *cpu_act,
-        *kv_cache;
+        *kv_cache, *api_key_file, *allowed_origins;
+    char *api_key_buf; /* --api-key-file's key (freed by cmd_serve) */
     int64_t port, ctx, max_seqs, max_step_tokens, max_queue, max_body, prefix_cache_mb, prefix_min_tokens,
         http_threads, seed, kv_tokens, gpus, ep_ranks;
     int no_quantize, quiet, no_warmup;
@@ -151,6 +152,10 @@ static int serve(const serve_args *a) {
                     (long long)a->ctx, (long long)cfg->max_position);
         ctx = a->ctx;
     }
+    if (a->kv_tokens > 0 && a->kv_tokens < ctx)
+        fprintf(stderr, "%s: warning: --kv-cache-tokens %lld holds less than one context (%lld tokens): a request "
+                "whose prompt and output need more fails (503) even alone\n", CMD, (long long)a->kv_tokens,
+                (long long)ctx);
     if (fp4moe_tokenizer_vocab_size(tok) > cfg->vocab)
         fprintf(stderr, "%s: warning: the tokenizer has %lld ids, the model %lld: prompts with larger ids are refused\n",
                 CMD, (long long)fp4moe_tokenizer_vocab_size(tok), (long long)cfg->vocab);
@@ -224,9 +229,10 @@ static int serve(const serve_args *a) {
             (long long)eo.max_step_tokens, (long long)(eo.prefix_cache_bytes >> 20), eps,
             a->api_key ? ", API key required" : "");
     srv_http_options ho = {.host = a->host, .port = (int)a->port, .api_key = a->api_key, .max_body = a->max_body,
+                           .allowed_origins = a->allowed_origins ? a->allowed_origins : "*", .log_errors = !a->quiet,
                            .http_threads = (int)a->http_threads, .stop = &g_stop};
     st = srv_http_run(&ho, e, &pc);
-    if (st) fprintf(stderr, "fp4moe %s: error: %s\n", CMD, fp4moe_last_error());
+    if (st) fprintf(stderr, "fp4moe %s: error: %s\n", CMD, fp4moe_last_error()); /* (no "serve:" inside: said once) */
     else fprintf(stderr, "%s: stopped (%s)\n", CMD, g_signal == SIGTERM ? "SIGTERM" : "Ctrl-C");
     srv_engine_free(e);
     cJSON_Delete(special);
@@ -249,7 +255,12 @@ int cmd_serve(int argc, char **argv) {
         {"--chat-template", NULL, CLI_STRING, &a.chat_template, "FILE", "Jinja chat template (default: the model's)"},
         {"--host", NULL, CLI_STRING, &a.host, "ADDR", "address to listen on (default 127.0.0.1)"},
         {"--port", NULL, CLI_INT, &a.port, "N", "TCP port; 0 = any free port, printed (default 8080)"},
-        {"--api-key", NULL, CLI_STRING, &a.api_key, "KEY", "require 'Authorization: Bearer KEY' on /v1/*"},
+        {"--api-key", NULL, CLI_STRING, &a.api_key, "KEY", "require 'Authorization: Bearer KEY' on /v1/* (also: "
+         "--api-key-file, or the environment's FP4MOE_API_KEY, which the process list does not show)"},
+        {"--api-key-file", NULL, CLI_STRING, &a.api_key_file, "FILE", "the API key: the first line of FILE"},
+        {"--allowed-origins", NULL, CLI_STRING, &a.allowed_origins, "LIST",
+         "CORS: origins whose browser pages may call the API, comma-separated, '*' for any, 'none' for no CORS "
+         "headers (default '*', as vLLM)"},
         {"--served-model-name", NULL, CLI_STRING, &a.name, "NAME", "model id of the API (default: the directory name)"},
         {"--ctx", NULL, CLI_INT, &a.ctx, "N", "tokens per request, prompt + output (default and 0: max_position_embeddings)"},
         {"--max-seqs", NULL, CLI_INT, &a.max_seqs, "N", "requests computed at once, per expert-parallel rank (default and 0: 16 cpu, 64 cuda)"},
@@ -291,10 +302,19 @@ int cmd_serve(int argc, char **argv) {
     if (!a.model == !a.synthetic) return cli_usage_error(CMD, "give one of -m DIR or --synthetic CONFIG");
     if (a.synthetic && !a.tokenizer) return cli_usage_error(CMD, "--synthetic needs --tokenizer DIR");
     if (a.port < 0 || a.port > 65535) return cli_usage_error(CMD, "--port must be in [0, 65535]");
-    if (a.ctx < 0 || a.kv_tokens < 0 || a.max_seqs < 0 || a.max_step_tokens < 0 || a.max_queue < 0 || a.prefix_cache_mb < -1 ||
-        a.prefix_min_tokens < 1 || a.http_threads < 1 || a.http_threads > 64 || a.max_body < 1024)
-        return cli_usage_error(CMD, "--ctx, --max-seqs, --max-step-tokens, --max-queue and --prefix-cache-mb must be "
-                               ">= 0, --prefix-min-tokens >= 1, --http-threads in [1, 64], --max-body >= 1024");
+    { /* each bad value named (one combined message named them all) */
+        const struct { const char *name; int64_t v, lo, hi; } lim[] = {
+            {"--ctx", a.ctx, 0, INT64_C(1) << 40},          {"--kv-cache-tokens", a.kv_tokens, 0, INT64_C(1) << 40},
+            {"--max-seqs", a.max_seqs, 0, 1 << 20},          {"--max-step-tokens", a.max_step_tokens, 0, INT64_C(1) << 30},
+            {"--max-queue", a.max_queue, 0, INT64_C(1) << 30}, {"--prefix-cache-mb", a.prefix_cache_mb, -1, INT64_C(1) << 30},
+            {"--prefix-min-tokens", a.prefix_min_tokens, 1, INT64_C(1) << 30}, {"--http-threads", a.http_threads, 1, 64},
+            {"--max-body", a.max_body, 1024, INT64_C(1) << 40},
+        };
+        for (size_t i = 0; i < sizeof lim / sizeof lim[0]; i++)
+            if (lim[i].v < lim[i].lo || lim[i].v > lim[i].hi)
+                return cli_usage_error(CMD, "%s must be in [%lld, %lld] (got %lld)", lim[i].name, (long long)lim[i].lo,
+                                       (long long)lim[i].hi, (long long)lim[i].v);
+    }
     if (a.reasoning && strcmp(a.reasoning, "on") && strcmp(a.reasoning, "off"))
         return cli_usage_error(CMD, "--reasoning must be on or off");
     if (a.tool_parser && strcmp(a.tool_parser, "auto") && strcmp(a.tool_parser, "qwen3_coder") &&
@@ -302,10 +322,32 @@ int cmd_serve(int argc, char **argv) {
         return cli_usage_error(CMD, "--tool-call-parser must be auto, qwen3_coder, nemotron_json or none (got '%s')",
                                a.tool_parser);
     if (a.api_key && !a.api_key[0]) return cli_usage_error(CMD, "--api-key must not be empty");
+    if (a.api_key && a.api_key_file) return cli_usage_error(CMD, "give one of --api-key and --api-key-file");
+    if (a.api_key_file) { /* the first line, without its end of line */
+        if (cli_read_text(a.api_key_file, 1 << 16, &a.api_key_buf))
+            return cli_error(CMD, FP4MOE_EXIT_FAIL, "--api-key-file: %s", fp4moe_last_error());
+        a.api_key_buf[strcspn(a.api_key_buf, "\r\n")] = 0;
+        a.api_key = a.api_key_buf;
+        if (!a.api_key[0]) {
+            free(a.api_key_buf);
+            return cli_usage_error(CMD, "--api-key-file %s: the first line (the key) is empty", a.api_key_file);
+        }
+    } else if (!a.api_key && fp4moe_env_value("FP4MOE_API_KEY")[0]) {
+        a.api_key = fp4moe_env_value("FP4MOE_API_KEY");
+    }
+    if (a.allowed_origins && !strcmp(a.allowed_origins, "none")) a.allowed_origins = "";
     if (a.gpus < 0 || a.gpus > 64 || a.ep_ranks < 0 || a.ep_ranks > 64)
         return cli_usage_error(CMD, "--gpus and --ep-ranks must be in 1 .. 64");
     if (a.gpus > 1 && a.ep_ranks > 1) return cli_usage_error(CMD, "give one of --gpus and --ep-ranks");
-    if ((rc = cli_set_threads(CMD, a.threads))) return rc;
-    if ((rc = cli_require_model_dir(CMD, a.model))) return rc;
-    return serve(&a);
+    if ((rc = cli_set_threads(CMD, a.threads)) || (rc = cli_require_model_dir(CMD, a.model))) {
+        free(a.api_key_buf);
+        return rc;
+    }
+    if (srv_http_probe(a.host, (int)a.port)) { /* a busy port fails now, not after the model's load */
+        free(a.api_key_buf);
+        return cli_error(CMD, FP4MOE_EXIT_FAIL, "%s", fp4moe_last_error());
+    }
+    rc = serve(&a);
+    free(a.api_key_buf);
+    return rc;
 }

@@ -46,9 +46,13 @@ static const fp4moe_env_var k_vars[ENV_COUNT] = {
     [ENV_CUDA_GATHER_SCHED] = {"FP4MOE_CUDA_GATHER_SCHED", "dynamic|static", "dynamic",
                                "CUDA expert-batched gather over experts: work items handed out by a counter "
                                "as blocks finish (dynamic) or strided by block number (static); the same results"},
+    [ENV_API_KEY] = {"FP4MOE_API_KEY", "any text", "",
+                     "fp4moe serve: the API key when --api-key / --api-key-file are not given (as vLLM's "
+                     "VLLM_API_KEY; unlike the option, not visible in the process list)"},
 };
 
 static int allowed(const fp4moe_env_var *v, const char *val) {
+    if (!strcmp(v->allowed, "any text")) return 1;
     if (!strcmp(v->allowed, "integer >= 0")) {
         if (!*val) return 0;
         for (const char *p = val; *p; p++)

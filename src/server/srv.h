@@ -326,10 +326,16 @@ typedef struct {
     const char *host;                  /* "127.0.0.1" */
     int port;                          /* 0: an ephemeral port (printed) */
     const char *api_key;               /* NULL: no auth */
+    const char *allowed_origins;       /* CORS: "*" (any origin), a comma-separated list of origins, or NULL / "": off */
+    int log_errors;                    /* 1: a line on stderr per 4xx / 5xx answer of the HTTP side */
     int64_t max_body;                  /* bytes */
     int http_threads;
     const volatile int *stop;          /* set by a signal handler: shut down */
 } srv_http_options;
+
+/* Checks before the model loads that host:port can be bound (a socket bound and closed again; port 0: nothing to
+ * check), so that a busy port fails at once. Errors: FP4MOE_EINVAL (host), FP4MOE_EIO with the system's reason. */
+int srv_http_probe(const char *host, int port);
 
 /* Serves until *o->stop. Prints "listening on http://HOST:PORT" on stdout when ready.
  * Returns 0, or -1 with fp4moe_last_error() set (bind failure). */

@@ -9,6 +9,7 @@
  * non-stream client waiting for its whole answer is watched by a thread of ours (watch_main: its socket
  * polled for the peer's close every WATCH_MS; then srv_job_cancel). */
 #include <arpa/inet.h>
+#include <errno.h>
 #include <microhttpd.h>
 #include <netdb.h>
 #include <netinet/in.h>
@@ -75,9 +76,54 @@ static void do_wake(void *ctx) {
     MHD_resume_connection(w->c);
 }
 
+/* CORS (the Fetch standard's CORS protocol): the Access-Control-Allow-Origin value for this request - "*" when every
+ * origin is allowed, the request's Origin when it is in --allowed-origins' list - or NULL (no Origin header, CORS
+ * off, an origin not listed). vLLM allows every origin by default (--allowed-origins '["*"]'). */
+static const char *cors_origin(const srv_http *h, struct MHD_Connection *c) {
+    const char *list = h->o->allowed_origins;
+    if (!list || !*list) return NULL;
+    const char *origin = MHD_lookup_connection_value(c, MHD_HEADER_KIND, "Origin");
+    if (!origin || !*origin) return NULL;
+    if (!strcmp(list, "*")) return "*";
+    const size_t n = strlen(origin);
+    for (const char *p = list; *p;) {
+        while (*p == ' ' || *p == ',') p++;
+        const char *e = p;
+        while (*e && *e != ',') e++;
+        const char *t = e;
+        while (t > p && t[-1] == ' ') t--;
+        if ((size_t)(t - p) == n && !strncmp(p, origin, n)) return origin;
+        p = e;
+    }
+    return NULL;
+}
+
+static void add_cors(const srv_http *h, struct MHD_Connection *c, struct MHD_Response *r) {
+    const char *o = cors_origin(h, c);
+    if (!o) return;
+    MHD_add_response_header(r, "Access-Control-Allow-Origin", o);
+    if (strcmp(o, "*")) MHD_add_response_header(r, "Vary", "Origin");
+}
+
+/* The request being answered on this HTTP thread (its method and path), for the error lines (log_errors). */
+static _Thread_local const char *t_method, *t_url;
+
 /* allow: the Allow header of a 405 (RFC 9110 section 15.5.6: the methods the route takes), or NULL */
 static enum MHD_Result respond_allow(srv_http *h, struct MHD_Connection *c, int status, const char *type, char *body,
                                      size_t len, const char *allow) {
+    if (status >= 400 && h->o->log_errors) { /* failed requests are logged too, with the client's address */
+        char addr[64] = "?";
+        const union MHD_ConnectionInfo *ci = MHD_get_connection_info(c, MHD_CONNECTION_INFO_CLIENT_ADDRESS);
+        if (ci && ci->client_addr) {
+            const struct sockaddr *sa = ci->client_addr;
+            if (sa->sa_family == AF_INET)
+                inet_ntop(AF_INET, &((const struct sockaddr_in *)(const void *)sa)->sin_addr, addr, sizeof addr);
+            else if (sa->sa_family == AF_INET6)
+                inet_ntop(AF_INET6, &((const struct sockaddr_in6 *)(const void *)sa)->sin6_addr, addr, sizeof addr);
+        }
+        fprintf(stderr, "serve: %s %s %s %d: %.*s\n", addr, t_method ? t_method : "?", t_url ? t_url : "?", status,
+                (int)(len < 300 ? len : 300), body);
+    }
     struct MHD_Response *r = MHD_create_response_from_buffer(len, body, MHD_RESPMEM_MUST_FREE);
     if (!r) {
         free(body);
@@ -87,6 +133,7 @@ static enum MHD_Result respond_allow(srv_http *h, struct MHD_Connection *c, int 
     if (status == 401) MHD_add_response_header(r, "WWW-Authenticate", "Bearer");
     if (status == 429) MHD_add_response_header(r, "Retry-After", "1"); /* busy: the queue moves within seconds */
     if (allow) MHD_add_response_header(r, "Allow", allow);
+    add_cors(h, c, r);
     const enum MHD_Result ok = MHD_queue_response(c, (unsigned)status, r);
     MHD_destroy_response(r);
     srv_engine_count_http(h->e, status);
@@ -317,6 +364,7 @@ static enum MHD_Result post_generate(srv_http *h, conn_ctx *cc, srv_kind kind) {
         }
         MHD_add_response_header(resp, "Content-Type", "text/event-stream");
         MHD_add_response_header(resp, "Cache-Control", "no-cache");
+        add_cors(h, c, resp);
         const enum MHD_Result ok = MHD_queue_response(c, 200, resp);
         MHD_destroy_response(resp);
         srv_engine_count_http(h->e, 200);
@@ -341,6 +389,8 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
                                   const char *version, const char *upload, size_t *upload_size, void **req_cls) {
     srv_http *h = cls;
     conn_ctx *cc = *req_cls;
+    t_method = method; /* (valid during this call, as MHD's strings are) */
+    t_url = url;
     if (!cc) {
         if (!(cc = calloc(1, sizeof *cc))) return MHD_NO;
         cc->w.h = h;
@@ -364,6 +414,23 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
         return MHD_YES;
     }
     cc->answered = 1;
+    if (!strcmp(method, "OPTIONS")) { /* a CORS preflight (before the API key: browsers send none with it), or plain */
+        struct MHD_Response *r = MHD_create_response_from_buffer(0, (void *)"", MHD_RESPMEM_PERSISTENT);
+        if (!r) return MHD_NO;
+        MHD_add_response_header(r, "Allow", "GET, HEAD, POST, OPTIONS");
+        const char *rm = MHD_lookup_connection_value(c, MHD_HEADER_KIND, "Access-Control-Request-Method");
+        if (rm && cors_origin(h, c)) {
+            const char *rh = MHD_lookup_connection_value(c, MHD_HEADER_KIND, "Access-Control-Request-Headers");
+            MHD_add_response_header(r, "Access-Control-Allow-Methods", "GET, HEAD, POST, OPTIONS");
+            MHD_add_response_header(r, "Access-Control-Allow-Headers", rh && *rh ? rh : "Authorization, Content-Type");
+            MHD_add_response_header(r, "Access-Control-Max-Age", "600");
+            add_cors(h, c, r);
+        }
+        const enum MHD_Result ok = MHD_queue_response(c, 204, r);
+        MHD_destroy_response(r);
+        srv_engine_count_http(h->e, 204);
+        return ok;
+    }
     /* one trailing slash is the route without it (/v1/completions/: FastAPI servers such as vLLM's redirect it) */
     char route[64];
     const size_t ul = strlen(url);
@@ -427,6 +494,28 @@ static void on_completed(void *cls, struct MHD_Connection *c, void **req_cls, en
     *req_cls = NULL;
 }
 
+int srv_http_probe(const char *host, int port) {
+    if (port == 0) return FP4MOE_OK;
+    struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM, .ai_flags = AI_NUMERICSERV}, *ai = NULL;
+    char ps[16];
+    snprintf(ps, sizeof ps, "%d", port);
+    const int gai = getaddrinfo(host, ps, &hints, &ai);
+    if (gai || !ai) return fp4moe_set_error(FP4MOE_EINVAL, "cannot resolve --host '%s': %s", host, gai_strerror(gai));
+    int st = FP4MOE_OK;
+    const int fd = socket(ai->ai_family, SOCK_STREAM, 0);
+    if (fd < 0) {
+        st = fp4moe_set_error(FP4MOE_EIO, "cannot listen on %s:%d: socket: %s", host, port, strerror(errno));
+    } else {
+        const int one = 1;
+        setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one); /* as libmicrohttpd's listen socket */
+        if (bind(fd, ai->ai_addr, ai->ai_addrlen) != 0)
+            st = fp4moe_set_error(FP4MOE_EIO, "cannot listen on %s:%d: %s", host, port, strerror(errno));
+        close(fd);
+    }
+    freeaddrinfo(ai);
+    return st;
+}
+
 int srv_http_run(const srv_http_options *o, srv_engine *e, const srv_parse_ctx *pc) {
     srv_http h = {.e = e, .pc = pc, .o = o};
     pthread_mutex_init(&h.wlock, NULL);
@@ -437,8 +526,12 @@ int srv_http_run(const srv_http_options *o, srv_engine *e, const srv_parse_ctx *
     char port[16];
     snprintf(port, sizeof port, "%d", o->port);
     const int gai = getaddrinfo(o->host, port, &hints, &ai);
-    if (gai || !ai) return fp4moe_set_error(FP4MOE_EINVAL, "serve: cannot resolve --host '%s': %s", o->host, gai_strerror(gai));
-    unsigned flags = MHD_USE_AUTO_INTERNAL_THREAD | MHD_ALLOW_SUSPEND_RESUME;
+    if (gai || !ai) return fp4moe_set_error(FP4MOE_EINVAL, "cannot resolve --host '%s': %s", o->host, gai_strerror(gai));
+    /* poll, not epoll (MHD_USE_AUTO_INTERNAL_THREAD picks epoll on Linux): libmicrohttpd 0.9.75 in epoll mode leaves a
+     * connection whose client closed it mid-request in CLOSE-WAIT until the connection timeout (600 s), so ~1,000
+     * aborted requests exhausted the connection limit and the server answered nothing for 10 minutes (a helper's
+     * trial, session 32; tests/server/test_server.py checks that such connections are freed at once) */
+    unsigned flags = MHD_USE_POLL_INTERNAL_THREAD | MHD_ALLOW_SUSPEND_RESUME;
     if (ai->ai_family == AF_INET6) flags |= MHD_USE_IPv6;
     struct MHD_Daemon *d = MHD_start_daemon(
         flags, (uint16_t)o->port, NULL, NULL, on_request, &h, MHD_OPTION_SOCK_ADDR, ai->ai_addr,
@@ -448,8 +541,9 @@ int srv_http_run(const srv_http_options *o, srv_engine *e, const srv_parse_ctx *
     if (!d) {
         freeaddrinfo(ai);
         pthread_mutex_destroy(&h.wlock);
-        return fp4moe_set_error(FP4MOE_EIO, "serve: cannot listen on %s:%d (address in use, or not this host's?)",
-                                o->host, o->port);
+        const int err = errno;
+        return fp4moe_set_error(FP4MOE_EIO, "cannot listen on %s:%d%s%s", o->host, o->port, err ? ": " : "",
+                                err ? strerror(err) : "");
     }
     const union MHD_DaemonInfo *info = MHD_get_daemon_info(d, MHD_DAEMON_INFO_BIND_PORT);
     const int bound = info ? (int)info->port : o->port;

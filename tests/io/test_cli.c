@@ -1428,6 +1428,23 @@ static void test_bench_ep_ranks(void **state) {
     expect_in(g_err, "--gpus and --ep-ranks must be in 1 .. 64");
     EXPECT_RC(2, "serve", "-m", M, "--device", "cpu", "--ep-ranks", "2", "--gpus", "2");
     expect_in(g_err, "give one of --gpus and --ep-ranks");
+    /* each bad option named by itself; --api-key-file's key line */
+    EXPECT_RC(2, "serve", "-m", M, "--max-seqs", "-1");
+    expect_in(g_err, "--max-seqs must be in [0, 1048576] (got -1)");
+    EXPECT_RC(2, "serve", "-m", M, "--http-threads", "0");
+    expect_in(g_err, "--http-threads must be in [1, 64] (got 0)");
+    EXPECT_RC(2, "serve", "-m", M, "--max-seqs", "100000000");
+    expect_in(g_err, "--max-seqs must be in [0, 1048576]");
+    char kf[512];
+    snprintf(kf, sizeof kf, "%s", io_path("empty-key"));
+    FILE *kfp = fopen(kf, "w");
+    assert_non_null(kfp);
+    fputs("\nsecond line\n", kfp);
+    fclose(kfp);
+    EXPECT_RC(2, "serve", "-m", M, "--api-key-file", kf);
+    expect_in(g_err, "the first line (the key) is empty");
+    EXPECT_RC(2, "serve", "-m", M, "--api-key-file", kf, "--api-key", "k");
+    expect_in(g_err, "give one of --api-key and --api-key-file");
     /* --kv-cache-dtype (its accuracy: tests/model/test_default_model.c) */
     EXPECT_RC(2, "generate", "-m", M, "--device", "cpu", "--prompt", "x", "--kv-cache-dtype", "int4");
     expect_in(g_err, "--kv-cache-dtype must be auto or fp8");

@@ -41,12 +41,12 @@ def check(cond, what):
 
 
 class Server:
-    def __init__(self, *extra):
+    def __init__(self, *extra, env=None):
         # stderr (a line per request) into a file: a pipe nobody reads fills at 64 KB and blocks the server's log
         # write, i.e. its engine (what a test with a few hundred requests then sees as a hang)
         self.errf = tempfile.TemporaryFile(mode="w+")
         self.p = subprocess.Popen([BIN, "serve", "-m", MODEL, "--port", "0", *extra], stdout=subprocess.PIPE,
-                                  stderr=self.errf, text=True)
+                                  stderr=self.errf, text=True, env=dict(os.environ, **(env or {})))
         line = self.p.stdout.readline()
         m = re.search(r"listening on http://127\.0\.0\.1:(\d+)", line)
         if not m:
@@ -59,14 +59,15 @@ class Server:
     def client(self, key="none"):
         return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, timeout=120)
 
-    def raw(self, method, path, body=None, headers=None):
+    def raw(self, method, path, body=None, headers=None, with_headers=False):
         c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
         data = body if isinstance(body, (bytes, type(None))) else body.encode()
         c.request(method, path, body=data, headers=headers or {})
         r = c.getresponse()
         out = r.status, r.read().decode("utf-8", "replace")
+        hdrs = {k.lower(): v for k, v in r.getheaders()}
         c.close()
-        return out
+        return (*out, hdrs) if with_headers else out
 
     def metric(self, name):
         _, text = self.raw("GET", "/metrics")
@@ -311,6 +312,33 @@ def main():
         ok = freed_and_cancelled(s, cancelled0)
         check(running == 1 and ok, "a client gone mid-stream: its sequence is freed (running %s -> 0)" % running)
 
+        # --- clients that close with their request unfinished: every connection is freed at once -----
+        # (libmicrohttpd's epoll mode kept them in CLOSE-WAIT until the 600 s timeout, so ~1,000 aborted requests
+        # wedged the server for 10 minutes: a helper's trial, session 32; the daemon runs on poll now)
+        fd_dir = "/proc/%d/fd" % s.p.pid
+        fds0 = len(os.listdir(fd_dir))
+        for i in range(120):
+            g = socket.create_connection(("127.0.0.1", s.port))
+            if i % 2:
+                g.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # headers never finished
+            else:
+                g.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 500\r\n\r\n{\"prompt\": ")
+            g.close()
+        fds1 = fds0 + 1000
+        for _ in range(100):
+            fds1 = len(os.listdir(fd_dir))
+            if fds1 <= fds0 + 4:
+                break
+            time.sleep(0.05)
+        g = socket.create_connection(("127.0.0.1", s.port))  # a half-closed client still gets its answer
+        g.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        g.shutdown(socket.SHUT_WR)
+        head = g.recv(64)
+        g.close()
+        check(fds1 <= fds0 + 4 and head.startswith(b"HTTP/1.1 200"),
+              "120 requests abandoned mid-header / mid-body: their connections freed (fds %d -> %d); a half-closed "
+              "client answered (%r)" % (fds0, fds1, head[:15]))
+
         # --- a client that goes away while waiting for a whole (non-stream) answer -------------------
         cancelled0 = s.metric('fp4moe_generations_total{reason="cancelled"}') or 0
         sock = socket.create_connection(("127.0.0.1", s.port))
@@ -497,12 +525,47 @@ def main():
         check(st == 200, "the auth scheme is case-insensitive ('bearer KEY'): %d" % st)
         st, _ = s2.raw("POST", "/tokenize", '{"prompt": "x"}')
         check(st == 200, "the tokenizer endpoints need no key (vLLM guards /v1 only; lm-eval's remote tokenizer): %d" % st)
+        # CORS (vLLM's default: any origin): a preflight is answered without the key, answers carry the header
+        pre = {"Origin": "http://ui.example", "Access-Control-Request-Method": "POST",
+               "Access-Control-Request-Headers": "authorization,content-type"}
+        st, _, hd = s2.raw("OPTIONS", "/v1/chat/completions", None, pre, with_headers=True)
+        check(st == 204 and hd.get("access-control-allow-origin") == "*" and "POST" in
+              hd.get("access-control-allow-methods", "") and hd.get("access-control-allow-headers") ==
+              "authorization,content-type", "a CORS preflight: 204 with the allow headers, no API key needed (%d %r)"
+              % (st, hd))
+        st, _, hd = s2.raw("GET", "/v1/models", None, {"Origin": "http://ui.example", "Authorization": "Bearer sekret"},
+                           with_headers=True)
+        check(st == 200 and hd.get("access-control-allow-origin") == "*", "an answer to a page: Allow-Origin * (%r)" % hd)
+        # a busy port: the second server fails at once, before loading the model, naming the system's reason
+        t0 = time.time()
+        r = subprocess.run([BIN, "serve", "-m", MODEL, "--port", str(s2.port)], capture_output=True, text=True,
+                           timeout=60)
+        check(r.returncode == 1 and "Address already in use" in r.stderr and "loaded" not in r.stderr and
+              time.time() - t0 < 10, "a busy port: exit 1 before the model loads, with the system's reason (%r)"
+              % r.stderr[-200:])
         ref2 = chat(s2.client("sekret"), turn2, 24, False, **off_kw)
         check(cached > 0 and a2[:3] == ref2[:3] and ref2[3].prompt_tokens_details is None,
               "turn 2 reuses %d of %d prompt tokens and answers as without the cache" % (cached, a2[3].prompt_tokens))
     finally:
         rc = s2.stop(signal.SIGINT)
     check(rc == 130, "Ctrl-C: exit 130 (got %s)" % rc)
+    check(re.search(r"serve: 127\.0\.0\.1 POST /v1/completions 401: ", s2.err or "") is not None,
+          "failed requests are logged with the client, method, path and status (%r)" % (s2.err or "")[-300:])
+
+    # the key from the environment (FP4MOE_API_KEY, as vLLM's VLLM_API_KEY) and CORS for listed origins only
+    s4 = Server("--allowed-origins", "http://a.example, http://b.example", env={"FP4MOE_API_KEY": "envkey"})
+    try:
+        st, _ = s4.raw("GET", "/v1/models")
+        st2, _, hd = s4.raw("GET", "/v1/models", None, {"Authorization": "Bearer envkey", "Origin": "http://b.example"},
+                            with_headers=True)
+        _, _, hd2 = s4.raw("GET", "/v1/models", None, {"Authorization": "Bearer envkey", "Origin": "http://c.example"},
+                           with_headers=True)
+        check(st == 401 and st2 == 200 and hd.get("access-control-allow-origin") == "http://b.example" and
+              hd.get("vary") == "Origin" and "access-control-allow-origin" not in hd2,
+              "FP4MOE_API_KEY sets the key; --allowed-origins: a listed origin echoed (Vary: Origin), another none "
+              "(%d %d %r %r)" % (st, st2, hd, hd2))
+    finally:
+        s4.stop()
 
     # bounded queue: one sequence, no queue -> the second concurrent request gets 429
     s3 = Server("--max-seqs", "1", "--max-queue", "0")
