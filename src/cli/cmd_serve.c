@@ -39,12 +39,22 @@ static void on_signal(int sig) {
     g_stop = 1;
 }
 
+/* The served model id of a directory or config path: its last component, without ".json"; a file named config.json
+ * stands for its directory ("--synthetic DIR/config.json" is DIR's model). */
 static const char *base_name(const char *path) {
     size_t n = strlen(path);
     while (n > 1 && path[n - 1] == '/') n--;
     static char buf[256];
     size_t s = n;
     while (s > 0 && path[s - 1] != '/') s--;
+    if (n - s == 11 && !strncmp(path + s, "config.json", 11) && s > 1) { /* DIR/config.json: DIR */
+        n = s - 1;
+        while (n > 1 && path[n - 1] == '/') n--;
+        s = n;
+        while (s > 0 && path[s - 1] != '/') s--;
+    } else if (n - s > 5 && !strncmp(path + n - 5, ".json", 5)) {
+        n -= 5;
+    }
     snprintf(buf, sizeof buf, "%.*s", (int)(n - s), path + s);
     return buf;
 }
@@ -224,10 +234,15 @@ static int serve(const serve_args *a) {
         snprintf(eps, sizeof eps, ", expert parallel over %d ranks (%s; sequences and step tokens per rank, "
                  "the prefix cache split over them)", W,
                  nccl ? "NCCL, one GPU each" : "in-process loopback");
-    fprintf(stderr, "%s: model '%s' on %s, context %lld, %lld sequences x %lld tokens per step, prefix cache %lld MiB%s%s\n",
-            CMD, pc.model_name, fp4moe_device_name(dev), (long long)ctx, (long long)eo.max_seqs,
-            (long long)eo.max_step_tokens, (long long)(eo.prefix_cache_bytes >> 20), eps,
+    fprintf(stderr, "%s: model '%s' on %s (%s activations%s%s, KV cache %s), context %lld, %lld sequences x %lld tokens "
+            "per step, prefix cache %lld MiB%s%s\n",
+            CMD, pc.model_name, fp4moe_device_name(dev), fp4moe_dtype_name(dt), dev == FP4MOE_DEVICE_CPU ? ", " : "",
+            dev == FP4MOE_DEVICE_CPU ? fp4moe_cpu_act_name(ca) : "", fp4moe_kv_dtype_name(kv), (long long)ctx,
+            (long long)eo.max_seqs, (long long)eo.max_step_tokens, (long long)(eo.prefix_cache_bytes >> 20), eps,
             a->api_key ? ", API key required" : "");
+    if (a->max_step_tokens > 0 && eo.max_step_tokens != a->max_step_tokens)
+        fprintf(stderr, "%s: note: --max-step-tokens %lld raised to %lld (every running sequence decodes one token a "
+                "step)\n", CMD, (long long)a->max_step_tokens, (long long)eo.max_step_tokens);
     srv_http_options ho = {.host = a->host, .port = (int)a->port, .api_key = a->api_key, .max_body = a->max_body,
                            .allowed_origins = a->allowed_origins ? a->allowed_origins : "*", .log_errors = !a->quiet,
                            .http_threads = (int)a->http_threads, .stop = &g_stop};
@@ -264,7 +279,7 @@ int cmd_serve(int argc, char **argv) {
         {"--served-model-name", NULL, CLI_STRING, &a.name, "NAME", "model id of the API (default: the directory name)"},
         {"--ctx", NULL, CLI_INT, &a.ctx, "N", "tokens per request, prompt + output (default and 0: max_position_embeddings)"},
         {"--max-seqs", NULL, CLI_INT, &a.max_seqs, "N", "requests computed at once, per expert-parallel rank (default and 0: 16 cpu, 64 cuda)"},
-        {"--max-step-tokens", NULL, CLI_INT, &a.max_step_tokens, "N", "tokens per batch step, per expert-parallel rank (default 256 cpu, 2048 cuda)"},
+        {"--max-step-tokens", NULL, CLI_INT, &a.max_step_tokens, "N", "tokens per batch step, per expert-parallel rank, at least --max-seqs (default and 0: 256 cpu, 2048 cuda)"},
         {"--max-queue", NULL, CLI_INT, &a.max_queue, "N", "requests waiting beyond --max-seqs before 429 (default 256)"},
         {"--max-body", NULL, CLI_INT, &a.max_body, "BYTES", "largest request body (default 8388608)"},
         {"--prefix-cache-mb", NULL, CLI_INT, &a.prefix_cache_mb, "MB", "memory for kept conversation states (GPU memory on cuda), split evenly over expert-parallel ranks; 0 = off (default 1024 cpu, 8192 cuda)"},
