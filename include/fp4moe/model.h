@@ -454,6 +454,11 @@ int fp4moe_batch_step(fp4moe_batch *b, fp4moe_batch_item *items, int64_t n);
  * min(max_step_tokens, max(max_seqs, 256)). */
 int64_t fp4moe_batch_logit_rows(const fp4moe_batch *b);
 
+/* The fixed KV cache pool (max_kv_tokens > 0) of b: the tokens of its free pages, and its page size in tokens
+ * (*page, may be NULL). -1 when the pool grows on demand (max_kv_tokens <= 0), the model has no attention layer or b
+ * is NULL: no limit to plan for. A sequence of T positions holds ceil(T / page) pages. */
+int64_t fp4moe_batch_kv_free(const fp4moe_batch *b, int64_t *page);
+
 /* Device time by layer kind of the batch's steps (option profile, CUDA): as fp4moe_session_profile.
  * Errors: FP4MOE_EINVAL (profiling off, or a CPU batch). */
 int fp4moe_batch_profile(fp4moe_batch *b, double ms[FP4MOE_PROF_KINDS], int reset);

@@ -837,3 +837,9 @@ int batch_on_cuda(const fp4moe_batch *b) { return b->cuda; }
 
 int64_t batch_logit_rows(const fp4moe_batch *b) { return b->bufs.lg_rows; }
 int64_t fp4moe_batch_logit_rows(const fp4moe_batch *b) { return b ? b->bufs.lg_rows : 0; }
+
+int64_t fp4moe_batch_kv_free(const fp4moe_batch *b, int64_t *page) {
+    if (page) *page = FW_PAGE;
+    if (!b || !b->n_attn || b->grow) return -1;
+    return b->n_free * FW_PAGE;
+}

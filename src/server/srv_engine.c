@@ -1088,6 +1088,14 @@ static void engine_drop(srv_job *j) {
     if (g != j) job_unref_locked(g);
 }
 
+/* The KV tokens (whole pages of `page` tokens) a job is planned to hold in a fixed pool: its prompt and max_tokens
+ * when they fit the pool, else its prompt and one page to grow (a request that may run to the context). */
+static int64_t kv_plan(const srv_engine *e, const srv_job *j, int64_t page) {
+    const int64_t all = j->r.n_ids + j->r.max_tokens + 1;
+    const int64_t t = all <= e->o.kv_tokens ? all : j->r.n_ids + 1 + page;
+    return (t + page - 1) / page * page;
+}
+
 /* One round of rank rk: admissions, then one step of its jobs, or (expert parallelism, no work)
  * one idle round; `events` is e->events as read before the round. */
 static void step_once(srv_rank *rk, uint64_t events) {
@@ -1113,8 +1121,23 @@ static void step_once(srv_rank *rk, uint64_t events) {
         }
         i++;
     }
+    /* a fixed KV pool (--kv-cache-tokens): a job waits in the queue until its prompt's pages are free beyond one page
+     * of growth for every running sequence (it was admitted and failed with 503 when the pool ran out; vLLM queues
+     * too). Alone on the rank it is admitted whatever it needs (it fails if it cannot fit: no deadlock). */
+    int64_t page = 0, kv_left = fp4moe_batch_kv_free(rk->b, &page);
+    for (int64_t i = 0; kv_left >= 0 && i < rk->n_act; i++) { /* what the running ones will still take */
+        const srv_job *r = rk->act[i];
+        const int64_t pos = r->seq >= 0 ? fp4moe_batch_pos(rk->b, r->seq) : 0;
+        const int64_t held = (pos + page - 1) / page * page, more = kv_plan(e, r, page) - held;
+        if (more > 0) kv_left -= more;
+    }
     while (e->qhead && rk->n_act + n_adm < e->o.max_seqs && n_adm < 256 && least_loaded(rk)) {
         srv_job *j = e->qhead;
+        if (kv_left >= 0 && !j->cancelled) {
+            const int64_t need = kv_plan(e, j, page);
+            if (need > kv_left && rk->n_act + n_adm > 0) break;
+            kv_left -= need;
+        }
         e->qhead = j->next;
         if (!e->qhead) e->qtail = NULL;
         e->n_queued--;
@@ -1489,8 +1512,16 @@ srv_job *srv_engine_submit(srv_engine *e, srv_request *r, void (*wake)(void *), 
                  "once and in its queue (--max-seqs x ranks + --max-queue)", np, per, n, cap);
         return NULL;
     }
-    int64_t prompt_total = r->n_ids;
-    for (int p = 1; p < np; p++) prompt_total += r->more_n[p - 1];
+    int64_t prompt_total = r->n_ids, longest = r->n_ids;
+    for (int p = 1; p < np; p++) {
+        prompt_total += r->more_n[p - 1];
+        if (r->more_n[p - 1] > longest) longest = r->more_n[p - 1];
+    }
+    if (e->o.kv_tokens > 0 && longest + 1 > e->o.kv_tokens) { /* could never be admitted: said now */
+        srv_fail(err, 400, "prompt", "the prompt has %lld tokens; this server's KV cache pool holds %lld "
+                 "(--kv-cache-tokens)", (long long)longest, (long long)e->o.kv_tokens);
+        return NULL;
+    }
     srv_job *g = job_new(e, r, 0);
     if (!g) {
         srv_fail(err, 500, NULL, "out of memory");

@@ -552,6 +552,32 @@ def main():
     check(re.search(r"serve: 127\.0\.0\.1 POST /v1/completions 401: ", s2.err or "") is not None,
           "failed requests are logged with the client, method, path and status (%r)" % (s2.err or "")[-300:])
 
+    # a fixed KV pool too small for three prompts at once: the third waits in the queue (it got a 503 before: a
+    # helper's trial, session 32); a prompt larger than the whole pool: a 400 at once
+    s5 = Server("--kv-cache-tokens", "512", "--max-step-tokens", "64")
+    try:
+        c5 = s5.client()
+        long_p = [prompt(100 + i, 150) for i in range(3)]
+        n_tok = [len(c5.completions.create(model="nemotron-h-tiny-moe", prompt=p, max_tokens=1).choices) for p in long_p]
+
+        def one(p):
+            try:
+                r = c5.completions.create(model="nemotron-h-tiny-moe", prompt=p, max_tokens=40, temperature=0)
+                return r.usage.prompt_tokens, r.usage.completion_tokens
+            except openai.APIStatusError as ex:
+                return ex.status_code, str(ex)[:120]
+        with cf.ThreadPoolExecutor(3) as ex:
+            res = list(ex.map(one, long_p))
+        check(all(r[1] == 40 for r in res) and all(r[0] > 170 for r in res) and n_tok == [1, 1, 1],
+              "three prompts of ~200 tokens with a 512-token KV pool: all answered, the third after waiting (%r)" % res)
+        try:
+            c5.completions.create(model="nemotron-h-tiny-moe", prompt=prompt(7, 700), max_tokens=4)
+            check(False, "a prompt larger than the KV pool: 400")
+        except openai.BadRequestError as ex:
+            check("KV cache pool holds 512" in str(ex), "a prompt larger than the KV pool: 400 naming it (%s)" % ex)
+    finally:
+        s5.stop()
+
     # the key from the environment (FP4MOE_API_KEY, as vLLM's VLLM_API_KEY) and CORS for listed origins only
     s4 = Server("--allowed-origins", "http://a.example, http://b.example", env={"FP4MOE_API_KEY": "envkey"})
     try:
