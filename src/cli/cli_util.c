@@ -254,11 +254,12 @@ void cli_progress_start(cli_progress *p, const char *label, int64_t total) {
     p->t0 = p->last = cli_now();
     p->tty = isatty(STDERR_FILENO);
     p->shown = 0;
+    p->quiet = 0;
 }
 
 void cli_progress_update(cli_progress *p, int64_t done, const char *item) {
     const double now = cli_now();
-    if (now - p->t0 < 1.0 || now - p->last < (p->tty ? 0.1 : 10.0)) return;
+    if (p->quiet || now - p->t0 < 1.0 || now - p->last < (p->tty ? 0.1 : 10.0)) return;
     p->last = now;
     char pct[48] = "";
     if (p->total > 0 && done > 0 && done < p->total)   /* percentage and the time left at this rate */
@@ -277,7 +278,7 @@ void cli_progress_update(cli_progress *p, int64_t done, const char *item) {
 void cli_progress_finish(cli_progress *p) {
     const double dt = cli_now() - p->t0;
     if (p->shown && p->tty) fprintf(stderr, "\r\033[K");
-    if (dt >= 1.0) fprintf(stderr, "%s: done in %.1f s\n", p->label, dt);
+    if (dt >= 1.0 && !p->quiet) fprintf(stderr, "%s: done in %.1f s\n", p->label, dt);
 }
 
 /* ---- files ------------------------------------------------------------------------------------------ */

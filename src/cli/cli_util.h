@@ -123,6 +123,7 @@ typedef struct {
     int64_t total;        /* units of work (bytes, tensors); 0 = unknown */
     double t0, last;
     int tty, shown;
+    int quiet;            /* set after cli_progress_start: nothing printed (a command's --quiet) */
 } cli_progress;
 
 void cli_progress_start(cli_progress *p, const char *label, int64_t total);

@@ -780,7 +780,7 @@ int cmd_bench(int argc, char **argv) {
         {"--cpu-act", NULL, CLI_STRING, &a.cpu_act, "MODE", CLI_CPU_ACT_HELP},
         {"--kv-cache-dtype", NULL, CLI_STRING, &a.kv_cache, "T", CLI_KV_HELP},
         {"--route", NULL, CLI_STRING, &a.route, "R", "gather_qmm route: auto, qmv, batched, dequant_gemm (default auto)"},
-        {"--chunk", NULL, CLI_INT, &a.chunk, "N", "prefill chunk in tokens (default 256 on cpu, 8192 on cuda)"},
+        {"--chunk", NULL, CLI_INT, &a.chunk, "N", "prefill chunk in tokens (default and 0: 256 on cpu, 8192 on cuda)"},
         {"--seed", NULL, CLI_INT, &a.seed, "S", "seed of the synthetic weights (default: fixed)"},
         {"--batch", NULL, CLI_INT, &a.batch, "N",
          "N concurrent sequences in one batch (each prefills --prompt-tokens, then decodes --gen-tokens): "

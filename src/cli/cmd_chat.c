@@ -224,7 +224,7 @@ int cmd_chat(int argc, char **argv) {
         {"--dtype", NULL, CLI_STRING, &a.dtype, "DT", "matmul activations: f32 or bf16 (default f32 on cpu; cuda: bf16)"},
         {"--cpu-act", NULL, CLI_STRING, &a.cpu_act, "MODE", CLI_CPU_ACT_HELP},
         {"--kv-cache-dtype", NULL, CLI_STRING, &a.kv_cache, "T", CLI_KV_HELP},
-        {"--chunk", NULL, CLI_INT, &a.chunk, "N", "prefill chunk in tokens"},
+        {"--chunk", NULL, CLI_INT, &a.chunk, "N", "prefill chunk in tokens (default and 0: 256 on cpu, 8192 on cuda)"},
         {"--no-quantize", NULL, CLI_FLAG, &a.no_quantize, NULL, "keep dense checkpoints dense"},
     };
     const cli_spec spec = {CMD, "fp4moe chat -m DIR [options]",
@@ -237,6 +237,7 @@ int cmd_chat(int argc, char **argv) {
     if (!a.model) return cli_usage_error(CMD, "-m DIR is required");
     if (a.n < 1) return cli_usage_error(CMD, "--tokens must be >= 1");
     if (a.ctx < 0) return cli_usage_error(CMD, "--ctx must be >= 1 (0: the model's max_position_embeddings)");
+    if (a.chunk < 0) return cli_usage_error(CMD, "--chunk must be >= 1 (0: the default)");
     if (a.think && strcmp(a.think, "on") && strcmp(a.think, "off")) return cli_usage_error(CMD, "--think must be on or off");
     if ((rc = cli_sampling_check(CMD, &a.smp))) return rc;
     if ((rc = cli_set_threads(CMD, a.threads))) return rc;

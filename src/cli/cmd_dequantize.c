@@ -87,7 +87,7 @@ static int unstacked_name(const char *name, int64_t e, char *out, size_t cap) {
 
 int cmd_dequantize(int argc, char **argv) {
     const char *input = NULL, *output = NULL, *dtype_s = "bf16";
-    int unstack = 0;
+    int unstack = 0, quiet = 0;
     double shard_gb = 5.0;
     const cli_opt opts[] = {
         {"--input", "-i", CLI_STRING, &input, "IN", "a .safetensors file or a model directory (required)"},
@@ -95,6 +95,7 @@ int cmd_dequantize(int argc, char **argv) {
         {"--dtype", NULL, CLI_STRING, &dtype_s, "T", "bf16 | f16 | f32 (default bf16)"},
         {"--unstack", NULL, CLI_FLAG, &unstack, NULL, "write stacked experts as HF experts.{e}.up_proj/down_proj"},
         {"--shard-gb", NULL, CLI_DOUBLE, &shard_gb, "GB", "max shard size of a directory output (default 5)"},
+        {"--quiet", "-q", CLI_FLAG, &quiet, NULL, "no progress or summary on stderr (notes, warnings and errors stay)"},
     };
     const cli_spec spec = {CMD,
                            "fp4moe dequantize --input IN --output OUT [--dtype bf16|f16|f32] [--shard-gb GB] [--unstack]",
@@ -141,6 +142,7 @@ int cmd_dequantize(int argc, char **argv) {
         goto fail;
     }
     cli_progress_start(&progress, "dequantize", 0);
+    progress.quiet = quiet;
     for (int64_t i = 0; i < n; i++) {
         const fp4moe_st_tensor *t = fp4moe_st_model_at(m, i);
         fp4moe_qtensor q;
@@ -182,7 +184,8 @@ int cmd_dequantize(int argc, char **argv) {
     }
     cli_progress_finish(&progress);
     char b[32];
-    if (ndeq)
+    if (quiet) {
+    } else if (ndeq)
         fprintf(stderr, "dequantize: %lld %s tensors -> %s, %lld tensors written (%s) in %.1f s\n", (long long)ndeq,
                 fp4moe_qformat_name(fmt), fp4moe_dtype_name(out_dt), (long long)fp4moe_st_writer_count(w),
                 cli_format_bytes(fp4moe_st_writer_data_size(w), b), cli_now() - t0);

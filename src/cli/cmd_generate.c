@@ -658,7 +658,7 @@ int cmd_generate(int argc, char **argv) {
         {"--cpu-act", NULL, CLI_STRING, &a.cpu_act, "MODE", CLI_CPU_ACT_HELP},
         {"--kv-cache-dtype", NULL, CLI_STRING, &a.kv_cache, "T", CLI_KV_HELP},
         {"--no-quantize", NULL, CLI_FLAG, &a.no_quantize, NULL, "keep dense checkpoints dense (default: NVFP4 on load)"},
-        {"--chunk", NULL, CLI_INT, &a.chunk, "N", "prefill chunk in tokens (default 256 on cpu, 8192 on cuda)"},
+        {"--chunk", NULL, CLI_INT, &a.chunk, "N", "prefill chunk in tokens (default and 0: 256 on cpu, 8192 on cuda)"},
         {"--ignore-eos", NULL, CLI_FLAG, &a.ignore_eos, NULL, "do not stop at the end-of-sequence tokens"},
         {"--stop", NULL, CLI_STRINGS, &a.stop, "TEXT", "stop before this text (repeatable, up to 16)"},
         {"--threads", "-t", CLI_INT, &a.threads, "N", "CPU threads (default: one per core)"},

@@ -277,7 +277,7 @@ int cmd_perplexity(int argc, char **argv) {
         {"--device", NULL, CLI_STRING, &a.device, "DEV", "cpu, cuda or auto (default cpu; the fp32 reference is cpu with --cpu-act float)"},
         {"--threads", "-t", CLI_INT, &a.threads, "N", "CPU threads (default: one per core)"},
         {"--no-quantize", NULL, CLI_FLAG, &a.no_quantize, NULL, "keep dense checkpoints dense (default: NVFP4 on load)"},
-        {"--chunk", NULL, CLI_INT, &a.chunk, "N", "tokens per forward call (default 256)"},
+        {"--chunk", NULL, CLI_INT, &a.chunk, "N", "tokens per forward call (default and 0: 256)"},
         {"--json", NULL, CLI_FLAG, &a.json, NULL, "print one JSON object on stdout"},
     };
     const cli_spec spec = {

@@ -441,7 +441,7 @@ static int add_outputs(plan *p, fp4moe_st_writer *w, fill_ctx *ctx, int64_t *tot
 
 int cmd_quantize(int argc, char **argv) {
     const char *input = NULL, *output = NULL, *include = NULL, *exclude = NULL;
-    int with_gs = 0;
+    int with_gs = 0, quiet = 0;
     double shard_gb = 5.0;
     const cli_opt opts[] = {
         {"--input", "-i", CLI_STRING, &input, "IN", "a .safetensors file or a model directory (required)"},
@@ -453,6 +453,7 @@ int cmd_quantize(int argc, char **argv) {
          "mlx-lm 0.x reads it on the stacked experts only, so for an output it loads quantize only the experts with it: "
          "--include 'switch_mlp')"},
         {"--shard-gb", NULL, CLI_DOUBLE, &shard_gb, "GB", "max shard size of a directory output (default 5)"},
+        {"--quiet", "-q", CLI_FLAG, &quiet, NULL, "no progress or summary on stderr (notes, warnings and errors stay)"},
     };
     const cli_spec spec = {CMD, "fp4moe quantize --input IN --output OUT [options]", k_help, opts,
                            (int)(sizeof opts / sizeof opts[0]), NULL, 0, NULL};
@@ -519,8 +520,9 @@ int cmd_quantize(int argc, char **argv) {
     if ((st = fp4moe_st_writer_set_metadata(w, "format", "mlx"))) goto fail;
     cli_install_sigint();
     cli_progress_start(&p.progress, "quantize", total);
+    p.progress.quiet = quiet;
     created_dir = is_dir && !cli_is_dir(output);
-    if (is_dir && !created_dir) fprintf(stderr, "quantize: writing into the existing directory %s (its model files "
+    if (is_dir && !created_dir && !quiet) fprintf(stderr, "quantize: writing into the existing directory %s (its model files "
                                         "are replaced)\n", output);
     if (is_dir) {
         const char *skip[] = {"config.json", NULL};
@@ -535,7 +537,8 @@ int cmd_quantize(int argc, char **argv) {
     int64_t in_bytes = 0;
     for (int64_t i = 0; i < fp4moe_st_model_count(m); i++) in_bytes += fp4moe_st_model_at(m, i)->nbytes;
     char b1[32], b2[32];
-    fprintf(stderr, "quantize: %lld tensors in, %lld out, %lld quantized to nvfp4; %s -> %s in %.1f s\n",
+    if (!quiet)
+        fprintf(stderr, "quantize: %lld tensors in, %lld out, %lld quantized to nvfp4; %s -> %s in %.1f s\n",
             (long long)fp4moe_st_model_count(m), (long long)fp4moe_st_writer_count(w), (long long)nq,
             cli_format_bytes(in_bytes, b1), cli_format_bytes(fp4moe_st_writer_data_size(w), b2),
             cli_now() - t0);

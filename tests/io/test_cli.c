@@ -670,6 +670,13 @@ static void test_include_exclude(void **state) {
     assert_null(strstr(g_err, "replacing"));
     EXPECT_RC(0, "quantize", "-i", in, "-o", deep);
     expect_in(g_err, "quantize: replacing the existing file");
+    /* -q: no summary (quantize, dequantize) */
+    char deq[512];
+    snprintf(deq, sizeof deq, "%s", io_path("new/sub/dq.safetensors"));
+    EXPECT_RC(0, "dequantize", "-i", deep, "-o", deq, "-q");
+    assert_null(strstr(g_err, "dequantize:"));
+    EXPECT_RC(0, "quantize", "-i", deq, "-o", io_path("new/q2"), "-q");
+    assert_string_equal(g_err, "");
 }
 
 static void test_incomplete_expert_stack(void **state) {
