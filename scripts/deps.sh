@@ -3,9 +3,10 @@
 # As root: apt-get installs what is missing. Otherwise: prints the exact apt line and exits 1.
 set -euo pipefail
 pkgs=(build-essential cmake pkg-config libcmocka-dev libcjson-dev libpcre2-dev libopenblas-dev
-      libmicrohttpd-dev curl
+      libmicrohttpd-dev libedit-dev curl
       python3 python3-venv)   # python3-venv: scripts/pyenv.sh (mlx-lm oracle, openai client tests)
-# libmicrohttpd-dev: fp4moe serve's HTTP; curl: the server test talks to it with curl too
+# libmicrohttpd-dev: fp4moe serve's HTTP; libedit-dev: fp4moe chat's line editor (BSD editline; optional for the
+# build); curl: the server test talks to it with curl too
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

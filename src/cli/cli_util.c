@@ -12,6 +12,7 @@
 #include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
+#include <fcntl.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
@@ -397,13 +398,46 @@ int cli_read_stream(FILE *f, char **out) {
     return FP4MOE_OK;
 }
 
+/* A stream (a pipe, /dev/stdin, a process substitution) read to its end, up to max_bytes. */
+static int read_stream_text(FILE *fp, const char *path, int64_t max_bytes, char **out) {
+    cli_text t = {0};
+    char chunk[65536];
+    size_t k;
+    int st = FP4MOE_OK;
+    while (!st && (k = fread(chunk, 1, sizeof chunk, fp)) > 0) {
+        if ((int64_t)(t.n + k) > max_bytes) st = fp4moe_set_error(FP4MOE_EFORMAT, "%s: more than %lld bytes", path,
+                                                                  (long long)max_bytes);
+        else st = cli_text_add(&t, chunk, k);
+    }
+    if (!st && ferror(fp)) st = fp4moe_set_error(FP4MOE_EIO, "%s: read failed", path);
+    if (!st && !t.s) st = cli_text_add(&t, "", 0);
+    const char *nul = st ? NULL : memchr(t.s, 0, t.n);
+    if (nul) st = fp4moe_set_error(FP4MOE_EFORMAT, "%s: a NUL byte at offset %lld: not text", path, (long long)(nul - t.s));
+    if (st) free(t.s);
+    else *out = t.s;
+    return st;
+}
+
 int cli_read_text(const char *path, int64_t max_bytes, char **out) {
     *out = NULL;
     struct stat sb;
-    if (stat(path, &sb) == 0 && !S_ISREG(sb.st_mode)) /* a directory, a pipe (which fopen would wait on), a device */
-        return fp4moe_set_error(FP4MOE_EIO, "%s: not a regular file", path);
-    FILE *fp = fopen(path, "rb");
-    if (!fp) return fp4moe_set_error(FP4MOE_EIO, "%s: cannot open: %s", path, strerror(errno));
+    if (stat(path, &sb) == 0 && S_ISDIR(sb.st_mode)) return fp4moe_set_error(FP4MOE_EIO, "%s: a directory", path);
+    if (stat(path, &sb) == 0 && !S_ISREG(sb.st_mode) && !S_ISFIFO(sb.st_mode) && !S_ISCHR(sb.st_mode))
+        return fp4moe_set_error(FP4MOE_EIO, "%s: not a regular file, pipe or character device", path);
+    /* a named pipe is opened without waiting for a writer (none: it reads as empty, no hang), then read blocking */
+    const int fd = open(path, O_RDONLY | O_NONBLOCK);
+    FILE *fp = fd >= 0 ? fdopen(fd, "rb") : NULL;
+    if (!fp) {
+        const int err = errno;
+        if (fd >= 0) close(fd);
+        return fp4moe_set_error(FP4MOE_EIO, "%s: cannot open: %s", path, strerror(err));
+    }
+    fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK);
+    if (fstat(fd, &sb) == 0 && !S_ISREG(sb.st_mode)) { /* a pipe / stdin / <(...): read to its end */
+        const int st = read_stream_text(fp, path, max_bytes, out);
+        fclose(fp);
+        return st;
+    }
     int st = FP4MOE_OK;
     char *buf = NULL;
     long n = -1;

@@ -12,6 +12,10 @@
 #include <string.h>
 #include <unistd.h>
 
+#ifdef FP4MOE_HAVE_LIBEDIT
+#include <editline/readline.h>
+#endif
+
 #include "cli/cli_util.h"
 #include "cli/commands.h"
 #include "fp4moe/fp4moe.h"
@@ -39,21 +43,76 @@ static void add_message(cJSON *msgs, const char *role, const char *content) {
 /* One answer: the rendered conversation through a fresh session, streamed; the text in *answer. ctx_len > 0:
  * the context limit in tokens - a conversation of ctx_len tokens or more is not sent (*too_long = 1, nothing
  * printed but the message), an answer stops at the limit. */
+/* One message of the user into out (NUL-terminated, without its end of line). In a terminal the line is read
+ * with libedit when the build has it (lines of any length - the terminal's own line mode stops at 4,095 bytes -,
+ * cursor keys, history of the session's messages), and a line ending in '\\' continues on the next (a multi-line
+ * message, as llama-cli's); the prompt goes to stdout. Piped input: one line, one message. Returns 0, -1 at the end
+ * of the input, -2 when Ctrl-C was pressed at the prompt. */
+static int read_message(int tty, cli_text *out) {
+    const volatile sig_atomic_t *stop = cli_install_sigint();
+    for (int first = 1;; first = 0) {
+        char *l = NULL;
+        size_t n = 0;
+#ifdef FP4MOE_HAVE_LIBEDIT
+        if (tty) {
+            fflush(stdout);
+            l = readline(first ? "> " : ". ");
+            if (!l) return *stop ? -2 : -1;
+            n = strlen(l);
+        } else
+#endif
+        {
+            if (tty) {
+                fputs(first ? "> " : ". ", stdout);
+                fflush(stdout);
+            }
+            size_t cap = 0;
+            const ssize_t k = getline(&l, &cap, stdin);
+            if (k < 0) {
+                free(l);
+                return *stop ? -2 : -1;
+            }
+            n = (size_t)k;
+            while (n && (l[n - 1] == '\n' || l[n - 1] == '\r')) l[--n] = 0;
+        }
+        const int more = tty && n && l[n - 1] == '\\';
+        if (more) l[--n] = 0;
+        if ((!first && cli_text_add(out, "\n", 1)) || cli_text_add(out, l, n)) {
+            free(l);
+            return -1;
+        }
+        free(l);
+        if (!more) break;
+    }
+    if (!out->s && cli_text_add(out, "", 0)) return -1;
+#ifdef FP4MOE_HAVE_LIBEDIT
+    if (tty && out->n) add_history(out->s);
+#endif
+    return 0;
+}
+
 static int answer(const chat_args *a, fp4moe_session *s, int64_t V, fp4moe_tokenizer *tok, fp4moe_sampler *smp,
                   const fp4moe_template *tmpl, const char *tmpl_name, cJSON *ctx, int64_t ctx_len, cli_text *answer,
                   int *too_long) {
     *too_long = 0;
     char *prompt = NULL;
     int st = fp4moe_template_render(tmpl, ctx, NULL, &prompt, NULL);
-    if (st) return fp4moe_error_context(st, "%s", tmpl_name); /* e.g. the template's raise_exception */
+    if (st) { /* e.g. the template's raise_exception on this message: said, the message dropped, the chat goes on */
+        fprintf(stderr, "%s: %s: %s: message not sent\n", CMD, tmpl_name, fp4moe_last_error());
+        *too_long = 1;
+        return FP4MOE_OK;
+    }
     int32_t *ids = NULL;
     int64_t T = 0;
     st = fp4moe_tokenizer_encode(tok, prompt, (int64_t)strlen(prompt), 0, &ids, &T);
     free(prompt);
     if (!st && T == 0) st = fp4moe_set_error(FP4MOE_EINVAL, "the rendered conversation encodes to no tokens");
     if (!st && ctx_len > 0 && T >= ctx_len) {
+        const int alone = cJSON_GetArraySize(cJSON_GetObjectItem(ctx, "messages")) <= 1 + (a->system != NULL);
         fprintf(stderr, "%s: the conversation with this message is %lld tokens, the context %lld (--ctx): message not "
-                "sent; /reset starts over\n", CMD, (long long)T, (long long)ctx_len);
+                "sent; %s\n", CMD, (long long)T, (long long)ctx_len,
+                alone ? "it is too long even alone (with the --system prompt): a shorter one, or a larger --ctx"
+                      : "/reset starts over");
         *too_long = 1;
         free(ids);
         return FP4MOE_OK;
@@ -158,36 +217,59 @@ static int chat(const chat_args *a) {
     cli_template_special_tokens(a->model, ctx);
     if (a->system) add_message(msgs, "system", a->system);
     const int tty = isatty(0);
-    char *line = NULL;
-    size_t cap = 0;
+    int interrupted = 0;
     while (!st) {
-        if (tty) fprintf(stderr, "> ");
-        const ssize_t n = getline(&line, &cap, stdin);
-        if (n < 0) break;
-        size_t len = (size_t)n;
-        while (len && (line[len - 1] == '\n' || line[len - 1] == '\r')) line[--len] = 0;
+        cli_text msg = {0};
+        const int r = read_message(tty, &msg);
+        if (r < 0) {
+            free(msg.s);
+            if (tty) printf("\n"); /* the shell's prompt on a line of its own */
+            interrupted = r == -2;
+            break;
+        }
+        char *line = msg.s;
+        size_t len = msg.n;
         if (memchr(line, 0, len)) { /* the message would end there without a word */
             fprintf(stderr, "%s: the line has a NUL byte at offset %lld: not sent\n", CMD,
                     (long long)((const char *)memchr(line, 0, len) - line));
+            free(msg.s);
             continue;
         }
         const int64_t bad = fp4moe_utf8_invalid_at(line, (int64_t)len); /* the tokenizer would refuse the whole turn */
         if (bad >= 0) {
             fprintf(stderr, "%s: the line is not valid UTF-8 at byte %lld (0x%02X): not sent\n", CMD, (long long)bad,
                     (unsigned)(unsigned char)line[bad]);
+            free(msg.s);
             continue;
         }
-        if (!strcmp(line, "/exit") || !strcmp(line, "/quit")) break;
+        if (line[0] == '/' && line[1] != '/') /* a command: trailing blanks do not count */
+            while (len && (line[len - 1] == ' ' || line[len - 1] == '\t')) line[--len] = 0;
+        if (!strcmp(line, "/help")) {
+            fprintf(stderr, "%s: /reset forgets the conversation (the --system prompt stays), /exit or /quit (or "
+                    "Ctrl-D) ends the chat; Ctrl-C stops an answer; in a terminal a line ending in '\\' goes on on "
+                    "the next line; start a message with // to send a leading /\n", CMD);
+            free(msg.s);
+            continue;
+        }
+        if (!strcmp(line, "/exit") || !strcmp(line, "/quit")) {
+            free(msg.s);
+            break;
+        }
         if (!strcmp(line, "/reset")) {
             while (cJSON_GetArraySize(msgs) > (a->system ? 1 : 0))
                 cJSON_DeleteItemFromArray(msgs, cJSON_GetArraySize(msgs) - 1);
             fprintf(stderr, "%s: conversation reset\n", CMD);
+            free(msg.s);
             continue;
         }
-        if (!len) continue;
+        if (!len) {
+            free(msg.s);
+            continue;
+        }
         if (line[0] == '/' && line[1] != '/' && line[1] != ' ' && line[1]) {   /* "//text" sends "/text" */
-            fprintf(stderr, "%s: unknown command %s (commands: /reset, /exit; start a message with // to send a "
+            fprintf(stderr, "%s: unknown command %s (commands: /reset, /exit, /help; start a message with // to send a "
                     "leading /)\n", CMD, line);
+            free(msg.s);
             continue;
         }
         add_message(msgs, "user", line[0] == '/' && line[1] == '/' ? line + 1 : line);
@@ -197,15 +279,15 @@ static int chat(const chat_args *a) {
         if (too_long) cJSON_DeleteItemFromArray(msgs, cJSON_GetArraySize(msgs) - 1); /* the message not sent */
         else add_message(msgs, "assistant", ans.s ? ans.s : "");
         free(ans.s);
+        free(msg.s);
     }
-    free(line);
     cJSON_Delete(ctx);
     fp4moe_sampler_free(&smp);
     fp4moe_session_free(s);
     fp4moe_model_free(m);
     fp4moe_tokenizer_free(tok);
     fp4moe_template_free(tmpl);
-    return st ? cli_fail(CMD, st) : FP4MOE_EXIT_OK;
+    return st ? cli_fail(CMD, st) : interrupted ? FP4MOE_EXIT_INTERRUPTED : FP4MOE_EXIT_OK;
 }
 
 int cmd_chat(int argc, char **argv) {

@@ -391,6 +391,7 @@ static int run_generation(const gen_args *a, gen_state *g, const volatile sig_at
     }
     int interrupted = 0;
     if (st == FP4MOE_EINTERRUPTED || *stop) {
+        if (produced) fflush(stdout), fputc('\n', stderr); /* the note on a line of its own, not after the text */
         fprintf(stderr, "%s: stopped (Ctrl-C)\n", CMD);
         st = FP4MOE_OK;
         reason = "interrupted";
@@ -623,7 +624,9 @@ static int generate(const gen_args *a) {
     if (!st && (a->json_schema || a->json_schema_file || a->json_object)) st = setup_grammar(a, &g, &sp, V);
     if (!st && !(g.logits = malloc((size_t)V * sizeof(float)))) st = FP4MOE_ENOMEM;
     g.json = a->json;
-    if (!st && a->json && !(g.ids = malloc((size_t)a->n * sizeof(int32_t)))) st = FP4MOE_ENOMEM;
+    /* the ids of --json: at most -n, and no more than the context leaves after the prompt (-n may be huge) */
+    const int64_t n_ids_cap = ctx > 0 && ctx - g.T < a->n ? ctx - g.T : a->n;
+    if (!st && a->json && !(g.ids = malloc((size_t)n_ids_cap * sizeof(int32_t)))) st = FP4MOE_ENOMEM;
     rc = st ? cli_fail(CMD, st) : run_generation(a, &g, stop);
     if (grp) {
         if (g.s) (void)fp4moe_session_ep_leave(g.s); /* the followers return */

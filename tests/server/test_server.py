@@ -617,8 +617,65 @@ def main():
     finally:
         s3.stop()
     logprobs_and_penalties(p0)
+    chat_terminal()
     print("%d failure(s)" % len(FAILS))
     return 1 if FAILS else 0
+
+
+def chat_terminal():
+    """fp4moe chat in a pseudo-terminal (a helper's trial, session 32): a 21 KB line arrives whole (the terminal's
+    line mode cut it at 4,095 bytes), cursor keys edit and recall lines (libedit), a line ending in a backslash goes
+    on, Ctrl-C at the prompt exits 130 on a fresh line. Skipped parts without libedit in the build."""
+    import pty
+    import select
+    tmpl = os.path.join(tempfile.gettempdir(), "fp4moe-chat-tty.jinja")
+    with open(tmpl, "w") as f:
+        f.write("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:")
+    edit = "libedit" in subprocess.run(["ldd", BIN], capture_output=True, text=True).stdout
+
+    def run(keys, args):
+        pid, fd = pty.fork()
+        if pid == 0:
+            os.execv(BIN, [BIN, "chat", "-m", MODEL, "--chat-template", tmpl, "-n", "4", "--threads", "1", *args])
+        out = b""
+
+        def drain(t):
+            nonlocal out
+            end = time.time() + t
+            while time.time() < end:
+                r, _, _ = select.select([fd], [], [], 0.05)
+                if r:
+                    try:
+                        out += os.read(fd, 65536)
+                    except OSError:
+                        return
+        drain(2)
+        for k in keys:
+            if k == "SIGINT":
+                os.kill(pid, signal.SIGINT)
+            else:
+                for i in range(0, len(k), 512):
+                    os.write(fd, k[i:i + 512])
+                    drain(0.01)
+            drain(1.5)
+        _, st = os.waitpid(pid, 0)
+        os.close(fd)
+        return out.decode("utf-8", "replace"), os.waitstatus_to_exitcode(st)
+    if edit:
+        long_line = " ".join("w%05d" % i for i in range(3000)).encode()
+        out, rc = run([long_line + b"\r", b"/exit\r"], ("--ctx", "100"))
+        m = re.search(r"with this message is (\d+) tokens", out)
+        check(rc == 0 and m and int(m.group(1)) > 10000, "chat in a terminal: a 21 KB line arrives whole (%s tokens)"
+              % (m.group(1) if m else out[-200:]))
+        out, rc = run([b"abc\x1b[D\x1b[Dx\r", b"\x1b[A\r", b"/exit\r"], ("--ctx", "30"))
+        check(rc == 0 and out.count("axbc") >= 2 and "\x1b[D" not in out.split("axbc")[0][-20:],
+              "chat in a terminal: Left edits the line, Up recalls it (%r)" % out[-300:])
+        out, rc = run([b"first line\\\r", b"second line\r", b"/exit\r"], ("--ctx", "40"))
+        check(rc == 0 and "\n. " in out.replace("\r", ""), "chat in a terminal: a backslash continues the message (%r)"
+              % out[-300:])
+    out, rc = run(["SIGINT"], ())
+    check(rc == 130 and out.replace("\r", "").endswith("> \n"), "chat: Ctrl-C at the prompt exits 130 on a new line "
+          "(%s %r)" % (rc, out[-30:]))
 
 
 def structured_outputs(s, c):
