@@ -29,7 +29,7 @@ typedef struct {
     const char *model, *chat_template, *system, *think, *device, *dtype, *cpu_act, *kv_cache;
     int64_t n, chunk, ctx;
     cli_sampling smp;
-    int no_quantize;
+    int no_quantize, verbose;
     int64_t threads;
 } chat_args;
 
@@ -91,9 +91,31 @@ static int read_message(int tty, cli_text *out) {
     return 0;
 }
 
+/* The tokens the session holds, in order (the previous turns' prompt and the answer's forwarded ids): a new turn
+ * whose rendered conversation starts with them computes only what follows (the Mamba state cannot be rewound, so
+ * anything else - a template that rewrites earlier turns, e.g. one dropping old reasoning - starts over). */
+typedef struct {
+    int32_t *ids;
+    int64_t n, cap;
+} chat_hist;
+
+static int hist_add(chat_hist *h, const int32_t *ids, int64_t n) {
+    if (h->n + n > h->cap) {
+        int64_t cap = h->cap ? h->cap : 1024;
+        while (cap < h->n + n) cap *= 2;
+        int32_t *p = realloc(h->ids, (size_t)cap * sizeof *p);
+        if (!p) return fp4moe_set_error(FP4MOE_ENOMEM, "chat: out of memory");
+        h->ids = p;
+        h->cap = cap;
+    }
+    memcpy(h->ids + h->n, ids, (size_t)n * sizeof *ids);
+    h->n += n;
+    return FP4MOE_OK;
+}
+
 static int answer(const chat_args *a, fp4moe_session *s, int64_t V, fp4moe_tokenizer *tok, fp4moe_sampler *smp,
                   const fp4moe_template *tmpl, const char *tmpl_name, cJSON *ctx, int64_t ctx_len, cli_text *answer,
-                  int *too_long) {
+                  int *too_long, chat_hist *h) {
     *too_long = 0;
     char *prompt = NULL;
     int st = fp4moe_template_render(tmpl, ctx, NULL, &prompt, NULL);
@@ -122,11 +144,18 @@ static int answer(const chat_args *a, fp4moe_session *s, int64_t V, fp4moe_token
     const volatile sig_atomic_t *stop = cli_install_sigint();
     fp4moe_tokenizer_stream ts;
     fp4moe_tokenizer_stream_init(&ts, tok, 1);
-    fp4moe_session_reset(s);
+    const int64_t keep = h->n > 0 && h->n < T && fp4moe_session_pos(s) == h->n &&
+                                 !memcmp(h->ids, ids, (size_t)h->n * sizeof *ids)
+                             ? h->n
+                             : 0; /* the session's tokens start this conversation: only the rest is computed */
+    if (!keep) fp4moe_session_reset(s);
+    const double t0 = cli_now();
+    h->n = 0;
     fp4moe_sampler_forget(smp);                  /* the repeat penalty sees this conversation's tokens, the
                                                     presence / frequency penalties this answer's */
     for (int64_t i = 0; !st && i < T; i++) fp4moe_sampler_accept(smp, ids[i]);
-    if (!st) st = fp4moe_session_forward(s, ids, T, lg, 0);
+    if (!st) st = fp4moe_session_forward(s, ids + keep, T - keep, lg, 0);
+    int hist_ok = !st && hist_add(h, ids, T) == FP4MOE_OK;
     for (int64_t i = 0; !st && i < a->n && !*stop; i++) {
         const int32_t id = fp4moe_sample(smp, lg);
         if (fp4moe_sampler_is_stop(smp, id)) break;
@@ -141,8 +170,15 @@ static int answer(const chat_args *a, fp4moe_session *s, int64_t V, fp4moe_token
             fprintf(stderr, "\n%s: answer stopped at the context limit of %lld tokens (--ctx)", CMD, (long long)ctx_len);
             break;
         }
-        if (i + 1 < a->n) st = fp4moe_session_forward(s, &id, 1, lg, 0);
+        if (i + 1 < a->n) {
+            st = fp4moe_session_forward(s, &id, 1, lg, 0);
+            hist_ok = hist_ok && !st && hist_add(h, &id, 1) == FP4MOE_OK;
+        }
     }
+    if (!hist_ok || st || *stop) h->n = 0; /* an error or Ctrl-C may leave the session mid-forward: start over */
+    if (a->verbose && !st)
+        fprintf(stderr, "%s: prompt %lld tokens (%lld kept from the turns before), answer %lld bytes, %.2f s\n", CMD,
+                (long long)T, (long long)keep, (long long)answer->n, cli_now() - t0);
     const char *text;
     int64_t len;
     if (!fp4moe_tokenizer_stream_flush(&ts, &text, &len)) {
@@ -218,6 +254,7 @@ static int chat(const chat_args *a) {
     if (a->system) add_message(msgs, "system", a->system);
     const int tty = isatty(0);
     int interrupted = 0;
+    chat_hist hist = {0};
     while (!st) {
         cli_text msg = {0};
         const int r = read_message(tty, &msg);
@@ -259,6 +296,7 @@ static int chat(const chat_args *a) {
             while (cJSON_GetArraySize(msgs) > (a->system ? 1 : 0))
                 cJSON_DeleteItemFromArray(msgs, cJSON_GetArraySize(msgs) - 1);
             fprintf(stderr, "%s: conversation reset\n", CMD);
+            hist.n = 0;
             free(msg.s);
             continue;
         }
@@ -275,12 +313,14 @@ static int chat(const chat_args *a) {
         add_message(msgs, "user", line[0] == '/' && line[1] == '/' ? line + 1 : line);
         cli_text ans = {0};
         int too_long = 0;
-        st = answer(a, s, fp4moe_model_config(m)->vocab, tok, &smp, tmpl, tmpl_name, ctx, ctx_len, &ans, &too_long);
+        st = answer(a, s, fp4moe_model_config(m)->vocab, tok, &smp, tmpl, tmpl_name, ctx, ctx_len, &ans, &too_long,
+                    &hist);
         if (too_long) cJSON_DeleteItemFromArray(msgs, cJSON_GetArraySize(msgs) - 1); /* the message not sent */
         else add_message(msgs, "assistant", ans.s ? ans.s : "");
         free(ans.s);
         free(msg.s);
     }
+    free(hist.ids);
     cJSON_Delete(ctx);
     fp4moe_sampler_free(&smp);
     fp4moe_session_free(s);
@@ -296,6 +336,8 @@ int cmd_chat(int argc, char **argv) {
         {"--model", "-m", CLI_STRING, &a.model, "DIR", "model directory (config.json, *.safetensors, tokenizer.json)"},
         {"--chat-template", NULL, CLI_STRING, &a.chat_template, "FILE", "Jinja chat template (default: the model's)"},
         {"--system", NULL, CLI_STRING, &a.system, "TEXT", "system prompt"},
+        {"--verbose", "-v", CLI_FLAG, &a.verbose, NULL, "a line per turn on stderr: prompt tokens, those kept from the "
+         "turns before (not computed again), time"},
         {"--think", NULL, CLI_STRING, &a.think, "on|off", "enable_thinking for reasoning templates (default: the template's)"},
         {"--tokens", "-n", CLI_INT, &a.n, "N", "most tokens per answer (default 512)"},
         {"--ctx", NULL, CLI_INT, &a.ctx, "N", "context limit in tokens, the conversation's and its answer's (default: "

@@ -1141,6 +1141,17 @@ static void test_chat(void **state) {
     /* the context limit (--ctx): a conversation that does not fit is not sent (the next message still is), an
      * answer stops at it; a line with a NUL byte is not sent */
     const char *T = "tests/golden/templates/nemotron-3-nano-30b-a3b.jinja";
+    /* turn 2 computes only what follows turn 1's tokens (-v says how many were kept); turn 1 computes all */
+    io_write_bytes(in, "Tell me a story\nAnd then?\n", 26);
+    g_stdin_path = in;
+    EXPECT_RC(0, "chat", "-m", "models/nemotron-h-tiny-moe", "--chat-template", T, "-n", "24", "--think", "off",
+              "--temp", "0", "-v");
+    expect_in(g_err, "(0 kept from the turns before)");
+    const char *k2 = strstr(strstr(g_err, "(0 kept") + 1, "chat: prompt ");
+    assert_non_null(k2);
+    long p2 = 0, kept2 = 0;
+    assert_int_equal(sscanf(k2, "chat: prompt %ld tokens (%ld kept", &p2, &kept2), 2);
+    assert_true(kept2 > 40 && kept2 < p2);
     char big[6000] = "";
     for (int i = 0; i < 200; i++) strcat(big, "the king said ");
     strcat(big, "\nhello\nwith\0nul\n");
