@@ -702,26 +702,6 @@ static int bench(bench_args *a) {
                     "max_position_embeddings %lld (speed is measured all the same)\n", CMD, (long long)a->prompt_tokens,
                     (long long)a->gen_tokens, (long long)maxp);
     }
-    if (a->batch > 0) {
-        if (a->chunk > 0 && a->chunk < a->batch) {
-            fp4moe_model_free(m);
-            return cli_usage_error(CMD, "--chunk (tokens per step) must be at least --batch: every sequence "
-                                   "decodes one token per step");
-        }
-        if (a->chunk <= 0) a->chunk = dev == FP4MOE_DEVICE_CUDA ? CLI_CUDA_CHUNK : 256;
-        if (a->chunk < a->batch) a->chunk = a->batch;
-        fp4moe_session_options co;
-        fp4moe_session_options_default(&co);
-        co.act_dtype = dt;
-        co.cpu_act = ca;
-        co.kv_dtype = a->kv;
-        co.route = route;
-        co.device = dev;
-        const int cst = check_logits(m, &co, a->prompt_tokens);
-        rc = cst ? cli_fail(CMD, cst) : bench_batch(a, m, dt, route, dev);
-        fp4moe_model_free(m);
-        return rc;
-    }
     fp4moe_session_options so;
     fp4moe_session_options_default(&so);
     so.act_dtype = dt;
@@ -733,6 +713,19 @@ static int bench(bench_args *a) {
     so.profile = a->profile;
     if (dev == FP4MOE_DEVICE_CUDA) so.max_chunk = CLI_CUDA_CHUNK;
     if (a->chunk > 0) so.max_chunk = a->chunk;
+    if (a->batch > 0) {
+        if (a->chunk > 0 && a->chunk < a->batch) {
+            fp4moe_model_free(m);
+            return cli_usage_error(CMD, "--chunk (tokens per step) must be at least --batch: every sequence "
+                                   "decodes one token per step");
+        }
+        if (a->chunk <= 0) a->chunk = dev == FP4MOE_DEVICE_CUDA ? CLI_CUDA_CHUNK : 256;
+        if (a->chunk < a->batch) a->chunk = a->batch;
+        const int cst = check_logits(m, &so, a->prompt_tokens); /* (a session with the run's settings) */
+        rc = cst ? cli_fail(CMD, cst) : bench_batch(a, m, dt, route, dev);
+        fp4moe_model_free(m);
+        return rc;
+    }
     const int64_t V = fp4moe_model_config(m)->vocab;
     fp4moe_session *s = NULL;
     int32_t *prompt = malloc((size_t)a->prompt_tokens * sizeof *prompt);
