@@ -157,6 +157,17 @@ static int serve(const serve_args *a) {
     const fp4moe_config *cfg = fp4moe_model_config(m);
     int64_t ctx = cfg->max_position > 0 ? cfg->max_position : 4096;
     if (a->ctx > 0) {
+        if (cfg->max_position > 0 && a->ctx > 8 * cfg->max_position) { /* a typo's extra zeros: page tables of that */
+            fprintf(stderr, "fp4moe %s: error: --ctx %lld is more than 8x the model's max_position_embeddings %lld (the "
+                    "KV page tables of every sequence are sized for it before the server listens)\n", CMD,
+                    (long long)a->ctx, (long long)cfg->max_position);
+            free_models(models, W);
+            fp4moe_ep_group_free(grp);
+            fp4moe_template_free(tmpl);
+            free(src);
+            fp4moe_tokenizer_free(tok);
+            return FP4MOE_EXIT_USAGE;
+        }
         if (cfg->max_position > 0 && a->ctx > cfg->max_position)
             fprintf(stderr, "%s: warning: --ctx %lld is above the model's max_position_embeddings %lld\n", CMD,
                     (long long)a->ctx, (long long)cfg->max_position);
@@ -277,7 +288,8 @@ int cmd_serve(int argc, char **argv) {
          "CORS: origins whose browser pages may call the API, comma-separated, '*' for any, 'none' for no CORS "
          "headers (default '*', as vLLM)"},
         {"--served-model-name", NULL, CLI_STRING, &a.name, "NAME", "model id of the API (default: the directory name)"},
-        {"--ctx", NULL, CLI_INT, &a.ctx, "N", "tokens per request, prompt + output (default and 0: max_position_embeddings)"},
+        {"--ctx", NULL, CLI_INT, &a.ctx, "N", "tokens per request, prompt + output (default and 0: max_position_embeddings; "
+         "at most 8x it)"},
         {"--max-seqs", NULL, CLI_INT, &a.max_seqs, "N", "requests computed at once, per expert-parallel rank (default and 0: 16 cpu, 64 cuda)"},
         {"--max-step-tokens", NULL, CLI_INT, &a.max_step_tokens, "N", "tokens per batch step, per expert-parallel rank, at least --max-seqs (default and 0: 256 cpu, 2048 cuda)"},
         {"--max-queue", NULL, CLI_INT, &a.max_queue, "N", "requests waiting beyond --max-seqs before 429 (default 256)"},

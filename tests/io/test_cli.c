@@ -1473,6 +1473,8 @@ static void test_bench_ep_ranks(void **state) {
     expect_in(g_err, "--http-threads must be in [1, 64] (got 0)");
     EXPECT_RC(2, "serve", "-m", M, "--max-seqs", "100000000");
     expect_in(g_err, "--max-seqs must be in [0, 1048576]");
+    EXPECT_RC(2, "serve", "-m", M, "--ctx", "1000000000", "--port", "0");  /* a typo's zeros: refused, not GBs taken */
+    expect_in(g_err, "--ctx 1000000000 is more than 8x the model's max_position_embeddings 4096");
     char kf[512];
     snprintf(kf, sizeof kf, "%s", io_path("empty-key"));
     FILE *kfp = fopen(kf, "w");
