@@ -1121,8 +1121,8 @@ static void step_once(srv_rank *rk, uint64_t events) {
         }
         i++;
     }
-    /* a fixed KV pool (--kv-cache-tokens): a job waits in the queue until its prompt's pages are free beyond one page
-     * of growth for every running sequence (it was admitted and failed with 503 when the pool ran out; vLLM queues
+    /* a fixed KV pool (--kv-cache-tokens): a job waits in the queue until its planned KV (kv_plan) is free beyond
+     * what the running jobs' plans still take (it was admitted and failed with 503 when the pool ran out; vLLM queues
      * too). Alone on the rank it is admitted whatever it needs (it fails if it cannot fit: no deadlock). */
     int64_t page = 0, kv_left = fp4moe_batch_kv_free(rk->b, &page);
     for (int64_t i = 0; kv_left >= 0 && i < rk->n_act; i++) { /* what the running ones will still take */
