@@ -340,7 +340,7 @@ int cmd_chat(int argc, char **argv) {
          "turns before (not computed again), time"},
         {"--think", NULL, CLI_STRING, &a.think, "on|off", "enable_thinking for reasoning templates (default: the template's)"},
         {"--tokens", "-n", CLI_INT, &a.n, "N", "most tokens per answer (default 512)"},
-        {"--ctx", NULL, CLI_INT, &a.ctx, "N", "context limit in tokens, the conversation's and its answer's (default: "
+        {"--ctx", "-c", CLI_INT, &a.ctx, "N", "context limit in tokens, the conversation's and its answer's (default: "
          "the model's max_position_embeddings)"},
         CLI_SAMPLING_OPTS(a.smp),
         {"--threads", "-t", CLI_INT, &a.threads, "N", "CPU threads (default: one per core)"},

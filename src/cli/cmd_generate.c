@@ -652,7 +652,7 @@ int cmd_generate(int argc, char **argv) {
         {"--model", "-m", CLI_STRING, &a.model, "DIR", "model directory (config.json, *.safetensors, tokenizer.json)"},
         {"--prompt", "-p", CLI_STRING, &a.prompt, "TEXT", "prompt text (- reads it from standard input)"},
         {"--file", "-f", CLI_STRING, &a.file, "FILE", "read the prompt from FILE"},
-        {"--ctx", NULL, CLI_INT, &a.ctx, "N", "context limit in tokens (default: the model's max_position_embeddings)"},
+        {"--ctx", "-c", CLI_INT, &a.ctx, "N", "context limit in tokens (default: the model's max_position_embeddings)"},
         {"--prompt-ids", NULL, CLI_STRING, &a.prompt_ids, "IDS", "prompt as token ids, e.g. 1,2,3 (no tokenizer needed)"},
         {"--tokens", "-n", CLI_INT, &a.n, "N", "tokens to generate (default 128)"},
         CLI_SAMPLING_OPTS(a.smp),

@@ -288,7 +288,7 @@ int cmd_serve(int argc, char **argv) {
          "CORS: origins whose browser pages may call the API, comma-separated, '*' for any, 'none' for no CORS "
          "headers (default '*', as vLLM)"},
         {"--served-model-name", NULL, CLI_STRING, &a.name, "NAME", "model id of the API (default: the directory name)"},
-        {"--ctx", NULL, CLI_INT, &a.ctx, "N", "tokens per request, prompt + output (default and 0: max_position_embeddings; "
+        {"--ctx", "-c", CLI_INT, &a.ctx, "N", "tokens per request, prompt + output (default and 0: max_position_embeddings; "
          "at most 8x it)"},
         {"--max-seqs", NULL, CLI_INT, &a.max_seqs, "N", "requests computed at once, per expert-parallel rank (default and 0: 16 cpu, 64 cuda)"},
         {"--max-step-tokens", NULL, CLI_INT, &a.max_step_tokens, "N", "tokens per batch step, per expert-parallel rank, at least --max-seqs (default and 0: 256 cpu, 2048 cuda)"},

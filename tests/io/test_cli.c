@@ -894,6 +894,8 @@ static void test_generate_inputs_and_context(void **state) {
     expect_in(g_err, "max_position_embeddings is 4096");
     EXPECT_RC(0, "generate", "-m", M, "-p", P, "-n", "50", "--ctx", "12");
     expect_in(g_err, "stopped at the context limit of 12 tokens");
+    EXPECT_RC(0, "generate", "-m", M, "-p", P, "-n", "50", "-c", "12"); /* llama.cpp's -c */
+    expect_in(g_err, "stopped at the context limit of 12 tokens");
     EXPECT_RC(0, "generate", "-m", M, "-p", P, "-n", "8", "--json");   /* the same text, as JSON */
     cJSON *j = cJSON_Parse(g_out);
     assert_non_null(j);
