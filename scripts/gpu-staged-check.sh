@@ -65,6 +65,8 @@ f_wgd test_gather_qmm_gpu src/kernels/cuda/gather_batched.cu WG_DESC
 f_tstr test_ops_gpu src/kernels/cuda/gather_batched.cu TSTREAM test_tiled_layout
 f_tcb test_ops_gpu src/kernels/cuda/gather_batched.cu TILED_CODES test_tiled_layout
 f_tcq test_ops_gpu src/kernels/cuda/gather_qmv.cu TILED_CODES test_tiled_layout
+f_sruns test_ops_gpu src/kernels/cuda/ops_moe.cu SORT_RUNS test_moe_route
+f_reset test_ops_gpu src/kernels/cuda/gather_batched.cu SCHED_RESET test_linear_gather_rows
 "
 if [ "${1:-}" = "--package" ]; then
     BINP=${2:?usage: --package BIN}

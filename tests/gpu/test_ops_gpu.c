@@ -4,7 +4,9 @@
  *    for T <= 16, cuBLAS + router + sort above): the logits within fp32 rounding of an fp64 dot
  *    product; then ids, weights (bitwise) equal to the CPU router (op_router_topk) run on the GPU's
  *    own logits (ids exact, weights within 4e-7: the device's expf), and row_of / idx / pos_of
- *    (exact) equal to op_sort_by_expert of those ids. T from 1
+ *    (exact) equal to op_sort_by_expert of those ids; where the sort is a block sort (> 32 rows), the
+ *    expert runs it writes for the gathers (gq_runs: starts, tile offsets for the row tile, the counter
+ *    0) equal to those of idx (fault SORT_RUNS). T from 1
  *    to 40 (the warp sort <= 32 rows, the block sort above, the cuBLAS path), E = 128 top-6 with a
  *    correction bias, E = 8 top-2 with 4 groups (2 kept), H not a multiple of 4 (cuBLAS path); the
  *    one-group top-k in registers (E <= 256) with E = 40 / 96 / 200 / 256, k = E, exact ties (zero
@@ -22,7 +24,9 @@
  *    bitwise equal to gather_qmm_cuda_ex on the gathered copy at 8-, 32- (both kernels) and 64-row
  *    tiles, both layouts, relu^2 on and off, k = 6 and 1, route qmv (tiled by 8 rows); x has a NaN row
  *    outside the map; decode-sized calls and dequant_gemm refused; argument errors. Fault `xrow`
- *    (each row reads the previous sorted row's source) must fail it.
+ *    (each row reads the previous sorted row's source) must fail it. The same calls on expert runs
+ *    made beforehand (gq_runs, as the router's sort makes them), three in a row on one work counter:
+ *    the same bits, the counter back at 0 (fault SCHED_RESET: it stays at the call's item count).
  *  - cuda_moe_combine (1024-thread rows for T <= 64, 256 above; 8-byte loads of 4 elements above 64 rows
  *    when H % 4 == 0) bitwise equal to op_moe_combine's
  *    fp32 arithmetic (sum over the slots in order) rounded to bf16.
@@ -100,6 +104,19 @@ static void ctx_free(gpu_ctx *g) {
 
 /* ---- cuda_moe_route ------------------------------------------------------------------------ */
 
+/* The expert runs of a sorted idx as gq_runs lays them out (starts[E + 1], tile_off[E + 1] for row tile mt, the
+ * counter 0): what the sort makes and the gathers read. */
+static int *cpu_runs(const uint32_t *idx, int64_t B, int64_t E, int mt) {
+    int *r = calloc((size_t)(2 * E + 3), sizeof *r), *starts = r, *tile_off = r + E + 1;
+    assert_non_null(r);
+    for (int64_t e = 0, b = 0; e <= E; e++) {
+        while (b < B && idx[b] < (uint32_t)e) b++;
+        starts[e] = (int)b;
+    }
+    for (int64_t e = 0; e < E; e++) tile_off[e + 1] = tile_off[e] + (starts[e + 1] - starts[e] + mt - 1) / mt;
+    return r;
+}
+
 /* x3: the prefill logits on bf16 tensor cores (cuda_matmul_bf16x3_planes, summed by the top-k kernel: x rounded
  * to bf16 values, W in three planes) */
 static void route_case_w(gpu_ctx *g, int64_t T, int64_t E, int64_t k, int64_t G, int64_t TG, int64_t H, int bias,
@@ -135,7 +152,12 @@ static void route_case_w(gpu_ctx *g, int64_t T, int64_t E, int64_t k, int64_t G,
     gt_poison(didx, (size_t)B * 4);
     gt_poison(dpos, (size_t)B * 4);
     const cuda_router_cfg rc = {E, k, G, TG, 1, 2.5f, db};
-    assert_int_equal(cuda_moe_route(&g->ops, &rc, dx, dxb, T, dW, dW3, H, dlg, dids, dw, drow, didx, dpos), FP4MOE_OK);
+    /* the expert runs of block sorts (gq_runs), into a poisoned buffer with room for E experts */
+    const size_t rbytes = (size_t)(2 * E + 3) * 4;
+    gq_runs runs = {gt_upload(NULL, rbytes), E, (const uint32_t *)&runs, 0, 0, 0};
+    gt_poison(runs.buf, rbytes);
+    assert_int_equal(cuda_moe_route(&g->ops, &rc, dx, dxb, T, dW, dW3, H, dlg, dids, dw, drow, didx, dpos, &runs),
+                     FP4MOE_OK);
     GT_CHECK(cudaStreamSynchronize(g->stream));
     float *lg = malloc((size_t)(T * E) * 4), *w = malloc((size_t)B * 4), *wc = malloc((size_t)B * 4);
     int32_t *ids = malloc((size_t)B * 4), *idsc = malloc((size_t)B * 4);
@@ -174,6 +196,20 @@ static void route_case_w(gpu_ctx *g, int64_t T, int64_t E, int64_t k, int64_t G,
     assert_memory_equal(row, rowc, (size_t)B * 4);
     assert_memory_equal(idx, idxc, (size_t)B * 4);
     assert_memory_equal(pos, posc, (size_t)B * 4);
+    if (B > 32 && E > 1) { /* the runs of the sorted idx for the gathers' row tile, the counter 0 */
+        const int mt = gather_qmm_cuda_row_tile(B, E);
+        assert_ptr_equal(runs.idx, didx);
+        assert_true(runs.B == B && runs.E == E && runs.mt == mt);
+        int *want = cpu_runs(idxc, B, E, mt), *got = malloc(rbytes);
+        gt_download(got, runs.buf, rbytes);
+        if (memcmp(want, got, rbytes))
+            fail_msg("route T=%lld E=%lld k=%lld: the sort's expert runs (row tile %d) differ from idx's", (long long)T,
+                     (long long)E, (long long)k, mt);
+        free(want); free(got);
+    } else {
+        assert_null(runs.idx); /* a warp sort: no runs */
+    }
+    gt_free(runs.buf);
     free(x); free(W); free(b); free(lg); free(w); free(wc); free(ids); free(idsc);
     free(row); free(idx); free(pos); free(rowc); free(idxc); free(posc);
     gt_free(dx); gt_free(dW); gt_free(db); gt_free(dlg); gt_free(dw); gt_free(dids);
@@ -350,9 +386,9 @@ static void relu2_case(gpu_ctx *g, int64_t E, int64_t N, int64_t K, int64_t B, t
     gt_poison(y2, (size_t)(B * N) * 2);
     const int sorted = pat != TU_IDX_UNSORTED;
     int fused = -1, plain = -1;
-    assert_int_equal(gather_qmm_cuda_ex(&w, 0, dx, FP4MOE_BF16, didx, B, sorted, route, 1, y1, g->stream, &fused),
+    assert_int_equal(gather_qmm_cuda_ex(&w, 0, dx, FP4MOE_BF16, didx, B, sorted, route, 1, y1, g->stream, &fused, NULL),
                      FP4MOE_OK);
-    assert_int_equal(gather_qmm_cuda_ex(&w, 0, dx, FP4MOE_BF16, didx, B, sorted, route, 0, y2, g->stream, &plain),
+    assert_int_equal(gather_qmm_cuda_ex(&w, 0, dx, FP4MOE_BF16, didx, B, sorted, route, 0, y2, g->stream, &plain, NULL),
                      FP4MOE_OK);
     assert_int_equal(plain, 0);
     assert_int_equal(fused, expect_fused);
@@ -428,16 +464,16 @@ static void tiled_case(gpu_ctx *g, int64_t E, int64_t N, int64_t K, int64_t B, t
     int f1 = -1, f2 = -1;
     void *wb = NULL;
     if (kind == 3) {
-        assert_int_equal(gather_qmm_cuda_ex(&wt, 1, dx, FP4MOE_BF16, didx, B, sorted, route, 0, y2, g->stream, &f2),
+        assert_int_equal(gather_qmm_cuda_ex(&wt, 1, dx, FP4MOE_BF16, didx, B, sorted, route, 0, y2, g->stream, &f2, NULL),
                          FP4MOE_EUNSUPPORTED);
         assert_non_null(strstr(fp4moe_last_error(), "tiled weights"));
         fp4moe_clear_error();
         GT_CHECK(cudaMemcpy(y1, y2, yb, cudaMemcpyDeviceToDevice)); /* nothing to compare */
     } else if (kind == 0) {
-        assert_int_equal(gather_qmm_cuda_ex(&w, 0, dx, FP4MOE_BF16, didx, B, sorted, route, 1, y1, g->stream, &f1), FP4MOE_OK);
+        assert_int_equal(gather_qmm_cuda_ex(&w, 0, dx, FP4MOE_BF16, didx, B, sorted, route, 1, y1, g->stream, &f1, NULL), FP4MOE_OK);
         GT_CHECK(cudaStreamSynchronize(g->stream));
         gt_poison((void *)w.codes, (size_t)(E * N * K / 2));
-        assert_int_equal(gather_qmm_cuda_ex(&wt, 1, dx, FP4MOE_BF16, didx, B, sorted, route, 1, y2, g->stream, &f2),
+        assert_int_equal(gather_qmm_cuda_ex(&wt, 1, dx, FP4MOE_BF16, didx, B, sorted, route, 1, y2, g->stream, &f2, NULL),
                          FP4MOE_OK);
         assert_int_equal(f1, f2);
     } else if (kind == 1) {
@@ -591,7 +627,7 @@ static void x1_case(gpu_ctx *g, int64_t E, int64_t N, int64_t K, int64_t B, int 
         assert_int_equal(st, FP4MOE_OK);
         int fused = 0;
         assert_int_equal(gather_qmm_cuda_ex(&w, tiled, dxs, FP4MOE_BF16, didx, B, 1, FP4MOE_ROUTE_AUTO, relu2, y1,
-                                            g->stream, &fused),
+                                            g->stream, &fused, NULL),
                          FP4MOE_OK);
         assert_int_equal(fused, relu2 ? 1 : 0);
         GT_CHECK(cudaStreamSynchronize(g->stream));
@@ -654,7 +690,7 @@ static void rows_case(gpu_ctx *g, int64_t E, int64_t N, int64_t K, int64_t T, in
     void *y1 = gt_upload(NULL, yb), *y2 = gt_upload(NULL, yb);
     gt_poison(y1, yb);
     gt_poison(y2, yb);
-    const int st = gather_qmm_cuda_rows(&w, tiled, dx, T, drow, k, didx, B, route, relu2, y2, g->stream);
+    const int st = gather_qmm_cuda_rows(&w, tiled, dx, T, drow, k, didx, B, route, relu2, y2, g->stream, NULL);
     if (!want_ok) {
         assert_int_equal(st, FP4MOE_EUNSUPPORTED);
         assert_non_null(strstr(fp4moe_last_error(), "rows"));
@@ -662,7 +698,8 @@ static void rows_case(gpu_ctx *g, int64_t E, int64_t N, int64_t K, int64_t T, in
     } else {
         assert_int_equal(st, FP4MOE_OK);
         int fused = 0;
-        assert_int_equal(gather_qmm_cuda_ex(&w, tiled, dxs, FP4MOE_BF16, didx, B, 1, route, relu2, y1, g->stream, &fused),
+        assert_int_equal(gather_qmm_cuda_ex(&w, tiled, dxs, FP4MOE_BF16, didx, B, 1, route, relu2, y1, g->stream, &fused,
+                                            NULL),
                          FP4MOE_OK);
         assert_int_equal(fused, relu2 ? 1 : 0);
         GT_CHECK(cudaStreamSynchronize(g->stream));
@@ -675,6 +712,34 @@ static void rows_case(gpu_ctx *g, int64_t E, int64_t N, int64_t K, int64_t T, in
             fail_msg("rows (E=%lld N=%lld K=%lld T=%lld k=%lld tiled %d relu2 %d route %s) differs from the gathered "
                      "rows' call", (long long)E, (long long)N, (long long)K, (long long)T, (long long)k, tiled, relu2,
                      fp4moe_route_name(route));
+        /* the same calls on runs made beforehand (gq_runs, as the router's sort makes them: the runs kernel
+         * skipped), three in a row on one counter - each must leave it at 0 for the next (the up and down
+         * projections share it) - the same bits */
+        if (E > 1) {
+            int *hr = cpu_runs(idx, B, E, gather_qmm_cuda_row_tile(B, E));
+            const size_t rbytes = (size_t)(2 * E + 3) * 4;
+            gq_runs runs = {gt_upload(hr, rbytes), E, didx, B, E, gather_qmm_cuda_row_tile(B, E)};
+            for (int rep = 0; rep < 3; rep++) {
+                gt_poison(y2, yb);
+                if (rep == 1)
+                    assert_int_equal(gather_qmm_cuda_ex(&w, tiled, dxs, FP4MOE_BF16, didx, B, 1, route, relu2, y2,
+                                                        g->stream, &fused, &runs), FP4MOE_OK);
+                else
+                    assert_int_equal(gather_qmm_cuda_rows(&w, tiled, dx, T, drow, k, didx, B, route, relu2, y2, g->stream,
+                                                          &runs), FP4MOE_OK);
+                GT_CHECK(cudaStreamSynchronize(g->stream));
+                gt_download(h2, y2, yb);
+                if (memcmp(h1, h2, yb))
+                    fail_msg("rows (E=%lld N=%lld K=%lld T=%lld k=%lld tiled %d route %s) on runs made beforehand, call "
+                             "%d: differs", (long long)E, (long long)N, (long long)K, (long long)T, (long long)k, tiled,
+                             fp4moe_route_name(route), rep + 1);
+            }
+            int ctr = -1;
+            gt_download(&ctr, runs.buf + 2 * E + 2, 4);
+            assert_int_equal(ctr, 0);
+            free(hr);
+            gt_free(runs.buf);
+        }
         free(h1); free(h2);
     }
     free(x); free(xs); free(ids); free(row_of); free(idx);
@@ -704,11 +769,11 @@ static void test_linear_gather_rows(void **state) {
     void *x = gt_upload(NULL, 64 * 32 * 2), *y = gt_upload(NULL, 64 * 16 * 2);
     uint32_t *ix = gt_upload(NULL, 64 * 4);
     GT_CHECK(cudaMemset(ix, 0, 64 * 4));
-    assert_int_equal(gather_qmm_cuda_rows(&w, 0, x, 64, ix, 0, ix, 64, A, 0, y, g->stream), FP4MOE_EINVAL); /* k = 0 */
+    assert_int_equal(gather_qmm_cuda_rows(&w, 0, x, 64, ix, 0, ix, 64, A, 0, y, g->stream, NULL), FP4MOE_EINVAL); /* k = 0 */
     fp4moe_clear_error();
-    assert_int_equal(gather_qmm_cuda_rows(&w, 0, x, 64, NULL, 1, ix, 64, A, 0, y, g->stream), FP4MOE_EINVAL);
+    assert_int_equal(gather_qmm_cuda_rows(&w, 0, x, 64, NULL, 1, ix, 64, A, 0, y, g->stream, NULL), FP4MOE_EINVAL);
     fp4moe_clear_error();
-    assert_int_equal(gather_qmm_cuda_rows(&w, 0, x, 0, ix, 1, ix, 64, A, 0, y, g->stream), FP4MOE_EINVAL); /* T = 0 */
+    assert_int_equal(gather_qmm_cuda_rows(&w, 0, x, 0, ix, 1, ix, 64, A, 0, y, g->stream, NULL), FP4MOE_EINVAL); /* T = 0 */
     fp4moe_clear_error();
     gt_free(c); gt_free(x); gt_free(y); gt_free(ix);
 }

@@ -815,8 +815,9 @@ static int cu_moe_route(void *bc, const fw_router *r, const float *x, const void
                         uint32_t *pos_of) {
     const cuda_router_cfg rc = {r->E, r->k, r->n_group, r->topk_group, r->norm_topk_prob, r->scaling, r->bias};
     /* x_act: the bf16 activations (act_size 2) */
-    return cuda_moe_route(&CX(bc)->ops, &rc, x, (const uint16_t *)x_act, T, W, (const uint16_t *)r->w3, H, logits, ids,
-                          wts, row_of, idx, pos_of);
+    cuda_ctx *c = CX(bc);
+    return cuda_moe_route(&c->ops, &rc, x, (const uint16_t *)x_act, T, W, (const uint16_t *)r->w3, H, logits, ids,
+                          wts, row_of, idx, pos_of, &c->ops.runs);
 }
 static int cu_gather_rows(void *bc, const void *x, int64_t H, const uint32_t *row_of, int64_t B, int64_t k,
                           void *xs) {
@@ -824,6 +825,7 @@ static int cu_gather_rows(void *bc, const void *x, int64_t H, const uint32_t *ro
 }
 static int cu_sort_local(void *bc, const uint32_t *ids, int64_t B, int64_t lo, int64_t E, uint32_t *row_of,
                          uint32_t *idx, uint32_t *pos_of) {
+    CX(bc)->ops.runs.idx = NULL; /* a sort without runs: none valid (gq_runs) */
     return cuda_sort_local(S_(bc), ids, B, lo, E, row_of, idx, pos_of);
 }
 static int cu_moe_combine(void *bc, const void *ys, int64_t H, const uint32_t *pos_of, const float *wts,
@@ -978,6 +980,7 @@ void be_cuda_free(void *bcv) {
     cudaFree(c->ops.f32_x);
     cudaFree(c->ops.f32_y);
     cudaFree(c->ops.split_ws);
+    cudaFree(c->ops.runs.buf);
     cudaFree(c->dq.p);
     if (c->side) {
         cudaStreamSynchronize(c->side);
@@ -1022,11 +1025,14 @@ int be_cuda_new(const fp4moe_model *m, fp4moe_route route, int64_t cap, int64_t 
         c->ops.f32_x = fx;
         TRY(cu_alloc(c, (size_t)(cap * f32w) * 4, (void **)&fy));
     }
-    c->ops = (cuda_ops){c->stream, c->blas, route, c->zeros, cap, fx, fy, cap * f32w, &c->dq, NULL, 0};
+    c->ops = (cuda_ops){c->stream, c->blas, route, c->zeros, cap, fx, fy, cap * f32w, &c->dq, NULL, 0, {0}};
     if (strchr(m->cfg.layer_types, FP4MOE_LAYER_MOE) && m->cfg.n_experts > 0) { /* the router's split-K scratch */
         const int64_t n = (int64_t)MM_SPLIT_ROWS * m->cfg.n_experts;
         TRY(cu_alloc(c, (size_t)n * 4, (void **)&c->ops.split_ws));
         c->ops.split_n = n;
+        /* the expert runs the router's sort makes for the gathers (gq_runs; zeroed: its counter starts at 0) */
+        TRY(cu_alloc(c, (size_t)(2 * m->cfg.n_experts + 3) * sizeof(int), (void **)&c->ops.runs.buf));
+        c->ops.runs.cap_e = m->cfg.n_experts;
     }
     if (profile) {
         c->prof = 1;

@@ -3,7 +3,10 @@
  *
  * Work item = (expert e, row-tile of e's run, N-tile of 64 output features). The runs kernel
  * (gather_qmm_cuda.cu) finds each expert's run [starts[e], starts[e+1]) and the prefix sum of
- * row-tiles per expert on the device; this kernel is a persistent grid that walks the items in
+ * row-tiles per expert on the device - or the router's sort made them with idx (gq_runs: one MoE
+ * layer's up and down projections then launch no runs kernel; H100, session 33: prefill 512 + 128
+ * 32,898 -> 33,318 tok/s, 2,048 + 32 48,929 -> 49,628, 64-sequence decode 5,269 -> 5,319, the same
+ * bits; docs/PERFORMANCE.md); this kernel is a persistent grid that walks the items in
  * the order (expert, N-tile, row-tile), so the row-tiles of one weight tile run side by side and
  * a weight tile comes from HBM once per row-tile at most (from L2 after the first).
  *
@@ -499,7 +502,7 @@ __device__ __forceinline__ bt_item bt_item_of(int64_t item, int E, int NT, const
 }
 
 /* The order in which a persistent grid's blocks take the items. Static (ctr == nullptr): block b takes
- * items b, b + grid, b + 2 grid, ... Dynamic (ctr = tile_off + E + 1, zeroed by gq_runs_kernel): a
+ * items b, b + grid, b + 2 grid, ... Dynamic (ctr = tile_off + E + 1, zeroed by gq_runs_kernel or the sort): a
  * block's first item is blockIdx.x and each next one grid + the counter's next value, so a block that
  * finishes early takes more. Why: the static stride resonates with the item sizes - with 64-row tiles
  * most experts of a 2,048-token call have a full and a short tile, consecutive items alternate
@@ -520,8 +523,17 @@ __device__ __forceinline__ bt_item bt_item_of(int64_t item, int E, int NT, const
 struct bt_sched {
     int *ctr;
     int par;
-    __device__ __forceinline__ void fetch(int *slot) const {
-        if (ctr && threadIdx.x == 0) slot[par] = atomicAdd(ctr, 1);
+    /* total: the call's items. Every item a block starts fetches once, so the fetches number total and the one
+     * that gets total - 1 is the last: it sets the counter back to 0 for the next kernel on the same runs (the
+     * sort's gq_runs serve the up and the down projection). */
+    __device__ __forceinline__ void fetch(int *slot, int64_t total) const {
+        if (ctr && threadIdx.x == 0) {
+            const int v = atomicAdd(ctr, 1);
+            slot[par] = v;
+#ifndef FP4MOE_INJECT_FAULT_SCHED_RESET /* deliberate fault (tests must catch it): the counter left at total */
+            if ((int64_t)v == total - 1) atomicExch(ctr, 0);
+#endif
+        }
     }
     __device__ __forceinline__ int64_t next(int64_t item, const int *slot) {
         if (!ctr) return item + gridDim.x;
@@ -594,7 +606,7 @@ gq_batched_kernel(gq_args a, const int *__restrict__ starts, const int *__restri
     const int xoff = g * BT_XROW + t * 64 + (t >> 1) * 16; /* this thread's fragment base in x tile */
 
     for (int64_t item = blockIdx.x; item < total; item = sch.next(item, next_item)) {
-        sch.fetch(next_item);
+        sch.fetch(next_item, total);
         const bt_item it = bt_item_of<MT>(item, a.E, NT, starts, tile_off);
         const int e = it.e, rows = it.rows;
         const int64_t row0 = it.row0;
@@ -786,7 +798,7 @@ gq_batched_w32_kernel(gq_args a, const int *__restrict__ starts, const int *__re
     const int last_tile = (N - 1) >> 4;
 
     for (int64_t item = blockIdx.x; item < total; item = sch.next(item, next_item)) {
-        sch.fetch(next_item);
+        sch.fetch(next_item, total);
         const bt_item it = bt_item_of<BW_MT>(item, a.E, NT, starts, tile_off);
         const int e = it.e, rows = it.rows;
         const int64_t row0 = it.row0;
@@ -1270,7 +1282,7 @@ gq_batched_wg_kernel(gq_args a, const int *__restrict__ starts, const int *__res
     const int NT = (a.N + GW_NTILE - 1) / GW_NTILE;
     const int64_t total = (int64_t)tile_off[a.E] * NT;
     for (int64_t item = blockIdx.x; item < total; item = sch.next(item, next_item)) {
-        sch.fetch(next_item);
+        sch.fetch(next_item, total);
         const bt_item it = bt_item_of<MT>(item, a.E, NT, starts, tile_off);
         gw_item_n<MT, TL>((it.rows + 7) >> 3, a, it.e, it.row0, it.rows, it.ntile * GW_NTILE + wg * 64 + wq * 16, smem);
     }
@@ -1379,6 +1391,12 @@ static int launch_dtype(const gq_args *a, int mt, const int *starts, const int *
  * bf16 and y fp32. */
 static int launch_tiled(const gq_args *a, fp4moe_dtype dtype, int mt, cudaStream_t st, bool f32out = false) {
     if (kg_fits(a, dtype, f32out)) return launch_kg(a, st); /* whatever the row tile: the same bits on every route */
+    if (a->runs && a->runs_mt == mt) { /* the runs made by the sort (gq_runs): no scratch, no runs kernel */
+        const int *starts = a->runs, *tile_off = a->runs + a->E + 1;
+        if (f32out) return launch_dtype<__nv_bfloat16, float, 4>(a, mt, starts, tile_off, st);
+        if (dtype == FP4MOE_F16) return launch_dtype<__half, __half, 4>(a, mt, starts, tile_off, st);
+        return launch_dtype<__nv_bfloat16, __nv_bfloat16, 4>(a, mt, starts, tile_off, st);
+    }
     int *buf = NULL;
     int rc = gq_scratch_alloc((void **)&buf, (2 * (size_t)a->E + 3) * sizeof(int), st); /* starts, tile_off, counter */
     if (rc != FP4MOE_OK) return rc;

@@ -42,6 +42,8 @@ struct gq_args {
     const uint32_t *xrow;   /* NULL, or B entries: row b reads x row xrow[b] / xdiv (gather_qmm_cuda_rows; the
                                expert-batched kernels only) */
     int xdiv;
+    const int *runs;        /* NULL, or the expert runs of idx made beforehand (gq_runs.buf, for row tile runs_mt) */
+    int runs_mt;
 };
 
 /* The x row that sorted row b reads: b, or xrow[b] / xdiv (gq_args.xrow) */

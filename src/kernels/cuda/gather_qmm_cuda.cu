@@ -188,17 +188,31 @@ static int check_call(const fp4moe_nvfp4_weights *w, const void *x, fp4moe_dtype
     return FP4MOE_OK;
 }
 
+/* runs made for this call's idx, B and E (gq_runs) */
+static bool runs_match(const gq_runs *r, const uint32_t *idx, int64_t B, int64_t E) {
+    return r && r->buf && r->idx == idx && r->B == B && r->E == E;
+}
+
+extern "C" int gather_qmm_cuda_row_tile(int64_t B, int64_t E) {
+    gq_args a = {};
+    a.E = (int)E;
+    a.B = (int)B;
+    a.N = 1;
+    return gq_batched_row_tile(&a, FP4MOE_BF16);
+}
+
 extern "C" int gather_qmm_cuda_ex(const fp4moe_nvfp4_weights *w, int tiled, const void *x, fp4moe_dtype dtype,
                                   const uint32_t *idx, int64_t B, int sorted, fp4moe_route route, int relu2,
-                                  void *y, void *stream, int *fused) {
+                                  void *y, void *stream, int *fused, const gq_runs *runs) {
     *fused = 0;
     int st = check_call(w, x, dtype, idx, B, sorted, route, y);
     if (st != FP4MOE_OK || B == 0) return st;
     if (route == FP4MOE_ROUTE_AUTO) route = choose_route(B, w->E, sorted);
     /* the epilogue: every kernel but dequant_gemm's cuBLAS GEMM, on f16/bf16 outputs */
     const int ep = relu2 && dtype != FP4MOE_F32 && route != FP4MOE_ROUTE_DEQUANT_GEMM;
+    const bool rm = sorted && runs_match(runs, idx, B, w->E);
     const gq_args a = {w->codes, w->scales, w->global_scale, (int)w->E, (int)w->N, (int)w->K,
-                       x, y, idx, (int)B, ep, tiled, 0, nullptr, 0};
+                       x, y, idx, (int)B, ep, tiled, 0, nullptr, 0, rm ? runs->buf : nullptr, rm ? runs->mt : 0};
     cudaStream_t s = (cudaStream_t)stream;
     switch (route) {
     case FP4MOE_ROUTE_BATCHED:
@@ -240,7 +254,7 @@ extern "C" int gather_qmm_cuda_x1(const fp4moe_nvfp4_weights *w, int tiled, cons
     if (w->E > INT_MAX - 1 || w->N > INT_MAX || w->K > INT_MAX)
         return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "gather_qmm_cuda (x1): E, N or K exceeds 2^31-1");
     const gq_args a = {w->codes, w->scales, w->global_scale, (int)w->E, (int)w->N, (int)w->K, x, y, idx, (int)B,
-                       relu2 ? 1 : 0, tiled, 1, nullptr, 0};
+                       relu2 ? 1 : 0, tiled, 1, nullptr, 0, nullptr, 0};
     /* where gather_qmm_cuda_ex on B gathered rows would run the tensor-core qmv (route qmv as it
      * resolves there, B < 64, bf16, gq_qmv_mma_fits) */
     const fp4moe_route r = route == FP4MOE_ROUTE_AUTO ? choose_route(B, w->E, 1) : route;
@@ -253,7 +267,7 @@ extern "C" int gather_qmm_cuda_x1(const fp4moe_nvfp4_weights *w, int tiled, cons
 
 extern "C" int gather_qmm_cuda_rows(const fp4moe_nvfp4_weights *w, int tiled, const void *x, int64_t T,
                                     const uint32_t *xrow, int64_t xdiv, const uint32_t *idx, int64_t B,
-                                    fp4moe_route route, int relu2, void *y, void *stream) {
+                                    fp4moe_route route, int relu2, void *y, void *stream, const gq_runs *runs) {
     int st = check_call(w, x, FP4MOE_BF16, idx, B, 1, route, y);
     if (st != FP4MOE_OK || B == 0) return st;
     if (T < 1 || T > INT_MAX || xdiv < 1 || xdiv > INT_MAX || misaligned(xrow, 4) || !xrow)
@@ -262,8 +276,9 @@ extern "C" int gather_qmm_cuda_rows(const fp4moe_nvfp4_weights *w, int tiled, co
     if (w->K % 8 != 0) /* each x row starts 16-byte aligned */
         return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "gather_qmm_cuda (rows): K=%lld is not a multiple of 8",
                                 (long long)w->K);
+    const bool rm = runs_match(runs, idx, B, w->E);
     const gq_args a = {w->codes, w->scales, w->global_scale, (int)w->E, (int)w->N, (int)w->K, x, y, idx, (int)B,
-                       relu2 ? 1 : 0, tiled, 0, xrow, (int)xdiv};
+                       relu2 ? 1 : 0, tiled, 0, xrow, (int)xdiv, rm ? runs->buf : nullptr, rm ? runs->mt : 0};
     /* where gather_qmm_cuda_ex on the B gathered rows would run the expert-batched kernel: route
      * batched, or qmv as "qmv, tiled by 8 rows" (the same kernel with 8-row tiles) */
     const fp4moe_route r = route == FP4MOE_ROUTE_AUTO ? choose_route(B, w->E, 1) : route;
@@ -286,9 +301,9 @@ extern "C" int gather_qmm_cuda_linear(const fp4moe_nvfp4_weights *w, int tiled, 
     if (st != FP4MOE_OK || B == 0) return st;
     const fp4moe_route r = route == FP4MOE_ROUTE_AUTO ? choose_route(B, w->E, 1) : route;
     if (r != FP4MOE_ROUTE_DEQUANT_GEMM || w->E != 1 || dtype != FP4MOE_BF16 || !blas || (!dq && !wbf16) || !d_zero)
-        return gather_qmm_cuda_ex(w, tiled, x, dtype, zero_idx, B, 1, route, relu2, y, stream, fused);
+        return gather_qmm_cuda_ex(w, tiled, x, dtype, zero_idx, B, 1, route, relu2, y, stream, fused, nullptr);
     const gq_args a = {w->codes, w->scales, w->global_scale, 1, (int)w->N, (int)w->K, x, y, zero_idx, (int)B, 0, tiled, 0,
-                       nullptr, 0};
+                       nullptr, 0, nullptr, 0};
     st = gq_dense_dequant_gemm(&a, (cudaStream_t)stream, blas, dq, wbf16, d_zero);
     return st ? fp4moe_error_context(st, "gather_qmm_cuda (route dequant_gemm, dense N=%d K=%d B=%d)", a.N, a.K, a.B)
               : FP4MOE_OK;
@@ -298,7 +313,7 @@ extern "C" int fp4moe_gather_qmm_cuda_route(const fp4moe_nvfp4_weights *w, const
                                             fp4moe_dtype dtype, const uint32_t *idx, int64_t B,
                                             int sorted, fp4moe_route route, void *y, void *stream) {
     int fused;
-    return gather_qmm_cuda_ex(w, 0, x, dtype, idx, B, sorted, route, 0, y, stream, &fused);
+    return gather_qmm_cuda_ex(w, 0, x, dtype, idx, B, sorted, route, 0, y, stream, &fused, nullptr);
 }
 
 extern "C" int fp4moe_gather_qmm_cuda(const fp4moe_nvfp4_weights *w, const void *x, fp4moe_dtype dtype,
@@ -345,7 +360,7 @@ extern "C" int gather_qmm_cuda_bf16_f32out(const fp4moe_nvfp4_weights *w, int ti
         misaligned(w->global_scale, 4))
         return fp4moe_set_error(FP4MOE_EINVAL, "gather_qmm_cuda (f32 out): misaligned device pointer");
     const gq_args a = {w->codes, w->scales, w->global_scale, (int)w->E, (int)w->N, (int)w->K, x, y, idx, (int)B, 0,
-                       tiled, 0, nullptr, 0};
+                       tiled, 0, nullptr, 0, nullptr, 0};
     /* decode-sized rows: the qmv v5 kernel with fp32 output; else the expert-batched kernel */
     st = gq_qmv_mma_fits(&a) ? gq_launch_qmv_mma(&a, true, (cudaStream_t)stream)
                              : gq_launch_bf16_f32out(&a, (cudaStream_t)stream);

@@ -49,6 +49,21 @@ typedef struct {
     size_t bytes;
 } gq_dense_scratch;
 
+/* The expert runs of a sorted idx made by the sort that wrote it (cuda_moe_route), so that the
+ * expert-batched gather calls on that idx skip their runs kernel (gq_runs_kernel). At buf, the layout of
+ * that kernel's scratch: starts[E + 1] (starts[e] = the first sorted row of expert e, starts[E] = B),
+ * tile_off[E + 1] (tile_off[e] = the sum over experts e' < e of ceil(rows(e') / mt)) and one work counter,
+ * 0 between kernels (the sort zeroes it; a gather kernel that takes items from it sets it back to 0 after
+ * its last item, so that the next gather on the same runs finds 0). A gather call uses them only when its
+ * idx pointer, B and E are these and its row tile is mt; otherwise it computes its own. */
+typedef struct {
+    int *buf;                   /* device: 2 cap_e + 3 ints (NULL: no runs are made) */
+    int64_t cap_e;              /* experts buf has room for */
+    const uint32_t *idx;        /* the sorted idx the runs describe (NULL: none valid) */
+    int64_t B, E;
+    int mt;                     /* the row tile of tile_off */
+} gq_runs;
+
 /* What the matmul ops need besides their operands (one per session). */
 typedef struct {
     void *stream;               /* cudaStream_t */
@@ -63,6 +78,7 @@ typedef struct {
     float *split_ws;            /* split_n floats: the partial products of cuda_matmul_f32's split-K
                                    form (NULL / 0: that form is off) */
     int64_t split_n;
+    gq_runs runs;               /* the last cuda_moe_route's expert runs (buf NULL: not made) */
 } cuda_ops;
 
 /* cuBLAS handle on `stream` with a caller-owned workspace (so that graph capture never makes cuBLAS
@@ -106,9 +122,10 @@ int cuda_nvfp4_dequant_bf16(void *stream, const uint8_t *codes, const uint8_t *s
 /* fp4moe_gather_qmm_cuda_route with an epilogue: relu2 != 0 asks for y = relu(y)^2 (f16/bf16 y,
  * each rounded: the relu2 op's arithmetic); *fused tells whether the chosen kernel did it
  * (dequant_gemm's cuBLAS GEMM and f32 do not: the caller then applies it). */
+/* runs (may be NULL): expert runs made beforehand (gq_runs; used where they match the call). */
 int gather_qmm_cuda_ex(const fp4moe_nvfp4_weights *w, int tiled, const void *x, fp4moe_dtype dtype,
                        const uint32_t *idx, int64_t B, int sorted, fp4moe_route route, int relu2, void *y,
-                       void *stream, int *fused);
+                       void *stream, int *fused, const gq_runs *runs);
 
 /* gather_qmm_cuda_ex (sorted idx, bf16) for B rows that are all the same row: y[b] = x[0] @
  * W[idx[b]]^T (x: ONE row of K bf16), as gather_qmm_cuda_ex on B copies of that row gives - the same
@@ -131,7 +148,11 @@ int gather_qmm_cuda_x1(const fp4moe_nvfp4_weights *w, int tiled, const void *x, 
  * xrow: FP4MOE_EINVAL. */
 int gather_qmm_cuda_rows(const fp4moe_nvfp4_weights *w, int tiled, const void *x, int64_t T, const uint32_t *xrow,
                          int64_t xdiv, const uint32_t *idx, int64_t B, fp4moe_route route, int relu2, void *y,
-                         void *stream);
+                         void *stream, const gq_runs *runs);
+
+/* The row tile (8, 32 or 64) of the expert-batched kernel for a bf16 call of B sorted rows over E > 1
+ * experts (gq_batched_row_tile): the mt of the runs cuda_moe_route makes. */
+int gather_qmm_cuda_row_tile(int64_t B, int64_t E);
 
 /* gather_qmm_cuda_ex for a plain NVFP4 linear: w->E == 1 and zero_idx[0..B) all 0 (the caller's
  * promise). Where the route resolves to dequant_gemm (auto: B >= 256 rows; or forced) and x is bf16,
@@ -374,9 +395,12 @@ int cuda_sort_by_expert(void *stream, const int32_t *ids, int64_t B, int64_t E, 
  * the logits by cuda_matmul_bf16x3_planes where xb (x's values as bf16, T x H) and W3 (W's three bf16
  * planes, 3E x H) are given and o->split_ws holds a row of planes (in parts of cuda_bf16x3_rows rows; the
  * top-k kernel sums the planes and writes the logits), else by cuda_matmul_f32. */
+/* runs (may be NULL; runs->buf NULL: none made): where the sort is a block sort (T * k > 32 rows) and
+ * runs->cap_e >= E, it also writes the expert runs of idx for the row tile gather_qmm_cuda_row_tile(T * k, E)
+ * and sets runs->idx / B / E / mt; otherwise runs->idx = NULL. */
 int cuda_moe_route(const cuda_ops *o, const cuda_router_cfg *r, const float *x, const uint16_t *xb, int64_t T,
                    const float *W, const uint16_t *W3, int64_t H, float *logits, int32_t *ids, float *wts,
-                   uint32_t *row_of, uint32_t *idx, uint32_t *pos_of);
+                   uint32_t *row_of, uint32_t *idx, uint32_t *pos_of, gq_runs *runs);
 
 /* xs[p] = x[row_of[p] / k] for p < B: rows of H bf16 gathered into expert order. */
 /* The stable sort by expert of B rows with global experts ids[b] in [lo, lo + E) (clamped into it):

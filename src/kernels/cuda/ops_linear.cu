@@ -115,7 +115,8 @@ static int add_bias(const cuda_ops *o, const cuda_linear *w, int64_t T, uint16_t
  * where the chosen kernel can (*fused), else by the caller. */
 static int nvfp4_call(const cuda_ops *o, const cuda_linear *w, const uint16_t *x, const uint32_t *idx,
                       int64_t B, int relu2, uint16_t *y, int *fused) {
-    return gather_qmm_cuda_ex(&w->q, w->tiled, x, FP4MOE_BF16, idx, B, 1, o->route, relu2, y, o->stream, fused);
+    return gather_qmm_cuda_ex(&w->q, w->tiled, x, FP4MOE_BF16, idx, B, 1, o->route, relu2, y, o->stream, fused,
+                              &o->runs);
 }
 
 /* bias, then relu^2 unless already done */
@@ -223,7 +224,7 @@ extern "C" int cuda_linear_gather_rows(const cuda_ops *o, const cuda_linear *w, 
     if (!w->nvfp4 || w->bias)
         return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "cuda linear gather (rows): dense or biased experts");
     if (B <= 0) return FP4MOE_OK;
-    return gather_qmm_cuda_rows(&w->q, w->tiled, x, T, row_of, k, idx, B, o->route, relu2, y, o->stream);
+    return gather_qmm_cuda_rows(&w->q, w->tiled, x, T, row_of, k, idx, B, o->route, relu2, y, o->stream, &o->runs);
 }
 
 /* y[i] = p[i] + p[n + i] + ... + p[(S-1) n + i], in that order */

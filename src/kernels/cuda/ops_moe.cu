@@ -246,6 +246,43 @@ __device__ __forceinline__ void sort_warp_exclusive_scan(const int *in, const in
     }
 }
 
+/* The expert runs (gq_runs: starts[E + 1], tile_off[E + 1] for row tile mt, the work counter zeroed) of the whole
+ * sort from start[e] (shared: the exclusive sum of the rows of experts < e over all B rows), by one full warp. */
+struct sort_runs {
+    int *buf; /* NULL: none */
+    int mt;
+};
+__device__ __forceinline__ void sort_write_runs(const int *start, int B, int E, sort_runs rr) {
+    const int lane = threadIdx.x & 31;
+    int *starts = rr.buf, *tile_off = rr.buf + E + 1;
+    int carry = 0;
+    for (int b0 = 0; b0 < E; b0 += 32) {
+        const int e = b0 + lane;
+        int v = 0;
+        if (e < E) {
+            const int next = e + 1 < E ? start[e + 1] : B, len = next - start[e];
+            starts[e] = start[e];
+#ifdef FP4MOE_INJECT_FAULT_SORT_RUNS /* deliberate fault (tests must catch it): every expert one tile short */
+            v = len > rr.mt ? (len + rr.mt - 1) / rr.mt - 1 : len > 0;
+#else
+            v = (len + rr.mt - 1) / rr.mt;
+#endif
+        }
+        int incl = v;
+        for (int o = 1; o < 32; o <<= 1) {
+            const int u = __shfl_up_sync(0xffffffffu, incl, o);
+            if (lane >= o) incl += u;
+        }
+        if (e < E) tile_off[e] = carry + incl - v;
+        carry += __shfl_sync(0xffffffffu, incl, 31);
+    }
+    if (lane == 0) {
+        starts[E] = B;
+        tile_off[E] = carry;
+        tile_off[E + 1] = 0; /* the gather kernels' work counter */
+    }
+}
+
 /* Rows [lo, hi) by one block of W warps; warp w owns the contiguous rows [lo + w*chunk, lo + (w+1)*chunk).
  *  1. cnt[w][e] = rows of warp w with expert e (shared-memory atomics; order does not matter);
  *  2. cnt[w][e] := start of those rows in the output: experts in order, within an expert the warps
@@ -255,7 +292,7 @@ __device__ __forceinline__ void sort_warp_exclusive_scan(const int *in, const in
  *  3. each warp walks its rows in order, 32 at a time: rows with equal experts in one step are
  *     ranked by lane (__match_any_sync), so the order within an expert is the row order. */
 __device__ void sort_rows(const int32_t *ids, int lo, int hi, int E, const int *base, uint32_t *row_of, uint32_t *idx,
-                          uint32_t *pos_of, int *cnt /* shared: (W + 1) x E */) {
+                          uint32_t *pos_of, int *cnt /* shared: (W + 1) x E */, int B = 0, sort_runs rr = {nullptr, 0}) {
     const int W = blockDim.x >> 5, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     int *start = cnt + W * E;
     const int chunk = (hi - lo + W - 1) / W, b_lo = min(hi, lo + warp * chunk), b_hi = min(hi, b_lo + chunk);
@@ -276,6 +313,8 @@ __device__ void sort_rows(const int32_t *ids, int lo, int hi, int E, const int *
     __syncthreads();
     if (!base && warp == 0) sort_warp_exclusive_scan(start, nullptr, start, E); /* over the totals */
     __syncthreads();
+    /* rr (the whole sort, or block 0 of the many-block one, whose base is the whole sort's): the runs */
+    if (rr.buf && warp == 0) sort_write_runs(start, B, E, rr);
     for (int i = threadIdx.x; i < W * E; i += blockDim.x) cnt[i] += start[i % E];
     __syncthreads();
     const unsigned lt = (1u << lane) - 1u;
@@ -299,15 +338,15 @@ __device__ void sort_rows(const int32_t *ids, int lo, int hi, int E, const int *
 
 /* The whole sort of B rows by one block. */
 __device__ void sort_block(const int32_t *ids, int B, int E, uint32_t *row_of, uint32_t *idx, uint32_t *pos_of,
-                           int *cnt /* shared: (W + 1) x E */) {
-    sort_rows(ids, 0, B, E, nullptr, row_of, idx, pos_of, cnt);
+                           int *cnt /* shared: (W + 1) x E */, sort_runs rr = {nullptr, 0}) {
+    sort_rows(ids, 0, B, E, nullptr, row_of, idx, pos_of, cnt, B, rr);
 }
 
 __global__ void __launch_bounds__(SORT_THREADS)
-sort_kernel(const int32_t *ids, int B, int E, uint32_t *row_of, uint32_t *idx, uint32_t *pos_of) {
+sort_kernel(const int32_t *ids, int B, int E, uint32_t *row_of, uint32_t *idx, uint32_t *pos_of, sort_runs rr) {
     cu_pdl_entry();
     extern __shared__ int cnt[]; /* W x E, then start[E] */
-    sort_block(ids, B, E, row_of, idx, pos_of, cnt);
+    sort_block(ids, B, E, row_of, idx, pos_of, cnt, rr);
 }
 
 /* The same sort by many blocks (prefill-sized B): block j places the rows [j*chunk, (j+1)*chunk). Each
@@ -322,7 +361,8 @@ sort_kernel(const int32_t *ids, int B, int E, uint32_t *row_of, uint32_t *idx, u
 #define SORT_MB_BLOCKS 64 /* blocks at most (each reads all B rows) */
 #define SORT_MB_MAX_E 1024 /* (3 + 9) x E ints of shared memory */
 __global__ void __launch_bounds__(SORT_MB_THREADS)
-sort_multi_kernel(const int32_t *ids, int B, int E, int chunk, uint32_t *row_of, uint32_t *idx, uint32_t *pos_of) {
+sort_multi_kernel(const int32_t *ids, int B, int E, int chunk, uint32_t *row_of, uint32_t *idx, uint32_t *pos_of,
+                  sort_runs rr) {
     cu_pdl_entry();
     extern __shared__ int ssm[]; /* tot[E], before[E], base[E], then sort_rows' (W + 1) x E */
     int *tot = ssm, *before = ssm + E, *base = ssm + 2 * E;
@@ -343,11 +383,12 @@ sort_multi_kernel(const int32_t *ids, int B, int E, int chunk, uint32_t *row_of,
         sort_warp_exclusive_scan(tot, before, base, E);
 #endif
     __syncthreads();
-    sort_rows(ids, lo, hi, E, base, row_of, idx, pos_of, ssm + 3 * E);
+    if (blockIdx.x > 0) rr.buf = nullptr; /* block 0's base (nothing before it) is the whole sort's start */
+    sort_rows(ids, lo, hi, E, base, row_of, idx, pos_of, ssm + 3 * E, B, rr);
 }
 
-extern "C" int cuda_sort_by_expert(void *stream, const int32_t *ids, int64_t B, int64_t E,
-                                   uint32_t *row_of, uint32_t *idx, uint32_t *pos_of) {
+static int sort_by_expert(void *stream, const int32_t *ids, int64_t B, int64_t E, uint32_t *row_of, uint32_t *idx,
+                          uint32_t *pos_of, sort_runs rr) {
     if (B <= 0) return FP4MOE_OK;
     int W = (int)(12288 / (E > 0 ? E : 1)) - 1; /* (W + 1) * E ints in 48 KiB */
     if (W > SORT_THREADS / 32) W = SORT_THREADS / 32;
@@ -362,14 +403,19 @@ extern "C" int cuda_sort_by_expert(void *stream, const int32_t *ids, int64_t B, 
         if (chunk < SORT_MB_ROWS) chunk = SORT_MB_ROWS;
         const size_t smem_mb = (size_t)(3 + SORT_MB_THREADS / 32 + 1) * (size_t)E * sizeof(int);
         cu_launch(sort_multi_kernel, ops_blocks(B, (int)chunk), SORT_MB_THREADS, smem_mb, (cudaStream_t)stream, ids,
-                  (int)B, (int)E, (int)chunk, row_of, idx, pos_of);
+                  (int)B, (int)E, (int)chunk, row_of, idx, pos_of, rr);
         OPS_LAUNCH_CHECK("sort by expert (blocks)");
         return FP4MOE_OK;
     }
     const size_t smem = (size_t)(W + 1) * (size_t)E * sizeof(int);
-    cu_launch(sort_kernel, 1, W * 32, smem, (cudaStream_t)stream, ids, (int)B, (int)E, row_of, idx, pos_of);
+    cu_launch(sort_kernel, 1, W * 32, smem, (cudaStream_t)stream, ids, (int)B, (int)E, row_of, idx, pos_of, rr);
     OPS_LAUNCH_CHECK("sort by expert");
     return FP4MOE_OK;
+}
+
+extern "C" int cuda_sort_by_expert(void *stream, const int32_t *ids, int64_t B, int64_t E,
+                                   uint32_t *row_of, uint32_t *idx, uint32_t *pos_of) {
+    return sort_by_expert(stream, ids, B, E, row_of, idx, pos_of, sort_runs{nullptr, 0});
 }
 
 /* local ids (int) of received global experts, clamped into [0, E) */
@@ -528,7 +574,7 @@ __host__ __device__ inline size_t route_scratch_bytes(int64_t E, int64_t G) {
  * the two (a chain of global round trips otherwise). */
 __global__ void __launch_bounds__(ROUTE_WARPS * 32)
 route_tail_kernel(cuda_router_cfg r, int T, const float *logits, int32_t *ids, float *wts, uint32_t *row_of,
-                  uint32_t *idx, uint32_t *pos_of) {
+                  uint32_t *idx, uint32_t *pos_of, sort_runs rr) {
     cu_pdl_entry();
     extern __shared__ __align__(16) char route_sm[];
     const int warp = threadIdx.x >> 5, B = T * (int)r.k;
@@ -544,14 +590,19 @@ route_tail_kernel(cuda_router_cfg r, int T, const float *logits, int32_t *ids, f
     if (B <= 32) {
         if (warp == 0) sort_warp(sids, B, row_of, idx, pos_of);
     } else {
-        sort_block(sids, B, (int)r.E, row_of, idx, pos_of, (int *)route_sm);
+        sort_block(sids, B, (int)r.E, row_of, idx, pos_of, (int *)route_sm, rr);
     }
 }
 
 extern "C" int cuda_moe_route(const cuda_ops *o, const cuda_router_cfg *r, const float *x, const uint16_t *xb,
                               int64_t T, const float *W, const uint16_t *W3, int64_t H, float *logits, int32_t *ids,
-                              float *wts, uint32_t *row_of, uint32_t *idx, uint32_t *pos_of) {
+                              float *wts, uint32_t *row_of, uint32_t *idx, uint32_t *pos_of, gq_runs *runs) {
+    if (runs) runs->idx = nullptr;
     if (T <= 0) return FP4MOE_OK;
+    /* the expert runs of idx for the gathers that follow (block sorts only: <= 32 rows take the qmv) */
+    const int64_t B = T * r->k;
+    sort_runs rr = {nullptr, 0};
+    if (runs && runs->buf && runs->cap_e >= r->E && B > 32 && r->E > 1) rr = {runs->buf, gather_qmm_cuda_row_tile(B, r->E)};
     const size_t smem = route_scratch_bytes(r->E, r->n_group) + (size_t)(T * r->k) * 8;
     const bool small = T <= ROUTE_MAX_T && smem <= 48 * 1024 && H <= 0x7fffffff && H % 4 == 0 &&
                        ((uintptr_t)x & 15) == 0 && ((uintptr_t)W & 15) == 0 && router_cfg_ok(r);
@@ -574,15 +625,17 @@ extern "C" int cuda_moe_route(const cuda_ops *o, const cuda_router_cfg *r, const
             st = cuda_matmul_f32(o, x, T, W, r->E, H, logits);
             if (!st) st = cuda_router_topk(o->stream, r, logits, T, ids, wts);
         }
-        if (!st) st = cuda_sort_by_expert(o->stream, ids, T * r->k, r->E, row_of, idx, pos_of);
+        if (!st) st = sort_by_expert(o->stream, ids, T * r->k, r->E, row_of, idx, pos_of, rr);
+        if (!st && rr.buf) *runs = gq_runs{runs->buf, runs->cap_e, idx, B, r->E, rr.mt};
         return st;
     }
     cudaStream_t st = (cudaStream_t)o->stream;
     cu_launch(route_logits_kernel, ops_blocks(r->E, ROUTE_LOGITS_WARPS / ROUTE_PARTS), ROUTE_LOGITS_WARPS * 32, 0, st,
               x, (int)T, W, (int)r->E, (int)H, logits);
     OPS_LAUNCH_CHECK("moe route (router logits)");
-    cu_launch(route_tail_kernel, 1, ROUTE_WARPS * 32, smem, st, *r, (int)T, logits, ids, wts, row_of, idx, pos_of);
+    cu_launch(route_tail_kernel, 1, ROUTE_WARPS * 32, smem, st, *r, (int)T, logits, ids, wts, row_of, idx, pos_of, rr);
     OPS_LAUNCH_CHECK("moe route (top-k and sort)");
+    if (rr.buf) *runs = gq_runs{runs->buf, runs->cap_e, idx, B, r->E, rr.mt};
     return FP4MOE_OK;
 }
 
