@@ -84,6 +84,12 @@ int fp4moe_grammar_from_choices(const char *const *choices, const int64_t *lens,
  * "tools[i].function.parameters..."), FP4MOE_EOVERFLOW (n > 4096), FP4MOE_ENOMEM. */
 int fp4moe_grammar_from_tools(const char *const *names, const cJSON *const *params, int64_t n, fp4moe_grammar **out);
 
+/* fp4moe_grammar_from_tools with at most max_calls objects in the array (>= 1; 0: no limit): max_calls 1 is
+ * OpenAI's parallel_tool_calls false (vLLM: "maxItems": 1). Errors: as fp4moe_grammar_from_tools, FP4MOE_EINVAL
+ * (max_calls < 0). */
+int fp4moe_grammar_from_tools_limit(const char *const *names, const cJSON *const *params, int64_t n, int64_t max_calls,
+                                    fp4moe_grammar **out);
+
 /* Frees a grammar (after its matchers); NULL is a no-op. */
 void fp4moe_grammar_free(fp4moe_grammar *g);
 

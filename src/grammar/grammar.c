@@ -7,6 +7,7 @@
  * number, a literal that may go on: "1" of enum [1, 12]) end when a byte that cannot extend them comes: the
  * frame is popped and the byte goes to the parent. The mask walks the trie of the vocab's token bytes with
  * a copy of the state per trie level, so a prefix shared by many tokens is matched once. */
+#include <limits.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -798,8 +799,15 @@ int fp4moe_grammar_from_choices(const char *const *choices, const int64_t *lens,
 }
 
 int fp4moe_grammar_from_tools(const char *const *names, const cJSON *const *params, int64_t n, fp4moe_grammar **out) {
+    return fp4moe_grammar_from_tools_limit(names, params, n, 0, out);
+}
+
+int fp4moe_grammar_from_tools_limit(const char *const *names, const cJSON *const *params, int64_t n, int64_t max_calls,
+                                    fp4moe_grammar **out) {
     if (!out) return fp4moe_set_error(FP4MOE_EINVAL, "grammar: NULL out");
     *out = NULL;
+    if (max_calls < 0 || max_calls > INT_MAX)
+        return fp4moe_set_error(FP4MOE_EINVAL, "grammar: at most %lld tool calls", (long long)max_calls);
     if (!names || !params || n < 1) return fp4moe_set_error(FP4MOE_EINVAL, "grammar: no tools");
     if (n > 4096) return fp4moe_set_error(FP4MOE_EOVERFLOW, "grammar: more than 4096 tools");
     for (int64_t i = 0; i < n; i++)
@@ -880,7 +888,7 @@ int fp4moe_grammar_from_tools(const char *const *names, const cJSON *const *para
     if (st >= 0 && (arr = st = new_node(g, GK_ARR)) >= 0) {
         g->nodes[arr].a = obj;
         g->nodes[arr].lo = 1;
-        g->nodes[arr].hi = -1;
+        g->nodes[arr].hi = max_calls ? (int)max_calls : -1;
         g->root = arr;
         st = g_finish(g, "tools");
     }

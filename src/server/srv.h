@@ -126,7 +126,8 @@ typedef struct {
                                           choice k of prompt p); ids / n_ids hold prompt 0 */
     int32_t **more_ids;                /* prompts 1.. (malloc'd), more_n[p - 1] tokens each */
     int64_t *more_n;
-    int has_max;                       /* max_tokens was given (else: srv_default_max_tokens for each prompt) */
+    int has_max;                       /* max_tokens was given (2: as max_completion_tokens; 0: srv_default_max_tokens
+                                          for each prompt) */
     int64_t truncate;                  /* truncate_prompt_tokens: keep each prompt's last `truncate` tokens (0: no) */
     int echo;                          /* completion: the prompt's text (and with logprobs its tokens'
                                           log-probabilities, the first one null) before the output;
@@ -210,12 +211,15 @@ int srv_tool_split_flush(srv_tool_split *t, srv_buf *content);
 void srv_tool_split_free(srv_tool_split *t);
 /* The calls of text (the calls' text of a split) as an OpenAI tool_calls array ({"id": "call_...", "type":
  * "function", "function": {"name", "arguments": JSON text}}); tools: the request's tools (the parameters' types),
- * may be NULL; rng: the ids' state. NULL when no call parses (the text is then content). */
-cJSON *srv_tool_calls_parse(srv_tool_format fmt, const char *text, size_t n, const cJSON *tools, uint64_t *rng);
+ * may be NULL; cut: the answer was cut by max_tokens - only the calls that were closed count (a call cut in its
+ * arguments would otherwise read as a whole one with other values); rng: the ids' state. NULL when no call parses
+ * (the text is then content). */
+cJSON *srv_tool_calls_parse(srv_tool_format fmt, const char *text, size_t n, const cJSON *tools, int cut,
+                            uint64_t *rng);
 /* A tool call id: "call_" + 24 hex digits from the state *rng (advanced). */
 void srv_tool_call_id(char out[32], uint64_t *rng);
-/* tool_choice "required": the output [{"name": N, "parameters": {...}}, ...] as a tool_calls array (NULL: not such
- * an array). */
+/* tool_choice "required": the output [{"name": N, "parameters": {...}}, ...] as a tool_calls array; an output cut
+ * short (max_tokens) gives its complete leading calls (NULL: not such an array, or not one call complete). */
 cJSON *srv_tool_calls_required(const char *text, size_t n, uint64_t *rng);
 
 /* ---- generated text: stop strings and the reasoning split ------------------------------------ */

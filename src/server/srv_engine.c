@@ -278,12 +278,12 @@ static cJSON *forced_call(srv_job *j, const char *args, size_t n) {
 
 /* The tool calls of a finished answer (auto tool choice): the split's calls parsed, or NULL (then the calls' text
  * joins the content in *rest) */
-static cJSON *finish_calls(srv_job *j, srv_buf *rest) {
+static cJSON *finish_calls(srv_job *j, srv_buf *rest, int cut) {
     if (!j->tsplit_on) return NULL;
     srv_tool_split_flush(&j->tsplit, rest);
     if (!j->tsplit.in_calls) return NULL;
     cJSON *tools = j->r.tools_json ? cJSON_Parse(j->r.tools_json) : NULL;
-    cJSON *calls = srv_tool_calls_parse(j->tsplit.fmt, j->tsplit.calls.p, j->tsplit.calls.n, tools, &j->call_rng);
+    cJSON *calls = srv_tool_calls_parse(j->tsplit.fmt, j->tsplit.calls.p, j->tsplit.calls.n, tools, cut, &j->call_rng);
     cJSON_Delete(tools);
     if (!calls) srv_buf_add(rest, j->tsplit.calls.p, j->tsplit.calls.n);
     j->tsplit.calls.n = 0;
@@ -329,7 +329,7 @@ static void emit(srv_job *j, const srv_delta *d, const char *finish) {
         }
     } else {
         srv_tool_split_feed(&j->tsplit, d->content, d->n_content, &pass);
-        if (finish && j->r.stream) calls = finish_calls(j, &pass);
+        if (finish && j->r.stream) calls = finish_calls(j, &pass, !strcmp(finish, "length"));
     }
     d2.content = pass.p ? pass.p : "";
     d2.n_content = pass.n;
@@ -404,7 +404,7 @@ static cJSON *choice_object(srv_job *j, const char *finish) {
         cJSON_AddStringToObject(msg, "role", "assistant");
         cJSON *calls = j->r.tool_forced    ? forced_call(j, j->acc[1].p, j->acc[1].n)
                        : j->r.tool_required ? srv_tool_calls_required(j->acc[1].p, j->acc[1].n, &j->call_rng)
-                                            : finish_calls(j, &j->acc[1]);
+                                            : finish_calls(j, &j->acc[1], !strcmp(finish, "length"));
         if (calls && j->r.tool_required) j->acc[1].n = 0;
         if (calls && j->r.tool_single)
             while (cJSON_GetArraySize(calls) > 1) cJSON_DeleteItemFromArray(calls, 1);
@@ -414,6 +414,8 @@ static cJSON *choice_object(srv_job *j, const char *finish) {
             if (j->r.tool_forced) cJSON_ReplaceItemInObject(msg, "content", cJSON_CreateNull());
             cJSON_AddItemToObject(msg, "tool_calls", calls);
             if (!j->r.tool_forced && strcmp(finish, "length")) finish = "tool_calls";
+        } else if (j->r.reasoning && !j->acc[1].n) { /* all reasoning: null, as vLLM's reasoning parsers give */
+            cJSON_AddNullToObject(msg, "content");
         } else {
             cJSON_AddItemToObject(msg, "content", srv_json_string(j->acc[1].n ? j->acc[1].p : "", j->acc[1].n));
         }

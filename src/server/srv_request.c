@@ -501,8 +501,8 @@ static int parse_common(const srv_parse_ctx *c, const cJSON *o, srv_request *r, 
     r->truncate = st ? (i < 0 ? c->context : i) : 0;
     const char *mt = field(o, "max_completion_tokens") ? "max_completion_tokens" : "max_tokens";
     if ((st = get_int(o, mt, r->echo ? 0 : 1, INT64_MAX, &r->max_tokens, e)) < 0) return -1;
-    *has_max = st;
-    r->has_max = st;
+    *has_max = st ? (strcmp(mt, "max_tokens") ? 2 : 1) : 0; /* 2: given as max_completion_tokens */
+    r->has_max = *has_max;
     return 0;
 }
 
@@ -536,7 +536,7 @@ static int check_length(const srv_parse_ctx *c, srv_request *r, int has_max, srv
     if (!has_max) {
         r->max_tokens = srv_default_max_tokens(r, c->context); /* (each prompt of a list: its own, srv_request_pick) */
     } else if (r->max_tokens > c->context - longest) {
-        return srv_fail(e, 400, "max_tokens",
+        return srv_fail(e, 400, has_max == 2 ? "max_completion_tokens" : "max_tokens",
                         "This model's maximum context length is %lld tokens. However, you requested %lld tokens "
                         "(%lld in the prompt, %lld for the completion).", (long long)c->context,
                         (long long)(longest + r->max_tokens), (long long)longest, (long long)r->max_tokens);
@@ -752,13 +752,14 @@ static int parse_tool_choice(const srv_parse_ctx *c, const cJSON *o, const cJSON
         }
         tc = legacy;
     }
+    const cJSON *ptc = field(o, "parallel_tool_calls");
+    if (ptc && !cJSON_IsBool(ptc)) {
+        cJSON_Delete(legacy);
+        return srv_fail(e, 400, "parallel_tool_calls", "'parallel_tool_calls' must be true or false");
+    }
+    r->tool_single = cJSON_IsFalse(ptc); /* (before the "required" grammar: one call at most) */
     const int st = parse_tool_choice2(c, tc, tools, n, r, e);
     cJSON_Delete(legacy);
-    if (!st) {
-        const cJSON *ptc = field(o, "parallel_tool_calls");
-        if (ptc && !cJSON_IsBool(ptc)) return srv_fail(e, 400, "parallel_tool_calls", "'parallel_tool_calls' must be true or false");
-        r->tool_single = cJSON_IsFalse(ptc);
-    }
     return st;
 }
 
@@ -825,7 +826,7 @@ static int parse_tool_choice2(const srv_parse_ctx *c, const cJSON *tc, const cJS
         }
         int st = bad >= 0 ? srv_fail(e, 400, "tools", "'tools[%d].function.name' must be a string", bad) : 0;
         if (!st) {
-            const int gs = fp4moe_grammar_from_tools(names, params, n, &sg->g);
+            const int gs = fp4moe_grammar_from_tools_limit(names, params, n, r->tool_single ? 1 : 0, &sg->g);
             if (gs) st = srv_fail(e, gs == FP4MOE_ENOMEM ? 500 : 400, "tools", "%s", fp4moe_last_error());
         }
         free(names);
@@ -1017,32 +1018,67 @@ cJSON *srv_json_string(const char *s, size_t n) {
     return r;
 }
 
-/* The first key that an object holds twice, at any depth (NULL: none). A JSON parser keeps the first value here
- * (cJSON) and the last in Python's json (vLLM, the OpenAI SDKs' servers): a request with one is refused rather than
- * read differently. Depth is bounded by the parser's nesting limit. */
-static int cmp_key(const void *a, const void *b) { return strcmp(*(const char *const *)a, *(const char *const *)b); }
+/* Keys an object holds twice, at any depth: the last value wins, as in Python's json (vLLM, the OpenAI SDKs'
+ * servers; cJSON alone would find the first). Sorted by (key, position): n log n, whatever a body holds. Depth is
+ * bounded by the parser's nesting limit. 0, or -1 out of memory. */
+typedef struct {
+    const char *key;
+    size_t pos;
+    cJSON *item;
+} key_at;
+static int cmp_key_at(const void *a, const void *b) {
+    const key_at *x = a, *y = b;
+    const int c = strcmp(x->key, y->key);
+    return c ? c : (x->pos > y->pos) - (x->pos < y->pos);
+}
 
-static const char *duplicate_key(const cJSON *o) {
-    if (cJSON_IsObject(o)) { /* the keys sorted: n log n, whatever a body holds */
+static int last_key_wins(cJSON *o) {
+    if (cJSON_IsObject(o) && o->child && o->child->next) {
         size_t n = 0;
         for (const cJSON *a = o->child; a; a = a->next) n++;
-        const char **k = n > 1 ? malloc(n * sizeof *k) : NULL;
-        if (k) {
-            size_t m = 0;
-            for (const cJSON *a = o->child; a; a = a->next) k[m++] = a->string ? a->string : "";
-            qsort(k, m, sizeof *k, cmp_key);
-            const char *dup = NULL;
-            for (size_t i = 1; i < m && !dup; i++)
-                if (!strcmp(k[i - 1], k[i])) dup = k[i];
-            free(k);
-            if (dup) return dup;
+        key_at *k = malloc(n * sizeof *k);
+        if (!k) return -1;
+        size_t m = 0;
+        for (cJSON *a = o->child; a; a = a->next, m++) k[m] = (key_at){a->string ? a->string : "", m, a};
+        qsort(k, m, sizeof *k, cmp_key_at);
+        for (size_t i = 0; i + 1 < m; i++) /* an entry with the same key after it: dropped */
+            if (!strcmp(k[i].key, k[i + 1].key)) cJSON_Delete(cJSON_DetachItemViaPointer(o, k[i].item));
+        free(k);
+    }
+    for (cJSON *a = o ? o->child : NULL; a; a = a->next)
+        if ((cJSON_IsObject(a) || cJSON_IsArray(a)) && last_key_wins(a)) return -1;
+    return 0;
+}
+
+/* Why a body cJSON refused is not JSON it takes, for the message: nesting deeper than its limit, or a \u escape of
+ * a lone UTF-16 surrogate at the error position (valid JSON text, but no Unicode text: Python keeps it as a lone
+ * surrogate that no tokenizer encodes) */
+static const char *json_refusal(const char *body, size_t len, size_t at) {
+    size_t depth = 0, most = 0;
+    for (size_t i = 0, in = 0; i < len; i++) {
+        const char ch = body[i];
+        if (in) {
+            if (ch == '\\') i++;
+            else if (ch == '"') in = 0;
+        } else if (ch == '"') {
+            in = 1;
+        } else if (ch == '[' || ch == '{') {
+            if (++depth > most) most = depth;
+        } else if ((ch == ']' || ch == '}') && depth) {
+            depth--;
         }
     }
-    for (const cJSON *a = o ? o->child : NULL; a; a = a->next)
-        if (cJSON_IsObject(a) || cJSON_IsArray(a)) {
-            const char *d = duplicate_key(a);
-            if (d) return d;
+    if (most > CJSON_NESTING_LIMIT) return "it nests arrays / objects deeper than 1000 levels";
+    if (at + 6 <= len && body[at] == '\\' && body[at + 1] == 'u') {
+        unsigned v = 0;
+        int ok = 1;
+        for (int i = 2; i < 6 && ok; i++) {
+            const char h = body[at + i];
+            v = v * 16 + (unsigned)(h >= '0' && h <= '9' ? h - '0' : h >= 'a' && h <= 'f' ? h - 'a' + 10
+                                    : h >= 'A' && h <= 'F' ? h - 'A' + 10 : (ok = 0));
         }
+        if (ok && v >= 0xD800 && v <= 0xDFFF) return "a \\u escape of a lone UTF-16 surrogate (no Unicode character)";
+    }
     return NULL;
 }
 
@@ -1056,6 +1092,8 @@ int srv_parse_request(const srv_parse_ctx *c, srv_kind kind, const char *body, s
     cJSON *o = cJSON_ParseWithLengthOpts(body, len, &end, 0);
     if (!o) {
         const size_t at = end && end >= body ? (size_t)(end - body) : 0;
+        const char *why = json_refusal(body, len, at);
+        if (why) return srv_fail(e, 400, NULL, "the request body is not JSON fp4moe takes: %s (at byte %zu of %zu)", why, at, len);
         return srv_fail(e, 400, NULL, "the request body is not valid JSON (at byte %zu of %zu)", at, len);
     }
     while (end && (size_t)(end - body) < len && (*end == ' ' || *end == '\n' || *end == '\r' || *end == '\t')) end++;
@@ -1070,8 +1108,7 @@ int srv_parse_request(const srv_parse_ctx *c, srv_kind kind, const char *body, s
         rc = srv_fail(e, 400, NULL, "the request body has a NUL character (U+0000) in a string (at byte %lld of %zu); "
                       "fp4moe does not accept it in any text", nul, len);
     else if (!cJSON_IsObject(o)) rc = srv_fail(e, 400, NULL, "the request body must be a JSON object");
-    else if (duplicate_key(o))
-        rc = srv_fail(e, 400, NULL, "the request body has the key '%.100s' twice in one object", duplicate_key(o));
+    else if (last_key_wins(o)) rc = srv_fail(e, 500, NULL, "out of memory");
     else if (parse_common(c, o, r, &has_max, e)) rc = -1;
     else if (kind == SRV_CHAT ? parse_chat(c, o, r, e) : parse_completion(c, o, r, e)) rc = -1;
     else if (check_length(c, r, has_max, e)) rc = -1;

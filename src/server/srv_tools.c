@@ -12,6 +12,7 @@
  * The content before the first call marker stays content (null when empty); the calls' arguments are
  * JSON text (compact, as cJSON prints it; integers with their exact digits). Text that has a marker but no parsable call
  * goes back to the content, unchanged. */
+#include <ctype.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -319,15 +320,66 @@ static cJSON *parse_json(const char *text, size_t n, uint64_t *rng) {
     return arr;
 }
 
-cJSON *srv_tool_calls_parse(srv_tool_format fmt, const char *text, size_t n, const cJSON *tools, uint64_t *rng) {
+cJSON *srv_tool_calls_parse(srv_tool_format fmt, const char *text, size_t n, const cJSON *tools, int cut,
+                            uint64_t *rng) {
     if (!text || !n) return NULL;
+    if (cut && fmt == SRV_TOOLS_XML) { /* only what the last </function> closed (the text after it was cut) */
+        const char *last = NULL;
+        for (const char *p = text; (p = find(p, text + n, "</function>")); p += 11) last = p;
+        if (!last) return NULL;
+        n = (size_t)(last + 11 - text);
+    }
     if (fmt == SRV_TOOLS_XML) return parse_xml(text, n, tools, rng);
     if (fmt == SRV_TOOLS_JSON) return parse_json(text, n, rng);
     return NULL;
 }
 
+/* The complete leading objects of a JSON array cut short ("[{...}, {...}, {.."): the array of them (NULL: none). */
+static cJSON *array_prefix(const char *text, size_t n) {
+    size_t i = 0;
+    while (i < n && isspace((unsigned char)text[i])) i++;
+    if (i >= n || text[i] != '[') return NULL;
+    i++;
+    cJSON *arr = cJSON_CreateArray();
+    for (;;) {
+        while (i < n && isspace((unsigned char)text[i])) i++;
+        if (i >= n || text[i] != '{') break;
+        size_t j = i, depth = 0;
+        int in = 0, closed = 0;
+        for (; j < n && !closed; j++) { /* to the matching brace, outside strings */
+            const char ch = text[j];
+            if (in) {
+                if (ch == '\\') j++;
+                else if (ch == '"') in = 0;
+            } else if (ch == '"') {
+                in = 1;
+            } else if (ch == '{' || ch == '[') {
+                depth++;
+            } else if ((ch == '}' || ch == ']') && --depth == 0) {
+                closed = 1;
+            }
+        }
+        cJSON *item = closed ? cJSON_ParseWithLength(text + i, j - i) : NULL;
+        if (!cJSON_IsObject(item)) {
+            cJSON_Delete(item);
+            break;
+        }
+        cJSON_AddItemToArray(arr, item);
+        i = j;
+        while (i < n && isspace((unsigned char)text[i])) i++;
+        if (i >= n || text[i] != ',') break;
+        i++;
+    }
+    if (!cJSON_GetArraySize(arr)) {
+        cJSON_Delete(arr);
+        return NULL;
+    }
+    return arr;
+}
+
 cJSON *srv_tool_calls_required(const char *text, size_t n, uint64_t *rng) {
     cJSON *list = text && n ? cJSON_ParseWithLength(text, n) : NULL;
+    if (!list && text && n) list = array_prefix(text, n); /* cut short: the calls it completed */
     if (!cJSON_IsArray(list) || !cJSON_GetArraySize(list)) {
         cJSON_Delete(list);
         return NULL;

@@ -436,6 +436,16 @@ static void test_tools(void **state) {
     const int e = walks(tv, g, 4, 200, 0x777ull, NULL, NULL, 0);
     (void)e;
     fp4moe_grammar_free(g);
+    /* at most one call (parallel_tool_calls false): the one-call document still, the two-call one not */
+    assert_int_equal(fp4moe_grammar_from_tools_limit(names, params, 3, 1, &g), FP4MOE_OK);
+    assert_int_equal(doc_ok(g, tv->v, cases[0].doc), 1);
+    assert_int_equal(doc_ok(g, tv->v, cases[1].doc), 0);
+    assert_int_equal(doc_ok(g, tv->v, "[{\"name\": \"now\", \"parameters\": {}}]"), 1);
+    fp4moe_grammar_free(g);
+    assert_int_equal(fp4moe_grammar_from_tools_limit(names, params, 3, 2, &g), FP4MOE_OK);
+    assert_int_equal(doc_ok(g, tv->v, cases[1].doc), 1);
+    fp4moe_grammar_free(g);
+    assert_int_equal(fp4moe_grammar_from_tools_limit(names, params, 3, -1, &g), FP4MOE_EINVAL);
     const char *dup[] = {"b", "a", "b"};
     const cJSON *none[] = {NULL, NULL, NULL};
     assert_int_equal(fp4moe_grammar_from_tools(dup, none, 3, &g), FP4MOE_EINVAL);

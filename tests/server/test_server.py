@@ -218,6 +218,9 @@ def main():
         b = chat(c, msgs, 16, True)
         check(a[0] == "" and a[1] != "" and (a[0], a[1]) == (b[0], b[1]),
               "chat: thinking output is reasoning_content, stream equals non-stream (%r)" % a[1][:40])
+        r = c.chat.completions.create(model="nemotron-h-tiny-moe", messages=msgs, max_tokens=16, temperature=0)
+        check(r.choices[0].message.content is None and getattr(r.choices[0].message, "reasoning_content", None),
+              "chat: an answer that is all reasoning has content null (vLLM): %r" % r.choices[0].message.content)
         off = chat(c, msgs, 16, False, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
         check(off[0] != "" and off[1] == "", "chat with enable_thinking false: content %r" % off[0][:40])
         # vLLM's prompt-shaping fields: continue_final_message (the assistant's text left open: the answer continues
@@ -907,6 +910,29 @@ def tool_calls(s, c):
                                    parallel_tool_calls=False, extra_body=dict(off, guided_choice=[two]))
     check(len(r.choices[0].message.tool_calls or []) == 2 and len(r1.choices[0].message.tool_calls or []) == 1,
           "two calls; parallel_tool_calls false keeps the first")
+    # cut by max_tokens inside the second call: only the first, closed one is a call (the cut one would read as a
+    # call with other values); finish length
+    r1 = c.chat.completions.create(model="nemotron-h-tiny-moe", messages=msgs, tools=tools, max_tokens=200, temperature=0,
+                                   extra_body=dict(off, guided_choice=[call_text]))
+    cut = r1.usage.completion_tokens + 4
+    r = c.chat.completions.create(model="nemotron-h-tiny-moe", messages=msgs, tools=tools, max_tokens=cut, temperature=0,
+                                  extra_body=dict(off, guided_choice=[two]))
+    tcs = r.choices[0].message.tool_calls or []
+    check(r.choices[0].finish_reason == "length" and [t.function.name for t in tcs] == ["get_weather"],
+          "auto tool calls cut by max_tokens (%d): the closed call only, finish length: %r" % (cut, r.choices[0]))
+    # tool_choice required with parallel_tool_calls false: the grammar closes the list after one call (vLLM's
+    # maxItems 1; no logit bias needed); the same request with more calls allowed and max_tokens cut inside the second
+    # one returns the first, complete call with finish length (it was text before)
+    kw = dict(model="nemotron-h-tiny-moe", messages=msgs, tools=tools, tool_choice="required", temperature=0,
+              extra_body=off)
+    r1 = c.chat.completions.create(max_tokens=600, parallel_tool_calls=False, **kw)
+    one = [(t.function.name, t.function.arguments) for t in r1.choices[0].message.tool_calls or []]
+    check(len(one) == 1 and r1.choices[0].finish_reason == "tool_calls",
+          "tool_choice required, parallel_tool_calls false: one call, finish tool_calls: %r" % r1.choices[0])
+    r = c.chat.completions.create(max_tokens=r1.usage.completion_tokens + 3, **kw)
+    got = [(t.function.name, t.function.arguments) for t in r.choices[0].message.tool_calls or []]
+    check(r.choices[0].finish_reason == "length" and got == one and not r.choices[0].message.content,
+          "tool_choice required cut by max_tokens: the complete call, finish length: %r" % r.choices[0])
     code, txt = s.raw("POST", "/v1/chat/completions", json.dumps({"messages": msgs, "tools": tools, "max_tokens": 300,
                       "temperature": 0, "function_call": {"name": "get_weather"}, "chat_template_kwargs": off["chat_template_kwargs"]}),
                       {"Content-Type": "application/json"})

@@ -235,9 +235,8 @@ static void test_request_errors(void **state) {
         {SRV_COMPLETION, "{\"prompt\": \"x\", \"temperature\": -0.1}", 400, "temperature"},
         {SRV_COMPLETION, "{\"prompt\": \"x\", \"temperature\": \"1\"}", 400, "temperature"},
         {SRV_COMPLETION, "{\"prompt\": \"x\", \"top_p\": 0}", 400, "top_p"},
-        /* a key twice: cJSON would read the first, Python's json (vLLM) the last - refused (session 28) */
-        {SRV_COMPLETION, "{\"prompt\": \"x\", \"max_tokens\": 5, \"max_tokens\": 9}", 400, ""},
-        {SRV_CHAT, "{\"messages\": [{\"role\": \"user\", \"content\": \"a\", \"content\": \"b\"}]}", 400, ""},
+        /* a key twice: the last value, as Python's json (vLLM) reads it - here out of range */
+        {SRV_COMPLETION, "{\"prompt\": \"x\", \"max_tokens\": 5, \"max_tokens\": 0}", 400, "max_tokens"},
         {SRV_COMPLETION, "{\"prompt\": \"x\", \"top_p\": 1.5}", 400, "top_p"},
         {SRV_COMPLETION, "{\"prompt\": \"x\", \"top_k\": 2.5}", 400, "top_k"},
         {SRV_COMPLETION, "{\"prompt\": \"x\", \"min_p\": 2}", 400, "min_p"},
@@ -245,6 +244,7 @@ static void test_request_errors(void **state) {
         {SRV_COMPLETION, "{\"prompt\": \"x\", \"max_tokens\": 0}", 400, "max_tokens"},
         {SRV_COMPLETION, "{\"prompt\": \"x\", \"max_tokens\": 512}", 400, "max_tokens"},
         {SRV_COMPLETION, "{\"prompt\": \"x\", \"max_completion_tokens\": \"5\"}", 400, "max_completion_tokens"},
+        {SRV_COMPLETION, "{\"prompt\": \"x\", \"max_completion_tokens\": 512}", 400, "max_completion_tokens"},
         {SRV_COMPLETION, "{\"prompt\": \"x\", \"stream\": 1}", 400, "stream"},
         {SRV_COMPLETION, "{\"prompt\": \"x\", \"stream_options\": 1}", 400, "stream_options"},
         {SRV_COMPLETION, "{\"prompt\": \"x\", \"stream_options\": {\"include_usage\": true}}", 400, "stream_options"},
@@ -353,6 +353,31 @@ static void test_request_errors(void **state) {
         assert_null(strstr(e.message, "-0"));
         assert_int_equal(parse(SRV_COMPLETION, "{\"prompt\": \"a\\\\u0000\"}", &r, &e), 0);
         srv_request_free(&r);
+        /* a key twice: the last value wins (Python's json, vLLM), at any depth */
+        assert_int_equal(parse(SRV_COMPLETION, "{\"prompt\": \"x\", \"max_tokens\": 5, \"max_tokens\": 9}", &r, &e), 0);
+        assert_int_equal(r.max_tokens, 9);
+        srv_request_free(&r);
+        assert_int_equal(parse(SRV_CHAT, "{\"messages\": [{\"role\": \"user\", \"content\": \"Hello\", "
+                                         "\"content\": \"Goodbye\"}]}", &r, &e), 0);
+        char *text = NULL;
+        int64_t tn = 0;
+        assert_int_equal(fp4moe_tokenizer_decode(g_tok, r.ids, r.n_ids, 0, &text, &tn), 0);
+        assert_non_null(strstr(text, "Goodbye"));
+        assert_null(strstr(text, "Hello"));
+        free(text);
+        srv_request_free(&r);
+        /* bodies cJSON refuses although they are JSON text: the reason named */
+        assert_int_equal(parse(SRV_COMPLETION, "{\"prompt\": \"cut \\ud83d\"}", &r, &e), -1);
+        assert_non_null(strstr(e.message, "lone UTF-16 surrogate"));
+        assert_int_equal(parse(SRV_COMPLETION, "{\"prompt\": \"pair \\ud83d\\ude00\", \"max_tokens\": 2}", &r, &e), 0);
+        srv_request_free(&r);
+        char deep[2100];
+        for (int i = 0; i < 1050; i++) deep[i] = '[';
+        for (int i = 0; i < 1050; i++) deep[1050 + i] = ']';
+        assert_int_equal(srv_parse_request(&g_ctx, SRV_COMPLETION, deep, 2100, &r, &e), -1);
+        assert_non_null(strstr(e.message, "deeper than 1000 levels"));
+        assert_int_equal(parse(SRV_COMPLETION, "{\"prompt\": \"x\"", &r, &e), -1);
+        assert_non_null(strstr(e.message, "not valid JSON"));
     }
     /* a long prompt: the message gives both numbers */
     char body[8192];
@@ -846,7 +871,7 @@ static void split_parse(srv_tool_format fmt, const char *text, uint64_t *rng, co
     }
     assert_int_equal(srv_tool_split_flush(&t, content), 0);
     uint64_t ids = 1;
-    *calls = t.in_calls ? srv_tool_calls_parse(fmt, t.calls.p, t.calls.n, tools, &ids) : NULL;
+    *calls = t.in_calls ? srv_tool_calls_parse(fmt, t.calls.p, t.calls.n, tools, 0, &ids) : NULL;
     if (t.in_calls && !*calls) srv_buf_add(content, t.calls.p, t.calls.n);
     srv_tool_split_free(&t);
 }
@@ -933,7 +958,7 @@ static void test_tool_calls(void **state) {
     uint64_t ids = 5;
     const char *x = "<tool_call>\n<function=f>\n<parameter=n>\n42\n</parameter>\n<parameter=z>\nNULL\n</parameter>\n"
                     "</function>\n</tool_call>";
-    cJSON *c = srv_tool_calls_parse(SRV_TOOLS_XML, x, strlen(x), NULL, &ids);
+    cJSON *c = srv_tool_calls_parse(SRV_TOOLS_XML, x, strlen(x), NULL, 0, &ids);
     assert_non_null(c);
     assert_string_equal(cJSON_GetObjectItem(cJSON_GetObjectItem(c->child, "function"), "arguments")->valuestring,
                         "{\"n\":\"42\",\"z\":null}");
@@ -955,7 +980,7 @@ static void test_tool_calls(void **state) {
     };
     /* (tools: still the parsed list of above) */
     for (int i = 0; i < 4; i++) {
-        c = srv_tool_calls_parse(SRV_TOOLS_XML, xml[i].text, strlen(xml[i].text), tools, &ids);
+        c = srv_tool_calls_parse(SRV_TOOLS_XML, xml[i].text, strlen(xml[i].text), tools, 0, &ids);
         assert_non_null(c);
         assert_int_equal(cJSON_GetArraySize(c), xml[i].n);
         const char *a = cJSON_GetObjectItem(cJSON_GetObjectItem(c->child, "function"), "arguments")->valuestring;
@@ -965,14 +990,42 @@ static void test_tool_calls(void **state) {
     /* JSON format: every <TOOLCALL> block; arguments that are not an object: no call (the text stays content) */
     const char *j2 = "<TOOLCALL>[{\"name\": \"a\", \"arguments\": {}}]</TOOLCALL>\n<TOOLCALL>[{\"name\": \"b\", "
                      "\"arguments\": \"{\\\"x\\\": 1}\"}]</TOOLCALL>";
-    c = srv_tool_calls_parse(SRV_TOOLS_JSON, j2, strlen(j2), NULL, &ids);
+    c = srv_tool_calls_parse(SRV_TOOLS_JSON, j2, strlen(j2), NULL, 0, &ids);
     assert_non_null(c);
     assert_int_equal(cJSON_GetArraySize(c), 2);
     assert_string_equal(cJSON_GetObjectItem(cJSON_GetObjectItem(cJSON_GetArrayItem(c, 1), "function"), "arguments")->valuestring,
                         "{\"x\":1}");
     cJSON_Delete(c);
     const char *j3 = "<TOOLCALL>[{\"name\": \"a\", \"arguments\": \"hello\"}]</TOOLCALL>";
-    assert_null(srv_tool_calls_parse(SRV_TOOLS_JSON, j3, strlen(j3), NULL, &ids));
+    assert_null(srv_tool_calls_parse(SRV_TOOLS_JSON, j3, strlen(j3), NULL, 0, &ids));
+    /* cut by max_tokens: only the calls the answer closed (a call cut in a value would read as a whole one) */
+    const char *cut1 = "<tool_call>\n<function=get_time>\n<parameter=tz>\nC";
+    assert_non_null(c = srv_tool_calls_parse(SRV_TOOLS_XML, cut1, strlen(cut1), NULL, 0, &ids)); /* (not cut: kept) */
+    cJSON_Delete(c);
+    assert_null(srv_tool_calls_parse(SRV_TOOLS_XML, cut1, strlen(cut1), NULL, 1, &ids));
+    const char *cut2 = "<tool_call>\n<function=a>\n<parameter=x>\n1\n</parameter>\n</function>\n</tool_call>\n"
+                       "<tool_call>\n<function=b>\n<parameter=y>\n2";
+    assert_non_null(c = srv_tool_calls_parse(SRV_TOOLS_XML, cut2, strlen(cut2), NULL, 1, &ids));
+    assert_int_equal(cJSON_GetArraySize(c), 1);
+    assert_string_equal(cJSON_GetStringValue(cJSON_GetObjectItem(cJSON_GetObjectItem(c->child, "function"), "name")), "a");
+    cJSON_Delete(c);
+    /* tool_choice "required" cut short: the complete leading calls; none complete: NULL */
+    const char *req = "[ {\"name\": \"get_time\", \"parameters\": {\"tz\": \"CET\"}\n}\n, {\"name\": \"get_"
+                      "time\", \"paramet";
+    assert_non_null(c = srv_tool_calls_required(req, strlen(req), &ids));
+    assert_int_equal(cJSON_GetArraySize(c), 1);
+    assert_string_equal(cJSON_GetStringValue(cJSON_GetObjectItem(cJSON_GetObjectItem(c->child, "function"), "arguments")),
+                        "{\"tz\":\"CET\"}");
+    cJSON_Delete(c);
+    const char *req2 = "[{\"name\": \"a\", \"parameters\": {\"s\": \"}{\\\"\"}}, {\"name\": \"b\", \"parameters\": {}}]";
+    assert_non_null(c = srv_tool_calls_required(req2, strlen(req2), &ids));
+    assert_int_equal(cJSON_GetArraySize(c), 2);
+    cJSON_Delete(c);
+    assert_non_null(c = srv_tool_calls_required(req2, strlen(req2) - 5, &ids)); /* the second cut: the first */
+    assert_int_equal(cJSON_GetArraySize(c), 1);
+    cJSON_Delete(c);
+    assert_null(srv_tool_calls_required("[{\"name\": \"a\", \"param", 20, &ids));
+    assert_null(srv_tool_calls_required("{\"name\": \"a\"}", 13, &ids));
     cJSON_Delete(want);
     cJSON_Delete(tools);
 }
