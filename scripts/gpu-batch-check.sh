@@ -112,10 +112,10 @@ for n in (1, 8, 32, 64, 128):
           f"{j['decode_tok_s_per_sequence']:.1f} | {j['gen_ids_fnv1a_all']} |")
 b1, b64, b64o = load("batch1"), load("batch64"), load("batch64_off")
 if b1 and on:
-    print(f"batch 1 sequence 0 hash {b1['gen_ids_fnv1a'][0]} (its prompt is the solo run's, {j['prompt_tokens']} tokens)")
+    print(f"batch 1 sequence 0 hash {b1['gen_ids_fnv1a']} (its prompt is the solo run's, {j['prompt_tokens']} tokens)")
 if b64 and b64o:
-    same = b64["gen_ids_fnv1a"] == b64o["gen_ids_fnv1a"]
-    ndiff = sum(a != b for a, b in zip(b64["gen_ids_fnv1a"], b64o["gen_ids_fnv1a"]))
+    same = b64["gen_ids_fnv1a_per_sequence"] == b64o["gen_ids_fnv1a_per_sequence"]
+    ndiff = sum(a != b for a, b in zip(b64["gen_ids_fnv1a_per_sequence"], b64o["gen_ids_fnv1a_per_sequence"]))
     print(f"N=64 route on vs FP4MOE_GATHER_EXPERT_BATCHED=0: {'EQUAL' if same else f'{ndiff} sequences DIFFERENT'}; "
           f"decode {b64['decode_tok_s_aggregate']:.0f} vs {b64o['decode_tok_s_aggregate']:.0f} tok/s")
     print(f"target N=64 >= 6000 aggregate decode tok/s: {'MET' if b64['decode_tok_s_aggregate'] >= 6000 else 'MISSED'}")

@@ -420,19 +420,20 @@ static int read_stream_text(FILE *fp, const char *path, int64_t max_bytes, char 
 
 int cli_read_text(const char *path, int64_t max_bytes, char **out) {
     *out = NULL;
+    if (!strcmp(path, "-")) path = "/dev/stdin"; /* the convention of -f - */
     struct stat sb;
     if (stat(path, &sb) == 0 && S_ISDIR(sb.st_mode)) return fp4moe_set_error(FP4MOE_EIO, "%s: a directory", path);
     if (stat(path, &sb) == 0 && !S_ISREG(sb.st_mode) && !S_ISFIFO(sb.st_mode) && !S_ISCHR(sb.st_mode))
         return fp4moe_set_error(FP4MOE_EIO, "%s: not a regular file, pipe or character device", path);
-    /* a named pipe is opened without waiting for a writer (none: it reads as empty, no hang), then read blocking */
-    const int fd = open(path, O_RDONLY | O_NONBLOCK);
+    /* a named pipe waits for its writer, as cat does (session 32 opened it without waiting: a writer that came a
+       moment later was lost, the text read as empty, and the writer then blocked for ever) */
+    const int fd = open(path, O_RDONLY);
     FILE *fp = fd >= 0 ? fdopen(fd, "rb") : NULL;
     if (!fp) {
         const int err = errno;
         if (fd >= 0) close(fd);
         return fp4moe_set_error(FP4MOE_EIO, "%s: cannot open: %s", path, strerror(err));
     }
-    fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK);
     if (fstat(fd, &sb) == 0 && !S_ISREG(sb.st_mode)) { /* a pipe / stdin / <(...): read to its end */
         const int st = read_stream_text(fp, path, max_bytes, out);
         fclose(fp);

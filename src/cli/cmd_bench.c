@@ -249,6 +249,7 @@ static void batch_json_fields(cJSON *j, const bench_args *a, int64_t N, double p
     cJSON_AddNumberToObject(j, "prompt_tokens", (double)a->prompt_tokens);
     cJSON_AddNumberToObject(j, "gen_tokens", (double)a->gen_tokens);
     cJSON_AddNumberToObject(j, "repeats", (double)a->repeats);
+    cJSON_AddNumberToObject(j, "warmup", (double)a->warmup);
     cJSON_AddNumberToObject(j, "prefill_tok_s_aggregate", pfm);
     cJSON_AddNumberToObject(j, "decode_tok_s_aggregate", dcm);
     cJSON_AddNumberToObject(j, "decode_tok_s_per_sequence", dcm / (double)N);
@@ -263,6 +264,16 @@ static cJSON *hash_array(const uint64_t *hash0, int64_t N) {
         cJSON_AddItemToArray(arr, cJSON_CreateString(h));
     }
     return arr;
+}
+
+/* The hashes of a --batch run: gen_ids_fnv1a (a string, as the solo run's: sequence 0's ids, whose prompt is the
+ * solo run's), gen_ids_fnv1a_per_sequence (all N), gen_ids_fnv1a_all (one hash of those) */
+static void batch_hash_fields(cJSON *j, const uint64_t *hash0, int64_t N, const char *all) {
+    char h0[24];
+    snprintf(h0, sizeof h0, "%016llx", (unsigned long long)hash0[0]);
+    cJSON_AddStringToObject(j, "gen_ids_fnv1a", h0);
+    cJSON_AddItemToObject(j, "gen_ids_fnv1a_per_sequence", hash_array(hash0, N));
+    cJSON_AddStringToObject(j, "gen_ids_fnv1a_all", all);
 }
 
 /* ---- --batch N: N concurrent sequences ------------------------------------------------------- */
@@ -370,6 +381,7 @@ static int bench_batch(const bench_args *a, const fp4moe_model *m, fp4moe_dtype 
             cJSON *j = cJSON_CreateObject();
             cJSON_AddStringToObject(j, "model", what);
             cJSON_AddBoolToObject(j, "synthetic", a->synthetic != NULL);
+            cJSON_AddStringToObject(j, "format", fp4moe_quant_mode_name(fp4moe_model_format(m)));
             cJSON_AddStringToObject(j, "device", fp4moe_device_name(dev));
             cJSON_AddStringToObject(j, "dtype", a->dtype);
             cJSON_AddStringToObject(j, "cpu_act", a->cpu_act);
@@ -381,8 +393,7 @@ static int bench_batch(const bench_args *a, const fp4moe_model *m, fp4moe_dtype 
             batch_json_fields(j, a, N, pfm, dcm);
             char h[24];
             snprintf(h, sizeof h, "%016llx", (unsigned long long)all);
-            cJSON_AddStringToObject(j, "gen_ids_fnv1a_all", h);
-            cJSON_AddItemToObject(j, "gen_ids_fnv1a", hash_array(hash0, N));
+            batch_hash_fields(j, hash0, N, h);
             cJSON_AddItemToObject(j, "gen_ids_0", cJSON_CreateIntArray(ids0, (int)a->gen_tokens));
             if (a->profile) {   /* the last repeat's device time */
                 cJSON_AddItemToObject(j, "prefill_split_ms", split_json(split_pf));
@@ -621,8 +632,7 @@ static int bench_ep(const bench_args *a, fp4moe_dtype dt, fp4moe_route route, fp
             cJSON_AddStringToObject(j, "ep_transport", nccl ? "nccl" : "loopback");
             cJSON_AddNumberToObject(j, "ep_ranks", W);
             batch_json_fields(j, a, N, pfm, dcm);
-            cJSON_AddStringToObject(j, "gen_ids_fnv1a_all", h);
-            cJSON_AddItemToObject(j, "gen_ids_fnv1a", hash_array(hash0, N));
+            batch_hash_fields(j, hash0, N, h);
             char *txt = cJSON_Print(j);
             if (txt) cli_json_print(txt);
             free(txt);

@@ -136,7 +136,9 @@ int cli_model_summary(const char *cmd, const char *dir, FILE *out, cJSON *json) 
         cJSON_AddStringToObject(mo, "layer_types", c->layer_types);
         cJSON_AddNumberToObject(mo, "params_total", (double)s.params_total);
         cJSON_AddNumberToObject(mo, "params_active", (double)s.params_active);
-        cJSON *by = cJSON_AddObjectToObject(mo, "bytes");
+        /* in memory after loading (the CPU keeps bf16 tensors as fp32: more than the files hold; the files' tensor
+           bytes are inspect's top-level "bytes") */
+        cJSON *by = cJSON_AddObjectToObject(mo, "memory_bytes");
         for (size_t i = 0; i < np; i++) cJSON_AddNumberToObject(by, parts[i].key, (double)parts[i].bytes);
         cJSON_AddNumberToObject(mo, "nvfp4_linears", (double)s.n_nvfp4_linears);
         cJSON_AddNumberToObject(mo, "dense_linears", (double)s.n_dense_linears);
@@ -335,6 +337,7 @@ static int run_generation(const gen_args *a, gen_state *g, const volatile sig_at
     int st = fp4moe_session_forward(g->s, g->prompt, g->T, g->logits, 0);
     if (!st && cli_bad_logits(g->logits, c->vocab)) st = fp4moe_set_error(FP4MOE_EFORMAT, CLI_BAD_LOGITS);
     const double t_prefill = cli_now() - t0;
+    const int prefilled = !st; /* (Ctrl-C during the prefill: no prefill speed) */
     int64_t produced = 0;
     double t_decode = 0.0;
     const char *reason = "length";
@@ -398,7 +401,7 @@ static int run_generation(const gen_args *a, gen_state *g, const volatile sig_at
         interrupted = 1;
     }
     if (!g->json) {
-        printf("\n");
+        if (isatty(STDOUT_FILENO)) printf("\n"); /* (in a pipe or file the continuation alone, byte for byte) */
     } else if (!st) {
         cJSON *o = cJSON_CreateObject();
         cJSON_AddStringToObject(o, "text", g->text.s ? g->text.s : "");
@@ -411,10 +414,12 @@ static int run_generation(const gen_args *a, gen_state *g, const volatile sig_at
         char seed[32]; /* as an exact integer: cJSON writes numbers with 15 significant digits when they round-trip
                           within its epsilon, which loses the last digit of 16-digit seeds */
         snprintf(seed, sizeof seed, "%lld", (long long)a->smp.seed);
-        cJSON_AddRawToObject(o, "seed", seed);
+        if (a->smp.temp > 0) cJSON_AddRawToObject(o, "seed", seed);
+        else cJSON_AddNullToObject(o, "seed"); /* greedy: no seed takes part */
         cJSON_AddNumberToObject(o, "prefill_seconds", t_prefill);
         cJSON_AddNumberToObject(o, "decode_seconds", t_decode);
-        cJSON_AddNumberToObject(o, "prefill_tok_s", t_prefill > 0 ? (double)g->T / t_prefill : 0.0);
+        if (prefilled) cJSON_AddNumberToObject(o, "prefill_tok_s", t_prefill > 0 ? (double)g->T / t_prefill : 0.0);
+        else cJSON_AddNullToObject(o, "prefill_tok_s"); /* interrupted before the prefill ended */
         cJSON_AddNumberToObject(o, "decode_tok_s", t_decode > 0 && produced > 1 ? (double)(produced - 1) / t_decode : 0.0);
         char *js = cJSON_Print(o);
         if (js) cli_json_print(js);
@@ -529,6 +534,12 @@ static int generate(const gen_args *a) {
     if (a->file || (a->prompt && !strcmp(a->prompt, "-"))) {
         const int st = a->file ? cli_read_text(a->file, (int64_t)1 << 30, &text) : cli_read_stream(stdin, &text);
         if (st) return cli_fail(CMD, st);
+        /* -f: one trailing newline dropped, as llama.cpp's -f does (an editor's end of file is not prompt text) */
+        size_t tl = a->file ? strlen(text) : 0;
+        if (tl && text[tl - 1] == '\n') {
+            text[--tl] = '\0';
+            if (tl && text[tl - 1] == '\r') text[--tl] = '\0'; /* (CRLF) */
+        }
         ta.prompt = text;
         ta.file = NULL;
         a = &ta;
@@ -651,7 +662,7 @@ int cmd_generate(int argc, char **argv) {
     const cli_opt opts[] = {
         {"--model", "-m", CLI_STRING, &a.model, "DIR", "model directory (config.json, *.safetensors, tokenizer.json)"},
         {"--prompt", "-p", CLI_STRING, &a.prompt, "TEXT", "prompt text (- reads it from standard input)"},
-        {"--file", "-f", CLI_STRING, &a.file, "FILE", "read the prompt from FILE"},
+        {"--file", "-f", CLI_STRING, &a.file, "FILE", "read the prompt from FILE (one trailing newline dropped, as llama.cpp's -f; - : standard input)"},
         {"--ctx", "-c", CLI_INT, &a.ctx, "N", "context limit in tokens (default: the model's max_position_embeddings)"},
         {"--prompt-ids", NULL, CLI_STRING, &a.prompt_ids, "IDS", "prompt as token ids, e.g. 1,2,3 (no tokenizer needed)"},
         {"--tokens", "-n", CLI_INT, &a.n, "N", "tokens to generate (default 128)"},

@@ -146,7 +146,11 @@ static void report(const ppl_args *a, const ppl_state *p, int64_t windows, int64
         cJSON_AddStringToObject(o, "kv_cache_dtype", a->kv_cache ? a->kv_cache : "auto");
         cJSON_AddNumberToObject(o, "threads", omp_get_max_threads());
         cJSON_AddNumberToObject(o, "ctx", (double)a->ctx);
+        cJSON_AddStringToObject(o, "device", a->device);
         cJSON_AddNumberToObject(o, "text_tokens", (double)p->n_ids);
+        cJSON_AddNumberToObject(o, "max_tokens", (double)a->max_tokens); /* 0: all */
+        cJSON_AddNumberToObject(o, "tokens_used", (double)(a->max_tokens > 0 && a->max_tokens < p->n_ids ? a->max_tokens
+                                                                                                    : p->n_ids));
         cJSON_AddNumberToObject(o, "windows", (double)windows);
         cJSON_AddNumberToObject(o, "windows_done", (double)done);
         cJSON_AddBoolToObject(o, "interrupted", interrupted);
@@ -190,6 +194,7 @@ static int perplexity(const ppl_args *a) {
     ppl_args resolved = *a;                  /* the dtype in force, for the report */
     resolved.dtype = fp4moe_dtype_name(dt);
     resolved.cpu_act = fp4moe_cpu_act_name(ca);
+    resolved.device = dev == FP4MOE_DEVICE_CUDA ? "cuda" : "cpu";
     a = &resolved;
     if ((rc = tokenize_file(a, &p))) {
         ppl_free(&p);
@@ -253,7 +258,7 @@ static int perplexity(const ppl_args *a) {
     if (st && !interrupted) {
         rc = cli_fail(CMD, st);
     } else if (done == 0) {
-        rc = cli_error(CMD, FP4MOE_EXIT_FAIL, "stopped (Ctrl-C) before the first window finished");
+        rc = cli_error(CMD, FP4MOE_EXIT_INTERRUPTED, "stopped (Ctrl-C) before the first window finished");
     } else if (!isfinite(nll_mean(&all))) {
         rc = cli_error(CMD, FP4MOE_EXIT_FAIL, "%s", CLI_BAD_LOGITS);
     } else {
@@ -287,7 +292,8 @@ int cmd_perplexity(int argc, char **argv) {
         "tail that does not fill a window is dropped); each window runs from an empty state. Scored:\n"
         "the predictions of positions ctx/2 .. ctx-2 of each window (each sees >= ctx/2 tokens).\n"
         "Prints ppl = exp(mean NLL) +/- its standard error; stderr also gives the ppl of every\n"
-        "prediction (positions 0 .. ctx-2). A progress bar is shown on a terminal.",
+        "prediction (positions 0 .. ctx-2). Progress on stderr: a bar on a terminal, otherwise a\n"
+        "line every 10 s. --file - reads standard input.",
         opts, (int)(sizeof opts / sizeof opts[0]), NULL, 0, NULL};
     int rc = cli_parse(&spec, argc, argv);
     if (rc == CLI_HELP) return FP4MOE_EXIT_OK;

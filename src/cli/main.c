@@ -1,5 +1,6 @@
 /* fp4moe: the command-line front end. `fp4moe <command> [options]`; each command lives in its own
  * cmd_*.c and is listed once in the table below. Exit codes (commands.h): 0 ok, 1 failure, 2 usage. */
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -73,7 +74,17 @@ int main(int argc, char **argv) {
     for (int i = 0; i < N_COMMANDS; i++) {
         if (strcmp(cmd, k_commands[i].name)) continue;
         const int env = check_environment();
-        return env ? env : cli_json_finish(k_commands[i].name, k_commands[i].run(argc - 1, argv + 1));
+        if (env) return env;
+        const int rc = cli_json_finish(k_commands[i].name, k_commands[i].run(argc - 1, argv + 1));
+        /* what the command printed must have reached stdout: a full disk / a closed file is an error (exit 1), as
+           coreutils and Python report it, not a silent short result */
+        errno = 0;
+        if (fflush(stdout) != 0 || ferror(stdout)) {
+            fprintf(stderr, "fp4moe %s: cannot write the output: %s\n", k_commands[i].name,
+                    errno ? strerror(errno) : "write error");
+            return rc ? rc : FP4MOE_EXIT_FAIL;
+        }
+        return rc;
     }
     fprintf(stderr, "fp4moe: unknown command '%s'\n\n", cmd);
     usage(stderr);
