@@ -1354,6 +1354,58 @@ static void test_generation_config_warnings(void **state) {
     assert_null(strstr(g_err, "warning"));
 }
 
+/* What scripts rely on (from an evaluation user's trial, session 33): an output that could not be written is exit 1;
+ * generate's stdout in a file is the continuation alone (the --json text, byte for byte); -f FILE drops one trailing
+ * newline (llama.cpp's -f); --json's seed is null when greedy; perplexity --file - reads standard input and its JSON
+ * tells the tokens used. */
+static void test_output_for_scripts(void **state) {
+    (void)state;
+    const char *mdl = "models/nemotron-h-tiny-moe", *held = "tests/golden/default/heldout_short.txt";
+    char cmd[1400];
+    snprintf(cmd, sizeof cmd, "%.600s generate -m %s -p Once -n 6 --json > /dev/full 2>/dev/null", g_cli, mdl);
+    int status = system(cmd);
+    assert_true(WIFEXITED(status));
+    assert_int_equal(WEXITSTATUS(status), 1);
+    snprintf(cmd, sizeof cmd, "%.600s inspect -m %s > /dev/full 2>/dev/null", g_cli, mdl);
+    status = system(cmd);
+    assert_true(WIFEXITED(status));
+    assert_int_equal(WEXITSTATUS(status), 1);
+    /* the text mode's stdout equals the JSON text (no newline added in a file) */
+    EXPECT_RC(0, "generate", "-m", mdl, "-p", "The little girl", "-n", "6", "--json");
+    cJSON *j = cJSON_Parse(g_out);
+    assert_non_null(j);
+    char *text = strdup(cJSON_GetStringValue(cJSON_GetObjectItem(j, "text")));
+    const double pt = cJSON_GetNumberValue(cJSON_GetObjectItem(j, "prompt_tokens"));
+    assert_true(cJSON_IsNull(cJSON_GetObjectItem(j, "seed")));
+    cJSON_Delete(j);
+    EXPECT_RC(0, "generate", "-m", mdl, "-p", "The little girl", "-n", "6");
+    assert_string_equal(g_out, text);
+    free(text);
+    EXPECT_RC(0, "generate", "-m", mdl, "-p", "The little girl", "-n", "6", "--temp", "0.8", "--seed", "7", "--json");
+    expect_in(g_out, "\"seed\":\t7");
+    /* -f: the file's trailing newline is not prompt text */
+    char file[512];
+    snprintf(file, sizeof file, "%s", io_path("prompt-nl.txt"));
+    io_write_bytes(file, "The little girl\n", 16);
+    EXPECT_RC(0, "generate", "-m", mdl, "-f", file, "-n", "6", "--json");
+    j = cJSON_Parse(g_out);
+    assert_non_null(j);
+    assert_true(cJSON_GetNumberValue(cJSON_GetObjectItem(j, "prompt_tokens")) == pt);
+    cJSON_Delete(j);
+    /* perplexity: --file - is standard input, the same result as the file; tokens_used / max_tokens */
+    EXPECT_RC(0, "perplexity", "-m", mdl, "--file", held, "--ctx", "64", "--max-tokens", "256", "--json");
+    char *want = strdup(g_out);
+    expect_in(g_out, "\"tokens_used\":\t256");
+    expect_in(g_out, "\"max_tokens\":\t256");
+    g_stdin_path = held;
+    EXPECT_RC(0, "perplexity", "-m", mdl, "--file", "-", "--ctx", "64", "--max-tokens", "256", "--json");
+    const char *a = strstr(want, "\"ppl\""), *b = strstr(g_out, "\"ppl\"");
+    assert_non_null(a);
+    assert_non_null(b);
+    assert_memory_equal(a, b, 40);
+    free(want);
+}
+
 static void test_odd_inputs(void **state) {
     (void)state;
     const char *mdl = "models/nemotron-h-tiny-moe", *held = "tests/golden/default/heldout_short.txt";
@@ -1521,6 +1573,7 @@ int main(void) {
         cmocka_unit_test(test_matches_golden_mlx),
         cmocka_unit_test(test_bench_ep_ranks),
         cmocka_unit_test(test_odd_inputs),
+        cmocka_unit_test(test_output_for_scripts),
         cmocka_unit_test(test_json_errors),
         cmocka_unit_test(test_ctx_above_max_position),
         cmocka_unit_test(test_limits),
