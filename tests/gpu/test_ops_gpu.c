@@ -154,7 +154,7 @@ static void route_case_w(gpu_ctx *g, int64_t T, int64_t E, int64_t k, int64_t G,
     const cuda_router_cfg rc = {E, k, G, TG, 1, 2.5f, db};
     /* the expert runs of block sorts (gq_runs), into a poisoned buffer with room for E experts */
     const size_t rbytes = (size_t)(2 * E + 3) * 4;
-    gq_runs runs = {gt_upload(NULL, rbytes), E, (const uint32_t *)&runs, 0, 0, 0};
+    gq_runs runs = {gt_upload(NULL, rbytes), E, (const uint32_t *)&runs, 0, 0, 0, NULL, 0};
     gt_poison(runs.buf, rbytes);
     assert_int_equal(cuda_moe_route(&g->ops, &rc, dx, dxb, T, dW, dW3, H, dlg, dids, dw, drow, didx, dpos, &runs),
                      FP4MOE_OK);
@@ -483,7 +483,7 @@ static void tiled_case(gpu_ctx *g, int64_t E, int64_t N, int64_t K, int64_t B, t
         assert_int_equal(gather_qmm_cuda_bf16_f32out(&wt, 1, dx, didx, B, y2, g->stream), FP4MOE_OK);
     } else {
         assert_int_equal(gather_qmm_cuda_linear(&w, 0, dx, FP4MOE_BF16, didx, B, route, 0, y1, g->stream, g->ops.blas,
-                                                &g->dq, NULL, (const float *)(const void *)didx, &f1),
+                                                &g->dq, NULL, (const float *)(const void *)didx, NULL, &f1),
                          FP4MOE_OK);
         GT_CHECK(cudaStreamSynchronize(g->stream));
         if (kind >= 4) {
@@ -498,7 +498,7 @@ static void tiled_case(gpu_ctx *g, int64_t E, int64_t N, int64_t K, int64_t B, t
         }
         gt_poison((void *)w.codes, (size_t)(E * N * K / 2));
         assert_int_equal(gather_qmm_cuda_linear(&wt, 1, dx, FP4MOE_BF16, didx, B, route, 0, y2, g->stream, g->ops.blas,
-                                                &g->dq, wb, (const float *)(const void *)didx, &f2),
+                                                &g->dq, wb, (const float *)(const void *)didx, NULL, &f2),
                          FP4MOE_OK);
     }
     GT_CHECK(cudaStreamSynchronize(g->stream));
@@ -718,7 +718,7 @@ static void rows_case(gpu_ctx *g, int64_t E, int64_t N, int64_t K, int64_t T, in
         if (E > 1) {
             int *hr = cpu_runs(idx, B, E, gather_qmm_cuda_row_tile(B, E));
             const size_t rbytes = (size_t)(2 * E + 3) * 4;
-            gq_runs runs = {gt_upload(hr, rbytes), E, didx, B, E, gather_qmm_cuda_row_tile(B, E)};
+            gq_runs runs = {gt_upload(hr, rbytes), E, didx, B, E, gather_qmm_cuda_row_tile(B, E), NULL, 0};
             for (int rep = 0; rep < 3; rep++) {
                 gt_poison(y2, yb);
                 if (rep == 1)
@@ -1003,6 +1003,19 @@ static void dense_case(gpu_ctx *g, int64_t N, int64_t K, int64_t T, int with_gs,
     gt_download(y, dy, (size_t)(T * N) * 2);
     if (tu_check_gather_output(y, FP4MOE_BF16, zeros, T, N, 1, rows, T, ref, ysub, label))
         fail_msg("%s: differs from the fp64 reference", label);
+    { /* the runs {0, T} from the pair table (cuda_ops.e1_runs, as the backend gives them; no runs kernel): the same
+         bits (fault E1_RUNS: the last row left out) */
+        int *tab = NULL;
+        assert_int_equal(cuda_e1_runs_table(g->stream, T + 3, &tab), FP4MOE_OK);
+        cuda_ops o1 = o;
+        o1.e1_runs = tab;
+        gt_poison(dy2, (size_t)(T * N) * 2);
+        assert_int_equal(cuda_linear_forward(&o1, &lin, dx, T, 0, dy2), FP4MOE_OK);
+        GT_CHECK(cudaStreamSynchronize(g->stream));
+        gt_download(y2, dy2, (size_t)(T * N) * 2);
+        if (memcmp(y, y2, (size_t)(T * N) * 2)) fail_msg("%s: with the runs table: differs", label);
+        GT_CHECK(cudaFree(tab));
+    }
     /* relu^2 after it: bitwise cuda_relu2 of the plain output */
     gt_poison(dy2, (size_t)(T * N) * 2);
     assert_int_equal(cuda_linear_forward(&o, &lin, dx, T, 1, dy2), FP4MOE_OK);
@@ -1039,6 +1052,8 @@ static void test_dense_linear(void **state) {
     dense_case(g, 1856, 2688, 512, 1, 2);   /* the scratch grows */
     dense_case(g, 7, 16, 256, 1, 3);        /* the smallest dense call */
     dense_case(g, 2688, 1856, 255, 1, 4);   /* one row below: the batched kernel */
+    dense_case(g, 300, 256, 100, 1, 6);     /* 64-row tiles of a plain linear */
+    dense_case(g, 2688, 1856, 40, 1, 7);    /* gq_dense_kg_kernel (no runs) */
     dense_case(g, 4104, 2688, 257, 1, 5);   /* grows again */
 }
 

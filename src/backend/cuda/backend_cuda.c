@@ -588,6 +588,7 @@ typedef struct {
     cuda_ops ops;
     gq_dense_scratch dq;            /* dense dequant_gemm scratch (ops.dq) */
     uint32_t *zeros;
+    int *e1_runs;                   /* ops.e1_runs (cuda_e1_runs_table of cap rows) */
     float *att_scratch;             /* split-KV decode partials */
     float *ssm_ws;                  /* the Mamba-2 SSD's C B^T chunks (cuda_ssm_args.ws) for `cap` tokens */
     int64_t ssm_ws_floats;
@@ -981,6 +982,7 @@ void be_cuda_free(void *bcv) {
     cudaFree(c->ops.f32_y);
     cudaFree(c->ops.split_ws);
     cudaFree(c->ops.runs.buf);
+    cudaFree(c->e1_runs);
     cudaFree(c->dq.p);
     if (c->side) {
         cudaStreamSynchronize(c->side);
@@ -1025,7 +1027,13 @@ int be_cuda_new(const fp4moe_model *m, fp4moe_route route, int64_t cap, int64_t 
         c->ops.f32_x = fx;
         TRY(cu_alloc(c, (size_t)(cap * f32w) * 4, (void **)&fy));
     }
-    c->ops = (cuda_ops){c->stream, c->blas, route, c->zeros, cap, fx, fy, cap * f32w, &c->dq, NULL, 0, {0}};
+    c->ops = (cuda_ops){c->stream, c->blas, route, c->zeros, cap, fx, fy, cap * f32w, &c->dq, NULL, 0, {0}, NULL};
+    { /* the plain linears' runs {0, B} for every B <= cap (no runs kernel per call) */
+        int *t = NULL;
+        TRY(cuda_e1_runs_table(c->stream, cap, &t));
+        c->e1_runs = t;
+        c->ops.e1_runs = t;
+    }
     if (strchr(m->cfg.layer_types, FP4MOE_LAYER_MOE) && m->cfg.n_experts > 0) { /* the router's split-K scratch */
         const int64_t n = (int64_t)MM_SPLIT_ROWS * m->cfg.n_experts;
         TRY(cu_alloc(c, (size_t)n * 4, (void **)&c->ops.split_ws));

@@ -1389,10 +1389,28 @@ static int launch_dtype(const gq_args *a, int mt, const int *starts, const int *
 
 /* The kernel with row tile mt (8, 32 or 64): the runs on the device, then the tiles. f32out: x is
  * bf16 and y fp32. */
+#ifndef GQ_E1_IN_GRAPHS
+#define GQ_E1_IN_GRAPHS 0 /* 1: the plain linears' runs table in graph captures too (measured slower, below) */
+#endif
 static int launch_tiled(const gq_args *a, fp4moe_dtype dtype, int mt, cudaStream_t st, bool f32out = false) {
     if (kg_fits(a, dtype, f32out)) return launch_kg(a, st); /* whatever the row tile: the same bits on every route */
-    if (a->runs && a->runs_mt == mt) { /* the runs made by the sort (gq_runs): no scratch, no runs kernel */
-        const int *starts = a->runs, *tile_off = a->runs + a->E + 1;
+    /* a plain linear: starts {0, B}, tile offsets {0, tiles} from the table, no runs kernel - in eager launches (the
+     * prefill: 128 + 64 tokens +4.6% on the H200, session 33); in a captured decode step (96 sequences) the same
+     * measured -4.1%: there the 1-block runs kernel before the persistent grid also held its early (PDL) launch back
+     * until the kernel before it (a norm) had finished */
+    bool e1 = a->E == 1 && a->e1_pairs;
+    if (e1 && !GQ_E1_IN_GRAPHS) {
+        cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+        FP4MOE_CUDA_TRY("gather_qmm_cuda", cudaStreamIsCapturing(st, &cs), "cudaStreamIsCapturing");
+        e1 = cs == cudaStreamCaptureStatusNone;
+    }
+    if ((a->runs && a->runs_mt == mt) || e1) { /* runs made beforehand (gq_runs): no scratch, no runs kernel */
+#ifdef FP4MOE_INJECT_FAULT_E1_RUNS /* deliberate fault (tests must catch it): the plain linear's last row left out */
+        const int *starts = e1 ? a->e1_pairs + 2 * (a->B - 1) : a->runs;
+#else
+        const int *starts = e1 ? a->e1_pairs + 2 * a->B : a->runs;
+#endif
+        const int *tile_off = e1 ? a->e1_pairs + 2 * ((a->B + mt - 1) / mt) : a->runs + a->E + 1;
         if (f32out) return launch_dtype<__nv_bfloat16, float, 4>(a, mt, starts, tile_off, st);
         if (dtype == FP4MOE_F16) return launch_dtype<__half, __half, 4>(a, mt, starts, tile_off, st);
         return launch_dtype<__nv_bfloat16, __nv_bfloat16, 4>(a, mt, starts, tile_off, st);

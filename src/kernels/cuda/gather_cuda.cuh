@@ -44,6 +44,7 @@ struct gq_args {
     int xdiv;
     const int *runs;        /* NULL, or the expert runs of idx made beforehand (gq_runs.buf, for row tile runs_mt) */
     int runs_mt;
+    const int *e1_pairs;    /* NULL, or (E = 1, idx all 0) the pair table of cuda_ops.e1_runs, B + 1 pairs at least */
 };
 
 /* The x row that sorted row b reads: b, or xrow[b] / xdiv (gq_args.xrow) */

@@ -193,6 +193,23 @@ static bool runs_match(const gq_runs *r, const uint32_t *idx, int64_t B, int64_t
     return r && r->buf && r->idx == idx && r->B == B && r->E == E;
 }
 
+__global__ void e1_runs_kernel(int *t, int64_t n) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i <= n; i += (int64_t)gridDim.x * blockDim.x) {
+        t[2 * i] = 0;
+        t[2 * i + 1] = (int)i;
+    }
+}
+
+extern "C" int cuda_e1_runs_table(void *stream, int64_t n, int **out) {
+    *out = nullptr;
+    if (n < 0 || n > INT_MAX - 1) return fp4moe_set_error(FP4MOE_EINVAL, "cuda: e1 runs table of %lld rows", (long long)n);
+    FP4MOE_CUDA_TRY("gather_qmm_cuda", cudaMalloc((void **)out, (size_t)(2 * (n + 1)) * sizeof(int)),
+                    "cudaMalloc of the plain linears' runs table");
+    cu_launch(e1_runs_kernel, 256, 256, 0, (cudaStream_t)stream, *out, n);
+    FP4MOE_CUDA_TRY("gather_qmm_cuda", cudaGetLastError(), "launch of the runs table kernel");
+    return FP4MOE_OK;
+}
+
 extern "C" int gather_qmm_cuda_row_tile(int64_t B, int64_t E) {
     gq_args a = {};
     a.E = (int)E;
@@ -211,8 +228,10 @@ extern "C" int gather_qmm_cuda_ex(const fp4moe_nvfp4_weights *w, int tiled, cons
     /* the epilogue: every kernel but dequant_gemm's cuBLAS GEMM, on f16/bf16 outputs */
     const int ep = relu2 && dtype != FP4MOE_F32 && route != FP4MOE_ROUTE_DEQUANT_GEMM;
     const bool rm = sorted && runs_match(runs, idx, B, w->E);
+    const bool e1 = sorted && runs && runs->e1_pairs && w->E == 1 && runs->idx == idx && B <= runs->e1_n;
     const gq_args a = {w->codes, w->scales, w->global_scale, (int)w->E, (int)w->N, (int)w->K,
-                       x, y, idx, (int)B, ep, tiled, 0, nullptr, 0, rm ? runs->buf : nullptr, rm ? runs->mt : 0};
+                       x, y, idx, (int)B, ep, tiled, 0, nullptr, 0, rm ? runs->buf : nullptr, rm ? runs->mt : 0,
+                       e1 ? runs->e1_pairs : nullptr};
     cudaStream_t s = (cudaStream_t)stream;
     switch (route) {
     case FP4MOE_ROUTE_BATCHED:
@@ -254,7 +273,7 @@ extern "C" int gather_qmm_cuda_x1(const fp4moe_nvfp4_weights *w, int tiled, cons
     if (w->E > INT_MAX - 1 || w->N > INT_MAX || w->K > INT_MAX)
         return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "gather_qmm_cuda (x1): E, N or K exceeds 2^31-1");
     const gq_args a = {w->codes, w->scales, w->global_scale, (int)w->E, (int)w->N, (int)w->K, x, y, idx, (int)B,
-                       relu2 ? 1 : 0, tiled, 1, nullptr, 0, nullptr, 0};
+                       relu2 ? 1 : 0, tiled, 1, nullptr, 0, nullptr, 0, nullptr};
     /* where gather_qmm_cuda_ex on B gathered rows would run the tensor-core qmv (route qmv as it
      * resolves there, B < 64, bf16, gq_qmv_mma_fits) */
     const fp4moe_route r = route == FP4MOE_ROUTE_AUTO ? choose_route(B, w->E, 1) : route;
@@ -278,7 +297,7 @@ extern "C" int gather_qmm_cuda_rows(const fp4moe_nvfp4_weights *w, int tiled, co
                                 (long long)w->K);
     const bool rm = runs_match(runs, idx, B, w->E);
     const gq_args a = {w->codes, w->scales, w->global_scale, (int)w->E, (int)w->N, (int)w->K, x, y, idx, (int)B,
-                       relu2 ? 1 : 0, tiled, 0, xrow, (int)xdiv, rm ? runs->buf : nullptr, rm ? runs->mt : 0};
+                       relu2 ? 1 : 0, tiled, 0, xrow, (int)xdiv, rm ? runs->buf : nullptr, rm ? runs->mt : 0, nullptr};
     /* where gather_qmm_cuda_ex on the B gathered rows would run the expert-batched kernel: route
      * batched, or qmv as "qmv, tiled by 8 rows" (the same kernel with 8-row tiles) */
     const fp4moe_route r = route == FP4MOE_ROUTE_AUTO ? choose_route(B, w->E, 1) : route;
@@ -295,15 +314,20 @@ extern "C" int gather_qmm_cuda_rows(const fp4moe_nvfp4_weights *w, int tiled, co
 extern "C" int gather_qmm_cuda_linear(const fp4moe_nvfp4_weights *w, int tiled, const void *x, fp4moe_dtype dtype,
                                       const uint32_t *zero_idx, int64_t B, fp4moe_route route, int relu2, void *y,
                                       void *stream, void *blas, gq_dense_scratch *dq, const void *wbf16,
-                                      const float *d_zero, int *fused) {
+                                      const float *d_zero, const int *e1_runs, int *fused) {
     *fused = 0;
     int st = check_call(w, x, dtype, zero_idx, B, 1, route, y);
     if (st != FP4MOE_OK || B == 0) return st;
     const fp4moe_route r = route == FP4MOE_ROUTE_AUTO ? choose_route(B, w->E, 1) : route;
-    if (r != FP4MOE_ROUTE_DEQUANT_GEMM || w->E != 1 || dtype != FP4MOE_BF16 || !blas || (!dq && !wbf16) || !d_zero)
-        return gather_qmm_cuda_ex(w, tiled, x, dtype, zero_idx, B, 1, route, relu2, y, stream, fused, nullptr);
+    if (r != FP4MOE_ROUTE_DEQUANT_GEMM || w->E != 1 || dtype != FP4MOE_BF16 || !blas || (!dq && !wbf16) || !d_zero) {
+        gq_runs r1 = {};
+        r1.idx = zero_idx;
+        r1.e1_pairs = e1_runs;
+        r1.e1_n = e1_runs ? B : 0; /* (the caller's table has B rows or more) */
+        return gather_qmm_cuda_ex(w, tiled, x, dtype, zero_idx, B, 1, route, relu2, y, stream, fused, &r1);
+    }
     const gq_args a = {w->codes, w->scales, w->global_scale, 1, (int)w->N, (int)w->K, x, y, zero_idx, (int)B, 0, tiled, 0,
-                       nullptr, 0, nullptr, 0};
+                       nullptr, 0, nullptr, 0, nullptr};
     st = gq_dense_dequant_gemm(&a, (cudaStream_t)stream, blas, dq, wbf16, d_zero);
     return st ? fp4moe_error_context(st, "gather_qmm_cuda (route dequant_gemm, dense N=%d K=%d B=%d)", a.N, a.K, a.B)
               : FP4MOE_OK;
@@ -360,7 +384,7 @@ extern "C" int gather_qmm_cuda_bf16_f32out(const fp4moe_nvfp4_weights *w, int ti
         misaligned(w->global_scale, 4))
         return fp4moe_set_error(FP4MOE_EINVAL, "gather_qmm_cuda (f32 out): misaligned device pointer");
     const gq_args a = {w->codes, w->scales, w->global_scale, (int)w->E, (int)w->N, (int)w->K, x, y, idx, (int)B, 0,
-                       tiled, 0, nullptr, 0, nullptr, 0};
+                       tiled, 0, nullptr, 0, nullptr, 0, nullptr};
     /* decode-sized rows: the qmv v5 kernel with fp32 output; else the expert-batched kernel */
     st = gq_qmv_mma_fits(&a) ? gq_launch_qmv_mma(&a, true, (cudaStream_t)stream)
                              : gq_launch_bf16_f32out(&a, (cudaStream_t)stream);

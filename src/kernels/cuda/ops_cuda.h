@@ -62,6 +62,8 @@ typedef struct {
     const uint32_t *idx;        /* the sorted idx the runs describe (NULL: none valid) */
     int64_t B, E;
     int mt;                     /* the row tile of tile_off */
+    const int *e1_pairs;        /* E = 1 calls on an all-zero idx (plain linears): cuda_ops.e1_runs, for B <= e1_n */
+    int64_t e1_n;
 } gq_runs;
 
 /* What the matmul ops need besides their operands (one per session). */
@@ -79,7 +81,14 @@ typedef struct {
                                    form (NULL / 0: that form is off) */
     int64_t split_n;
     gq_runs runs;               /* the last cuda_moe_route's expert runs (buf NULL: not made) */
+    const int *e1_runs;         /* NULL, or 2 (zero_n + 1) ints, pair i = {0, i}: the expert runs of a plain linear's
+                                   rows (E = 1, idx all 0: starts {0, B}, tile offsets {0, tiles}) with no runs kernel
+                                   (cuda_e1_runs_table) */
 } cuda_ops;
+
+/* The table of cuda_ops.e1_runs for up to n rows: 2 (n + 1) ints of device memory, pair i = {0, i}, written on
+ * stream (the caller frees it with cudaFree). Errors: FP4MOE_ENOMEM, FP4MOE_ECUDA. */
+int cuda_e1_runs_table(void *stream, int64_t n, int **out);
 
 /* cuBLAS handle on `stream` with a caller-owned workspace (so that graph capture never makes cuBLAS
  * allocate); default math (no TF32). Errors: FP4MOE_ECUDA. */
@@ -160,11 +169,12 @@ int gather_qmm_cuda_row_tile(int64_t B, int64_t E);
  * not NULL, its copy made once by cuda_nvfp4_dequant_bf16, the same bits - then one cuBLAS GEMM on
  * `blas`, which must be bound to `stream`; d_zero: a device 0.0f): no runs and no host
  * synchronisation, so it neither stalls the host nor breaks a graph capture. Otherwise exactly
- * gather_qmm_cuda_ex. Errors: as gather_qmm_cuda_ex. */
+ * gather_qmm_cuda_ex (e1_runs: NULL, or cuda_ops.e1_runs of B rows or more - the expert-batched kernels then read
+ * the runs {0, B} from it instead of launching the runs kernel). Errors: as gather_qmm_cuda_ex. */
 int gather_qmm_cuda_linear(const fp4moe_nvfp4_weights *w, int tiled, const void *x, fp4moe_dtype dtype,
                            const uint32_t *zero_idx, int64_t B, fp4moe_route route, int relu2, void *y,
                            void *stream, void *blas, gq_dense_scratch *dq, const void *wbf16, const float *d_zero,
-                           int *fused);
+                           const int *e1_runs, int *fused);
 
 /* gather_qmm (sorted idx) with bf16 x and fp32 y: the expert-batched tensor-core kernel, whose
  * per-row arithmetic does not depend on the other rows (src/kernels/cuda/gather_qmm_cuda.cu). */

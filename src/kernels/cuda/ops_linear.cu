@@ -139,7 +139,7 @@ extern "C" int cuda_linear_forward(const cuda_ops *o, const cuda_linear *w, cons
          * synchronisation); beta = 0.0f read from the zeros of zero_idx (bit pattern 0) */
         rc = gather_qmm_cuda_linear(&w->q, w->tiled, x, FP4MOE_BF16, o->zero_idx, T, o->route, relu2 && !w->bias, y,
                                     o->stream, o->blas, o->dq, w->wbf16, (const float *)(const void *)o->zero_idx,
-                                    &fused);
+                                    o->e1_runs, &fused);
     } else if (w->dtype == FP4MOE_BF16) {
         rc = gemm_xwt((cublasHandle_t)o->blas, w->dense, x, y, CUDA_R_16BF, CUDA_R_16BF, T, w->N, w->K,
                       "linear (cublasGemmEx bf16)");
