@@ -194,6 +194,7 @@ static bool runs_match(const gq_runs *r, const uint32_t *idx, int64_t B, int64_t
 }
 
 __global__ void e1_runs_kernel(int *t, int64_t n) {
+    cu_pdl_entry();
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i <= n; i += (int64_t)gridDim.x * blockDim.x) {
         t[2 * i] = 0;
         t[2 * i + 1] = (int)i;
