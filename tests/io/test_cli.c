@@ -1418,7 +1418,8 @@ static void test_odd_inputs(void **state) {
     /* a named pipe waits for its writer, here one that comes a second later (session 32 read it as empty then: the
        text lost, the writer blocked for ever); a pipe with one is read to its end (-f <(...), /dev/stdin:
        llama.cpp's -f reads them; refused until session 32) */
-    snprintf(cmd, sizeof cmd, "(sleep 1; cat %s > %s) &", held, fifo);
+    /* (the writer gives up after 60 s: no process left behind if the FIFO were never read) */
+    snprintf(cmd, sizeof cmd, "(sleep 1; timeout 60 sh -c 'cat %s > %s') > /dev/null 2>&1 &", held, fifo);
     assert_int_equal(system(cmd), 0);
     EXPECT_RC(0, "perplexity", "-m", mdl, "--file", fifo, "--ctx", "64", "--max-tokens", "256");
     char *via_fifo = strdup(g_out);
