@@ -1387,11 +1387,11 @@ static int launch_dtype(const gq_args *a, int mt, const int *starts, const int *
     return fast ? launch<T, TY, 32, true, V>(a, starts, tile_off, st) : launch<T, TY, 32, false, V>(a, starts, tile_off, st);
 }
 
-/* The kernel with row tile mt (8, 32 or 64): the runs on the device, then the tiles. f32out: x is
- * bf16 and y fp32. */
 #ifndef GQ_E1_IN_GRAPHS
 #define GQ_E1_IN_GRAPHS 0 /* 1: the plain linears' runs table in graph captures too (measured slower, below) */
 #endif
+/* The kernel with row tile mt (8, 32 or 64): the runs on the device (or made beforehand), then the tiles. f32out:
+ * x is bf16 and y fp32. */
 static int launch_tiled(const gq_args *a, fp4moe_dtype dtype, int mt, cudaStream_t st, bool f32out = false) {
     if (kg_fits(a, dtype, f32out)) return launch_kg(a, st); /* whatever the row tile: the same bits on every route */
     /* a plain linear: starts {0, B}, tile offsets {0, tiles} from the table, no runs kernel - in eager launches (the
