@@ -533,6 +533,8 @@ static int generate(const gen_args *a) {
     gen_args ta = *a;
     if (a->file || (a->prompt && !strcmp(a->prompt, "-"))) {
         const int st = a->file ? cli_read_text(a->file, (int64_t)1 << 30, &text) : cli_read_stream(stdin, &text);
+        if (st && *stop) /* Ctrl-C while waiting for the prompt (a pipe without its writer yet): a stop, not a read error */
+            return cli_error(CMD, FP4MOE_EXIT_INTERRUPTED, "stopped (Ctrl-C) while reading the prompt");
         if (st) return cli_fail(CMD, st);
         /* -f: one trailing newline dropped, as llama.cpp's -f does (an editor's end of file is not prompt text) */
         size_t tl = a->file ? strlen(text) : 0;

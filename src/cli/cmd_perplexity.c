@@ -149,8 +149,8 @@ static void report(const ppl_args *a, const ppl_state *p, int64_t windows, int64
         cJSON_AddStringToObject(o, "device", a->device);
         cJSON_AddNumberToObject(o, "text_tokens", (double)p->n_ids);
         cJSON_AddNumberToObject(o, "max_tokens", (double)a->max_tokens); /* 0: all */
-        cJSON_AddNumberToObject(o, "tokens_used", (double)(a->max_tokens > 0 && a->max_tokens < p->n_ids ? a->max_tokens
-                                                                                                    : p->n_ids));
+        cJSON_AddNumberToObject(o, "tokens_used", (double)(windows * a->ctx)); /* the windows' tokens (the tail that
+                                                                                   fills none is dropped) */
         cJSON_AddNumberToObject(o, "windows", (double)windows);
         cJSON_AddNumberToObject(o, "windows_done", (double)done);
         cJSON_AddBoolToObject(o, "interrupted", interrupted);

@@ -69,6 +69,10 @@ int main(int argc, char **argv) {
     }
     if (!strcmp(cmd, "--version") || !strcmp(cmd, "-V")) {
         printf("fp4moe %s\n", FP4MOE_VERSION);
+        if (fflush(stdout) != 0 || ferror(stdout)) {
+            fprintf(stderr, "fp4moe: cannot write the output: %s\n", strerror(errno));
+            return FP4MOE_EXIT_FAIL;
+        }
         return FP4MOE_EXIT_OK;
     }
     for (int i = 0; i < N_COMMANDS; i++) {

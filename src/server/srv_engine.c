@@ -322,8 +322,10 @@ static void emit(srv_job *j, const srv_delta *d, const char *finish) {
     if (j->r.tool_required) { /* the output is the calls: kept (j->acc[1]), sent whole at the end */
         if (j->r.stream) {
             srv_buf_add(&j->acc[1], d->content, d->n_content);
-            if (finish && (calls = srv_tool_calls_required(j->acc[1].p, j->acc[1].n, &j->call_rng))) j->acc[1].n = 0;
-            else if (finish) srv_buf_add(&pass, j->acc[1].p, j->acc[1].n); /* (cut short: the text as content) */
+            if (finish) { /* the calls it completed; the rest (a call cut short) is no content */
+                calls = srv_tool_calls_required(j->acc[1].p, j->acc[1].n, &j->call_rng);
+                j->acc[1].n = 0;
+            }
         } else {
             srv_buf_add(&pass, d->content, d->n_content);
         }
@@ -405,7 +407,7 @@ static cJSON *choice_object(srv_job *j, const char *finish) {
         cJSON *calls = j->r.tool_forced    ? forced_call(j, j->acc[1].p, j->acc[1].n)
                        : j->r.tool_required ? srv_tool_calls_required(j->acc[1].p, j->acc[1].n, &j->call_rng)
                                             : finish_calls(j, &j->acc[1], !strcmp(finish, "length"));
-        if (calls && j->r.tool_required) j->acc[1].n = 0;
+        if (j->r.tool_required) j->acc[1].n = 0; /* (the output is calls: a cut one is no content) */
         if (calls && j->r.tool_single)
             while (cJSON_GetArraySize(calls) > 1) cJSON_DeleteItemFromArray(calls, 1);
         if (calls) {
@@ -414,7 +416,8 @@ static cJSON *choice_object(srv_job *j, const char *finish) {
             if (j->r.tool_forced) cJSON_ReplaceItemInObject(msg, "content", cJSON_CreateNull());
             cJSON_AddItemToObject(msg, "tool_calls", calls);
             if (!j->r.tool_forced && strcmp(finish, "length")) finish = "tool_calls";
-        } else if (j->r.reasoning && !j->acc[1].n) { /* all reasoning: null, as vLLM's reasoning parsers give */
+        } else if ((j->r.reasoning || j->r.tool_required) && !j->acc[1].n) { /* all reasoning (null, as vLLM's
+                                                                                reasoning parsers give), or no call */
             cJSON_AddNullToObject(msg, "content");
         } else {
             cJSON_AddItemToObject(msg, "content", srv_json_string(j->acc[1].n ? j->acc[1].p : "", j->acc[1].n));

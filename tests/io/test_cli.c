@@ -1392,7 +1392,18 @@ static void test_output_for_scripts(void **state) {
     assert_non_null(j);
     assert_true(cJSON_GetNumberValue(cJSON_GetObjectItem(j, "prompt_tokens")) == pt);
     cJSON_Delete(j);
-    /* perplexity: --file - is standard input, the same result as the file; tokens_used / max_tokens */
+    /* Ctrl-C while generate waits for its prompt (a named pipe without a writer): a stop (130), not a read error */
+    char fifo[512];
+    snprintf(fifo, sizeof fifo, "%s", io_path("wait.fifo"));
+    unlink(fifo);
+    assert_int_equal(mkfifo(fifo, 0600), 0);
+    snprintf(cmd, sizeof cmd, "bash -c 'set -m; %.600s generate -m %s -f %s -n 2 > /dev/null 2>&1 & p=$!; sleep 1; "
+             "kill -INT $p; wait $p; exit $?'", g_cli, mdl, fifo);
+    status = system(cmd);
+    assert_true(WIFEXITED(status));
+    assert_int_equal(WEXITSTATUS(status), 130);
+    unlink(fifo);
+    /* perplexity: --file - is standard input, the same result as the file; tokens_used (the windows' tokens) */
     EXPECT_RC(0, "perplexity", "-m", mdl, "--file", held, "--ctx", "64", "--max-tokens", "256", "--json");
     char *want = strdup(g_out);
     expect_in(g_out, "\"tokens_used\":\t256");

@@ -933,6 +933,10 @@ def tool_calls(s, c):
     got = [(t.function.name, t.function.arguments) for t in r.choices[0].message.tool_calls or []]
     check(r.choices[0].finish_reason == "length" and got == one and not r.choices[0].message.content,
           "tool_choice required cut by max_tokens: the complete call, finish length: %r" % r.choices[0])
+    r = c.chat.completions.create(max_tokens=6, **kw)  # cut inside the first call: no call, and no content either
+    check(r.choices[0].finish_reason == "length" and not r.choices[0].message.tool_calls and
+          r.choices[0].message.content is None, "tool_choice required cut before a call completes: content null, "
+          "no calls: %r" % r.choices[0])
     code, txt = s.raw("POST", "/v1/chat/completions", json.dumps({"messages": msgs, "tools": tools, "max_tokens": 300,
                       "temperature": 0, "function_call": {"name": "get_weather"}, "chat_template_kwargs": off["chat_template_kwargs"]}),
                       {"Content-Type": "application/json"})
