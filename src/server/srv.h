@@ -154,6 +154,9 @@ typedef struct {
 
 /* The byte offset of a NUL character in a JSON text (a raw 0 byte or the escape \u0000), or -1. */
 long long srv_json_nul_at(const char *body, size_t len);
+/* The brackets of a JSON text p[0..n), strings skipped: the offset just past where the first array / object closes
+ * (0: none closes); *deepest (may be NULL): the greatest nesting depth up to there (or in the whole text). */
+size_t srv_json_span(const char *p, size_t n, size_t *deepest);
 /* A JSON string of n bytes of UTF-8 that may hold NUL bytes (written as \u0000; cJSON's strings end at the first):
  * a cJSON string, or a raw item of the escaped literal. NULL when out of memory. */
 cJSON *srv_json_string(const char *s, size_t n);

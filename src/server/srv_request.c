@@ -981,6 +981,25 @@ static int parse_chat(const srv_parse_ctx *c, const cJSON *o, srv_request *r, sr
 /* The byte offset of a NUL character in a valid JSON text (a raw 0 byte, or the string escape \u0000), or
  * -1: cJSON keeps strings NUL-terminated, so everything after one would be lost without a word. In a valid
  * JSON text a backslash occurs only in a string, as an escape of the next character. */
+size_t srv_json_span(const char *p, size_t n, size_t *deepest) {
+    size_t depth = 0, most = 0, end = 0;
+    for (size_t i = 0, in = 0; i < n && !end; i++) {
+        const char ch = p[i];
+        if (in) {
+            if (ch == '\\') i++;
+            else if (ch == '"') in = 0;
+        } else if (ch == '"') {
+            in = 1;
+        } else if (ch == '[' || ch == '{') {
+            if (++depth > most) most = depth;
+        } else if ((ch == ']' || ch == '}') && depth && --depth == 0) {
+            end = i + 1;
+        }
+    }
+    if (deepest) *deepest = most;
+    return end;
+}
+
 long long srv_json_nul_at(const char *body, size_t len) {
     for (size_t i = 0; i < len; i++) {
         if (body[i] == 0) return (long long)i;
@@ -1054,20 +1073,8 @@ static int last_key_wins(cJSON *o) {
  * a lone UTF-16 surrogate at the error position (valid JSON text, but no Unicode text: Python keeps it as a lone
  * surrogate that no tokenizer encodes) */
 static const char *json_refusal(const char *body, size_t len, size_t at) {
-    size_t depth = 0, most = 0;
-    for (size_t i = 0, in = 0; i < len; i++) {
-        const char ch = body[i];
-        if (in) {
-            if (ch == '\\') i++;
-            else if (ch == '"') in = 0;
-        } else if (ch == '"') {
-            in = 1;
-        } else if (ch == '[' || ch == '{') {
-            if (++depth > most) most = depth;
-        } else if ((ch == ']' || ch == '}') && depth) {
-            depth--;
-        }
-    }
+    size_t most = 0;
+    srv_json_span(body, len, &most);
     if (most > CJSON_NESTING_LIMIT) return "it nests arrays / objects deeper than 1000 levels";
     if (at + 6 <= len && body[at] == '\\' && body[at + 1] == 'u') {
         unsigned v = 0;

@@ -344,22 +344,8 @@ static cJSON *array_prefix(const char *text, size_t n) {
     for (;;) {
         while (i < n && isspace((unsigned char)text[i])) i++;
         if (i >= n || text[i] != '{') break;
-        size_t j = i, depth = 0;
-        int in = 0, closed = 0;
-        for (; j < n && !closed; j++) { /* to the matching brace, outside strings */
-            const char ch = text[j];
-            if (in) {
-                if (ch == '\\') j++;
-                else if (ch == '"') in = 0;
-            } else if (ch == '"') {
-                in = 1;
-            } else if (ch == '{' || ch == '[') {
-                depth++;
-            } else if ((ch == '}' || ch == ']') && --depth == 0) {
-                closed = 1;
-            }
-        }
-        cJSON *item = closed ? cJSON_ParseWithLength(text + i, j - i) : NULL;
+        const size_t len = srv_json_span(text + i, n - i, NULL), j = i + len; /* to the matching brace */
+        cJSON *item = len ? cJSON_ParseWithLength(text + i, len) : NULL;
         if (!cJSON_IsObject(item)) {
             cJSON_Delete(item);
             break;
