@@ -3,7 +3,8 @@
 # scratch prefix; a C program built with `pkg-config --cflags --libs fp4moe` (from that prefix) that defines its own
 # env_get (an internal name of the library: before session 31 the library called the application's) and greedy-
 # decodes 8 tokens of the default model, its ids equal to `fp4moe generate --json`'s; the same as C++ where a C++
-# compiler is given; and no global symbol of the installed library but fp4moe_* ones. ctest api/install runs it.
+# compiler is given, and built from the build tree (BUILD/fp4moe-uninstalled.pc, no install); and no global symbol of
+# the installed library but fp4moe_* ones. ctest api/install runs it.
 set -u
 cd "$(dirname "$0")/.."
 BUILD=$1
@@ -70,4 +71,13 @@ if [ -n "$CXX" ]; then
     "$T/appxx" models/nemotron-h-tiny-moe >"$T/cxx.out" 2>&1 || { echo "FAIL: the C++ program"; cat "$T/cxx.out"; exit 1; }
     cmp -s "$T/c.out" "$T/cxx.out" || { echo "FAIL: C++ output differs"; exit 1; }
 fi
-echo "installed library: $(head -c 5 "$T/c.out"), only fp4moe_* global, C${CXX:+ and C++} programs built with pkg-config: ids $got"
+# the build tree's fp4moe-uninstalled.pc (no install): the same program, the same ids
+UFLAGS=$(PKG_CONFIG_PATH="$BUILD" pkg-config --cflags --libs fp4moe) || { echo "FAIL: pkg-config fp4moe (build tree)"; exit 1; }
+case "$UFLAGS" in *"$BUILD"/embed/libfp4moe.a*|*"$(cd "$BUILD" && pwd)"/embed/libfp4moe.a*) ;;
+*) echo "FAIL: the build tree's pkg-config flags do not name embed/libfp4moe.a: $UFLAGS"; exit 1 ;; esac
+UFLAGS="$UFLAGS $(sed -n 's/^CMAKE_C_FLAGS:[A-Z]*=//p' "$BUILD/CMakeCache.txt" | grep -oE -- '-fsanitize=[^ ]+' | tr '\n' ' ')"
+# shellcheck disable=SC2086
+"$CC" -std=c11 -Wall -Wextra -Werror "$T/app.c" -o "$T/appu" $UFLAGS 2>"$T/ccu.log" || { echo "FAIL: C build (build tree)"; cat "$T/ccu.log"; exit 1; }
+"$T/appu" models/nemotron-h-tiny-moe >"$T/u.out" 2>&1 || { echo "FAIL: the C program (build tree)"; cat "$T/u.out"; exit 1; }
+cmp -s "$T/c.out" "$T/u.out" || { echo "FAIL: the build-tree program's output differs"; exit 1; }
+echo "installed library: $(head -c 5 "$T/c.out"), only fp4moe_* global, C${CXX:+ and C++} programs built with pkg-config (installed and build tree): ids $got"

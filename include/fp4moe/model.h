@@ -21,8 +21,12 @@
  * and the SSM state stay fp32.
  *
  * Errors: every function that can fail returns an int fp4moe_status (the others say what they return);
- * fp4moe_last_error() names the file, tensor or field. Threading: a model may be shared by several sessions, each
- * session used by one thread. */
+ * fp4moe_last_error() names the file, tensor or field (the message is per thread). A NULL pointer argument is
+ * FP4MOE_EINVAL wherever a status is returned, and a function with an `out` parameter sets *out to NULL on every
+ * error; every *_free accepts NULL. Threading: a model (and a tokenizer) may be shared by several sessions and
+ * batches, each session or batch used by one thread at a time. The CPU kernels' OpenMP team and OpenBLAS's thread
+ * count are process-wide (fp4moe_set_threads): two threads running CPU steps at once each start a team of that
+ * many threads, so give each fp4moe_set_threads(cores / 2) or run their steps in turn. */
 #ifndef FP4MOE_MODEL_H
 #define FP4MOE_MODEL_H
 
@@ -159,7 +163,8 @@ typedef struct fp4moe_model fp4moe_model;
  * implies: a missing tensor, a wrong dtype or shape, a NaN E4M3 scale byte (0x7F/0xFF) or an
  * unknown global-scale convention is an error naming the tensor (and the position for NaN scales).
  * Tensors the model does not use (mtp.*, input_scale, ...) are ignored.
- * Errors: FP4MOE_EIO, FP4MOE_EFORMAT, FP4MOE_EUNSUPPORTED, FP4MOE_EOVERFLOW, FP4MOE_ENOMEM. */
+ * Errors: FP4MOE_EINVAL (dir or out NULL, dir a file), FP4MOE_EIO, FP4MOE_EFORMAT, FP4MOE_EUNSUPPORTED,
+ * FP4MOE_EOVERFLOW, FP4MOE_ENOMEM; *out is NULL after any error. */
 int fp4moe_model_load(const char *dir, const fp4moe_load_options *opts, fp4moe_model **out);
 
 /* Frees everything (unmaps the files); NULL is a no-op. */
@@ -281,7 +286,7 @@ int fp4moe_session_ep_leave(fp4moe_session *s);
 /* Back to position 0 (clears the KV cache, the conv and SSM states). */
 void fp4moe_session_reset(fp4moe_session *s);
 
-/* Number of tokens consumed so far. */
+/* Number of tokens consumed so far; -1 for a NULL session. */
 int64_t fp4moe_session_pos(const fp4moe_session *s);
 
 /* Runs tokens[0..T) (T >= 1) after everything consumed so far (prefill when T > 1, decode when
@@ -406,15 +411,16 @@ void fp4moe_batch_options_default(fp4moe_batch_options *o);
 
 
 /* A batch over model m (m outlives it). opts NULL: defaults. Device choice and its errors as
- * fp4moe_session_new. Errors: FP4MOE_EINVAL (bad option), FP4MOE_ENOMEM, FP4MOE_ECUDA. */
+ * fp4moe_session_new. Errors: FP4MOE_EINVAL (m or out NULL, bad option: the message names it), FP4MOE_ENOMEM,
+ * FP4MOE_ECUDA; *out is NULL after any error. */
 int fp4moe_batch_new(const fp4moe_model *m, const fp4moe_batch_options *opts, fp4moe_batch **out);
 /* Frees the batch, its sequences and KV pool (NULL: nothing). */
 void fp4moe_batch_free(fp4moe_batch *b);
 
 /* A new empty sequence (position 0, zero states); *seq is its id (never reused by this batch).
- * Errors: FP4MOE_EOVERFLOW (max_seqs sequences alive: the message says so). */
+ * Errors: FP4MOE_EINVAL (b or seq NULL), FP4MOE_EOVERFLOW (max_seqs sequences alive: the message says so). */
 int fp4moe_batch_add(fp4moe_batch *b, int64_t *seq);
-/* Frees the sequence's slot and KV pages at once. Errors: FP4MOE_EINVAL (unknown id). */
+/* Frees the sequence's slot and KV pages at once. Errors: FP4MOE_EINVAL (b NULL, unknown or removed id). */
 int fp4moe_batch_remove(fp4moe_batch *b, int64_t seq);
 /* Tokens consumed by the sequence, or -1 for an unknown id. */
 int64_t fp4moe_batch_pos(const fp4moe_batch *b, int64_t seq);
@@ -444,7 +450,8 @@ typedef struct {
  * sequence, a token id outside [0, V), n < 1, a sequence given twice, tokens beyond max_context
  * (FP4MOE_EOVERFLOW), the KV pool exhausted (FP4MOE_EOVERFLOW: "KV cache pool exhausted"), or
  * no room left in the step (FP4MOE_EOVERFLOW). Returns FP4MOE_OK when the step ran (check each
- * item's status), FP4MOE_EINVAL for NULL arguments, or the error of the forward itself (kernel
+ * item's status; n = 0 runs nothing and is OK, items may then be NULL), FP4MOE_EINVAL for a NULL b,
+ * NULL items with n > 0 or n < 0, or the error of the forward itself (kernel
  * error, FP4MOE_EINTERRUPTED, FP4MOE_ENOMEM): then the sequences of the step are in an undefined
  * state and must be removed. */
 int fp4moe_batch_step(fp4moe_batch *b, fp4moe_batch_item *items, int64_t n);
@@ -477,8 +484,11 @@ int fp4moe_batch_snapshot(fp4moe_batch *b, int64_t seq, fp4moe_snapshot **out);
  * fp4moe_batch_add, FP4MOE_EOVERFLOW (KV pool exhausted), FP4MOE_EINVAL (a snapshot of another
  * model or device kind). */
 int fp4moe_batch_add_from_snapshot(fp4moe_batch *b, const fp4moe_snapshot *s, int64_t *seq);
+/* The snapshot's position (tokens it holds), -1 for NULL. */
 int64_t fp4moe_snapshot_pos(const fp4moe_snapshot *s);
+/* Bytes of device (or host) memory the snapshot holds, 0 for NULL. */
 size_t fp4moe_snapshot_bytes(const fp4moe_snapshot *s);
+/* Frees the snapshot (its batch need not exist any more); NULL: nothing. */
 void fp4moe_snapshot_free(fp4moe_snapshot *s);
 
 /* ---- sampling ------------------------------------------------------------------------------- */
@@ -549,11 +559,13 @@ typedef struct {
  * infinite temperature, n_stop outside [0, FP4MOE_MAX_STOP_IDS], a stop id outside [0, vocab),
  * repeat_penalty negative, NaN or infinite, repeat_last_n < 0, a NaN or infinite presence /
  * frequency penalty, n_bias < 0, n_bias > 0 with a NULL array, a bias id outside [0, vocab) or a
- * bias NaN or infinite: the message names it), FP4MOE_ENOMEM. */
+ * bias NaN or infinite: the message names it; s or p NULL), FP4MOE_ENOMEM. After any error but a NULL s,
+ * *s is zeroed (fp4moe_sampler_free on it is safe). */
 int fp4moe_sampler_init_params(fp4moe_sampler *s, int64_t vocab, const fp4moe_sampler_params *p);
 /* fp4moe_sampler_init_params with only temperature, top_p and seed set. */
 int fp4moe_sampler_init(fp4moe_sampler *s, int64_t vocab, float temperature, float top_p,
                         uint64_t seed);
+/* Frees the sampler's buffers (their pointers set to NULL; s itself is the caller's); NULL, or twice: nothing. */
 void fp4moe_sampler_free(fp4moe_sampler *s);
 
 /* Records a token of the sequence (prompt or generated) for the repetition penalty; a no-op when
@@ -571,7 +583,9 @@ void fp4moe_sampler_forget(fp4moe_sampler *s);
  * when on: greedy when temperature <= 0; else probs = softmax(logits / T),
  * candidates by probability (descending; ties: lower id first), cut to the top_k first, then to
  * those with p >= min_p * p_max, then to the smallest prefix whose mass reaches top_p (the order of
- * vLLM's and llama.cpp's samplers), and one draw from the renormalised rest. */
+ * vLLM's and llama.cpp's samplers), and one draw from the renormalised rest. logits: V fp32 values
+ * (read only). Returns the id, or -1 with FP4MOE_EINVAL set when s or logits is NULL or s is not
+ * initialised. */
 int32_t fp4moe_sample(fp4moe_sampler *s, const float *logits);
 
 /* 1 when id is one of the sampler's stop ids. */

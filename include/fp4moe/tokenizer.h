@@ -137,7 +137,7 @@ int fp4moe_tokenizer_stream_flush(fp4moe_tokenizer_stream *s, const char **text,
 /* Bytes the stream holds back (an incomplete character, a ByteFallback run): 0 when everything pushed so far has
  * been returned. */
 int64_t fp4moe_tokenizer_stream_pending(const fp4moe_tokenizer_stream *s);
-/* Frees the buffers of s (s itself is the caller's). */
+/* Frees the buffers of s (s itself is the caller's); NULL, or twice: nothing. */
 void fp4moe_tokenizer_stream_free(fp4moe_tokenizer_stream *s);
 
 #ifdef __cplusplus

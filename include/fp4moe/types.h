@@ -67,6 +67,7 @@ int fp4moe_error_context(int status, const char *fmt, ...)
 #endif
     ;
 
+/* Empties this thread's last error message (fp4moe_last_error() then returns ""). */
 void fp4moe_clear_error(void);
 
 /* *out = a * b; returns 0 when a, b >= 0 and the product fits in int64, else 1 (no store). */

@@ -206,8 +206,8 @@ static int make_pools(fp4moe_batch *b) {
 }
 
 int fp4moe_batch_new(const fp4moe_model *m, const fp4moe_batch_options *opts, fp4moe_batch **out) {
-    if (!m || !out) return fp4moe_set_error(FP4MOE_EINVAL, "batch_new: NULL argument");
-    *out = NULL;
+    if (out) *out = NULL;
+    if (!m || !out) return fp4moe_set_error(FP4MOE_EINVAL, "batch_new: NULL %s", !m ? "model" : "out");
     fp4moe_batch_options o;
     if (opts) o = *opts;
     else fp4moe_batch_options_default(&o);
@@ -451,6 +451,7 @@ int fp4moe_batch_add(fp4moe_batch *b, int64_t *seq) {
 }
 
 int fp4moe_batch_remove(fp4moe_batch *b, int64_t seq) {
+    if (!b) return fp4moe_set_error(FP4MOE_EINVAL, "batch_remove: NULL batch");
     seq_slot *s = find(b, seq);
     if (!s) return fp4moe_set_error(FP4MOE_EINVAL, "batch_remove: no sequence %lld", (long long)seq);
     release_pages(b, s, 0);
@@ -485,6 +486,9 @@ static int check_item(const fp4moe_batch *b, const fp4moe_batch_item *it, const 
     if (!s) return fp4moe_set_error(FP4MOE_EINVAL, "step: no sequence %lld", (long long)it->seq);
     if (seen[slot_of(b, s)])
         return fp4moe_set_error(FP4MOE_EINVAL, "step: sequence %lld is given twice", (long long)it->seq);
+    if (!it->tokens && it->n >= 1)
+        return fp4moe_set_error(FP4MOE_EINVAL, "step: sequence %lld: NULL tokens (n=%lld)", (long long)it->seq,
+                                (long long)it->n);
     if (!it->tokens || it->n < 1)
         return fp4moe_set_error(FP4MOE_EINVAL, "step: sequence %lld: %lld tokens", (long long)it->seq,
                                 (long long)it->n);
@@ -539,7 +543,8 @@ static int ep_flags(fp4moe_batch *b, int mine, int *any_step) { return ep_flags2
 static int batch_step_body(fp4moe_batch *b, fp4moe_batch_item *items, int64_t n);
 
 int fp4moe_batch_step(fp4moe_batch *b, fp4moe_batch_item *items, int64_t n) {
-    if (!b || (!items && n)) return fp4moe_set_error(FP4MOE_EINVAL, "batch_step: NULL argument");
+    if (!b || (!items && n)) return fp4moe_set_error(FP4MOE_EINVAL, "batch_step: NULL %s", b ? "items" : "batch");
+    if (n < 0) return fp4moe_set_error(FP4MOE_EINVAL, "batch_step: n=%lld items < 0", (long long)n);
     if (b->o.ep) {
         if (b->ep_left) return fp4moe_set_error(FP4MOE_EINVAL, "batch_step: this rank has left its expert-parallel group");
         int any;

@@ -706,8 +706,8 @@ static int load_all(loader *L) {
 }
 
 int fp4moe_model_load(const char *dir, const fp4moe_load_options *opts, fp4moe_model **out) {
-    if (!dir || !out) return fp4moe_set_error(FP4MOE_EINVAL, "model_load: NULL argument");
-    *out = NULL;
+    if (out) *out = NULL;
+    if (!dir || !out) return fp4moe_set_error(FP4MOE_EINVAL, "model_load: NULL %s", !dir ? "directory" : "out");
     struct stat sb;
     if (stat(dir, &sb) == 0 && !S_ISDIR(sb.st_mode))
         return fp4moe_set_error(FP4MOE_EINVAL, "%s is a file; a model is a directory (config.json, *.safetensors, "

@@ -76,7 +76,7 @@ void fp4moe_session_reset(fp4moe_session *s) {
     if (fp4moe_batch_add(s->batch, &s->seq)) s->seq = -1;   /* cannot fail: the slot was just freed */
 }
 
-int64_t fp4moe_session_pos(const fp4moe_session *s) { return fp4moe_batch_pos(s->batch, s->seq); }
+int64_t fp4moe_session_pos(const fp4moe_session *s) { return s ? fp4moe_batch_pos(s->batch, s->seq) : -1; }
 
 int session_check_input(const fp4moe_session *s, const int32_t *tokens, int64_t T) {
     if (!s || !tokens) return fp4moe_set_error(FP4MOE_EINVAL, "forward: NULL argument");

@@ -21,8 +21,9 @@ void fp4moe_sampler_params_default(fp4moe_sampler_params *p) {
 }
 
 int fp4moe_sampler_init_params(fp4moe_sampler *s, int64_t vocab, const fp4moe_sampler_params *p) {
-    if (!s || !p) return fp4moe_set_error(FP4MOE_EINVAL, "sampler: NULL argument");
-    memset(s, 0, sizeof *s);
+    if (!s) return fp4moe_set_error(FP4MOE_EINVAL, "sampler: NULL sampler");
+    memset(s, 0, sizeof *s); /* fp4moe_sampler_free is safe after any failure */
+    if (!p) return fp4moe_set_error(FP4MOE_EINVAL, "sampler: NULL parameters");
     if (vocab < 1 || vocab > INT32_MAX)
         return fp4moe_set_error(FP4MOE_EINVAL, "sampler: vocab=%lld", (long long)vocab);
     if (!(p->top_p > 0.0f && p->top_p <= 1.0f))
@@ -287,6 +288,10 @@ int64_t fp4moe_logprobs(const float *logits, int64_t V, int32_t id, float *lp, i
 }
 
 int32_t fp4moe_sample(fp4moe_sampler *s, const float *logits) {
+    if (!s || !logits || s->vocab < 1) {
+        fp4moe_set_error(FP4MOE_EINVAL, "sample: %s", !s ? "NULL sampler" : !logits ? "NULL logits" : "sampler not initialised");
+        return -1;
+    }
     logits = penalize(s, logits);
     if (s->temperature <= 0.0f) return fp4moe_argmax(logits, s->vocab);
     softmax_t(logits, s->vocab, s->temperature, s->probs);

@@ -183,6 +183,7 @@ void fp4moe_tokenizer_stream_init(fp4moe_tokenizer_stream *s, const fp4moe_token
 }
 
 void fp4moe_tokenizer_stream_free(fp4moe_tokenizer_stream *s) {
+    if (!s) return;
     free(s->pending);
     free(s->out);
     s->pending = NULL;

@@ -200,6 +200,47 @@ static void test_errors_isolated(void **state) {
     fp4moe_model_free(m);
 }
 
+/* What an embedder's mistakes get (a new-user trial, session 34): NULL or out-of-range arguments of the batch,
+ * session, sampler and tokenizer-stream calls return errors that name the argument, never crash; *out is NULL
+ * after a failed constructor; a failed sampler init leaves a sampler that fp4moe_sampler_free takes. */
+static void test_api_misuse(void **state) {
+    fp4moe_model *m = load_default();
+    fp4moe_batch *b = (fp4moe_batch *)&b;   /* not NULL: must be set to NULL */
+    assert_int_equal(fp4moe_batch_new(NULL, NULL, &b), FP4MOE_EINVAL);
+    assert_null(b);
+    assert_non_null(strstr(fp4moe_last_error(), "NULL model"));
+    fp4moe_model *m2 = (fp4moe_model *)&m2;
+    assert_int_equal(fp4moe_model_load(NULL, NULL, &m2), FP4MOE_EINVAL);
+    assert_null(m2);
+    assert_int_equal(fp4moe_batch_new(m, NULL, &b), FP4MOE_OK);
+    int64_t a;
+    assert_int_equal(fp4moe_batch_add(b, &a), FP4MOE_OK);
+    fp4moe_batch_item it = {.seq = a, .tokens = NULL, .n = 2};
+    assert_int_equal(fp4moe_batch_step(b, &it, -1), FP4MOE_EINVAL);
+    assert_non_null(strstr(fp4moe_last_error(), "< 0"));
+    assert_int_equal(fp4moe_batch_step(b, &it, 1), FP4MOE_OK);
+    assert_int_equal(it.status, FP4MOE_EINVAL);
+    assert_non_null(strstr(it.error, "NULL tokens"));
+    assert_int_equal(fp4moe_batch_step(b, NULL, 0), FP4MOE_OK);            /* nothing to run */
+    assert_int_equal(fp4moe_batch_remove(NULL, a), FP4MOE_EINVAL);
+    assert_non_null(strstr(fp4moe_last_error(), "NULL batch"));
+    assert_int_equal(fp4moe_batch_pos(b, a), 0);
+    assert_int_equal(fp4moe_session_pos(NULL), -1);
+    fp4moe_sampler smp;
+    memset(&smp, 0x5a, sizeof smp);                                          /* stack garbage */
+    assert_int_equal(fp4moe_sampler_init_params(&smp, fp4moe_model_config(m)->vocab, NULL), FP4MOE_EINVAL);
+    fp4moe_sampler_free(&smp);                                               /* zeroed by the failed init */
+    assert_int_equal(fp4moe_sampler_init(&smp, fp4moe_model_config(m)->vocab, 0.0f, 1.0f, 1), FP4MOE_OK);
+    assert_int_equal(fp4moe_sample(&smp, NULL), -1);
+    assert_non_null(strstr(fp4moe_last_error(), "NULL logits"));
+    assert_int_equal(fp4moe_sample(NULL, NULL), -1);
+    fp4moe_sampler_free(&smp);
+    fp4moe_sampler_free(&smp);
+    fp4moe_tokenizer_stream_free(NULL);
+    fp4moe_batch_free(b);
+    fp4moe_model_free(m);
+}
+
 /* A growing pool (max_kv_tokens <= 0) keeps every sequence's rows when it moves. */
 static void test_pool_growth(void **state) {
     fp4moe_model *m = load_default();
@@ -236,6 +277,7 @@ int main(void) {
         cmocka_unit_test(test_default_model),  cmocka_unit_test(test_default_model_q8),
         cmocka_unit_test(test_snapshot_bitwise), cmocka_unit_test(test_default_model_fp8_kv),
         cmocka_unit_test(test_errors_isolated), cmocka_unit_test(test_pool_growth),
+        cmocka_unit_test(test_api_misuse),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -390,8 +390,28 @@ static int route_batched(const gather_ctx *c, const uint32_t *idx, int64_t B) {
 
 /* ---- dequant + sgemm ------------------------------------------------------------------------- */
 
-/* OpenBLAS runs single-threaded inside our OpenMP work items (one sgemm per item and thread);
- * its thread count is restored afterwards. */
+/* OpenBLAS's thread count is process-wide: the dequant_gemm route runs its GEMMs inside its own OpenMP
+ * team, so it holds OpenBLAS at one thread while any call of it runs (from any application thread) and
+ * gives back the value from before the first of them when the last ends (fp4moe_set_threads meanwhile
+ * sets that value). Guarded by the unnamed OpenMP critical section (one lock of the process; a named one
+ * would add a global symbol to the embeddable library). */
+static int blas_users, blas_saved;
+static void blas_single_enter(void) {
+#pragma omp critical
+    {
+        if (blas_users++ == 0) {
+            blas_saved = openblas_get_num_threads();
+            openblas_set_num_threads(1);
+        }
+    }
+}
+static void blas_single_leave(void) {
+#pragma omp critical
+    {
+        if (--blas_users == 0) openblas_set_num_threads(blas_saved);
+    }
+}
+
 static int route_dequant_gemm(const gather_ctx *c, const uint32_t *idx, int64_t B) {
     const int64_t N = c->w->N, K = c->w->K;
     gather_run *runs;
@@ -408,9 +428,8 @@ static int route_dequant_gemm(const gather_ctx *c, const uint32_t *idx, int64_t 
         return st;
     }
     const int64_t nitems = s.first[nruns];
-    const int blas_threads = openblas_get_num_threads();   /* restored after: fp4moe_set_threads's value */
     int failed = 0;
-    openblas_set_num_threads(1);
+    blas_single_enter();
 
 #pragma omp parallel if (nitems > 1)
     {
@@ -449,7 +468,7 @@ static int route_dequant_gemm(const gather_ctx *c, const uint32_t *idx, int64_t 
         free(wbuf);
         free(cbuf);
     }
-    openblas_set_num_threads(blas_threads);
+    blas_single_leave();
     free(s.first);
     free(runs);
     if (failed) return fp4moe_set_error(FP4MOE_ENOMEM, "gather_qmm dequant_gemm: per-thread scratch");
@@ -660,6 +679,10 @@ int fp4moe_set_threads(int n) {
     if (!default_threads) default_threads = omp_get_max_threads();
     const int t = n ? n : default_threads;
     omp_set_num_threads(t);
-    openblas_set_num_threads(t);
+#pragma omp critical
+    {
+        if (blas_users) blas_saved = t; /* a dequant_gemm call holds OpenBLAS at 1: set when the last ends */
+        else openblas_set_num_threads(t);
+    }
     return FP4MOE_OK;
 }
