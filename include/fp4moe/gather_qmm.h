@@ -122,8 +122,9 @@ int fp4moe_cuda_set_device(int device);
  * FP4MOE_CPU_ISA=avx2 keeps an AVX-512 machine on the AVX2 set. */
 const char *fp4moe_gather_cpu_isa(void);
 
-/* Threads of the CPU kernels (OpenMP) and of OpenBLAS, for every later call of this process
- * (llama.cpp's --threads). n >= 1; n = 0 restores the default (one per core, or OMP_NUM_THREADS).
+/* Threads of the CPU kernels (OpenMP) and of OpenBLAS, for every later call (llama.cpp's --threads): the
+ * OpenMP team size of the calling thread (an OpenMP setting per thread) and OpenBLAS's count (one per
+ * process). n >= 1; n = 0 restores the default (one per core, or OMP_NUM_THREADS).
  * Errors: FP4MOE_EINVAL (n < 0). */
 int fp4moe_set_threads(int n);
 

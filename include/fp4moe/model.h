@@ -24,9 +24,9 @@
  * fp4moe_last_error() names the file, tensor or field (the message is per thread). A NULL pointer argument is
  * FP4MOE_EINVAL wherever a status is returned, and a function with an `out` parameter sets *out to NULL on every
  * error; every *_free accepts NULL. Threading: a model (and a tokenizer) may be shared by several sessions and
- * batches, each session or batch used by one thread at a time. The CPU kernels' OpenMP team and OpenBLAS's thread
- * count are process-wide (fp4moe_set_threads): two threads running CPU steps at once each start a team of that
- * many threads, so give each fp4moe_set_threads(cores / 2) or run their steps in turn. */
+ * batches, each session or batch used by one thread at a time. Two threads running CPU steps at once each start
+ * an OpenMP team of their own (all the cores by default): call fp4moe_set_threads(cores / threads) in each of them
+ * (OpenMP's team size is per calling thread) or run their steps in turn. */
 #ifndef FP4MOE_MODEL_H
 #define FP4MOE_MODEL_H
 
