@@ -15,11 +15,15 @@
 #                                         and pack test_ssm_gpu, gpu_ssm, fp4moe and the shared
 #                                         libraries they need beyond glibc/CUDA into BIN/ssm.tar.xz
 #                                         (run's carry: ["build-ssd/ssm-bin"]).
-# Environment: SSM_QUICK=1: benchmark at 512 tokens only, no sanitizer, no end-to-end runs.
+# Environment: SSM_QUICK=1: benchmark at 512 tokens only, no sanitizer, no end-to-end runs;
+#   GP_BUILD: the build directory (default build-ssd);
+#   SSM_VARIANTS="name=FILE.xz ..": gpu_ssm builds of bench/build-variants.sh, run after the package's;
+#   SSM_FAULTS="name=FILE.xz ..": test_ssm_gpu fault builds (-DFP4MOE_INJECT_FAULT_*), which must FAIL;
+#   SSM_MODES="default serial ..": the end-to-end runs, FP4MOE_CUDA_SSM unset (default) or set to the mode.
 set -u
 cd "$(dirname "$0")/.."
 GP_NAME=ssm
-GP_BUILD=build-ssd
+GP_BUILD=${GP_BUILD:-build-ssd}
 GP_PROGS="test_ssm_gpu gpu_ssm fp4moe"
 GP_TARGETS="test_ssm_gpu gpu_ssm fp4moe_cli"
 . scripts/gpu-pack.sh
@@ -61,17 +65,37 @@ if [ "$QUICK" != 1 ] && command -v compute-sanitizer >/dev/null; then
     done
 fi
 
+# 2b. fault builds: each must fail
+for fv in ${SSM_FAULTS:-}; do
+    name=${fv%%=*}
+    xz -dc "${fv#*=}" >"$BIN/test_ssm_gpu_$name" && chmod +x "$BIN/test_ssm_gpu_$name"
+    t0=$SECONDS
+    timeout 300 "$BIN/test_ssm_gpu_$name" >"$OUT/fault_$name.log" 2>&1
+    rc=$?
+    row "fault $name" "$([ $rc = 0 ] && echo NOT-CAUGHT || echo CAUGHT)" $((SECONDS - t0)) \
+        "$(grep -c '^\[  FAILED  \] [a-z]' "$OUT/fault_$name.log") failed"
+done
+
 # 3. the scan benchmark
 t0=$SECONDS
 timeout 300 "$BIN/gpu_ssm" $([ "$QUICK" = 1 ] && echo --quick) >"$OUT/gpu_ssm.log" 2>&1
 rc=$?
 row "gpu_ssm (scan benchmark)" "$(status $rc)" $((SECONDS - t0))
+for fv in ${SSM_VARIANTS:-}; do
+    name=${fv%%=*}
+    xz -dc "${fv#*=}" >"$BIN/gpu_ssm_$name" && chmod +x "$BIN/gpu_ssm_$name"
+    t0=$SECONDS
+    timeout 300 "$BIN/gpu_ssm_$name" $([ "$QUICK" = 1 ] && echo --quick) >"$OUT/gpu_ssm_$name.log" 2>&1
+    rc=$?
+    row "gpu_ssm variant $name" "$(status $rc)" $((SECONDS - t0))
+done
 
 # 4. end to end: the split by layer kind (the production scan: tiled for prefill, seq for decode)
 if [ "$QUICK" != 1 ]; then
     for T in 512 2048; do
-        for mode in default; do
+        for mode in ${SSM_MODES:-default}; do
             t0=$SECONDS
+            if [ "$mode" = default ]; then unset FP4MOE_CUDA_SSM; else export FP4MOE_CUDA_SSM=$mode; fi
             timeout 120 "$BIN/fp4moe" bench --synthetic "$CFG" --device cuda \
                 --prompt-tokens $T --gen-tokens 16 --repeats 3 --profile \
                 >"$OUT/e2e_${T}_$mode.txt" 2>"$OUT/e2e_${T}_$mode.log"
@@ -83,13 +107,17 @@ if [ "$QUICK" != 1 ]; then
 fi
 
 # 5. the table
+unset FP4MOE_CUDA_SSM
 echo
 cat "$OUT/gpu_ssm.log"
+for fv in ${SSM_VARIANTS:-}; do
+    echo; echo "variant ${fv%%=*}:"; grep -E '^[0-9]+ ' "$OUT/gpu_ssm_${fv%%=*}.log"
+done
 if [ "$QUICK" != 1 ]; then
     for T in 512 2048; do
-        for mode in default; do
+        for mode in ${SSM_MODES:-default}; do
             echo
-            echo "end to end, prefill $T:"
+            echo "end to end, prefill $T, scan $mode:"
             grep -i -E 'prefill.*tok/s|tok/s.*prefill' "$OUT/e2e_${T}_$mode.txt" | head -2
             grep -A8 '^split' "$OUT/e2e_${T}_$mode.txt"
         done
