@@ -557,6 +557,11 @@ int cli_output_overwrites_input(const fp4moe_st_model *m, const char *input, con
 
 int cli_write_file(const char *cmd, fp4moe_st_writer *w, const char *input, const char *output) {
     char *path = NULL;
+    const size_t olen = strlen(output);
+    if (olen > 1 && output[olen - 1] == '/' && !cli_is_dir(output)) { /* "newdir/": a directory to make */
+        const int st = cli_mkdirs(output);
+        if (st) return st;
+    }
     if (cli_is_dir(output)) {
         const char *base = strrchr(input, '/');
         path = cli_join(output, base ? base + 1 : input);
@@ -572,7 +577,10 @@ int cli_write_file(const char *cmd, fp4moe_st_writer *w, const char *input, cons
         free(parent);
     }
     struct stat sb;
-    if (!st && stat(target, &sb) == 0 && S_ISREG(sb.st_mode))
+    if (!st && stat(target, &sb) == 0 && !S_ISREG(sb.st_mode))
+        st = fp4moe_set_error(FP4MOE_EINVAL, "%s exists and is not a regular file (a device, a pipe, ...): give a "
+                              "file or directory path", target);
+    else if (!st && stat(target, &sb) == 0)
         fprintf(stderr, "%s: replacing the existing file %s\n", cmd, target);
     if (!st) st = fp4moe_st_writer_write(w, target);
     free(path);
@@ -644,11 +652,20 @@ int cli_copy_config(const char *in_dir, const char *out_dir, int nvfp4) {
     char *in = cli_join(in_dir, "config.json"), *out = cli_join(out_dir, "config.json"), *text = NULL;
     int st = (in && out) ? FP4MOE_OK : fp4moe_set_error(FP4MOE_ENOMEM, "out of memory");
     cJSON *root = NULL;
-    if (!st && cli_read_text(in, 64 << 20, &text) == FP4MOE_OK) {
-        root = parse_keeping_numbers(text);   /* floats stay floats (transformers, mlx-lm) */
-        if (!cJSON_IsObject(root)) st = fp4moe_set_error(FP4MOE_EFORMAT, "%s: not a JSON object", in);
+    struct stat sb;
+    const int exists = in && stat(in, &sb) == 0;
+    if (!st && exists && !S_ISREG(sb.st_mode)) {
+        st = fp4moe_set_error(FP4MOE_EFORMAT, "%s is not a regular file", in);
+    } else if (!st && exists) {
+        if ((st = cli_read_text(in, 64 << 20, &text)) == FP4MOE_OK) {
+            root = parse_keeping_numbers(text);   /* floats stay floats (transformers, mlx-lm) */
+            if (!cJSON_IsObject(root))
+                st = fp4moe_set_error(FP4MOE_EFORMAT, "%s: %s", in, root ? "not a JSON object" : "not valid JSON");
+        }
     } else if (!st && nvfp4) {
         root = cJSON_CreateObject();     /* no config: write just the quantization entry */
+        fprintf(stderr, "warning: %s has no config.json: the output's config.json holds only the quantization entry "
+                "(add the model's fields before loading it)\n", in_dir);
     }
     if (!st && root) {
         for (int k = 0; k < 2; k++) {
@@ -670,26 +687,107 @@ int cli_copy_config(const char *in_dir, const char *out_dir, int nvfp4) {
     return st;
 }
 
-int cli_convert_failed(const char *cmd, int status, const char *output, int created_dir) {
-    int removed = 0; /* only a directory this run made (created_dir: it did not exist before) and could remove */
-    if (created_dir && cli_is_dir(output)) {
-        DIR *d = opendir(output);
-        for (struct dirent *e; d && (e = readdir(d));) {
-            if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..")) continue;
-            char *p = cli_join(output, e->d_name);
-            if (p) unlink(p);
-            free(p);
-        }
-        if (d) closedir(d);
-        removed = rmdir(output) == 0;
+/* Removes the regular files directly in dir and dir itself (best effort). */
+static void remove_flat_dir(const char *dir) {
+    DIR *d = opendir(dir);
+    for (struct dirent *e; d && (e = readdir(d));) {
+        if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..")) continue;
+        char *p = cli_join(dir, e->d_name);
+        if (p) unlink(p);
+        free(p);
     }
+    if (d) closedir(d);
+    rmdir(dir);
+}
+
+int cli_stage_dir(const char *output, char **stage) {
+    *stage = NULL;
+    struct stat sb;
+    if (stat(output, &sb) == 0 && !S_ISDIR(sb.st_mode))
+        return fp4moe_set_error(FP4MOE_EINVAL, "%s exists and is not a directory", output);
+    size_t n = strlen(output);
+    while (n > 1 && output[n - 1] == '/') n--; /* "out/" -> "out" */
+    char *base = strndup(output, n);
+    if (!base) return fp4moe_set_error(FP4MOE_ENOMEM, "out of memory");
+    char *slash = strrchr(base, '/');
+    const char *name = slash ? slash + 1 : base;
+    char *parent = slash ? (slash == base ? strdup("/") : strndup(base, (size_t)(slash - base))) : strdup(".");
+    int st = parent ? FP4MOE_OK : fp4moe_set_error(FP4MOE_ENOMEM, "out of memory");
+    if (!st && !cli_is_dir(parent)) st = cli_mkdirs(parent);
+    if (!st) {
+        const size_t len = strlen(parent) + strlen(name) + 32;
+        char *tmpl = malloc(len);
+        if (!tmpl) st = fp4moe_set_error(FP4MOE_ENOMEM, "out of memory");
+        else {
+            snprintf(tmpl, len, "%s/.%s.fp4moe-XXXXXX", parent, name);
+            if (!mkdtemp(tmpl)) {
+                st = fp4moe_set_error(FP4MOE_EIO, "%s: cannot create a directory beside %s to write into: %s", parent,
+                                      name, strerror(errno));
+                free(tmpl);
+            } else {
+                *stage = tmpl;
+            }
+        }
+    }
+    free(parent);
+    free(base);
+    return st;
+}
+
+/* A weight file of a model directory: model.safetensors, model-NNNNN-of-NNNNN.safetensors or the index. */
+static int is_weight_file(const char *n) {
+    int a = 0, b = 0, len = 0;
+    if (!strcmp(n, "model.safetensors") || !strcmp(n, "model.safetensors.index.json")) return 1;
+    return sscanf(n, "model-%5d-of-%5d.safetensors%n", &a, &b, &len) == 2 && len == (int)strlen(n);
+}
+
+int cli_stage_commit(const char *stage, const char *output) {
+    if (!cli_is_dir(output)) {
+        if (rename(stage, output) != 0)
+            return fp4moe_set_error(FP4MOE_EIO, "%s: cannot move the written directory %s into place: %s", output,
+                                    stage, strerror(errno));
+        return FP4MOE_OK;
+    }
+    /* an existing directory: its old weights out, then every new file in (no Ctrl-C check: this is quick) */
+    DIR *d = opendir(output);
+    if (!d) return fp4moe_set_error(FP4MOE_EIO, "%s: %s", output, strerror(errno));
+    for (struct dirent *e; (e = readdir(d));) {
+        if (!is_weight_file(e->d_name)) continue;
+        char *p = cli_join(output, e->d_name);
+        if (p) unlink(p);
+        free(p);
+    }
+    closedir(d);
+    d = opendir(stage);
+    if (!d) return fp4moe_set_error(FP4MOE_EIO, "%s: %s", stage, strerror(errno));
+    int st = FP4MOE_OK;
+    for (struct dirent *e; !st && (e = readdir(d));) {
+        if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..")) continue;
+        char *src = cli_join(stage, e->d_name), *dst = cli_join(output, e->d_name);
+        if (!src || !dst) st = fp4moe_set_error(FP4MOE_ENOMEM, "out of memory");
+        else if (rename(src, dst) != 0)
+            st = fp4moe_set_error(FP4MOE_EIO, "%s: cannot move %s into place: %s", dst, src, strerror(errno));
+        free(src);
+        free(dst);
+    }
+    closedir(d);
+    if (!st) rmdir(stage);
+    return st;
+}
+
+void cli_stage_remove(const char *stage) {
+    if (stage) remove_flat_dir(stage);
+}
+
+int cli_convert_failed(const char *cmd, int status, const char *output, char *stage) {
+    cli_stage_remove(stage);
+    free(stage);
     if (status == FP4MOE_EINTERRUPTED) {
-        fprintf(stderr, "fp4moe %s: interrupted (Ctrl-C): %s was not written%s\n", cmd, output,
-                removed ? " (the directory this run created is removed)" : " (partial files removed)");
+        fprintf(stderr, "fp4moe %s: interrupted (Ctrl-C): nothing was written to %s\n", cmd, output);
         return 130;
     }
     const int rc = cli_fail(cmd, status);
-    if (removed) fprintf(stderr, "fp4moe %s: removed the directory %s that this run created\n", cmd, output);
+    fprintf(stderr, "fp4moe %s: nothing was written to %s\n", cmd, output);
     return rc;
 }
 

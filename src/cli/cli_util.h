@@ -147,8 +147,9 @@ char *cli_join(const char *dir, const char *name);
  * `input`'s last path component inside it. Returns a status (message set by the writer). */
 /* Copies in_dir/config.json to out_dir/config.json with the quantization entry set to MLX nvfp4
  * ({"group_size": 16, "bits": 4, "mode": "nvfp4"}, mirrored as "quantization_config") when nvfp4,
- * or removed when not. A missing input config gives a config holding only that entry (nvfp4) or
- * no file (not nvfp4). Errors: the input is not a JSON object (message names the file), I/O. */
+ * or removed when not. A missing input config gives a config holding only that entry (nvfp4, with a warning
+ * on stderr) or no file (not nvfp4). Errors: the input is not a regular file, not valid JSON or not a JSON
+ * object (message names the file), I/O. */
 int cli_copy_config(const char *in_dir, const char *out_dir, int nvfp4);
 
 /* Writes w as one .safetensors file: at output, or at output/<input's file name> when output is a directory;
@@ -187,10 +188,18 @@ int cli_for_each_file(const char *dir, int (*fn)(const char *name, void *ctx), v
  * e.g. config.json when the caller rewrites it). */
 int cli_copy_model_files(const char *in_dir, const char *out_dir, const char *const *skip);
 
-/* Copies the regular files of a model directory to out_dir, except the weights (*.safetensors,
- * model.safetensors.index.json), hidden files, and the names listed in skip (NULL-terminated;
- * e.g. config.json when the caller rewrites it). */
-int cli_copy_model_files(const char *in_dir, const char *out_dir, const char *const *skip);
+/* A directory output is written whole into a staging directory beside it (".NAME.fp4moe-XXXXXX" in its parent,
+ * missing parents created) and moved into place only when complete, so that an error or Ctrl-C leaves the output
+ * as it was (the new files never mixed with an earlier model's). cli_stage_dir: *stage (malloc'd) the new empty
+ * directory; errors: output exists and is not a directory, I/O (the message names the path). cli_stage_commit: a
+ * new output becomes the staged directory (one rename); an existing one loses its weights (model.safetensors,
+ * model-*-of-*.safetensors, model.safetensors.index.json) and takes every staged file (same names replaced), the
+ * staged directory removed; errors: I/O. cli_stage_remove: the staged directory and its files removed; NULL:
+ * nothing. */
+int cli_stage_dir(const char *output, char **stage);
+int cli_stage_commit(const char *stage, const char *output);
+void cli_stage_remove(const char *stage);
+
 
 /* The machine's memory read bandwidth: best of 3 parallel sums over `bytes` (GB/s, 1e9 bytes/s;
  * 512 MB is beyond any cache); 0 when out of memory. */

@@ -75,6 +75,11 @@ static int fill_deq(void *vctx, fp4moe_st_sink *sink, int64_t nbytes) {
     return st;
 }
 
+static int ends_with_conv1d(const char *name) {
+    const size_t n = strlen(name), k = strlen(".conv1d.weight");
+    return n >= k && !strcmp(name + n - k, ".conv1d.weight");
+}
+
 /* For --unstack: "<p>.switch_mlp.fc1.weight" -> "<p>.experts.<e>.up_proj.weight" (fc2: down_proj). */
 static int unstacked_name(const char *name, int64_t e, char *out, size_t cap) {
     const char *x = strstr(name, ".switch_mlp.");
@@ -112,7 +117,7 @@ int cmd_dequantize(int argc, char **argv) {
     const double t0 = cli_now();
     fp4moe_st_model *m = NULL;
     fp4moe_st_writer *w = NULL;
-    int created_dir = 0;
+    char *stage = NULL; /* a directory output's staging directory (cli_stage_dir) */
     deq_ctx *ctx = NULL;
     int64_t nctx = 0, done = 0, total = 0, ndeq = 0;
     cli_progress progress;
@@ -148,7 +153,15 @@ int cmd_dequantize(int argc, char **argv) {
         fp4moe_qtensor q;
         if (fp4moe_qtensor_is_aux(m, t->name)) continue;
         if (fp4moe_qtensor_of(m, t, &q) != 1) {
-            if ((st = fp4moe_st_writer_add(w, t->name, t->dtype, t->ndim, t->shape, t->data))) goto fail;
+            int64_t shape[FP4MOE_ST_MAX_DIMS];
+            const int nd = t->ndim;
+            for (int d = 0; d < nd; d++) shape[d] = t->shape[d];
+            /* --unstack writes HF's layout: MLX's depthwise conv1d (C, K, 1) is HF's (C, 1, K) - the same bytes */
+            if (unstack && nd == 3 && shape[2] == 1 && shape[1] > 1 && ends_with_conv1d(t->name)) {
+                shape[2] = shape[1];
+                shape[1] = 1;
+            }
+            if ((st = fp4moe_st_writer_add(w, t->name, t->dtype, t->ndim, shape, t->data))) goto fail;
             continue;
         }
         ndeq++;
@@ -172,12 +185,16 @@ int cmd_dequantize(int argc, char **argv) {
     progress.total = total;
     if ((st = fp4moe_st_writer_set_metadata(w, "format", "pt"))) goto fail;
     cli_install_sigint();
-    created_dir = is_dir && !cli_is_dir(output);
+    if (is_dir && cli_is_dir(output))
+        fprintf(stderr, "dequantize: writing into the existing directory %s (its model files are replaced once the "
+                "new ones are complete)\n", output);
     if (is_dir) {
         const char *skip[] = {"config.json", "hf_quant_config.json", NULL};
-        if ((st = cli_mkdirs(output)) || (st = fp4moe_st_writer_write_model(w, output, (int64_t)(shard_gb * 1e9))) ||
-            (st = cli_copy_config(fp4moe_st_model_dir(m), output, 0)) ||
-            (st = cli_copy_model_files(fp4moe_st_model_dir(m), output, skip)))
+        if ((st = cli_stage_dir(output, &stage)) ||
+            (st = fp4moe_st_writer_write_model(w, stage, (int64_t)(shard_gb * 1e9))) ||
+            (st = cli_copy_config(fp4moe_st_model_dir(m), stage, 0)) ||
+            (st = cli_copy_model_files(fp4moe_st_model_dir(m), stage, skip)) || (st = cli_check_interrupt()) ||
+            (st = cli_stage_commit(stage, output)))
             goto fail;
     } else {
         if ((st = cli_write_file(CMD, w, input, output))) goto fail;
@@ -195,8 +212,10 @@ int cmd_dequantize(int argc, char **argv) {
     rc = FP4MOE_EXIT_OK;
     goto done;
 fail:
-    rc = cli_convert_failed(CMD, st, output, created_dir);
+    rc = cli_convert_failed(CMD, st, output, stage);
+    stage = NULL;
 done:
+    free(stage);
     fp4moe_st_writer_free(w);
     free(ctx);
     fp4moe_st_model_close(m);

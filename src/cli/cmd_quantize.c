@@ -473,7 +473,7 @@ int cmd_quantize(int argc, char **argv) {
     fp4moe_st_writer *w = NULL;
     plan p = {0};
     fill_ctx *ctx = NULL;
-    int created_dir = 0;
+    char *stage = NULL; /* a directory output's staging directory (cli_stage_dir) */
     int st = fp4moe_st_model_open(input, &m);
     rc = FP4MOE_EXIT_FAIL;
     if (st) goto fail;
@@ -521,14 +521,16 @@ int cmd_quantize(int argc, char **argv) {
     cli_install_sigint();
     cli_progress_start(&p.progress, "quantize", total);
     p.progress.quiet = quiet;
-    created_dir = is_dir && !cli_is_dir(output);
-    if (is_dir && !created_dir && !quiet) fprintf(stderr, "quantize: writing into the existing directory %s (its model files "
-                                        "are replaced)\n", output);
+    if (is_dir && cli_is_dir(output))
+        fprintf(stderr, "quantize: writing into the existing directory %s (its model files are replaced once the new "
+                "ones are complete)\n", output);
     if (is_dir) {
         const char *skip[] = {"config.json", NULL};
-        if ((st = cli_mkdirs(output)) || (st = fp4moe_st_writer_write_model(w, output, (int64_t)(shard_gb * 1e9))) ||
-            (st = cli_copy_config(input, output, 1)) ||
-            (st = cli_copy_model_files(fp4moe_st_model_dir(m), output, skip)))
+        if ((st = cli_stage_dir(output, &stage)) ||
+            (st = fp4moe_st_writer_write_model(w, stage, (int64_t)(shard_gb * 1e9))) ||
+            (st = cli_copy_config(input, stage, 1)) ||
+            (st = cli_copy_model_files(fp4moe_st_model_dir(m), stage, skip)) || (st = cli_check_interrupt()) ||
+            (st = cli_stage_commit(stage, output)))
             goto fail;
     } else {
         if ((st = cli_write_file(CMD, w, input, output))) goto fail;
@@ -556,8 +558,10 @@ int cmd_quantize(int argc, char **argv) {
     goto done;
 fail:
     if (p.progress.shown && p.progress.tty) fprintf(stderr, "\r\033[K");
-    rc = cli_convert_failed(CMD, st, output, created_dir);
+    rc = cli_convert_failed(CMD, st, output, stage);
+    stage = NULL;
 done:
+    free(stage);
     fp4moe_st_writer_free(w);
     free(ctx);
     free_plan(&p);

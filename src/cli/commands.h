@@ -60,10 +60,10 @@ const volatile sig_atomic_t *cli_install_sigint(void);
 /* FP4MOE_EINTERRUPTED (message "interrupted (Ctrl-C)") once that flag is set, else FP4MOE_OK: for
  * loops that write files (quantize, dequantize). */
 int cli_check_interrupt(void);
-/* The end of a converter whose output failed: a directory this run created loses the files it
- * holds and is removed (so that nothing half-written is left); an interruption prints that nothing
- * was written and gives exit code 130, any other failure the usual message and 1. */
-int cli_convert_failed(const char *cmd, int status, const char *output, int created_dir);
+/* The end of a converter whose output failed: the staged directory of a directory output (cli_stage_dir; NULL for a
+ * file output, whose file is written atomically) is removed with what it holds, the output left as it was; an
+ * interruption prints that nothing was written and gives exit code 130, any other failure the usual message and 1. */
+int cli_convert_failed(const char *cmd, int status, const char *output, char *stage);
 
 /* ---- cli_model.c -------------------------------------------------------------------------------- */
 #include <cjson/cJSON.h>

@@ -10,6 +10,7 @@
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
+#include <dirent.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <cmocka.h>
@@ -496,6 +497,12 @@ static void test_quantize_then_dequantize_dir(void **state) {
     assert_int_equal(fp4moe_st_model_open(u, &um), FP4MOE_OK);
     assert_int_equal(fp4moe_st_model_open(d, &dm), FP4MOE_OK); /* bf16 stacked, from the loop above */
     assert_null(fp4moe_st_model_find(um, L1 "switch_mlp.fc1.weight"));
+    /* and HF's conv1d layout (C, 1, Kc), the same bytes as MLX's (C, Kc, 1) (a helper's trial, session 34) */
+    {
+        const fp4moe_st_tensor *cm = need(m, "backbone.layers.0.mixer.conv1d.weight", FP4MOE_ST_BF16, 3, 48, 4, 1);
+        const fp4moe_st_tensor *cu = need(um, "backbone.layers.0.mixer.conv1d.weight", FP4MOE_ST_BF16, 3, 48, 1, 4);
+        assert_memory_equal(cu->data, cm->data, (size_t)cm->nbytes);
+    }
     const fp4moe_st_tensor *w = fp4moe_st_model_find(m, L1 "switch_mlp.fc2.weight");
     const fp4moe_st_tensor *s = fp4moe_st_model_find(m, L1 "switch_mlp.fc2.scales");
     float *ref = malloc(sizeof(float) * H * I);
@@ -562,8 +569,10 @@ static void test_global_scale_single_file(void **state) {
 }
 
 /* NaN / Inf in a tensor to be quantized is an error naming the tensor and the element (NVFP4 has no
- * NaN, the codes would be silently finite); a failed directory output that this run created is
- * removed, an existing directory is kept (with a note that its files are replaced). */
+ * NaN, the codes would be silently finite); a failed directory output is never created, and an existing
+ * one keeps its earlier model untouched - no new shard beside the old ones, no staging directory left (a
+ * helper's trial, session 34: 4 of 5 new shards had been swapped in before the error) - and takes a new
+ * one only when it is complete (with a note that its files are replaced). */
 static void test_quantize_refuses_nan(void **state) {
     make_tensors(24, -1);
     uint16_t *w = src_find("backbone.layers.0.mixer.in_proj.weight")->data;
@@ -581,7 +590,7 @@ static void test_quantize_refuses_nan(void **state) {
     snprintf(dir_in, sizeof dir_in, "%s", io_path("nan-in-dir"));
     write_model(dir_in, 1);
     EXPECT_RC(1, "quantize", "-i", dir_in, "-o", outdir);
-    expect_in(g_err, "removed the directory");
+    expect_in(g_err, "nothing was written to");
     assert_int_equal(stat(outdir, &sb), -1);
     w[3 * H + 5] = 0x7F80;                                      /* +Inf */
     write_model(in, 0);
@@ -593,6 +602,54 @@ static void test_quantize_refuses_nan(void **state) {
     assert_int_equal(mkdir(outdir, 0755), 0);                   /* an existing output directory: kept */
     EXPECT_RC(0, "quantize", "-i", dir_in, "-o", outdir);
     expect_in(g_err, "existing directory");
+    {   /* a failing run into that directory (sharded, so that several files would come): the model stays */
+        char cfg[600], weights[600];
+        static char before[1 << 16], after[1 << 16];
+        snprintf(cfg, sizeof cfg, "%s/config.json", outdir);
+        snprintf(weights, sizeof weights, "%s/model.safetensors", outdir);
+        struct stat w0, w1;
+        assert_int_equal(stat(weights, &w0), 0);
+        slurp(cfg, before, sizeof before);
+        assert_true(strlen(before) > 10);
+        w[3 * H + 5] = 0x7FC0;                                  /* NaN again, in a new input */
+        char dir_bad[512];
+        snprintf(dir_bad, sizeof dir_bad, "%s", io_path("nan-in-dir3"));
+        write_model(dir_bad, 1);
+        w[3 * H + 5] = 0x3F80;
+        EXPECT_RC(1, "quantize", "-i", dir_bad, "-o", outdir, "--shard-gb", "0.00001");
+        expect_in(g_err, "nothing was written to");
+        assert_int_equal(stat(weights, &w1), 0);
+        assert_int_equal(w1.st_size, w0.st_size);
+        assert_true(w1.st_ino == w0.st_ino && w1.st_mtime == w0.st_mtime);
+        slurp(cfg, after, sizeof after);
+        assert_string_equal(before, after);
+        DIR *d = opendir(outdir);
+        for (struct dirent *e; d && (e = readdir(d));) assert_null(strstr(e->d_name, "-of-")); /* no new shard */
+        if (d) closedir(d);
+        char parent[512];
+        snprintf(parent, sizeof parent, "%s", outdir);
+        *strrchr(parent, '/') = 0;
+        d = opendir(parent);
+        for (struct dirent *e; d && (e = readdir(d));) assert_null(strstr(e->d_name, ".fp4moe-")); /* no staging */
+        if (d) closedir(d);
+    }
+    {   /* a file output onto a named pipe: refused (the rename would have put a file in its place) */
+        char fifo[512];
+        snprintf(fifo, sizeof fifo, "%s", io_path("a-fifo"));
+        assert_int_equal(mkfifo(fifo, 0600), 0);
+        EXPECT_RC(1, "quantize", "-i", in, "-o", fifo);
+        expect_in(g_err, "is not a regular file");
+        assert_int_equal(stat(fifo, &sb), 0);
+        assert_true(S_ISFIFO(sb.st_mode));
+        /* "newdir/" that does not exist yet: a directory, the file in it */
+        char nd[512], ndf[600], good[600];
+        snprintf(good, sizeof good, "%s", io_path("finite.safetensors"));
+        write_model(good, 0);
+        snprintf(nd, sizeof nd, "%s/", io_path("slash-dir"));
+        EXPECT_RC(0, "quantize", "-i", good, "-o", nd, "-q");
+        snprintf(ndf, sizeof ndf, "%sfinite.safetensors", nd);
+        assert_int_equal(access(ndf, F_OK), 0);
+    }
     /* a NaN in a tensor copied unchanged (a norm): written, with a warning naming it (a helper's trial, session 32) */
     uint16_t *nw = src_find("backbone.norm_f.weight")->data;
     nw[7] = 0x7FC0;
