@@ -108,8 +108,13 @@ int fp4moe_gather_qmm_cuda_route(const fp4moe_nvfp4_weights *w, const void *x, f
                                  const uint32_t *idx, int64_t B, int sorted, fp4moe_route route,
                                  void *y, void *stream);
 
-/* 1 when this build has CUDA support and a CUDA device is visible, else 0. */
+/* 1 when this build has CUDA support and the current CUDA device can run its kernels (compute capability 9.0:
+ * H100, H200 - the kernels are sm_90a code), else 0. */
 int fp4moe_cuda_available(void);
+/* FP4MOE_OK when fp4moe_cuda_available(), else FP4MOE_EUNSUPPORTED with the reason as the last error: the build
+ * has no CUDA backend ("no CUDA backend"), no device is visible (CUDA_VISIBLE_DEVICES named when set), the
+ * driver cannot be used, or the device's compute capability is not 9.0 (its name and capability given). */
+int fp4moe_cuda_check(void);
 /* The number of visible CUDA devices (0 without CUDA or a device). */
 int fp4moe_cuda_device_count(void);
 /* Makes CUDA device `device` current for the calling thread (cudaSetDevice): a model loaded or made

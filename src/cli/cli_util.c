@@ -167,6 +167,26 @@ static int argv_sets_json(const cli_spec *spec, int argc, char **argv) {
     return 0;
 }
 
+int cli_check_environment(const char *cmd, int help) {
+    /* OMP_NUM_THREADS (OpenMP's; a list "N[,M...]", the first for our parallel regions): past 4096, --threads'
+     * bound, libgomp crashes creating the threads (seen at 100,000) or takes minutes */
+    const char *omp = getenv("OMP_NUM_THREADS");
+    char msg[512] = "";
+    if (omp && *omp) {
+        char *end = NULL;
+        const long long n = strtoll(omp, &end, 10);
+        if (end != omp && n > 4096)
+            snprintf(msg, sizeof msg, "OMP_NUM_THREADS=%.64s: more than 4096 threads (--threads takes 1 .. 4096)", omp);
+    }
+    if (!msg[0] && fp4moe_env_check() != FP4MOE_OK) snprintf(msg, sizeof msg, "%s", fp4moe_last_error());
+    if (!msg[0]) return CLI_OK;
+    if (help) {
+        fprintf(stderr, "fp4moe %s: warning: %s (any other use of the command stops at it)\n", cmd, msg);
+        return CLI_OK;
+    }
+    return cli_usage_error(cmd, "%s", msg);
+}
+
 int cli_parse(const cli_spec *spec, int argc, char **argv) {
     int npos = 0, only_pos = 0;
     if (argv_sets_json(spec, argc, argv)) cli_json_mode_on();
@@ -178,6 +198,7 @@ int cli_parse(const cli_spec *spec, int argc, char **argv) {
         }
         if (!only_pos && a[0] == '-' && a[1] != '\0') {
             if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
+                cli_check_environment(spec->command, 1);
                 cli_print_usage(spec, stdout);
                 return CLI_HELP;
             }
@@ -204,7 +225,7 @@ int cli_parse(const cli_spec *spec, int argc, char **argv) {
         spec->positional[npos++] = a;
     }
     if (spec->npositional) *spec->npositional = npos;
-    return CLI_OK;
+    return cli_check_environment(spec->command, 0); /* after the options: --json known, --help answered */
 }
 
 int cli_require_model_dir(const char *command, const char *dir) {

@@ -51,8 +51,13 @@ typedef struct {
 
 /* Parses argv[1..argc) (argv[0] is the command name) against spec. Accepts "--name value",
  * "--name=value", "-a value", and "--" ending the options. Returns CLI_OK, CLI_HELP or CLI_USAGE
- * (unknown option, missing or malformed value, too many positional arguments). */
+ * (unknown option, missing or malformed value, too many positional arguments, or the environment check
+ * below failing - after the options, so that --json gets its error object and --help its text). */
 int cli_parse(const cli_spec *spec, int argc, char **argv);
+/* The environment switches the library reads (fp4moe_env_check: one table) and OMP_NUM_THREADS (at most 4096): a
+ * value the library would ignore is a usage error (CLI_USAGE, message on stderr), so that a typo cannot pass for a
+ * measurement; help: only a warning on stderr (CLI_OK). */
+int cli_check_environment(const char *cmd, int help);
 
 /* Prints the usage text generated from spec. */
 void cli_print_usage(const cli_spec *spec, FILE *out);

@@ -575,11 +575,9 @@ static void *ep_rank_main(void *arg) {
 static int bench_ep(const bench_args *a, fp4moe_dtype dt, fp4moe_route route, fp4moe_device dev) {
     const int nccl = a->gpus > 1, W = (int)(nccl ? a->gpus : a->ep_ranks);
     const int64_t N = a->batch, R = a->repeats;
-    if (nccl && dev != FP4MOE_DEVICE_CUDA) return cli_usage_error(CMD, "--gpus needs --device cuda");
-    if (nccl && fp4moe_cuda_device_count() < W) {
-        fprintf(stderr, "%s: --gpus %d: %d CUDA device%s visible\n", CMD, W, fp4moe_cuda_device_count(),
-                fp4moe_cuda_device_count() == 1 ? " is" : "s are");
-        return FP4MOE_EXIT_USAGE;
+    if (nccl) {
+        const int rc = cli_check_gpus(CMD, W, a->device, dev);
+        if (rc) return rc;
     }
     fp4moe_ep_group *g = NULL;
     int st = nccl ? fp4moe_ep_group_new_nccl(W, NULL, &g) : fp4moe_ep_group_new(W, &g);

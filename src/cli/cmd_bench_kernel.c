@@ -351,7 +351,7 @@ int cmd_bench_kernel(int argc, char **argv) {
         case 'q': o.w4a8 = 1; break;
         case 'c': o.cold = 1; break;
         case 'j': o.json = 1; break;
-        case 'h': usage(stdout); return FP4MOE_EXIT_OK;
+        case 'h': cli_check_environment(CMD, 1); usage(stdout); return FP4MOE_EXIT_OK;
         default:
             return cli_usage_error(CMD, "unknown or incomplete option '%s'", argv[optind - 1]);
         }
@@ -359,6 +359,7 @@ int cmd_bench_kernel(int argc, char **argv) {
     if (optind < argc) {
         return cli_usage_error(CMD, "unexpected argument '%s'", argv[optind]);
     }
+    if (cli_check_environment(CMD, 0)) return FP4MOE_EXIT_USAGE;
     if (o.K % 16) {
         return cli_usage_error(CMD, "--K %lld is not a multiple of 16", (long long)o.K);
     }

@@ -66,6 +66,9 @@ static void on_progress(void *ctx, int64_t done, int64_t total) {
     cli_progress_update(&p->bar, done, bar);
 }
 
+/* Why --device auto chose the CPU in a build with a CUDA backend (for the load line), else empty */
+static char g_auto_cpu[240];
+
 int cli_load_model(const char *cmd, const char *dir, int quantize, fp4moe_model **out) {
     return cli_load_model_on(cmd, dir, quantize, FP4MOE_DEVICE_CPU, out);
 }
@@ -90,12 +93,14 @@ int cli_load_model_on(const char *cmd, const char *dir, int quantize, fp4moe_dev
     int64_t bytes = s.bytes_embed + s.bytes_lm_head + s.bytes_mamba + s.bytes_attention +
                     s.bytes_moe_experts + s.bytes_moe_shared + s.bytes_moe_router + s.bytes_mlp +
                     s.bytes_norms;
+    const int on_gpu = fp4moe_model_on_gpu(*out);
     fprintf(stderr, "%s: loaded %s in %.2f s: %s, %lld layers (%s), %.3g B params (%.3g B active), "
-            "%s, %lld NVFP4 + %lld dense linears%s\n", cmd, dir, s.load_seconds,
+            "%s, %lld NVFP4 + %lld dense linears%s%s%s%s\n", cmd, dir, s.load_seconds,
             fp4moe_quant_mode_name(fp4moe_model_format(*out)), (long long)c->n_layers,
             c->layer_types, (double)s.params_total * 1e-9, (double)s.params_active * 1e-9,
             cli_format_bytes(bytes, b), (long long)s.n_nvfp4_linears, (long long)s.n_dense_linears,
-            fp4moe_model_on_gpu(*out) ? ", weights on the GPU" : "");
+            on_gpu ? ", weights on the GPU" : "", !on_gpu && g_auto_cpu[0] ? ", on the CPU (--device auto: " : "",
+            !on_gpu && g_auto_cpu[0] ? g_auto_cpu : "", !on_gpu && g_auto_cpu[0] ? ")" : "");
     if (s.n_dense_unlisted)
         fprintf(stderr, "%s: warning: %lld linear module(s) of this NVFP4 checkpoint are stored dense but its "
                 "exclude_modules does not list them (first: %s): quantized weights lost in the export?\n", cmd,
@@ -106,6 +111,30 @@ int cli_load_model_on(const char *cmd, const char *dir, int quantize, fp4moe_dev
 int cli_parse_device(const char *cmd, const char *s, fp4moe_device *d) {
     if (fp4moe_device_parse(s, d))
         return cli_usage_error(cmd, "--device must be cpu, cuda or auto (got '%s')", s);
+    g_auto_cpu[0] = 0;
+    if (*d == FP4MOE_DEVICE_CUDA && fp4moe_cuda_check()) return cli_fail(cmd, FP4MOE_EUNSUPPORTED); /* before any input */
+    if (!strcmp(s, "auto") && *d == FP4MOE_DEVICE_CPU && fp4moe_cuda_check() &&
+        !strstr(fp4moe_last_error(), "no CUDA backend")) {
+        snprintf(g_auto_cpu, sizeof g_auto_cpu, "%s", fp4moe_last_error());
+        char *cut = strstr(g_auto_cpu, "; the cpu device");
+        if (cut) *cut = 0;
+        fp4moe_clear_error();
+    }
+    return FP4MOE_EXIT_OK;
+}
+
+int cli_check_gpus(const char *cmd, int64_t gpus, const char *device_arg, fp4moe_device dev) {
+    if (gpus < 1) return FP4MOE_EXIT_OK;
+    if (dev != FP4MOE_DEVICE_CUDA) {
+        if (device_arg && !strcmp(device_arg, "cpu"))
+            return cli_usage_error(cmd, "--gpus needs --device cuda (not --device cpu)");
+        fp4moe_cuda_check();
+        return cli_error(cmd, FP4MOE_EXIT_FAIL, "--gpus %lld: %s", (long long)gpus, fp4moe_last_error());
+    }
+    const int n = fp4moe_cuda_device_count();
+    if (n < gpus)
+        return cli_error(cmd, FP4MOE_EXIT_FAIL, "--gpus %lld: %d CUDA device%s visible%s", (long long)gpus, n,
+                         n == 1 ? " is" : "s are", getenv("CUDA_VISIBLE_DEVICES") ? " (CUDA_VISIBLE_DEVICES is set)" : "");
     return FP4MOE_EXIT_OK;
 }
 
@@ -409,6 +438,7 @@ static int run_generation(const gen_args *a, gen_state *g, const volatile sig_at
         cJSON_AddNumberToObject(o, "prompt_tokens", (double)g->T);
         cJSON_AddNumberToObject(o, "generated_tokens", (double)g->n_ids);
         cJSON_AddStringToObject(o, "finish_reason", reason);
+        cJSON_AddStringToObject(o, "device", fp4moe_model_on_gpu(g->m) ? "cuda" : "cpu");
         cJSON_AddStringToObject(o, "cpu_act", g->cpu_act ? g->cpu_act : "float");
         cJSON_AddStringToObject(o, "kv_cache_dtype", a->kv_cache ? a->kv_cache : "auto");
         char seed[32]; /* as an exact integer: cJSON writes numbers with 15 significant digits when they round-trip
@@ -525,8 +555,7 @@ static int generate(const gen_args *a) {
     fp4moe_kv_dtype kv;
     int rc = cli_parse_compute(CMD, a->device, a->dtype, a->cpu_act, &dev, &dt, &ca);
     if (!rc) rc = cli_parse_kv_dtype(CMD, a->kv_cache, dev, &kv);
-    if (!rc && a->gpus > 1 && dev != FP4MOE_DEVICE_CUDA)   /* before any loading */
-        rc = cli_usage_error(CMD, "--gpus needs --device cuda%s", fp4moe_cuda_available() ? "" : " (no CUDA device is visible)");
+    if (!rc) rc = cli_check_gpus(CMD, a->gpus, a->device, dev);   /* before any loading */
     if (rc) return rc;
     const volatile sig_atomic_t *stop = cli_install_sigint();
     char *text = NULL;                      /* -f FILE / -p -: the prompt text */

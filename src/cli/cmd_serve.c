@@ -98,18 +98,12 @@ static int serve(const serve_args *a) {
     /* the model: one, or (expert parallelism) one per rank: rank r's share of the routed experts of a
        checkpoint; --synthetic: the whole model per GPU (NCCL) or one shared by the loopback ranks */
     const int nccl = a->gpus > 1, W = nccl ? (int)a->gpus : a->ep_ranks > 1 ? (int)a->ep_ranks : 1;
-    if (nccl && dev != FP4MOE_DEVICE_CUDA) {
+    const int grc = nccl ? cli_check_gpus(CMD, W, a->device, dev) : FP4MOE_EXIT_OK;
+    if (grc) {
         fp4moe_template_free(tmpl);
         free(src);
         fp4moe_tokenizer_free(tok);
-        return cli_usage_error(CMD, "--gpus needs --device cuda");
-    }
-    if (nccl && fp4moe_cuda_device_count() < W) {
-        fprintf(stderr, "fp4moe %s: --gpus %d: %d CUDA device(s) visible\n", CMD, W, fp4moe_cuda_device_count());
-        fp4moe_template_free(tmpl);
-        free(src);
-        fp4moe_tokenizer_free(tok);
-        return FP4MOE_EXIT_USAGE;
+        return grc;
     }
     fp4moe_model *m = NULL, *models[64] = {NULL};
     if (W > 1) {

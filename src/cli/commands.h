@@ -33,6 +33,10 @@ int cli_load_model_on(const char *cmd, const char *dir, int quantize, fp4moe_dev
                       fp4moe_model **out);
 /* "cpu"/"cuda"/"auto" -> device, else a usage error (exit code 2). */
 int cli_parse_device(const char *cmd, const char *s, fp4moe_device *d);
+/* --gpus N (N >= 1) with --device device_arg, dev after auto: FP4MOE_EXIT_OK when dev is CUDA and N usable
+ * devices are visible; else the message and an exit code - 2 for --device cpu with it, 1 when the machine lacks
+ * them (the reason of fp4moe_cuda_check, or how many devices are visible). */
+int cli_check_gpus(const char *cmd, int64_t gpus, const char *device_arg, fp4moe_device dev);
 /* Default prefill chunk of CUDA sessions (tokens): large, so that a prompt reads the weights once. */
 #define CLI_CUDA_CHUNK 8192
 /* Model-level summary (format, layer pattern, parameters, bytes per component) of model dir `dir`

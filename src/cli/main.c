@@ -38,25 +38,6 @@ static void usage(FILE *out) {
     for (int i = 0; i < N_COMMANDS; i++) fprintf(out, "  %-14s %s\n", k_commands[i].name, k_commands[i].summary);
 }
 
-/* The environment switches the library reads (fp4moe_env_*: one table): a value the library would
- * ignore is a usage error here, so that a typo cannot pass for a measurement. */
-static int check_environment(void) {
-    /* OMP_NUM_THREADS (OpenMP's; a list "N[,M...]", the first for our parallel regions): past 4096, --threads'
-     * bound, libgomp crashes creating the threads (seen at 100,000) or takes minutes */
-    const char *omp = getenv("OMP_NUM_THREADS");
-    if (omp && *omp) {
-        char *end = NULL;
-        const long long n = strtoll(omp, &end, 10);
-        if (end != omp && n > 4096) {
-            fprintf(stderr, "fp4moe: OMP_NUM_THREADS=%s: more than 4096 threads (--threads takes 1 .. 4096)\n", omp);
-            return FP4MOE_EXIT_USAGE;
-        }
-    }
-    if (fp4moe_env_check() == FP4MOE_OK) return FP4MOE_EXIT_OK;
-    fprintf(stderr, "fp4moe: %s\n", fp4moe_last_error());
-    return FP4MOE_EXIT_USAGE;
-}
-
 int main(int argc, char **argv) {
     if (argc < 2) {
         usage(stderr);
@@ -77,8 +58,6 @@ int main(int argc, char **argv) {
     }
     for (int i = 0; i < N_COMMANDS; i++) {
         if (strcmp(cmd, k_commands[i].name)) continue;
-        const int env = check_environment();
-        if (env) return env;
         const int rc = cli_json_finish(k_commands[i].name, k_commands[i].run(argc - 1, argv + 1));
         /* what the command printed must have reached stdout: a full disk / a closed file is an error (exit 1), as
            coreutils and Python report it, not a silent short result */

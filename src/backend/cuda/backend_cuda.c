@@ -495,8 +495,7 @@ void gpu_model_free(struct gpu_model *g) {
 
 static int build_gpu_model(fp4moe_model *m, int synth, uint64_t seed, fp4moe_progress_fn progress,
                            void *ctx) {
-    if (!fp4moe_cuda_available())
-        return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "cuda: no CUDA device is visible");
+    TRY(fp4moe_cuda_check());
     struct gpu_model *g = calloc(1, sizeof *g);
     if (g) g->layers = calloc((size_t)m->cfg.n_layers, sizeof *g->layers);
     if (!g || !g->layers) {

@@ -33,6 +33,7 @@
  * caller's stream). dequant_gemm serializes on a process-wide mutex (it owns a cached scratch
  * buffer and cuBLAS handle per device). Pointers must belong to the current device. */
 #include <limits.h>
+#include <stdio.h>
 #include <stdlib.h>
 
 #include "kernels/cuda/gather_cuda.cuh"
@@ -346,14 +347,46 @@ extern "C" int fp4moe_gather_qmm_cuda(const fp4moe_nvfp4_weights *w, const void 
     return fp4moe_gather_qmm_cuda_route(w, x, dtype, idx, B, sorted, FP4MOE_ROUTE_AUTO, y, stream);
 }
 
-extern "C" int fp4moe_cuda_available(void) {
+/* FP4MOE_OK when the current device can run this build's kernels, else FP4MOE_EUNSUPPORTED with the reason in
+ * why (when set_error: also as the last error). The kernels are sm_90a code only (no PTX): exactly compute
+ * capability 9.0 (H100, H200); any other device fails at its first launch ("no kernel image"). */
+static int cuda_usable(int set_error) {
+    char why[320];
     int n = 0;
-    if (cudaGetDeviceCount(&n) != cudaSuccess) {
-        (void)cudaGetLastError(); /* clear the error state: "no device" is an answer, not a fault */
-        return 0;
+    const cudaError_t e = cudaGetDeviceCount(&n);
+    const char *cvd = getenv("CUDA_VISIBLE_DEVICES");
+    char vis[128] = "";
+    if (cvd) snprintf(vis, sizeof vis, " (CUDA_VISIBLE_DEVICES=%.80s)", cvd);
+    if (e != cudaSuccess) (void)cudaGetLastError(); /* clear the error state: "no device" is an answer, not a fault */
+    if (e == cudaErrorNoDevice || (e == cudaSuccess && n == 0)) {
+        snprintf(why, sizeof why, "cuda: no CUDA device is visible%s; the cpu device runs without one", vis);
+    } else if (e == cudaErrorInsufficientDriver) {
+        snprintf(why, sizeof why, "cuda: no usable CUDA driver (no NVIDIA GPU driver installed, or one older than this "
+                 "build's CUDA %d.%d runtime needs)%s; the cpu device runs without it", CUDART_VERSION / 1000,
+                 CUDART_VERSION % 1000 / 10, vis);
+    } else if (e != cudaSuccess) {
+        snprintf(why, sizeof why, "cuda: the CUDA driver cannot be used (%s)%s; the cpu device runs without it",
+                 cudaGetErrorString(e), vis);
+    } else {
+        int dev = 0;
+        cudaDeviceProp p;
+        if (cudaGetDevice(&dev) != cudaSuccess || cudaGetDeviceProperties(&p, dev) != cudaSuccess) {
+            (void)cudaGetLastError();
+            snprintf(why, sizeof why, "cuda: the properties of the current CUDA device cannot be read%s", vis);
+        } else if (p.major != 9 || p.minor != 0) {
+            snprintf(why, sizeof why, "cuda: device %d (%.64s) has compute capability %d.%d, and this build's kernels "
+                     "run on 9.0 only (H100, H200: sm_90a); the cpu device runs anywhere", dev, p.name, p.major,
+                     p.minor);
+        } else {
+            return FP4MOE_OK;
+        }
     }
-    return n > 0;
+    return set_error ? fp4moe_set_error(FP4MOE_EUNSUPPORTED, "%s", why) : FP4MOE_EUNSUPPORTED;
 }
+
+extern "C" int fp4moe_cuda_check(void) { return cuda_usable(1); }
+
+extern "C" int fp4moe_cuda_available(void) { return cuda_usable(0) == FP4MOE_OK; }
 
 extern "C" int fp4moe_cuda_device_count(void) {
     int n = 0;

@@ -18,6 +18,10 @@ int fp4moe_gather_qmm_cuda(const fp4moe_nvfp4_weights *w, const void *x, fp4moe_
 }
 
 int fp4moe_cuda_available(void) { return 0; }
+int fp4moe_cuda_check(void) {
+    return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "cuda: this build of fp4moe has no CUDA backend (configure with nvcc "
+                            "on the PATH and -DFP4MOE_CUDA=ON); the cpu device runs without it");
+}
 int fp4moe_cuda_device_count(void) { return 0; }
 int fp4moe_cuda_set_device(int device) {
     (void)device;
