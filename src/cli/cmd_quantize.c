@@ -490,6 +490,16 @@ int cmd_quantize(int argc, char **argv) {
                               fp4moe_qformat_name(fmt));
         goto fail;
     }
+    if (is_dir) { /* a config fp4moe cannot load: said now, not at the output's first load (a helper's trial) */
+        char *cj = cli_join(fp4moe_st_model_dir(m), "config.json");
+        fp4moe_config cfg;
+        if (cj && access(cj, F_OK) == 0 && fp4moe_config_load(fp4moe_st_model_dir(m), &cfg) != FP4MOE_OK)
+            fprintf(stderr, "quantize: warning: %s: fp4moe will not load the output (the tensors are quantized "
+                    "all the same)\n", fp4moe_last_error());
+        else if (cj && access(cj, F_OK) == 0)
+            fp4moe_config_free(&cfg);
+        free(cj);
+    }
     if ((st = build_plan(m, inc, exc, &p))) goto fail;
     p.stash_cap = (int64_t)atoll(fp4moe_env_value("FP4MOE_QUANTIZE_STASH_MB")) << 20;
     int64_t nq = 0;

@@ -579,6 +579,32 @@ static void test_global_scale_single_file(void **state) {
     fp4moe_st_model_close(m);
 }
 
+/* A model directory whose config.json fp4moe cannot load (a helper's trial, session 34: "hidden_size":"sixty-four"
+ * passed and failed only at the output's first load): quantize warns, naming the field; a good config (the default
+ * model, dequantized) gives no warning. */
+static void test_quantize_warns_on_config(void **state) {
+    char bf[512], q[512], bad[512], cfg[600];
+    snprintf(bf, sizeof bf, "%s", io_path("cfg-bf16"));
+    snprintf(q, sizeof q, "%s", io_path("cfg-q"));
+    snprintf(bad, sizeof bad, "%s", io_path("cfg-bad-q"));
+    EXPECT_RC(0, "dequantize", "-i", "models/nemotron-h-tiny-moe", "-o", bf, "-q");
+    EXPECT_RC(0, "quantize", "-i", bf, "-o", q, "-q");
+    assert_null(strstr(g_err, "warning"));
+    snprintf(cfg, sizeof cfg, "%s/config.json", bf);
+    static char text[1 << 16];
+    slurp(cfg, text, sizeof text);
+    char *h = strstr(text, "\"hidden_size\"");
+    assert_non_null(h);
+    char *colon = strchr(h, ':'), *end = colon ? strpbrk(colon, ",}") : NULL;
+    assert_non_null(end);
+    static char edited[1 << 16];
+    snprintf(edited, sizeof edited, "%.*s: \"sixty-four\"%s", (int)(colon - text), text, end);
+    io_write_bytes(cfg, edited, strlen(edited));
+    EXPECT_RC(0, "quantize", "-i", bf, "-o", bad, "-q");
+    expect_in(g_err, "warning: ");
+    expect_in(g_err, "hidden_size");
+}
+
 /* NaN / Inf in a tensor to be quantized is an error naming the tensor and the element (NVFP4 has no
  * NaN, the codes would be silently finite); a failed directory output is never created, and an existing
  * one keeps its earlier model untouched - no new shard beside the old ones, no staging directory left (a
@@ -1650,6 +1676,7 @@ int main(void) {
         cmocka_unit_test(test_chat),
         cmocka_unit_test(test_nan_weights_are_an_error),
         cmocka_unit_test(test_quantize_refuses_nan),
+        cmocka_unit_test(test_quantize_warns_on_config),
         cmocka_unit_test(test_generate_inputs_and_context),
         cmocka_unit_test(test_usage_and_exit_codes),
         cmocka_unit_test(test_quantize_then_dequantize_dir),
