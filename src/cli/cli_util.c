@@ -585,7 +585,11 @@ int cli_write_file(const char *cmd, fp4moe_st_writer *w, const char *input, cons
     }
     if (cli_is_dir(output)) {
         const char *base = strrchr(input, '/');
-        path = cli_join(output, base ? base + 1 : input);
+        size_t n = strlen(output);
+        while (n > 1 && output[n - 1] == '/') n--;
+        char *dir = strndup(output, n);
+        path = dir ? cli_join(dir, base ? base + 1 : input) : NULL;
+        free(dir);
         if (!path) return FP4MOE_ENOMEM;
     }
     const char *target = path ? path : output;
@@ -746,6 +750,9 @@ int cli_stage_dir(const char *output, char **stage) {
                                       name, strerror(errno));
                 free(tmpl);
             } else {
+                const mode_t um = umask(0); /* mkdtemp makes 0700: the mode mkdir would give (the umask's) */
+                umask(um);
+                chmod(tmpl, 0777 & ~um);
                 *stage = tmpl;
             }
         }
@@ -804,7 +811,8 @@ int cli_convert_failed(const char *cmd, int status, const char *output, char *st
     cli_stage_remove(stage);
     free(stage);
     if (status == FP4MOE_EINTERRUPTED) {
-        fprintf(stderr, "fp4moe %s: interrupted (Ctrl-C): nothing was written to %s\n", cmd, output);
+        fprintf(stderr, "fp4moe %s: interrupted (Ctrl-C or a termination signal): nothing was written to %s\n", cmd,
+                output);
         return 130;
     }
     const int rc = cli_fail(cmd, status);

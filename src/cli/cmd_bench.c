@@ -688,6 +688,7 @@ static int bench(bench_args *a) {
     if (a->warmup < 0) a->warmup = dev == FP4MOE_DEVICE_CUDA ? 1 : 0;
     if (a->profile && dev != FP4MOE_DEVICE_CUDA)
         return cli_usage_error(CMD, "--profile times device events: it needs --device cuda");
+    if (a->gpus == 1 && (rc = cli_check_gpus(CMD, 1, a->device, dev))) return rc; /* one GPU: as generate's */
     if (a->gpus > 1 || a->ep_ranks > 0) { /* expert parallelism: every rank loads its own model */
         if (a->batch < 1) return cli_usage_error(CMD, "--gpus / --ep-ranks need --batch N (the sequences to spread)");
         if (a->profile) return cli_usage_error(CMD, "--profile is not available with --gpus / --ep-ranks");
@@ -788,7 +789,7 @@ int cmd_bench(int argc, char **argv) {
          "aggregate and per-sequence tok/s, each sequence's id hash"},
         {"--gpus", NULL, CLI_INT, &a.gpus, "N",
          "expert parallelism over N CUDA devices through NCCL (libnccl.so.2 on LD_LIBRARY_PATH): each GPU "
-         "holds 1/N of every MoE layer's routed experts and 1/N of the --batch sequences (default 1)"},
+         "holds 1/N of every MoE layer's routed experts and 1/N of the --batch sequences (default 0: none)"},
         {"--ep-ranks", NULL, CLI_INT, &a.ep_ranks, "N",
          "expert parallelism with N ranks on this one device (in-process loopback): the --gpus path "
          "without N GPUs, to check it and to time its exchange"},

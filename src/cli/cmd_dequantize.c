@@ -184,7 +184,7 @@ int cmd_dequantize(int argc, char **argv) {
     }
     progress.total = total;
     if ((st = fp4moe_st_writer_set_metadata(w, "format", "pt"))) goto fail;
-    cli_install_sigint();
+    cli_install_stop_signals();
     if (is_dir && cli_is_dir(output))
         fprintf(stderr, "dequantize: writing into the existing directory %s (its model files are replaced once the "
                 "new ones are complete)\n", output);

@@ -41,6 +41,17 @@ const volatile sig_atomic_t *cli_install_sigint(void) {
     return &g_stop;
 }
 
+const volatile sig_atomic_t *cli_install_stop_signals(void) {
+    const volatile sig_atomic_t *f = cli_install_sigint();
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = on_sigint;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGTERM, &sa, NULL);
+    sigaction(SIGHUP, &sa, NULL);
+    return f;
+}
+
 int cli_check_interrupt(void) {
     return g_stop ? fp4moe_set_error(FP4MOE_EINTERRUPTED, "interrupted (Ctrl-C)") : FP4MOE_OK;
 }
@@ -709,7 +720,7 @@ int cmd_generate(int argc, char **argv) {
         {"--threads", "-t", CLI_INT, &a.threads, "N", "CPU threads (default: one per core)"},
         {"--gpus", NULL, CLI_INT, &a.gpus, "N",
          "expert parallelism over N CUDA devices through NCCL: each holds 1/N of every MoE layer's "
-         "routed experts (libnccl.so.2 on LD_LIBRARY_PATH; default 1)"},
+         "routed experts (libnccl.so.2 on LD_LIBRARY_PATH; default 0: none)"},
         {"--ep-ranks", NULL, CLI_INT, &a.ep_ranks, "N",
          "expert parallelism with N ranks on this one device (in-process loopback)"},
         {"--json", NULL, CLI_FLAG, &a.json, NULL, "print one JSON object (text, ids, finish_reason, seed, timings) at the end"},

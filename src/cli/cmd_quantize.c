@@ -493,7 +493,8 @@ int cmd_quantize(int argc, char **argv) {
     if (is_dir) { /* a config fp4moe cannot load: said now, not at the output's first load (a helper's trial) */
         char *cj = cli_join(fp4moe_st_model_dir(m), "config.json");
         fp4moe_config cfg;
-        if (cj && access(cj, F_OK) == 0 && fp4moe_config_load(fp4moe_st_model_dir(m), &cfg) != FP4MOE_OK)
+        if (cj && access(cj, F_OK) == 0 && fp4moe_config_load(fp4moe_st_model_dir(m), &cfg) != FP4MOE_OK &&
+            !strstr(fp4moe_last_error(), "JSON")) /* broken JSON: the config copy below stops with its error */
             fprintf(stderr, "quantize: warning: %s: fp4moe will not load the output (the tensors are quantized "
                     "all the same)\n", fp4moe_last_error());
         else if (cj && access(cj, F_OK) == 0)
@@ -528,7 +529,7 @@ int cmd_quantize(int argc, char **argv) {
     int64_t total = 0;
     if ((st = add_outputs(&p, w, ctx, &total))) goto fail;
     if ((st = fp4moe_st_writer_set_metadata(w, "format", "mlx"))) goto fail;
-    cli_install_sigint();
+    cli_install_stop_signals();
     cli_progress_start(&p.progress, "quantize", total);
     p.progress.quiet = quiet;
     if (is_dir && cli_is_dir(output))

@@ -61,6 +61,8 @@ int cli_parse_kv_dtype(const char *cmd, const char *s, fp4moe_device dev, fp4moe
 #define CLI_CPU_ACT_HELP "CPU NVFP4 matmuls: q8 (the CPU default: W4A8, the activations, after --dtype's rounding, as int8 per 16-element block; integer dot products; +0.03% held-out perplexity on the default model, docs/PERFORMANCE.md) or float (activations at --dtype: the f32 contract, equal to transformers); cuda: float only"
 /* Installs a SIGINT handler; the returned flag becomes 1 on Ctrl-C. */
 const volatile sig_atomic_t *cli_install_sigint(void);
+/* cli_install_sigint, and SIGTERM and SIGHUP set the same flag (the converters: their staged output removed). */
+const volatile sig_atomic_t *cli_install_stop_signals(void);
 /* FP4MOE_EINTERRUPTED (message "interrupted (Ctrl-C)") once that flag is set, else FP4MOE_OK: for
  * loops that write files (quantize, dequantize). */
 int cli_check_interrupt(void);

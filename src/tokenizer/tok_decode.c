@@ -176,6 +176,7 @@ static int64_t utf8_lossy(const uint8_t *p, int64_t n, int final, tok_buf *out, 
 /* ---- the stream ---------------------------------------------------------------------------- */
 void fp4moe_tokenizer_stream_init(fp4moe_tokenizer_stream *s, const fp4moe_tokenizer *tok,
                                   int skip_special) {
+    if (!s) return;
     memset(s, 0, sizeof *s);
     s->tok = tok;
     s->skip_special = skip_special;

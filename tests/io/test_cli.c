@@ -590,6 +590,13 @@ static void test_quantize_warns_on_config(void **state) {
     EXPECT_RC(0, "dequantize", "-i", "models/nemotron-h-tiny-moe", "-o", bf, "-q");
     EXPECT_RC(0, "quantize", "-i", bf, "-o", q, "-q");
     assert_null(strstr(g_err, "warning"));
+    {   /* the new directory has mkdir's mode (it was staged by mkdtemp, 0700: a helper's recheck, session 34) */
+        struct stat sb;
+        const mode_t um = umask(0);
+        umask(um);
+        assert_int_equal(stat(q, &sb), 0);
+        assert_int_equal(sb.st_mode & 0777, 0777 & ~um);
+    }
     snprintf(cfg, sizeof cfg, "%s/config.json", bf);
     static char text[1 << 16];
     slurp(cfg, text, sizeof text);
