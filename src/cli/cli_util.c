@@ -576,6 +576,13 @@ int cli_output_overwrites_input(const fp4moe_st_model *m, const char *input, con
     return FP4MOE_OK;
 }
 
+/* "out/" -> "out" (a copy; "/" stays "/"); NULL when out of memory */
+static char *without_trailing_slashes(const char *path) {
+    size_t n = strlen(path);
+    while (n > 1 && path[n - 1] == '/') n--;
+    return strndup(path, n);
+}
+
 int cli_write_file(const char *cmd, fp4moe_st_writer *w, const char *input, const char *output) {
     char *path = NULL;
     const size_t olen = strlen(output);
@@ -585,9 +592,7 @@ int cli_write_file(const char *cmd, fp4moe_st_writer *w, const char *input, cons
     }
     if (cli_is_dir(output)) {
         const char *base = strrchr(input, '/');
-        size_t n = strlen(output);
-        while (n > 1 && output[n - 1] == '/') n--;
-        char *dir = strndup(output, n);
+        char *dir = without_trailing_slashes(output);
         path = dir ? cli_join(dir, base ? base + 1 : input) : NULL;
         free(dir);
         if (!path) return FP4MOE_ENOMEM;
@@ -730,9 +735,7 @@ int cli_stage_dir(const char *output, char **stage) {
     struct stat sb;
     if (stat(output, &sb) == 0 && !S_ISDIR(sb.st_mode))
         return fp4moe_set_error(FP4MOE_EINVAL, "%s exists and is not a directory", output);
-    size_t n = strlen(output);
-    while (n > 1 && output[n - 1] == '/') n--; /* "out/" -> "out" */
-    char *base = strndup(output, n);
+    char *base = without_trailing_slashes(output);
     if (!base) return fp4moe_set_error(FP4MOE_ENOMEM, "out of memory");
     char *slash = strrchr(base, '/');
     const char *name = slash ? slash + 1 : base;
