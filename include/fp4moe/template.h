@@ -46,6 +46,8 @@ typedef struct {
     size_t max_output_bytes;      /* output and any single string built: default 64 MiB */
     int max_macro_depth;          /* nested macro calls: default 64 */
     unsigned long long max_steps; /* loop iterations + macro / filter calls: default 50,000,000 */
+    size_t max_value_bytes;       /* strings, lists and dicts alive at once (the context's included): default
+                                     256 MiB */
 } fp4moe_template_limits;
 
 /* Compiles template source `src` of `len` bytes (not necessarily NUL-terminated; NULL with len 0: the empty

@@ -137,6 +137,8 @@ typedef struct {
     srv_tool_format tools_fmt;         /* chat with tools (tool_choice auto): the answer's calls in this format
                                           become tool_calls; SRV_TOOLS_NONE: none */
     char *tools_json;                  /* the request's tools (JSON text, malloc'd): the parameters' types */
+    char *chat_text;                   /* a chat request's rendered prompt (malloc'd; POST /apply-template) */
+    size_t chat_text_len;
     char *tool_forced;                 /* tool_choice naming a function (malloc'd): the output is its arguments
                                           (grammar: its parameters schema), returned as that one call */
     int tool_single;                   /* parallel_tool_calls false: the first call only */
@@ -190,6 +192,10 @@ int64_t srv_default_max_tokens(const srv_request *r, int64_t context);
  * JSON) or -1 with *err (4xx). */
 int srv_tokenize(const srv_parse_ctx *c, const char *body, size_t len, char **out, srv_error *err);
 int srv_detokenize(const srv_parse_ctx *c, const char *body, size_t len, char **out, srv_error *err);
+/* POST /apply-template (llama.cpp's server): the body of a chat request (messages, tools, chat_template_kwargs,
+ * add_generation_prompt, continue_final_message) -> {"prompt": the text the chat template renders for it}, exactly
+ * what /v1/chat/completions would tokenize. Errors as /tokenize's (400 naming the template's error). */
+int srv_apply_template(const srv_parse_ctx *c, const char *body, size_t len, char **out, srv_error *err);
 /* GET /tokenizer_info: {"tokenizer_class", "bos_token", "eos_token", "pad_token", "model_max_length",
  * "chat_template"} (null where unknown), malloc'd JSON (NULL: out of memory). */
 char *srv_tokenizer_info(const srv_parse_ctx *c);

@@ -340,6 +340,8 @@ static enum MHD_Result post_generate(srv_http *h, conn_ctx *cc, srv_kind kind) {
     srv_error er;
     if (srv_parse_request(h->pc, kind, cc->body.p ? cc->body.p : "", cc->body.n, &r, &er))
         return respond_error(h, c, &er);
+    free(r.chat_text); /* the ids are what runs (the text is for /apply-template) */
+    r.chat_text = NULL;
     const int stream = r.stream;
     if (stream) {
         stream_ctx *s = calloc(1, sizeof *s);
@@ -449,6 +451,7 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
         return s ? respond(h, c, 200, "text/plain; version=0.0.4", s, strlen(s)) : MHD_NO;
     }
     const int tk = !strcmp(url, "/tokenize"), dtk = !strcmp(url, "/detokenize"), tinfo = !strcmp(url, "/tokenizer_info");
+    const int apt = !strcmp(url, "/apply-template");
     if (v1 && !authorized(h, c)) /* (the tokenizer endpoints are open, as vLLM's: the key guards /v1 only) */
         return fail(h, c, 401, "%s", "missing or wrong API key (Authorization: Bearer KEY)");
     if (tinfo) {
@@ -456,14 +459,15 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
         char *s = srv_tokenizer_info(h->pc);
         return s ? respond(h, c, 200, "application/json", s, strlen(s)) : MHD_NO;
     }
-    if (tk || dtk) { /* vLLM's tokenizer endpoints: answered here, no engine */
+    if (tk || dtk || apt) { /* vLLM's tokenizer endpoints, llama.cpp's /apply-template: answered here, no engine */
         if (!is_post) return fail_method(h, c, "POST", "%s: use POST", url);
         if (cc->too_big) return fail(h, c, 413, "%s", "the request body is larger than --max-body");
         char *s = NULL;
         srv_error er;
         const char *b = cc->body.p ? cc->body.p : "";
-        if (tk ? srv_tokenize(h->pc, b, cc->body.n, &s, &er) : srv_detokenize(h->pc, b, cc->body.n, &s, &er))
-            return respond_error(h, c, &er);
+        const int rc = tk ? srv_tokenize(h->pc, b, cc->body.n, &s, &er)
+                     : dtk ? srv_detokenize(h->pc, b, cc->body.n, &s, &er) : srv_apply_template(h->pc, b, cc->body.n, &s, &er);
+        if (rc) return respond_error(h, c, &er);
         return respond(h, c, 200, "application/json", s, strlen(s));
     }
     if (!strcmp(url, "/v1/models")) return is_get ? get_models(h, c, NULL) : fail_method(h, c, "GET, HEAD", "%s /v1/models: use GET", method);

@@ -51,6 +51,7 @@ void srv_request_free(srv_request *r) {
     free(r->more_ids);
     free(r->more_n);
     free(r->tools_json);
+    free(r->chat_text);
     free(r->tool_forced);
     if (r->grammar && __atomic_sub_fetch(&r->grammar->refs, 1, __ATOMIC_ACQ_REL) == 0) {
         fp4moe_grammar_free(r->grammar->g);
@@ -620,8 +621,10 @@ static int parse_completion(const srv_parse_ctx *c, const cJSON *o, srv_request 
 
 /* ---- /v1/chat/completions --------------------------------------------------------------------- */
 
-/* A message as the template sees it: keys with null values dropped, text parts joined, tool-call
- * arguments given as JSON text parsed into objects (as vLLM does before rendering). */
+/* A message as the template sees it: "content": null as "" (vLLM's parse_chat_messages: an assistant message of
+ * only tool calls has content "", so `content is not none` holds and `content + ...` renders), other keys with
+ * null values dropped, text parts joined, tool-call arguments given as JSON text parsed into objects (as vLLM
+ * does before rendering). */
 static cJSON *clean_message(const cJSON *m, int index, srv_error *e) {
     if (!cJSON_IsObject(m)) {
         srv_fail(e, 400, "messages", "messages[%d] must be an object", index);
@@ -635,7 +638,11 @@ static cJSON *clean_message(const cJSON *m, int index, srv_error *e) {
     cJSON *out = cJSON_CreateObject();
     const cJSON *kv;
     cJSON_ArrayForEach(kv, m) {
-        if (cJSON_IsNull(kv) || !kv->string) continue;
+        if (!kv->string) continue;
+        if (cJSON_IsNull(kv)) {
+            if (!strcmp(kv->string, "content")) cJSON_AddStringToObject(out, "content", "");
+            continue;
+        }
         if (!strcmp(kv->string, "content") && cJSON_IsArray(kv)) {
             srv_buf text = {0};
             const cJSON *part;
@@ -939,6 +946,7 @@ static int parse_chat(const srv_parse_ctx *c, const cJSON *o, srv_request *r, sr
     cJSON_AddTrueToObject(ctx, "add_generation_prompt");
     cJSON_AddStringToObject(ctx, "bos_token", c->bos_token ? c->bos_token : "");
     cJSON_AddStringToObject(ctx, "eos_token", c->eos_token ? c->eos_token : "");
+    cJSON_AddStringToObject(ctx, "pad_token", c->pad_token ? c->pad_token : ""); /* as `fp4moe chat` (cli_template_special_tokens) */
     const cJSON *kw = field(o, "chat_template_kwargs");
     if (kw) {
         if (!cJSON_IsObject(kw)) {
@@ -971,6 +979,9 @@ static int parse_chat(const srv_parse_ctx *c, const cJSON *o, srv_request *r, sr
             nh < r->n_ids && !memcmp(hids, r->ids, (size_t)nh * sizeof(int32_t)))
             r->history = nh;
         free(hids);
+        r->chat_text = text; /* kept for /apply-template */
+        r->chat_text_len = len;
+        text = NULL;
     }
     free(text);
     free(hist);

@@ -24,22 +24,76 @@ static char *print_delete(cJSON *o) {
     return s;
 }
 
-int srv_tokenize(const srv_parse_ctx *c, const char *body, size_t len, char **out, srv_error *e) {
-    *out = NULL;
+/* The body as a JSON object whose "model" (if any) is the served one; NULL after an error */
+static cJSON *parse_body(const srv_parse_ctx *c, const char *body, size_t len, srv_error *e) {
     const long long nul = srv_json_nul_at(body, len);
-    if (nul >= 0)
-        return srv_fail(e, 400, NULL, "the request body has a NUL character (U+0000) in a string (at byte %lld of %zu); "
-                        "fp4moe does not accept it in any text", nul, len);
+    if (nul >= 0) {
+        srv_fail(e, 400, NULL, "the request body has a NUL character (U+0000) in a string (at byte %lld of %zu); "
+                 "fp4moe does not accept it in any text", nul, len);
+        return NULL;
+    }
     cJSON *o = parse_object(body, len, e);
-    if (!o) return -1;
+    if (!o) return NULL;
     const cJSON *model = cJSON_GetObjectItemCaseSensitive(o, "model");
     if (model && !cJSON_IsNull(model) && !(cJSON_IsString(model) && !strcmp(model->valuestring, c->model_name))) {
         srv_fail(e, cJSON_IsString(model) ? 404 : 400, "model", "The model '%.200s' does not exist (this server serves "
                  "'%.200s')", cJSON_IsString(model) ? model->valuestring : "?", c->model_name);
         if (cJSON_IsString(model)) e->code = "model_not_found";
         cJSON_Delete(o);
-        return -1;
+        return NULL;
     }
+    return o;
+}
+
+/* The messages of o (with its tools, chat_template_kwargs, add_generation_prompt, continue_final_message,
+ * chat_template) as a chat request parses them: *r holds the ids and the rendered text (free with
+ * srv_request_free) */
+static int parse_messages(const srv_parse_ctx *c, const cJSON *o, const cJSON *msgs, srv_request *r, srv_error *e) {
+    cJSON *req = cJSON_CreateObject();
+    cJSON_AddItemToObject(req, "messages", cJSON_Duplicate(msgs, 1));
+    const cJSON *kv;
+    static const char *const pass[] = {"tools", "chat_template_kwargs", "add_generation_prompt",
+                                       "continue_final_message", "chat_template"};
+    for (int i = 0; i < 5; i++)
+        if ((kv = cJSON_GetObjectItemCaseSensitive(o, pass[i]))) cJSON_AddItemToObject(req, pass[i], cJSON_Duplicate(kv, 1));
+    cJSON_AddNumberToObject(req, "max_tokens", 1);
+    char *s = cJSON_PrintUnformatted(req);
+    cJSON_Delete(req);
+    int rc = 0;
+    if (!s) rc = srv_fail(e, 500, NULL, "out of memory");
+    else if (srv_parse_request(c, SRV_CHAT, s, strlen(s), r, e)) rc = -1;
+    free(s);
+    return rc;
+}
+
+int srv_apply_template(const srv_parse_ctx *c, const char *body, size_t len, char **out, srv_error *e) {
+    *out = NULL;
+    cJSON *o = parse_body(c, body, len, e);
+    if (!o) return -1;
+    const cJSON *msgs = cJSON_GetObjectItemCaseSensitive(o, "messages");
+    srv_request r;
+    int rc = 0;
+    if (!cJSON_IsArray(msgs)) rc = srv_fail(e, 400, "messages", "'messages' (a list) is required");
+    else if (parse_messages(c, o, msgs, &r, e)) rc = -1;
+    cJSON_Delete(o);
+    if (rc) return -1;
+    cJSON *res = cJSON_CreateObject();
+    cJSON *p = srv_json_string(r.chat_text ? r.chat_text : "", r.chat_text ? r.chat_text_len : 0);
+    srv_request_free(&r);
+    if (!res || !p) {
+        cJSON_Delete(res);
+        cJSON_Delete(p);
+        return srv_fail(e, 500, NULL, "out of memory");
+    }
+    cJSON_AddItemToObject(res, "prompt", p);
+    if (!(*out = print_delete(res))) return srv_fail(e, 500, NULL, "out of memory");
+    return 0;
+}
+
+int srv_tokenize(const srv_parse_ctx *c, const char *body, size_t len, char **out, srv_error *e) {
+    *out = NULL;
+    cJSON *o = parse_body(c, body, len, e);
+    if (!o) return -1;
     const int strs = cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(o, "return_token_strs"));
     const cJSON *prompt = cJSON_GetObjectItemCaseSensitive(o, "prompt");
     const cJSON *msgs = cJSON_GetObjectItemCaseSensitive(o, "messages");
@@ -59,26 +113,14 @@ int srv_tokenize(const srv_parse_ctx *c, const char *body, size_t len, char **ou
         rc = srv_fail(e, 400, "add_special_tokens", "'add_special_tokens' true with 'messages' is not supported (the "
                       "chat template writes the special tokens)");
     } else { /* the messages as a chat request renders them */
-        cJSON *req = cJSON_CreateObject();
-        cJSON_AddItemToObject(req, "messages", cJSON_Duplicate(msgs, 1));
-        const cJSON *kv;
-        static const char *const pass[] = {"tools", "chat_template_kwargs", "add_generation_prompt",
-                                           "continue_final_message", "chat_template"};
-        for (int i = 0; i < 5; i++)
-            if ((kv = cJSON_GetObjectItemCaseSensitive(o, pass[i]))) cJSON_AddItemToObject(req, pass[i], cJSON_Duplicate(kv, 1));
-        cJSON_AddNumberToObject(req, "max_tokens", 1);
-        char *s = cJSON_PrintUnformatted(req);
-        cJSON_Delete(req);
         srv_request r;
-        if (!s) rc = srv_fail(e, 500, NULL, "out of memory");
-        else if (srv_parse_request(c, SRV_CHAT, s, strlen(s), &r, e)) rc = -1;
+        if (parse_messages(c, o, msgs, &r, e)) rc = -1;
         else {
             ids = r.ids;
             n = r.n_ids;
             r.ids = NULL;
             srv_request_free(&r);
         }
-        free(s);
     }
     cJSON_Delete(o);
     if (rc) {

@@ -1309,7 +1309,8 @@ static int f_center(rctx *r, int line, tv v, const argv_t *a, tv *out) {
     return sbuf_to_str(r, line, &b, out);
 }
 
-static int f_batch_unsupported(rctx *r, int line, tv v, const argv_t *a, tv *out) {
+static int f_batch_unsupported(rctx *r, int line, tv v, const argv_t *a, tv *out) { /* named by tmpl_filter */
+    (void)v; (void)a; (void)out;
     return tmpl_fail(&r->err, FP4MOE_EUNSUPPORTED, line, "this filter is not supported by this engine");
 }
 
@@ -1338,6 +1339,11 @@ int tmpl_has_filter(const char *name) {
 
 int tmpl_filter(rctx *r, int line, const char *name, tv val, const argv_t *a, tv *out) {
     for (int i = 0; FILTERS[i].name; i++)
-        if (!strcmp(FILTERS[i].name, name)) return FILTERS[i].fn(r, line, val, a, out);
+        if (!strcmp(FILTERS[i].name, name)) {
+            if (FILTERS[i].fn == f_batch_unsupported) /* jinja2 has it; a template may hold it in a branch never taken */
+                return tmpl_fail(&r->err, FP4MOE_EUNSUPPORTED, line, "the filter '%s' is not supported by this engine",
+                                 name);
+            return FILTERS[i].fn(r, line, val, a, out);
+        }
     return FAIL(line, "No filter named '%s'", name);
 }

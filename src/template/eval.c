@@ -18,7 +18,8 @@ static int eval(rctx *r, frame *f, const tnode *n, tv *out);
 int tmpl_step(rctx *r, int line) {
     if (++r->steps > r->max_steps)
         return tmpl_fail(&r->err, FP4MOE_EOVERFLOW, line,
-                         "render limit exceeded: more than %llu loop iterations / calls", (unsigned long long)r->max_steps);
+                         "render limit exceeded: more than %llu steps (loop iterations, macro / filter calls and "
+                         "range() items together)", (unsigned long long)r->max_steps);
     return 0;
 }
 

@@ -903,17 +903,28 @@ static int p_body(parser *P, const char *const *ends, tnode **out, const char **
     int line = cur(P)->line;
     tnode *body = mk(P, N_BODY, line);
     if (!body) return -1;
+    /* for the messages: the tag that opened this body (its '{%' line and name) and the tags that may end it */
+    int open = line;
+    const char *tag = "?";
+    char want[128] = "";
+    if (ends) {
+        for (size_t k = P->i; k-- > 0;)
+            if (P->t[k].type == TK_BLOCK_BEGIN) {
+                open = P->t[k].line;
+                if (k + 1 < P->n && P->t[k + 1].type == TK_NAME) tag = P->t[k + 1].text;
+                break;
+            }
+        for (int i = 0; ends[i]; i++) {
+            size_t l = strlen(want);
+            snprintf(want + l, sizeof want - l, "%s'%s'", i ? " or " : "", ends[i]);
+        }
+    }
     for (;;) {
         const token *t = cur(P);
         if (t->type == TK_EOF) {
             if (ends) {
-                char want[128] = "";
-                for (int i = 0; ends[i]; i++) {
-                    size_t l = strlen(want);
-                    snprintf(want + l, sizeof want - l, "%s'%s'", i ? " or " : "", ends[i]);
-                }
                 tmpl_fail(P->e, FP4MOE_EFORMAT, t->line,
-                          "Unexpected end of template: the block opened on line %d needs %s", line, want);
+                          "Unexpected end of template: the '%s' block opened on line %d needs %s", tag, open, want);
                 tmpl_node_free(body);
                 return -1;
             }
@@ -959,8 +970,8 @@ static int p_body(parser *P, const char *const *ends, tnode **out, const char **
             if (nm->type == TK_NAME && (!strncmp(nm->text, "end", 3) || !strcmp(nm->text, "else") ||
                                         !strcmp(nm->text, "elif"))) {
                 if (ends)
-                    tmpl_fail(P->e, FP4MOE_EFORMAT, nm->line, "Encountered unexpected tag '%s' (the block opened on line %d needs '%s')",
-                              nm->text, line, ends[0]);
+                    tmpl_fail(P->e, FP4MOE_EFORMAT, nm->line, "Encountered unexpected tag '%s' (the '%s' block opened on line %d "
+                              "needs %s)", nm->text, tag, open, want);
                 else
                     tmpl_fail(P->e, FP4MOE_EFORMAT, nm->line, "Encountered unexpected tag '%s' with no open block", nm->text);
                 tmpl_node_free(body);

@@ -54,6 +54,8 @@ int fp4moe_template_render(const fp4moe_template *tmpl, const cJSON *context,
     r.max_output = limits && limits->max_output_bytes ? limits->max_output_bytes : (size_t)64 << 20;
     r.max_depth = limits && limits->max_macro_depth > 0 ? limits->max_macro_depth : 64;
     r.max_steps = limits && limits->max_steps ? limits->max_steps : 50000000ull;
+    tv_budget budget = {0, limits && limits->max_value_bytes ? limits->max_value_bytes : (size_t)256 << 20};
+    tv_budget_set(&budget);
     frame globals = {tv_undef(), NULL, NULL}, root = {tv_undef(), &globals, NULL};
     int rc = 0;
     if (context) rc = tv_from_json(&r.err, context, &globals.vars);
@@ -68,6 +70,7 @@ int fp4moe_template_render(const fp4moe_template *tmpl, const cJSON *context,
     }
     tv_unref(root.vars);
     tv_unref(globals.vars);
+    tv_budget_set(NULL);
     if (rc) {
         sb_free(&b);
         if (!r.err.status) tmpl_fail(&r.err, FP4MOE_ENOMEM, 0, "out of memory");

@@ -88,6 +88,12 @@ void tv_unref(tv v);             /* -1 reference, frees at 0 */
 /* A compiled template's string literal: shared by all renders (any thread), never counted (tv_ref / tv_unref
  * leave it), freed by tv_free_static when the template is freed (tv_free_static of a counted value: tv_unref). */
 void tv_make_static(tv *v);
+/* The live-bytes budget of a render (value.c): strings and the item arrays of lists / dicts made while it is set
+ * on this thread count against limit; going over it is FP4MOE_EOVERFLOW. NULL: no accounting. */
+typedef struct {
+    size_t live, limit;
+} tv_budget;
+void tv_budget_set(tv_budget *b);
 void tv_free_static(tv v);
 /* Drops a result on a failure path: unref, then undefined (a caller that unrefs it again frees nothing twice). */
 static inline void tv_drop(tv *v) { tv_unref(*v); *v = tv_undef(); }

@@ -61,6 +61,28 @@ tv tv_ref(tv v) {
     return v;
 }
 
+/* The bytes of the values alive in the render on this thread (strings, the item arrays of lists and dicts):
+ * fp4moe_template_render sets the budget for its render (tv_budget_set), NULL outside renders (the template's
+ * literals, made at compile time, are not counted). A list doubled in a loop fails here with a message instead
+ * of taking the machine's memory (issue: a 2^30-item list reached 18 GB). */
+static _Thread_local tv_budget *cur_budget;
+
+void tv_budget_set(tv_budget *b) { cur_budget = b; }
+
+static int charge(tmpl_err *e, size_t n) {
+    tv_budget *b = cur_budget;
+    if (!b) return 0;
+    if (n > b->limit - b->live || b->live > b->limit)
+        return tmpl_fail(e, FP4MOE_EOVERFLOW, 0, "render limit exceeded: more than %zu bytes of lists, dicts and "
+                         "strings alive at once", b->limit);
+    b->live += n;
+    return 0;
+}
+static void uncharge(size_t n) {
+    tv_budget *b = cur_budget;
+    if (b) b->live = n < b->live ? b->live - n : 0;
+}
+
 void tv_make_static(tv *v) {
     if (v->kind == TV_STR) v->u.s->refs = -1;
 }
@@ -73,11 +95,15 @@ void tv_free_static(tv v) {
 void tv_unref(tv v) {
     switch (v.kind) {
     case TV_STR:
-        if (v.u.s->refs >= 0 && --v.u.s->refs == 0) free(v.u.s);
+        if (v.u.s->refs >= 0 && --v.u.s->refs == 0) {
+            uncharge(sizeof(tv_str) + v.u.s->len + 1);
+            free(v.u.s);
+        }
         break;
     case TV_LIST:
         if (--v.u.l->refs == 0) {
             for (size_t i = 0; i < v.u.l->n; i++) tv_unref(v.u.l->items[i]);
+            uncharge(v.u.l->cap * sizeof(tv));
             free(v.u.l->items);
             free(v.u.l);
         }
@@ -88,6 +114,7 @@ void tv_unref(tv v) {
                 tv_unref(v.u.d->keys[i]);
                 tv_unref(v.u.d->vals[i]);
             }
+            uncharge(2 * v.u.d->cap * sizeof(tv));
             free(v.u.d->keys);
             free(v.u.d->vals);
             free(v.u.d);
@@ -99,8 +126,12 @@ void tv_unref(tv v) {
 
 int tv_str_new(tmpl_err *e, const char *s, size_t n, tv *out) {
     if (n > SIZE_MAX - sizeof(tv_str) - 1) return tmpl_fail(e, FP4MOE_ENOMEM, 0, "string too long");
+    if (charge(e, sizeof(tv_str) + n + 1)) return -1;
     tv_str *p = malloc(sizeof *p + n + 1);
-    if (!p) return tmpl_fail(e, FP4MOE_ENOMEM, 0, "out of memory (string of %zu bytes)", n);
+    if (!p) {
+        uncharge(sizeof(tv_str) + n + 1);
+        return tmpl_fail(e, FP4MOE_ENOMEM, 0, "out of memory (string of %zu bytes)", n);
+    }
     p->refs = 1;
     p->len = n;
     if (n) memcpy(p->data, s, n);
@@ -157,8 +188,13 @@ int tv_list_push(tmpl_err *e, tv_list *l, tv v) {
     if (dv + 1 > l->depth) l->depth = dv + 1;
     if (l->n == l->cap) {
         size_t cap = l->cap ? l->cap * 2 : 8;
-        tv *p = cap < SIZE_MAX / sizeof(tv) ? realloc(l->items, cap * sizeof(tv)) : NULL;
+        if (cap >= SIZE_MAX / sizeof(tv) || charge(e, (cap - l->cap) * sizeof(tv))) {
+            tv_unref(v);
+            return e->status ? -1 : tmpl_fail(e, FP4MOE_ENOMEM, 0, "list of %zu items too long", l->n);
+        }
+        tv *p = realloc(l->items, cap * sizeof(tv));
         if (!p) {
+            uncharge((cap - l->cap) * sizeof(tv));
             tv_unref(v);
             return tmpl_fail(e, FP4MOE_ENOMEM, 0, "out of memory (list of %zu items)", l->n);
         }
@@ -189,11 +225,17 @@ int tv_dict_set(tmpl_err *e, tv_dict *d, tv key, tv val) {
     }
     if (d->n == d->cap) {
         size_t cap = d->cap ? d->cap * 2 : 8;
-        tv *k = cap < SIZE_MAX / sizeof(tv) ? realloc(d->keys, cap * sizeof(tv)) : NULL;
+        if (cap >= SIZE_MAX / sizeof(tv) || charge(e, 2 * (cap - d->cap) * sizeof(tv))) {
+            tv_unref(key);
+            tv_unref(val);
+            return e->status ? -1 : tmpl_fail(e, FP4MOE_ENOMEM, 0, "dict too large");
+        }
+        tv *k = realloc(d->keys, cap * sizeof(tv));
         if (k) d->keys = k;
         tv *v = k ? realloc(d->vals, cap * sizeof(tv)) : NULL;
         if (v) d->vals = v;
         if (!k || !v) {
+            uncharge(2 * (cap - d->cap) * sizeof(tv));
             tv_unref(key);
             tv_unref(val);
             return tmpl_fail(e, FP4MOE_ENOMEM, 0, "out of memory (dict)");

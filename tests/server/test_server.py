@@ -236,6 +236,36 @@ def main():
               rc.usage.prompt_tokens == json.loads(tk)["count"] and rc.choices[0].message.content,
               "continue_final_message: the prompt ends with the assistant's text (%d tokens), the answer goes on: %r" %
               (rc.usage.prompt_tokens, rc.choices[0].message.content))
+        # llama.cpp's POST /apply-template: the prompt a chat request renders, byte for byte what transformers'
+        # apply_chat_template renders with the same template and arguments, and the text /tokenize counts; a null
+        # content is "" (vLLM), so a template adding to it renders; a broken one is a 400 naming the template error
+        from transformers import PreTrainedTokenizerFast
+        hf = PreTrainedTokenizerFast(tokenizer_file=os.path.join(MODEL, "tokenizer.json"))
+        hf.chat_template = open(TEMPLATE, encoding="utf-8").read()
+        tool_msgs = msgs + [{"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{\"x\": 1}"}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "2"}]
+        for what, body in (("plain", dict(messages=msgs)), ("continue", dict(messages=prefill, **shape)),
+                           ("tool calls", dict(messages=tool_msgs, tools=[{"type": "function", "function": {
+                               "name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}}}}]))):
+            st, at = s.raw("POST", "/apply-template", json.dumps(body))
+            st2, tk2 = s.raw("POST", "/tokenize", json.dumps(body))
+            st3, tk3 = s.raw("POST", "/tokenize", json.dumps({"prompt": json.loads(at).get("prompt", "") if st == 200 else "",
+                                                              "add_special_tokens": False}))
+            hmsgs = [dict(m, content="") if m.get("content", "") is None else m for m in body["messages"]]
+            for m in hmsgs:
+                for tc in m.get("tool_calls", []):
+                    tc["function"] = dict(tc["function"], arguments=json.loads(tc["function"]["arguments"]))
+            want = hf.apply_chat_template(hmsgs, tools=body.get("tools"), tokenize=False,
+                                          add_generation_prompt=body.get("add_generation_prompt", True),
+                                          continue_final_message=body.get("continue_final_message", False),
+                                          **body.get("chat_template_kwargs", {}))
+            got = json.loads(at).get("prompt") if st == 200 else at
+            check(st == st2 == st3 == 200 and got == want and json.loads(tk2)["tokens"] == json.loads(tk3)["tokens"],
+                  "/apply-template (%s): transformers' rendering (%d chars), /tokenize of it = of the messages%s" %
+                  (what, len(want), "" if got == want else ": got %r want %r" % (got[-80:], want[-80:])))
+        st, at = s.raw("POST", "/apply-template", '{"messages": "hi"}')
+        check(st == 400 and "messages" in at, "/apply-template without a list of messages: 400 (%d)" % st)
         ng = c.chat.completions.create(model="nemotron-h-tiny-moe", messages=msgs, max_tokens=1, temperature=0,
                                        extra_body={"add_generation_prompt": False})
         yg = c.chat.completions.create(model="nemotron-h-tiny-moe", messages=msgs, max_tokens=1, temperature=0)

@@ -278,6 +278,14 @@ static void test_errors(void **state) {
     expect_error("{# no end", NULL, FP4MOE_EFORMAT, "Missing end of comment tag");
     expect_error("{% break %}", NULL, FP4MOE_EFORMAT, "outside of a for loop");
     expect_error("{% include 'x' %}", NULL, FP4MOE_EFORMAT, "not supported");
+    /* a filter jinja2 has but this engine does not: named when a render reaches it (a branch never taken renders) */
+    expect_error("{{ 'abc' | truncate(2) }}", NULL, FP4MOE_EUNSUPPORTED, "the filter 'truncate' is not supported");
+    expect_render("{% if false %}{{ 'abc' | truncate(2) }}{% endif %}ok", NULL, "ok");
+    /* an unclosed block: the line of its tag (not of the text after it) and every tag that may close it */
+    expect_error("a\n{% if x %}\nb\n{% endfor %}", NULL, FP4MOE_EFORMAT,
+                 "line 4: Encountered unexpected tag 'endfor' (the 'if' block opened on line 2 needs 'elif' or 'else' or 'endif')");
+    expect_error("a\n{% for m in x %}\nb\n", NULL, FP4MOE_EFORMAT,
+                 "the 'for' block opened on line 2 needs 'endfor' or 'else'");
     expect_error("{{ 9223372036854775807 + 1 }}", NULL, FP4MOE_EOVERFLOW, "overflow");
     expect_error("{{ 'x' }}", "[1]", FP4MOE_EINVAL, "JSON object");
 }
@@ -287,7 +295,7 @@ static void test_limits(void **state) {
     /* unbounded macro recursion: a clear error instead of a stack overflow */
     expect_error("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", NULL, FP4MOE_EOVERFLOW, "nested deeper than");
     /* output growing without bound */
-    fp4moe_template_limits lim = {1 << 20, 0, 0};
+    fp4moe_template_limits lim = {1 << 20, 0, 0, 0};
     char *out = NULL;
     int rc = render_str("{% for i in range(100000) %}{{ 'x' * 100 }}{% endfor %}", NULL, &lim, &out);
     assert_int_equal(rc, FP4MOE_EOVERFLOW);
@@ -296,10 +304,27 @@ static void test_limits(void **state) {
     rc = render_str("{{ 'x' * 100000000000 }}", NULL, &lim, &out);
     assert_int_equal(rc, FP4MOE_EOVERFLOW);
     /* too many steps (nested loops) */
-    fp4moe_template_limits steps = {0, 0, 100000};
+    fp4moe_template_limits steps = {0, 0, 100000, 0};
     rc = render_str("{% for i in range(1000) %}{% for j in range(1000) %}{% endfor %}{% endfor %}", NULL, &steps, &out);
     assert_int_equal(rc, FP4MOE_EOVERFLOW);
     assert_non_null(strstr(fp4moe_last_error(), "render limit exceeded"));
+    /* a list doubled in a loop (2^30 items): the live-bytes limit stops it (it once took 18 GB); the default 256 MiB,
+     * and a smaller one given; strings kept in a list count too */
+    const char *dbl = "{% set ns = namespace(l=[1]) %}{% for i in range(30) %}{% set ns.l = ns.l + ns.l %}{% endfor %}"
+                      "{{ ns.l | length }}";
+    rc = render_str(dbl, NULL, NULL, &out);
+    assert_int_equal(rc, FP4MOE_EOVERFLOW);
+    assert_null(out);
+    assert_non_null(strstr(fp4moe_last_error(), "bytes of lists, dicts and strings alive"));
+    fp4moe_template_limits live = {0, 0, 0, 1 << 20};
+    rc = render_str("{% set ns = namespace(l=[]) %}{% for i in range(100) %}{% set ns.l = ns.l + ['x' * 100000] %}"
+                    "{% endfor %}{{ ns.l | length }}", NULL, &live, &out);
+    assert_int_equal(rc, FP4MOE_EOVERFLOW);
+    assert_non_null(strstr(fp4moe_last_error(), "1048576 bytes"));
+    expect_render("{% set ns = namespace(l=[]) %}{% for i in range(5) %}{% set ns.l = ns.l + ['x' * 100000] %}"
+                  "{% endfor %}{{ ns.l | length }}", NULL, "5");
+    /* the limit is per render: later renders start from zero (a value freed lowers the count) */
+    expect_render("{% for i in range(300) %}{% set s = 'y' * 1000000 %}{% endfor %}ok", NULL, "ok");
     /* deep nesting in the parser */
     char deep[4096];
     size_t k = 0;
@@ -429,7 +454,7 @@ static void test_regressions(void **state) {
     if (!d) { printf("no %s\n", REGRESSION_DIR); return; }
     struct dirent *de;
     int n = 0;
-    fp4moe_template_limits lim = {1 << 20, 32, 200000};
+    fp4moe_template_limits lim = {1 << 20, 32, 200000, 0};
     const char *ctx = "{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}], \"tools\": null, \"add_generation_prompt\": true}";
     cJSON *c = cJSON_Parse(ctx);
     while ((de = readdir(d))) {
