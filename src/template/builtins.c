@@ -4,6 +4,7 @@
 #include "template/tmpl.h"
 
 #include <ctype.h>
+#include <errno.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -829,8 +830,12 @@ static int f_int(rctx *r, int line, tv v, const argv_t *a, tv *out) {
     int64_t base = arg_int(arg(a, 1, "base"), 10);
     tv def = d ? *d : tv_int(0);
     if (v.kind == TV_INT || v.kind == TV_BOOL) { *out = tv_int(v.kind == TV_INT ? v.u.i : v.u.b); return 0; }
+    /* Python's int() of a number past 64 bits is a bigint here an overflow error (the header's known difference),
+     * not the default; NaN gives the default (ValueError, as jinja2's do_int) */
     if (v.kind == TV_FLOAT) {
-        if (!isfinite(v.u.f) || fabs(v.u.f) >= 9.2e18) { *out = tv_ref(def); return 0; }
+        if (isnan(v.u.f)) { *out = tv_ref(def); return 0; }
+        if (!(fabs(v.u.f) < 9.2e18))
+            return tmpl_fail(&r->err, FP4MOE_EOVERFLOW, line, "int(%g): integer overflow (integers are 64-bit here)", v.u.f);
         *out = tv_int((int64_t)v.u.f);
         return 0;
     }
@@ -839,12 +844,26 @@ static int f_int(rctx *r, int line, tv v, const argv_t *a, tv *out) {
         const char *s = v.u.s->data;
         while (isspace((unsigned char)*s)) s++;
         if (*s && base >= 2 && base <= 36) {
+            errno = 0;
             long long x = strtoll(s, &end, (int)base);
+            const int range = errno == ERANGE;
             while (isspace((unsigned char)*end)) end++;
-            if (*end == '\0' && end != s) { *out = tv_int(x); return 0; }
+            if (*end == '\0' && end != s) {
+                if (range)
+                    return tmpl_fail(&r->err, FP4MOE_EOVERFLOW, line, "int('%.40s'): integer overflow (integers are 64-bit "
+                                     "here)", v.u.s->data);
+                *out = tv_int(x);
+                return 0;
+            }
             double f = strtod(s, &end);
             while (isspace((unsigned char)*end)) end++;
-            if (*end == '\0' && end != s && isfinite(f) && fabs(f) < 9.2e18) { *out = tv_int((int64_t)f); return 0; }
+            if (*end == '\0' && end != s && !isnan(f)) {
+                if (!(fabs(f) < 9.2e18))
+                    return tmpl_fail(&r->err, FP4MOE_EOVERFLOW, line, "int('%.40s'): integer overflow (integers are 64-bit "
+                                     "here)", v.u.s->data);
+                *out = tv_int((int64_t)f);
+                return 0;
+            }
         }
     }
     *out = tv_ref(def);

@@ -484,11 +484,43 @@ static int call_macro(rctx *r, int line, const tnode *m, const argv_t *a, tv *ou
     frame_scope(&fr, m->b);
     size_t npos = 0;
     for (size_t i = 0; i < a->n; i++) if (!a->names[i]) npos++;
-    if (npos > m->list.n) {
+    const int va = m->op & 1, kw = m->op & 2; /* the body reads varargs / kwargs (p_macro) */
+    if (npos > m->list.n && !va) {
         tv_unref(fr.vars);
         return tmpl_fail(&r->err, FP4MOE_EFORMAT, line, "macro '%s' takes not more than %zu argument(s)", m->name, m->list.n);
     }
+    for (size_t i = 0; i < a->n; i++) /* a keyword for a parameter given by position */
+        for (size_t p = 0; a->names[i] && p < npos && p < m->list.n; p++)
+            if (!strcmp(a->names[i], m->list.v[p]->name)) {
+                tv_unref(fr.vars);
+                return tmpl_fail(&r->err, FP4MOE_EFORMAT, line, "macro '%s' got multiple values for argument '%s'", m->name,
+                                 a->names[i]);
+            }
     int rc = 0;
+    if (va) { /* the positional arguments past the parameters, a tuple */
+        tv l;
+        rc = tv_list_new(&r->err, &l);
+        if (!rc) {
+            l.u.l->is_tuple = 1;
+            for (size_t p = m->list.n; p < npos && !rc; p++) rc = tv_list_push(&r->err, l.u.l, tv_ref(a->v[p]));
+            if (rc) tv_unref(l);
+            else rc = set_var(r, &fr, "varargs", l);
+        }
+    }
+    if (kw && !rc) { /* the keyword arguments that name no parameter, a dict */
+        tv d = tv_undef();
+        rc = tv_dict_new(&r->err, &d);
+        for (size_t i = 0; i < a->n && !rc; i++) {
+            if (!a->names[i]) continue;
+            int par = 0;
+            for (size_t p = 0; p < m->list.n; p++) par |= !strcmp(a->names[i], m->list.v[p]->name);
+            tv k;
+            if (!par && !(rc = tv_str_new(&r->err, a->names[i], strlen(a->names[i]), &k)))
+                rc = tv_dict_set(&r->err, d.u.d, k, tv_ref(a->v[i]));
+        }
+        if (!rc) rc = set_var(r, &fr, "kwargs", d);
+        else if (d.kind == TV_DICT) tv_unref(d);
+    }
     for (size_t p = 0; p < m->list.n && !rc; p++) {
         const tnode *par = m->list.v[p];
         tv val = tv_undef();
@@ -499,7 +531,7 @@ static int call_macro(rctx *r, int line, const tnode *m, const argv_t *a, tv *ou
         if (!have && par->a && eval(r, &fr, par->a, &val)) { rc = -1; break; }
         rc = set_var(r, &fr, par->name, val);
     }
-    for (size_t i = 0; i < a->n && !rc; i++) {
+    for (size_t i = 0; i < a->n && !rc && !kw; i++) {
         if (!a->names[i]) continue;
         int ok = 0;
         for (size_t p = 0; p < m->list.n; p++) ok |= !strcmp(a->names[i], m->list.v[p]->name);

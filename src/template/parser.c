@@ -771,6 +771,17 @@ static tnode *p_set(parser *P, int line) {
     return n;
 }
 
+/* Does the tree n read the name nm (not counting the bodies of macros defined inside it)? */
+static int refs_name(const tnode *n, const char *nm) {
+    if (!n) return 0;
+    if (n->kind == N_NAME && n->name && !strcmp(n->name, nm)) return 1;
+    if (n->kind == N_MACRO) return 0;
+    if (refs_name(n->a, nm) || refs_name(n->b, nm) || refs_name(n->c, nm) || refs_name(n->d, nm)) return 1;
+    for (size_t i = 0; i < n->list.n; i++) if (refs_name(n->list.v[i], nm)) return 1;
+    for (size_t i = 0; i < n->list2.n; i++) if (refs_name(n->list2.v[i], nm)) return 1;
+    return 0;
+}
+
 static tnode *p_macro(parser *P, int line) {
     static const char *const ends[] = {"endmacro", NULL};
     const char *which;
@@ -812,6 +823,8 @@ static tnode *p_macro(parser *P, int line) {
     P->loops = loops;
     if (rc) goto fail;
     n->b = body;
+    /* jinja2: a macro whose body reads varargs / kwargs takes extra positional / keyword arguments into them */
+    n->op = (refs_name(body, "varargs") ? 1 : 0) | (refs_name(body, "kwargs") ? 2 : 0);
     adv(P);
     if (block_end(P)) goto fail;
     return n;

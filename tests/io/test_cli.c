@@ -1293,6 +1293,11 @@ static void test_chat(void **state) {
     g_stdin_path = in;
     EXPECT_RC(1, "chat", "-m", "models/nemotron-h-tiny-moe", "--chat-template", bad);
     expect_in(g_err, "bad.jinja: template line 1");
+    /* a template file that is not UTF-8 (Latin-1 'e' acute): refused with the byte, as transformers cannot decode it */
+    io_write_bytes(bad, "{{ 'caf\xe9' }}", 11);
+    g_stdin_path = in;
+    EXPECT_RC(1, "chat", "-m", "models/nemotron-h-tiny-moe", "--chat-template", bad);
+    expect_in(g_err, "is not UTF-8 text (an invalid byte 0xE9 at byte 7)");
     g_stdin_path = in;
     EXPECT_RC(1, "chat", "-m", "models/nemotron-h-tiny-moe");
     expect_in(g_err, "no chat template");

@@ -281,6 +281,22 @@ static void test_errors(void **state) {
     /* a filter jinja2 has but this engine does not: named when a render reaches it (a branch never taken renders) */
     expect_error("{{ 'abc' | truncate(2) }}", NULL, FP4MOE_EUNSUPPORTED, "the filter 'truncate' is not supported");
     expect_render("{% if false %}{{ 'abc' | truncate(2) }}{% endif %}ok", NULL, "ok");
+    /* int() past 64 bits: an overflow error, not the default (Python makes a bigint) */
+    expect_error("{{ 1e20 | int }}", NULL, FP4MOE_EOVERFLOW, "integer overflow");
+    expect_error("{{ '99999999999999999999' | int }}", NULL, FP4MOE_EOVERFLOW, "integer overflow");
+    expect_error("{{ '1e20' | int }}", NULL, FP4MOE_EOVERFLOW, "integer overflow");
+    expect_render("{{ 'nan' | float | int }}|{{ 'x' | int(7) }}|{{ '-12' | int }}|{{ 2.9 | int }}", NULL, "0|7|-12|2");
+    /* macros reading varargs / kwargs take extra arguments into them (jinja2); others refuse them; a parameter given
+     * twice is an error */
+    expect_render("{% macro m(a) %}{{ a }}|{{ varargs }}|{{ kwargs }}{% endmacro %}{{ m(1, 2, 3, z=4) }}", NULL,
+                  "1|(2, 3)|{'z': 4}");
+    expect_render("{% macro m(a) %}{{ varargs | length }}{{ kwargs }}{% endmacro %}{{ m(1) }}", NULL, "0{}");
+    expect_render("{% macro m(a) %}{{ varargs }}{% endmacro %}{{ m(1, 2) }}", NULL, "(2,)");
+    expect_error("{% macro m(a) %}{{ a }}{% endmacro %}{{ m(1, 2) }}", NULL, FP4MOE_EFORMAT, "takes not more than 1");
+    expect_error("{% macro m(a) %}{{ varargs }}{% endmacro %}{{ m(1, z=2) }}", NULL, FP4MOE_EFORMAT,
+                 "takes no keyword argument 'z'");
+    expect_error("{% macro m(a) %}{{ a }}{% endmacro %}{{ m(1, a=2) }}", NULL, FP4MOE_EFORMAT,
+                 "got multiple values for argument 'a'");
     /* an unclosed block: the line of its tag (not of the text after it) and every tag that may close it */
     expect_error("a\n{% if x %}\nb\n{% endfor %}", NULL, FP4MOE_EFORMAT,
                  "line 4: Encountered unexpected tag 'endfor' (the 'if' block opened on line 2 needs 'elif' or 'else' or 'endif')");
