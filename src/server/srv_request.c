@@ -856,44 +856,56 @@ static int parse_tool_choice2(const srv_parse_ctx *c, const cJSON *tc, const cJS
     return 0;
 }
 
-/* continue_final_message: the rendered chat `text` (*len bytes) cut after the last message's content (its text, or
- * the last text part of a list), as transformers' apply_chat_template does: after its last occurrence, keeping the
- * message's trailing white space where the template kept it. 0, or -1 (e: 400) when the content is not found. */
-static int open_final_message(const cJSON *m, char *text, size_t *len, srv_error *e) {
+/* continue_final_message, as transformers 5's render_jinja_template (utils/chat_template_utils.py) does it: the final
+ * message's content gets CONT_TAG appended before the render (tag_final_message), and the rendered chat is cut at the
+ * tag's last occurrence (cut_at_tag) - where the template kept the space after it, exactly there, else with the
+ * white space before it stripped (the template trimmed the message). An empty content works too (the cut falls
+ * where its text would be). */
+#define CONT_TAG "CONTINUE_FINAL_MESSAGE_TAG "
+
+/* m's content (a string: clean_message joined text parts) + CONT_TAG; *orig: the content before (malloc'd) */
+static int tag_final_message(cJSON *m, char **orig, srv_error *e) {
+    *orig = NULL;
     const cJSON *ct = cJSON_GetObjectItemCaseSensitive(m, "content");
-    const char *fin = cJSON_IsString(ct) ? ct->valuestring : NULL;
-    if (cJSON_IsArray(ct))
-        for (const cJSON *part = ct->child; part; part = part->next) {
-            const cJSON *tx = cJSON_GetObjectItemCaseSensitive(part, "text");
-            if (cJSON_IsString(tx)) fin = tx->valuestring;
-        }
-    const char *lead = fin; /* fin stripped of white space at both ends: [lead, lead + sn) */
-    while (lead && *lead && isspace((unsigned char)*lead)) lead++;
-    size_t sn = lead ? strlen(lead) : 0;
-    const size_t ln = sn;
-    while (sn > 0 && isspace((unsigned char)lead[sn - 1])) sn--;
-    if (!sn)
-        return srv_fail(e, 400, "continue_final_message", "continue_final_message: the final message has no text "
-                        "content to continue");
-    /* the last occurrence: the first one in the reversed texts (memmem's two-way search: linear, whatever the
-     * request holds, where a loop of memcmp's would be quadratic on a long repetitive message) */
-    char *rt = malloc(*len + 1), *rm = malloc(sn + 1);
-    if (!rt || !rm) {
-        free(rt);
-        free(rm);
+    if (!cJSON_IsString(ct))
+        return srv_fail(e, 400, "continue_final_message", "continue_final_message is set but the final message has no "
+                        "\"content\" to continue");
+    const size_t n = strlen(ct->valuestring);
+    char *t = malloc(n + sizeof CONT_TAG);
+    *orig = strdup(ct->valuestring);
+    cJSON *ns = NULL;
+    if (t && *orig) {
+        memcpy(t, ct->valuestring, n);
+        memcpy(t + n, CONT_TAG, sizeof CONT_TAG);
+        ns = cJSON_CreateString(t);
+    }
+    free(t);
+    if (!ns || !cJSON_ReplaceItemInObjectCaseSensitive(m, "content", ns)) {
+        cJSON_Delete(ns);
+        free(*orig);
+        *orig = NULL;
         return srv_fail(e, 500, NULL, "out of memory");
     }
-    for (size_t k = 0; k < *len; k++) rt[k] = text[*len - 1 - k];
-    for (size_t k = 0; k < sn; k++) rm[k] = lead[sn - 1 - k];
-    const char *hit = memmem(rt, *len, rm, sn);
-    const char *at = hit ? text + (*len - (size_t)(hit - rt) - sn) : NULL;
-    free(rt);
-    free(rm);
-    if (!at)
+    return 0;
+}
+
+/* The rendered chat `text` (*len bytes) cut at the tag; orig: the final message's content without it. 0, or -1
+ * (e: 400) when the template dropped the message or the tag. */
+static int cut_at_tag(const char *orig, char *text, size_t *len, srv_error *e) {
+    static const char tag[] = "CONTINUE_FINAL_MESSAGE_TAG"; /* CONT_TAG stripped */
+    const size_t tn = sizeof tag - 1;
+    const char *lead = orig; /* orig stripped: [lead, lead + sn) */
+    while (*lead && isspace((unsigned char)*lead)) lead++;
+    size_t sn = strlen(lead);
+    while (sn > 0 && isspace((unsigned char)lead[sn - 1])) sn--;
+    const char *at = NULL; /* the tag's last occurrence (memmem is linear; its hits do not overlap) */
+    for (const char *p = text; (p = memmem(p, *len - (size_t)(p - text), tag, tn)); p += tn) at = p;
+    if (!at || (sn && !memmem(text, *len, lead, sn)))
         return srv_fail(e, 400, "continue_final_message", "continue_final_message is set but the final message does "
                         "not appear in the chat after applying the chat template");
-    /* the message kept whole when it has no leading white space and the template kept its trailing white space */
-    const size_t keep = (size_t)(at - text) + (lead == fin && (size_t)(at - text) + ln <= *len && !memcmp(at, lead, ln) ? ln : sn);
+    size_t keep = (size_t)(at - text);
+    if (!((size_t)(at - text) + sizeof CONT_TAG - 1 <= *len && !memcmp(at, CONT_TAG, sizeof CONT_TAG - 1)))
+        while (keep > 0 && isspace((unsigned char)text[keep - 1])) keep--; /* Python's str.rstrip */
     *len = keep;
     text[keep] = 0;
     return 0;
@@ -962,10 +974,16 @@ static int parse_chat(const srv_parse_ctx *c, const cJSON *o, srv_request *r, sr
     }
     char *text = NULL, *hist = NULL;
     size_t len = 0, hlen = 0;
-    if (render(c, ctx, gen, &text, &len, e) || (cont && open_final_message(cJSON_GetArrayItem(list, idx - 1), text, &len, e)) ||
-        encode(c, text, len, 0, &r->ids, &r->n_ids, "messages", e)) {
+    cJSON *fin = cont ? cJSON_GetArrayItem(list, idx - 1) : NULL;
+    char *orig = NULL;
+    if ((fin && tag_final_message(fin, &orig, e)) || render(c, ctx, gen, &text, &len, e) ||
+        (fin && cut_at_tag(orig, text, &len, e)) || encode(c, text, len, 0, &r->ids, &r->n_ids, "messages", e)) {
         rc = -1;
     } else {
+        if (fin) { /* the history below without the tag */
+            cJSON *os = cJSON_CreateString(orig);
+            if (!os || !cJSON_ReplaceItemInObjectCaseSensitive(fin, "content", os)) cJSON_Delete(os);
+        }
         /* does the output start inside <think>? (the last <think> of the prompt is not closed) */
         const char *open = NULL, *close = NULL;
         for (const char *p = text; (p = strstr(p, "<think>")); p++) open = p;
@@ -983,6 +1001,7 @@ static int parse_chat(const srv_parse_ctx *c, const cJSON *o, srv_request *r, sr
         r->chat_text_len = len;
         text = NULL;
     }
+    free(orig);
     free(text);
     free(hist);
     cJSON_Delete(ctx);

@@ -245,7 +245,10 @@ def main():
         tool_msgs = msgs + [{"role": "assistant", "content": None, "tool_calls": [
             {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{\"x\": 1}"}}]},
             {"role": "tool", "tool_call_id": "c1", "content": "2"}]
+        empty = dict(messages=msgs + [{"role": "assistant", "content": ""}], continue_final_message=True,
+                     add_generation_prompt=False)
         for what, body in (("plain", dict(messages=msgs)), ("continue", dict(messages=prefill, **shape)),
+                           ("continue an empty message", empty),
                            ("tool calls", dict(messages=tool_msgs, tools=[{"type": "function", "function": {
                                "name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}}}}]))):
             st, at = s.raw("POST", "/apply-template", json.dumps(body))

@@ -752,11 +752,27 @@ static void test_prompt_shaping(void **state) {
         if (parse(SRV_CHAT, body, &b, &e) != -1 || e.http != 400 || strcmp(e.param, bad[i].param))
             fail_msg("case %zu: %s -> http %d param '%s'", i, body, e.http, e.param);
     }
-    /* the final message's text not in the render (a template that drops it): 400 */
+    /* a final message of white space only: transformers 5 renders it (the cut at its tag; tests/server/test_server.py
+     * compares such texts with transformers'); the tag never reaches the prompt; a final message without content is
+     * a 400 */
     snprintf(body, sizeof body, "{\"messages\": [{\"role\": \"user\", \"content\": \"   \"}], \"continue_final_message\": "
              "true, \"add_generation_prompt\": false}");
+    assert_int_equal(parse(SRV_CHAT, body, &b, &e), 0);
+    assert_int_equal(fp4moe_tokenizer_decode(g_tok, b.ids, b.n_ids, 0, &text, &tl), FP4MOE_OK);
+    /* this template keeps the message's text as it is: the cut right after the three spaces */
+    if (strstr(text, "CONTINUE") || tl < 8 || memcmp(text + tl - 8, "user\n   ", 8))
+        fail_msg("white-space message continued: [%s]", text);
+    free(text);
+    srv_request_free(&b);
+    snprintf(body, sizeof body, "{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}, {\"role\": \"assistant\", "
+             "\"content\": null, \"tool_calls\": []}], \"continue_final_message\": true, \"add_generation_prompt\": false}");
+    assert_int_equal(parse(SRV_CHAT, body, &b, &e), 0); /* content null is "" (vLLM): continued at its start */
+    srv_request_free(&b);
+    snprintf(body, sizeof body, "{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}, {\"role\": \"assistant\", "
+             "\"tool_calls\": []}], \"continue_final_message\": true, \"add_generation_prompt\": false}");
     assert_int_equal(parse(SRV_CHAT, body, &b, &e), -1);
     assert_string_equal(e.param, "continue_final_message");
+    assert_non_null(strstr(e.message, "no \"content\" to continue"));
     /* truncate_prompt_tokens: the last k ids of each prompt; -1: at most the context */
     assert_int_equal(parse(SRV_COMPLETION, "{\"prompt\": [[5, 6, 7, 8, 9], [10, 11]], \"truncate_prompt_tokens\": 3}", &t,
                            &e), 0);
