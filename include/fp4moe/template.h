@@ -9,7 +9,8 @@
  * Supported: text / {{ }} / {% %} / {# #}, whitespace control (-, +), {% raw %}; if/elif/else,
  * for (with `if` filter, else, tuple unpacking, loop.index/index0/revindex/revindex0/first/last/
  * length/previtem/nextitem/cycle), set (name, ns.attr, tuples, block set with filters), macro
- * (positional / keyword arguments, defaults), filter blocks, break/continue; literals (strings with
+ * (positional / keyword arguments, defaults, varargs / kwargs when the body reads them), filter blocks,
+ * break/continue; literals (strings with
  * Python escapes, ints, floats, lists, tuples, dicts, true/false/none in both cases); operators with
  * Jinja's precedence: if-else, or, and, not, == != < <= > >= in not-in (chained), + -, ~, * / // %,
  * ** (left-assoc as in Jinja), unary - +, filters | and tests `is [not]` binding tightest; slicing
@@ -18,7 +19,9 @@
  * count, join, is*), dict methods (items, keys, values, get).
  *
  * Not supported (an error names them): include/import/extends/block/call/with, recursive loops,
- * printf-style '%' on strings, str.format, filters batch/slice/format/truncate/wordwrap/groupby/...
+ * printf-style '%' on strings, str.format, filters batch/slice/format/truncate/wordwrap/groupby/... (named
+ * when a render reaches them, so that a template holding one in a branch never taken still renders),
+ * loop.changed, the cycler / joiner globals.
  * Known differences from CPython: integers are 64-bit (overflow is an error, not a bigint); JSON
  * numbers with an integral value become ints (cJSON does not keep "1.0" apart from "1"), so
  * tojson prints 1 where Python would print 1.0; upper/lower/title/capitalize know the cases of
