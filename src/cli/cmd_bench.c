@@ -816,6 +816,11 @@ int cmd_bench(int argc, char **argv) {
     if (a.gpus > 1 && a.ep_ranks > 1) return cli_usage_error(CMD, "give one of --gpus and --ep-ranks");
     if (a.prompt_tokens < 1 || a.gen_tokens < 1 || a.repeats < 1)
         return cli_usage_error(CMD, "--prompt-tokens, --gen-tokens and --repeats must be >= 1");
+    /* a bound far past any model's context (262,144 for Nemotron-3-Nano), before anything is allocated: 2^31 prompt
+     * tokens once ran to 4.4 GB of memory before any message (a long-context user's trial) */
+    if (a.prompt_tokens > ((int64_t)1 << 24) - a.gen_tokens)
+        return cli_usage_error(CMD, "--prompt-tokens %lld + --gen-tokens %lld: at most 16777216 tokens a sequence",
+                               (long long)a.prompt_tokens, (long long)a.gen_tokens);
     if (!(a.floor_bw >= 0.0)) return cli_usage_error(CMD, "--floor-bw must be > 0 (0: the default)");
     if ((rc = cli_set_threads(CMD, a.threads))) return rc;
     if ((rc = cli_require_model_dir(CMD, a.model))) return rc;

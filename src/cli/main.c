@@ -4,6 +4,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/lsan_interface.h>
+#endif
 
 #include "cli/cli_util.h"
 #include "cli/commands.h"
@@ -38,6 +42,19 @@ static void usage(FILE *out) {
     for (int i = 0; i < N_COMMANDS; i++) fprintf(out, "  %-14s %s\n", k_commands[i].name, k_commands[i].summary);
 }
 
+/* A failed command ends here without the libraries' exit handlers: after an allocation failure an OpenBLAS worker
+ * thread may retry its own buffer forever, and OpenBLAS's exit handler waits to join it (a long-context user's
+ * trial: "out of memory" printed, then a hang until killed). stdout / stderr are flushed first; builds with
+ * AddressSanitizer still run the leak check. */
+static void failed_exit(int rc) {
+    fflush(stdout);
+    fflush(stderr);
+#if defined(__SANITIZE_ADDRESS__)
+    __lsan_do_leak_check();
+#endif
+    _exit(rc);
+}
+
 int main(int argc, char **argv) {
     if (argc < 2) {
         usage(stderr);
@@ -67,6 +84,7 @@ int main(int argc, char **argv) {
                     errno ? strerror(errno) : "write error");
             return rc ? rc : FP4MOE_EXIT_FAIL;
         }
+        if (rc) failed_exit(rc);
         return rc;
     }
     fprintf(stderr, "fp4moe: unknown command '%s'\n\n", cmd);

@@ -544,15 +544,17 @@ static const char *const k_finish_name[] = {"stop", "length"};
 /* One line per finished request on stderr (option log), as llama-server prints its timings. */
 static void log_job(const srv_engine *e, const srv_job *j, int http, const char *finish) {
     if (!e->o.log) return;
-    const double now = now_s(), ttft = j->n_gen ? j->t_first - j->t_submit : now - j->t_submit;
+    const double now = now_s();
+    char ttft[32] = "-"; /* no token: no time to the first one (a cancelled or failed request) */
+    if (j->n_gen) snprintf(ttft, sizeof ttft, "%.1f ms", 1e3 * (j->t_first - j->t_submit));
     const double dec = j->n_gen > 1 ? (double)(j->n_gen - 1) / (j->t_last - j->t_first) : 0.0;
     char rank[48] = "";
     if (e->n_ranks > 1 && j->rk) snprintf(rank, sizeof rank, " rank %d", j->rk->rank);
     if (j->grp != j) snprintf(rank + strlen(rank), sizeof rank - strlen(rank), " choice %d", j->index);
-    fprintf(stderr, "serve: %s %d%s prompt %lld (cached %lld) output %lld (%s) queue %.1f ms ttft %.1f ms "
+    fprintf(stderr, "serve: %s %d%s prompt %lld (cached %lld) output %lld (%s) queue %.1f ms ttft %s "
             "decode %.1f tok/s total %.1f ms (prefill steps %d, restore %.1f ms, snapshot %.1f ms)\n", j->id, http, rank,
             (long long)j->r.n_ids, (long long)j->cached, (long long)j->n_gen, finish,
-            1e3 * ((j->t_admit > 0 ? j->t_admit : now) - j->t_submit), 1e3 * ttft, dec, 1e3 * (now - j->t_submit),
+            1e3 * ((j->t_admit > 0 ? j->t_admit : now) - j->t_submit), ttft, dec, 1e3 * (now - j->t_submit),
             j->n_steps_prefill, j->ms_restore, j->ms_snapshot);
 }
 

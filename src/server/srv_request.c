@@ -147,9 +147,16 @@ static int get_int(const cJSON *o, const char *name, int64_t lo, int64_t hi, int
     if (!v) return 0;
     const double d = cJSON_IsNumber(v) ? v->valuedouble + 0.0 : NAN; /* + 0.0: -0 is 0 */
     if (!(d == floor(d))) return srv_fail(e, 400, name, "'%s' must be an integer", name);
-    if (!(d >= -9.2e18 && d <= 9.2e18))
+    if (!(d >= -9.2e18 && d <= 9.2e18)) {
+        /* 2^63 - 1 arrives as 2^63 (cJSON keeps numbers as doubles; so do 2^63 - 512 .. 2^63 + 1024): the
+         * documented top of an int64 range, not an error whose message names a number past it */
+        if (d == 0x1p63 && hi == INT64_MAX) {
+            *out = hi;
+            return 1;
+        }
         return srv_fail(e, 400, name, "'%s' is %.0f; it must be in [%lld, %lld]", name, d, (long long)lo,
                         (long long)hi);
+    }
     if (d < (double)lo || d > (double)hi)
         return srv_fail(e, 400, name, "'%s' is %.0f; it must be in [%lld, %lld]", name, d, (long long)lo,
                         (long long)hi);
@@ -540,7 +547,8 @@ static int check_length(const srv_parse_ctx *c, srv_request *r, int has_max, srv
         return srv_fail(e, 400, has_max == 2 ? "max_completion_tokens" : "max_tokens",
                         "This model's maximum context length is %lld tokens. However, you requested %lld tokens "
                         "(%lld in the prompt, %lld for the completion).", (long long)c->context,
-                        (long long)(longest + r->max_tokens), (long long)longest, (long long)r->max_tokens);
+                        (long long)(r->max_tokens > INT64_MAX - longest ? INT64_MAX : longest + r->max_tokens),
+                        (long long)longest, (long long)r->max_tokens);
     }
     r->sp.repeat_last_n = r->n_ids + r->max_tokens; /* vLLM's repetition_penalty: every prompt and output token */
     return 0;

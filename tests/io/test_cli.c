@@ -1645,6 +1645,11 @@ static void test_bench_ep_ranks(void **state) {
     EXPECT_RC(2, "bench", "-m", M, "--device", "cpu", "--batch", "2", "--gpus", "2");
     expect_in(g_err, "--gpus needs --device cuda");
     EXPECT_RC(2, "bench", "-m", M, "--device", "cpu", "--batch", "2", "--ep-ranks", "65");
+    /* a sequence past any context: refused before anything is allocated */
+    EXPECT_RC(2, "bench", "-m", M, "--device", "cpu", "--prompt-tokens", "2147483648", "--gen-tokens", "4");
+    expect_in(g_err, "at most 16777216 tokens a sequence");
+    EXPECT_RC(2, "bench", "-m", M, "--device", "cpu", "--prompt-tokens", "16", "--gen-tokens", "9223372036854775807");
+    expect_in(g_err, "at most 16777216 tokens a sequence");
     EXPECT_RC(2, "bench", "-m", M, "--device", "cpu", "--batch", "2", "--ep-ranks", "2", "--gpus", "2");
     /* serve's (its requests run in tests/server/test_server.py) */
     EXPECT_RC(2, "serve", "-m", M, "--device", "cpu", "--gpus", "2");

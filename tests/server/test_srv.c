@@ -241,6 +241,9 @@ static void test_request_errors(void **state) {
         {SRV_COMPLETION, "{\"prompt\": \"x\", \"top_k\": 2.5}", 400, "top_k"},
         {SRV_COMPLETION, "{\"prompt\": \"x\", \"min_p\": 2}", 400, "min_p"},
         {SRV_COMPLETION, "{\"prompt\": \"x\", \"seed\": 1e30}", 400, "seed"},
+        /* 2^63 - 1 (arrives as the double 2^63): the top of the range, here past the context */
+        {SRV_COMPLETION, "{\"prompt\": \"x\", \"max_tokens\": 9223372036854775807}", 400, "max_tokens"},
+        {SRV_COMPLETION, "{\"prompt\": \"x\", \"max_tokens\": 1e19}", 400, "max_tokens"},
         {SRV_COMPLETION, "{\"prompt\": \"x\", \"max_tokens\": 0}", 400, "max_tokens"},
         {SRV_COMPLETION, "{\"prompt\": \"x\", \"max_tokens\": 512}", 400, "max_tokens"},
         {SRV_COMPLETION, "{\"prompt\": \"x\", \"max_completion_tokens\": \"5\"}", 400, "max_completion_tokens"},
