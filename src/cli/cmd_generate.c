@@ -288,6 +288,8 @@ struct gen_state {
     int32_t *prompt;
     int64_t T;
     int64_t ctx;                    /* context limit in tokens, 0: none */
+    int64_t piece;                  /* prefill by calls of this many tokens with a progress line (0: one call; EP
+                                       runs, whose followers mirror rank 0's calls) */
     float *logits;
     int json;                       /* --json: collect instead of streaming */
     const char *cpu_act;            /* the CPU activation mode in force (for --json) */
@@ -374,7 +376,25 @@ static int run_generation(const gen_args *a, gen_state *g, const volatile sig_at
     const int32_t eos = g->tok ? fp4moe_tokenizer_eos_id(g->tok) : (int32_t)c->eos_id;
     for (int64_t i = 0; i < g->T; i++) fp4moe_sampler_accept(&g->smp, g->prompt[i]);
     double t0 = cli_now();
-    int st = fp4moe_session_forward(g->s, g->prompt, g->T, g->logits, 0);
+    int st = FP4MOE_OK;
+    if (g->piece > 0 && g->T > g->piece) {
+        /* a long prompt: calls of whole session chunks (the session cuts the same chunks either way: the same
+         * results), a percentage on stderr after the first second (cli_progress: redrawn on a terminal, a line
+         * every 10 s otherwise) */
+        cli_progress bar;
+        cli_progress_start(&bar, "generate: prefill", g->T);
+        bar.quiet = g->json;
+        for (int64_t i = 0; i < g->T && !st; i += g->piece) {
+            const int64_t n = g->T - i < g->piece ? g->T - i : g->piece;
+            st = fp4moe_session_forward(g->s, g->prompt + i, n, i + n == g->T ? g->logits : NULL, 0);
+            char item[64];
+            snprintf(item, sizeof item, "%lld / %lld tokens", (long long)(i + n), (long long)g->T);
+            cli_progress_update(&bar, i + n, item);
+        }
+        if (bar.shown && bar.tty) fprintf(stderr, "\r\033[K"); /* (the speed line below says the rest) */
+    } else {
+        st = fp4moe_session_forward(g->s, g->prompt, g->T, g->logits, 0);
+    }
     if (!st && cli_bad_logits(g->logits, c->vocab)) st = fp4moe_set_error(FP4MOE_EFORMAT, CLI_BAD_LOGITS);
     const double t_prefill = cli_now() - t0;
     const int prefilled = !st; /* (Ctrl-C during the prefill: no prefill speed) */
@@ -620,6 +640,8 @@ static int generate(const gen_args *a) {
     if (dev == FP4MOE_DEVICE_CUDA) so.max_chunk = CLI_CUDA_CHUNK;
     if (a->chunk > 0) so.max_chunk = a->chunk;
     const int64_t V = fp4moe_model_config(g.m)->vocab;
+    /* prefill pieces of whole session chunks, >= 4,096 tokens (the progress of a long prompt); not for EP runs */
+    g.piece = a->gpus > 1 || a->ep_ranks > 1 || so.max_chunk <= 0 ? 0 : so.max_chunk * (4096 / so.max_chunk > 1 ? 4096 / so.max_chunk : 1);
     /* expert parallelism: the followers first (each loads its share), then rank 0's session */
     const int nccl = a->gpus > 1, W = (int)(nccl ? a->gpus : a->ep_ranks);
     fp4moe_ep_group *grp = NULL;

@@ -1029,6 +1029,34 @@ static void test_generate_inputs_and_context(void **state) {
     EXPECT_RC(2, "generate", "-m", M, "-p", P, "-f", path);
     EXPECT_RC(2, "generate", "-m", M, "-p", P, "--seed", "-1");
     EXPECT_RC(2, "generate", "-m", M, "-p", P, "--chunk", "-3");
+    /* a prompt over 4,096 tokens is prefilled by calls of whole session chunks (with a progress line): the same
+     * greedy ids as one call (--chunk 4400: no split) */
+    {
+        char lp[512];
+        snprintf(lp, sizeof lp, "%s", io_path("long-prompt.txt"));
+        size_t pl = strlen(P) + 1, nrep = 720; /* 6 tokens each */
+        char *lt = malloc(pl * nrep + 1);
+        for (size_t i = 0; i < nrep; i++) {
+            memcpy(lt + i * pl, P, pl - 1);
+            lt[i * pl + pl - 1] = ' ';
+        }
+        io_write_bytes(lp, lt, pl * nrep);
+        free(lt);
+        static char one[sizeof g_out];
+        EXPECT_RC(0, "generate", "-m", M, "-f", lp, "-n", "3", "--ctx", "4400", "--chunk", "4400", "--json");
+        memcpy(one, g_out, sizeof one);
+        cJSON *a1 = cJSON_Parse(one);
+        assert_non_null(a1);
+        assert_true(cJSON_GetObjectItem(a1, "prompt_tokens")->valuedouble > 4160);
+        EXPECT_RC(0, "generate", "-m", M, "-f", lp, "-n", "3", "--ctx", "4400", "--chunk", "64", "--json");
+        cJSON *a2 = cJSON_Parse(g_out);
+        assert_non_null(a2);
+        char *i1 = cJSON_PrintUnformatted(cJSON_GetObjectItem(a1, "ids")), *i2 = cJSON_PrintUnformatted(cJSON_GetObjectItem(a2, "ids"));
+        assert_string_equal(i1, i2);
+        free(i1); free(i2);
+        cJSON_Delete(a1);
+        cJSON_Delete(a2);
+    }
     /* --stop: the text up to the stop string, which is not printed; finish_reason "stop" */
     EXPECT_RC(0, "generate", "-m", M, "-p", P, "-n", "8", "--stop", "girl", "--stop", "never-there", "--json");
     j = cJSON_Parse(g_out);
