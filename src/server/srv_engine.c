@@ -1243,6 +1243,14 @@ static void step_once(srv_rank *rk, uint64_t events) {
     for (int64_t k = 0; k < n_items; k++) {
         srv_job *j = rk->item_job[k];
         fp4moe_batch_item *it = &rk->items[k];
+        if (!st && it->status == FP4MOE_EOVERFLOW && j->phase == PH_DECODE && j->n_gen > 0) {
+            /* a fixed KV pool (--kv-cache-tokens) ran out while this request decoded: its answer so far, finish_reason
+             * "length" (as at the context limit), not a 503 that throws the generated text away (a long-context
+             * user's trial) */
+            if (e->o.log) fprintf(stderr, "serve: %s: %s: the answer ends here (finish_reason length)\n", j->id, it->error);
+            finish_ok(e, j, 1);
+            continue;
+        }
         if (st || it->status) {
             if (!st) snprintf(msg, sizeof msg, "%s", it->error);
             finish_error(e, j, st ? 500 : (it->status == FP4MOE_EOVERFLOW ? 503 : 500), msg);

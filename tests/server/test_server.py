@@ -611,6 +611,22 @@ def main():
             check(False, "a prompt larger than the KV pool: 400")
         except openai.BadRequestError as ex:
             check("KV cache pool holds 512" in str(ex), "a prompt larger than the KV pool: 400 naming it (%s)" % ex)
+        # a request alone whose prompt + answer outgrow the pool: the answer so far with finish_reason "length", as at
+        # the context limit (a 503 threw the text away: a long-context user's trial), streamed or not; the last token is
+        # not fed, so prompt + answer may be the pool + 1
+        lp = prompt(11, 300)
+        r = c5.completions.create(model="nemotron-h-tiny-moe", prompt=lp, max_tokens=300, temperature=0,
+                                  extra_body={"ignore_eos": True})
+        st_text, st_fin = "", None
+        for ch in c5.completions.create(model="nemotron-h-tiny-moe", prompt=lp, max_tokens=300, temperature=0,
+                                        stream=True, extra_body={"ignore_eos": True}):
+            if ch.choices:
+                st_text += ch.choices[0].text
+                st_fin = ch.choices[0].finish_reason or st_fin
+        check(r.choices[0].finish_reason == "length" and 0 < r.usage.completion_tokens < 300 and
+              r.usage.prompt_tokens + r.usage.completion_tokens <= 513 and st_fin == "length" and st_text == r.choices[0].text,
+              "a prompt + answer past the KV pool: the answer so far, finish_reason length (%d + %d tokens, %r)" %
+              (r.usage.prompt_tokens, r.usage.completion_tokens, r.choices[0].finish_reason))
     finally:
         s5.stop()
 
