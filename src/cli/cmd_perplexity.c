@@ -108,10 +108,23 @@ static int tokenize_file(const ppl_args *a, ppl_state *p) {
     return FP4MOE_EXIT_OK;
 }
 
-/* Runs one window of ctx tokens from an empty state, chunk tokens at a time, and adds its
+/* The progress line: tokens scored of all windows (a window of 32k tokens takes a minute on a CPU: the line moves
+ * with its chunks, not only between windows) */
+static void ppl_progress(cli_progress *bar, int64_t tokens, int64_t win, int64_t windows, const nll_sum *half) {
+    char item[96], gauge[24];
+    const int w = 20, fill = (int)((double)tokens / (double)bar->total * w);
+    for (int i = 0; i < w; i++) gauge[i] = i < fill ? '#' : '.';
+    gauge[w] = '\0';
+    if (half->count) snprintf(item, sizeof item, "[%s] window %lld/%lld  ppl %.4f", gauge, (long long)win, (long long)windows,
+                          exp(nll_mean(half)));
+    else snprintf(item, sizeof item, "[%s] window %lld/%lld", gauge, (long long)win, (long long)windows);
+    cli_progress_update(bar, tokens, item);
+}
+
+/* Runs window `win` (0-based) of ctx tokens from an empty state, chunk tokens at a time, and adds its
  * predictions to `half` (positions ctx/2 .. ctx-2) and `all` (positions 0 .. ctx-2). */
 static int score_window(ppl_state *p, const int32_t *w, int64_t ctx, int64_t chunk, int64_t V,
-                        nll_sum *half, nll_sum *all) {
+                        nll_sum *half, nll_sum *all, cli_progress *bar, int64_t win, int64_t windows) {
     fp4moe_session_reset(p->s);
     const int64_t first = ctx / 2;
     for (int64_t j0 = 0; j0 < ctx; j0 += chunk) {
@@ -125,6 +138,7 @@ static int score_window(ppl_state *p, const int32_t *w, int64_t ctx, int64_t chu
             nll_add(all, nll);
             if (j >= first) nll_add(half, nll);
         }
+        ppl_progress(bar, win * ctx + j0 + n, win + 1, windows, half);
     }
     return FP4MOE_OK;
 }
@@ -239,19 +253,11 @@ static int perplexity(const ppl_args *a) {
 
     nll_sum half = {0}, all = {0};
     cli_progress bar;
-    cli_progress_start(&bar, CMD, windows);
+    cli_progress_start(&bar, CMD, windows * a->ctx);
     const double t0 = cli_now();
     int64_t done = 0;
-    for (; done < windows && !*stop; done++) {
-        if ((st = score_window(&p, p.ids + done * a->ctx, a->ctx, chunk, V, &half, &all))) break;
-        char item[96], gauge[24];
-        const int w = 20, fill = (int)((double)(done + 1) / (double)windows * w);
-        for (int i = 0; i < w; i++) gauge[i] = i < fill ? '#' : '.';
-        gauge[w] = '\0';
-        snprintf(item, sizeof item, "[%s] window %lld/%lld  ppl %.4f", gauge, (long long)(done + 1),
-                 (long long)windows, exp(nll_mean(&half)));
-        cli_progress_update(&bar, done + 1, item);
-    }
+    for (; done < windows && !*stop; done++)
+        if ((st = score_window(&p, p.ids + done * a->ctx, a->ctx, chunk, V, &half, &all, &bar, done, windows))) break;
     const double seconds = cli_now() - t0;
     if (bar.shown && bar.tty) fprintf(stderr, "\r\033[K");
     const int interrupted = st == FP4MOE_EINTERRUPTED || *stop;
