@@ -331,6 +331,9 @@ int cmd_serve(int argc, char **argv) {
             {"--prefix-min-tokens", a.prefix_min_tokens, 1, INT64_C(1) << 30}, {"--http-threads", a.http_threads, 1, 64},
             {"--max-body", a.max_body, 1024, INT64_C(1) << 40},
         };
+        if (a.ctx < 0) /* (its real top comes with the model: 8x max_position_embeddings) */
+            return cli_usage_error(CMD, "--ctx must be >= 0 (0: the model's max_position_embeddings; at most 8x it) "
+                                   "(got %lld)", (long long)a.ctx);
         for (size_t i = 0; i < sizeof lim / sizeof lim[0]; i++)
             if (lim[i].v < lim[i].lo || lim[i].v > lim[i].hi)
                 return cli_usage_error(CMD, "%s must be in [%lld, %lld] (got %lld)", lim[i].name, (long long)lim[i].lo,
