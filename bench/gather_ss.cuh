@@ -144,7 +144,7 @@ __device__ __forceinline__ void ss_item(const gq_args &a, int e, int64_t row0, i
         const uint32_t sw = sl->s;
         issue(s + SS_STAGES - 1);
         uint32_t sa[2], sb[2];
-        bt_scales4<__nv_bfloat16>(sw & 0xffffu, sw >> 16, sa, sb);
+        bt_scales4<__nv_bfloat16, true>(sw & 0xffffu, sw >> 16, sa, sb);
         const uint32_t s0 = r ? sa[1] : sa[0], s1 = r ? sb[1] : sb[0]; /* block 2t + r */
         const uint32_t abase = bt_smem_addr(ab + f * SS_ABYTES) + a_lane;
 #pragma unroll

@@ -64,7 +64,7 @@ __device__ __forceinline__ void ws_consume(const gq_args &a, int e, int64_t row0
         const uint32_t s0 = *reinterpret_cast<const uint32_t *>(wp + 1024 + lane * 4);
         const uint32_t w0[4] = {c0.x, c0.y, c0.z, c0.w}, w1[4] = {c1.x, c1.y, c1.z, c1.w};
         uint32_t sa[2], sb[2];
-        bt_scales4<__nv_bfloat16>(s0 & 0xffffu, s0 >> 16, sa, sb);
+        bt_scales4<__nv_bfloat16, true>(s0 & 0xffffu, s0 >> 16, sa, sb);
         gw_step<N, WS_KS, true>(acc, w0, w1, sa, sb, gw_desc_lo(sbase + slot * WS_SLOT));
         wg_wait<0>();
 #pragma unroll

@@ -205,8 +205,8 @@ gq_w32_xperm_kernel(gq_args a, const int *__restrict__ starts, const int *__rest
             const auto sl = ring + (s % XP_STAGES) * 2 * BW_THREADS;
             wa.read(sl, a0, a1, swa0, swa1);
             wb.read(sl + BW_THREADS, b0, b1, swb0, swb1);
-            bt_scales4<__nv_bfloat16>(swa0, swa1, sa, sb);
-            bt_scales4<__nv_bfloat16>(swb0, swb1, ta, tb);
+            bt_scales4<__nv_bfloat16, true>(swa0, swa1, sa, sb);
+            bt_scales4<__nv_bfloat16, true>(swb0, swb1, ta, tb);
             xp_step_ntv(ntv, aa, ab, a0, a1, b0, b1, sa, sb, ta, tb, smem + (s % XP_XBUF) * XP_MT * BT_XROW + xoff);
         }
         __syncthreads(); /* every warp done with the item's last x buffers before the next item's prologue */

@@ -15,6 +15,8 @@
 #                                        (tests/grammar/test_grammar must fail; once, no routes)
 #   -DFP4MOE_INJECT_FAULT_TILED_CODES      the tiled layout's fourth code pair decoded with a term missing
 #                                        (tests/kernels/test_tiled_codes, compiled alone: header-only code)
+#   -DFP4MOE_INJECT_FAULT_TILED_SIGN       a negative block scale's sign not folded into the tiled codes
+#                                        (the same test program)
 # and runs tests/kernels/test_gather_qmm once per route and activation mode (FP4MOE_TEST_ROUTE=
 # qmv|batched|dequant_gemm|auto with FP4MOE_TEST_ACT=float, qmv|batched|auto with FP4MOE_TEST_ACT=q8),
 # so that one failing route cannot hide another that passes. Passes only if EVERY route's tests FAIL in
@@ -77,21 +79,24 @@ for fault in "${FAULTS[@]}"; do
 done
 # header-only code (src/kernels/tiled_codes.h, the tiled layout's code arrangement): its test program alone,
 # compiled here with the fault (no library needed)
-mkdir -p build-fault-tiled_codes
-log=build-fault-tiled_codes/fault-build.log
-if ! cc -std=c11 -O2 -DFP4MOE_INJECT_FAULT_TILED_CODES -Isrc -Iinclude tests/kernels/test_tiled_codes.c \
-       $(pkg-config --cflags --libs cmocka) -o build-fault-tiled_codes/test_tiled_codes > "$log" 2>&1; then
-  echo "fault-check: FAILED to build the tiled_codes fault (see $log)"; status=1
-else
-  ./build-fault-tiled_codes/test_tiled_codes >> "$log" 2>&1
-  rc=$?
-  nfail=$(grep '^\[  FAILED  \] [^0-9]' "$log" | sort -u | wc -l)
-  if (( rc > 128 )); then verdict="BAD: crashed (signal $((rc - 128))), see $log"; status=1
-  elif (( rc != 0 && nfail > 0 )); then verdict="ok: the fault is caught"
-  else verdict="BAD: tests pass with the fault (rc $rc), see $log"; status=1
+for tf in TILED_CODES TILED_SIGN; do
+  dir=build-fault-tiled_codes-$tf
+  mkdir -p $dir
+  log=$dir/fault-build.log
+  if ! cc -std=c11 -O2 -DFP4MOE_INJECT_FAULT_$tf -Isrc -Iinclude tests/kernels/test_tiled_codes.c \
+         $(pkg-config --cflags --libs cmocka) -lm -o $dir/test_tiled_codes > "$log" 2>&1; then
+    echo "fault-check: FAILED to build the tiled_codes fault $tf (see $log)"; status=1
+  else
+    ./$dir/test_tiled_codes >> "$log" 2>&1
+    rc=$?
+    nfail=$(grep '^\[  FAILED  \] [^0-9]' "$log" | sort -u | wc -l)
+    if (( rc > 128 )); then verdict="BAD: crashed (signal $((rc - 128))), see $log"; status=1
+    elif (( rc != 0 && nfail > 0 )); then verdict="ok: the fault is caught"
+    else verdict="BAD: tests pass with the fault (rc $rc), see $log"; status=1
+    fi
+    printf '%-15s %-14s %-10s %s\n' "$tf" "(header)" "$nfail failed" "$verdict"
   fi
-  printf '%-15s %-14s %-10s %s\n' "tiled_codes" "(header)" "$nfail failed" "$verdict"
-fi
+done
 if (( status == 0 )); then
   echo "fault-check: PASS (every route's tests fail under every injected fault)"
 else

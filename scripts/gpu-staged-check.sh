@@ -68,6 +68,7 @@ f_tcq test_ops_gpu src/kernels/cuda/gather_qmv.cu TILED_CODES test_tiled_layout
 f_sruns test_ops_gpu src/kernels/cuda/ops_moe.cu SORT_RUNS test_moe_route
 f_reset test_ops_gpu src/kernels/cuda/gather_batched.cu SCHED_RESET test_linear_gather_rows
 f_e1 test_ops_gpu src/kernels/cuda/gather_batched.cu E1_RUNS test_dense_linear
+f_tsign test_ops_gpu src/kernels/cuda/gather_qmv.cu TILED_SIGN test_tiled_scales
 "
 if [ "${1:-}" = "--package" ]; then
     BINP=${2:?usage: --package BIN}

@@ -75,4 +75,64 @@ TC_FN uint32_t tc_pair_ref(uint32_t w, int k) {
     return ((v & 0x00070007u) << 6) | ((v & 0x00080008u) << 12);
 }
 
+/* ---- the block scales of the tiled layout ---------------------------------------------------------------
+ * Each E4M3 block-scale byte b (spec NVFP4.md section 1) is stored re-encoded, so that the kernels get the
+ * packed bf16 / f16 multiplier of a scale pair from two integer instructions (a byte permute and one IMAD)
+ * instead of the fp8 -> f16 -> f32 -> bf16 conversions (13 instructions a scale word: session 35,
+ * docs/GPU-NOTES.md). Every nonzero finite |e4m3| value is 1.mmm x 2^E with E in -9 .. 8 (the subnormals
+ * 0x01..0x07 normalised), so the byte
+ *     tc_scale_code(b) = (E + 10) << 3 | mmm        (1 .. 151), and 0 for b = +-0
+ * holds it, and the multipliers the kernels use are plain adds on it:
+ *     bf16 bits of |s| * 2^118 = code << 4 + 0x7580  (exponent field E + 245 = (E + 10) + 235)
+ *     f16 bits of |s| * 2^7    = code << 7 + 0x3000  (exponent field E + 22 = (E + 10) + 12)
+ *     fp32 bits of |s|         = code << 20 + 0x3A800000.
+ * The scale's sign and zero go into the block's codes instead (tc_block_word, before tc_arrange): a negative
+ * scale flips the sign bit of its 16 codes, a zero scale keeps only their sign bits. Every product
+ * e2m1(code) * scale is exact in bf16 / f16 / fp32 (spec section 1), and (-c) * |s| = c * (-s), +-0 * |s| =
+ * c * (+-0) with the same sign of zero, so the tiled layout's products are bit for bit the checkpoint's,
+ * signed zeros included (tests/kernels/test_tiled_codes: every code with every scale byte). The NaN bytes
+ * 0x7F / 0xFF (corrupt data, refused by the loader) become 480. */
+TC_FN uint32_t tc_scale_code(uint32_t b) {
+    const uint32_t e = (b >> 3) & 15u, m = b & 7u;
+    if (e) return (e + 3u) << 3 | m; /* E = e - 7 */
+    if (m >= 4u) return 3u << 3 | ((m << 1) & 7u); /* m 2^-9 = 1.x 2^-7 */
+    if (m >= 2u) return 2u << 3 | ((m << 2) & 7u); /* 1.x 2^-8 */
+    return m ? 1u << 3 : 0u;                       /* 2^-9, or zero */
+}
+
+/* A checkpoint code word (8 codes of one block) with its block scale's sign and zero folded in (see above). */
+TC_FN uint32_t tc_block_word(uint32_t w, uint32_t b) {
+#ifndef FP4MOE_INJECT_FAULT_TILED_SIGN /* deliberate fault (tests must catch it): a negative scale's sign lost */
+    if (b & 0x80u) w ^= 0x88888888u;
+#endif
+    if (!(b & 0x7fu)) w &= 0x88888888u;
+    return w;
+}
+
+/* __byte_perm(v, 0, sel): bytes of v (selector nibbles 0-3) or zero (4) */
+TC_FN uint32_t tc_perm0(uint32_t v, uint32_t sel) {
+#if defined(__CUDA_ARCH__)
+    return __byte_perm(v, 0u, sel);
+#else
+    uint32_t r = 0;
+    for (int i = 0; i < 4; i++) {
+        const uint32_t k = (sel >> (4 * i)) & 7u;
+        r |= (k < 4 ? (v >> (8 * k)) & 0xffu : 0u) << (8 * i);
+    }
+    return r;
+#endif
+}
+
+/* The bf16x2 multiplier (|s| * 2^118) of two scale codes of the word v chosen by the byte-permute selector sel,
+ * one for each half: 0x4140 = bytes 0 and 1, 0x4342 = bytes 2 and 3, 0x4k4k = byte k in both halves. */
+TC_FN uint32_t tc_scale_bf16x2(uint32_t v, uint32_t sel) { return tc_perm0(v, sel) * 16u + 0x75807580u; }
+/* The f16x2 multiplier (|s| * 2^7), as tc_scale_bf16x2 */
+TC_FN uint32_t tc_scale_f16x2(uint32_t v, uint32_t sel) { return tc_perm0(v, sel) * 128u + 0x30003000u; }
+/* |s| of one scale code, fp32 */
+TC_FN float tc_scale_f32(uint32_t code) {
+    union { uint32_t u; float f; } r;
+    r.u = code ? (code << 20) + 0x3A800000u : 0u;
+    return r.f;
+}
+
 #endif

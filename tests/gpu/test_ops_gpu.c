@@ -435,12 +435,20 @@ static void test_relu2_epilogue(void **state) {
  * (cuda_nvfp4_dequant_bf16, the load-time copy; from the tiled layout for 4, from the checkpoint
  * layout for 5), every code and scale poisoned before the second call (it must read the copy).
  * The weights are poisoned between the two calls' uploads so that the tiled call cannot read them. */
+static int g_tiled_wide;                         /* 1: scale bytes over the whole finite range (test_tiled_scales) */
+static fp4moe_dtype g_tiled_xt = FP4MOE_BF16;    /* x of kind 0 */
 static void tiled_case(gpu_ctx *g, int64_t E, int64_t N, int64_t K, int64_t B, tu_idx_pattern pat, fp4moe_route route,
                        int kind, uint64_t seed) {
     tu_rng r;
     tu_rng_seed(&r, seed);
     tu_weights tw;
     assert_int_equal(tu_weights_random(&tw, E, N, K, 1, &r), 0);
+    if (g_tiled_wide) /* every byte but the NaNs 0x7F / 0xFF: +-0, negatives, subnormals, 448 */
+        for (size_t i = 0; i < (size_t)(E * N * K / 16); i++) {
+            const uint32_t u = tu_rng_below(&r, 254);
+            tw.scales[i] = (uint8_t)(u >= 0x7f ? u + 1 : u);
+        }
+    const fp4moe_dtype xt = kind == 0 ? g_tiled_xt : FP4MOE_BF16;
     fp4moe_nvfp4_weights w = tw.w, wt;
     w.codes = gt_upload(tw.codes, (size_t)(E * N * K / 2));
     w.scales = gt_upload(tw.scales, (size_t)(E * N * K / 16));
@@ -452,7 +460,7 @@ static void tiled_case(gpu_ctx *g, int64_t E, int64_t N, int64_t K, int64_t B, t
     wt = w;
     wt.codes = dt;
     wt.scales = dt;
-    void *x = tu_random_x(FP4MOE_BF16, B, K, &r);
+    void *x = tu_random_x(xt, B, K, &r);
     uint32_t *idx = kind == 2 || kind >= 4 ? calloc((size_t)B, 4) : tu_make_idx(pat, B, E, 6, &r);
     void *dx = gt_upload(x, (size_t)(B * K) * 2);
     uint32_t *didx = gt_upload(idx, (size_t)B * 4);
@@ -470,10 +478,10 @@ static void tiled_case(gpu_ctx *g, int64_t E, int64_t N, int64_t K, int64_t B, t
         fp4moe_clear_error();
         GT_CHECK(cudaMemcpy(y1, y2, yb, cudaMemcpyDeviceToDevice)); /* nothing to compare */
     } else if (kind == 0) {
-        assert_int_equal(gather_qmm_cuda_ex(&w, 0, dx, FP4MOE_BF16, didx, B, sorted, route, 1, y1, g->stream, &f1, NULL), FP4MOE_OK);
+        assert_int_equal(gather_qmm_cuda_ex(&w, 0, dx, xt, didx, B, sorted, route, 1, y1, g->stream, &f1, NULL), FP4MOE_OK);
         GT_CHECK(cudaStreamSynchronize(g->stream));
         gt_poison((void *)w.codes, (size_t)(E * N * K / 2));
-        assert_int_equal(gather_qmm_cuda_ex(&wt, 1, dx, FP4MOE_BF16, didx, B, sorted, route, 1, y2, g->stream, &f2, NULL),
+        assert_int_equal(gather_qmm_cuda_ex(&wt, 1, dx, xt, didx, B, sorted, route, 1, y2, g->stream, &f2, NULL),
                          FP4MOE_OK);
         assert_int_equal(f1, f2);
     } else if (kind == 1) {
@@ -506,13 +514,35 @@ static void tiled_case(gpu_ctx *g, int64_t E, int64_t N, int64_t K, int64_t B, t
     gt_download(h1, y1, yb);
     gt_download(h2, y2, yb);
     if (memcmp(h1, h2, yb))
-        fail_msg("tiled layout (kind %d, route %s, E=%lld N=%lld K=%lld B=%lld) differs from the checkpoint layout", kind,
-                 fp4moe_route_name(route), (long long)E, (long long)N, (long long)K, (long long)B);
+        fail_msg("tiled layout (kind %d, route %s, E=%lld N=%lld K=%lld B=%lld, x %s%s) differs from the checkpoint layout",
+                 kind, fp4moe_route_name(route), (long long)E, (long long)N, (long long)K, (long long)B,
+                 xt == FP4MOE_F16 ? "f16" : "bf16", g_tiled_wide ? ", every scale byte" : "");
     free(h1); free(h2); free(x); free(idx);
     gt_free(dx); gt_free(didx); gt_free(y1); gt_free(y2); gt_free(dt);
     if (wb) gt_free(wb);
     gt_free((void *)w.codes); gt_free((void *)w.scales); gt_free((void *)w.global_scale);
     tu_weights_free(&tw);
+}
+
+/* The tiled layout's scale codes (src/kernels/tiled_codes.h: the scale's sign and zero folded into the codes) with
+ * every finite scale byte - +-0, negatives, subnormals, 448 - on each kernel that reads them, bitwise against the
+ * checkpoint layout (signed zeros included). Fault: FP4MOE_INJECT_FAULT_TILED_SIGN in gather_qmv.cu's relayout. */
+static void test_tiled_scales(void **state) {
+    gpu_ctx *g = *state;
+    g_tiled_wide = 1;
+    tiled_case(g, 8, 72, 128, 6, TU_IDX_TOPK_SORTED, FP4MOE_ROUTE_AUTO, 0, 31);      /* qmv (tensor cores) */
+    tiled_case(g, 8, 72, 128, 48, TU_IDX_TOPK_SORTED, FP4MOE_ROUTE_BATCHED, 0, 32);  /* 32-row tiles (w32) */
+    tiled_case(g, 4, 100, 256, 900, TU_IDX_ONE_EXPERT, FP4MOE_ROUTE_BATCHED, 0, 33); /* 64-row tiles (wgmma) */
+    tiled_case(g, 16, 200, 320, 600, TU_IDX_DUPLICATES, FP4MOE_ROUTE_QMV, 0, 34);    /* qmv, tiled by 8 rows */
+    tiled_case(g, 6, 90, 192, 700, TU_IDX_EMPTY_EXPERTS, FP4MOE_ROUTE_DEQUANT_GEMM, 0, 35);
+    tiled_case(g, 1, 300, 384, 5, TU_IDX_TOPK_SORTED, FP4MOE_ROUTE_AUTO, 1, 36);     /* f32 out, qmv */
+    tiled_case(g, 1, 2048, 256, 48, TU_IDX_TOPK_SORTED, FP4MOE_ROUTE_AUTO, 2, 37);   /* linear of 33-64 rows (kg) */
+    tiled_case(g, 1, 136, 448, 300, TU_IDX_TOPK_SORTED, FP4MOE_ROUTE_AUTO, 4, 38);   /* load-time copy (tiled) */
+    g_tiled_xt = FP4MOE_F16;
+    tiled_case(g, 8, 72, 128, 48, TU_IDX_TOPK_SORTED, FP4MOE_ROUTE_BATCHED, 0, 39);  /* f16: 32-row tiles */
+    tiled_case(g, 4, 100, 256, 900, TU_IDX_ONE_EXPERT, FP4MOE_ROUTE_BATCHED, 0, 40); /* f16: 64-row tiles */
+    g_tiled_xt = FP4MOE_BF16;
+    g_tiled_wide = 0;
 }
 
 static void test_tiled_layout(void **state) {
@@ -1077,6 +1107,7 @@ int main(void) {
         cmocka_unit_test(test_rmsnorm_residual),
         cmocka_unit_test(test_relu2_epilogue),
         cmocka_unit_test(test_tiled_layout),
+        cmocka_unit_test(test_tiled_scales),
         cmocka_unit_test(test_linear_gather_x1),
         cmocka_unit_test(test_linear_gather_rows),
         cmocka_unit_test(test_combine),

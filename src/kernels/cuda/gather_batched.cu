@@ -111,6 +111,11 @@ template <> struct bt_dec4<__half> {
         const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(b16 & 0xffffu), __NV_E4M3);
         return __hmul2(__half2(h), __float2half2_rn(128.0f)); /* s * 2^7 <= 57344: exact */
     }
+    /* the same pair from the tiled layout's scale codes (tiled_codes.h: a byte permute and an IMAD) */
+    __device__ static __half2 scales_tl(uint32_t b16) {
+        const uint32_t u = tc_scale_f16x2(b16, 0x4140u);
+        return *reinterpret_cast<const __half2 *>(&u);
+    }
     __device__ static uint32_t lo2(__half2 s) { const __half2 r = __low2half2(s); return *reinterpret_cast<const uint32_t *>(&r); }
     __device__ static uint32_t hi2(__half2 s) { const __half2 r = __high2half2(s); return *reinterpret_cast<const uint32_t *>(&r); }
 };
@@ -135,6 +140,12 @@ template <> struct bt_dec4<__nv_bfloat16> {
         const float2 f = __half22float2(__half2(h));
         return __floats2bfloat162_rn(f.x * 0x1p118f, f.y * 0x1p118f); /* < 2^127: exact */
     }
+    /* the same pair from the tiled layout's scale codes (tiled_codes.h: a byte permute and an IMAD instead of the
+     * 13 instructions of a scale word's conversions above; session 35) */
+    __device__ static __nv_bfloat162 scales_tl(uint32_t b16) {
+        const uint32_t u = tc_scale_bf16x2(b16, 0x4140u);
+        return *reinterpret_cast<const __nv_bfloat162 *>(&u);
+    }
     __device__ static uint32_t lo2(__nv_bfloat162 s) {
         const __nv_bfloat162 r = __low2bfloat162(s);
         return *reinterpret_cast<const uint32_t *>(&r);
@@ -152,12 +163,18 @@ template <typename T, bool TL> __device__ __forceinline__ void bt_pairs(uint32_t
 }
 
 /* The packed scale pairs of a step (bt_step's sa / sb) from the two scale bytes of rows g (sw0) and
- * g + 8 (sw1), low byte: block 2t. */
-template <typename T>
+ * g + 8 (sw1), low byte: block 2t; TL: the tiled layout's scale codes (tiled_codes.h). */
+template <typename T, bool TL>
 __device__ __forceinline__ void bt_scales4(uint32_t sw0, uint32_t sw1, uint32_t (&sa)[2], uint32_t (&sb)[2]) {
-    const auto pa = bt_dec4<T>::scales(sw0), pb = bt_dec4<T>::scales(sw1);
+    const auto pa = TL ? bt_dec4<T>::scales_tl(sw0) : bt_dec4<T>::scales(sw0);
+    const auto pb = TL ? bt_dec4<T>::scales_tl(sw1) : bt_dec4<T>::scales(sw1);
     sa[0] = bt_dec4<T>::lo2(pa); sa[1] = bt_dec4<T>::hi2(pa);
     sb[0] = bt_dec4<T>::lo2(pb); sb[1] = bt_dec4<T>::hi2(pb);
+}
+
+/* One scale byte as fp32: E4M3 (checkpoint layout) or the tiled layout's code (|s|; tiled_codes.h) */
+template <bool TL> __device__ __forceinline__ float bt_scale_f32(uint32_t b) {
+    return TL ? tc_scale_f32(b) : cu_e4m3_to_float(b);
 }
 
 /* One step's weights of one thread: blocks 2t, 2t+1 of rows g (c0) and g+8 (c1), scale bytes. */
@@ -588,6 +605,7 @@ template <typename T, typename TY, int MT, bool FAST, int MINB, int V, bool TL =
 __global__ void __launch_bounds__(bt_cfg<MT>::THREADS, MINB)
 gq_batched_kernel(gq_args a, const int *__restrict__ starts, const int *__restrict__ tile_off, int *ctr) {
     cu_pdl_entry();
+    static_assert(!TL || FAST, "gq_batched_kernel: the tiled layout is read by the fast path only");
     __shared__ int next_item[2];
     bt_sched sch = {ctr, 0};
     typedef bt_cfg<MT> cfg;
@@ -649,12 +667,12 @@ gq_batched_kernel(gq_args a, const int *__restrict__ starts, const int *__restri
                 uint32_t sw0, sw1;
                 ws.read(ring + (s % BT_STAGES) * THREADS, w0, w1, sw0, sw1);
                 if constexpr (V == 4) {
-                    bt_scales4<T>(sw0, sw1, sa, sb);
+                    bt_scales4<T, TL>(sw0, sw1, sa, sb);
                 } else {
-                    sa[0] = ops::scale2(cu_e4m3_to_float(sw0 & 0xff));
-                    sa[1] = ops::scale2(cu_e4m3_to_float((sw0 >> 8) & 0xff));
-                    sb[0] = ops::scale2(cu_e4m3_to_float(sw1 & 0xff));
-                    sb[1] = ops::scale2(cu_e4m3_to_float((sw1 >> 8) & 0xff));
+                    sa[0] = ops::scale2(bt_scale_f32<TL>(sw0 & 0xff));
+                    sa[1] = ops::scale2(bt_scale_f32<TL>((sw0 >> 8) & 0xff));
+                    sb[0] = ops::scale2(bt_scale_f32<TL>(sw1 & 0xff));
+                    sb[1] = ops::scale2(bt_scale_f32<TL>((sw1 >> 8) & 0xff));
                 }
                 /* refill the slot read in step s-1 with step s + BT_STAGES - 1 */
                 const int nxt = s + BT_STAGES - 1;
@@ -837,8 +855,8 @@ gq_batched_w32_kernel(gq_args a, const int *__restrict__ starts, const int *__re
             const auto sl = ring + (s % BW_STAGES) * 2 * BW_THREADS;
             wa.read(sl, a0, a1, swa0, swa1);
             wb.read(sl + BW_THREADS, b0, b1, swb0, swb1);
-            bt_scales4<__nv_bfloat16>(swa0, swa1, sa, sb);
-            bt_scales4<__nv_bfloat16>(swb0, swb1, ta, tb);
+            bt_scales4<__nv_bfloat16, true>(swa0, swa1, sa, sb);
+            bt_scales4<__nv_bfloat16, true>(swb0, swb1, ta, tb);
             const int nxt = s + BW_STAGES - 1; /* refill the slots read in step s - 1 */
             bw_step_ntv(ntv, aa, ab, a0, a1, b0, b1, sa, sb, ta, tb, ((s & 1) ? xs1 : xs0) + xoff);
             if (s + 1 < nsteps) xr.store((s & 1) ? xs0 : xs1);
@@ -935,7 +953,7 @@ __global__ void __launch_bounds__(KG_GROUPS * KG_GT, 1) gq_dense_kg_kernel(gq_ar
             uint32_t w0[4], w1[4], sa[2], sb[2], sw0, sw1;
             bt_cp_wait<BT_STAGES - 2>();
             ws.read(ring + (j % BT_STAGES) * KG_GT, w0, w1, sw0, sw1);
-            bt_scales4<__nv_bfloat16>(sw0, sw1, sa, sb);
+            bt_scales4<__nv_bfloat16, TL>(sw0, sw1, sa, sb);
             const int nxt = j + BT_STAGES - 1;
             ws.issue(ring + (nxt % BT_STAGES) * KG_GT, grp + KG_GROUPS * nxt, nsteps);
             bt_cp_commit();
@@ -1226,7 +1244,7 @@ __device__ __forceinline__ void gw_item(const gq_args &a, int e, int64_t row0, i
         bt_cp_wait<BT_STAGES - 2>();
         uint32_t sw0, sw1;
         ws.read(ring + (s % BT_STAGES) * GW_THREADS, w0, w1, sw0, sw1);
-        bt_scales4<__nv_bfloat16>(sw0, sw1, sa, sb);
+        bt_scales4<__nv_bfloat16, TL>(sw0, sw1, sa, sb);
         const int nxt = s + BT_STAGES - 1;
         if (active) {
             gw_step<N, cfg::KS, TL>(acc, w0, w1, sa, sb, (s & 1) ? xd1 : xd0);

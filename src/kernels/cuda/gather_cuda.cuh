@@ -60,13 +60,16 @@ __device__ __forceinline__ int64_t gq_x_row(const uint32_t *xrow, int xdiv, int6
  * Expert e's weights as pieces of GQ_TILE_PIECE bytes, one per (16-feature tile, 128-K step), in
  * the order [e][tile][step]: the codes of rows r = tile*16 + lane/4 (16 bytes a lane, lanes in
  * order: 512 bytes), then of rows r + 8 (512 bytes), then a 4-byte scale word a lane (the E4M3
- * block scales 2c, 2c+1 of row r, then of row r + 8; c = 4 step + lane % 4 the lane's 32-K chunk);
+ * block scales 2c, 2c+1 of row r, then of row r + 8, as tiled scale codes; c = 4 step + lane % 4 the lane's 32-K chunk);
  * zeros past N and past K. Lane (g, t) of a warp reads exactly its own 16 + 16 + 4 bytes: the
  * qmv (tensor cores) and expert-batched kernels give every lane the rows g, g + 8 and chunk
  * 4 step + t. Measured on the H200 (bench/gpu_qmv_tiled, 2026-12-02): the decode qmv 0.89-0.92x the
  * time of the checkpoint layout's, bitwise equal. Each 4-byte code word is stored with its bits arranged
  * (src/kernels/tiled_codes.h: tc_arrange) so that the bf16 kernels decode its four code pairs with 8
- * instructions instead of 13 (tc_pairs; the same bits as the checkpoint word's decode). K % 32 == 0. */
+ * instructions instead of 13 (tc_pairs; the same bits as the checkpoint word's decode), and each scale byte
+ * re-encoded (tc_scale_code: the packed bf16 / f16 multiplier from a byte permute and an IMAD) with the
+ * scale's sign and zero folded into its block's codes (tc_block_word; the same products, signed zeros too).
+ * K % 32 == 0. */
 #define GQ_TILE_PIECE 1152
 __host__ __device__ __forceinline__ int64_t gq_tiled_nsteps(int64_t K) { return (K / 32 + 3) / 4; }
 __host__ __device__ __forceinline__ int64_t gq_tiled_expert_bytes(int64_t N, int64_t K) {

@@ -45,7 +45,7 @@ __global__ void gq_dequant_kernel(const uint8_t *__restrict__ codes, const uint8
         c = cu_ld_stream8(p + hb * 512 + lane * 16 + (kb & 1) * 8);
         c.x = tc_unarrange(c.x); /* the checkpoint words (src/kernels/tiled_codes.h) */
         c.y = tc_unarrange(c.y);
-        s = cu_e4m3_to_float(__ldg(p + 1024 + lane * 4 + hb * 2 + (kb & 1)));
+        s = tc_scale_f32(__ldg(p + 1024 + lane * 4 + hb * 2 + (kb & 1))); /* |s|: the sign is in the codes */
     } else {
         const int64_t src = cu_weight_expert(e, E) * nblocks + i; /* block index within all experts */
         c = cu_ld_stream8(codes + src * 8);

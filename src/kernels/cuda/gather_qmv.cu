@@ -269,8 +269,14 @@ __device__ __forceinline__ void qmma_step(float (&acc)[4], const uint4 wa, const
 #pragma unroll
         for (int j = 0; j < 4; j++) xv[j] = __ldg(reinterpret_cast<const uint4 *>(xp) + j);
     }
-    const uint32_t sc[4] = {cu_scale2_bf16(sraw & 0xffu), cu_scale2_bf16((sraw >> 8) & 0xffu),
-                            cu_scale2_bf16((sraw >> 16) & 0xffu), cu_scale2_bf16(sraw >> 24)};
+    uint32_t sc[4]; /* the scale of each block, as a bf16 pair (s, s) */
+    if constexpr (TL) { /* the tiled layout's scale codes: a byte permute and an IMAD each (tiled_codes.h) */
+        sc[0] = tc_scale_bf16x2(sraw, 0x4040u); sc[1] = tc_scale_bf16x2(sraw, 0x4141u);
+        sc[2] = tc_scale_bf16x2(sraw, 0x4242u); sc[3] = tc_scale_bf16x2(sraw, 0x4343u);
+    } else {
+        sc[0] = cu_scale2_bf16(sraw & 0xffu); sc[1] = cu_scale2_bf16((sraw >> 8) & 0xffu);
+        sc[2] = cu_scale2_bf16((sraw >> 16) & 0xffu); sc[3] = cu_scale2_bf16(sraw >> 24);
+    }
     const uint32_t wA[4] = {wa.x, wa.y, wa.z, wa.w};
     const uint32_t wB[4] = {wb.x, wb.y, wb.z, wb.w};
 #pragma unroll
@@ -590,23 +596,29 @@ __global__ void gq_relayout_kernel(const uint8_t *__restrict__ codes, const uint
         const int64_t step = piece % nsteps, tile = (piece / nsteps) % ntile, e = piece / nsteps / ntile;
         const int64_t c = step * 4 + q, fa = tile * 16 + r, fb = fa + 8;
         uint4 wa = make_uint4(0, 0, 0, 0), wb = make_uint4(0, 0, 0, 0);
-        uint32_t sr = 0;
+        uint32_t a0 = 0, a1 = 0, b0 = 0, b1 = 0; /* E4M3 scale bytes: blocks 2c, 2c + 1 of rows fa, fb */
         if (c < nchunk) {
             if (fa < N) {
                 wa = *reinterpret_cast<const uint4 *>(codes + (e * N + fa) * (int64_t)(K >> 1) + c * 16);
-                sr |= (uint32_t)scales[(e * N + fa) * KB + 2 * c] | (uint32_t)scales[(e * N + fa) * KB + 2 * c + 1] << 8;
+                a0 = scales[(e * N + fa) * KB + 2 * c];
+                a1 = scales[(e * N + fa) * KB + 2 * c + 1];
             }
             if (fb < N) {
                 wb = *reinterpret_cast<const uint4 *>(codes + (e * N + fb) * (int64_t)(K >> 1) + c * 16);
-                sr |= (uint32_t)scales[(e * N + fb) * KB + 2 * c] << 16 | (uint32_t)scales[(e * N + fb) * KB + 2 * c + 1] << 24;
+                b0 = scales[(e * N + fb) * KB + 2 * c];
+                b1 = scales[(e * N + fb) * KB + 2 * c + 1];
             }
         }
+        /* the scales re-encoded, their sign and zero folded into the codes (tiled_codes.h) */
+        uint32_t sr = tc_scale_code(a0) | tc_scale_code(a1) << 8 | tc_scale_code(b0) << 16 | tc_scale_code(b1) << 24;
 #ifdef FP4MOE_INJECT_FAULT_TILED_SCALE /* deliberate fault (tests must catch it): rows r / r + 8 scales swapped */
         sr = sr >> 16 | sr << 16;
 #endif
         uint8_t *p = out + piece * GQ_TILE_PIECE;
-        wa = make_uint4(tc_arrange(wa.x), tc_arrange(wa.y), tc_arrange(wa.z), tc_arrange(wa.w)); /* tiled_codes.h */
-        wb = make_uint4(tc_arrange(wb.x), tc_arrange(wb.y), tc_arrange(wb.z), tc_arrange(wb.w));
+        wa = make_uint4(tc_arrange(tc_block_word(wa.x, a0)), tc_arrange(tc_block_word(wa.y, a0)),
+                        tc_arrange(tc_block_word(wa.z, a1)), tc_arrange(tc_block_word(wa.w, a1)));
+        wb = make_uint4(tc_arrange(tc_block_word(wb.x, b0)), tc_arrange(tc_block_word(wb.y, b0)),
+                        tc_arrange(tc_block_word(wb.z, b1)), tc_arrange(tc_block_word(wb.w, b1)));
         *reinterpret_cast<uint4 *>(p + lane * 16) = wa;
         *reinterpret_cast<uint4 *>(p + 512 + lane * 16) = wb;
         *reinterpret_cast<uint32_t *>(p + 1024 + lane * 4) = sr;
