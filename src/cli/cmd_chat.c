@@ -26,7 +26,7 @@
 #define CMD "chat"
 
 typedef struct {
-    const char *model, *chat_template, *system, *think, *device, *dtype, *cpu_act, *kv_cache;
+    const char *model, *chat_template, *system, *system_file, *think, *device, *dtype, *cpu_act, *kv_cache;
     int64_t n, chunk, ctx;
     cli_sampling smp;
     int no_quantize, verbose;
@@ -336,6 +336,8 @@ int cmd_chat(int argc, char **argv) {
         {"--model", "-m", CLI_STRING, &a.model, "DIR", "model directory (config.json, *.safetensors, tokenizer.json)"},
         {"--chat-template", NULL, CLI_STRING, &a.chat_template, "FILE", "Jinja chat template (default: the model's)"},
         {"--system", NULL, CLI_STRING, &a.system, "TEXT", "system prompt"},
+        {"--system-file", NULL, CLI_STRING, &a.system_file, "FILE", "the system prompt from a file, e.g. a long document to "
+         "ask about (one trailing newline dropped, as generate -f)"},
         {"--verbose", "-v", CLI_FLAG, &a.verbose, NULL, "a line per turn on stderr: prompt tokens, those kept from the "
          "turns before (not computed again), time"},
         {"--think", NULL, CLI_STRING, &a.think, "on|off", "enable_thinking for reasoning templates (default: the template's)"},
@@ -366,5 +368,25 @@ int cmd_chat(int argc, char **argv) {
     if ((rc = cli_sampling_check(CMD, &a.smp))) return rc;
     if ((rc = cli_set_threads(CMD, a.threads))) return rc;
     if ((rc = cli_require_model_dir(CMD, a.model))) return rc;
-    return chat(&a);
+    if (a.system && a.system_file) return cli_usage_error(CMD, "give one of --system and --system-file");
+    char *doc = NULL;
+    if (a.system_file) { /* a document as the system message: each piped line is its own turn, so no file comes in that way */
+        const int st = cli_read_text(a.system_file, (int64_t)1 << 30, &doc);
+        if (st) return cli_fail(CMD, st);
+        const int64_t bad = fp4moe_utf8_invalid_at(doc, (int64_t)strlen(doc));
+        if (bad >= 0) {
+            free(doc);
+            return cli_error(CMD, FP4MOE_EXIT_FAIL, "%s is not UTF-8 text (an invalid byte at byte %lld)", a.system_file,
+                             (long long)bad);
+        }
+        size_t n = strlen(doc);
+        if (n && doc[n - 1] == '\n') {
+            doc[--n] = '\0';
+            if (n && doc[n - 1] == '\r') doc[--n] = '\0';
+        }
+        a.system = doc;
+    }
+    rc = chat(&a);
+    free(doc);
+    return rc;
 }

@@ -1294,6 +1294,31 @@ static void test_chat(void **state) {
     expect_in(g_err, "answer stopped at the context limit of 64 tokens");    /* "hello" fits, its answer stops */
     expect_in(g_err, "the line has a NUL byte at offset 4: not sent");
     EXPECT_RC(2, "chat", "-m", "models/nemotron-h-tiny-moe", "--ctx", "-1");
+    /* --system-file: a document as the system message, the same conversation as --system with its text (one
+     * trailing newline dropped); not both; a missing file named */
+    {
+        char sysf[512];
+        snprintf(sysf, sizeof sysf, "%s", io_path("system.txt"));
+        io_write_bytes(sysf, "You answer in one word.\n", 24);
+        io_write_bytes(in, "Tell me about the sea.\n", 23);
+        g_stdin_path = in;
+        EXPECT_RC(0, "chat", "-m", "models/nemotron-h-tiny-moe", "--chat-template", T, "-n", "8", "--think", "off", "-v",
+                  "--system", "You answer in one word.");
+        static char with_text[sizeof g_out], err_text[sizeof g_err];
+        memcpy(with_text, g_out, sizeof with_text);
+        memcpy(err_text, g_err, sizeof err_text);
+        g_stdin_path = in;
+        EXPECT_RC(0, "chat", "-m", "models/nemotron-h-tiny-moe", "--chat-template", T, "-n", "8", "--think", "off", "-v",
+                  "--system-file", sysf);
+        assert_string_equal(g_out, with_text);
+        long pa = 0, pb = 0;
+        assert_int_equal(sscanf(strstr(err_text, "chat: prompt "), "chat: prompt %ld", &pa), 1);
+        assert_int_equal(sscanf(strstr(g_err, "chat: prompt "), "chat: prompt %ld", &pb), 1);
+        assert_int_equal(pa, pb);
+        EXPECT_RC(2, "chat", "-m", "models/nemotron-h-tiny-moe", "--system", "x", "--system-file", sysf);
+        EXPECT_RC(1, "chat", "-m", "models/nemotron-h-tiny-moe", "--system-file", "/nonexistent/doc.txt");
+        expect_in(g_err, "/nonexistent/doc.txt");
+    }
     /* a line that is not UTF-8 is not sent, and the conversation goes on (it ended the whole chat until session 28:
        the tokenizer refused the rendered conversation) */
     const char *bad8 = "Tell me about the sea.\nHi \xff there\nTell me about the sea.\n/exit\n";
