@@ -129,29 +129,18 @@ int cli_load_synthetic(const char *cmd, const char *name, uint64_t seed, fp4moe_
 
 /* ---- chat templates ---------------------------------------------------------------------------- */
 
-/* text read from the template file `path`, or NULL with a message when it is not UTF-8 (transformers and vLLM fail
- * to decode such a file; rendering it would put invalid bytes into prompts) */
-static char *utf8_or_null(char *text, const char *path) {
-    const int64_t bad = text ? fp4moe_utf8_invalid_at(text, (int64_t)strlen(text)) : -1;
-    if (bad < 0) return text;
-    fp4moe_set_error(FP4MOE_EFORMAT, "chat template %s is not UTF-8 text (an invalid byte 0x%02X at byte %lld)", path,
-                     (unsigned)(unsigned char)text[bad], (long long)bad);
-    free(text);
-    return NULL;
-}
-
 /* The template text (malloc'd) from the sources above; NULL with a message when there is none. */
 char *cli_load_chat_template(const char *model, const char *override, char **where) {
     char *text = NULL;
     if (where) *where = NULL;
     if (override) {
-        if (cli_read_text(override, 16 << 20, &text) || !(text = utf8_or_null(text, override))) return NULL;
+        if (cli_read_utf8_text("chat template", override, 16 << 20, &text)) return NULL;
         if (where) *where = strdup(override);
         return text;
     }
     char *p = cli_join(model, "chat_template.jinja");
-    if (p && access(p, R_OK) == 0 && !cli_read_text(p, 16 << 20, &text)) {
-        if (!(text = utf8_or_null(text, p))) {
+    if (p && access(p, R_OK) == 0) {
+        if (cli_read_utf8_text("chat template", p, 16 << 20, &text)) {
             free(p);
             return NULL;
         }

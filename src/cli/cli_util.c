@@ -439,6 +439,26 @@ static int read_stream_text(FILE *fp, const char *path, int64_t max_bytes, char 
     return st;
 }
 
+int cli_read_utf8_text(const char *what, const char *path, int64_t max_bytes, char **out) {
+    const int st = cli_read_text(path, max_bytes, out);
+    if (st) return st;
+    const int64_t bad = fp4moe_utf8_invalid_at(*out, (int64_t)strlen(*out));
+    if (bad < 0) return FP4MOE_OK;
+    const unsigned byte = (unsigned char)(*out)[bad];
+    free(*out);
+    *out = NULL;
+    return fp4moe_set_error(FP4MOE_EFORMAT, "%s %s is not UTF-8 text (an invalid byte 0x%02X at byte %lld)", what, path,
+                            byte, (long long)bad);
+}
+
+void cli_drop_final_newline(char *text) {
+    size_t n = text ? strlen(text) : 0;
+    if (n && text[n - 1] == '\n') {
+        text[--n] = '\0';
+        if (n && text[n - 1] == '\r') text[--n] = '\0';
+    }
+}
+
 int cli_read_text(const char *path, int64_t max_bytes, char **out) {
     *out = NULL;
     if (!strcmp(path, "-")) path = "/dev/stdin"; /* the convention of -f - */

@@ -167,6 +167,13 @@ int cli_same_file(const char *a, const char *b);
 /* Reads a whole text file (<= max_bytes) into a NUL-terminated buffer (caller frees). Errors: cannot open /
  * read, too large, FP4MOE_EFORMAT for a NUL byte in the file (named with its offset: text would end there). */
 int cli_read_text(const char *path, int64_t max_bytes, char **out);
+/* cli_read_text, then FP4MOE_EFORMAT naming path and the byte when the text is not UTF-8 (*out NULL); what / path
+ * name it in the message ("chat template X"). A chat template or a system document must be UTF-8: transformers and
+ * vLLM cannot decode anything else, and the bytes would reach prompts. */
+int cli_read_utf8_text(const char *what, const char *path, int64_t max_bytes, char **out);
+/* Drops one trailing newline (LF or CRLF) of text in place, as llama.cpp's -f does (an editor's end of file is not
+ * prompt text). */
+void cli_drop_final_newline(char *text);
 /* FP4MOE_EINVAL (message naming both) when writing to `output` (a file, or a directory that gets
  * the model's files) would overwrite one of the files of input model m. */
 int cli_output_overwrites_input(const fp4moe_st_model *m, const char *input, const char *output);

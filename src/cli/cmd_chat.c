@@ -371,19 +371,9 @@ int cmd_chat(int argc, char **argv) {
     if (a.system && a.system_file) return cli_usage_error(CMD, "give one of --system and --system-file");
     char *doc = NULL;
     if (a.system_file) { /* a document as the system message: each piped line is its own turn, so no file comes in that way */
-        const int st = cli_read_text(a.system_file, (int64_t)1 << 30, &doc);
+        const int st = cli_read_utf8_text("system file", a.system_file, (int64_t)1 << 30, &doc);
         if (st) return cli_fail(CMD, st);
-        const int64_t bad = fp4moe_utf8_invalid_at(doc, (int64_t)strlen(doc));
-        if (bad >= 0) {
-            free(doc);
-            return cli_error(CMD, FP4MOE_EXIT_FAIL, "%s is not UTF-8 text (an invalid byte at byte %lld)", a.system_file,
-                             (long long)bad);
-        }
-        size_t n = strlen(doc);
-        if (n && doc[n - 1] == '\n') {
-            doc[--n] = '\0';
-            if (n && doc[n - 1] == '\r') doc[--n] = '\0';
-        }
+        cli_drop_final_newline(doc);
         a.system = doc;
     }
     rc = chat(&a);

@@ -596,12 +596,7 @@ static int generate(const gen_args *a) {
         if (st && *stop) /* Ctrl-C while waiting for the prompt (a pipe without its writer yet): a stop, not a read error */
             return cli_error(CMD, FP4MOE_EXIT_INTERRUPTED, "stopped (Ctrl-C) while reading the prompt");
         if (st) return cli_fail(CMD, st);
-        /* -f: one trailing newline dropped, as llama.cpp's -f does (an editor's end of file is not prompt text) */
-        size_t tl = a->file ? strlen(text) : 0;
-        if (tl && text[tl - 1] == '\n') {
-            text[--tl] = '\0';
-            if (tl && text[tl - 1] == '\r') text[--tl] = '\0'; /* (CRLF) */
-        }
+        if (a->file) cli_drop_final_newline(text); /* -f only (standard input keeps its text) */
         ta.prompt = text;
         ta.file = NULL;
         a = &ta;
