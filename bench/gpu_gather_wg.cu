@@ -25,7 +25,11 @@
  * (session 19). WK_XPERM=1: the candidate is bench/gather_xperm.cuh's w32 kernel staging x by cp.async from an
  * x its producer wrote permuted (session 28; tiled layout only; XP_XBUF=2 XP_MINB=4 for 4 blocks an SM, XP_MT=40
  * for 40-row items). Usage: gpu_gather_wg (WK_CHECKS=small: only the small checks, for compute-sanitizer;
- * WK_CHECKS=none: no checks, WK_TOKENS=T[,T...]: only the timings of those sizes, e.g. for Nsight Compute) */
+ * WK_CHECKS=none: no checks, WK_TOKENS=T[,T...]: only the timings of those sizes, e.g. for Nsight Compute).
+ * WK_FUSED=1 (session 36): the candidate is production's fused MoE kernel (gq_launch_moe_pair: the up and down
+ * projections in one launch), checked as a pair (h and y bitwise) and timed against production's two calls, both
+ * with the runs made per call (the production column) and made once (the last columns: as the router's sort makes
+ * them). */
 #include "kernels/cuda/gather_batched.cu"
 
 extern "C" {
@@ -52,7 +56,35 @@ extern "C" {
 #ifndef WK_XPERM
 #define WK_XPERM 0
 #endif
-#if WK_MMA32
+#ifndef WK_FUSED
+#define WK_FUSED 0
+#endif
+#if WK_FUSED
+#undef WK_MT
+#define WK_MT 32
+/* the single-call checks and columns: production's 32-row tiles (the fused MoE kernel, gq_launch_moe_pair, is checked
+ * and timed as a pair: check_pair, run_pair) */
+static int wk_launch(const gq_args *a, cudaStream_t st) { return launch_tiled(a, FP4MOE_BF16, 32, st); }
+static int *fx_done; /* the fused kernel's per-tile counters (kept zero by it) */
+#define FX_DONE_INTS 4096
+/* up then down in one launch: the runs of idx (row tile 32) made once, then the fused kernel */
+static int fx_pair(const gq_args *u0, const gq_args *d0, cudaStream_t st) {
+    if (!fx_done) {
+        GT_CHECK(cudaMalloc((void **)&fx_done, FX_DONE_INTS * sizeof(int)));
+        GT_CHECK(cudaMemset(fx_done, 0, FX_DONE_INTS * sizeof(int)));
+    }
+    int *buf = NULL;
+    if (gq_scratch_alloc((void **)&buf, (2 * (size_t)u0->E + 3) * sizeof(int), st)) return 1;
+    gq_args u = *u0, d = *d0;
+    u.runs = d.runs = buf;
+    u.runs_mt = d.runs_mt = 32;
+    int rc = gq_launch_runs(&u, 32, buf, buf + u.E + 1, st);
+    if (!rc) rc = gq_launch_moe_pair(&u, &d, fx_done, FX_DONE_INTS, st);
+    gq_scratch_free(buf, st);
+    return rc;
+}
+#define WK_TL0 1 /* tiled layout only */
+#elif WK_MMA32
 #undef WK_MT
 #define WK_MT 32
 /* the candidate: gq_batched_kernel's 32-row tiles (16 features a warp), which the 32-features-a-warp
@@ -124,6 +156,20 @@ static int wk_launch(const gq_args *a, cudaStream_t st) {
 static int prod_launch(const gq_args *a, int mt, cudaStream_t st) { /* now the wgmma kernel at mt = 64 */
     if (mt <= 0) return gq_launch_batched(a, FP4MOE_BF16, st);
     return launch_tiled(a, FP4MOE_BF16, mt, st);
+}
+
+/* production's up then down with the runs of idx made once (as the model's router sort makes them: gq_runs) */
+static int prod_pair_runs(gq_args u, gq_args d, cudaStream_t st) {
+    int *buf = NULL;
+    if (gq_scratch_alloc((void **)&buf, (2 * (size_t)u.E + 3) * sizeof(int), st)) return 1;
+    const int mt = gq_batched_row_tile(&u, FP4MOE_BF16);
+    int rc = gq_launch_runs(&u, mt, buf, buf + u.E + 1, st);
+    u.runs = d.runs = buf;
+    u.runs_mt = d.runs_mt = mt;
+    if (!rc) rc = gq_launch_batched(&u, FP4MOE_BF16, st);
+    if (!rc) rc = gq_launch_batched(&d, FP4MOE_BF16, st);
+    gq_scratch_free(buf, st);
+    return rc;
 }
 
 /* ---- host side ---------------------------------------------------------------------------------- */
@@ -215,10 +261,68 @@ static int check(const char *what, const wts_t *w, const int *lens, int tail, bo
     return ok;
 }
 
+#if WK_FUSED
+/* the fused candidate against production's two calls: h and y bitwise (outputs poisoned first) */
+static int check_pair(const char *what, const wts_t *up, const wts_t *dn, const int *lens, int tail, tu_rng *r) {
+    int B;
+    uint32_t *hidx = make_idx(up->E, lens, tail, &B);
+    void *x = gt_rand_dev((int64_t)B * up->K, 2.0f, r, 0);
+    uint32_t *didx = (uint32_t *)gt_upload(hidx, sizeof(uint32_t) * (size_t)B);
+    const size_t hb = (size_t)B * up->N * 2, yb = (size_t)B * dn->N * 2;
+    void *h0 = gt_upload(NULL, hb), *h1 = gt_upload(NULL, hb), *y0 = gt_upload(NULL, yb), *y1 = gt_upload(NULL, yb);
+    int ok = 1;
+    for (int rep = 0; rep < 3; rep++) { /* three calls: the counters must reset themselves */
+        gt_poison(h0, hb); gt_poison(h1, hb); gt_poison(y0, yb); gt_poison(y1, yb);
+        gq_args u0 = args_of(up, true, x, h0, didx, B, 1), d0 = args_of(dn, true, h0, y0, didx, B, 0);
+        gq_args u1 = args_of(up, true, x, h1, didx, B, 1), d1 = args_of(dn, true, h1, y1, didx, B, 0);
+        if (prod_launch(&u0, 32, 0) || prod_launch(&d0, 32, 0)) { fprintf(stderr, "%s: production: %s\n", what, fp4moe_last_error()); exit(1); }
+        const int bad = fx_pair(&u1, &d1, 0);
+        const cudaError_t ce = cudaDeviceSynchronize();
+        if (ce != cudaSuccess) { fprintf(stderr, "%s: %s\n", what, cudaGetErrorString(ce)); exit(2); }
+        int64_t diff[2] = {0, 0};
+        for (int k = 0; k < 2; k++) {
+            const size_t nb = k ? yb : hb;
+            uint16_t *a = (uint16_t *)malloc(nb), *b = (uint16_t *)malloc(nb);
+            gt_download(a, k ? y0 : h0, nb);
+            gt_download(b, k ? y1 : h1, nb);
+            for (size_t i = 0; i < nb / 2; i++) diff[k] += a[i] != b[i];
+            free(a); free(b);
+        }
+        const int pass = !bad && !diff[0] && !diff[1];
+        printf("check fused %-44s B=%-5d call %d: h %lld, y %lld elements differ %s\n", what, B, rep,
+               (long long)diff[0], (long long)diff[1], pass ? "PASS" : "FAIL");
+        ok &= pass;
+    }
+    free(hidx);
+    gt_free(x); gt_free(didx); gt_free(h0); gt_free(h1); gt_free(y0); gt_free(y1);
+    return ok;
+}
+#endif
+
 /* small: only the small shapes (for compute-sanitizer) */
 static int run_checks(tu_rng *r, int small) {
     int ok = 1;
     wts_t w;
+#if WK_FUSED
+    {
+        wts_t u2, d2;
+        make_wts(&u2, 6, 320, 448, r); /* up N % 128 = 64; down N % 128 = 72 */
+        make_wts(&d2, 6, 200, 320, r);
+        const int l1[6] = {1, 0, 137, 9, 300, 64}, l2[6] = {8, 7, 16, 0, 3, 129};
+        ok &= check_pair("E=6 up 448->320, down 320->200, runs 1..300, tail 5", &u2, &d2, l1, 5, r);
+        ok &= check_pair("E=6 short runs", &u2, &d2, l2, 0, r);
+        free_wts(&u2); free_wts(&d2);
+        if (!small) {
+            make_wts(&u2, 128, 1856, 2688, r);
+            make_wts(&d2, 128, 2688, 1856, r);
+            int lens[128];
+            for (int e = 0; e < 128; e++) lens[e] = (int)tu_rng_below(r, 40);
+            ok &= check_pair("30B up + down, E=128, runs 0..39", &u2, &d2, lens, 2, r);
+            free_wts(&u2); free_wts(&d2);
+        }
+        return ok;
+    }
+#endif
     make_wts(&w, 6, 200, 320, r); /* N % 128 = 72, K % 128 = 64 */
     const int lens1[6] = {1, 0, 137, 9, 300, 64};
     const int lens2[6] = {8, 7, 16, 0, 3, 129};
@@ -267,6 +371,10 @@ static int run_pair(void *p) {
         return xp_launch(&u, 1, 0) || xp_launch(&d, 0, 0);
     }
 #endif
+#if WK_FUSED
+    if (c->which == 1) return fx_pair(&u, &d, 0);
+#endif
+    if (c->which == 3) return prod_pair_runs(u, d, 0);
     if (c->which == 1) return wk_launch(&u, 0) || wk_launch(&d, 0);
     if (c->which == 2) { /* dequant_gemm has no relu^2 epilogue: the caller's kernel, as production */
         return gq_run_dequant_gemm(&u, FP4MOE_BF16, 0) || cuda_relu2(0, (uint16_t *)c->h, (int64_t)c->B * 1856) ||
@@ -291,8 +399,9 @@ int main(void) {
     wts_t up, down;
     make_wts(&up, 128, 1856, 2688, &r);
     make_wts(&down, 128, 2688, 1856, &r);
-    printf("| tokens | layout | production batched ms | candidate (WK_MT=%d) ms | dequant_gemm ms | candidate / production |\n", WK_MT);
-    printf("|---:|---|---:|---:|---:|---:|\n");
+    printf("| tokens | layout | production batched ms | candidate (WK_MT=%d) ms | dequant_gemm ms | candidate / production "
+           "| production, runs once ms | candidate / that |\n", WK_MT);
+    printf("|---:|---|---:|---:|---:|---:|---:|---:|\n");
     const int Ts[] = {128, 512, 2048, 8192};
     /* routing: uniform over the experts (skew 0), or skewed: expert e drawn with weight (e + 1)^-skew
      * (a Zipf law; 0.5 gives the 512-token w32 tile count that matches the synthetic model's gather
@@ -337,14 +446,17 @@ int main(void) {
         GT_CHECK(cudaDeviceSynchronize());
 #endif
         for (int tl = WK_TL0; tl < 2; tl++) {
-            tctx c0 = {&up, &down, tl != 0, 0, x, xp, h, y, didx, B}, c1 = c0, c2 = c0;
+            tctx c0 = {&up, &down, tl != 0, 0, x, xp, h, y, didx, B}, c1 = c0, c2 = c0, c3 = c0;
             c1.which = 1;
             c2.which = 2;
+            c3.which = 3;
             const int inner = T >= 2048 ? 4 : 10;
             const float t0 = gt_time_ms(run_pair, &c0, 7, inner), t1 = gt_time_ms(run_pair, &c1, 7, inner);
             const float t2 = T >= 2048 ? gt_time_ms(run_pair, &c2, 5, 2) : 0.0f;
-            printf("| %d | %s, skew %.1f (max run %d, %d 32-row tiles) | %.4f | %.4f | %.4f | %.2f |\n", T,
-                   tl ? "tiled" : "rows", skew, maxlen, tiles32, t0, t1, t2, t1 / t0);
+            const float t3 = gt_time_ms(run_pair, &c3, 7, inner);
+            const float t1b = gt_time_ms(run_pair, &c1, 7, inner); /* the candidate again: drift */
+            printf("| %d | %s, skew %.1f (max run %d, %d 32-row tiles) | %.4f | %.4f / %.4f | %.4f | %.2f | %.4f | %.3f |\n",
+                   T, tl ? "tiled" : "rows", skew, maxlen, tiles32, t0, t1, t1b, t2, t1 / t0, t3, t1b / t3);
         }
         free(hidx);
         gt_free(didx); gt_free(x); gt_free(h); gt_free(y);

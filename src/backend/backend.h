@@ -155,6 +155,11 @@ typedef struct be_ops {
      * FP4MOE_EUNSUPPORTED where the backend cannot (the caller then gathers the rows). */
     int (*linear_gather_rows)(void *bc, const void *W, const void *x, int64_t T, const uint32_t *row_of, int64_t k,
                               const uint32_t *idx, int64_t B, int relu2, void *y);
+    /* Optional (NULL: not offered): a MoE layer's routed up and down projections in one step - hs = linear_gather_rows(
+     * Wup, x, row_of, relu2 1), then ys = linear_gather(Wdown, hs) - with those two calls' results, bit for bit.
+     * FP4MOE_EUNSUPPORTED where the backend cannot (the caller then makes the two calls). */
+    int (*experts_rows)(void *bc, const void *Wup, const void *Wdown, const void *x, int64_t T, const uint32_t *row_of,
+                        int64_t k, const uint32_t *idx, int64_t B, void *hs, void *ys);
     /* The routing of a MoE layer: logits (T x E fp32) = x (T x H fp32) @ W^T (router weights, E x H
      * fp32); ids, wts (T x k) = the router's top-k (fw_router); then the stable sort of the T * k
      * (token, slot) rows by expert: row_of, idx (sorted experts), pos_of (B = T * k each). x_act: x in

@@ -414,15 +414,21 @@ static int moe_routed(const fw_ctx *f, const fw_layer *d, const void **routed) {
     }
     /* one token (a decode step of one sequence): its k rows are all xin's row, which the backend may
      * read in place of k gathered copies (linear_gather_x1; the same results) */
-    int up_done = 0;
+    int up_done = 0, down_done = 0;
     if (R == 1 && !f->ep && be->linear_gather_x1) {
         st = be->linear_gather_x1(bc, d->experts_up, xin, b->idx, B, 1, b->hs);
         if (st == FP4MOE_OK) up_done = 1;
         else if (st == FP4MOE_EUNSUPPORTED) fp4moe_clear_error();
         else return fp4moe_error_context(st, "experts up (gather_qmm, one token)");
     }
-    /* more tokens: the backend may read the rows through row_of in place of gathered copies
-     * (linear_gather_rows; the same results) */
+    /* more tokens: the backend may run both projections in one step (experts_rows), or read the rows through row_of
+     * in place of gathered copies (linear_gather_rows); the same results */
+    if (!up_done && R > 1 && !f->ep && be->experts_rows) {
+        st = be->experts_rows(bc, d->experts_up, d->experts_down, xin, R, b->row_of, k, b->idx, B, b->hs, b->ys);
+        if (st == FP4MOE_OK) up_done = down_done = 1;
+        else if (st == FP4MOE_EUNSUPPORTED) fp4moe_clear_error();
+        else return fp4moe_error_context(st, "experts up + down (gather_qmm, fused)");
+    }
     if (!up_done && R > 1 && !f->ep && be->linear_gather_rows) {
         st = be->linear_gather_rows(bc, d->experts_up, xin, R, b->row_of, k, b->idx, B, 1, b->hs);
         if (st == FP4MOE_OK) up_done = 1;
@@ -435,7 +441,7 @@ static int moe_routed(const fw_ctx *f, const fw_layer *d, const void **routed) {
     } else {
         if (!up_done && (st = be->linear_gather(bc, d->experts_up, b->xs, b->idx, B, 1, b->hs))) /* with relu^2 */
             return fp4moe_error_context(st, "experts up (gather_qmm)");
-        if ((st = be->linear_gather(bc, d->experts_down, b->hs, b->idx, B, 0, b->ys)))
+        if (!down_done && (st = be->linear_gather(bc, d->experts_down, b->hs, b->idx, B, 0, b->ys)))
             return fp4moe_error_context(st, "experts down (gather_qmm)");
     }
     TRY(be->moe_combine(bc, b->ys, Hl, b->pos_of, b->wts, R, k, b->comb));

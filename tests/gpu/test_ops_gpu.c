@@ -154,7 +154,7 @@ static void route_case_w(gpu_ctx *g, int64_t T, int64_t E, int64_t k, int64_t G,
     const cuda_router_cfg rc = {E, k, G, TG, 1, 2.5f, db};
     /* the expert runs of block sorts (gq_runs), into a poisoned buffer with room for E experts */
     const size_t rbytes = (size_t)(2 * E + 3) * 4;
-    gq_runs runs = {gt_upload(NULL, rbytes), E, (const uint32_t *)&runs, 0, 0, 0, NULL, 0};
+    gq_runs runs = {gt_upload(NULL, rbytes), E, (const uint32_t *)&runs, 0, 0, 0, NULL, 0, NULL, 0};
     gt_poison(runs.buf, rbytes);
     assert_int_equal(cuda_moe_route(&g->ops, &rc, dx, dxb, T, dW, dW3, H, dlg, dids, dw, drow, didx, dpos, &runs),
                      FP4MOE_OK);
@@ -748,7 +748,7 @@ static void rows_case(gpu_ctx *g, int64_t E, int64_t N, int64_t K, int64_t T, in
         if (E > 1) {
             int *hr = cpu_runs(idx, B, E, gather_qmm_cuda_row_tile(B, E));
             const size_t rbytes = (size_t)(2 * E + 3) * 4;
-            gq_runs runs = {gt_upload(hr, rbytes), E, didx, B, E, gather_qmm_cuda_row_tile(B, E), NULL, 0};
+            gq_runs runs = {gt_upload(hr, rbytes), E, didx, B, E, gather_qmm_cuda_row_tile(B, E), NULL, 0, NULL, 0};
             for (int rep = 0; rep < 3; rep++) {
                 gt_poison(y2, yb);
                 if (rep == 1)
@@ -775,6 +775,133 @@ static void rows_case(gpu_ctx *g, int64_t E, int64_t N, int64_t K, int64_t T, in
     free(x); free(xs); free(ids); free(row_of); free(idx);
     gt_free(dx); gt_free(dxs); gt_free(didx); gt_free(drow); gt_free(y1); gt_free(y2);
     dev_weights_free(&dw);
+}
+
+/* ---- gather_qmm_cuda_moe_rows: a MoE layer's up and down projections in one launch ------------------------------
+ * T tokens, k experts each (duplicates allowed; `skew`: expert draws weighted (e + 1)^-1 so some runs span several
+ * 32-row tiles), sorted on the host; the fused call against gather_qmm_cuda_rows (up, relu^2) then
+ * gather_qmm_cuda_ex (down) on runs made beforehand (cpu_runs with row tile 32, done counters of
+ * cuda_moe_done_ints): h and y bitwise equal, outputs poisoned first, three calls in a row (the done counters and
+ * the work counter must come back to 0 after each), then a call with FP4MOE_CUDA_MOE_FUSED=0 and one on 8-row runs:
+ * both refused (FP4MOE_EUNSUPPORTED). want_ok 0: the call itself must be refused. */
+static void moe_pair_case(gpu_ctx *g, int64_t E, int64_t N, int64_t K, int64_t N2, int64_t T, int64_t k, int skew,
+                          int want_ok, uint64_t seed) {
+    tu_rng r;
+    tu_rng_seed(&r, seed);
+    dev_weights du, dd;
+    dev_weights_make(g, &du, E, N, K, 1, &r);
+    dev_weights_make(g, &dd, E, N2, N, 1, &r);
+    const int64_t B = T * k;
+    uint16_t *x = tu_random_x(FP4MOE_BF16, T + 1, K, &r);
+    for (int64_t i = 0; i < K; i++) x[T * K + i] = 0x7fc0; /* row T: NaN, outside the map */
+    uint32_t *ids = malloc((size_t)B * 4), *row_of = malloc((size_t)B * 4), *idx = malloc((size_t)B * 4);
+    assert_true(ids && row_of && idx);
+    for (int64_t b = 0; b < B; b++) {
+        uint32_t e = tu_rng_below(&r, (uint32_t)E);
+        if (skew && tu_rng_below(&r, 2)) e = tu_rng_below(&r, 1 + e); /* more rows on the low experts */
+        ids[b] = e;
+    }
+    int64_t p = 0;
+    for (uint32_t e = 0; e < (uint32_t)E; e++)
+        for (int64_t b = 0; b < B; b++)
+            if (ids[b] == e) {
+                row_of[p] = (uint32_t)b;
+                idx[p++] = e;
+            }
+    void *dx = gt_upload(x, (size_t)((T + 1) * K) * 2);
+    uint32_t *didx = gt_upload(idx, (size_t)B * 4), *drow = gt_upload(row_of, (size_t)B * 4);
+    const size_t hb = (size_t)(B * N) * 2, yb = (size_t)(B * N2) * 2;
+    void *h1 = gt_upload(NULL, hb), *h2 = gt_upload(NULL, hb), *y1 = gt_upload(NULL, yb), *y2 = gt_upload(NULL, yb);
+    const int mt = gather_qmm_cuda_row_tile(B, E);
+    int *hr = cpu_runs(idx, B, E, mt);
+    const size_t rbytes = (size_t)(2 * E + 3) * 4;
+    const int64_t nd = cuda_moe_done_ints(B, E);
+    gq_runs runs = {gt_upload(hr, rbytes), E, didx, B, E, mt, NULL, 0, gt_upload(NULL, (size_t)nd * 4), nd};
+    GT_CHECK(cudaMemset(runs.done, 0, (size_t)nd * 4));
+    const fp4moe_route A = FP4MOE_ROUTE_AUTO;
+    if (!want_ok) {
+        assert_int_equal(gather_qmm_cuda_moe_rows(&du.w, 1, &dd.w, 1, dx, T, drow, k, didx, B, A, h2, y2, g->stream,
+                                                  &runs),
+                         FP4MOE_EUNSUPPORTED);
+        assert_non_null(strstr(fp4moe_last_error(), "moe pair"));
+        fp4moe_clear_error();
+    } else {
+        uint16_t *a = malloc(yb > hb ? yb : hb), *b = malloc(yb > hb ? yb : hb);
+        assert_true(a && b);
+        int fused = 0;
+        gt_poison(h1, hb);
+        gt_poison(y1, yb);
+        assert_int_equal(gather_qmm_cuda_rows(&du.w, 1, dx, T, drow, k, didx, B, A, 1, h1, g->stream, &runs), FP4MOE_OK);
+        assert_int_equal(gather_qmm_cuda_ex(&dd.w, 1, h1, FP4MOE_BF16, didx, B, 1, A, 0, y1, g->stream, &fused, &runs),
+                         FP4MOE_OK);
+        for (int rep = 0; rep < 3; rep++) {
+            gt_poison(h2, hb);
+            gt_poison(y2, yb);
+            assert_int_equal(gather_qmm_cuda_moe_rows(&du.w, 1, &dd.w, 1, dx, T, drow, k, didx, B, A, h2, y2, g->stream,
+                                                      &runs),
+                             FP4MOE_OK);
+            GT_CHECK(cudaStreamSynchronize(g->stream));
+            for (int o = 0; o < 2; o++) {
+                const size_t nb = o ? yb : hb;
+                gt_download(a, o ? y1 : h1, nb);
+                gt_download(b, o ? y2 : h2, nb);
+                size_t bad = 0, first = 0;
+                for (size_t i = 0; i < nb / 2; i++)
+                    if (a[i] != b[i] && !bad++) first = i;
+                if (bad)
+                    fail_msg("moe pair (E=%lld %lld->%lld->%lld T=%lld k=%lld skew %d) call %d: %s differs in %zu of %zu "
+                             "elements (first %zu: %04x vs %04x)", (long long)E, (long long)K, (long long)N,
+                             (long long)N2, (long long)T, (long long)k, skew, rep + 1, o ? "y" : "h", bad, nb / 2, first,
+                             a[first], b[first]);
+            }
+            int *dn = malloc((size_t)nd * 4), ctr = -1;
+            assert_non_null(dn);
+            gt_download(dn, runs.done, (size_t)nd * 4);
+            for (int64_t i = 0; i < nd; i++)
+                if (dn[i]) fail_msg("moe pair call %d: done counter %lld left at %d", rep + 1, (long long)i, dn[i]);
+            gt_download(&ctr, runs.buf + 2 * E + 2, 4);
+            assert_int_equal(ctr, 0);
+            free(dn);
+        }
+        /* switched off: refused, the caller makes the two calls */
+        tu_setenv("FP4MOE_CUDA_MOE_FUSED", "0");
+        assert_int_equal(gather_qmm_cuda_moe_rows(&du.w, 1, &dd.w, 1, dx, T, drow, k, didx, B, A, h2, y2, g->stream,
+                                                  &runs),
+                         FP4MOE_EUNSUPPORTED);
+        assert_non_null(strstr(fp4moe_last_error(), "FP4MOE_CUDA_MOE_FUSED"));
+        fp4moe_clear_error();
+        tu_setenv("FP4MOE_CUDA_MOE_FUSED", NULL);
+        /* runs of another row tile, or no done counters: refused */
+        runs.mt = 8;
+        assert_int_equal(gather_qmm_cuda_moe_rows(&du.w, 1, &dd.w, 1, dx, T, drow, k, didx, B, A, h2, y2, g->stream,
+                                                  &runs),
+                         FP4MOE_EUNSUPPORTED);
+        fp4moe_clear_error();
+        runs.mt = mt;
+        int *keep = runs.done;
+        runs.done = NULL;
+        assert_int_equal(gather_qmm_cuda_moe_rows(&du.w, 1, &dd.w, 1, dx, T, drow, k, didx, B, A, h2, y2, g->stream,
+                                                  &runs),
+                         FP4MOE_EUNSUPPORTED);
+        fp4moe_clear_error();
+        runs.done = keep;
+        free(a); free(b);
+    }
+    free(hr); free(x); free(ids); free(row_of); free(idx);
+    gt_free(runs.buf); gt_free(runs.done);
+    gt_free(dx); gt_free(didx); gt_free(drow); gt_free(h1); gt_free(h2); gt_free(y1); gt_free(y2);
+    dev_weights_free(&du);
+    dev_weights_free(&dd);
+}
+
+static void test_moe_pair(void **state) {
+    gpu_ctx *g = *state;
+    moe_pair_case(g, 16, 320, 448, 200, 100, 6, 0, 1, 61);  /* 600 rows, 32-row tiles; up N % 128 = 64, down N % 128 = 72 */
+    moe_pair_case(g, 16, 320, 448, 200, 100, 6, 1, 1, 62);  /* skewed: runs of several tiles */
+    moe_pair_case(g, 128, 1856, 2688, 2688, 512, 6, 1, 1, 63); /* the 30B-A3B layer at 512 tokens */
+    moe_pair_case(g, 2, 64, 128, 192, 20, 4, 0, 1, 64);     /* 80 rows of 2 experts: 12 items, all at once */
+    moe_pair_case(g, 4, 256, 256, 128, 150, 6, 0, 0, 65);   /* 900 rows of 4 experts: 64-row tiles - refused */
+    moe_pair_case(g, 64, 72, 128, 64, 40, 6, 0, 0, 66);     /* 240 rows of 64 experts: 8-row tiles - refused */
 }
 
 static void test_linear_gather_rows(void **state) {
@@ -1110,6 +1237,7 @@ int main(void) {
         cmocka_unit_test(test_tiled_scales),
         cmocka_unit_test(test_linear_gather_x1),
         cmocka_unit_test(test_linear_gather_rows),
+        cmocka_unit_test(test_moe_pair),
         cmocka_unit_test(test_combine),
         cmocka_unit_test(test_rmsnorm_gated),
         cmocka_unit_test(test_argmax_rows),

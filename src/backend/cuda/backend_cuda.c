@@ -810,6 +810,10 @@ static int cu_linear_gather_rows(void *bc, const void *W, const void *x, int64_t
                                  int64_t k, const uint32_t *idx, int64_t B, int relu2, void *y) {
     return cuda_linear_gather_rows(&CX(bc)->ops, W, x, T, row_of, k, idx, B, relu2, y);
 }
+static int cu_experts_rows(void *bc, const void *Wup, const void *Wdown, const void *x, int64_t T,
+                           const uint32_t *row_of, int64_t k, const uint32_t *idx, int64_t B, void *hs, void *ys) {
+    return cuda_experts_rows(&CX(bc)->ops, Wup, Wdown, x, T, row_of, k, idx, B, hs, ys);
+}
 static int cu_moe_route(void *bc, const fw_router *r, const float *x, const void *x_act, int64_t T, const float *W,
                         int64_t H, float *logits, int32_t *ids, float *wts, uint32_t *row_of, uint32_t *idx,
                         uint32_t *pos_of) {
@@ -928,6 +932,7 @@ static const be_ops CUDA_OPS = {
 #define CU_ROWS_MAP 1 /* 0: not offered (the forward gathers the rows; for measuring, session 18) */
 #endif
     .linear_gather_rows = CU_ROWS_MAP ? cu_linear_gather_rows : NULL,
+    .experts_rows = CU_ROWS_MAP ? cu_experts_rows : NULL,
     .moe_route = cu_moe_route,
     .gather_rows = cu_gather_rows,
     .sort_local = cu_sort_local,
@@ -981,6 +986,7 @@ void be_cuda_free(void *bcv) {
     cudaFree(c->ops.f32_y);
     cudaFree(c->ops.split_ws);
     cudaFree(c->ops.runs.buf);
+    cudaFree(c->ops.runs.done);
     cudaFree(c->e1_runs);
     cudaFree(c->dq.p);
     if (c->side) {
@@ -1040,6 +1046,10 @@ int be_cuda_new(const fp4moe_model *m, fp4moe_route route, int64_t cap, int64_t 
         /* the expert runs the router's sort makes for the gathers (gq_runs; zeroed: its counter starts at 0) */
         TRY(cu_alloc(c, (size_t)(2 * m->cfg.n_experts + 3) * sizeof(int), (void **)&c->ops.runs.buf));
         c->ops.runs.cap_e = m->cfg.n_experts;
+        /* the fused MoE kernel's per-row-tile counters (zeroed; the kernel leaves them zero) */
+        const int64_t nd = cuda_moe_done_ints(cap * m->cfg.top_k, m->cfg.n_experts);
+        TRY(cu_alloc(c, (size_t)nd * sizeof(int), (void **)&c->ops.runs.done));
+        c->ops.runs.done_n = nd;
     }
     if (profile) {
         c->prof = 1;

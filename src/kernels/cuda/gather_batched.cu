@@ -872,6 +872,151 @@ gq_batched_w32_kernel(gq_args a, const int *__restrict__ starts, const int *__re
     bt_zero_tail(y, starts, a.E, a.B, N);
 }
 
+/* ---- a MoE layer's up and down projections in one persistent kernel (both on 32-row w32 items) ----------------
+ * gq_launch_moe_pair (FP4MOE_CUDA_MOE_FUSED=1, the default): the items of the up projection (x -> h, relu^2) and of
+ * the down projection (h -> y) of one MoE layer are ONE queue - all up items, then all down items, each in
+ * gq_batched_w32_kernel's (expert, N-tile, row-tile) order - so the down items start while the up projection's last
+ * items run, instead of after a kernel boundary. Why: at 512 tokens an up call is ~2,300 items of ~40 us on 528 block
+ * slots (4.4 waves) and a down call ~3,200 (6.1 waves); each call ends in a tail in which its SMs run out of items one
+ * by one (up to one item's time), and the down call waited for the up call's last item. Each item's arithmetic is
+ * gq_batched_w32_kernel's (the same decode, mma order, epilogue), so h and y are bitwise the two calls' (test_ops_gpu
+ * test_moe_pair).
+ * The dependency: a down item of row tile r reads h's rows of r, written by the up items of r (every up N-tile).
+ * An up item publishes after its stores (block barrier, then one thread's fence + atomicAdd on done[r]); a down
+ * item issues its first weight copies (they do not need h), then one thread waits with acquire loads until
+ * done[r] == the up N-tiles, the block barrier, then h is staged with L2 loads (ld.global.cg: h is written during
+ * the kernel, so not the read-only path production's x loads take). No deadlock: items are taken in order from
+ * the work counter (a block's first item is its index, and the grid is at most the co-resident blocks, all of
+ * which take up items first when there are enough), so when a down item waits, each up item it needs has been
+ * taken by a running block, and up items wait for nothing. done[r] resets itself: each down item of r adds 1
+ * after its wait, and the one that brings it to up + down N-tiles sets it back to 0 (as bt_sched's counter), so
+ * the buffer is zero between launches (allocated zeroed with the runs). */
+/* production's bt_xstage::load, or (CG) the same with L2 loads: h is written during this kernel */
+template <bool CG, typename XS> __device__ __forceinline__ void gq_moe_xload(XS &xr, int k0, int K) {
+    if (!CG) return xr.load(k0, K); /* x of the up projection: production's loads */
+    const bool kok = k0 + xr.kc < K;
+#pragma unroll
+    for (int i = 0; i < XS::NP; i++) {
+        xr.v[i] = make_uint4(0, 0, 0, 0);
+        if (xr.src[i] && kok) xr.v[i] = __ldcg(reinterpret_cast<const uint4 *>(xr.src[i] + k0));
+    }
+}
+
+__device__ __forceinline__ int gq_ld_acquire(const int *p) {
+    int v;
+    asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+/* One item of the fused queue: a (a projection's args, kernel parameters) with item `local` of its own order;
+ * DN: a down item (waits for its tile's up items; counts itself), else an up item (publishes its part). A
+ * template, so that each form reads its parameters from the constant bank (a runtime choice between u and d
+ * cost ~15 instructions a K step). */
+template <bool DN>
+__device__ __forceinline__ void gq_moe_item(const gq_args &a, int64_t local, int NT, int NTu, int NTd, const int *starts,
+                                        const int *tile_off, int *done, uint8_t *smem) {
+    uint8_t *xs0 = smem, *xs1 = smem + BW_MT * BT_XROW;
+    const auto ring = bt_slot_soa<BW_STAGES * 2 * BW_THREADS>::at(smem + BW_XBYTES, threadIdx.x);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int xoff = g * BT_XROW + t * 64 + (t >> 1) * 16;
+    const int N = a.N, K = a.K, nsteps = (K + BT_KSTEP - 1) / BT_KSTEP;
+    const bt_item it = bt_item_of<BW_MT>(local, a.E, NT, starts, tile_off);
+    const int e = it.e, rows = it.rows;
+    const int64_t row0 = it.row0;
+    const int ti = tile_off[e] + (int)((row0 - starts[e]) / BW_MT);
+    const int ntv = (rows + 7) >> 3, rows_pad = ntv * 8;
+    const int nw = it.ntile * BW_NTILE + warp * 32;
+    const int64_t we = cu_weight_expert(e, a.E);
+    const int last_tile = (N - 1) >> 4;
+    const uint8_t *pa = gq_tiled_piece(a.codes, we, min(nw >> 4, last_tile), 0, N, K);
+    const uint8_t *pb = gq_tiled_piece(a.codes, we, min((nw >> 4) + 1, last_tile), 0, N, K);
+    bt_tstream wa = bt_tstream::of(pa, lane), wb = bt_tstream::of(pb, lane);
+
+    float aa[BW_MT / 8][4], ab[BW_MT / 8][4];
+#pragma unroll
+    for (int i = 0; i < BW_MT / 8; i++)
+#pragma unroll
+        for (int j = 0; j < 4; j++) aa[i][j] = ab[i][j] = 0.0f;
+
+    bt_xstage<__nv_bfloat16, BW_MT, BW_THREADS, 4> xr;
+    xr.init(static_cast<const __nv_bfloat16 *>(a.x), row0, rows, rows_pad, K, a.xrow, a.xdiv);
+#pragma unroll
+    for (int p = 0; p < BW_STAGES - 1; p++) {
+        wa.issue_next(ring + p * 2 * BW_THREADS, p, nsteps);
+        wb.issue_next(ring + p * 2 * BW_THREADS + BW_THREADS, p, nsteps);
+        bt_cp_commit();
+    }
+    if (DN) { /* h's rows of tile ti: every up item of the tile done */
+        if (threadIdx.x == 0) {
+#ifdef FP4MOE_INJECT_FAULT_MOE_WAIT /* deliberate fault (the checks must catch it): no wait */
+            (void)gq_ld_acquire(done + ti);
+#else
+            while (gq_ld_acquire(done + ti) < NTu) __nanosleep(100);
+#endif
+        }
+        __syncthreads();
+    }
+    gq_moe_xload<DN>(xr, 0, K);
+    xr.store(xs0);
+    __syncthreads();
+
+    for (int s = 0; s < nsteps; s++) {
+        uint32_t a0[4], a1[4], b0[4], b1[4], sa[2], sb[2], ta[2], tb[2], swa0, swa1, swb0, swb1;
+        if (s + 1 < nsteps) gq_moe_xload<DN>(xr, (s + 1) * BT_KSTEP, K);
+        bt_cp_wait<BW_STAGES - 2>();
+        const auto sl = ring + (s % BW_STAGES) * 2 * BW_THREADS;
+        wa.read(sl, a0, a1, swa0, swa1);
+        wb.read(sl + BW_THREADS, b0, b1, swb0, swb1);
+        bt_scales4<__nv_bfloat16, true>(swa0, swa1, sa, sb);
+        bt_scales4<__nv_bfloat16, true>(swb0, swb1, ta, tb);
+        const int nxt = s + BW_STAGES - 1;
+        bw_step_ntv(ntv, aa, ab, a0, a1, b0, b1, sa, sb, ta, tb, ((s & 1) ? xs1 : xs0) + xoff);
+        if (s + 1 < nsteps) xr.store((s & 1) ? xs0 : xs1);
+        wa.issue_next(ring + (nxt % BW_STAGES) * 2 * BW_THREADS, nxt, nsteps);
+        wb.issue_next(ring + (nxt % BW_STAGES) * 2 * BW_THREADS + BW_THREADS, nxt, nsteps);
+        bt_cp_commit();
+        __syncthreads();
+    }
+    const float mult = cu_expert_gs(a.gs, e) * bt_ops<__nv_bfloat16>::kUndo;
+    __nv_bfloat16 *y = static_cast<__nv_bfloat16 *>(a.y);
+    bt_store_tile<__nv_bfloat16, BW_MT>(aa, y, row0, rows, ntv, nw, N, g, t, mult, a.relu2);
+    bt_store_tile<__nv_bfloat16, BW_MT>(ab, y, row0, rows, ntv, nw + 16, N, g, t, mult, a.relu2);
+    if (!DN) { /* publish: this block's part of h's tile ti is written */
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            __threadfence();
+            atomicAdd(done + ti, 1);
+        }
+    } else if (threadIdx.x == 0) { /* the tile's last down item resets its counter for the next call */
+#ifdef FP4MOE_INJECT_FAULT_MOE_RESET /* deliberate fault (tests must catch it): the counter left at up + down N-tiles */
+        atomicAdd(done + ti, 1);
+#else
+        if (atomicAdd(done + ti, 1) == NTu + NTd - 1) atomicExch(done + ti, 0);
+#endif
+    }
+}
+
+/* u: the up projection (x -> h, relu^2), d: the down projection (h -> y); the same idx, B, E (runs: starts /
+ * tile_off of row tile 32, ctr = tile_off + E + 1 zeroed); done: tile_off[E] ints, zero. */
+__global__ void __launch_bounds__(BW_THREADS, BW_MINB)
+gq_moe_w32_kernel(gq_args u, gq_args d, const int *__restrict__ starts, const int *__restrict__ tile_off, int *ctr,
+                    int *done) {
+    cu_pdl_entry();
+    __shared__ int next_item[2];
+    bt_sched sch = {ctr, 0};
+    extern __shared__ __align__(16) uint8_t smem[];
+    const int tiles = tile_off[u.E];
+    const int NTu = (u.N + BW_NTILE - 1) / BW_NTILE, NTd = (d.N + BW_NTILE - 1) / BW_NTILE;
+    const int64_t tot_u = (int64_t)tiles * NTu, total = tot_u + (int64_t)tiles * NTd;
+    for (int64_t item = blockIdx.x; item < total; item = sch.next(item, next_item)) {
+        sch.fetch(next_item, total);
+        if (item < tot_u) gq_moe_item<false>(u, item, NTu, NTu, NTd, starts, tile_off, done, smem);
+        else gq_moe_item<true>(d, item - tot_u, NTd, NTu, NTd, starts, tile_off, done, smem);
+    }
+    bt_zero_tail(static_cast<__nv_bfloat16 *>(u.y), starts, u.E, u.B, u.N);
+    bt_zero_tail(static_cast<__nv_bfloat16 *>(d.y), starts, d.E, d.B, d.N);
+}
+
 /* ---- plain linears of a decode batch: one item's K steps over 3 warp groups ------------------------
  * gq_dense_kg_kernel: bf16 calls of a plain linear (E = 1) of KG_MIN_ROWS..64 sorted rows with N >= KG_MIN_N and
  * K % 64 == 0 (the 33-64-sequence decode step's Mamba in / out projections, shared experts and attention q / o;
@@ -1360,6 +1505,20 @@ static int launch_w32(const gq_args *a, const int *starts, const int *tile_off, 
     return FP4MOE_OK;
 }
 
+/* gq_moe_w32_kernel; see gq_launch_moe_pair (gather_cuda.cuh) */
+static int launch_moe_w32(const gq_args *u, const gq_args *d, int *done, cudaStream_t st) {
+    const int64_t NT = (u->N + BW_NTILE - 1) / BW_NTILE + (d->N + BW_NTILE - 1) / BW_NTILE;
+    const int64_t bound = ((int64_t)u->B / BW_MT + 1 + (u->E < u->B ? u->E : u->B)) * NT;
+    unsigned grid = 0;
+    const int rc = persistent_grid(gq_moe_w32_kernel, BW_THREADS, BW_SMEM, bound, &grid);
+    if (rc) return rc;
+    const int *starts = u->runs, *tile_off = u->runs + u->E + 1;
+    cu_launch(gq_moe_w32_kernel, grid, BW_THREADS, BW_SMEM, st, *u, *d, starts, tile_off,
+              const_cast<int *>(tile_off) + u->E + 1, done);
+    FP4MOE_CUDA_TRY("gather_qmm_cuda", cudaGetLastError(), "launch of the fused MoE kernel (up + down)");
+    return FP4MOE_OK;
+}
+
 template <typename T, typename TY, int MT, bool FAST, int V, bool TL = false, int MINB = bt_cfg<MT>::MINBLOCKS>
 static int launch(const gq_args *a, const int *starts, const int *tile_off, cudaStream_t st) {
     typedef bt_cfg<MT> cfg;
@@ -1457,4 +1616,15 @@ int gq_launch_batched(const gq_args *a, fp4moe_dtype dtype, cudaStream_t st) {
 
 int gq_launch_qmv_tiled(const gq_args *a, fp4moe_dtype dtype, cudaStream_t st) {
     return launch_tiled(a, dtype, GQ_QMV_TILE_ROWS, st);
+}
+
+int64_t gq_moe_done_ints(int64_t B, int64_t E) { return B / BW_MT + 1 + (E < B ? E : B); }
+
+int gq_launch_moe_pair(const gq_args *u, const gq_args *d, int *done, int64_t done_n, cudaStream_t st) {
+    const bool fast = u->K % 64 == 0 && d->K % 64 == 0 && ((uintptr_t)u->codes & 15) == 0 && ((uintptr_t)d->codes & 15) == 0;
+    if (!BT_W32 || !u->tiled || !d->tiled || !fast || u->E < 2 || u->E != d->E || u->B != d->B || u->idx != d->idx ||
+        d->x != u->y || !u->relu2 || d->relu2 || d->xrow || !u->runs || u->runs != d->runs || u->runs_mt != BW_MT ||
+        d->runs_mt != BW_MT || gq_batched_row_tile(u, FP4MOE_BF16) != BW_MT || !done || done_n < gq_moe_done_ints(u->B, u->E))
+        return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "gather_qmm_cuda (moe pair): not two 32-row w32 calls on one set of runs");
+    return launch_moe_w32(u, d, done, st);
 }

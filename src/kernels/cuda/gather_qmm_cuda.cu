@@ -36,6 +36,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 
+#include "common/env.h"
 #include "kernels/cuda/gather_cuda.cuh"
 #include "kernels/cuda/ops_cuda.h"
 #include "kernels/gather_common.h"
@@ -312,6 +313,38 @@ extern "C" int gather_qmm_cuda_rows(const fp4moe_nvfp4_weights *w, int tiled, co
     st = qt ? gq_launch_qmv_tiled(&a, FP4MOE_BF16, s) : gq_launch_batched(&a, FP4MOE_BF16, s);
     return st ? fp4moe_error_context(st, "gather_qmm_cuda (rows, E=%d N=%d K=%d B=%d)", a.E, a.N, a.K, a.B) : FP4MOE_OK;
 }
+
+extern "C" int gather_qmm_cuda_moe_rows(const fp4moe_nvfp4_weights *wu, int tiled_u, const fp4moe_nvfp4_weights *wd,
+                                        int tiled_d, const void *x, int64_t T, const uint32_t *xrow, int64_t xdiv,
+                                        const uint32_t *idx, int64_t B, fp4moe_route route, void *h, void *y,
+                                        void *stream, const gq_runs *runs) {
+    if (strcmp(env_get(ENV_CUDA_MOE_FUSED), "1"))
+        return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "gather_qmm_cuda (moe pair): off (FP4MOE_CUDA_MOE_FUSED=0)");
+    int st = check_call(wu, x, FP4MOE_BF16, idx, B, 1, route, h);
+    if (st == FP4MOE_OK) st = check_call(wd, h, FP4MOE_BF16, idx, B, 1, route, y);
+    if (st != FP4MOE_OK || B == 0) return st;
+    if (T < 1 || T > INT_MAX || xdiv < 1 || xdiv > INT_MAX || misaligned(xrow, 4) || !xrow || wd->K != wu->N ||
+        wd->E != wu->E)
+        return fp4moe_set_error(FP4MOE_EINVAL, "gather_qmm_cuda (moe pair): T=%lld, xdiv=%lld, xrow (%p), down K %lld "
+                                "vs up N %lld or E %lld vs %lld invalid", (long long)T, (long long)xdiv,
+                                (const void *)xrow, (long long)wd->K, (long long)wu->N, (long long)wd->E,
+                                (long long)wu->E);
+    const fp4moe_route r = route == FP4MOE_ROUTE_AUTO ? choose_route(B, wu->E, 1) : route;
+    if (r != FP4MOE_ROUTE_BATCHED || !runs_match(runs, idx, B, wu->E) || !runs->done)
+        return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "gather_qmm_cuda (moe pair): route %s or no runs made with idx",
+                                fp4moe_route_name(r));
+    const gq_args u = {wu->codes, wu->scales, wu->global_scale, (int)wu->E, (int)wu->N, (int)wu->K, x, h, idx, (int)B,
+                       1, tiled_u, 0, xrow, (int)xdiv, runs->buf, runs->mt, nullptr};
+    const gq_args d = {wd->codes, wd->scales, wd->global_scale, (int)wd->E, (int)wd->N, (int)wd->K, h, y, idx, (int)B,
+                       0, tiled_d, 0, nullptr, 0, runs->buf, runs->mt, nullptr};
+    st = gq_launch_moe_pair(&u, &d, runs->done, runs->done_n, (cudaStream_t)stream);
+    if (st == FP4MOE_EUNSUPPORTED) return st;
+    return st ? fp4moe_error_context(st, "gather_qmm_cuda (moe pair, E=%d up %dx%d down %dx%d B=%d)", u.E, u.N, u.K,
+                                     d.N, d.K, u.B)
+              : FP4MOE_OK;
+}
+
+extern "C" int64_t cuda_moe_done_ints(int64_t B, int64_t E) { return gq_moe_done_ints(B, E); }
 
 extern "C" int gather_qmm_cuda_linear(const fp4moe_nvfp4_weights *w, int tiled, const void *x, fp4moe_dtype dtype,
                                       const uint32_t *zero_idx, int64_t B, fp4moe_route route, int relu2, void *y,

@@ -64,6 +64,9 @@ typedef struct {
     int mt;                     /* the row tile of tile_off */
     const int *e1_pairs;        /* E = 1 calls on an all-zero idx (plain linears): cuda_ops.e1_runs, for B <= e1_n */
     int64_t e1_n;
+    int *done;                  /* device: done_n ints, zero between kernels - the fused MoE kernel's per-row-tile
+                                   counters (gq_launch_moe_pair; NULL: no fused MoE) */
+    int64_t done_n;
 } gq_runs;
 
 /* What the matmul ops need besides their operands (one per session). */
@@ -158,6 +161,12 @@ int gather_qmm_cuda_x1(const fp4moe_nvfp4_weights *w, int tiled, const void *x, 
 int gather_qmm_cuda_rows(const fp4moe_nvfp4_weights *w, int tiled, const void *x, int64_t T, const uint32_t *xrow,
                          int64_t xdiv, const uint32_t *idx, int64_t B, fp4moe_route route, int relu2, void *y,
                          void *stream, const gq_runs *runs);
+/* gather_qmm_cuda_rows of the up projection wu (relu^2, into h) and gather_qmm_cuda of the down projection wd (h -> y)
+ * on the same sorted idx, in one launch (gq_launch_moe_pair: FP4MOE_CUDA_MOE_FUSED=1, both on the expert-batched
+ * route's 32-row tiles, runs matching idx with done counters); FP4MOE_EUNSUPPORTED elsewhere. */
+int gather_qmm_cuda_moe_rows(const fp4moe_nvfp4_weights *wu, int tiled_u, const fp4moe_nvfp4_weights *wd, int tiled_d,
+                             const void *x, int64_t T, const uint32_t *xrow, int64_t xdiv, const uint32_t *idx,
+                             int64_t B, fp4moe_route route, void *h, void *y, void *stream, const gq_runs *runs);
 
 /* The row tile (8, 32 or 64) of the expert-batched kernel for a bf16 call of B sorted rows over E > 1
  * experts (gq_batched_row_tile): the mt of the runs cuda_moe_route makes. */
@@ -200,6 +209,17 @@ int cuda_linear_gather(const cuda_ops *o, const cuda_linear *w, const uint16_t *
  * FP4MOE_EUNSUPPORTED (the caller gathers the rows and calls cuda_linear_gather). */
 int cuda_linear_gather_x1(const cuda_ops *o, const cuda_linear *w, const uint16_t *x, const uint32_t *idx,
                           int64_t B, int relu2, uint16_t *y);
+
+/* The routed experts' up and down projections of a MoE layer in one launch where the CUDA kernels can (gq_launch_moe_pair:
+ * FP4MOE_CUDA_MOE_FUSED=1, NVFP4 experts without bias, the expert-batched route on 32-row tiles, the runs of idx made
+ * by cuda_moe_route with its done counters): hs (B x up N, bf16) = relu^2(x[row_of[b] / k] @ up^T), then ys (B x down
+ * N, bf16) = hs @ down^T - bitwise cuda_linear_gather_rows(up, relu2 1) then cuda_linear_gather(down). Elsewhere
+ * FP4MOE_EUNSUPPORTED (the caller makes the two calls); FP4MOE_EINVAL on bad arguments, FP4MOE_ECUDA on a launch
+ * failure. */
+int cuda_experts_rows(const cuda_ops *o, const cuda_linear *up, const cuda_linear *down, const uint16_t *x, int64_t T,
+                      const uint32_t *row_of, int64_t k, const uint32_t *idx, int64_t B, uint16_t *hs, uint16_t *ys);
+/* ints of the fused MoE kernel's done counters for B rows of E experts (gq_runs.done) */
+int64_t cuda_moe_done_ints(int64_t B, int64_t E);
 
 /* cuda_linear_gather on the rows x[row_of[b] / k] (T rows of x; gather_qmm_cuda_rows: no gathered
  * copy, the same bits as cuda_gather_rows then cuda_linear_gather). NVFP4 experts without bias, where

@@ -227,6 +227,16 @@ extern "C" int cuda_linear_gather_rows(const cuda_ops *o, const cuda_linear *w, 
     return gather_qmm_cuda_rows(&w->q, w->tiled, x, T, row_of, k, idx, B, o->route, relu2, y, o->stream, &o->runs);
 }
 
+extern "C" int cuda_experts_rows(const cuda_ops *o, const cuda_linear *up, const cuda_linear *down, const uint16_t *x,
+                                 int64_t T, const uint32_t *row_of, int64_t k, const uint32_t *idx, int64_t B,
+                                 uint16_t *hs, uint16_t *ys) {
+    if (!up->nvfp4 || up->bias || !down->nvfp4 || down->bias)
+        return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "cuda experts (fused): dense or biased experts");
+    if (B <= 0) return FP4MOE_OK;
+    return gather_qmm_cuda_moe_rows(&up->q, up->tiled, &down->q, down->tiled, x, T, row_of, k, idx, B, o->route, hs, ys,
+                                    o->stream, &o->runs);
+}
+
 /* y[i] = p[i] + p[n + i] + ... + p[(S-1) n + i], in that order */
 __global__ void sum_splits_kernel(const float *__restrict__ p, int S, int64_t n, float *__restrict__ y) {
     cu_pdl_entry();

@@ -626,7 +626,7 @@ extern "C" int cuda_moe_route(const cuda_ops *o, const cuda_router_cfg *r, const
             if (!st) st = cuda_router_topk(o->stream, r, logits, T, ids, wts);
         }
         if (!st) st = sort_by_expert(o->stream, ids, T * r->k, r->E, row_of, idx, pos_of, rr);
-        if (!st && rr.buf) *runs = gq_runs{runs->buf, runs->cap_e, idx, B, r->E, rr.mt, nullptr, 0};
+        if (!st && rr.buf) *runs = gq_runs{runs->buf, runs->cap_e, idx, B, r->E, rr.mt, nullptr, 0, runs->done, runs->done_n};
         return st;
     }
     cudaStream_t st = (cudaStream_t)o->stream;
@@ -635,7 +635,7 @@ extern "C" int cuda_moe_route(const cuda_ops *o, const cuda_router_cfg *r, const
     OPS_LAUNCH_CHECK("moe route (router logits)");
     cu_launch(route_tail_kernel, 1, ROUTE_WARPS * 32, smem, st, *r, (int)T, logits, ids, wts, row_of, idx, pos_of, rr);
     OPS_LAUNCH_CHECK("moe route (top-k and sort)");
-    if (rr.buf) *runs = gq_runs{runs->buf, runs->cap_e, idx, B, r->E, rr.mt, nullptr, 0};
+    if (rr.buf) *runs = gq_runs{runs->buf, runs->cap_e, idx, B, r->E, rr.mt, nullptr, 0, runs->done, runs->done_n};
     return FP4MOE_OK;
 }
 
