@@ -71,6 +71,7 @@ f_e1 test_ops_gpu src/kernels/cuda/gather_batched.cu E1_RUNS test_dense_linear
 f_tsign test_ops_gpu src/kernels/cuda/gather_qmv.cu TILED_SIGN test_tiled_scales
 f_moew test_ops_gpu src/kernels/cuda/gather_batched.cu MOE_WAIT test_moe_pair
 f_moer test_ops_gpu src/kernels/cuda/gather_batched.cu MOE_RESET test_moe_pair
+f_moet test_ops_gpu src/kernels/cuda/gather_batched.cu MOE_TILE test_moe_pair
 "
 if [ "${1:-}" = "--package" ]; then
     BINP=${2:?usage: --package BIN}

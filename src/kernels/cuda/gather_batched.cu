@@ -885,10 +885,9 @@ gq_batched_w32_kernel(gq_args a, const int *__restrict__ starts, const int *__re
  * An up item publishes after its stores (block barrier, then one thread's fence + atomicAdd on done[r]); a down
  * item issues its first weight copies (they do not need h), then one thread waits with acquire loads until
  * done[r] == the up N-tiles, the block barrier, then h is staged with L2 loads (ld.global.cg: h is written during
- * the kernel, so not the read-only path production's x loads take). No deadlock: items are taken in order from
- * the work counter (a block's first item is its index, and the grid is at most the co-resident blocks, all of
- * which take up items first when there are enough), so when a down item waits, each up item it needs has been
- * taken by a running block, and up items wait for nothing. done[r] resets itself: each down item of r adds 1
+ * the kernel, so not the read-only path production's x loads take). No deadlock: every item is taken from the
+ * work counter, in order, by a running block (the first item too), so when a down item waits, each up item it
+ * needs has been taken by a running block, and up items wait for nothing - however much of the grid is resident. done[r] resets itself: each down item of r adds 1
  * after its wait, and the one that brings it to up + down N-tiles sets it back to 0 (as bt_sched's counter), so
  * the buffer is zero between launches (allocated zeroed with the runs). */
 /* production's bt_xstage::load, or (CG) the same with L2 loads: h is written during this kernel */
@@ -923,7 +922,11 @@ __device__ __forceinline__ void gq_moe_item(const gq_args &a, int64_t local, int
     const bt_item it = bt_item_of<BW_MT>(local, a.E, NT, starts, tile_off);
     const int e = it.e, rows = it.rows;
     const int64_t row0 = it.row0;
+#ifdef FP4MOE_INJECT_FAULT_MOE_TILE /* deliberate fault (tests must catch it): every row tile of an expert on one counter */
+    const int ti = tile_off[e];
+#else
     const int ti = tile_off[e] + (int)((row0 - starts[e]) / BW_MT);
+#endif
     const int ntv = (rows + 7) >> 3, rows_pad = ntv * 8;
     const int nw = it.ntile * BW_NTILE + warp * 32;
     const int64_t we = cu_weight_expert(e, a.E);
@@ -1002,16 +1005,32 @@ __global__ void __launch_bounds__(BW_THREADS, BW_MINB)
 gq_moe_w32_kernel(gq_args u, gq_args d, const int *__restrict__ starts, const int *__restrict__ tile_off, int *ctr,
                     int *done) {
     cu_pdl_entry();
-    __shared__ int next_item[2];
-    bt_sched sch = {ctr, 0};
+    __shared__ int slot[2];
     extern __shared__ __align__(16) uint8_t smem[];
     const int tiles = tile_off[u.E];
     const int NTu = (u.N + BW_NTILE - 1) / BW_NTILE, NTd = (d.N + BW_NTILE - 1) / BW_NTILE;
     const int64_t tot_u = (int64_t)tiles * NTu, total = tot_u + (int64_t)tiles * NTd;
-    for (int64_t item = blockIdx.x; item < total; item = sch.next(item, next_item)) {
-        sch.fetch(next_item, total);
+    /* every item from the counter, the first too (not blockIdx.x as bt_sched): an item is only ever held by a running
+     * block, so a waiting down item's up items are running - whatever part of the grid is resident (another kernel
+     * beside it, MPS). A block fetches once more than it runs items (the fetch past the end), so the fetch that returns
+     * total + gridDim.x - 1 is the last: it sets the counter back to 0 for the next kernel. The next item is fetched
+     * at an item's start (its latency behind the item), into the other slot (read after the item's barriers). */
+    const int64_t fetches = total + gridDim.x;
+    auto fetch = [&](int p) {
+        if (threadIdx.x == 0) {
+            const int v = atomicAdd(ctr, 1);
+            slot[p] = v;
+            if ((int64_t)v == fetches - 1) atomicExch(ctr, 0);
+        }
+    };
+    fetch(0);
+    __syncthreads();
+    int par = 0;
+    for (int64_t item = slot[0]; item < total; item = slot[par]) {
+        fetch(par ^ 1);
         if (item < tot_u) gq_moe_item<false>(u, item, NTu, NTu, NTd, starts, tile_off, done, smem);
         else gq_moe_item<true>(d, item - tot_u, NTd, NTu, NTd, starts, tile_off, done, smem);
+        par ^= 1;
     }
     bt_zero_tail(static_cast<__nv_bfloat16 *>(u.y), starts, u.E, u.B, u.N);
     bt_zero_tail(static_cast<__nv_bfloat16 *>(d.y), starts, d.E, d.B, d.N);
@@ -1626,5 +1645,7 @@ int gq_launch_moe_pair(const gq_args *u, const gq_args *d, int *done, int64_t do
         d->x != u->y || !u->relu2 || d->relu2 || d->xrow || !u->runs || u->runs != d->runs || u->runs_mt != BW_MT ||
         d->runs_mt != BW_MT || gq_batched_row_tile(u, FP4MOE_BF16) != BW_MT || !done || done_n < gq_moe_done_ints(u->B, u->E))
         return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "gather_qmm_cuda (moe pair): not two 32-row w32 calls on one set of runs");
+    if (!sched_counter(u, u->runs + u->E + 1)) /* FP4MOE_CUDA_GATHER_SCHED=static: the two calls keep that order */
+        return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "gather_qmm_cuda (moe pair): FP4MOE_CUDA_GATHER_SCHED=static");
     return launch_moe_w32(u, d, done, st);
 }
