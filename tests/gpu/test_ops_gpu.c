@@ -901,7 +901,7 @@ static void test_moe_pair(void **state) {
     moe_pair_case(g, 128, 1856, 2688, 2688, 512, 6, 1, 1, 63); /* the 30B-A3B layer at 512 tokens */
     moe_pair_case(g, 2, 64, 128, 192, 20, 4, 0, 1, 64);     /* 80 rows of 2 experts: 12 items, all at once */
     moe_pair_case(g, 4, 256, 256, 128, 150, 6, 0, 0, 65);   /* 900 rows of 4 experts: 64-row tiles - refused */
-    moe_pair_case(g, 64, 72, 128, 64, 40, 6, 0, 0, 66);     /* 240 rows of 64 experts: 8-row tiles - refused */
+    moe_pair_case(g, 64, 128, 128, 64, 40, 6, 0, 0, 66);    /* 240 rows of 64 experts: 8-row tiles - refused */
 }
 
 static void test_linear_gather_rows(void **state) {
