@@ -76,9 +76,10 @@ static int fx_pair(const gq_args *u0, const gq_args *d0, cudaStream_t st) {
     int *buf = NULL;
     if (gq_scratch_alloc((void **)&buf, (2 * (size_t)u0->E + 3) * sizeof(int), st)) return 1;
     gq_args u = *u0, d = *d0;
+    const int mt = gq_batched_row_tile(&u, FP4MOE_BF16);
     u.runs = d.runs = buf;
-    u.runs_mt = d.runs_mt = 32;
-    int rc = gq_launch_runs(&u, 32, buf, buf + u.E + 1, st);
+    u.runs_mt = d.runs_mt = mt;
+    int rc = gq_launch_runs(&u, mt, buf, buf + u.E + 1, st);
     if (!rc) rc = gq_launch_moe_pair(&u, &d, fx_done, FX_DONE_INTS, st);
     gq_scratch_free(buf, st);
     return rc;
@@ -275,7 +276,7 @@ static int check_pair(const char *what, const wts_t *up, const wts_t *dn, const 
         gt_poison(h0, hb); gt_poison(h1, hb); gt_poison(y0, yb); gt_poison(y1, yb);
         gq_args u0 = args_of(up, true, x, h0, didx, B, 1), d0 = args_of(dn, true, h0, y0, didx, B, 0);
         gq_args u1 = args_of(up, true, x, h1, didx, B, 1), d1 = args_of(dn, true, h1, y1, didx, B, 0);
-        if (prod_launch(&u0, 32, 0) || prod_launch(&d0, 32, 0)) { fprintf(stderr, "%s: production: %s\n", what, fp4moe_last_error()); exit(1); }
+        if (prod_launch(&u0, 0, 0) || prod_launch(&d0, 0, 0)) { /* production's own row tile */ fprintf(stderr, "%s: production: %s\n", what, fp4moe_last_error()); exit(1); }
         const int bad = fx_pair(&u1, &d1, 0);
         if (bad) printf("check fused %s: %s\n", what, fp4moe_last_error());
         const cudaError_t ce = cudaDeviceSynchronize();
@@ -313,6 +314,8 @@ static int run_checks(tu_rng *r, int small) {
         const int l1[6] = {1, 0, 137, 9, 40, 64}, l2[6] = {8, 7, 16, 0, 3, 129};
         ok &= check_pair("E=6 up 448->320, down 320->200, runs 1..137, tail 5", &u2, &d2, l1, 5, r);
         ok &= check_pair("E=6 short runs", &u2, &d2, l2, 0, r);
+        const int l3[6] = {200, 0, 300, 90, 1, 129}; /* mean 120 rows: 64-row tiles (the wgmma form) */
+        ok &= check_pair("E=6 long runs", &u2, &d2, l3, 3, r);
         free_wts(&u2); free_wts(&d2);
         if (!small) {
             make_wts(&u2, 128, 1856, 2688, r);

@@ -872,7 +872,8 @@ gq_batched_w32_kernel(gq_args a, const int *__restrict__ starts, const int *__re
     bt_zero_tail(y, starts, a.E, a.B, N);
 }
 
-/* ---- a MoE layer's up and down projections in one persistent kernel (both on 32-row w32 items) ----------------
+/* ---- a MoE layer's up and down projections in one persistent kernel (32-row w32 or 64-row wgmma items) ---------
+ * (gq_moe_w32_kernel here; gq_moe_wg_kernel, the same queue on gw_item's 64-row tiles, after the wgmma kernel)
  * gq_launch_moe_pair (FP4MOE_CUDA_MOE_FUSED=1, the default): the items of the up projection (x -> h, relu^2) and of
  * the down projection (h -> y) of one MoE layer are ONE queue - all up items, then all down items, each in
  * gq_batched_w32_kernel's (expert, N-tile, row-tile) order - so the down items start while the up projection's last
@@ -912,6 +913,80 @@ __device__ __forceinline__ int gq_ld_acquire(const int *p) {
     return v;
 }
 
+/* The dependency of a fused item on row tile ti's counter done[ti]: wait(need) - a down item, before it stages h: one
+ * thread's acquire loads until every up item of the tile (need: the up N-tiles) published, then the block barrier;
+ * publish() - an up item, after its stores: the block barrier, one thread's fence and add; count(last) - a down item,
+ * after its wait: one thread's add, the tile's last one (the add that returns last = up + down N-tiles - 1) setting
+ * the counter back to 0. */
+struct gq_moe_dep {
+    int *done;
+    int ti;
+    __device__ __forceinline__ void wait(int need) const {
+        if (threadIdx.x == 0) {
+#ifdef FP4MOE_INJECT_FAULT_MOE_WAIT /* deliberate fault (the checks must catch it): no wait */
+            (void)gq_ld_acquire(done + ti);
+#else
+            while (gq_ld_acquire(done + ti) < need) __nanosleep(100);
+#endif
+        }
+        __syncthreads();
+    }
+    __device__ __forceinline__ void publish() const {
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            __threadfence();
+            atomicAdd(done + ti, 1);
+        }
+    }
+    __device__ __forceinline__ void count(int last) const {
+        if (threadIdx.x == 0) {
+#ifdef FP4MOE_INJECT_FAULT_MOE_RESET /* deliberate fault (tests must catch it): the counter left at up + down N-tiles */
+            atomicAdd(done + ti, 1);
+#else
+            if (atomicAdd(done + ti, 1) == last) atomicExch(done + ti, 0);
+#endif
+        }
+    }
+};
+
+/* the row tile of an item (bt_item_of's expert e and first row row0, MT-row tiles): its index in tile_off's order */
+template <int MT>
+__device__ __forceinline__ int gq_moe_tile(const int *tile_off, const int *starts, int e, int64_t row0) {
+#ifdef FP4MOE_INJECT_FAULT_MOE_TILE /* deliberate fault (tests must catch it): every row tile of an expert on one counter */
+    (void)starts; (void)row0;
+    return tile_off[e];
+#else
+    return tile_off[e] + (int)((row0 - starts[e]) / MT);
+#endif
+}
+
+/* The fused queue's scheduler: every item from the work counter ctr, the first too (not blockIdx.x as bt_sched): an
+ * item is only ever held by a running block, so a waiting down item's up items are running - whatever part of the
+ * grid is resident (another kernel beside it, MPS). A block fetches once more than it runs items (the fetch past the
+ * end), so the fetch that returns total + gridDim.x - 1 is the last: it sets the counter back to 0 for the next
+ * kernel. The next item is fetched at an item's start (its latency behind the item) into the other slot, read after
+ * the item's barriers. */
+template <typename F>
+__device__ __forceinline__ void gq_moe_queue(int *ctr, int64_t total, F run) {
+    __shared__ int slot[2];
+    const int64_t fetches = total + gridDim.x;
+    auto fetch = [&](int p) {
+        if (threadIdx.x == 0) {
+            const int v = atomicAdd(ctr, 1);
+            slot[p] = v;
+            if ((int64_t)v == fetches - 1) atomicExch(ctr, 0);
+        }
+    };
+    fetch(0);
+    __syncthreads();
+    int par = 0;
+    for (int64_t item = slot[0]; item < total; item = slot[par]) {
+        fetch(par ^ 1);
+        run(item);
+        par ^= 1;
+    }
+}
+
 /* One item of the fused queue: a (a projection's args, kernel parameters) with item `local` of its own order;
  * DN: a down item (waits for its tile's up items; counts itself), else an up item (publishes its part). A
  * template, so that each form reads its parameters from the constant bank (a runtime choice between u and d
@@ -927,11 +1002,7 @@ __device__ __forceinline__ void gq_moe_item(const gq_args &a, int64_t local, int
     const bt_item it = bt_item_of<BW_MT>(local, a.E, NT, starts, tile_off);
     const int e = it.e, rows = it.rows;
     const int64_t row0 = it.row0;
-#ifdef FP4MOE_INJECT_FAULT_MOE_TILE /* deliberate fault (tests must catch it): every row tile of an expert on one counter */
-    const int ti = tile_off[e];
-#else
-    const int ti = tile_off[e] + (int)((row0 - starts[e]) / BW_MT);
-#endif
+    const gq_moe_dep dep = {done, gq_moe_tile<BW_MT>(tile_off, starts, e, row0)};
     const int ntv = (rows + 7) >> 3, rows_pad = ntv * 8;
     const int nw = it.ntile * BW_NTILE + warp * 32;
     const int64_t we = cu_weight_expert(e, a.E);
@@ -954,16 +1025,7 @@ __device__ __forceinline__ void gq_moe_item(const gq_args &a, int64_t local, int
         wb.issue_next(ring + p * 2 * BW_THREADS + BW_THREADS, p, nsteps);
         bt_cp_commit();
     }
-    if (DN) { /* h's rows of tile ti: every up item of the tile done */
-        if (threadIdx.x == 0) {
-#ifdef FP4MOE_INJECT_FAULT_MOE_WAIT /* deliberate fault (the checks must catch it): no wait */
-            (void)gq_ld_acquire(done + ti);
-#else
-            while (gq_ld_acquire(done + ti) < NTu) __nanosleep(100);
-#endif
-        }
-        __syncthreads();
-    }
+    if (DN) dep.wait(NTu); /* h's rows of the tile: every up item of it done */
     gq_moe_xload<DN>(xr, 0, K);
     xr.store(xs0);
     __syncthreads();
@@ -989,19 +1051,8 @@ __device__ __forceinline__ void gq_moe_item(const gq_args &a, int64_t local, int
     __nv_bfloat16 *y = static_cast<__nv_bfloat16 *>(a.y);
     bt_store_tile<__nv_bfloat16, BW_MT>(aa, y, row0, rows, ntv, nw, N, g, t, mult, a.relu2);
     bt_store_tile<__nv_bfloat16, BW_MT>(ab, y, row0, rows, ntv, nw + 16, N, g, t, mult, a.relu2);
-    if (!DN) { /* publish: this block's part of h's tile ti is written */
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            __threadfence();
-            atomicAdd(done + ti, 1);
-        }
-    } else if (threadIdx.x == 0) { /* the tile's last down item resets its counter for the next call */
-#ifdef FP4MOE_INJECT_FAULT_MOE_RESET /* deliberate fault (tests must catch it): the counter left at up + down N-tiles */
-        atomicAdd(done + ti, 1);
-#else
-        if (atomicAdd(done + ti, 1) == NTu + NTd - 1) atomicExch(done + ti, 0);
-#endif
-    }
+    if (!DN) dep.publish(); /* this block's part of h's row tile is written */
+    else dep.count(NTu + NTd - 1);
 }
 
 /* u: the up projection (x -> h, relu^2), d: the down projection (h -> y); the same idx, B, E (runs: starts /
@@ -1010,33 +1061,14 @@ __global__ void __launch_bounds__(BW_THREADS, BW_MINB)
 gq_moe_w32_kernel(gq_args u, gq_args d, const int *__restrict__ starts, const int *__restrict__ tile_off, int *ctr,
                     int *done) {
     cu_pdl_entry();
-    __shared__ int slot[2];
     extern __shared__ __align__(16) uint8_t smem[];
     const int tiles = tile_off[u.E];
     const int NTu = (u.N + BW_NTILE - 1) / BW_NTILE, NTd = (d.N + BW_NTILE - 1) / BW_NTILE;
     const int64_t tot_u = (int64_t)tiles * NTu, total = tot_u + (int64_t)tiles * NTd;
-    /* every item from the counter, the first too (not blockIdx.x as bt_sched): an item is only ever held by a running
-     * block, so a waiting down item's up items are running - whatever part of the grid is resident (another kernel
-     * beside it, MPS). A block fetches once more than it runs items (the fetch past the end), so the fetch that returns
-     * total + gridDim.x - 1 is the last: it sets the counter back to 0 for the next kernel. The next item is fetched
-     * at an item's start (its latency behind the item), into the other slot (read after the item's barriers). */
-    const int64_t fetches = total + gridDim.x;
-    auto fetch = [&](int p) {
-        if (threadIdx.x == 0) {
-            const int v = atomicAdd(ctr, 1);
-            slot[p] = v;
-            if ((int64_t)v == fetches - 1) atomicExch(ctr, 0);
-        }
-    };
-    fetch(0);
-    __syncthreads();
-    int par = 0;
-    for (int64_t item = slot[0]; item < total; item = slot[par]) {
-        fetch(par ^ 1);
+    gq_moe_queue(ctr, total, [&](int64_t item) {
         if (item < tot_u) gq_moe_item<false>(u, item, NTu, NTu, NTd, starts, tile_off, done, smem);
         else gq_moe_item<true>(d, item - tot_u, NTd, NTu, NTd, starts, tile_off, done, smem);
-        par ^= 1;
-    }
+    });
     bt_zero_tail(static_cast<__nv_bfloat16 *>(u.y), starts, u.E, u.B, u.N);
     bt_zero_tail(static_cast<__nv_bfloat16 *>(d.y), starts, d.E, d.B, d.N);
 }
@@ -1292,12 +1324,16 @@ template <int MT> struct gw_xstage {
             src[i] = r < rows_pad ? x + gq_x_row(xrow, xdiv, row0 + rr) * K + kc : nullptr;
         }
     }
-    __device__ __forceinline__ void load(int k0, int K) {
+    /* CG: L2 loads (ld.global.cg) - x written during the kernel (the fused MoE kernel's h) */
+    template <bool CG = false> __device__ __forceinline__ void load(int k0, int K) {
         const bool kok = k0 + kc < K;
 #pragma unroll
         for (int i = 0; i < NP; i++) {
             v[i] = make_uint4(0, 0, 0, 0);
-            if (src[i] && kok) v[i] = __ldg(reinterpret_cast<const uint4 *>(src[i] + k0));
+            if (src[i] && kok) {
+                const uint4 *p = reinterpret_cast<const uint4 *>(src[i] + k0);
+                v[i] = CG ? __ldcg(p) : __ldg(p);
+            }
         }
     }
     __device__ __forceinline__ void store(uint8_t *xs) const {
@@ -1366,9 +1402,12 @@ __device__ __forceinline__ void gw_store(const gq_args &a, int e, int64_t row0, 
 }
 
 /* One item (expert e, rows row0 .. row0 + rows - 1, features from nw for this warp) with N = rows
- * rounded up to 8. */
-template <int N, int MT, bool TL>
-__device__ __forceinline__ void gw_item(const gq_args &a, int e, int64_t row0, int rows, int nw, uint8_t *smem) {
+ * rounded up to 8. DEP (the fused MoE kernel, gq_moe_wg_kernel): 1 an up item (publishes on *dep after its
+ * stores), 2 a down item (waits on *dep for `need` up items before it stages x, loads x from L2, counts itself,
+ * the tile's `last`); 0 none. */
+template <int N, int MT, bool TL, int DEP = 0>
+__device__ __forceinline__ void gw_item(const gq_args &a, int e, int64_t row0, int rows, int nw, uint8_t *smem,
+                                        const gq_moe_dep *dep = nullptr, int need = 0, int last = 0) {
     typedef gw_cfg<MT> cfg;
     uint8_t *xs0 = smem, *xs1 = smem + cfg::XBYTES;
     const uint32_t xd0 = gw_desc_lo(bt_smem_addr(xs0)), xd1 = gw_desc_lo(bt_smem_addr(xs1));
@@ -1402,14 +1441,15 @@ __device__ __forceinline__ void gw_item(const gq_args &a, int e, int64_t row0, i
         ws.issue(ring + p * GW_THREADS, p, nsteps);
         bt_cp_commit();
     }
-    xr.load(0, K);
+    if constexpr (DEP == 2) dep->wait(need);
+    xr.template load<DEP == 2>(0, K);
     xr.store(xs0);
     wg_fence_async_smem();
     __syncthreads();
 
     for (int s = 0; s < nsteps; s++) {
         uint32_t w0[4], w1[4], sa[2], sb[2];
-        if (s + 1 < nsteps) xr.load((s + 1) * BT_KSTEP, K); /* first (session 27: 2k prefill +0.4%) */
+        if (s + 1 < nsteps) xr.template load<DEP == 2>((s + 1) * BT_KSTEP, K); /* first (session 27: 2k prefill +0.4%) */
         bt_cp_wait<BT_STAGES - 2>();
         uint32_t sw0, sw1;
         ws.read(ring + (s % BT_STAGES) * GW_THREADS, w0, w1, sw0, sw1);
@@ -1435,23 +1475,26 @@ __device__ __forceinline__ void gw_item(const gq_args &a, int e, int64_t row0, i
     for (int i = 0; i < N / 2; i++) asm volatile("" : "+f"(acc[i])::"memory"); /* read after the wait */
 
     gw_store<N>(a, e, row0, rows, nw, acc);
-    __syncthreads(); /* the x buffers and the ring are reused by the next item */
+    if constexpr (DEP == 1) dep->publish(); /* (its barrier is also the one below) */
+    else __syncthreads(); /* the x buffers and the ring are reused by the next item */
+    if constexpr (DEP == 2) dep->count(last);
 }
 
 /* gw_item for N = 8 * n8 (1 <= n8 <= MT / 8) */
-template <int MT, bool TL>
-__device__ __forceinline__ void gw_item_n(int n8, const gq_args &a, int e, int64_t row0, int rows, int nw, uint8_t *smem) {
-#define GW_CASE(n) case n: gw_item<8 * n, MT, TL>(a, e, row0, rows, nw, smem); break
+template <int MT, bool TL, int DEP = 0>
+__device__ __forceinline__ void gw_item_n(int n8, const gq_args &a, int e, int64_t row0, int rows, int nw, uint8_t *smem,
+                                          const gq_moe_dep *dep = nullptr, int need = 0, int last = 0) {
+#define GW_CASE(n) case n: gw_item<8 * n, MT, TL, DEP>(a, e, row0, rows, nw, smem, dep, need, last); break
     static_assert(MT == 64 || MT == 128, "row tile 64 or 128");
     switch (n8) {
     GW_CASE(1); GW_CASE(2); GW_CASE(3); GW_CASE(4); GW_CASE(5); GW_CASE(6); GW_CASE(7);
     default:
         if constexpr (MT == 64) {
-            gw_item<64, MT, TL>(a, e, row0, rows, nw, smem);
+            gw_item<64, MT, TL, DEP>(a, e, row0, rows, nw, smem, dep, need, last);
         } else {
             switch (n8) {
             GW_CASE(8); GW_CASE(9); GW_CASE(10); GW_CASE(11); GW_CASE(12); GW_CASE(13); GW_CASE(14); GW_CASE(15);
-            default: gw_item<MT, MT, TL>(a, e, row0, rows, nw, smem); break;
+            default: gw_item<MT, MT, TL, DEP>(a, e, row0, rows, nw, smem, dep, need, last); break;
             }
         }
     }
@@ -1474,6 +1517,34 @@ gq_batched_wg_kernel(gq_args a, const int *__restrict__ starts, const int *__res
         gw_item_n<MT, TL>((it.rows + 7) >> 3, a, it.e, it.row0, it.rows, it.ntile * GW_NTILE + wg * 64 + wq * 16, smem);
     }
     bt_zero_tail(static_cast<__nv_bfloat16 *>(a.y), starts, a.E, a.B, a.N);
+}
+
+/* The fused MoE kernel on 64-row tiles (gq_launch_moe_pair, as gq_moe_w32_kernel: the up items, then the down items,
+ * one queue; each item gw_item's arithmetic, so h and y are bitwise the two gq_batched_wg_kernel calls'). */
+template <bool TL, int MINB>
+__global__ void __launch_bounds__(GW_THREADS, MINB)
+gq_moe_wg_kernel(gq_args u, gq_args d, const int *__restrict__ starts, const int *__restrict__ tile_off, int *ctr,
+                 int *done) {
+    cu_pdl_entry();
+    extern __shared__ __align__(128) uint8_t smem[];
+    const int warp = threadIdx.x >> 5, wg = warp >> 2, wq = warp & 3;
+    const int NTu = (u.N + GW_NTILE - 1) / GW_NTILE, NTd = (d.N + GW_NTILE - 1) / GW_NTILE;
+    const int64_t tot_u = (int64_t)tile_off[u.E] * NTu, total = tot_u + (int64_t)tile_off[u.E] * NTd;
+    gq_moe_queue(ctr, total, [&](int64_t item) {
+        if (item < tot_u) {
+            const bt_item it = bt_item_of<64>(item, u.E, NTu, starts, tile_off);
+            const gq_moe_dep dep = {done, gq_moe_tile<64>(tile_off, starts, it.e, it.row0)};
+            gw_item_n<64, TL, 1>((it.rows + 7) >> 3, u, it.e, it.row0, it.rows, it.ntile * GW_NTILE + wg * 64 + wq * 16,
+                                 smem, &dep);
+        } else {
+            const bt_item it = bt_item_of<64>(item - tot_u, d.E, NTd, starts, tile_off);
+            const gq_moe_dep dep = {done, gq_moe_tile<64>(tile_off, starts, it.e, it.row0)};
+            gw_item_n<64, TL, 2>((it.rows + 7) >> 3, d, it.e, it.row0, it.rows, it.ntile * GW_NTILE + wg * 64 + wq * 16,
+                                 smem, &dep, NTu, NTu + NTd - 1);
+        }
+    });
+    bt_zero_tail(static_cast<__nv_bfloat16 *>(u.y), starts, u.E, u.B, u.N);
+    bt_zero_tail(static_cast<__nv_bfloat16 *>(d.y), starts, d.E, d.B, d.N);
 }
 
 /* A persistent grid for `kernel` (threads, smem dynamic shared memory): blocks an SM by the occupancy
@@ -1540,6 +1611,20 @@ static int launch_moe_w32(const gq_args *u, const gq_args *d, int *done, cudaStr
     cu_launch(gq_moe_w32_kernel, grid, BW_THREADS, BW_SMEM, st, *u, *d, starts, tile_off,
               const_cast<int *>(tile_off) + u->E + 1, done);
     FP4MOE_CUDA_TRY("gather_qmm_cuda", cudaGetLastError(), "launch of the fused MoE kernel (up + down)");
+    return FP4MOE_OK;
+}
+
+/* gq_moe_wg_kernel (64-row tiles, the tiled layout) */
+static int launch_moe_wg(const gq_args *u, const gq_args *d, int *done, cudaStream_t st) {
+    const int64_t NT = (u->N + GW_NTILE - 1) / GW_NTILE + (d->N + GW_NTILE - 1) / GW_NTILE;
+    const int64_t bound = ((int64_t)u->B / 64 + 1 + (u->E < u->B ? u->E : u->B)) * NT;
+    unsigned grid = 0;
+    const int rc = persistent_grid(gq_moe_wg_kernel<true, 2>, GW_THREADS, gw_cfg<64>::SMEM, bound, &grid);
+    if (rc) return rc;
+    const int *starts = u->runs, *tile_off = u->runs + u->E + 1;
+    cu_launch(gq_moe_wg_kernel<true, 2>, grid, GW_THREADS, gw_cfg<64>::SMEM, st, *u, *d, starts, tile_off,
+              const_cast<int *>(tile_off) + u->E + 1, done);
+    FP4MOE_CUDA_TRY("gather_qmm_cuda", cudaGetLastError(), "launch of the fused MoE kernel (up + down, wgmma)");
     return FP4MOE_OK;
 }
 
@@ -1646,11 +1731,13 @@ int64_t gq_moe_done_ints(int64_t B, int64_t E) { return B / BW_MT + 1 + (E < B ?
 
 int gq_launch_moe_pair(const gq_args *u, const gq_args *d, int *done, int64_t done_n, cudaStream_t st) {
     const bool fast = u->K % 64 == 0 && d->K % 64 == 0 && ((uintptr_t)u->codes & 15) == 0 && ((uintptr_t)d->codes & 15) == 0;
-    if (!BT_W32 || !u->tiled || !d->tiled || !fast || u->E < 2 || u->E != d->E || u->B != d->B || u->idx != d->idx ||
-        d->x != u->y || !u->relu2 || d->relu2 || d->xrow || !u->runs || u->runs != d->runs || u->runs_mt != BW_MT ||
-        d->runs_mt != BW_MT || gq_batched_row_tile(u, FP4MOE_BF16) != BW_MT || !done || done_n < gq_moe_done_ints(u->B, u->E))
-        return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "gather_qmm_cuda (moe pair): not two 32-row w32 calls on one set of runs");
+    const int mt = gq_batched_row_tile(u, FP4MOE_BF16);
+    if (!u->tiled || !d->tiled || !fast || u->E < 2 || u->E != d->E || u->B != d->B || u->idx != d->idx ||
+        d->x != u->y || !u->relu2 || d->relu2 || d->xrow || !u->runs || u->runs != d->runs || u->runs_mt != mt ||
+        d->runs_mt != mt || !((mt == BW_MT && BT_W32) || mt == 64) || !done || done_n < gq_moe_done_ints(u->B, u->E))
+        return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "gather_qmm_cuda (moe pair): not two calls of the w32 (32-row) or "
+                                "wgmma (64-row) kernel on one set of runs");
     if (!sched_counter(u, u->runs + u->E + 1)) /* FP4MOE_CUDA_GATHER_SCHED=static: the two calls keep that order */
         return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "gather_qmm_cuda (moe pair): FP4MOE_CUDA_GATHER_SCHED=static");
-    return launch_moe_w32(u, d, done, st);
+    return mt == 64 ? launch_moe_wg(u, d, done, st) : launch_moe_w32(u, d, done, st);
 }
