@@ -51,7 +51,7 @@ static const fp4moe_env_var k_vars[ENV_COUNT] = {
                      "VLLM_API_KEY; unlike the option, not visible in the process list)"},
     [ENV_CUDA_MOE_FUSED] = {"FP4MOE_CUDA_MOE_FUSED", "0|1", "1",
                             "1: a MoE layer's routed up and down projections in one CUDA kernel where both run "
-                            "32- or 64-row tiles (prefills of ~86-5,400 tokens); 0: two launches; the same results"},
+                            "32-row tiles (prefills of ~86-1,024 tokens); 0: two launches; the same results"},
 };
 
 static int allowed(const fp4moe_env_var *v, const char *val) {

@@ -777,7 +777,7 @@ static void rows_case(gpu_ctx *g, int64_t E, int64_t N, int64_t K, int64_t T, in
     dev_weights_free(&dw);
 }
 
-/* ---- gather_qmm_cuda_moe_rows: a MoE layer's up and down projections in one launch (32- and 64-row tiles) ---------
+/* ---- gather_qmm_cuda_moe_rows: a MoE layer's up and down projections in one launch ------------------------------
  * T tokens, k experts each (duplicates allowed; `skew`: expert draws weighted (e + 1)^-1 so some runs span several
  * 32-row tiles), sorted on the host; the fused call against gather_qmm_cuda_rows (up, relu^2) then
  * gather_qmm_cuda_ex (down) on runs made beforehand (cpu_runs with row tile 32, done counters of
@@ -900,9 +900,7 @@ static void test_moe_pair(void **state) {
     moe_pair_case(g, 16, 320, 448, 200, 100, 6, 1, 1, 62);  /* skewed: runs of several tiles */
     moe_pair_case(g, 128, 1856, 2688, 2688, 512, 6, 1, 1, 63); /* the 30B-A3B layer at 512 tokens */
     moe_pair_case(g, 2, 64, 128, 192, 20, 4, 0, 1, 64);     /* 80 rows of 2 experts: 12 items, all at once */
-    moe_pair_case(g, 4, 256, 256, 128, 150, 6, 0, 1, 65);   /* 900 rows of 4 experts: 64-row tiles (wgmma) */
-    moe_pair_case(g, 4, 256, 256, 128, 150, 6, 1, 1, 67);   /* the same, skewed */
-    moe_pair_case(g, 128, 1856, 2688, 2688, 2048, 6, 1, 1, 68); /* the 30B-A3B layer at 2,048 tokens (64-row tiles) */
+    moe_pair_case(g, 4, 256, 256, 128, 150, 6, 0, 0, 65);   /* 900 rows of 4 experts: 64-row tiles - refused */
     moe_pair_case(g, 2, 320, 128, 192, 1000, 6, 0, 0, 69);  /* 6,000 rows of 2 experts: dequant_gemm - refused */
     moe_pair_case(g, 64, 128, 128, 64, 40, 6, 0, 0, 66);    /* 240 rows of 64 experts: 8-row tiles - refused */
 }

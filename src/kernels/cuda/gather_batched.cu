@@ -872,8 +872,7 @@ gq_batched_w32_kernel(gq_args a, const int *__restrict__ starts, const int *__re
     bt_zero_tail(y, starts, a.E, a.B, N);
 }
 
-/* ---- a MoE layer's up and down projections in one persistent kernel (32-row w32 or 64-row wgmma items) ---------
- * (gq_moe_w32_kernel here; gq_moe_wg_kernel, the same queue on gw_item's 64-row tiles, after the wgmma kernel)
+/* ---- a MoE layer's up and down projections in one persistent kernel (both on 32-row w32 items) ----------------
  * gq_launch_moe_pair (FP4MOE_CUDA_MOE_FUSED=1, the default): the items of the up projection (x -> h, relu^2) and of
  * the down projection (h -> y) of one MoE layer are ONE queue - all up items, then all down items, each in
  * gq_batched_w32_kernel's (expert, N-tile, row-tile) order - so the down items start while the up projection's last
@@ -895,7 +894,11 @@ gq_batched_w32_kernel(gq_args a, const int *__restrict__ starts, const int *__re
  * rounds, the same greedy hashes; docs/PERFORMANCE.md): prefill 512 + 64 tokens 33,316 -> 33,851 tok/s (+1.6%, 5
  * rounds), 128 + 32 10,305 -> 10,596 (+2.8%), 1,024 + 16 43,335 -> 43,767 (+1.0%); 128-sequence decode 7,418 ->
  * 7,566 (+2.0%, its 96+-sequence steps take 32-row tiles). The bench (bench/gpu_gather_wg -DWK_FUSED=1, up + down,
- * the runs made once for both): 512 tokens 0.355 -> 0.351 ms uniform routing, 0.401 -> 0.400 skewed. */
+ * the runs made once for both): 512 tokens 0.355 -> 0.351 ms uniform routing, 0.401 -> 0.400 skewed. The same queue on
+ * the 64-row wgmma tiles (gq_moe_wg_kernel: gw_item with the wait / publish, 2,048-5,400 tokens) was bitwise right
+ * but SLOWER (session 36, H100): prefill 2,048 + 16 49,681 -> 44,269 tok/s (-11%), 4,096 + 8 53,026 -> 47,669
+ * (-10%), the bench pair at 2,048 tokens 0.954 -> 1.18 ms; not kept (bench/patches/moe-wg-fused.diff puts it back).
+ * Not understood yet: its code is twice the wgmma kernel's (16 forms of gw_item), its registers 125 (no spills). */
 /* production's bt_xstage::load, or (CG) the same with L2 loads: h is written during this kernel */
 template <bool CG, typename XS> __device__ __forceinline__ void gq_moe_xload(XS &xr, int k0, int K) {
     if (!CG) return xr.load(k0, K); /* x of the up projection: production's loads */
@@ -1324,16 +1327,12 @@ template <int MT> struct gw_xstage {
             src[i] = r < rows_pad ? x + gq_x_row(xrow, xdiv, row0 + rr) * K + kc : nullptr;
         }
     }
-    /* CG: L2 loads (ld.global.cg) - x written during the kernel (the fused MoE kernel's h) */
-    template <bool CG = false> __device__ __forceinline__ void load(int k0, int K) {
+    __device__ __forceinline__ void load(int k0, int K) {
         const bool kok = k0 + kc < K;
 #pragma unroll
         for (int i = 0; i < NP; i++) {
             v[i] = make_uint4(0, 0, 0, 0);
-            if (src[i] && kok) {
-                const uint4 *p = reinterpret_cast<const uint4 *>(src[i] + k0);
-                v[i] = CG ? __ldcg(p) : __ldg(p);
-            }
+            if (src[i] && kok) v[i] = __ldg(reinterpret_cast<const uint4 *>(src[i] + k0));
         }
     }
     __device__ __forceinline__ void store(uint8_t *xs) const {
@@ -1402,12 +1401,9 @@ __device__ __forceinline__ void gw_store(const gq_args &a, int e, int64_t row0, 
 }
 
 /* One item (expert e, rows row0 .. row0 + rows - 1, features from nw for this warp) with N = rows
- * rounded up to 8. DEP (the fused MoE kernel, gq_moe_wg_kernel): 1 an up item (publishes on *dep after its
- * stores), 2 a down item (waits on *dep for `need` up items before it stages x, loads x from L2, counts itself,
- * the tile's `last`); 0 none. */
-template <int N, int MT, bool TL, int DEP = 0>
-__device__ __forceinline__ void gw_item(const gq_args &a, int e, int64_t row0, int rows, int nw, uint8_t *smem,
-                                        const gq_moe_dep *dep = nullptr, int need = 0, int last = 0) {
+ * rounded up to 8. */
+template <int N, int MT, bool TL>
+__device__ __forceinline__ void gw_item(const gq_args &a, int e, int64_t row0, int rows, int nw, uint8_t *smem) {
     typedef gw_cfg<MT> cfg;
     uint8_t *xs0 = smem, *xs1 = smem + cfg::XBYTES;
     const uint32_t xd0 = gw_desc_lo(bt_smem_addr(xs0)), xd1 = gw_desc_lo(bt_smem_addr(xs1));
@@ -1441,15 +1437,14 @@ __device__ __forceinline__ void gw_item(const gq_args &a, int e, int64_t row0, i
         ws.issue(ring + p * GW_THREADS, p, nsteps);
         bt_cp_commit();
     }
-    if constexpr (DEP == 2) dep->wait(need);
-    xr.template load<DEP == 2>(0, K);
+    xr.load(0, K);
     xr.store(xs0);
     wg_fence_async_smem();
     __syncthreads();
 
     for (int s = 0; s < nsteps; s++) {
         uint32_t w0[4], w1[4], sa[2], sb[2];
-        if (s + 1 < nsteps) xr.template load<DEP == 2>((s + 1) * BT_KSTEP, K); /* first (session 27: 2k prefill +0.4%) */
+        if (s + 1 < nsteps) xr.load((s + 1) * BT_KSTEP, K); /* first (session 27: 2k prefill +0.4%) */
         bt_cp_wait<BT_STAGES - 2>();
         uint32_t sw0, sw1;
         ws.read(ring + (s % BT_STAGES) * GW_THREADS, w0, w1, sw0, sw1);
@@ -1475,26 +1470,23 @@ __device__ __forceinline__ void gw_item(const gq_args &a, int e, int64_t row0, i
     for (int i = 0; i < N / 2; i++) asm volatile("" : "+f"(acc[i])::"memory"); /* read after the wait */
 
     gw_store<N>(a, e, row0, rows, nw, acc);
-    if constexpr (DEP == 1) dep->publish(); /* (its barrier is also the one below) */
-    else __syncthreads(); /* the x buffers and the ring are reused by the next item */
-    if constexpr (DEP == 2) dep->count(last);
+    __syncthreads(); /* the x buffers and the ring are reused by the next item */
 }
 
 /* gw_item for N = 8 * n8 (1 <= n8 <= MT / 8) */
-template <int MT, bool TL, int DEP = 0>
-__device__ __forceinline__ void gw_item_n(int n8, const gq_args &a, int e, int64_t row0, int rows, int nw, uint8_t *smem,
-                                          const gq_moe_dep *dep = nullptr, int need = 0, int last = 0) {
-#define GW_CASE(n) case n: gw_item<8 * n, MT, TL, DEP>(a, e, row0, rows, nw, smem, dep, need, last); break
+template <int MT, bool TL>
+__device__ __forceinline__ void gw_item_n(int n8, const gq_args &a, int e, int64_t row0, int rows, int nw, uint8_t *smem) {
+#define GW_CASE(n) case n: gw_item<8 * n, MT, TL>(a, e, row0, rows, nw, smem); break
     static_assert(MT == 64 || MT == 128, "row tile 64 or 128");
     switch (n8) {
     GW_CASE(1); GW_CASE(2); GW_CASE(3); GW_CASE(4); GW_CASE(5); GW_CASE(6); GW_CASE(7);
     default:
         if constexpr (MT == 64) {
-            gw_item<64, MT, TL, DEP>(a, e, row0, rows, nw, smem, dep, need, last);
+            gw_item<64, MT, TL>(a, e, row0, rows, nw, smem);
         } else {
             switch (n8) {
             GW_CASE(8); GW_CASE(9); GW_CASE(10); GW_CASE(11); GW_CASE(12); GW_CASE(13); GW_CASE(14); GW_CASE(15);
-            default: gw_item<MT, MT, TL, DEP>(a, e, row0, rows, nw, smem, dep, need, last); break;
+            default: gw_item<MT, MT, TL>(a, e, row0, rows, nw, smem); break;
             }
         }
     }
@@ -1517,34 +1509,6 @@ gq_batched_wg_kernel(gq_args a, const int *__restrict__ starts, const int *__res
         gw_item_n<MT, TL>((it.rows + 7) >> 3, a, it.e, it.row0, it.rows, it.ntile * GW_NTILE + wg * 64 + wq * 16, smem);
     }
     bt_zero_tail(static_cast<__nv_bfloat16 *>(a.y), starts, a.E, a.B, a.N);
-}
-
-/* The fused MoE kernel on 64-row tiles (gq_launch_moe_pair, as gq_moe_w32_kernel: the up items, then the down items,
- * one queue; each item gw_item's arithmetic, so h and y are bitwise the two gq_batched_wg_kernel calls'). */
-template <bool TL, int MINB>
-__global__ void __launch_bounds__(GW_THREADS, MINB)
-gq_moe_wg_kernel(gq_args u, gq_args d, const int *__restrict__ starts, const int *__restrict__ tile_off, int *ctr,
-                 int *done) {
-    cu_pdl_entry();
-    extern __shared__ __align__(128) uint8_t smem[];
-    const int warp = threadIdx.x >> 5, wg = warp >> 2, wq = warp & 3;
-    const int NTu = (u.N + GW_NTILE - 1) / GW_NTILE, NTd = (d.N + GW_NTILE - 1) / GW_NTILE;
-    const int64_t tot_u = (int64_t)tile_off[u.E] * NTu, total = tot_u + (int64_t)tile_off[u.E] * NTd;
-    gq_moe_queue(ctr, total, [&](int64_t item) {
-        if (item < tot_u) {
-            const bt_item it = bt_item_of<64>(item, u.E, NTu, starts, tile_off);
-            const gq_moe_dep dep = {done, gq_moe_tile<64>(tile_off, starts, it.e, it.row0)};
-            gw_item_n<64, TL, 1>((it.rows + 7) >> 3, u, it.e, it.row0, it.rows, it.ntile * GW_NTILE + wg * 64 + wq * 16,
-                                 smem, &dep);
-        } else {
-            const bt_item it = bt_item_of<64>(item - tot_u, d.E, NTd, starts, tile_off);
-            const gq_moe_dep dep = {done, gq_moe_tile<64>(tile_off, starts, it.e, it.row0)};
-            gw_item_n<64, TL, 2>((it.rows + 7) >> 3, d, it.e, it.row0, it.rows, it.ntile * GW_NTILE + wg * 64 + wq * 16,
-                                 smem, &dep, NTu, NTu + NTd - 1);
-        }
-    });
-    bt_zero_tail(static_cast<__nv_bfloat16 *>(u.y), starts, u.E, u.B, u.N);
-    bt_zero_tail(static_cast<__nv_bfloat16 *>(d.y), starts, d.E, d.B, d.N);
 }
 
 /* A persistent grid for `kernel` (threads, smem dynamic shared memory): blocks an SM by the occupancy
@@ -1611,20 +1575,6 @@ static int launch_moe_w32(const gq_args *u, const gq_args *d, int *done, cudaStr
     cu_launch(gq_moe_w32_kernel, grid, BW_THREADS, BW_SMEM, st, *u, *d, starts, tile_off,
               const_cast<int *>(tile_off) + u->E + 1, done);
     FP4MOE_CUDA_TRY("gather_qmm_cuda", cudaGetLastError(), "launch of the fused MoE kernel (up + down)");
-    return FP4MOE_OK;
-}
-
-/* gq_moe_wg_kernel (64-row tiles, the tiled layout) */
-static int launch_moe_wg(const gq_args *u, const gq_args *d, int *done, cudaStream_t st) {
-    const int64_t NT = (u->N + GW_NTILE - 1) / GW_NTILE + (d->N + GW_NTILE - 1) / GW_NTILE;
-    const int64_t bound = ((int64_t)u->B / 64 + 1 + (u->E < u->B ? u->E : u->B)) * NT;
-    unsigned grid = 0;
-    const int rc = persistent_grid(gq_moe_wg_kernel<true, 2>, GW_THREADS, gw_cfg<64>::SMEM, bound, &grid);
-    if (rc) return rc;
-    const int *starts = u->runs, *tile_off = u->runs + u->E + 1;
-    cu_launch(gq_moe_wg_kernel<true, 2>, grid, GW_THREADS, gw_cfg<64>::SMEM, st, *u, *d, starts, tile_off,
-              const_cast<int *>(tile_off) + u->E + 1, done);
-    FP4MOE_CUDA_TRY("gather_qmm_cuda", cudaGetLastError(), "launch of the fused MoE kernel (up + down, wgmma)");
     return FP4MOE_OK;
 }
 
@@ -1731,13 +1681,11 @@ int64_t gq_moe_done_ints(int64_t B, int64_t E) { return B / BW_MT + 1 + (E < B ?
 
 int gq_launch_moe_pair(const gq_args *u, const gq_args *d, int *done, int64_t done_n, cudaStream_t st) {
     const bool fast = u->K % 64 == 0 && d->K % 64 == 0 && ((uintptr_t)u->codes & 15) == 0 && ((uintptr_t)d->codes & 15) == 0;
-    const int mt = gq_batched_row_tile(u, FP4MOE_BF16);
-    if (!u->tiled || !d->tiled || !fast || u->E < 2 || u->E != d->E || u->B != d->B || u->idx != d->idx ||
-        d->x != u->y || !u->relu2 || d->relu2 || d->xrow || !u->runs || u->runs != d->runs || u->runs_mt != mt ||
-        d->runs_mt != mt || !((mt == BW_MT && BT_W32) || mt == 64) || !done || done_n < gq_moe_done_ints(u->B, u->E))
-        return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "gather_qmm_cuda (moe pair): not two calls of the w32 (32-row) or "
-                                "wgmma (64-row) kernel on one set of runs");
+    if (!BT_W32 || !u->tiled || !d->tiled || !fast || u->E < 2 || u->E != d->E || u->B != d->B || u->idx != d->idx ||
+        d->x != u->y || !u->relu2 || d->relu2 || d->xrow || !u->runs || u->runs != d->runs || u->runs_mt != BW_MT ||
+        d->runs_mt != BW_MT || gq_batched_row_tile(u, FP4MOE_BF16) != BW_MT || !done || done_n < gq_moe_done_ints(u->B, u->E))
+        return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "gather_qmm_cuda (moe pair): not two 32-row w32 calls on one set of runs");
     if (!sched_counter(u, u->runs + u->E + 1)) /* FP4MOE_CUDA_GATHER_SCHED=static: the two calls keep that order */
         return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "gather_qmm_cuda (moe pair): FP4MOE_CUDA_GATHER_SCHED=static");
-    return mt == 64 ? launch_moe_wg(u, d, done, st) : launch_moe_w32(u, d, done, st);
+    return launch_moe_w32(u, d, done, st);
 }

@@ -252,10 +252,9 @@ int gq_launch_runs(const gq_args *a, int row_tile, int *starts, int *tile_off, c
 
 
 /* A MoE layer's up projection u (x -> h with relu^2; x through u->xrow or not) and down projection d (h -> y) in ONE
- * launch (gather_batched.cu, gq_moe_w32_kernel / gq_moe_wg_kernel): h and y bitwise those of gq_launch_batched(u) then
- * (d). Only where both would run the 32-row w32 kernel or the 64-row wgmma kernel on the runs made beforehand: bf16,
- * tiled, K % 64 == 0, E > 1, the same idx / B / E, d->x == u->y, u->runs == d->runs with runs_mt the row tile of
- * (B, E), 32 or 64; done: done_n >=
+ * launch (gather_batched.cu, gq_moe_w32_kernel): h and y bitwise those of gq_launch_batched(u) then (d). Only where
+ * both would run the 32-row w32 kernel on the runs made beforehand: bf16, tiled, K % 64 == 0, E > 1, the same idx /
+ * B / E, d->x == u->y, u->runs == d->runs with runs_mt 32 and the row tile of (B, E) 32; done: done_n >=
  * gq_moe_done_ints(B, E) ints of device memory, zero (the kernel leaves them zero). Elsewhere FP4MOE_EUNSUPPORTED
  * (the caller makes the two calls); FP4MOE_ECUDA on a launch failure. */
 int64_t gq_moe_done_ints(int64_t B, int64_t E);

@@ -163,7 +163,7 @@ int gather_qmm_cuda_rows(const fp4moe_nvfp4_weights *w, int tiled, const void *x
                          void *stream, const gq_runs *runs);
 /* gather_qmm_cuda_rows of the up projection wu (relu^2, into h) and gather_qmm_cuda of the down projection wd (h -> y)
  * on the same sorted idx, in one launch (gq_launch_moe_pair: FP4MOE_CUDA_MOE_FUSED=1, both on the expert-batched
- * route's 32- or 64-row tiles, runs matching idx with done counters); FP4MOE_EUNSUPPORTED elsewhere. */
+ * route's 32-row tiles, runs matching idx with done counters); FP4MOE_EUNSUPPORTED elsewhere. */
 int gather_qmm_cuda_moe_rows(const fp4moe_nvfp4_weights *wu, int tiled_u, const fp4moe_nvfp4_weights *wd, int tiled_d,
                              const void *x, int64_t T, const uint32_t *xrow, int64_t xdiv, const uint32_t *idx,
                              int64_t B, fp4moe_route route, void *h, void *y, void *stream, const gq_runs *runs);
@@ -211,7 +211,7 @@ int cuda_linear_gather_x1(const cuda_ops *o, const cuda_linear *w, const uint16_
                           int64_t B, int relu2, uint16_t *y);
 
 /* The routed experts' up and down projections of a MoE layer in one launch where the CUDA kernels can (gq_launch_moe_pair:
- * FP4MOE_CUDA_MOE_FUSED=1, NVFP4 experts without bias, the expert-batched route on 32- or 64-row tiles, the runs of idx made
+ * FP4MOE_CUDA_MOE_FUSED=1, NVFP4 experts without bias, the expert-batched route on 32-row tiles, the runs of idx made
  * by cuda_moe_route with its done counters): hs (B x up N, bf16) = relu^2(x[row_of[b] / k] @ up^T), then ys (B x down
  * N, bf16) = hs @ down^T - bitwise cuda_linear_gather_rows(up, relu2 1) then cuda_linear_gather(down). Elsewhere
  * FP4MOE_EUNSUPPORTED (the caller makes the two calls); FP4MOE_EINVAL on bad arguments, FP4MOE_ECUDA on a launch
