@@ -897,8 +897,9 @@ gq_batched_w32_kernel(gq_args a, const int *__restrict__ starts, const int *__re
  * the runs made once for both): 512 tokens 0.355 -> 0.351 ms uniform routing, 0.401 -> 0.400 skewed. The same queue on
  * the 64-row wgmma tiles (gq_moe_wg_kernel: gw_item with the wait / publish, 2,048-5,400 tokens) was bitwise right
  * but SLOWER (session 36, H100): prefill 2,048 + 16 49,681 -> 44,269 tok/s (-11%), 4,096 + 8 53,026 -> 47,669
- * (-10%), the bench pair at 2,048 tokens 0.954 -> 1.18 ms; not kept (bench/patches/moe-wg-fused.diff puts it back).
- * Not understood yet: its code is twice the wgmma kernel's (16 forms of gw_item), its registers 125 (no spills). */
+ * (-10%), the bench pair at 2,048 tokens 0.954 -> 1.18 ms - ptxas serialised its wgmma (C7510: the queue's callback
+ * was a function call); without the callback 0.977 -> 0.994-1.011 ms, still slower: not kept
+ * (bench/patches/moe-wg-fused.diff puts that form back). */
 /* production's bt_xstage::load, or (CG) the same with L2 loads: h is written during this kernel */
 template <bool CG, typename XS> __device__ __forceinline__ void gq_moe_xload(XS &xr, int k0, int K) {
     if (!CG) return xr.load(k0, K); /* x of the up projection: production's loads */
