@@ -797,80 +797,7 @@ __device__ __forceinline__ void bw_step_ntv(int ntv, float (&aa)[BW_MT / 8][4], 
     }
 }
 
-__global__ void __launch_bounds__(BW_THREADS, BW_MINB)
-gq_batched_w32_kernel(gq_args a, const int *__restrict__ starts, const int *__restrict__ tile_off, int *ctr) {
-    cu_pdl_entry();
-    __shared__ int next_item[2];
-    bt_sched sch = {ctr, 0};
-    extern __shared__ __align__(16) uint8_t smem[];
-    uint8_t *xs0 = smem, *xs1 = smem + BW_MT * BT_XROW;
-    /* the thread's two ring slots of a stage: tile A at stage * 2 * THREADS + tid, tile B + THREADS */
-    const auto ring = bt_slot_soa<BW_STAGES * 2 * BW_THREADS>::at(smem + BW_XBYTES, threadIdx.x);
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-    const int N = a.N, K = a.K, nsteps = (K + BT_KSTEP - 1) / BT_KSTEP;
-    const int NT = (N + BW_NTILE - 1) / BW_NTILE;
-    const int64_t total = (int64_t)tile_off[a.E] * NT;
-    const __nv_bfloat16 *x = static_cast<const __nv_bfloat16 *>(a.x);
-    __nv_bfloat16 *y = static_cast<__nv_bfloat16 *>(a.y);
-    const int xoff = g * BT_XROW + t * 64 + (t >> 1) * 16;
-    const int last_tile = (N - 1) >> 4;
-
-    for (int64_t item = blockIdx.x; item < total; item = sch.next(item, next_item)) {
-        sch.fetch(next_item, total);
-        const bt_item it = bt_item_of<BW_MT>(item, a.E, NT, starts, tile_off);
-        const int e = it.e, rows = it.rows;
-        const int64_t row0 = it.row0;
-        const int ntv = (rows + 7) >> 3, rows_pad = ntv * 8;
-        const int nw = it.ntile * BW_NTILE + warp * 32; /* tile A: nw .. nw + 15, tile B: nw + 16 .. */
-        const int64_t we = cu_weight_expert(e, a.E);
-        /* a tile past N reads the last one (results discarded), as in gq_batched_kernel */
-        const uint8_t *pa = gq_tiled_piece(a.codes, we, min(nw >> 4, last_tile), 0, N, K);
-        const uint8_t *pb = gq_tiled_piece(a.codes, we, min((nw >> 4) + 1, last_tile), 0, N, K);
-        bt_tstream wa = bt_tstream::of(pa, lane), wb = bt_tstream::of(pb, lane);
-
-        float aa[BW_MT / 8][4], ab[BW_MT / 8][4];
-#pragma unroll
-        for (int i = 0; i < BW_MT / 8; i++)
-#pragma unroll
-            for (int j = 0; j < 4; j++) aa[i][j] = ab[i][j] = 0.0f;
-
-        bt_xstage<__nv_bfloat16, BW_MT, BW_THREADS, 4> xr;
-        xr.init(x, row0, rows, rows_pad, K, a.xrow, a.xdiv);
-#pragma unroll
-        for (int p = 0; p < BW_STAGES - 1; p++) {
-            wa.issue_next(ring + p * 2 * BW_THREADS, p, nsteps);
-            wb.issue_next(ring + p * 2 * BW_THREADS + BW_THREADS, p, nsteps);
-            bt_cp_commit();
-        }
-        xr.load(0, K);
-        xr.store(xs0);
-        __syncthreads();
-
-        for (int s = 0; s < nsteps; s++) {
-            uint32_t a0[4], a1[4], b0[4], b1[4], sa[2], sb[2], ta[2], tb[2], swa0, swa1, swb0, swb1;
-            /* the next step's x first, the weight copies after the x store (session 27: 512-token prefill 32,014 ->
-             * 32,255 / 32,246 tok/s with each alone, the same bits) */
-            if (s + 1 < nsteps) xr.load((s + 1) * BT_KSTEP, K);
-            bt_cp_wait<BW_STAGES - 2>(); /* this thread's copies of step s have landed */
-            const auto sl = ring + (s % BW_STAGES) * 2 * BW_THREADS;
-            wa.read(sl, a0, a1, swa0, swa1);
-            wb.read(sl + BW_THREADS, b0, b1, swb0, swb1);
-            bt_scales4<__nv_bfloat16, true>(swa0, swa1, sa, sb);
-            bt_scales4<__nv_bfloat16, true>(swb0, swb1, ta, tb);
-            const int nxt = s + BW_STAGES - 1; /* refill the slots read in step s - 1 */
-            bw_step_ntv(ntv, aa, ab, a0, a1, b0, b1, sa, sb, ta, tb, ((s & 1) ? xs1 : xs0) + xoff);
-            if (s + 1 < nsteps) xr.store((s & 1) ? xs0 : xs1);
-            wa.issue_next(ring + (nxt % BW_STAGES) * 2 * BW_THREADS, nxt, nsteps);
-            wb.issue_next(ring + (nxt % BW_STAGES) * 2 * BW_THREADS + BW_THREADS, nxt, nsteps);
-            bt_cp_commit();
-            __syncthreads();
-        }
-        const float mult = cu_expert_gs(a.gs, e) * bt_ops<__nv_bfloat16>::kUndo;
-        bt_store_tile<__nv_bfloat16, BW_MT>(aa, y, row0, rows, ntv, nw, N, g, t, mult, a.relu2);
-        bt_store_tile<__nv_bfloat16, BW_MT>(ab, y, row0, rows, ntv, nw + 16, N, g, t, mult, a.relu2);
-    }
-    bt_zero_tail(y, starts, a.E, a.B, N);
-}
+/* (gq_batched_w32_kernel is defined after bw_item, its item body, which the fused MoE kernel below shares) */
 
 /* ---- a MoE layer's up and down projections in one persistent kernel (both on 32-row w32 items) ----------------
  * gq_launch_moe_pair (FP4MOE_CUDA_MOE_FUSED=1, the default): the items of the up projection (x -> h, relu^2) and of
@@ -991,13 +918,16 @@ __device__ __forceinline__ void gq_moe_queue(int *ctr, int64_t total, F run) {
     }
 }
 
-/* One item of the fused queue: a (a projection's args, kernel parameters) with item `local` of its own order;
- * DN: a down item (waits for its tile's up items; counts itself), else an up item (publishes its part). A
- * template, so that each form reads its parameters from the constant bank (a runtime choice between u and d
+/* One item of the w32 kernels: a's item `local` of NT N-tiles (bt_item_of over the runs starts / tile_off), 32 rows x
+ * 128 features, 32 a warp. DEP: 0 gq_batched_w32_kernel's item; in the fused MoE kernel (gq_moe_w32_kernel, below) 1
+ * an up item (publishes its part of the row tile's counter in done), 2 a down item (waits until the row tile's
+ * NTu up items published, reads x = h from L2, counts itself; NTu + NTd - 1: the tile's last count). A template, so
+ * that each form reads its parameters from the constant bank (a runtime choice between the fused kernel's u and d
  * cost ~15 instructions a K step). */
-template <bool DN>
-__device__ __forceinline__ void gq_moe_item(const gq_args &a, int64_t local, int NT, int NTu, int NTd, const int *starts,
-                                        const int *tile_off, int *done, uint8_t *smem) {
+template <int DEP>
+__device__ __forceinline__ void bw_item(const gq_args &a, int64_t local, int NT, const int *starts, const int *tile_off,
+                                        uint8_t *smem, int *done = nullptr, int NTu = 0, int NTd = 0) {
+    constexpr bool DN = DEP == 2;
     uint8_t *xs0 = smem, *xs1 = smem + BW_MT * BT_XROW;
     const auto ring = bt_slot_soa<BW_STAGES * 2 * BW_THREADS>::at(smem + BW_XBYTES, threadIdx.x);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
@@ -1006,7 +936,7 @@ __device__ __forceinline__ void gq_moe_item(const gq_args &a, int64_t local, int
     const bt_item it = bt_item_of<BW_MT>(local, a.E, NT, starts, tile_off);
     const int e = it.e, rows = it.rows;
     const int64_t row0 = it.row0;
-    const gq_moe_dep dep = {done, gq_moe_tile<BW_MT>(tile_off, starts, e, row0)};
+    const gq_moe_dep dep = {done, DEP ? gq_moe_tile<BW_MT>(tile_off, starts, e, row0) : 0};
     const int ntv = (rows + 7) >> 3, rows_pad = ntv * 8;
     const int nw = it.ntile * BW_NTILE + warp * 32;
     const int64_t we = cu_weight_expert(e, a.E);
@@ -1055,8 +985,23 @@ __device__ __forceinline__ void gq_moe_item(const gq_args &a, int64_t local, int
     __nv_bfloat16 *y = static_cast<__nv_bfloat16 *>(a.y);
     bt_store_tile<__nv_bfloat16, BW_MT>(aa, y, row0, rows, ntv, nw, N, g, t, mult, a.relu2);
     bt_store_tile<__nv_bfloat16, BW_MT>(ab, y, row0, rows, ntv, nw + 16, N, g, t, mult, a.relu2);
-    if (!DN) dep.publish(); /* this block's part of h's row tile is written */
-    else dep.count(NTu + NTd - 1);
+    if (DEP == 1) dep.publish(); /* this block's part of h's row tile is written */
+    if (DEP == 2) dep.count(NTu + NTd - 1);
+}
+
+__global__ void __launch_bounds__(BW_THREADS, BW_MINB)
+gq_batched_w32_kernel(gq_args a, const int *__restrict__ starts, const int *__restrict__ tile_off, int *ctr) {
+    cu_pdl_entry();
+    __shared__ int next_item[2];
+    bt_sched sch = {ctr, 0};
+    extern __shared__ __align__(16) uint8_t smem[];
+    const int NT = (a.N + BW_NTILE - 1) / BW_NTILE;
+    const int64_t total = (int64_t)tile_off[a.E] * NT;
+    for (int64_t item = blockIdx.x; item < total; item = sch.next(item, next_item)) {
+        sch.fetch(next_item, total);
+        bw_item<0>(a, item, NT, starts, tile_off, smem);
+    }
+    bt_zero_tail(static_cast<__nv_bfloat16 *>(a.y), starts, a.E, a.B, a.N);
 }
 
 /* u: the up projection (x -> h, relu^2), d: the down projection (h -> y); the same idx, B, E (runs: starts /
@@ -1070,8 +1015,8 @@ gq_moe_w32_kernel(gq_args u, gq_args d, const int *__restrict__ starts, const in
     const int NTu = (u.N + BW_NTILE - 1) / BW_NTILE, NTd = (d.N + BW_NTILE - 1) / BW_NTILE;
     const int64_t tot_u = (int64_t)tiles * NTu, total = tot_u + (int64_t)tiles * NTd;
     gq_moe_queue(ctr, total, [&](int64_t item) {
-        if (item < tot_u) gq_moe_item<false>(u, item, NTu, NTu, NTd, starts, tile_off, done, smem);
-        else gq_moe_item<true>(d, item - tot_u, NTd, NTu, NTd, starts, tile_off, done, smem);
+        if (item < tot_u) bw_item<1>(u, item, NTu, starts, tile_off, smem, done, NTu, NTd);
+        else bw_item<2>(d, item - tot_u, NTd, starts, tile_off, smem, done, NTu, NTd);
     });
     bt_zero_tail(static_cast<__nv_bfloat16 *>(u.y), starts, u.E, u.B, u.N);
     bt_zero_tail(static_cast<__nv_bfloat16 *>(d.y), starts, d.E, d.B, d.N);
