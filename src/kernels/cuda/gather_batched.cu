@@ -232,12 +232,17 @@ template <typename T, int MT, int THREADS, int V> struct bt_xstage {
             src[i] = r < rows_pad ? x + gq_x_row(xrow, xdiv, row0 + rr) * K + kc : nullptr;
         }
     }
-    __device__ __forceinline__ void load(int k0, int K) { /* the pieces at K offset k0 + kc */
+    /* the pieces at K offset k0 + kc; CG: L2 loads (ld.global.cg) instead of the read-only path - an x written during
+     * the kernel (the fused MoE kernel's h) */
+    template <bool CG = false> __device__ __forceinline__ void load(int k0, int K) {
         const bool kok = k0 + kc < K;
 #pragma unroll
         for (int i = 0; i < NP; i++) {
             v[i] = make_uint4(0, 0, 0, 0); /* K past the end: zeros */
-            if (src[i] && kok) v[i] = __ldg(reinterpret_cast<const uint4 *>(src[i] + k0));
+            if (src[i] && kok) {
+                const uint4 *p = reinterpret_cast<const uint4 *>(src[i] + k0);
+                v[i] = CG ? __ldcg(p) : __ldg(p);
+            }
         }
     }
     /* elements (k0..k7) stored as (k0,k4),(k1,k5),(k2,k6),(k3,k7), like the decoded code pairs;
@@ -827,17 +832,6 @@ __device__ __forceinline__ void bw_step_ntv(int ntv, float (&aa)[BW_MT / 8][4], 
  * (-10%), the bench pair at 2,048 tokens 0.954 -> 1.18 ms - ptxas serialised its wgmma (C7510: the queue's callback
  * was a function call); without the callback 0.977 -> 0.994-1.011 ms, still slower: not kept
  * (bench/patches/moe-wg-fused.diff puts that form back). */
-/* production's bt_xstage::load, or (CG) the same with L2 loads: h is written during this kernel */
-template <bool CG, typename XS> __device__ __forceinline__ void gq_moe_xload(XS &xr, int k0, int K) {
-    if (!CG) return xr.load(k0, K); /* x of the up projection: production's loads */
-    const bool kok = k0 + xr.kc < K;
-#pragma unroll
-    for (int i = 0; i < XS::NP; i++) {
-        xr.v[i] = make_uint4(0, 0, 0, 0);
-        if (xr.src[i] && kok) xr.v[i] = __ldcg(reinterpret_cast<const uint4 *>(xr.src[i] + k0));
-    }
-}
-
 __device__ __forceinline__ int gq_ld_acquire(const int *p) {
     int v;
     asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
@@ -960,13 +954,13 @@ __device__ __forceinline__ void bw_item(const gq_args &a, int64_t local, int NT,
         bt_cp_commit();
     }
     if (DN) dep.wait(NTu); /* h's rows of the tile: every up item of it done */
-    gq_moe_xload<DN>(xr, 0, K);
+    xr.template load<DN>(0, K);
     xr.store(xs0);
     __syncthreads();
 
     for (int s = 0; s < nsteps; s++) {
         uint32_t a0[4], a1[4], b0[4], b1[4], sa[2], sb[2], ta[2], tb[2], swa0, swa1, swb0, swb1;
-        if (s + 1 < nsteps) gq_moe_xload<DN>(xr, (s + 1) * BT_KSTEP, K);
+        if (s + 1 < nsteps) xr.template load<DN>((s + 1) * BT_KSTEP, K);
         bt_cp_wait<BW_STAGES - 2>();
         const auto sl = ring + (s % BW_STAGES) * 2 * BW_THREADS;
         wa.read(sl, a0, a1, swa0, swa1);
