@@ -167,7 +167,7 @@ gq_w32_xperm_kernel(gq_args a, const int *__restrict__ starts, const int *__rest
     const int last_tile = (N - 1) >> 4;
 
     for (int64_t item = blockIdx.x; item < total; item = sch.next(item, next_item)) {
-        sch.fetch(next_item);
+        sch.fetch(next_item, total);
         const bt_item it = bt_item_of<XP_MT>(item, a.E, NT, starts, tile_off);
         const int e = it.e, rows = it.rows;
         const int64_t row0 = it.row0;
