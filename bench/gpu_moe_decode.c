@@ -1,0 +1,163 @@
+/* gpu_moe_decode: one decode token's routed experts of the Nemotron-3-Nano-30B-A3B MoE layer (6 rows, 6 distinct
+ * experts, up 2,688 -> 1,856 with relu^2, down 1,856 -> 2,688, NVFP4 in the tiled layout, bf16 x) as the model's decode
+ * step runs them: gather_qmm_cuda_x1 (every row reads the token's x row), then gather_qmm_cuda_ex on h - two
+ * tensor-core qmv launches. Like the model, the sequence of calls is captured into a CUDA graph (programmatic
+ * dependent launch between the kernels, as in a decode step) and replayed, and the calls rotate over L layers'
+ * distinct weights (L x 8 experts x 2 projections, ~45 MB a layer: the weights are not in L2 from the previous call,
+ * as in the model, where every layer has its own). Printed: us per up + down pair (graph replay of 96 pairs, median of
+ * 9 replays, median of 3 rounds), the same with one layer's weights (L2-resident), the same calls without a graph
+ * (gpu_bench's "back to back": no programmatic dependent launch), and the floor (the 6 experts' NVFP4 bytes at the
+ * measured device copy rate). The issue-12 target "decode (6 rows) <= 14 us back to back" is the first row's number.
+ * (Session 37 measured a one-launch form of the pair here - gq_qmv_moe_kernel, bench/patches/moe-x1-fused.diff -
+ * and dropped it: 1.15-1.33x the two launches.)
+ * Usage: gpu_moe_decode [L] (default 8). */
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cuda_runtime_api.h>
+
+#include "gpu_testutil.h"
+#include "testutil.h"
+#include "kernels/cuda/ops_cuda.h"
+
+#define H 2688
+#define I 1856
+#define EL 8 /* experts a layer (6 of them routed): only the routed ones' bytes matter */
+#define TOPK 6
+#define PAIRS 96
+
+static int cmpf(const void *a, const void *b) {
+    const float x = *(const float *)a, y = *(const float *)b;
+    return (x > y) - (x < y);
+}
+
+typedef struct {
+    fp4moe_nvfp4_weights up, down;
+} layer;
+
+static void make_proj(cudaStream_t st, int64_t N, int64_t K, tu_rng *r, int L, fp4moe_nvfp4_weights *out, int up) {
+    tu_weights tw;
+    if (tu_weights_random(&tw, EL, N, K, 1, r)) { fprintf(stderr, "tu_weights_random failed\n"); exit(1); }
+    uint8_t *dc = gt_upload(tw.codes, (size_t)(EL * N * K / 2)), *ds = gt_upload(tw.scales, (size_t)(EL * N * K / 16));
+    const size_t tb = (size_t)(EL * cuda_nvfp4_tiled_expert_bytes(N, K));
+    uint8_t *t0 = gt_upload(NULL, tb);
+    if (cuda_nvfp4_relayout_tiled(st, dc, ds, EL, N, K, t0)) { fprintf(stderr, "relayout: %s\n", fp4moe_last_error()); exit(1); }
+    float *gs = gt_upload(tw.gs, EL * 4);
+    GT_CHECK(cudaStreamSynchronize(st));
+    for (int l = 0; l < L; l++) {
+        fp4moe_nvfp4_weights w = tw.w;
+        uint8_t *t = l == 0 ? t0 : gt_upload(NULL, tb);
+        if (l) GT_CHECK(cudaMemcpy(t, t0, tb, cudaMemcpyDeviceToDevice));
+        w.codes = t;
+        w.scales = ds; /* unused with the tiled layout */
+        w.global_scale = gs;
+        if (up) out[2 * l] = w; else out[2 * l + 1] = w;
+    }
+    gt_free(dc);
+    tu_weights_free(&tw);
+}
+
+/* 96 pairs over layers l % L */
+static int enqueue(cudaStream_t st, const fp4moe_nvfp4_weights *w, int L, const void *dx, const uint32_t *didx, void *dh,
+                   void *dy, gq_runs *runs) {
+    for (int i = 0; i < PAIRS; i++) {
+        const int l = i % L;
+        int f = 0;
+        int st_ = gather_qmm_cuda_x1(&w[2 * l], 1, dx, didx, TOPK, FP4MOE_ROUTE_AUTO, 1, dh, st);
+        if (!st_)
+            st_ = gather_qmm_cuda_ex(&w[2 * l + 1], 1, dh, FP4MOE_BF16, didx, TOPK, 1, FP4MOE_ROUTE_AUTO, 0, dy, st, &f, runs);
+        if (st_) { fprintf(stderr, "gpu_moe_decode: %s\n", fp4moe_last_error()); return 1; }
+    }
+    return 0;
+}
+
+/* us a pair: graph (1) replays of the 96 pairs, or (0) the 96 pairs enqueued directly; median of 9 */
+static float pair_us(cudaStream_t st, const fp4moe_nvfp4_weights *w, int L, const void *dx, const uint32_t *didx,
+                     void *dh, void *dy, gq_runs *runs, int graph) {
+    cudaGraph_t g = NULL;
+    cudaGraphExec_t ge = NULL;
+    if (graph) {
+        GT_CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+        if (enqueue(st, w, L, dx, didx, dh, dy, runs)) exit(1);
+        GT_CHECK(cudaStreamEndCapture(st, &g));
+        GT_CHECK(cudaGraphInstantiate(&ge, g, 0));
+        GT_CHECK(cudaGraphLaunch(ge, st));
+    } else if (enqueue(st, w, L, dx, didx, dh, dy, runs)) {
+        exit(1);
+    }
+    cudaEvent_t a, b;
+    GT_CHECK(cudaEventCreate(&a));
+    GT_CHECK(cudaEventCreate(&b));
+    float t[9];
+    for (int rep = 0; rep < 9; rep++) {
+        GT_CHECK(cudaEventRecord(a, st));
+        if (graph) GT_CHECK(cudaGraphLaunch(ge, st));
+        else if (enqueue(st, w, L, dx, didx, dh, dy, runs)) exit(1);
+        GT_CHECK(cudaEventRecord(b, st));
+        GT_CHECK(cudaEventSynchronize(b));
+        GT_CHECK(cudaEventElapsedTime(&t[rep], a, b));
+    }
+    qsort(t, 9, sizeof *t, cmpf);
+    if (graph) {
+        GT_CHECK(cudaGraphExecDestroy(ge));
+        GT_CHECK(cudaGraphDestroy(g));
+    }
+    GT_CHECK(cudaEventDestroy(a));
+    GT_CHECK(cudaEventDestroy(b));
+    return t[4] * 1e3f / PAIRS;
+}
+
+int main(int argc, char **argv) {
+    gt_require_gpu("gpu_moe_decode");
+    const int L = argc > 1 ? atoi(argv[1]) : 8;
+    if (L < 1 || L > 64) { fprintf(stderr, "usage: gpu_moe_decode [L: 1..64]\n"); return 2; }
+    cudaStream_t st;
+    GT_CHECK(cudaStreamCreate(&st));
+    tu_rng r;
+    tu_rng_seed(&r, 2026);
+    fp4moe_nvfp4_weights *w = calloc((size_t)(2 * L), sizeof *w);
+    make_proj(st, I, H, &r, L, w, 1);
+    make_proj(st, H, I, &r, L, w, 0);
+    const uint32_t idx[TOPK] = {0, 1, 3, 4, 6, 7}; /* sorted, as the router's sort gives them */
+    uint32_t *didx = gt_upload(idx, sizeof idx);
+    uint16_t *x = tu_random_x(FP4MOE_BF16, 1, H, &r);
+    void *dx = gt_upload(x, H * 2);
+    void *h = gt_upload(NULL, TOPK * I * 2), *y = gt_upload(NULL, TOPK * H * 2);
+    gq_runs runs = {0};
+    /* the copy rate, for the floor */
+    const size_t cb = 512u << 20;
+    void *c0 = gt_upload(NULL, cb), *c1 = gt_upload(NULL, cb);
+    cudaEvent_t ea, eb;
+    GT_CHECK(cudaEventCreate(&ea)); GT_CHECK(cudaEventCreate(&eb));
+    GT_CHECK(cudaMemcpyAsync(c1, c0, cb, cudaMemcpyDeviceToDevice, st));
+    GT_CHECK(cudaEventRecord(ea, st));
+    for (int i = 0; i < 5; i++) GT_CHECK(cudaMemcpyAsync(c1, c0, cb, cudaMemcpyDeviceToDevice, st));
+    GT_CHECK(cudaEventRecord(eb, st));
+    GT_CHECK(cudaEventSynchronize(eb));
+    float cms = 0;
+    GT_CHECK(cudaEventElapsedTime(&cms, ea, eb));
+    const double bw = 2.0 * cb * 5 / (cms * 1e-3); /* read + write bytes a second */
+    gt_free(c0); gt_free(c1);
+    const double bytes = (double)TOPK * (cuda_nvfp4_tiled_expert_bytes(I, H) + cuda_nvfp4_tiled_expert_bytes(H, I));
+    const double floor_us = bytes / bw * 1e6;
+    printf("| weights | graph replay (as a decode step), us a pair | without a graph, us a pair | floor us (%.1f MB at "
+           "%.2f TB/s) | graph: of floor |\n", bytes / 1e6, bw / 1e12);
+    printf("|---|---:|---:|---:|---:|\n");
+    for (int pass = 0; pass < 2; pass++) {
+        const int LL = pass ? 1 : L;
+        float tg[3], tp[3];
+        for (int rd = 0; rd < 3; rd++) { /* alternated rounds */
+            tg[rd] = pair_us(st, w, LL, dx, didx, h, y, &runs, 1);
+            tp[rd] = pair_us(st, w, LL, dx, didx, h, y, &runs, 0);
+        }
+        qsort(tg, 3, sizeof(float), cmpf);
+        qsort(tp, 3, sizeof(float), cmpf);
+        printf("| %d layer%s (%s) | %.2f | %.2f | %.2f | %.0f%% |\n", LL, LL > 1 ? "s" : "",
+               LL > 1 ? "not in L2, as in the model" : "L2-resident", tg[1], tp[1], floor_us, 100.0 * floor_us / tg[1]);
+    }
+    free(x); free(w);
+    gt_free(h); gt_free(y); gt_free(dx); gt_free(didx);
+    return 0;
+}
