@@ -6,7 +6,8 @@
  * (CUDA events, median), the effective weight bandwidth (NVFP4 bytes of the experts that have rows,
  * over the time) and the fraction of the floor (those bytes at the measured device-to-device copy
  * rate, over the time). Then decode: 1 token (6 rows, 6 distinct experts, unsorted), up + down with
- * the automatic route, median latency of single calls.
+ * the automatic route, median latency of single calls (the checkpoint layout, no graph: the model's decode form - tiled
+ * layout, one x row for the six experts, a graph with programmatic dependent launch - is bench/gpu_moe_decode's).
  * Usage: gpu_bench [--quick] [--tokens T[,T...]]   (--quick: 512 tokens only, fewer repetitions;
  * --tokens: those token counts only (at most 8), e.g. under a profiler). The kernel versions
  * 3 and 4 were compared here in round 4 (docs/GPU-NOTES.md); only version 4 remains. */
