@@ -10,7 +10,9 @@
  * measured device copy rate). The issue-12 target "decode (6 rows) <= 14 us back to back" is the first row's number.
  * (Session 37 measured a one-launch form of the pair here - gq_qmv_moe_kernel, bench/patches/moe-x1-fused.diff -
  * and dropped it: 1.15-1.33x the two launches.)
- * Usage: gpu_moe_decode [L] (default 8). */
+ * Usage: gpu_moe_decode [L [ROWS [MODE]]] (L layers, default 8; ROWS experts of the token, default 6; MODE 0 the pair,
+ * 1 the up projection only, 2 the down projection only: the time against the bytes says what a call costs besides
+ * its bytes). */
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -27,6 +29,9 @@
 #define EL 8 /* experts a layer (6 of them routed): only the routed ones' bytes matter */
 #define TOPK 6
 #define PAIRS 96
+
+static int g_rows = TOPK; /* rows of the token (experts), argv[2] */
+static int g_mode = 0;    /* argv[3]: 0 the pair, 1 the up projection only, 2 the down projection only */
 
 static int cmpf(const void *a, const void *b) {
     const float x = *(const float *)a, y = *(const float *)b;
@@ -64,10 +69,11 @@ static int enqueue(cudaStream_t st, const fp4moe_nvfp4_weights *w, int L, const 
                    void *dy, gq_runs *runs) {
     for (int i = 0; i < PAIRS; i++) {
         const int l = i % L;
-        int f = 0;
-        int st_ = gather_qmm_cuda_x1(&w[2 * l], 1, dx, didx, TOPK, FP4MOE_ROUTE_AUTO, 1, dh, st);
-        if (!st_)
-            st_ = gather_qmm_cuda_ex(&w[2 * l + 1], 1, dh, FP4MOE_BF16, didx, TOPK, 1, FP4MOE_ROUTE_AUTO, 0, dy, st, &f, runs);
+        int f = 0, st_ = FP4MOE_OK;
+        if (g_mode != 2) st_ = gather_qmm_cuda_x1(&w[2 * l], 1, dx, didx, g_rows, FP4MOE_ROUTE_AUTO, 1, dh, st);
+        if (!st_ && g_mode != 1)
+            st_ = gather_qmm_cuda_ex(&w[2 * l + 1], 1, dh, FP4MOE_BF16, didx, g_rows, 1, FP4MOE_ROUTE_AUTO, 0, dy, st, &f,
+                                     runs);
         if (st_) { fprintf(stderr, "gpu_moe_decode: %s\n", fp4moe_last_error()); return 1; }
     }
     return 0;
@@ -112,7 +118,12 @@ static float pair_us(cudaStream_t st, const fp4moe_nvfp4_weights *w, int L, cons
 int main(int argc, char **argv) {
     gt_require_gpu("gpu_moe_decode");
     const int L = argc > 1 ? atoi(argv[1]) : 8;
-    if (L < 1 || L > 64) { fprintf(stderr, "usage: gpu_moe_decode [L: 1..64]\n"); return 2; }
+    g_rows = argc > 2 ? atoi(argv[2]) : TOPK;
+    g_mode = argc > 3 ? atoi(argv[3]) : 0;
+    if (L < 1 || L > 64 || g_rows < 1 || g_rows > TOPK || g_mode < 0 || g_mode > 2) {
+        fprintf(stderr, "usage: gpu_moe_decode [L: 1..64 [ROWS: 1..6 [MODE: 0 up + down, 1 up, 2 down]]]\n");
+        return 2;
+    }
     cudaStream_t st;
     GT_CHECK(cudaStreamCreate(&st));
     tu_rng r;
@@ -140,7 +151,9 @@ int main(int argc, char **argv) {
     GT_CHECK(cudaEventElapsedTime(&cms, ea, eb));
     const double bw = 2.0 * cb * 5 / (cms * 1e-3); /* read + write bytes a second */
     gt_free(c0); gt_free(c1);
-    const double bytes = (double)TOPK * (cuda_nvfp4_tiled_expert_bytes(I, H) + cuda_nvfp4_tiled_expert_bytes(H, I));
+    const double bytes = (double)g_rows * ((g_mode != 2 ? cuda_nvfp4_tiled_expert_bytes(I, H) : 0) +
+                                           (g_mode != 1 ? cuda_nvfp4_tiled_expert_bytes(H, I) : 0));
+    printf("rows %d, %s\n", g_rows, g_mode == 0 ? "up + down" : g_mode == 1 ? "up only" : "down only");
     const double floor_us = bytes / bw * 1e6;
     printf("| weights | graph replay (as a decode step), us a pair | without a graph, us a pair | floor us (%.1f MB at "
            "%.2f TB/s) | graph: of floor |\n", bytes / 1e6, bw / 1e12);
