@@ -86,26 +86,6 @@ static float time_call(const proj *p, const void *x, const uint32_t *idx, int64_
     return median(t, n);
 }
 
-static double copy_bandwidth(void) {
-    const size_t bytes = (size_t)1 << 31;
-    void *s = gt_upload(NULL, bytes), *d = gt_upload(NULL, bytes);
-    GT_CHECK(cudaMemset(s, 0x5A, bytes));
-    cudaEvent_t a, b;
-    GT_CHECK(cudaEventCreate(&a));
-    GT_CHECK(cudaEventCreate(&b));
-    float t[10];
-    for (int i = 0; i < 12; i++) {
-        GT_CHECK(cudaEventRecord(a, NULL));
-        GT_CHECK(cudaMemcpyAsync(d, s, bytes, cudaMemcpyDeviceToDevice, NULL));
-        GT_CHECK(cudaEventRecord(b, NULL));
-        GT_CHECK(cudaEventSynchronize(b));
-        if (i >= 2) GT_CHECK(cudaEventElapsedTime(&t[i - 2], a, b));
-    }
-    gt_free(s);
-    gt_free(d);
-    return 2.0 * bytes / (median(t, 10) * 1e-3); /* bytes read + written per second */
-}
-
 int main(int argc, char **argv) {
     int quick = 0, only[8], n_only = 0;
     for (int i = 1; i < argc; i++) {
@@ -130,7 +110,7 @@ int main(int argc, char **argv) {
     gt_require_gpu("gpu_bench");
     struct cudaDeviceProp prop;
     GT_CHECK(cudaGetDeviceProperties(&prop, 0));
-    const double bw = copy_bandwidth();
+    const double bw = gt_copy_rate((size_t)1 << 31);
     printf("device: %s, %d SMs; device-to-device copy: %.2f TB/s (read + write)\n", prop.name,
            prop.multiProcessorCount, bw / 1e12);
 

@@ -137,20 +137,7 @@ int main(int argc, char **argv) {
     void *dx = gt_upload(x, H * 2);
     void *h = gt_upload(NULL, TOPK * I * 2), *y = gt_upload(NULL, TOPK * H * 2);
     gq_runs runs = {0};
-    /* the copy rate, for the floor */
-    const size_t cb = 512u << 20;
-    void *c0 = gt_upload(NULL, cb), *c1 = gt_upload(NULL, cb);
-    cudaEvent_t ea, eb;
-    GT_CHECK(cudaEventCreate(&ea)); GT_CHECK(cudaEventCreate(&eb));
-    GT_CHECK(cudaMemcpyAsync(c1, c0, cb, cudaMemcpyDeviceToDevice, st));
-    GT_CHECK(cudaEventRecord(ea, st));
-    for (int i = 0; i < 5; i++) GT_CHECK(cudaMemcpyAsync(c1, c0, cb, cudaMemcpyDeviceToDevice, st));
-    GT_CHECK(cudaEventRecord(eb, st));
-    GT_CHECK(cudaEventSynchronize(eb));
-    float cms = 0;
-    GT_CHECK(cudaEventElapsedTime(&cms, ea, eb));
-    const double bw = 2.0 * cb * 5 / (cms * 1e-3); /* read + write bytes a second */
-    gt_free(c0); gt_free(c1);
+    const double bw = gt_copy_rate((size_t)512 << 20); /* for the floor */
     const double bytes = (double)g_rows * ((g_mode != 2 ? cuda_nvfp4_tiled_expert_bytes(I, H) : 0) +
                                            (g_mode != 1 ? cuda_nvfp4_tiled_expert_bytes(H, I) : 0));
     printf("rows %d, %s\n", g_rows, g_mode == 0 ? "up + down" : g_mode == 1 ? "up only" : "down only");

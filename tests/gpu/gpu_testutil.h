@@ -120,4 +120,33 @@ static inline void gt_free(void *d) {
     if (d) GT_CHECK(cudaFree(d));
 }
 
+/* The device-to-device copy rate in bytes read + written a second (median of 10 copies of `bytes` after 2 warm-up
+ * copies, CUDA events on the legacy stream): the bandwidth of the benchmarks' memory floors. */
+static inline double gt_copy_rate(size_t bytes) {
+    void *s = gt_upload(NULL, bytes), *d = gt_upload(NULL, bytes);
+    GT_CHECK(cudaMemset(s, 0x5A, bytes));
+    cudaEvent_t a, b;
+    GT_CHECK(cudaEventCreate(&a));
+    GT_CHECK(cudaEventCreate(&b));
+    float t[10];
+    for (int i = 0; i < 12; i++) {
+        GT_CHECK(cudaEventRecord(a, NULL));
+        GT_CHECK(cudaMemcpyAsync(d, s, bytes, cudaMemcpyDeviceToDevice, NULL));
+        GT_CHECK(cudaEventRecord(b, NULL));
+        GT_CHECK(cudaEventSynchronize(b));
+        if (i >= 2) GT_CHECK(cudaEventElapsedTime(&t[i - 2], a, b));
+    }
+    GT_CHECK(cudaEventDestroy(a));
+    GT_CHECK(cudaEventDestroy(b));
+    gt_free(s);
+    gt_free(d);
+    for (int i = 1; i < 10; i++) /* insertion sort */
+        for (int j = i; j > 0 && t[j] < t[j - 1]; j--) {
+            const float v = t[j];
+            t[j] = t[j - 1];
+            t[j - 1] = v;
+        }
+    return 2.0 * (double)bytes / (0.5 * (t[4] + t[5]) * 1e-3);
+}
+
 #endif
