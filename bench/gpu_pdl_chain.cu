@@ -6,7 +6,8 @@
  *            kernel's first load and its output, no compute);
  *   chain4 - as load, but each warp's 4 loads one after another, each address from the previous value (a qmv warp's
  *            ~4-5 dependent K steps' latency, no bandwidth);
- * at G = 1, 132 and 1,056 blocks (one block; an SM each; the decode pair's grid). Printed: us a kernel (median of 9
+ * at G = 1, 132 and 1,056 blocks of 128 threads (one block; an SM each; the decode pair's grid) and the last one's
+ * threads in 264 x 512 and 132 x 1,024 (is the cost a block's or a thread's?). Printed: us a kernel (median of 9
  * replays of 200 kernels). The differences say how much of the ~2.5 us is the boundary itself (empty), the first DRAM
  * round trip (load - empty) and a warp's load chain (chain4 - load).
  * Usage: gpu_pdl_chain. */
@@ -58,13 +59,13 @@ __global__ void k_chain4(const uint4 *src, int64_t region, int64_t stride, int *
 /* k<<<G, 128, 0, st>>>(args...) with (pdl) or without the programmatic-serialization attribute (what cu_launch
  * sets in production when FP4MOE_CUDA_PDL allows; here chosen per graph) */
 template <typename... KArgs, typename... Args>
-static cudaError_t launch(bool pdl, void (*k)(KArgs...), unsigned G, cudaStream_t st, Args... args) {
+static cudaError_t launch(bool pdl, void (*k)(KArgs...), unsigned G, unsigned T, cudaStream_t st, Args... args) {
     cudaLaunchAttribute attr[1];
     attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attr[0].val.programmaticStreamSerializationAllowed = 1;
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = dim3(G);
-    cfg.blockDim = dim3(128);
+    cfg.blockDim = dim3(T);
     cfg.stream = st;
     cfg.attrs = attr;
     cfg.numAttrs = pdl ? 1 : 0;
@@ -112,12 +113,14 @@ int main() {
     const int64_t rq = (int64_t)(region_bytes / sizeof(uint4));
     printf("gpu_pdl_chain: %s, %d SMs; us a kernel in a graph of %d dependent kernels\n", p.name, p.multiProcessorCount,
            KERNELS);
-    printf("| kernel | blocks | with PDL | without PDL |\n|---|---:|---:|---:|\n");
-    const int grids[3] = {1, p.multiProcessorCount, 8 * p.multiProcessorCount};
+    printf("| kernel | blocks x threads | with PDL | without PDL |\n|---|---:|---:|---:|\n");
+    const int sm = p.multiProcessorCount;
+    /* 1 block; a block an SM; the decode pair's 8 blocks an SM of 128 threads; the same threads in 2 and 1 blocks an SM */
+    const int grids[5] = {1, sm, 8 * sm, 2 * sm, sm}, threads[5] = {128, 128, 128, 512, 1024};
     const char *names[3] = {"empty", "load", "chain4"};
     for (int kind = 0; kind < 3; kind++)
-        for (int gi = 0; gi < 3; gi++) {
-            const unsigned G = (unsigned)grids[gi];
+        for (int gi = 0; gi < 5; gi++) {
+            const unsigned G = (unsigned)grids[gi], T = (unsigned)threads[gi];
             float us[2];
             for (int pdl = 1; pdl >= 0; pdl--) {
                 cudaGraph_t g;
@@ -126,9 +129,9 @@ int main() {
                 for (int i = 0; i < KERNELS; i++) {
                     const int64_t region = (int64_t)(i % 40) * rq;
                     cudaError_t e;
-                    if (kind == 0) e = launch(pdl, k_empty, G, st, out);
-                    else if (kind == 1) e = launch(pdl, k_load, G, st, (const uint4 *)src, region, out);
-                    else e = launch(pdl, k_chain4, G, st, (const uint4 *)src, region, rq / 8, out);
+                    if (kind == 0) e = launch(pdl, k_empty, G, T, st, out);
+                    else if (kind == 1) e = launch(pdl, k_load, G, T, st, (const uint4 *)src, region, out);
+                    else e = launch(pdl, k_chain4, G, T, st, (const uint4 *)src, region, rq / 8, out);
                     CK(e);
                 }
                 CK(cudaStreamEndCapture(st, &g));
@@ -137,7 +140,7 @@ int main() {
                 CK(cudaGraphExecDestroy(ge));
                 CK(cudaGraphDestroy(g));
             }
-            printf("| %s | %u | %.2f | %.2f |\n", names[kind], G, us[1], us[0]);
+            printf("| %s | %u x %u | %.2f | %.2f |\n", names[kind], G, T, us[1], us[0]);
         }
     CK(cudaFree(src));
     CK(cudaFree(out));
