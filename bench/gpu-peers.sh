@@ -3,7 +3,9 @@
 # on the GPU machine: bench/gpu_gather_wg (production's up + down of one 30B-A3B MoE layer at 128 ..
 # 8,192 tokens, tiled and checkpoint layouts) and bench/gpu_ssm (the prefill scan, 23 layers), then
 # ../shared/anchors/moe_anchor.py (torch bf16 _grouped_mm on bf16 experts, the copy rate) and
-# layer_anchor.py (the state-spaces/mamba Triton SSD scan, torch SDPA).
+# layer_anchor.py (the state-spaces/mamba Triton SSD scan, torch SDPA); bench/gpu_moe_decode (the decode MoE pair) and
+# fp4moe bench at 512 + 128 / 2,048 + 32 tokens (speeds; --profile: the Mamba-2 layers' device time); last, issue 12's
+# targets table from all of it (bench/gpu_targets.py; the inputs stay in $OUT/peers).
 # Usage: bench/gpu-peers.sh --prepare DIR MAMBA EINOPS   here: DIR gets the anchors, the two programs
 #                                                        (stripped, xz; from build-gpum) and the Python
 #                                                        packages mamba_ssm (ops/triton + utils only:
@@ -18,8 +20,8 @@ if [ "${1:-}" = "--prepare" ]; then
     D=${2:?DIR}; M=${3:?MAMBA checkout}; EI=${4:?EINOPS checkout}
     mkdir -p "$D" && D=$(cd "$D" && pwd)
     mkdir -p "$D/bin" "$D/mamba_ssm/ops/triton" "$D/mamba_ssm/utils"
-    cmake --build build-gpum --target gpu_ssm gpu_gather_wg -j "$(nproc)" >/dev/null || exit 1
-    for p in gpu_ssm gpu_gather_wg; do strip -o "$D/bin/$p" "build-gpum/$p" && xz -f "$D/bin/$p" || exit 1; done
+    cmake --build build-gpum --target gpu_ssm gpu_gather_wg gpu_moe_decode -j "$(nproc)" >/dev/null || exit 1
+    for p in gpu_ssm gpu_gather_wg gpu_moe_decode; do strip -o "$D/bin/$p" "build-gpum/$p" && xz -f "$D/bin/$p" || exit 1; done
     cp ../shared/anchors/*.py "$D/" || exit 1
     cp "$M"/mamba_ssm/ops/triton/*.py "$D/mamba_ssm/ops/triton/" && cp "$M"/mamba_ssm/utils/*.py "$D/mamba_ssm/utils/" || exit 1
     : >"$D/mamba_ssm/__init__.py"; : >"$D/mamba_ssm/ops/__init__.py" # no CUDA extension imports
@@ -31,10 +33,20 @@ GP_NAME=batch
 GP_BUILD=build-gpum
 . scripts/gpu-pack.sh
 gp_main "${2:?PKG}"
-for p in gpu_ssm gpu_gather_wg; do xz -dc "$D/bin/$p.xz" >"$GP_BIN/$p" && chmod +x "$GP_BIN/$p"; done
+for p in gpu_ssm gpu_gather_wg gpu_moe_decode; do xz -dc "$D/bin/$p.xz" >"$GP_BIN/$p" && chmod +x "$GP_BIN/$p"; done
+R=$(mkdir -p "${OUT:-/tmp}/peers" && cd "${OUT:-/tmp}/peers" && pwd) # what bench/gpu_targets.py reads
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv,noheader
-echo "== fp4moe gather_qmm up + down (production column)"; timeout 120 "$GP_BIN/gpu_gather_wg" | grep '^|'
+echo "== fp4moe gather_qmm up + down (production column)"; timeout 120 "$GP_BIN/gpu_gather_wg" | grep '^|' | tee "$R/gather.txt"
+echo "== fp4moe decode MoE pair (6 rows, graph)"; timeout 60 "$GP_BIN/gpu_moe_decode" 8 6 0 | tee "$R/decode.txt"
 echo "== fp4moe Mamba-2 prefill scan"; timeout 120 "$GP_BIN/gpu_ssm" | tail -10
+SYN="--synthetic nemotron-3-nano-30b-a3b --device cuda --json"
+for P in 512 2048; do
+    G=$([ $P = 512 ] && echo 128 || echo 32)
+    timeout 150 "$GP_BIN/fp4moe" bench $SYN --prompt-tokens $P --gen-tokens $G --repeats 3 >"$R/e2e_$P.json" 2>"$R/e2e_$P.log"
+    timeout 150 "$GP_BIN/fp4moe" bench $SYN --prompt-tokens $P --gen-tokens 1 --repeats 3 --profile >"$R/prof_$P.json" 2>"$R/prof_$P.log"
+done
+T=$PWD
 cd "$D" || exit 1
-echo "== torch bf16 _grouped_mm"; timeout 150 python3 moe_anchor.py 2>&1 | tail -12
+echo "== torch bf16 _grouped_mm"; timeout 150 python3 moe_anchor.py 2>"$R/torch.log" | tee "$R/torch.json" | tail -12
 echo "== mamba_ssm SSD, torch SDPA"; timeout 240 python3 layer_anchor.py . 2>&1 | tail -24
+echo "== issue 12 targets"; python3 "$T/bench/gpu_targets.py" "$R"
