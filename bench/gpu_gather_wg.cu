@@ -25,7 +25,8 @@
  * (session 19). WK_XPERM=1: the candidate is bench/gather_xperm.cuh's w32 kernel staging x by cp.async from an
  * x its producer wrote permuted (session 28; tiled layout only; XP_XBUF=2 XP_MINB=4 for 4 blocks an SM, XP_MT=40
  * for 40-row items). Usage: gpu_gather_wg (WK_CHECKS=small: only the small checks, for compute-sanitizer;
- * WK_CHECKS=none: no checks, WK_TOKENS=T[,T...]: only the timings of those sizes, e.g. for Nsight Compute).
+ * WK_CHECKS=none: no checks, WK_TOKENS=T[,T...]: only the timings of those sizes, e.g. for Nsight Compute; 16384
+ * and 32768 are timed only when listed: where dequant_gemm overtakes the batched route).
  * WK_FUSED=1 (session 36): the candidate is production's fused MoE kernel (gq_launch_moe_pair: the up and down
  * projections in one launch), checked as a pair (h and y bitwise) and timed against production's two calls, both
  * with the runs made per call (the production column) and made once (the last columns: as the router's sort makes
@@ -406,13 +407,14 @@ int main(void) {
     printf("| tokens | layout | production batched ms | candidate (WK_MT=%d) ms | dequant_gemm ms | candidate / production "
            "| production, runs once ms | candidate / that |\n", WK_MT);
     printf("|---:|---|---:|---:|---:|---:|---:|---:|\n");
-    const int Ts[] = {128, 512, 2048, 8192};
+    const int Ts[] = {128, 512, 2048, 8192, 16384, 32768}; /* the last two only when WK_TOKENS lists them */
     /* routing: uniform over the experts (skew 0), or skewed: expert e drawn with weight (e + 1)^-skew
      * (a Zipf law; 0.5 gives the 512-token w32 tile count that matches the synthetic model's gather
      * time, 1.2x the uniform one, docs/GPU-NOTES.md session 19) */
     const double skews[] = {0.0, 0.5};
-    for (int ti = 0; ti < 8; ti++) {
+    for (int ti = 0; ti < 12; ti++) {
         const int T = Ts[ti / 2], B = 6 * T;
+        if (T > 8192 && !only_T) break;
         const double skew = skews[ti % 2];
         double cw[128], tot = 0;
         for (int e = 0; e < 128; e++) cw[e] = tot += pow(e + 1.0, -skew);

@@ -25,9 +25,9 @@
  *                                    per run; synchronizes the stream once (run sizes on the host).
  * Automatic choice: FP4MOE_GATHER_ROUTE (where legal), else FP4MOE_GATHER_EXPERT_BATCHED=0 -> qmv,
  * else sorted && B >= FP4MOE_BATCHED_MIN_ROWS -> batched (measured faster than dequant_gemm on the
- * Nemotron shapes up to 2048 tokens, docs/PERFORMANCE.md), or dequant_gemm when the runs average
- * >= 256 rows per expert (compute-bound; cuBLAS measured faster at 8192 tokens; this default then
- * synchronizes the stream), else qmv.
+ * Nemotron shapes up to 8192 tokens, docs/PERFORMANCE.md), or dequant_gemm when the runs average
+ * >= 512 rows per expert (E > 1; compute-bound: cuBLAS measured faster at 16,384 tokens; this default then
+ * synchronizes the stream) or a plain linear (E = 1) has >= 256 rows, else qmv.
  *
  * Thread safety: qmv and batched are reentrant (per-call scratch comes from cudaMallocAsync on the
  * caller's stream). dequant_gemm serializes on a process-wide mutex (it owns a cached scratch
@@ -147,14 +147,22 @@ static int route_needs_sorted(fp4moe_route r) {
 }
 
 /* The automatic choice on CUDA (the one place where the CUDA route predicate lives). */
-#define GQ_DEQUANT_GEMM_ROWS_PER_EXPERT 256
+#define GQ_DEQUANT_GEMM_ROWS_PLAIN 256   /* a plain linear (E = 1): cuBLAS on its bf16 copy from 256 rows */
+#ifndef GQ_DEQUANT_GEMM_ROWS_PER_EXPERT
+#define GQ_DEQUANT_GEMM_ROWS_PER_EXPERT 512 /* experts (E > 1): rows an expert on average (see choose_route) */
+#endif
 static fp4moe_route choose_route(int64_t B, int64_t E, int sorted) {
     const fp4moe_route env = gather_env_route();
     if (env != FP4MOE_ROUTE_AUTO && (sorted || !route_needs_sorted(env))) return env;
     if (!sorted || B < FP4MOE_BATCHED_MIN_ROWS) return FP4MOE_ROUTE_QMV;
-    /* long runs (>= 256 rows per expert on average) are compute-bound: cuBLAS on the dequantized
-     * experts beats the mma.sync kernel there (measured: docs/PERFORMANCE.md, 8192 tokens) */
-    if (B >= GQ_DEQUANT_GEMM_ROWS_PER_EXPERT * E) return FP4MOE_ROUTE_DEQUANT_GEMM;
+    /* long runs are compute-bound: cuBLAS on the dequantized weights beats the batched kernels there. A plain
+     * linear (E = 1) from 256 rows (its bf16 copy made once, no dequantization a call). Experts (E > 1) dequantize
+     * every used expert a call (~3.3 ms of fixed cost a 30B-A3B layer, H100): session 38 measured the MoE layer's
+     * up + down (bench/gpu_gather_wg, H100, uniform / skew 0.5 routing) batched 3.40 / 3.18 ms against dequant_gemm
+     * 4.35 / 4.36 at 8,192 tokens (384 rows an expert), 6.48 / 6.41 against 5.41 / 5.82 at 16,384 (768): the
+     * crossover near 550 rows an expert (it was 256 before the wgmma kernel, session 10) */
+    if (B >= (E > 1 ? GQ_DEQUANT_GEMM_ROWS_PER_EXPERT : GQ_DEQUANT_GEMM_ROWS_PLAIN) * E)
+        return FP4MOE_ROUTE_DEQUANT_GEMM;
     /* FP4MOE_GATHER_EXPERT_BATCHED=0 replaces the expert-batched route by qmv and nothing else: the
      * sorted qmv runs the same mma arithmetic in 8-row tiles, so the outputs are bit-identical and
      * greedy output cannot depend on the switch */
