@@ -18,9 +18,15 @@
  * switch. The same bitwise check holds between the expert-batched kernels' dynamic item order and
  * FP4MOE_CUDA_GATHER_SCHED=static.
  *
+ * The automatic route's thresholds (route_choice, host-only: it runs without a device too, and is then the only
+ * test): qmv for unsorted or < 64 rows, dequant_gemm for plain linears from 256 rows and for experts from 512 rows
+ * an expert on average (the 8,192-token MoE step, 384 an expert, stays batched: docs/PERFORMANCE.md session 38),
+ * FP4MOE_GATHER_EXPERT_BATCHED=0 replacing batched by qmv and nothing else; fault ROUTE_ROWS must fail it.
+ *
  * Environment: FP4MOE_TEST_ROUTE=qmv|batched|dequant_gemm|auto runs one route only (fault check);
  * FP4MOE_TEST_QUICK=1 skips the biggest cases; FP4MOE_TEST_SANITIZE=1 runs only the small cases
- * marked for compute-sanitizer (scripts/gpu-check.sh). */
+ * marked for compute-sanitizer (scripts/gpu-check.sh); FP4MOE_TEST_FILTER=PREFIX only the tests whose names start
+ * with PREFIX (fault builds). */
 #include <math.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -32,6 +38,7 @@
 #include <cmocka.h>
 
 #include "gpu_testutil.h"
+#include "kernels/cuda/ops_cuda.h"
 #include "testutil.h"
 
 typedef struct {
@@ -323,13 +330,62 @@ static void test_errors(void **state) {
     tu_weights_free(&tw);
 }
 
+/* gather_qmm_cuda_auto_route against the rule, with the route environment cleared (and put back) */
+static void test_route_choice(void **state) {
+    (void)state;
+    const char *saved[2] = {getenv("FP4MOE_GATHER_ROUTE"), getenv("FP4MOE_GATHER_EXPERT_BATCHED")};
+    char *keep[2] = {saved[0] ? strdup(saved[0]) : NULL, saved[1] ? strdup(saved[1]) : NULL};
+    tu_setenv("FP4MOE_GATHER_ROUTE", NULL);
+    static const struct { int64_t B, E; int sorted, off; fp4moe_route want; } k[] = {
+        {6, 128, 1, 0, FP4MOE_ROUTE_QMV},                  /* a decode token */
+        {1000, 128, 0, 0, FP4MOE_ROUTE_QMV},               /* unsorted */
+        {63, 8, 1, 0, FP4MOE_ROUTE_QMV},                   /* below FP4MOE_BATCHED_MIN_ROWS */
+        {64, 8, 1, 0, FP4MOE_ROUTE_BATCHED},
+        {6 * 512, 128, 1, 0, FP4MOE_ROUTE_BATCHED},        /* 512-token MoE step */
+        {256 * 128, 128, 1, 0, FP4MOE_ROUTE_BATCHED},      /* 256 rows an expert: batched since session 38 */
+        {6 * 8192, 128, 1, 0, FP4MOE_ROUTE_BATCHED},       /* 8,192-token MoE step, 384 an expert */
+        {512 * 128 - 1, 128, 1, 0, FP4MOE_ROUTE_BATCHED},
+        {512 * 128, 128, 1, 0, FP4MOE_ROUTE_DEQUANT_GEMM}, /* 512 an expert */
+        {6 * 32768, 128, 1, 0, FP4MOE_ROUTE_DEQUANT_GEMM},
+        {3072, 8, 1, 0, FP4MOE_ROUTE_BATCHED},             /* the cases above: 384 an expert */
+        {40000, 8, 1, 0, FP4MOE_ROUTE_DEQUANT_GEMM},
+        {255, 1, 1, 0, FP4MOE_ROUTE_BATCHED},              /* plain linears: 256 rows */
+        {256, 1, 1, 0, FP4MOE_ROUTE_DEQUANT_GEMM},
+        {6 * 8192, 128, 1, 1, FP4MOE_ROUTE_QMV},           /* the switch off: batched -> qmv only */
+        {512 * 128, 128, 1, 1, FP4MOE_ROUTE_DEQUANT_GEMM},
+        {256, 1, 1, 1, FP4MOE_ROUTE_DEQUANT_GEMM},
+        {255, 1, 1, 1, FP4MOE_ROUTE_QMV},
+    };
+    int bad = 0;
+    for (size_t i = 0; i < sizeof k / sizeof k[0]; i++) {
+        tu_setenv("FP4MOE_GATHER_EXPERT_BATCHED", k[i].off ? "0" : NULL);
+        const fp4moe_route got = gather_qmm_cuda_auto_route(k[i].B, k[i].E, k[i].sorted);
+        if (got != k[i].want) {
+            fprintf(stderr, "route_choice: B=%lld E=%lld %s%s: %s, expected %s\n", (long long)k[i].B, (long long)k[i].E,
+                    k[i].sorted ? "sorted" : "unsorted", k[i].off ? " EXPERT_BATCHED=0" : "", fp4moe_route_name(got),
+                    fp4moe_route_name(k[i].want));
+            bad++;
+        }
+    }
+    for (int j = 0; j < 2; j++) {
+        tu_setenv(j ? "FP4MOE_GATHER_EXPERT_BATCHED" : "FP4MOE_GATHER_ROUTE", keep[j]);
+        free(keep[j]);
+    }
+    assert_int_equal(bad, 0);
+}
+
 int main(void) {
-    gt_require_gpu("test_gather_qmm_gpu");
-    struct CMUnitTest tests[N_CASES + 1];
+    if (!fp4moe_cuda_available()) { /* the host-only test still runs */
+        fprintf(stderr, "test_gather_qmm_gpu: no CUDA device visible: only route_choice runs\n");
+        const struct CMUnitTest host[] = {{"route_choice", test_route_choice, NULL, NULL, NULL}};
+        return cmocka_run_group_tests_name("gather_qmm_gpu (host only)", host, NULL, NULL);
+    }
+    struct CMUnitTest tests[N_CASES + 2];
     static char names[N_CASES][128];
     const char *q = getenv("FP4MOE_TEST_QUICK"), *sz = getenv("FP4MOE_TEST_SANITIZE");
     const int quick = q && !strcmp(q, "1"), sanitize = sz && !strcmp(sz, "1");
     size_t n = 0;
+    tests[n++] = (struct CMUnitTest){"route_choice", test_route_choice, NULL, NULL, NULL};
     tests[n++] = (struct CMUnitTest){"errors", test_errors, NULL, NULL, NULL};
     for (size_t i = 0; i < N_CASES; i++) {
         const gg_case *c = &k_cases[i];
@@ -338,6 +394,14 @@ int main(void) {
                  (long long)c->K, (long long)c->B, tu_idx_pattern_name(c->pattern), fp4moe_dtype_name(c->dtype),
                  c->with_gs ? "_gs" : "");
         tests[n++] = (struct CMUnitTest){names[i], test_case, NULL, NULL, (void *)c};
+    }
+    /* FP4MOE_TEST_FILTER: only the tests whose names start with it (a fault build's run, scripts/gpu-staged-check.sh) */
+    const char *filter = getenv("FP4MOE_TEST_FILTER");
+    if (filter && *filter) {
+        size_t m = 0;
+        for (size_t i = 0; i < n; i++)
+            if (!strncmp(tests[i].name, filter, strlen(filter))) tests[m++] = tests[i];
+        n = m;
     }
     return _cmocka_run_group_tests("gather_qmm_gpu", tests, n, NULL, NULL);
 }

@@ -161,8 +161,12 @@ static fp4moe_route choose_route(int64_t B, int64_t E, int sorted) {
      * up + down (bench/gpu_gather_wg, H100, uniform / skew 0.5 routing) batched 3.40 / 3.18 ms against dequant_gemm
      * 4.35 / 4.36 at 8,192 tokens (384 rows an expert), 6.48 / 6.41 against 5.41 / 5.82 at 16,384 (768): the
      * crossover near 550 rows an expert (it was 256 before the wgmma kernel, session 10) */
+#ifdef FP4MOE_INJECT_FAULT_ROUTE_ROWS /* deliberate fault (tests must catch it): experts at the plain linears' 256 rows */
+    if (B >= GQ_DEQUANT_GEMM_ROWS_PLAIN * E) return FP4MOE_ROUTE_DEQUANT_GEMM;
+#else
     if (B >= (E > 1 ? GQ_DEQUANT_GEMM_ROWS_PER_EXPERT : GQ_DEQUANT_GEMM_ROWS_PLAIN) * E)
         return FP4MOE_ROUTE_DEQUANT_GEMM;
+#endif
     /* FP4MOE_GATHER_EXPERT_BATCHED=0 replaces the expert-batched route by qmv and nothing else: the
      * sorted qmv runs the same mma arithmetic in 8-row tiles, so the outputs are bit-identical and
      * greedy output cannot depend on the switch */
@@ -219,6 +223,10 @@ extern "C" int cuda_e1_runs_table(void *stream, int64_t n, int **out) {
     cu_launch(e1_runs_kernel, 256, 256, 0, (cudaStream_t)stream, *out, n);
     FP4MOE_CUDA_TRY("gather_qmm_cuda", cudaGetLastError(), "launch of the runs table kernel");
     return FP4MOE_OK;
+}
+
+extern "C" fp4moe_route gather_qmm_cuda_auto_route(int64_t B, int64_t E, int sorted) {
+    return choose_route(B, E, sorted);
 }
 
 extern "C" int gather_qmm_cuda_row_tile(int64_t B, int64_t E) {

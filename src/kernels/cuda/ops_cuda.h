@@ -172,6 +172,11 @@ int gather_qmm_cuda_moe_rows(const fp4moe_nvfp4_weights *wu, int tiled_u, const 
  * experts (gq_batched_row_tile): the mt of the runs cuda_moe_route makes. */
 int gather_qmm_cuda_row_tile(int64_t B, int64_t E);
 
+/* The route fp4moe_gather_qmm_cuda's automatic choice takes for B rows over E experts (sorted: idx sorted), with
+ * the environment as it is now (FP4MOE_GATHER_ROUTE, FP4MOE_GATHER_EXPERT_BATCHED): qmv, batched or dequant_gemm
+ * (thresholds and their measurements: choose_route in gather_qmm_cuda.cu). Host-only: no device needed. */
+fp4moe_route gather_qmm_cuda_auto_route(int64_t B, int64_t E, int sorted);
+
 /* gather_qmm_cuda_ex for a plain NVFP4 linear: w->E == 1 and zero_idx[0..B) all 0 (the caller's
  * promise). Where the route resolves to dequant_gemm (auto: B >= 256 rows; or forced) and x is bf16,
  * the dense form runs (gq_dense_dequant_gemm: the weights dequantized into *dq - or, when wbf16 is
