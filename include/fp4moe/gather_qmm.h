@@ -98,10 +98,10 @@ int fp4moe_gather_qmm_ref_w4a8_f64(const fp4moe_nvfp4_weights *w, const void *x,
  * errors are checked and returned. No host synchronisation (except the dequant_gemm route, which
  * needs the run sizes on the host). Returns FP4MOE_EUNSUPPORTED in builds without CUDA.
  * Automatic route: qmv for unsorted input or B < 64; dequant_gemm for >= 512 rows per expert on
- * average (E > 1) or >= 256 rows (E = 1); else the expert-batched route. FP4MOE_GATHER_EXPERT_BATCHED=0 replaces the expert-batched
- * route by qmv, which for sorted f16/bf16 input with B >= 64 runs the batched kernel's arithmetic in
- * 8-row tiles (weights re-read every 8 rows): bit-identical outputs. FP4MOE_GATHER_ROUTE forces a
- * route where it is legal. */
+ * average (E > 1) or >= 256 rows (E = 1); else the expert-batched route. FP4MOE_GATHER_EXPERT_BATCHED=0
+ * replaces the expert-batched route by qmv, which for sorted f16/bf16 input with B >= 64 runs the
+ * batched kernel's arithmetic in 8-row tiles (weights re-read every 8 rows): bit-identical outputs.
+ * FP4MOE_GATHER_ROUTE forces a route where it is legal. */
 int fp4moe_gather_qmm_cuda(const fp4moe_nvfp4_weights *w, const void *x, fp4moe_dtype dtype,
                            const uint32_t *idx, int64_t B, int sorted, void *y, void *stream);
 int fp4moe_gather_qmm_cuda_route(const fp4moe_nvfp4_weights *w, const void *x, fp4moe_dtype dtype,
