@@ -692,7 +692,7 @@ static int bench(bench_args *a) {
     if (a->gpus > 1 || a->ep_ranks > 0) { /* expert parallelism: every rank loads its own model */
         if (a->batch < 1) return cli_usage_error(CMD, "--gpus / --ep-ranks need --batch N (the sequences to spread)");
         if (a->profile) return cli_usage_error(CMD, "--profile is not available with --gpus / --ep-ranks");
-        if (a->chunk <= 0) a->chunk = dev == FP4MOE_DEVICE_CUDA ? CLI_CUDA_CHUNK : 256;
+        if (a->chunk <= 0) a->chunk = dev == FP4MOE_DEVICE_CUDA ? CLI_CUDA_BATCH_CHUNK : 256;
         if (a->chunk < a->batch) a->chunk = a->batch;
         return bench_ep(a, dt, route, dev);
     }
@@ -720,7 +720,7 @@ static int bench(bench_args *a) {
     so.interrupt = cli_install_sigint();
     so.device = dev;
     so.profile = a->profile;
-    if (dev == FP4MOE_DEVICE_CUDA) so.max_chunk = CLI_CUDA_CHUNK;
+    if (dev == FP4MOE_DEVICE_CUDA) so.max_chunk = a->batch > 0 ? CLI_CUDA_BATCH_CHUNK : cli_cuda_chunk(a->prompt_tokens);
     if (a->chunk > 0) so.max_chunk = a->chunk;
     if (a->batch > 0) {
         if (a->chunk > 0 && a->chunk < a->batch) {
@@ -728,7 +728,7 @@ static int bench(bench_args *a) {
             return cli_usage_error(CMD, "--chunk (tokens per step) must be at least --batch: every sequence "
                                    "decodes one token per step");
         }
-        if (a->chunk <= 0) a->chunk = dev == FP4MOE_DEVICE_CUDA ? CLI_CUDA_CHUNK : 256;
+        if (a->chunk <= 0) a->chunk = dev == FP4MOE_DEVICE_CUDA ? CLI_CUDA_BATCH_CHUNK : 256;
         if (a->chunk < a->batch) a->chunk = a->batch;
         const int cst = check_logits(m, &so, a->prompt_tokens); /* (a session with the run's settings) */
         rc = cst ? cli_fail(CMD, cst) : bench_batch(a, m, dt, route, dev);
@@ -782,7 +782,7 @@ int cmd_bench(int argc, char **argv) {
         {"--cpu-act", NULL, CLI_STRING, &a.cpu_act, "MODE", CLI_CPU_ACT_HELP},
         {"--kv-cache-dtype", NULL, CLI_STRING, &a.kv_cache, "T", CLI_KV_HELP},
         {"--route", NULL, CLI_STRING, &a.route, "R", "gather_qmm route: auto, qmv, batched, dequant_gemm (default auto)"},
-        {"--chunk", NULL, CLI_INT, &a.chunk, "N", "prefill chunk in tokens (default and 0: 256 on cpu, 8192 on cuda)"},
+        {"--chunk", NULL, CLI_INT, &a.chunk, "N", "prefill chunk in tokens (default and 0: 256 on cpu; on cuda 32768, or the prompt's length rounded up to 256 if shorter; --batch: 8192)"},
         {"--seed", NULL, CLI_INT, &a.seed, "S", "seed of the synthetic weights (default: fixed)"},
         {"--batch", NULL, CLI_INT, &a.batch, "N",
          "N concurrent sequences in one batch (each prefills --prompt-tokens, then decodes --gen-tokens): "

@@ -632,7 +632,7 @@ static int generate(const gen_args *a) {
     g.cpu_act = fp4moe_cpu_act_name(ca);
     so.interrupt = stop;
     so.device = dev;
-    if (dev == FP4MOE_DEVICE_CUDA) so.max_chunk = CLI_CUDA_CHUNK;
+    if (dev == FP4MOE_DEVICE_CUDA) so.max_chunk = cli_cuda_chunk(g.T);
     if (a->chunk > 0) so.max_chunk = a->chunk;
     const int64_t V = fp4moe_model_config(g.m)->vocab;
     /* prefill pieces of whole session chunks, >= 4,096 tokens (the progress of a long prompt); not for EP runs */
@@ -731,7 +731,7 @@ int cmd_generate(int argc, char **argv) {
         {"--cpu-act", NULL, CLI_STRING, &a.cpu_act, "MODE", CLI_CPU_ACT_HELP},
         {"--kv-cache-dtype", NULL, CLI_STRING, &a.kv_cache, "T", CLI_KV_HELP},
         {"--no-quantize", NULL, CLI_FLAG, &a.no_quantize, NULL, "keep dense checkpoints dense (default: NVFP4 on load)"},
-        {"--chunk", NULL, CLI_INT, &a.chunk, "N", "prefill chunk in tokens (default and 0: 256 on cpu, 8192 on cuda)"},
+        {"--chunk", NULL, CLI_INT, &a.chunk, "N", "prefill chunk in tokens (default and 0: 256 on cpu; on cuda 32768, or the prompt's length rounded up to 256 if shorter)"},
         {"--ignore-eos", NULL, CLI_FLAG, &a.ignore_eos, NULL, "do not stop at the end-of-sequence tokens"},
         {"--stop", NULL, CLI_STRINGS, &a.stop, "TEXT", "stop before this text (repeatable, up to 16)"},
         {"--threads", "-t", CLI_INT, &a.threads, "N", "CPU threads (default: one per core)"},

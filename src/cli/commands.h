@@ -37,8 +37,22 @@ int cli_parse_device(const char *cmd, const char *s, fp4moe_device *d);
  * devices are visible; else the message and an exit code - 2 for --device cpu with it, 1 when the machine lacks
  * them (the reason of fp4moe_cuda_check, or how many devices are visible). */
 int cli_check_gpus(const char *cmd, int64_t gpus, const char *device_arg, fp4moe_device dev);
-/* Default prefill chunk of CUDA sessions (tokens): large, so that a prompt reads the weights once. */
-#define CLI_CUDA_CHUNK 8192
+/* Default prefill chunk of CUDA sessions (tokens): large, so that a prompt reads the weights once, and so that a long
+ * prompt's MoE steps reach the dequant_gemm route (>= 512 rows an expert, gather_qmm_cuda.cu). Measured (session 39,
+ * H100, synthetic 30B-A3B shape, docs/PERFORMANCE.md): 32,768 against 8,192 - prefill 20,480 tokens 46,223 -> 52,646
+ * tok/s, 32,768 tokens 42,716 -> 50,237, 12,288 tokens equal; the session's activations are sized for a chunk (bench's
+ * GPU memory peak 23.2 -> 28.5 GB at a 512-token prompt), so generate and bench size it to the prompt:
+ * cli_cuda_chunk. */
+#define CLI_CUDA_CHUNK 32768
+/* The step of bench's --batch and expert-parallel runs on CUDA (tokens): the CUDA default before session 39, kept for
+ * steps of several sequences (not re-measured there) */
+#define CLI_CUDA_BATCH_CHUNK 8192
+/* The CUDA default chunk for a prompt of `tokens` tokens (<= 0: unknown): CLI_CUDA_CHUNK, or the prompt's length
+ * rounded up to 256 tokens where that is smaller (the same steps, smaller activation buffers). */
+static inline int64_t cli_cuda_chunk(int64_t tokens) {
+    if (tokens <= 0 || tokens >= CLI_CUDA_CHUNK) return CLI_CUDA_CHUNK;
+    return (tokens + 255) / 256 * 256;
+}
 /* Model-level summary (format, layer pattern, parameters, bytes per component) of model dir `dir`
  * for `inspect -m DIR`: as text on `out`, or (json non-NULL) as json's "model" object. Returns an exit code. */
 struct cJSON;
