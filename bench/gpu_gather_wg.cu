@@ -26,7 +26,8 @@
  * x its producer wrote permuted (session 28; tiled layout only; XP_XBUF=2 XP_MINB=4 for 4 blocks an SM, XP_MT=40
  * for 40-row items). Usage: gpu_gather_wg (WK_CHECKS=small: only the small checks, for compute-sanitizer;
  * WK_CHECKS=none: no checks, WK_TOKENS=T[,T...]: only the timings of those sizes, e.g. for Nsight Compute; 16384
- * and 32768 are timed only when listed: where dequant_gemm overtakes the batched route).
+ * and 32768 (and 4096) are timed only when listed: where dequant_gemm overtakes the batched route; WK_TILED_ONLY=1: the
+ * tiled layout only, production's).
  * WK_FUSED=1 (session 36): the candidate is production's fused MoE kernel (gq_launch_moe_pair: the up and down
  * projections in one launch), checked as a pair (h and y bitwise) and timed against production's two calls, both
  * with the runs made per call (the production column) and made once (the last columns: as the router's sort makes
@@ -331,7 +332,7 @@ static int run_checks(tu_rng *r, int small) {
     make_wts(&w, 6, 200, 320, r); /* N % 128 = 72, K % 128 = 64 */
     const int lens1[6] = {1, 0, 137, 9, 300, 64};
     const int lens2[6] = {8, 7, 16, 0, 3, 129};
-    for (int tl = WK_TL0; tl < 2; tl++) {
+    for (int tl = WK_TL0 || getenv("WK_TILED_ONLY"); tl < 2; tl++) {
         ok &= check("E=6 N=200 K=320, runs 1..300, tail 5", &w, lens1, 5, tl, 0, r);
         ok &= check("E=6 N=200 K=320, short runs, relu2", &w, lens2, 0, tl, 1, r);
     }
@@ -346,7 +347,7 @@ static int run_checks(tu_rng *r, int small) {
     make_wts(&w, 128, 1856, 2688, r);
     int lens[128];
     for (int e = 0; e < 128; e++) lens[e] = (int)tu_rng_below(r, 300);
-    for (int tl = WK_TL0; tl < 2; tl++) ok &= check("30B up, E=128, runs 0..299", &w, lens, 2, tl, 1, r);
+    for (int tl = WK_TL0 || getenv("WK_TILED_ONLY"); tl < 2; tl++) ok &= check("30B up, E=128, runs 0..299", &w, lens, 2, tl, 1, r);
 #if WK_XPERM
     wk_check_yperm = 1;
     ok &= check("30B up, E=128, runs 0..299, y permuted", &w, lens, 2, 1, 1, r);
@@ -407,14 +408,14 @@ int main(void) {
     printf("| tokens | layout | production batched ms | candidate (WK_MT=%d) ms | dequant_gemm ms | candidate / production "
            "| production, runs once ms | candidate / that |\n", WK_MT);
     printf("|---:|---|---:|---:|---:|---:|---:|---:|\n");
-    const int Ts[] = {128, 512, 2048, 8192, 16384, 32768}; /* the last two only when WK_TOKENS lists them */
+    const int Ts[] = {128, 512, 2048, 4096, 8192, 16384, 32768}; /* 4,096 and the last two only when WK_TOKENS lists them */
     /* routing: uniform over the experts (skew 0), or skewed: expert e drawn with weight (e + 1)^-skew
      * (a Zipf law; 0.5 gives the 512-token w32 tile count that matches the synthetic model's gather
      * time, 1.2x the uniform one, docs/GPU-NOTES.md session 19) */
     const double skews[] = {0.0, 0.5};
-    for (int ti = 0; ti < 12; ti++) {
+    for (int ti = 0; ti < 14; ti++) {
         const int T = Ts[ti / 2], B = 6 * T;
-        if (T > 8192 && !only_T) break;
+        if ((T > 8192 || T == 4096) && !only_T) continue;
         const double skew = skews[ti % 2];
         double cw[128], tot = 0;
         for (int e = 0; e < 128; e++) cw[e] = tot += pow(e + 1.0, -skew);
@@ -451,7 +452,7 @@ int main(void) {
         xp_permute(x, xp, B, 2688, 0, 0);
         GT_CHECK(cudaDeviceSynchronize());
 #endif
-        for (int tl = WK_TL0; tl < 2; tl++) {
+        for (int tl = WK_TL0 || getenv("WK_TILED_ONLY"); tl < 2; tl++) {
             tctx c0 = {&up, &down, tl != 0, 0, x, xp, h, y, didx, B}, c1 = c0, c2 = c0, c3 = c0;
             c1.which = 1;
             c2.which = 2;

@@ -1166,6 +1166,9 @@ static int launch_kg(const gq_args *a, cudaStream_t st) {
 
 bool gq_dense_kg_fits(const gq_args *a, fp4moe_dtype dtype) { return kg_fits(a, dtype, false); }
 
+#ifndef GQ_ROW_TILE64_RUNS
+#define GQ_ROW_TILE64_RUNS 48 /* 64-row tiles (the wgmma kernel) above this many rows an expert on average */
+#endif
 int gq_batched_row_tile(const gq_args *a, fp4moe_dtype dtype) {
     (void)dtype;
     /* 64-row tiles halve the weight re-reads and dequantizations of long runs; 32-row tiles keep
@@ -1185,7 +1188,7 @@ int gq_batched_row_tile(const gq_args *a, fp4moe_dtype dtype) {
      * 211). Forced-batched and row-map calls of 5-48 rows follow the same rule (not measured). Which tile
      * computes a row does not change its bits. */
     if (a->E == 1 && a->B <= 64 && a->N <= 8192) return GQ_QMV_TILE_ROWS;
-    if ((int64_t)a->B > 48ll * a->E) return 64;
+    if ((int64_t)a->B > (int64_t)GQ_ROW_TILE64_RUNS * a->E) return 64;
     return (int64_t)a->B <= 4ll * a->E ? GQ_QMV_TILE_ROWS : 32;
 }
 
