@@ -1166,8 +1166,11 @@ static int launch_kg(const gq_args *a, cudaStream_t st) {
 
 bool gq_dense_kg_fits(const gq_args *a, fp4moe_dtype dtype) { return kg_fits(a, dtype, false); }
 
+/* 64-row tiles (the wgmma kernel) above this many rows an expert on average. Re-measured in session 39 (H100, prefill
+ * 768 / 1,024 / 1,280 / 1,536 + 8 tokens, 2 rounds, synthetic 30B-A3B): the bound at 32 / 40 / 64 against 48 within
+ * -2.6% .. +1.4% (two builds of the same code differ by 1.2%) except 32 at 768 tokens (-6.8%); kept. */
 #ifndef GQ_ROW_TILE64_RUNS
-#define GQ_ROW_TILE64_RUNS 48 /* 64-row tiles (the wgmma kernel) above this many rows an expert on average */
+#define GQ_ROW_TILE64_RUNS 48
 #endif
 int gq_batched_row_tile(const gq_args *a, fp4moe_dtype dtype) {
     (void)dtype;
