@@ -4,7 +4,8 @@
 # 8,192 tokens, tiled and checkpoint layouts) and bench/gpu_ssm (the prefill scan, 23 layers), then
 # ../shared/anchors/moe_anchor.py (torch bf16 _grouped_mm on bf16 experts, the copy rate) and
 # layer_anchor.py (the state-spaces/mamba Triton SSD scan, torch SDPA); bench/gpu_moe_decode (the decode MoE pair) and
-# fp4moe bench at 512 + 128 / 2,048 + 32 tokens (speeds; --profile: the Mamba-2 layers' device time); last, issue 12's
+# fp4moe bench at 512 + 128 / 2,048 + 32 tokens (speeds; --profile: the Mamba-2 layers' device time), 8,192 and 32,768
+# (beyond the targets), bench/torch_grouped_mm_long.py (the torch peer at 2k-32k tokens); last, issue 12's
 # targets table from all of it (bench/gpu_targets.py; the inputs stay in $OUT/peers).
 # Usage: bench/gpu-peers.sh --prepare DIR MAMBA EINOPS   here: DIR gets the anchors, the two programs
 #                                                        (stripped, xz; from build-gpum) and the Python
@@ -45,7 +46,11 @@ for P in 512 2048; do
     timeout 150 "$GP_BIN/fp4moe" bench $SYN --prompt-tokens $P --gen-tokens $G --repeats 3 >"$R/e2e_$P.json" 2>"$R/e2e_$P.log"
     timeout 150 "$GP_BIN/fp4moe" bench $SYN --prompt-tokens $P --gen-tokens 1 --repeats 3 --profile >"$R/prof_$P.json" 2>"$R/prof_$P.log"
 done
+for P in 8192 32768; do # beyond the targets: long prompts at the CLI's default chunk
+    timeout 150 "$GP_BIN/fp4moe" bench $SYN --prompt-tokens $P --gen-tokens 8 --repeats 2 >"$R/e2e_$P.json" 2>"$R/e2e_$P.log"
+done
 T=$PWD
+echo "== torch bf16 _grouped_mm, 2k-32k tokens"; timeout 150 python3 bench/torch_grouped_mm_long.py 2>"$R/torch_long.log" | tee "$R/torch_long.json" | tail -4
 cd "$D" || exit 1
 echo "== torch bf16 _grouped_mm"; timeout 150 python3 moe_anchor.py 2>"$R/torch.log" | tee "$R/torch.json" | tail -12
 echo "== mamba_ssm SSD, torch SDPA"; timeout 240 python3 layer_anchor.py . 2>&1 | tail -24

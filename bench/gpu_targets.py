@@ -67,8 +67,9 @@ def add(what, v, unit, target, op, floor=None, peer=""):
 
 
 BF16_PEAK = 765e12  # dense bf16 FLOP/s that these notes take for the H100 / H200 (docs/PERFORMANCE.md)
+tlong = load_json("torch_long.json") or {}  # bench/torch_grouped_mm_long.py: the same peer at 8,192+ tokens
 for tok, tgt in ((128, 0.26), (512, 0.28), (2048, 0.60), (8192, 2.0)):
-    tv = torch.get(f"bf16_grouped_mm_T{tok}_up_plus_down_ms")
+    tv = torch.get(f"bf16_grouped_mm_T{tok}_up_plus_down_ms") or tlong.get(f"T{tok}_up_plus_down_ms")
     fl = max(E * EXPERT_BYTES / (copy * 1e12), tok * TOPK * 2 * 2 * H * I / BF16_PEAK) * 1e3 if copy else None
     add(f"MoE gather up + down, {tok} tokens", g.get(tok), "ms", tgt, "<=", fl,
         f"torch bf16 _grouped_mm {tv:.4f} ms" if tv else "")
@@ -99,3 +100,13 @@ for what, v, unit, tgt, op, floor, peer in rows:
     fmt = f"{v:,.0f}" if unit == "tok/s" else f"{v:.4g}"
     print(f"| {what} | {fmt} {unit} | {op} {tgt:g} | {'met' if ok else 'missed'} | {ff} | {peer} |")
 print(f"{met} of {len(rows)} met")
+extra = []  # beyond the targets: long prompts at the CLI's default chunk (bench/gpu-peers.sh runs them when it can)
+for P in (8192, 32768):
+    ej = load_json(f"e2e_{P}.json")
+    if ej and ej.get("prefill_tok_s_median"):
+        extra.append(f"prefill {P:,} tokens {ej['prefill_tok_s_median']:,.0f} tok/s (hash {ej.get('gen_ids_fnv1a', '?')})")
+for T in (16384, 32768):
+    if tlong.get(f"T{T}_up_plus_down_ms"):
+        extra.append(f"torch bf16 _grouped_mm {T:,} tokens {tlong[f'T{T}_up_plus_down_ms']:.3f} ms")
+if extra:
+    print("beyond the targets: " + "; ".join(extra))
