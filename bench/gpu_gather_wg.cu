@@ -7,8 +7,9 @@
  * descriptor reading "leading byte offset = the K-direction stride" passed, the other failed. The
  * 64-row tiles of bf16 calls now run it in production (gq_batched_wg_kernel in gather_batched.cu).
  *
- * What this program measures now: that kernel with WK_MT-row tiles (default 128: runs of
- * 2,048+ tokens are 96+ rows an expert, so 64-row tiles decode each weight tile 2+ times), checked
+ * What this program measures now: that kernel with WK_MT-row tiles (default 64, production's own with its 4
+ * warpgroups a block since session 39; 128 with -DGW_WGS=2: runs of 2,048+ tokens are 96+ rows an expert, so 64-row
+ * tiles decode each weight tile 2+ times), checked
  * against production (outputs poisoned first; bitwise equality is expected, 1e-2 of max|y| is the
  * pass line) on awkward shapes, then timed next to production's batched route and dequant_gemm on
  * the 30B-A3B MoE shapes (up 2688 -> 1856 with relu^2, down 1856 -> 2688, E = 128, top-6) at 128 ..
@@ -40,10 +41,10 @@ extern "C" {
 }
 
 #ifndef WK_MT
-#define WK_MT 128
+#define WK_MT 64 /* 128: 1 block of 2 warpgroups an SM (-DGW_WGS=2), 230-246 registers */
 #endif
 #ifndef WK_MINB
-#define WK_MINB (WK_MT > 64 ? 1 : 2)
+#define WK_MINB (WK_MT > 64 || GW_WGS > 2 ? 1 : 2)
 #endif
 
 #ifndef WK_WS

@@ -1218,8 +1218,21 @@ int gq_batched_row_tile(const gq_args *a, fp4moe_dtype dtype) {
 /* Measured against this form and removed (session 26, 2,048-token prefill unless said): the K loop unrolled by 2
  * (uniform descriptors, 325 -> 303 instructions a step: -0.9%), the x pieces by cp.async two steps ahead into a
  * raw ring (-5.2%), 4 warpgroups a block (256 features: half the x tile's L2 reads, -1.3%). */
-#define GW_THREADS 256
-#define GW_NTILE 128
+/* GW_WGS warpgroups a block (64 features each): 4 - 256 features an item, 512 threads, one block an SM (127 registers,
+ * no spills; 239 instructions a 128-K step a thread against 328: half the x pieces a thread to stage) - and each x
+ * tile read from L2 once for 256 features, not 128 (at 8,192 tokens an up + down call reads ~7.8 GB of x tiles and
+ * ~4.3 GB of weight tiles from L2 with 2 warpgroups). Measured (session 39, H100, same call, same bits: greedy hashes
+ * equal): the MoE layer up + down (bench/gpu_gather_wg, uniform / skew 0.5, two rounds) 2,048 tokens 0.978 / 0.989
+ * -> 0.946 / 0.966 ms, 4,096 1.716 / 1.721 -> 1.667 / 1.670, 8,192 3.204 / 3.175 -> 3.110 / 3.117; prefill 2,048
+ * tokens 49,944 -> 51,253 tok/s (+2.6%), 4,096 52,784 -> 54,109 (+2.5%), 8,192 53,104 -> 54,374 (+2.4%). (Session 26
+ * had measured the 4-warpgroup block 1.3% slower at 2,048 tokens on the H200, before the weight ring's arrays and
+ * the fence placement of sessions 22-27.) The wgmma kernel serves experts only (E > 1, launch_dtype), so plain
+ * linears and the 32-row w32 tiles (up to 48 rows an expert) are not touched. */
+#ifndef GW_WGS
+#define GW_WGS 4
+#endif
+#define GW_THREADS (128 * GW_WGS)
+#define GW_NTILE (64 * GW_WGS)
 /* Not kept (session 27): the next step's decode overlapping this step's wgmma (three x buffers, a commit group per
  * pair of wgmma, wait_group 1 or 2 after each): ptxas serialises the wgmma ("insufficient register resources") at
  * 128 registers, and at 255 (one block an SM) it takes all of them. */
@@ -1485,7 +1498,7 @@ static int *sched_counter(const gq_args *a, const int *tile_off) {
 }
 
 /* the wgmma kernel with MT-row tiles (starts / tile_off (E + 2 ints) from gq_launch_runs with row tile MT) */
-template <int MT, bool TL, int MINB = 2>
+template <int MT, bool TL, int MINB = (GW_WGS > 2 ? 1 : 2)>
 static int launch_wg(const gq_args *a, const int *starts, const int *tile_off, cudaStream_t st) {
     const int64_t NT = (a->N + GW_NTILE - 1) / GW_NTILE;
     const int64_t bound = ((int64_t)a->B / MT + 1 + (a->E < a->B ? a->E : a->B)) * NT;
