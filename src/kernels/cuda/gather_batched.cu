@@ -1236,12 +1236,17 @@ int gq_batched_row_tile(const gq_args *a, fp4moe_dtype dtype) {
 /* Not kept (session 27): the next step's decode overlapping this step's wgmma (three x buffers, a commit group per
  * pair of wgmma, wait_group 1 or 2 after each): ptxas serialises the wgmma ("insufficient register resources") at
  * 128 registers, and at 255 (one block an SM) it takes all of them. */
+/* the weight ring's depth in this kernel: BT_STAGES (4) slots of GW_THREADS x 40 bytes; with one block an SM (GW_WGS
+ * 4: 32 KB of x buffers + 80 KB of ring) deeper rings fit (6: 152 KB) - not measured yet */
+#ifndef GW_STAGES
+#define GW_STAGES BT_STAGES
+#endif
 /* MT: the row tile (production: 64; bench/gpu_gather_wg measures 128) */
 template <int MT> struct gw_cfg {
     static_assert(MT == 64 || MT == 128, "row tile 64 or 128");
     static constexpr int KS = MT * 32;  /* bytes of one k16 step's B tile: MT / 8 groups x 256 */
     static constexpr int XBYTES = 8 * KS; /* one 128-K step of x: MT rows x 128 bf16 */
-    static constexpr int SMEM = 2 * XBYTES + BT_STAGES * GW_THREADS * BT_SLOT_BYTES;
+    static constexpr int SMEM = 2 * XBYTES + GW_STAGES * GW_THREADS * BT_SLOT_BYTES;
 };
 
 __host__ __device__ constexpr uint32_t gw_xoff(int KS, int ks, int c8, int n) {
@@ -1366,7 +1371,7 @@ __device__ __forceinline__ void gw_item(const gq_args &a, int e, int64_t row0, i
     typedef gw_cfg<MT> cfg;
     uint8_t *xs0 = smem, *xs1 = smem + cfg::XBYTES;
     const uint32_t xd0 = gw_desc_lo(bt_smem_addr(xs0)), xd1 = gw_desc_lo(bt_smem_addr(xs1));
-    const auto ring = bt_slot_soa<BT_STAGES * GW_THREADS>::at(smem + 2 * cfg::XBYTES, threadIdx.x);
+    const auto ring = bt_slot_soa<GW_STAGES * GW_THREADS>::at(smem + 2 * cfg::XBYTES, threadIdx.x);
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int NF = a.N, K = a.K, KB = K >> 4, nsteps = (K + BT_KSTEP - 1) / BT_KSTEP;
     const __nv_bfloat16 *x = static_cast<const __nv_bfloat16 *>(a.x);
@@ -1392,7 +1397,7 @@ __device__ __forceinline__ void gw_item(const gq_args &a, int e, int64_t row0, i
     gw_xstage<MT> xr;
     xr.init(x, row0, rows, N, K, a.xrow, a.xdiv);
 #pragma unroll
-    for (int p = 0; p < BT_STAGES - 1; p++) {
+    for (int p = 0; p < GW_STAGES - 1; p++) {
         ws.issue(ring + p * GW_THREADS, p, nsteps);
         bt_cp_commit();
     }
@@ -1404,11 +1409,11 @@ __device__ __forceinline__ void gw_item(const gq_args &a, int e, int64_t row0, i
     for (int s = 0; s < nsteps; s++) {
         uint32_t w0[4], w1[4], sa[2], sb[2];
         if (s + 1 < nsteps) xr.load((s + 1) * BT_KSTEP, K); /* first (session 27: 2k prefill +0.4%) */
-        bt_cp_wait<BT_STAGES - 2>();
+        bt_cp_wait<GW_STAGES - 2>();
         uint32_t sw0, sw1;
-        ws.read(ring + (s % BT_STAGES) * GW_THREADS, w0, w1, sw0, sw1);
+        ws.read(ring + (s % GW_STAGES) * GW_THREADS, w0, w1, sw0, sw1);
         bt_scales4<__nv_bfloat16, TL>(sw0, sw1, sa, sb);
-        const int nxt = s + BT_STAGES - 1;
+        const int nxt = s + GW_STAGES - 1;
         if (active) {
             gw_step<N, cfg::KS, TL>(acc, w0, w1, sa, sb, (s & 1) ? xd1 : xd0);
             wg_wait<0>(); /* this step's products are done: the other x buffer may be written */
@@ -1421,7 +1426,7 @@ __device__ __forceinline__ void gw_item(const gq_args &a, int e, int64_t row0, i
          * MEMBAR.ALL.CTA waits for this thread's outstanding copies, so copies issued before it (as until session 27)
          * had to land within the step. Measured (session 27, H200): 2,048-token prefill 48,054 -> 49,026 tok/s
          * (+2.0%), 512 tokens unchanged (the w32 kernel), the same bits. */
-        ws.issue(ring + (nxt % BT_STAGES) * GW_THREADS, nxt, nsteps);
+        ws.issue(ring + (nxt % GW_STAGES) * GW_THREADS, nxt, nsteps);
         bt_cp_commit();
         __syncthreads();
     }
