@@ -9,7 +9,7 @@
  * 3,712 x 2,688 and down 2,688 x 3,712 (23), attention q 4,096 x 2,688, k / v 256 x 2,688, o 2,688 x 4,096 (6).
  * Timing: median of 7 batches of 20 calls (CUDA events), weights rotated over enough copies that a call does not
  * find its weights in L2 (as in the model, where every layer has its own).
- * Usage: gpu_gemm_lt [ROWS ...] (default 512 2048). Prints a table per row count and, last, the step totals
+ * Usage: [GL_EXPERTS=1] gpu_gemm_lt [ROWS ...] (default 512 2048). Prints a table per row count and, last, the step totals
  * (calls x ms): production against the best algorithm of each shape. */
 #include <cublasLt.h>
 #include <cublas_v2.h>
@@ -45,6 +45,10 @@ struct shape { const char *name; int N, K, calls; };
 static const shape SHAPES[] = {{"in_proj", 10304, 2688, 23}, {"out_proj", 2688, 4096, 23}, {"shared_up", 3712, 2688, 23},
                                {"shared_down", 2688, 3712, 23}, {"attn_q", 4096, 2688, 6}, {"attn_kv", 256, 2688, 12},
                                {"attn_o", 2688, 4096, 6}};
+/* GL_EXPERTS=1: the dequant_gemm route's per-expert GEMMs instead (src/kernels/cuda/gather_dequant_gemm.cu: one
+ * cublasGemmEx an expert with rows; ROWS = rows an expert, e.g. 384 768 1536 at 8k / 16k / 32k-token steps; calls: 128
+ * experts x 23 layers). Session 39 measured production's at 8k (Nsight Compute): 12.5 us, ~306 TFLOP/s. */
+static const shape EXPERT_SHAPES[] = {{"expert_up", 1856, 2688, 128 * 23}, {"expert_down", 2688, 1856, 128 * 23}};
 
 static float median(std::vector<float> v) { std::sort(v.begin(), v.end()); return v[v.size() / 2]; }
 
@@ -87,7 +91,10 @@ int main(int argc, char **argv) {
     for (size_t ri = 0; ri < rows.size(); ri++) {
         const int M = rows[ri];
         printf("\n%d rows | shape | production ms (TFLOP/s) | algos | best ms (TFLOP/s) | best: #, tile, splitK, stages, cluster | bitwise eq / max rel diff | speedup\n", M);
-        for (const shape &s : SHAPES) {
+        const bool ex = getenv("GL_EXPERTS") && atoi(getenv("GL_EXPERTS"));
+        const std::vector<shape> shapes = ex ? std::vector<shape>(std::begin(EXPERT_SHAPES), std::end(EXPERT_SHAPES))
+                                             : std::vector<shape>(std::begin(SHAPES), std::end(SHAPES));
+        for (const shape &s : shapes) {
             const int N = s.N, K = s.K;
             const int64_t wn = (int64_t)N * K;
             const int copies = (int)std::max<int64_t>(1, std::min<int64_t>(8, (200ll << 20) / (wn * 2) + 1));
