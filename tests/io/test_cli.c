@@ -18,6 +18,7 @@
 #include <cjson/cJSON.h>
 
 #include "testutil.h"
+#include "cli/commands.h"
 
 #define H 32
 #define I 48
@@ -1445,6 +1446,24 @@ static void test_ctx_above_max_position(void **state) {
     assert_null(strstr(g_err, "max_position_embeddings"));
 }
 
+/* The CUDA prefill chunk's default (src/cli/commands.h; measured in session 39, docs/PERFORMANCE.md): 32,768 tokens, or
+ * a prompt's length rounded up to 256 tokens where that is less (the same steps, smaller activation buffers); steps of
+ * several sequences keep 8,192. */
+static void test_cuda_chunk_default(void **state) {
+    (void)state;
+    assert_int_equal(CLI_CUDA_CHUNK, 32768);
+    assert_int_equal(CLI_CUDA_BATCH_CHUNK, 8192);
+    assert_int_equal(cli_cuda_chunk(0), 32768);  /* unknown */
+    assert_int_equal(cli_cuda_chunk(-5), 32768);
+    assert_int_equal(cli_cuda_chunk(1), 256);
+    assert_int_equal(cli_cuda_chunk(256), 256);
+    assert_int_equal(cli_cuda_chunk(257), 512);
+    assert_int_equal(cli_cuda_chunk(20480), 20480);
+    assert_int_equal(cli_cuda_chunk(32767), 32768);
+    assert_int_equal(cli_cuda_chunk(32768), 32768);
+    assert_int_equal(cli_cuda_chunk(1000000), 32768); /* longer prompts: chunks of 32,768 */
+}
+
 static void test_json_errors(void **state) {
     (void)state;
     /* a text shorter than one window: exit 1 (bad input), not 2 (usage) */
@@ -1762,6 +1781,7 @@ int main(void) {
         cmocka_unit_test(test_json_errors),
         cmocka_unit_test(test_ctx_above_max_position),
         cmocka_unit_test(test_limits),
+        cmocka_unit_test(test_cuda_chunk_default),
         cmocka_unit_test(test_generation_config_warnings),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
