@@ -1204,7 +1204,7 @@ int gq_batched_row_tile(const gq_args *a, fp4moe_dtype dtype) {
  * (bt_issue / bt_issue_tiled), the same decode into the same A registers (the A fragment of
  * wgmma's register form is mma.m16n8k16's for each warp's 16 rows), the same k16 order and fp32
  * accumulation from 0, the same epilogue.
- * Block = 2 warpgroups (256 threads, 128 features; warpgroup: 64, warp: 16 as the mma.sync warp);
+ * Block = GW_WGS warpgroups (4: 512 threads, 256 features; warpgroup: 64, warp: 16 as the mma.sync warp);
  * the item's rows, rounded up to 8, are the N of the instruction (one function per N, so that each
  * has one accumulator set and ptxas keeps the wgmma pipeline: a runtime switch over N inside one
  * loop made it serialize them). The x tile of a 128-K step is stored, through registers, as the
@@ -1215,9 +1215,9 @@ int gq_batched_row_tile(const gq_args *a, fp4moe_dtype dtype) {
  * +7] of a row goes, as 4-byte pairs (x0,x4) (x1,x5) (x2,x6) (x3,x7), to k16 steps 2q, 2q, 2q+1,
  * 2q+1, core matrices 0, 1, 0, 1, byte 4t. A step's 8 wgmma are one commit group, waited for
  * before its x buffer is written again. PTX ISA "wgmma.mma_async", "Matrix Descriptor Format". */
-/* Measured against this form and removed (session 26, 2,048-token prefill unless said): the K loop unrolled by 2
- * (uniform descriptors, 325 -> 303 instructions a step: -0.9%), the x pieces by cp.async two steps ahead into a
- * raw ring (-5.2%), 4 warpgroups a block (256 features: half the x tile's L2 reads, -1.3%). */
+/* Measured against the 2-warpgroup form and removed (session 26, 2,048-token prefill unless said): the K loop
+ * unrolled by 2 (uniform descriptors, 325 -> 303 instructions a step: -0.9%), the x pieces by cp.async two steps
+ * ahead into a raw ring (-5.2%); 4 warpgroups a block measured -1.3% then, +2.6% in session 39 (below). */
 /* GW_WGS warpgroups a block (64 features each): 4 - 256 features an item, 512 threads, one block an SM (127 registers,
  * no spills; 239 instructions a 128-K step a thread against 328: half the x pieces a thread to stage) - and each x
  * tile read from L2 once for 256 features, not 128 (at 8,192 tokens an up + down call reads ~7.8 GB of x tiles and
@@ -1564,7 +1564,7 @@ static int launch_dtype(const gq_args *a, int mt, const int *starts, const int *
     /* fast path: cp.async of 16 code bytes and a 4-byte scale word per row and step */
     const bool fast = (a->K % 64) == 0 && ((uintptr_t)a->codes & 15) == 0 && ((uintptr_t)a->scales & 3) == 0;
     /* the wgmma kernel: bf16 in and out, experts (E > 1). A plain linear (E = 1) of 65..255 rows has
-     * 2-4 row tiles of 64, i.e. few items of 2 warpgroups for 132 SMs: the mma.sync kernel's 64-feature
+     * 2-4 row tiles of 64, i.e. few items of (then) 2 warpgroups for 132 SMs: the mma.sync kernel's 64-feature
      * items measured faster there (at 64 rows, session 10: 64-sequence decode 4,307 vs 4,695 tok/s,
      * docs/PERFORMANCE.md; 64 rows take 8-row tiles up to N = 8,192 since session 23, and bf16 ones of 33-64 rows
      * with N >= 2,048 gq_dense_kg_kernel since session 24: launch_tiled). */
