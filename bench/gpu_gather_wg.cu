@@ -29,6 +29,9 @@
  * WK_CHECKS=none: no checks, WK_TOKENS=T[,T...]: only the timings of those sizes, e.g. for Nsight Compute; 16384
  * and 32768 (and 4096) are timed only when listed: where dequant_gemm overtakes the batched route; WK_TILED_ONLY=1: the
  * tiled layout only, production's).
+ * WK_BIG=1 (session 40): the candidate is bench/gather_big.cuh's warp-specialised big-tile kernel (items of 128 rows x
+ * BG_NF features, a producer warpgroup decoding the weights into shared memory, two consumer warpgroups on wgmma SS;
+ * tiled layout only).
  * WK_FUSED=1 (session 36): the candidate is production's fused MoE kernel (gq_launch_moe_pair: the up and down
  * projections in one launch), checked as a pair (h and y bitwise) and timed against production's two calls, both
  * with the runs made per call (the production column) and made once (the last columns: as the router's sort makes
@@ -55,6 +58,9 @@ extern "C" {
 #endif
 #ifndef WK_SS
 #define WK_SS 0
+#endif
+#ifndef WK_BIG
+#define WK_BIG 0
 #endif
 #ifndef WK_XPERM
 #define WK_XPERM 0
@@ -128,6 +134,12 @@ static int wk_launch(const gq_args *a, cudaStream_t st) {
     if (xp) gq_scratch_free(xp, st);
     return rc;
 }
+#define WK_TL0 1 /* tiled layout only */
+#elif WK_BIG
+#include "gather_big.cuh"
+#undef WK_MT
+#define WK_MT 128 /* (the big-tile candidate's row tile) */
+static int wk_launch(const gq_args *a, cudaStream_t st) { return bg_launch(a, st); }
 #define WK_TL0 1 /* tiled layout only */
 #elif WK_SS
 #include "gather_ss.cuh"
