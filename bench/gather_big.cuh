@@ -1,36 +1,46 @@
 /* bench/gather_big.cuh: the expert-batched gather_qmm kernel on big tiles, warp-specialised (issue 12, item 5 of
- * docs/GPU-NOTES.md "Session 39": long runs, 2,048+ tokens; a candidate measured by bench/gpu_gather_wg.cu built
- * with -DWK_BIG=1 against production). Included after src/kernels/cuda/gather_batched.cu (its decode, x layout,
- * item order and epilogue arithmetic are reused).
- *
- * Why: production's wgmma kernel (RS form: the weights decoded into the A registers, m64 = 64 features a
- * warpgroup, N = the rows, up to 64) decodes every weight tile once per 64-row tile and runs at ~300 TFLOP/s at
- * 2k-8k tokens (runs of 96-384 rows an expert), where torch's bf16 grouped GEMM (CUTLASS, 128 x 256 tiles on bf16
- * weights) runs at ~500. Here the roles are those of such a GEMM:
- * - item = (expert, BG_NF features, 128 rows) (bt_item_of<128>: the row tiles of an N-tile adjacent, so their
- *   weight tile is read from L2); block = 3 warpgroups (384 threads, one block an SM);
- * - warpgroup 0, the producer: each 128-K step it stages the x tile (128 rows, production's K permutation:
- *   gw_xoff's layout) and decodes the BG_NF x 128 weight tile (bt_dec4, one packed multiply by the block scale,
- *   as production) into shared memory with stmatrix (K-major core matrices, the layout gather_ss.cuh measured
- *   bitwise equal to production), its global loads one step ahead in registers;
- * - warpgroups 1 and 2, the consumers: rows 0-63 and 64-127 of the item; 8 wgmma m64nBG_NFk16 SS a step (A = their
- *   64 x rows, B = the decoded weights, shared by both), fp32 accumulators (BG_NF / 2 registers a thread);
- * - two buffers (x + weights) a step; named barriers FULL[b] (producer arrives after its stores and the proxy
- *   fence, consumers wait) and EMPTY[b] (consumers arrive once their wgmma of the buffer are done, producer
- *   waits), so the producer decodes step s + 1 while the tensor cores run step s; a consumer's epilogue
- *   (y = bf16(acc x gs x kUndo), relu^2: cu_out as gw_store) overlaps the producer's next item.
- * Every k16 product covers the K indices production's mma / wgmma RS k16 step covers (the same x and weight
- * permutation), so the outputs are expected to be bitwise production's; expected, not promised (a different
- * operand order in the tensor core). Tiled layout, bf16 x and y, K % 64 == 0 only. Static item order (block b:
- * items b, b + grid, ...): the producer runs ahead across items. */
+ * docs/GPU-NOTES.md "Session 39"; session 40): a candidate measured by bench/gpu_gather_wg.cu built with
+ * -DWK_BIG=1 against production (the candidate at every size). Included after src/kernels/cuda/gather_batched.cu
+ * (its decode, x layout, item order and epilogue arithmetic are reused). Measured in session 40 (H100): bitwise equal to production (gpu_gather_wg's
+ * checks; test_ops_gpu's tiled-layout case and test_gather_qmm_gpu PASS with it as production's 128-row path, route
+ * switch hashes equal), compute-sanitizer synccheck clean - and NOT faster: up + down 2,048 tokens 0.90 / 1.05 ms
+ * (uniform / skew 0.5) against production's 0.945 / 0.932, 4,096 1.96 / 1.85 against 1.67 / 1.67, 8,192 3.16 / 3.15
+ * against 3.11 / 3.16, 16,384 5.99 / 5.88 against 6.02 / 6.03 (dequant_gemm 5.36 / 5.57); as production's path from
+ * 80 rows an expert, prefill 2,048 44,377 against 50,722 tok/s. Nsight Compute (8,192 tokens, one call): the
+ * producer is the limit - 0.27 instructions a cycle a scheduler, barrier stalls 4.85 an instruction (the consumers
+ * waiting for FULL), long scoreboard 1.66 (the producer's loads, one step ahead only), shared-memory pipe 41%.
+ * What would help (docs/GPU-NOTES.md "Session 40"): the producer's loads further ahead (its registers are full: 168)
+ * or off its critical path - x by cp.async / TMA, which the x permutation prevents today. */
 #ifndef FP4MOE_BENCH_GATHER_BIG_CUH
 #define FP4MOE_BENCH_GATHER_BIG_CUH
 
 #include "gather_candidate.cuh"
-#include "wgmma_ss_big.cuh"
 
+/* ---- the kernel ---------------------------------------------------------------------------------------------
+ * Why: the 64-row wgmma kernel (RS form: weights decoded into the A registers, 64 features a warpgroup, the rows as
+ * N) decodes every weight tile once per 64 rows and runs at ~300 TFLOP/s at 2k-8k tokens, where a bf16 grouped
+ * GEMM of CUTLASS's form (128 x 256 tiles, the operands in shared memory) runs at ~500. Here the roles are that
+ * GEMM's: item = (expert, BG_NF = 256 features, 128 rows) in bt_item_of's order (an N-tile's row tiles adjacent: its
+ * weights from L2 after the first); block = 3 warpgroups (384 threads, one block an SM), static order (block b: items
+ * b, b + grid, ...: the producer runs ahead across items);
+ * - warpgroup 0, the producer, each 128-K step: the x tile (128 rows, through registers, in gw_xstage's layout and K
+ *   permutation) and the BG_NF x 128 weight tile, decoded as gw_step decodes (bt_dec4, one packed multiply by the
+ *   block scale) and stored by stmatrix as K-major core matrices - each k16 step holding the K indices of production's
+ *   mma / wgmma RS k16 step, so the products are the other kernels' (bitwise, checked); its global loads a step
+ *   ahead in registers;
+ * - warpgroups 1 and 2, the consumers, rows 0-63 / 64-127: 8 wgmma m64n256k16 SS a step (A = their x rows, B = the
+ *   decoded weights, shared), fp32 accumulators from 0 (128 a thread); epilogue = gw_store's arithmetic (cu_out);
+ * - two buffers (x + weights) a step; named barriers FULL b (the producer arrives after its stores and the proxy
+ *   fence, the consumers wait) and EMPTY b (the consumers arrive once their wgmma reading b are done, the producer
+ *   waits), so the producer decodes step s + 1 while the tensor cores run step s, and a consumer's epilogue overlaps
+ *   the producer's next item. A consumer warpgroup without rows in an item runs its products anyway (nobody stores
+ *   them): a wgmma under a branch made ptxas serialise or wait (C7518 / C7517), as did a warpgroup index the compiler
+ *   could not see was warp-uniform (hence the shuffle, as CUTLASS's canonical_warp_group_idx).
+ * ptxas: 168 registers, no spills; a producer step ~605 instructions a thread, a consumer step 8 HGMMA.64x256x16.
+ * Two producer warpgroups (512 threads, setmaxnreg 88 / 168) did not compile: ptxas allocates the whole kernel to the
+ * launch bound's 128 registers ("Insufficient registers (128) ... 154 or higher" at the 64 x 256 HGMMA). */
 #ifndef BG_NF
-#define BG_NF 256 /* features an item: a multiple of 64 (each producer warp decodes BG_NF / 64 16-feature tiles) */
+#define BG_NF 256 /* features an item: a multiple of 64 (a producer warp decodes BG_NF / 64 16-feature tiles), <= 256 */
 #endif
 #define BG_MT 128
 #define BG_THREADS 384
@@ -42,10 +52,12 @@
 #define BG_TPW (BG_NF / 64) /* 16-feature tiles a producer warp */
 static_assert(BG_NF % 64 == 0 && BG_NF <= 256, "BG_NF");
 
-/* named barriers (0 is __syncthreads): FULL b = 1 + b, EMPTY b = 3 + b; all 384 threads take part in each */
+/* named barriers (0 is __syncthreads): FULL b = 1 + b, EMPTY b = 3 + b; all BG_THREADS threads take part in each */
 __device__ __forceinline__ void bg_sync(int id) { asm volatile("bar.sync %0, %1;" ::"r"(id), "n"(BG_THREADS) : "memory"); }
 __device__ __forceinline__ void bg_arrive(int id) { asm volatile("bar.arrive %0, %1;" ::"r"(id), "n"(BG_THREADS) : "memory"); }
 
+/* one stmatrix.x4: the four 8 x 8 bf16 matrices of an mma A fragment (a0: rows 0-7, K 0-7; a1: rows 8-15, K 0-7; a2:
+ * rows 0-7, K 8-15; a3: rows 8-15, K 8-15), lane l giving the address of row l % 8 of matrix l / 8 */
 __device__ __forceinline__ void bg_stmatrix4(uint32_t addr, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3) {
     asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(a0), "r"(a1),
                  "r"(a2), "r"(a3)
@@ -53,13 +65,13 @@ __device__ __forceinline__ void bg_stmatrix4(uint32_t addr, uint32_t a0, uint32_
 }
 
 /* The producer's state for one item: x pieces (rows 8 i + nlo, K offset 32 t + 8 q of the step; thread (t, nlo, q) =
- * (tid % 4, tid / 4 % 8, tid / 32)) and the code pieces of its warp's tiles, loaded a step ahead. */
+ * (tid % 4, tid / 4 % 8, tid / 32)) and the code pieces of its warp's 16-feature tiles, loaded a step ahead. */
 struct bg_producer {
     uint4 xv[16];
     uint32_t xr[16]; /* source rows (gq_x_row); ~0u: past the item's rows, not staged */
     uint4 c0[BG_TPW], c1[BG_TPW];
     uint32_t sw[BG_TPW];
-    const uint8_t *piece[BG_TPW];
+    const uint8_t *piece[BG_TPW]; /* + lane * 16 */
     int kc;
 
     __device__ __forceinline__ void init(const gq_args &a, const bt_item &it) {
@@ -79,12 +91,12 @@ struct bg_producer {
         }
     }
     __device__ __forceinline__ void load(const gq_args &a, int s) {
-        const int k0 = s * BT_KSTEP;
+        const int k0 = s * BT_KSTEP, lane = threadIdx.x & 31;
         const bool kok = k0 + kc < a.K;
         const __nv_bfloat16 *x = static_cast<const __nv_bfloat16 *>(a.x);
 #pragma unroll
         for (int i = 0; i < 16; i++) {
-            xv[i] = make_uint4(0, 0, 0, 0);
+            xv[i] = make_uint4(0, 0, 0, 0); /* K past the end: zeros */
             if (xr[i] != ~0u && kok) xv[i] = __ldg(reinterpret_cast<const uint4 *>(x + (int64_t)xr[i] * a.K + k0 + kc));
         }
         const int64_t o = (int64_t)s * GQ_TILE_PIECE;
@@ -92,16 +104,16 @@ struct bg_producer {
         for (int j = 0; j < BG_TPW; j++) {
             c0[j] = __ldg(reinterpret_cast<const uint4 *>(piece[j] + o));
             c1[j] = __ldg(reinterpret_cast<const uint4 *>(piece[j] + o + 512));
-            const int lane = threadIdx.x & 31;
-            sw[j] = __ldg(reinterpret_cast<const uint32_t *>(piece[j] - lane * 16 + o + 1024 + lane * 4));
+            sw[j] = __ldg(reinterpret_cast<const uint32_t *>(piece[j] - lane * 12 + o + 1024)); /* piece + 1024 + 4 lane */
         }
     }
-    /* the loaded step into buffer (xs, ws) */
+    /* the loaded step into the buffers xs (x, gw_xoff's layout) and ws (weights: feature n of k16 step ks at
+     * ks BG_WKS + (n / 8) 256 + (n % 8) 16, K-direction core matrix + 128) */
     __device__ __forceinline__ void store(uint8_t *xs, uint8_t *ws) const {
         const int tid = threadIdx.x, lane = tid & 31, t = tid & 3, nlo = (tid >> 2) & 7, q = tid >> 5;
         uint8_t *b = xs + gw_xoff(BG_XKS, 2 * q, 0, nlo) + 4 * t;
 #pragma unroll
-        for (int i = 0; i < 16; i++) { /* as gw_xput: rows 8 i + nlo are i core-matrix row groups (256 bytes) on */
+        for (int i = 0; i < 16; i++) { /* gw_xput's stores; rows 8 i + nlo: i core-matrix row groups (256 bytes) on */
             if (xr[i] != ~0u) {
                 const uint4 w = xv[i];
                 *reinterpret_cast<uint32_t *>(b + 256 * i) = __byte_perm(w.x, w.z, 0x5410);
@@ -138,13 +150,11 @@ gq_batched_big_kernel(gq_args a, const int *__restrict__ starts, const int *__re
     cu_pdl_entry();
     extern __shared__ __align__(128) uint8_t smem[];
     uint8_t *xbuf = smem, *wbuf = smem + 2 * BG_XBYTES;
-    /* the warpgroup index made warp-uniform for the compiler (a shuffle, as CUTLASS's canonical_warp_group_idx): the
-     * wgmma in the consumers' branch are then not serialised (ptxas C7518) */
-    const int wg = __shfl_sync(0xffffffffu, (int)(threadIdx.x >> 7), 0);
+    const int wg = __shfl_sync(0xffffffffu, (int)(threadIdx.x >> 7), 0); /* warp-uniform for the compiler */
     const int NT = (a.N + BG_NF - 1) / BG_NF, nsteps = (a.K + BT_KSTEP - 1) / BT_KSTEP;
     const int64_t total = (int64_t)tile_off[a.E] * NT;
-    int64_t gs = 0; /* global step count of this block: buffer gs & 1 */
-    if (wg == 0) { /* producer */
+    int64_t gs = 0; /* the block's steps so far: buffer gs & 1 */
+    if (wg == 0) { /* the producer */
         bg_producer p;
         for (int64_t item = blockIdx.x; item < total; item += gridDim.x) {
             const bt_item it = bt_item_of<BG_MT>(item, a.E, NT, starts, tile_off);
@@ -162,8 +172,9 @@ gq_batched_big_kernel(gq_args a, const int *__restrict__ starts, const int *__re
         /* the consumers' last two releases (no arrivals left pending on a barrier) */
         if (gs >= 2) bg_sync(3 + (int)((gs - 2) & 1));
         if (gs >= 1) bg_sync(3 + (int)((gs - 1) & 1));
-    } else { /* consumers: rows 64 r .. 64 r + 63 of the item */
+    } else { /* the consumers: rows 64 r .. 64 r + 63 of an item */
         const int r = wg - 1, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, w = (threadIdx.x >> 5) & 3;
+        const uint32_t xrows = r * 2048; /* 64 rows: 8 core-matrix row groups of 256 bytes */
         for (int64_t item = blockIdx.x; item < total; item += gridDim.x) {
             const bt_item it = bt_item_of<BG_MT>(item, a.E, NT, starts, tile_off);
             const int mine = it.rows - 64 * r;
@@ -173,22 +184,19 @@ gq_batched_big_kernel(gq_args a, const int *__restrict__ starts, const int *__re
             for (int s = 0; s < nsteps; s++, gs++) {
                 const int b = (int)(gs & 1);
                 bg_sync(1 + b);
-                /* a warpgroup without rows in the item runs its products too (on rows nobody stores): a wgmma
-                 * under a condition made ptxas insert waits (C7517) */
-                const uint32_t xa = bt_smem_addr(xbuf + b * BG_XBYTES) + r * 2048;
-                const uint32_t wa = bt_smem_addr(wbuf + b * BG_WBYTES);
+                const uint32_t xa = bt_smem_addr(xbuf + b * BG_XBYTES) + xrows, wa = bt_smem_addr(wbuf + b * BG_WBYTES);
                 wg_fence();
 #pragma unroll
                 for (int ks = 0; ks < 8; ks++)
                     wg_ss<BG_NF>::mma(acc, wg_desc(xa + ks * BG_XKS, 128, 256), wg_desc(wa + ks * BG_WKS, 128, 256), 1);
                 wg_commit();
-                wg_wait<1>(); /* step s - 1's products done */
+                wg_wait<1>(); /* step s - 1's products done: its buffer is free */
                 if (s > 0) bg_arrive(3 + (b ^ 1));
             }
             wg_wait<0>();
             bg_arrive(3 + (int)((gs - 1) & 1));
 #pragma unroll
-            for (int i = 0; i < BG_NF / 2; i++) asm volatile("" : "+f"(acc[i])::"memory");
+            for (int i = 0; i < BG_NF / 2; i++) asm volatile("" : "+f"(acc[i])::"memory"); /* read after the wait */
             if (mine > 0) { /* acc[4 i + h]: row 16 w + g + 8 (h / 2), feature 8 i + 2 t + h % 2 */
                 __nv_bfloat16 *y = static_cast<__nv_bfloat16 *>(a.y);
                 const float mult = cu_expert_gs(a.gs, it.e) * bt_ops<__nv_bfloat16>::kUndo;
@@ -200,7 +208,7 @@ gq_batched_big_kernel(gq_args a, const int *__restrict__ starts, const int *__re
                         __nv_bfloat16 *yr = y + (it.row0 + 64 * r + row) * a.N;
 #pragma unroll
                         for (int i = 0; i < BG_NF / 8; i++) {
-                            const int f = nb + 8 * i;
+                            const int f = nb + 8 * i; /* N is even: f and f + 1 both in range or both not */
                             if (f < a.N) {
                                 __nv_bfloat162 v;
                                 v.x = cu_out<__nv_bfloat16>(acc[4 * i + 2 * hh] * mult, a.relu2);
@@ -215,6 +223,7 @@ gq_batched_big_kernel(gq_args a, const int *__restrict__ starts, const int *__re
     }
     bt_zero_tail(static_cast<__nv_bfloat16 *>(a.y), starts, a.E, a.B, a.N);
 }
+
 
 /* the candidate's launch: the runs with 128-row tiles, then the kernel (tiled layout, bf16) */
 static int bg_launch(const gq_args *a, cudaStream_t st) {
