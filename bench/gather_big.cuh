@@ -10,7 +10,10 @@
  * producer is the limit - 0.27 instructions a cycle a scheduler, barrier stalls 4.85 an instruction (the consumers
  * waiting for FULL), long scoreboard 1.66 (the producer's loads, one step ahead only), shared-memory pipe 41%.
  * What would help (docs/GPU-NOTES.md "Session 40"): the producer's loads further ahead (its registers are full: 168)
- * or off its critical path - x by cp.async / TMA, which the x permutation prevents today. */
+ * or off its critical path - x by cp.async / TMA, which the x permutation prevents today. BG_XC=1 (written after
+ * the measurement above): each consumer warpgroup stages its own 64 x rows for step s + 1 in two halves of 4 pieces
+ * while its step-s wgmma run, so the producer only decodes weights (168 registers, no spills, no wgmma
+ * serialisation). */
 #ifndef FP4MOE_BENCH_GATHER_BIG_CUH
 #define FP4MOE_BENCH_GATHER_BIG_CUH
 
@@ -43,6 +46,9 @@
 #define BG_NF 256 /* features an item: a multiple of 64 (a producer warp decodes BG_NF / 64 16-feature tiles), <= 256 */
 #endif
 #define BG_MT 128
+#ifndef BG_XC
+#define BG_XC 0 /* 1: each consumer warpgroup stages its own 64 x rows (after issuing its wgmma), the producer only decodes */
+#endif
 #define BG_THREADS 384
 #define BG_XKS (BG_MT * 32)    /* bytes of one k16 step of the x tile: 128 rows x 16 K bf16 */
 #define BG_XBYTES (8 * BG_XKS) /* one 128-K step of x */
@@ -67,8 +73,10 @@ __device__ __forceinline__ void bg_stmatrix4(uint32_t addr, uint32_t a0, uint32_
 /* The producer's state for one item: x pieces (rows 8 i + nlo, K offset 32 t + 8 q of the step; thread (t, nlo, q) =
  * (tid % 4, tid / 4 % 8, tid / 32)) and the code pieces of its warp's 16-feature tiles, loaded a step ahead. */
 struct bg_producer {
+#if !BG_XC
     uint4 xv[16];
     uint32_t xr[16]; /* source rows (gq_x_row); ~0u: past the item's rows, not staged */
+#endif
     uint4 c0[BG_TPW], c1[BG_TPW];
     uint32_t sw[BG_TPW];
     const uint8_t *piece[BG_TPW]; /* + lane * 16 */
@@ -77,11 +85,15 @@ struct bg_producer {
     __device__ __forceinline__ void init(const gq_args &a, const bt_item &it) {
         const int tid = threadIdx.x, lane = tid & 31, t = tid & 3, nlo = (tid >> 2) & 7, q = tid >> 5;
         kc = 32 * t + 8 * q;
+#if !BG_XC
 #pragma unroll
         for (int i = 0; i < 16; i++) {
             const int r = 8 * i + nlo;
             xr[i] = r < it.rows ? (uint32_t)gq_x_row(a.xrow, a.xdiv, it.row0 + r) : ~0u;
         }
+#else
+        (void)nlo;
+#endif
         const int64_t we = cu_weight_expert(it.e, a.E);
         const int last_tile = (a.N - 1) >> 4;
 #pragma unroll
@@ -93,12 +105,16 @@ struct bg_producer {
     __device__ __forceinline__ void load(const gq_args &a, int s) {
         const int k0 = s * BT_KSTEP, lane = threadIdx.x & 31;
         const bool kok = k0 + kc < a.K;
+#if !BG_XC
         const __nv_bfloat16 *x = static_cast<const __nv_bfloat16 *>(a.x);
 #pragma unroll
         for (int i = 0; i < 16; i++) {
             xv[i] = make_uint4(0, 0, 0, 0); /* K past the end: zeros */
             if (xr[i] != ~0u && kok) xv[i] = __ldg(reinterpret_cast<const uint4 *>(x + (int64_t)xr[i] * a.K + k0 + kc));
         }
+#else
+        (void)kok;
+#endif
         const int64_t o = (int64_t)s * GQ_TILE_PIECE;
 #pragma unroll
         for (int j = 0; j < BG_TPW; j++) {
@@ -111,6 +127,7 @@ struct bg_producer {
      * ks BG_WKS + (n / 8) 256 + (n % 8) 16, K-direction core matrix + 128) */
     __device__ __forceinline__ void store(uint8_t *xs, uint8_t *ws) const {
         const int tid = threadIdx.x, lane = tid & 31, t = tid & 3, nlo = (tid >> 2) & 7, q = tid >> 5;
+#if !BG_XC
         uint8_t *b = xs + gw_xoff(BG_XKS, 2 * q, 0, nlo) + 4 * t;
 #pragma unroll
         for (int i = 0; i < 16; i++) { /* gw_xput's stores; rows 8 i + nlo: i core-matrix row groups (256 bytes) on */
@@ -122,6 +139,9 @@ struct bg_producer {
                 *reinterpret_cast<uint32_t *>(b + 256 * i + BG_XKS + 128) = __byte_perm(w.y, w.w, 0x7632);
             }
         }
+#else
+        (void)xs; (void)t; (void)nlo;
+#endif
         const uint32_t lane_off = ((lane >> 3) & 1) * 256 + (lane >> 4) * 128 + (lane & 7) * 16;
 #pragma unroll
         for (int j = 0; j < BG_TPW; j++) {
@@ -142,6 +162,59 @@ struct bg_producer {
                              cu_mul_bf16x2(pa[3], s0), cu_mul_bf16x2(pb[3], s1));
             }
         }
+    }
+};
+
+/* BG_XC: a consumer warpgroup's x staging - its 64 rows (64 r + 8 i + nlo, i < 8) at K offset 32 t + 8 q of a step,
+ * in two halves of 4 pieces (registers: the accumulators take 128 of the 168) */
+struct bg_xc {
+    uint32_t xr[8];
+    uint4 xv[4];
+    int kc;
+    uint32_t off; /* byte offset of piece 0 in a buffer */
+    __device__ __forceinline__ void init(const gq_args &a, const bt_item &it, int r) {
+        const int tid = threadIdx.x & 127, t = tid & 3, nlo = (tid >> 2) & 7, q = tid >> 5;
+        kc = 32 * t + 8 * q;
+        off = gw_xoff(BG_XKS, 2 * q, 0, nlo + 64 * r) + 4 * t;
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            const int row = 64 * r + 8 * i + nlo;
+            xr[i] = row < it.rows ? (uint32_t)gq_x_row(a.xrow, a.xdiv, it.row0 + row) : ~0u;
+        }
+    }
+    template <int H> __device__ __forceinline__ void load(const gq_args &a, int s) {
+        const int k0 = s * BT_KSTEP;
+        const bool kok = k0 + kc < a.K;
+        const __nv_bfloat16 *x = static_cast<const __nv_bfloat16 *>(a.x);
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            xv[i] = make_uint4(0, 0, 0, 0);
+            if (xr[4 * H + i] != ~0u && kok)
+                xv[i] = __ldg(reinterpret_cast<const uint4 *>(x + (int64_t)xr[4 * H + i] * a.K + k0 + kc));
+        }
+    }
+    template <int H> __device__ __forceinline__ void store(uint8_t *xs) const {
+        uint8_t *b = xs + off;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const int ii = 4 * H + i;
+            if (xr[ii] != ~0u) {
+                const uint4 w = xv[i];
+                *reinterpret_cast<uint32_t *>(b + 256 * ii) = __byte_perm(w.x, w.z, 0x5410);
+                *reinterpret_cast<uint32_t *>(b + 256 * ii + 128) = __byte_perm(w.x, w.z, 0x7632);
+                *reinterpret_cast<uint32_t *>(b + 256 * ii + BG_XKS) = __byte_perm(w.y, w.w, 0x5410);
+                *reinterpret_cast<uint32_t *>(b + 256 * ii + BG_XKS + 128) = __byte_perm(w.y, w.w, 0x7632);
+            }
+        }
+    }
+    /* a whole step, then the proxy fence and the warpgroup's barrier (id 5 + r) */
+    __device__ __forceinline__ void stage(const gq_args &a, int s, uint8_t *xs, int r) {
+        load<0>(a, s);
+        store<0>(xs);
+        load<1>(a, s);
+        store<1>(xs);
+        wg_fence_async_smem();
+        asm volatile("bar.sync %0, 128;" ::"r"(5 + r) : "memory");
     }
 };
 
@@ -181,6 +254,11 @@ gq_batched_big_kernel(gq_args a, const int *__restrict__ starts, const int *__re
             float acc[BG_NF / 2];
 #pragma unroll
             for (int i = 0; i < BG_NF / 2; i++) acc[i] = 0.0f;
+#if BG_XC
+            bg_xc xc;
+            xc.init(a, it, r);
+            xc.stage(a, 0, xbuf + (gs & 1) * BG_XBYTES, r); /* free: the last item's products are done */
+#endif
             for (int s = 0; s < nsteps; s++, gs++) {
                 const int b = (int)(gs & 1);
                 bg_sync(1 + b);
@@ -190,8 +268,21 @@ gq_batched_big_kernel(gq_args a, const int *__restrict__ starts, const int *__re
                 for (int ks = 0; ks < 8; ks++)
                     wg_ss<BG_NF>::mma(acc, wg_desc(xa + ks * BG_XKS, 128, 256), wg_desc(wa + ks * BG_WKS, 128, 256), 1);
                 wg_commit();
+#if BG_XC
+                if (s + 1 < nsteps) xc.load<0>(a, s + 1); /* under this step's products */
+#endif
                 wg_wait<1>(); /* step s - 1's products done: its buffer is free */
                 if (s > 0) bg_arrive(3 + (b ^ 1));
+#if BG_XC
+                if (s + 1 < nsteps) { /* this warpgroup's x rows of step s + 1 into the other buffer */
+                    uint8_t *xs = xbuf + (b ^ 1) * BG_XBYTES;
+                    xc.store<0>(xs);
+                    xc.load<1>(a, s + 1);
+                    xc.store<1>(xs);
+                    wg_fence_async_smem();
+                    asm volatile("bar.sync %0, 128;" ::"r"(5 + r) : "memory");
+                }
+#endif
             }
             wg_wait<0>();
             bg_arrive(3 + (int)((gs - 1) & 1));
