@@ -49,7 +49,7 @@ template <int N> struct wg_rs_mn;""")
 for n in (64, 128):
     wrapper("wg_rs_mn<%d>" % n, n, "f16", 1)
 # the SS form (both operands in shared memory, K-major, bf16): the shared-memory gather candidate
-# (bench/gather_ss.cuh, N up to 64) and the big-tile gather (gq_batched_big_kernel: N = 256 features; bench
+# (bench/gather_ss.cuh, N up to 64) and the big-tile gather candidate (bench/gather_big.cuh: N = 256 features;
 # variants 128 / 192)
 print("""
 /* SS form: d (64 x N fp32) (+)= A (64 x 16 bf16, shared memory, K-major, descriptor da) * B (16 x N bf16,
