@@ -62,14 +62,6 @@ static_assert(BG_NF % 64 == 0 && BG_NF <= 256, "BG_NF");
 __device__ __forceinline__ void bg_sync(int id) { asm volatile("bar.sync %0, %1;" ::"r"(id), "n"(BG_THREADS) : "memory"); }
 __device__ __forceinline__ void bg_arrive(int id) { asm volatile("bar.arrive %0, %1;" ::"r"(id), "n"(BG_THREADS) : "memory"); }
 
-/* one stmatrix.x4: the four 8 x 8 bf16 matrices of an mma A fragment (a0: rows 0-7, K 0-7; a1: rows 8-15, K 0-7; a2:
- * rows 0-7, K 8-15; a3: rows 8-15, K 8-15), lane l giving the address of row l % 8 of matrix l / 8 */
-__device__ __forceinline__ void bg_stmatrix4(uint32_t addr, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3) {
-    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(a0), "r"(a1),
-                 "r"(a2), "r"(a3)
-                 : "memory");
-}
-
 /* The producer's state for one item: x pieces (rows 8 i + nlo, K offset 32 t + 8 q of the step; thread (t, nlo, q) =
  * (tid % 4, tid / 4 % 8, tid / 32)) and the code pieces of its warp's 16-feature tiles, loaded a step ahead. */
 struct bg_producer {
@@ -133,10 +125,7 @@ struct bg_producer {
         for (int i = 0; i < 16; i++) { /* gw_xput's stores; rows 8 i + nlo: i core-matrix row groups (256 bytes) on */
             if (xr[i] != ~0u) {
                 const uint4 w = xv[i];
-                *reinterpret_cast<uint32_t *>(b + 256 * i) = __byte_perm(w.x, w.z, 0x5410);
-                *reinterpret_cast<uint32_t *>(b + 256 * i + 128) = __byte_perm(w.x, w.z, 0x7632);
-                *reinterpret_cast<uint32_t *>(b + 256 * i + BG_XKS) = __byte_perm(w.y, w.w, 0x5410);
-                *reinterpret_cast<uint32_t *>(b + 256 * i + BG_XKS + 128) = __byte_perm(w.y, w.w, 0x7632);
+                gw_xput4<BG_XKS>(b + 256 * i, w);
             }
         }
 #else
@@ -156,9 +145,9 @@ struct bg_producer {
                 bt_dec4<__nv_bfloat16>::pairs_tl(w0[qq], pa);
                 bt_dec4<__nv_bfloat16>::pairs_tl(w1[qq], pb);
                 const uint32_t s0 = sa[qq >> 1], s1 = sb[qq >> 1];
-                bg_stmatrix4(base + (2 * qq) * BG_WKS, cu_mul_bf16x2(pa[0], s0), cu_mul_bf16x2(pb[0], s1),
+                cand_stmatrix4(base + (2 * qq) * BG_WKS, cu_mul_bf16x2(pa[0], s0), cu_mul_bf16x2(pb[0], s1),
                              cu_mul_bf16x2(pa[1], s0), cu_mul_bf16x2(pb[1], s1));
-                bg_stmatrix4(base + (2 * qq + 1) * BG_WKS, cu_mul_bf16x2(pa[2], s0), cu_mul_bf16x2(pb[2], s1),
+                cand_stmatrix4(base + (2 * qq + 1) * BG_WKS, cu_mul_bf16x2(pa[2], s0), cu_mul_bf16x2(pb[2], s1),
                              cu_mul_bf16x2(pa[3], s0), cu_mul_bf16x2(pb[3], s1));
             }
         }
@@ -200,10 +189,7 @@ struct bg_xc {
             const int ii = 4 * H + i;
             if (xr[ii] != ~0u) {
                 const uint4 w = xv[i];
-                *reinterpret_cast<uint32_t *>(b + 256 * ii) = __byte_perm(w.x, w.z, 0x5410);
-                *reinterpret_cast<uint32_t *>(b + 256 * ii + 128) = __byte_perm(w.x, w.z, 0x7632);
-                *reinterpret_cast<uint32_t *>(b + 256 * ii + BG_XKS) = __byte_perm(w.y, w.w, 0x5410);
-                *reinterpret_cast<uint32_t *>(b + 256 * ii + BG_XKS + 128) = __byte_perm(w.y, w.w, 0x7632);
+                gw_xput4<BG_XKS>(b + 256 * ii, w);
             }
         }
     }

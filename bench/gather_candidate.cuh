@@ -1,7 +1,15 @@
-/* bench/gather_candidate.cuh: the launch shared by the expert-batched gather candidates of
- * bench/gpu_gather_wg.cu (gather_ws.cuh, gather_ss.cuh). Included after src/kernels/cuda/gather_batched.cu. */
+/* bench/gather_candidate.cuh: the launch and the stmatrix store shared by the expert-batched gather candidates of
+ * bench/gpu_gather_wg.cu (gather_ws.cuh, gather_ss.cuh, gather_big.cuh). Included after src/kernels/cuda/gather_batched.cu. */
 #ifndef FP4MOE_BENCH_GATHER_CANDIDATE_CUH
 #define FP4MOE_BENCH_GATHER_CANDIDATE_CUH
+
+/* one stmatrix.x4: the four 8 x 8 bf16 matrices of an A fragment (a0: rows 0-7, K 0-7; a1: rows 8-15, K 0-7;
+ * a2: rows 0-7, K 8-15; a3: rows 8-15, K 8-15 of the warp's 16 rows), lane l giving row l % 8 of matrix l / 8 */
+__device__ __forceinline__ void cand_stmatrix4(uint32_t addr, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(a0), "r"(a1),
+                 "r"(a2), "r"(a3)
+                 : "memory");
+}
 
 /* A candidate kernel over the items (expert, nf features, mt rows): tiled layout and K % 64 == 0 required
  * (else FP4MOE_EUNSUPPORTED naming `what`); a per-call scratch of starts (E + 1 ints), tile_off (E + 1) and

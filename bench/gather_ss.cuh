@@ -54,14 +54,6 @@ __device__ __forceinline__ void ss_cp8(uint32_t dst, const void *src) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(dst), "l"(src));
 }
 
-/* one stmatrix.x4: the four 8 x 8 bf16 matrices of an A fragment (a0: rows 0-7, K 0-7; a1: rows 8-15, K 0-7;
- * a2: rows 0-7, K 8-15; a3: rows 8-15, K 8-15 of the warp's 16 rows), lane l giving row l % 8 of matrix l / 8 */
-__device__ __forceinline__ void ss_stmatrix4(uint32_t addr, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3) {
-    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(a0), "r"(a1),
-                 "r"(a2), "r"(a3)
-                 : "memory");
-}
-
 /* the x tile of a step by 512 threads: thread (t, nlo, q, nhi) = (tid % 4, tid / 4 % 8, tid / 32 % 4, tid / 128)
  * moves the pieces of rows 32 i + 8 nhi + nlo (i < 4) at K offset 32 t + 8 q, stored as gw_xstage does */
 struct ss_xstage {
@@ -153,9 +145,9 @@ __device__ __forceinline__ void ss_item(const gq_args &a, int e, int64_t row0, i
             bt_dec4<__nv_bfloat16>::pairs_tl(j ? c0.y : c0.x, pa);
             bt_dec4<__nv_bfloat16>::pairs_tl(j ? c1.y : c1.x, pb);
             const int ks = 4 * r + 2 * j;
-            ss_stmatrix4(abase + ks * 2048, cu_mul_bf16x2(pa[0], s0), cu_mul_bf16x2(pb[0], s1), cu_mul_bf16x2(pa[1], s0),
+            cand_stmatrix4(abase + ks * 2048, cu_mul_bf16x2(pa[0], s0), cu_mul_bf16x2(pb[0], s1), cu_mul_bf16x2(pa[1], s0),
                          cu_mul_bf16x2(pb[1], s1));
-            ss_stmatrix4(abase + (ks + 1) * 2048, cu_mul_bf16x2(pa[2], s0), cu_mul_bf16x2(pb[2], s1),
+            cand_stmatrix4(abase + (ks + 1) * 2048, cu_mul_bf16x2(pa[2], s0), cu_mul_bf16x2(pb[2], s1),
                          cu_mul_bf16x2(pa[3], s0), cu_mul_bf16x2(pb[3], s1));
         }
         /* 2. this step's x tile (loaded during the last step) */
@@ -194,7 +186,7 @@ gq_batched_ss_kernel(gq_args a, const int *__restrict__ starts, const int *__res
     const int64_t total = (int64_t)tile_off[a.E] * NT;
     bt_sched sch = {ctr, 0};
     for (int64_t item = blockIdx.x; item < total; item = sch.next(item, next_item)) {
-        sch.fetch(next_item);
+        sch.fetch(next_item, total);
         const bt_item it = bt_item_of<SS_MT>(item, a.E, NT, starts, tile_off);
         const int nw = it.ntile * SS_NF + f * 64 + wq * 16;
         const int mine = min(64, max(0, it.rows - 64 * r)); /* this warpgroup's rows */

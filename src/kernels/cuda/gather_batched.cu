@@ -1261,14 +1261,19 @@ template <int MT> __device__ __forceinline__ uint8_t *gw_xbase(uint8_t *xs) {
     const int tid = threadIdx.x, t = tid & 3, nlo = (tid >> 2) & 7, q = (tid >> 5) & 3, nhi = tid >> 7;
     return xs + gw_xoff(gw_cfg<MT>::KS, 2 * q, 0, nhi * 8 + nlo) + 4 * t;
 }
+/* one piece (x0..x7) at p (its byte in k16 step 2q, core matrix 0; KS: bytes of a k16 step) as the pairs (x0,x4)
+ * (x1,x5) (x2,x6) (x3,x7) of k16 steps 2q, 2q, 2q + 1, 2q + 1, core matrices 0, 1, 0, 1 (also bench/gather_big.cuh) */
+template <int KS> __device__ __forceinline__ void gw_xput4(uint8_t *p, uint4 w) {
+    *reinterpret_cast<uint32_t *>(p) = __byte_perm(w.x, w.z, 0x5410);
+    *reinterpret_cast<uint32_t *>(p + 128) = __byte_perm(w.x, w.z, 0x7632);
+    *reinterpret_cast<uint32_t *>(p + KS) = __byte_perm(w.y, w.w, 0x5410);
+    *reinterpret_cast<uint32_t *>(p + KS + 128) = __byte_perm(w.y, w.w, 0x7632);
+}
 template <int MT> __device__ __forceinline__ void gw_xput(uint8_t *b, int i, uint4 w) {
     constexpr int KS = gw_cfg<MT>::KS, RPI = GW_THREADS / 16;
     constexpr int PB = gw_xoff(KS, 0, 0, RPI); /* RPI rows = RPI / 8 core-matrix row groups of 256 bytes */
     static_assert(PB == RPI / 8 * 256, "piece i + 1 is RPI rows on");
-    *reinterpret_cast<uint32_t *>(b + PB * i) = __byte_perm(w.x, w.z, 0x5410);
-    *reinterpret_cast<uint32_t *>(b + PB * i + 128) = __byte_perm(w.x, w.z, 0x7632);
-    *reinterpret_cast<uint32_t *>(b + PB * i + KS) = __byte_perm(w.y, w.w, 0x5410);
-    *reinterpret_cast<uint32_t *>(b + PB * i + KS + 128) = __byte_perm(w.y, w.w, 0x7632);
+    gw_xput4<KS>(b + PB * i, w);
 }
 
 /* x staging: thread (t = tid % 4, nlo = tid / 4 % 8, q = tid / 32 % 4, nhi = tid / 128) moves the
