@@ -13,7 +13,11 @@
  * or off its critical path - x by cp.async / TMA, which the x permutation prevents today. BG_XC=1 (written after
  * the measurement above): each consumer warpgroup stages its own 64 x rows for step s + 1 in two halves of 4 pieces
  * while its step-s wgmma run, so the producer only decodes weights (168 registers, no spills, no wgmma
- * serialisation). */
+ * serialisation). Measured in session 41 (H100): bitwise equal, synccheck clean, and no faster than BG_XC=0 (2,048
+ * tokens 0.94 / 1.07 ms, 8,192 3.05-3.19, 16,384 5.59-5.85): x on the producer was not the limit. Two more
+ * variants for the next measurement: BG_LEAD=2 (with BG_XC: the producer's weight loads two steps ahead, in the
+ * registers x freed; producer loop 531 instructions) and BG_KO=1 (a knock-out, wrong results, timing only: the
+ * producer stores the raw code words, no decode and no scale multiply; producer loop 193 instructions). */
 #ifndef FP4MOE_BENCH_GATHER_BIG_CUH
 #define FP4MOE_BENCH_GATHER_BIG_CUH
 
@@ -49,6 +53,18 @@
 #ifndef BG_XC
 #define BG_XC 0 /* 1: each consumer warpgroup stages its own 64 x rows (after issuing its wgmma), the producer only decodes */
 #endif
+#ifndef BG_LEAD
+#define BG_LEAD 1 /* steps the producer's weight loads run ahead: 1, or 2 (BG_XC=1 only: its x registers free) */
+#endif
+#ifndef BG_KO
+#define BG_KO 0 /* 1: knock-out (timing only, wrong results): the producer stores the raw code words, no decode */
+#endif
+#if BG_KO
+#define BG_MUL(p, s) ((void)(s), (p))
+#else
+#define BG_MUL(p, s) cu_mul_bf16x2(p, s)
+#endif
+static_assert(BG_LEAD == 1 || (BG_LEAD == 2 && BG_XC), "BG_LEAD 2 needs BG_XC");
 #define BG_THREADS 384
 #define BG_XKS (BG_MT * 32)    /* bytes of one k16 step of the x tile: 128 rows x 16 K bf16 */
 #define BG_XBYTES (8 * BG_XKS) /* one 128-K step of x */
@@ -71,6 +87,18 @@ struct bg_producer {
 #endif
     uint4 c0[BG_TPW], c1[BG_TPW];
     uint32_t sw[BG_TPW];
+#if BG_LEAD == 2
+    uint4 n0[BG_TPW], n1[BG_TPW]; /* step s + 1's pieces (load<true>), moved into c0 / c1 / sw by advance() */
+    uint32_t nsw[BG_TPW];
+    __device__ __forceinline__ void advance() {
+#pragma unroll
+        for (int j = 0; j < BG_TPW; j++) {
+            c0[j] = n0[j];
+            c1[j] = n1[j];
+            sw[j] = nsw[j];
+        }
+    }
+#endif
     const uint8_t *piece[BG_TPW]; /* + lane * 16 */
     int kc;
 
@@ -94,7 +122,7 @@ struct bg_producer {
             piece[j] = gq_tiled_piece(a.codes, we, T, 0, a.N, a.K) + lane * 16;
         }
     }
-    __device__ __forceinline__ void load(const gq_args &a, int s) {
+    template <bool NEXT = false> __device__ __forceinline__ void load(const gq_args &a, int s) {
         const int k0 = s * BT_KSTEP, lane = threadIdx.x & 31;
         const bool kok = k0 + kc < a.K;
 #if !BG_XC
@@ -110,9 +138,20 @@ struct bg_producer {
         const int64_t o = (int64_t)s * GQ_TILE_PIECE;
 #pragma unroll
         for (int j = 0; j < BG_TPW; j++) {
-            c0[j] = __ldg(reinterpret_cast<const uint4 *>(piece[j] + o));
-            c1[j] = __ldg(reinterpret_cast<const uint4 *>(piece[j] + o + 512));
-            sw[j] = __ldg(reinterpret_cast<const uint32_t *>(piece[j] - lane * 12 + o + 1024)); /* piece + 1024 + 4 lane */
+            const uint4 v0 = __ldg(reinterpret_cast<const uint4 *>(piece[j] + o));
+            const uint4 v1 = __ldg(reinterpret_cast<const uint4 *>(piece[j] + o + 512));
+            const uint32_t v2 = __ldg(reinterpret_cast<const uint32_t *>(piece[j] - lane * 12 + o + 1024)); /* piece + 1024 + 4 lane */
+#if BG_LEAD == 2
+            if (NEXT) {
+                n0[j] = v0;
+                n1[j] = v1;
+                nsw[j] = v2;
+                continue;
+            }
+#endif
+            c0[j] = v0;
+            c1[j] = v1;
+            sw[j] = v2;
         }
     }
     /* the loaded step into the buffers xs (x, gw_xoff's layout) and ws (weights: feature n of k16 step ks at
@@ -142,13 +181,18 @@ struct bg_producer {
 #pragma unroll
             for (int qq = 0; qq < 4; qq++) { /* word qq: k16 steps 2 qq, 2 qq + 1 (gw_step's A registers) */
                 uint32_t pa[4], pb[4];
+#if BG_KO /* knock-out: the raw words, no decode and no scale (wrong results) */
+                for (int i = 0; i < 4; i++) { pa[i] = w0[qq]; pb[i] = w1[qq]; }
+                const uint32_t s0 = 0, s1 = 0;
+#else
                 bt_dec4<__nv_bfloat16>::pairs_tl(w0[qq], pa);
                 bt_dec4<__nv_bfloat16>::pairs_tl(w1[qq], pb);
                 const uint32_t s0 = sa[qq >> 1], s1 = sb[qq >> 1];
-                cand_stmatrix4(base + (2 * qq) * BG_WKS, cu_mul_bf16x2(pa[0], s0), cu_mul_bf16x2(pb[0], s1),
-                             cu_mul_bf16x2(pa[1], s0), cu_mul_bf16x2(pb[1], s1));
-                cand_stmatrix4(base + (2 * qq + 1) * BG_WKS, cu_mul_bf16x2(pa[2], s0), cu_mul_bf16x2(pb[2], s1),
-                             cu_mul_bf16x2(pa[3], s0), cu_mul_bf16x2(pb[3], s1));
+#endif
+                cand_stmatrix4(base + (2 * qq) * BG_WKS, BG_MUL(pa[0], s0), BG_MUL(pb[0], s1),
+                             BG_MUL(pa[1], s0), BG_MUL(pb[1], s1));
+                cand_stmatrix4(base + (2 * qq + 1) * BG_WKS, BG_MUL(pa[2], s0), BG_MUL(pb[2], s1),
+                             BG_MUL(pa[3], s0), BG_MUL(pb[3], s1));
             }
         }
     }
@@ -219,13 +263,21 @@ gq_batched_big_kernel(gq_args a, const int *__restrict__ starts, const int *__re
             const bt_item it = bt_item_of<BG_MT>(item, a.E, NT, starts, tile_off);
             p.init(a, it);
             p.load(a, 0);
+#if BG_LEAD == 2
+            if (nsteps > 1) p.load<true>(a, 1);
+#endif
             for (int s = 0; s < nsteps; s++, gs++) {
                 const int b = (int)(gs & 1);
                 if (gs >= 2) bg_sync(3 + b); /* the consumers are done with step gs - 2's buffer */
                 p.store(xbuf + b * BG_XBYTES, wbuf + b * BG_WBYTES);
                 wg_fence_async_smem();
                 bg_arrive(1 + b);
+#if BG_LEAD == 2
+                p.advance();
+                if (s + 2 < nsteps) p.load<true>(a, s + 2);
+#else
                 if (s + 1 < nsteps) p.load(a, s + 1);
+#endif
             }
         }
         /* the consumers' last two releases (no arrivals left pending on a barrier) */
