@@ -237,6 +237,18 @@ struct bg_xc {
             }
         }
     }
+    /* BG_XC=2 (knock-out, timing only: x NOT in the K permutation, results wrong): the warpgroup's x rows of step s
+     * by 16-byte cp.async into its half of the buffer, no registers - what x by cp.async / TMA would cost once a
+     * natural-pair layout (docs/GPU-NOTES.md "Session 41") made it possible */
+    __device__ __forceinline__ void async_stage(const gq_args &a, int s, uint8_t *xs, int r) const {
+        const int k0 = s * BT_KSTEP, tid = threadIdx.x & 127;
+        const __nv_bfloat16 *x = static_cast<const __nv_bfloat16 *>(a.x);
+        const uint32_t d = bt_smem_addr(xs) + r * (BG_XBYTES / 2) + tid * 128;
+#pragma unroll
+        for (int i = 0; i < 8; i++)
+            if (xr[i] != ~0u && k0 + kc < a.K) bt_cp16(d + 16 * i, x + (int64_t)xr[i] * a.K + k0 + kc, 16);
+        bt_cp_commit();
+    }
     /* a whole step, then the proxy fence and the warpgroup's barrier (id 5 + r) */
     __device__ __forceinline__ void stage(const gq_args &a, int s, uint8_t *xs, int r) {
         load<0>(a, s);
@@ -292,13 +304,22 @@ gq_batched_big_kernel(gq_args a, const int *__restrict__ starts, const int *__re
             float acc[BG_NF / 2];
 #pragma unroll
             for (int i = 0; i < BG_NF / 2; i++) acc[i] = 0.0f;
-#if BG_XC
+#if BG_XC == 2
+            bg_xc xc;
+            xc.init(a, it, r);
+            xc.async_stage(a, 0, xbuf + (gs & 1) * BG_XBYTES, r);
+#elif BG_XC
             bg_xc xc;
             xc.init(a, it, r);
             xc.stage(a, 0, xbuf + (gs & 1) * BG_XBYTES, r); /* free: the last item's products are done */
 #endif
             for (int s = 0; s < nsteps; s++, gs++) {
                 const int b = (int)(gs & 1);
+#if BG_XC == 2 /* this step's x copies (issued a step ago) landed, for the whole warpgroup and the async proxy */
+                bt_cp_wait<0>();
+                wg_fence_async_smem();
+                asm volatile("bar.sync %0, 128;" ::"r"(5 + r) : "memory");
+#endif
                 bg_sync(1 + b);
                 const uint32_t xa = bt_smem_addr(xbuf + b * BG_XBYTES) + xrows, wa = bt_smem_addr(wbuf + b * BG_WBYTES);
                 wg_fence();
@@ -306,12 +327,14 @@ gq_batched_big_kernel(gq_args a, const int *__restrict__ starts, const int *__re
                 for (int ks = 0; ks < 8; ks++)
                     wg_ss<BG_NF>::mma(acc, wg_desc(xa + ks * BG_XKS, 128, 256), wg_desc(wa + ks * BG_WKS, 128, 256), 1);
                 wg_commit();
-#if BG_XC
+#if BG_XC == 1
                 if (s + 1 < nsteps) xc.load<0>(a, s + 1); /* under this step's products */
 #endif
                 wg_wait<1>(); /* step s - 1's products done: its buffer is free */
                 if (s > 0) bg_arrive(3 + (b ^ 1));
-#if BG_XC
+#if BG_XC == 2
+                if (s + 1 < nsteps) xc.async_stage(a, s + 1, xbuf + (b ^ 1) * BG_XBYTES, r);
+#elif BG_XC
                 if (s + 1 < nsteps) { /* this warpgroup's x rows of step s + 1 into the other buffer */
                     uint8_t *xs = xbuf + (b ^ 1) * BG_XBYTES;
                     xc.store<0>(xs);
