@@ -14,10 +14,12 @@
  * the measurement above): each consumer warpgroup stages its own 64 x rows for step s + 1 in two halves of 4 pieces
  * while its step-s wgmma run, so the producer only decodes weights (168 registers, no spills, no wgmma
  * serialisation). Measured in session 41 (H100): bitwise equal, synccheck clean, and no faster than BG_XC=0 (2,048
- * tokens 0.94 / 1.07 ms, 8,192 3.05-3.19, 16,384 5.59-5.85): x on the producer was not the limit. Two more
- * variants for the next measurement: BG_LEAD=2 (with BG_XC: the producer's weight loads two steps ahead, in the
- * registers x freed; producer loop 531 instructions) and BG_KO=1 (a knock-out, wrong results, timing only: the
- * producer stores the raw code words, no decode and no scale multiply; producer loop 193 instructions). */
+ * tokens 0.94 / 1.07 ms, 8,192 3.05-3.19, 16,384 5.59-5.85). Then BG_LEAD=2 (the producer's weight loads two steps
+ * ahead) changed nothing and BG_KO=1 (a knock-out: no decode at all, wrong results) was no faster: Nsight Compute puts
+ * the producer idle at its EMPTY barrier and the consumers waiting on their own x loads (BG_XC=1 loads and stores the
+ * second x half back to back). BG_XC=2 (a knock-out, timing only: x by 16-byte cp.async a step ahead, the K
+ * permutation skipped) is the bound of an x path by cp.async / TMA - what a natural-pair tiled layout would allow
+ * (docs/GPU-NOTES.md "Session 41"); prepared, not yet run. */
 #ifndef FP4MOE_BENCH_GATHER_BIG_CUH
 #define FP4MOE_BENCH_GATHER_BIG_CUH
 
