@@ -245,10 +245,14 @@ struct bg_xc {
     __device__ __forceinline__ void async_stage(const gq_args &a, int s, uint8_t *xs, int r) const {
         const int k0 = s * BT_KSTEP, tid = threadIdx.x & 127;
         const __nv_bfloat16 *x = static_cast<const __nv_bfloat16 *>(a.x);
-        const uint32_t d = bt_smem_addr(xs) + r * (BG_XBYTES / 2) + tid * 128;
+        /* piece j = 8 tid + i to the bytes this warpgroup's wgmma read: k16 step j / 128, its rows' 2 KB, 16 (j % 128) */
+        const uint32_t d = bt_smem_addr(xs) + r * 2048;
 #pragma unroll
-        for (int i = 0; i < 8; i++)
-            if (xr[i] != ~0u && k0 + kc < a.K) bt_cp16(d + 16 * i, x + (int64_t)xr[i] * a.K + k0 + kc, 16);
+        for (int i = 0; i < 8; i++) {
+            const int j = 8 * tid + i;
+            if (xr[i] != ~0u && k0 + kc < a.K)
+                bt_cp16(d + (j >> 7) * BG_XKS + 16 * (j & 127), x + (int64_t)xr[i] * a.K + k0 + kc, 16);
+        }
         bt_cp_commit();
     }
     /* a whole step, then the proxy fence and the warpgroup's barrier (id 5 + r) */
