@@ -58,6 +58,9 @@
 #ifndef BG_LEAD
 #define BG_LEAD 1 /* steps the producer's weight loads run ahead: 1, or 2 (BG_XC=1 only: its x registers free) */
 #endif
+#ifndef BG_X3
+#define BG_X3 0 /* 1 (BG_XC=2 only): three x buffers, each consumer's x copies issued two steps ahead (224 KB) */
+#endif
 #ifndef BG_KO
 #define BG_KO 0 /* 1: knock-out (timing only, wrong results): the producer stores the raw code words, no decode */
 #endif
@@ -67,12 +70,14 @@
 #define BG_MUL(p, s) cu_mul_bf16x2(p, s)
 #endif
 static_assert(BG_LEAD == 1 || (BG_LEAD == 2 && BG_XC), "BG_LEAD 2 needs BG_XC");
+static_assert(!BG_X3 || BG_XC == 2, "BG_X3 needs BG_XC=2");
 #define BG_THREADS 384
 #define BG_XKS (BG_MT * 32)    /* bytes of one k16 step of the x tile: 128 rows x 16 K bf16 */
 #define BG_XBYTES (8 * BG_XKS) /* one 128-K step of x */
 #define BG_WKS (BG_NF * 32)    /* bytes of one k16 step of the decoded weights */
 #define BG_WBYTES (8 * BG_WKS)
-#define BG_SMEM (2 * (BG_XBYTES + BG_WBYTES))
+#define BG_XNB (BG_X3 ? 3 : 2) /* x buffers */
+#define BG_SMEM (BG_XNB * BG_XBYTES + 2 * BG_WBYTES)
 #define BG_TPW (BG_NF / 64) /* 16-feature tiles a producer warp */
 static_assert(BG_NF % 64 == 0 && BG_NF <= 256, "BG_NF");
 
@@ -270,7 +275,7 @@ __global__ void __launch_bounds__(BG_THREADS, 1)
 gq_batched_big_kernel(gq_args a, const int *__restrict__ starts, const int *__restrict__ tile_off) {
     cu_pdl_entry();
     extern __shared__ __align__(128) uint8_t smem[];
-    uint8_t *xbuf = smem, *wbuf = smem + 2 * BG_XBYTES;
+    uint8_t *xbuf = smem, *wbuf = smem + BG_XNB * BG_XBYTES;
     const int wg = __shfl_sync(0xffffffffu, (int)(threadIdx.x >> 7), 0); /* warp-uniform for the compiler */
     const int NT = (a.N + BG_NF - 1) / BG_NF, nsteps = (a.K + BT_KSTEP - 1) / BT_KSTEP;
     const int64_t total = (int64_t)tile_off[a.E] * NT;
@@ -304,13 +309,22 @@ gq_batched_big_kernel(gq_args a, const int *__restrict__ starts, const int *__re
     } else { /* the consumers: rows 64 r .. 64 r + 63 of an item */
         const int r = wg - 1, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, w = (threadIdx.x >> 5) & 3;
         const uint32_t xrows = r * 2048; /* 64 rows: 8 core-matrix row groups of 256 bytes */
+#if BG_X3
+        int xb3 = 0; /* the x buffer of step gs: gs % 3 */
+#endif
         for (int64_t item = blockIdx.x; item < total; item += gridDim.x) {
             const bt_item it = bt_item_of<BG_MT>(item, a.E, NT, starts, tile_off);
             const int mine = it.rows - 64 * r;
             float acc[BG_NF / 2];
 #pragma unroll
             for (int i = 0; i < BG_NF / 2; i++) acc[i] = 0.0f;
-#if BG_XC == 2
+#if BG_X3 /* steps 0 and 1 (an empty group if there is no step 1); x buffer xb3 holds step gs's x */
+            bg_xc xc;
+            xc.init(a, it, r);
+            xc.async_stage(a, 0, xbuf + xb3 * BG_XBYTES, r);
+            if (nsteps > 1) xc.async_stage(a, 1, xbuf + (xb3 == 2 ? 0 : xb3 + 1) * BG_XBYTES, r);
+            else bt_cp_commit();
+#elif BG_XC == 2
             bg_xc xc;
             xc.init(a, it, r);
             xc.async_stage(a, 0, xbuf + (gs & 1) * BG_XBYTES, r);
@@ -321,13 +335,22 @@ gq_batched_big_kernel(gq_args a, const int *__restrict__ starts, const int *__re
 #endif
             for (int s = 0; s < nsteps; s++, gs++) {
                 const int b = (int)(gs & 1);
-#if BG_XC == 2 /* this step's x copies (issued a step ago) landed, for the whole warpgroup and the async proxy */
+#if BG_X3 /* this step's x copies (issued two steps ago) landed; step s + 1's may be in flight */
+                bt_cp_wait<1>();
+                wg_fence_async_smem();
+                asm volatile("bar.sync %0, 128;" ::"r"(5 + r) : "memory");
+#elif BG_XC == 2 /* this step's x copies (issued a step ago) landed, for the whole warpgroup and the async proxy */
                 bt_cp_wait<0>();
                 wg_fence_async_smem();
                 asm volatile("bar.sync %0, 128;" ::"r"(5 + r) : "memory");
 #endif
                 bg_sync(1 + b);
-                const uint32_t xa = bt_smem_addr(xbuf + b * BG_XBYTES) + xrows, wa = bt_smem_addr(wbuf + b * BG_WBYTES);
+#if BG_X3
+                const uint32_t xa = bt_smem_addr(xbuf + xb3 * BG_XBYTES) + xrows;
+#else
+                const uint32_t xa = bt_smem_addr(xbuf + b * BG_XBYTES) + xrows;
+#endif
+                const uint32_t wa = bt_smem_addr(wbuf + b * BG_WBYTES);
                 wg_fence();
 #pragma unroll
                 for (int ks = 0; ks < 8; ks++)
@@ -338,7 +361,14 @@ gq_batched_big_kernel(gq_args a, const int *__restrict__ starts, const int *__re
 #endif
                 wg_wait<1>(); /* step s - 1's products done: its buffer is free */
                 if (s > 0) bg_arrive(3 + (b ^ 1));
-#if BG_XC == 2
+#if BG_X3 /* step s - 1's products are done: its x buffer takes step s + 2 */
+                {
+                    const int xf = xb3 == 0 ? 2 : xb3 - 1;
+                    if (s + 2 < nsteps) xc.async_stage(a, s + 2, xbuf + xf * BG_XBYTES, r);
+                    else bt_cp_commit();
+                    xb3 = xb3 == 2 ? 0 : xb3 + 1;
+                }
+#elif BG_XC == 2
                 if (s + 1 < nsteps) xc.async_stage(a, s + 1, xbuf + (b ^ 1) * BG_XBYTES, r);
 #elif BG_XC
                 if (s + 1 < nsteps) { /* this warpgroup's x rows of step s + 1 into the other buffer */
