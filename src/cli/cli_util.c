@@ -387,6 +387,12 @@ int cli_read_stream(FILE *f, char **out) {
     char *b = malloc(cap);
     while (b) {
         const size_t got = fread(b + n, 1, cap - n - 1, f);
+        const char *z = memchr(b + n, 0, got); /* at once: a stream of NULs (/dev/zero) is not read to its limit */
+        if (z) {
+            const long long at = (long long)(z - b);
+            free(b);
+            return fp4moe_set_error(FP4MOE_EFORMAT, "standard input: a NUL byte at offset %lld: not text", at);
+        }
         n += got;
         if (got == 0) break;
         if (n + 1 == cap) {
@@ -426,8 +432,11 @@ static int read_stream_text(FILE *fp, const char *path, int64_t max_bytes, char 
     size_t k;
     int st = FP4MOE_OK;
     while (!st && (k = fread(chunk, 1, sizeof chunk, fp)) > 0) {
-        if ((int64_t)(t.n + k) > max_bytes) st = fp4moe_set_error(FP4MOE_EFORMAT, "%s: more than %lld bytes", path,
-                                                                  (long long)max_bytes);
+        const char *z = memchr(chunk, 0, k); /* at once: a stream of NULs (/dev/zero) is not read to its limit */
+        if (z) st = fp4moe_set_error(FP4MOE_EFORMAT, "%s: a NUL byte at offset %lld: not text", path,
+                                     (long long)t.n + (long long)(z - chunk));
+        else if ((int64_t)(t.n + k) > max_bytes) st = fp4moe_set_error(FP4MOE_EFORMAT, "%s: more than %lld bytes", path,
+                                                                       (long long)max_bytes);
         else st = cli_text_add(&t, chunk, k);
     }
     if (!st && ferror(fp)) st = fp4moe_set_error(FP4MOE_EIO, "%s: read failed", path);

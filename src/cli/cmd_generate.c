@@ -720,7 +720,7 @@ int cmd_generate(int argc, char **argv) {
     gen_args a = {.n = 128, .dtype = NULL, .device = "auto", .smp = CLI_SAMPLING_INIT};
     const cli_opt opts[] = {
         {"--model", "-m", CLI_STRING, &a.model, "DIR", "model directory (config.json, *.safetensors, tokenizer.json)"},
-        {"--prompt", "-p", CLI_STRING, &a.prompt, "TEXT", "prompt text (- reads it from standard input)"},
+        {"--prompt", "-p", CLI_STRING, &a.prompt, "TEXT", "prompt text (- reads it from standard input, byte for byte: no newline dropped)"},
         {"--file", "-f", CLI_STRING, &a.file, "FILE", "read the prompt from FILE (one trailing newline dropped, as llama.cpp's -f; - : standard input)"},
         {"--ctx", "-c", CLI_INT, &a.ctx, "N", "context limit in tokens (default: the model's max_position_embeddings)"},
         {"--prompt-ids", NULL, CLI_STRING, &a.prompt_ids, "IDS", "prompt as token ids, e.g. 1,2,3 (no tokenizer needed)"},

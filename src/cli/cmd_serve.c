@@ -219,6 +219,10 @@ static int serve(const serve_args *a) {
     const double tw = cli_now();
     if (eo.warmup) fprintf(stderr, "%s: warming up CUDA graphs for 1..%lld decode rows ...\n", CMD, (long long)eo.max_seqs);
     if ((st = srv_engine_new(m, tok, pc.model_name, &eo, &e))) {
+        if (st == FP4MOE_ENOMEM) /* what asked for the memory, and how to ask for less */
+            fprintf(stderr, "%s: note: the engine's buffers for --max-seqs %lld, --max-step-tokens %lld%s did not fit: "
+                    "lower them (or --kv-cache-tokens / --prefix-cache-mb)\n", CMD, (long long)eo.max_seqs,
+                    (long long)eo.max_step_tokens, a->kv_tokens > 0 ? " and --kv-cache-tokens" : "");
         cJSON_Delete(special);
         free_models(models, W);
         fp4moe_ep_group_free(grp);
@@ -267,7 +271,7 @@ static int serve(const serve_args *a) {
 
 int cmd_serve(int argc, char **argv) {
     serve_args a = {.host = "127.0.0.1", .port = 8080, .device = "auto", .max_queue = 256, .max_body = 8 << 20,
-                    .prefix_cache_mb = -1, .prefix_min_tokens = 32, .http_threads = 4};
+                    .prefix_cache_mb = INT64_MIN /* not given */, .prefix_min_tokens = 32, .http_threads = 4};
     const cli_opt opts[] = {
         {"--model", "-m", CLI_STRING, &a.model, "DIR", "model directory (config.json, *.safetensors, tokenizer.json)"},
         {"--synthetic", NULL, CLI_STRING, &a.synthetic, "CONFIG", "random weights of a config's shape (with --tokenizer)"},
@@ -327,7 +331,7 @@ int cmd_serve(int argc, char **argv) {
         const struct { const char *name; int64_t v, lo, hi; } lim[] = {
             {"--ctx", a.ctx, 0, INT64_C(1) << 40},          {"--kv-cache-tokens", a.kv_tokens, 0, INT64_C(1) << 40},
             {"--max-seqs", a.max_seqs, 0, 1 << 20},          {"--max-step-tokens", a.max_step_tokens, 0, INT64_C(1) << 30},
-            {"--max-queue", a.max_queue, 0, INT64_C(1) << 30}, {"--prefix-cache-mb", a.prefix_cache_mb, -1, INT64_C(1) << 30},
+            {"--max-queue", a.max_queue, 0, INT64_C(1) << 30}, {"--prefix-cache-mb", a.prefix_cache_mb == INT64_MIN ? 0 : a.prefix_cache_mb, 0, INT64_C(1) << 30},
             {"--prefix-min-tokens", a.prefix_min_tokens, 1, INT64_C(1) << 30}, {"--http-threads", a.http_threads, 1, 64},
             {"--max-body", a.max_body, 1024, INT64_C(1) << 40},
         };

@@ -30,7 +30,11 @@ int srv_fail(srv_error *e, int http, const char *param, const char *fmt, ...) {
 
 char *srv_error_json(const srv_error *e) {
     cJSON *o = cJSON_CreateObject(), *er = cJSON_AddObjectToObject(o, "error");
-    cJSON_AddStringToObject(er, "message", e->message);
+    /* the message may quote request bytes (a model name, a '%.200s' cut inside a character): valid UTF-8 only */
+    srv_buf m = {0};
+    const int ok = srv_utf8_lossy(&m, e->message, strlen(e->message)) >= 0;
+    cJSON_AddStringToObject(er, "message", !ok ? "(the error message could not be shown: out of memory)" : m.p ? m.p : "");
+    srv_buf_free(&m);
     cJSON_AddStringToObject(er, "type", e->type ? e->type : "invalid_request_error");
     if (e->param[0]) cJSON_AddStringToObject(er, "param", e->param);
     else cJSON_AddNullToObject(er, "param");
@@ -154,8 +158,8 @@ static int get_int(const cJSON *o, const char *name, int64_t lo, int64_t hi, int
             *out = hi;
             return 1;
         }
-        return srv_fail(e, 400, name, "'%s' is %.0f; it must be in [%lld, %lld]", name, d, (long long)lo,
-                        (long long)hi);
+        return srv_fail(e, 400, name, "'%s' is %.6g; it must be in [%lld, %lld]", name, d, (long long)lo,
+                        (long long)hi); /* (%.6g: 1e300 is not written out in 301 digits) */
     }
     if (d < (double)lo || d > (double)hi)
         return srv_fail(e, 400, name, "'%s' is %.0f; it must be in [%lld, %lld]", name, d, (long long)lo,
@@ -411,7 +415,7 @@ static int parse_penalties(const srv_parse_ctx *c, const cJSON *o, srv_request *
     return 0;
 }
 
-static int parse_stop(const cJSON *o, srv_request *r, srv_error *e) {
+static int parse_stop(const srv_parse_ctx *c, const cJSON *o, srv_request *r, srv_error *e) {
     const cJSON *v = field(o, "stop");
     if (v) {
         const cJSON *one = cJSON_IsString(v) ? v : NULL, *it;
@@ -433,6 +437,9 @@ static int parse_stop(const cJSON *o, srv_request *r, srv_error *e) {
             if (!cJSON_IsNumber(it) || it->valuedouble != floor(it->valuedouble) || it->valuedouble < 0 ||
                 it->valuedouble > 2147483647.0)
                 return srv_fail(e, 400, "stop_token_ids", "'stop_token_ids' must be a list of token ids");
+            if (it->valuedouble >= (double)c->vocab) /* before the request is queued: a stream's status is still 400 */
+                return srv_fail(e, 400, "stop_token_ids", "'stop_token_ids' entry %.0f is not a token id in [0, %lld)",
+                                it->valuedouble, (long long)c->vocab);
             if (r->sp.n_stop >= FP4MOE_MAX_STOP_IDS)
                 return srv_fail(e, 400, "stop_token_ids", "at most %d stop token ids (the model's EOS ids included)",
                                 FP4MOE_MAX_STOP_IDS);
@@ -494,7 +501,7 @@ static int parse_common(const srv_parse_ctx *c, const cJSON *o, srv_request *r, 
     if ((st = get_bool(o, "ignore_eos", &b, e)) < 0) return -1;
     if (st) r->ignore_eos = b;
     if (r->ignore_eos) r->sp.n_stop = 0;
-    if (parse_stop(o, r, e) || parse_logprobs(o, r, e) || parse_penalties(c, o, r, e)) return -1;
+    if (parse_stop(c, o, r, e) || parse_logprobs(o, r, e) || parse_penalties(c, o, r, e)) return -1;
     if ((st = get_int(o, "n", 1, SRV_MAX_N, &i, e)) < 0) return -1;
     r->n = st ? (int)i : 1;
     if ((st = get_bool(o, "echo", &b, e)) < 0) return -1;
@@ -506,6 +513,9 @@ static int parse_common(const srv_parse_ctx *c, const cJSON *o, srv_request *r, 
     if ((st = get_int(o, "truncate_prompt_tokens", -1, INT64_MAX, &i, e)) < 0) return -1;
     if (st && i == 0)
         return srv_fail(e, 400, "truncate_prompt_tokens", "'truncate_prompt_tokens' must be -1 or at least 1");
+    if (st && i > c->context) /* (vLLM: "greater than max_model_len") */
+        return srv_fail(e, 400, "truncate_prompt_tokens", "'truncate_prompt_tokens' %lld is more than the context, "
+                        "%lld tokens", (long long)i, (long long)c->context);
     r->truncate = st ? (i < 0 ? c->context : i) : 0;
     const char *mt = field(o, "max_completion_tokens") ? "max_completion_tokens" : "max_tokens";
     if ((st = get_int(o, mt, r->echo ? 0 : 1, INT64_MAX, &r->max_tokens, e)) < 0) return -1;

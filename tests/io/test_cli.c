@@ -1027,6 +1027,12 @@ static void test_generate_inputs_and_context(void **state) {
     g_stdin_path = nulp;
     EXPECT_RC(1, "generate", "-m", M, "-p", "-", "-n", "4");
     expect_in(g_err, "standard input: a NUL byte at offset 3");
+    /* an endless stream of NULs is refused at its first chunk, not read to the 1 GiB limit */
+    EXPECT_RC(1, "generate", "-m", M, "-f", "/dev/zero", "-n", "4");
+    expect_in(g_err, "/dev/zero: a NUL byte at offset 0");
+    g_stdin_path = "/dev/zero";
+    EXPECT_RC(1, "generate", "-m", M, "-p", "-", "-n", "4");
+    expect_in(g_err, "standard input: a NUL byte at offset 0");
     EXPECT_RC(2, "generate", "-m", M, "-p", P, "-f", path);
     EXPECT_RC(2, "generate", "-m", M, "-p", P, "--seed", "-1");
     EXPECT_RC(2, "generate", "-m", M, "-p", P, "--chunk", "-3");

@@ -258,6 +258,9 @@ static void test_request_errors(void **state) {
         {SRV_COMPLETION, "{\"prompt\": \"x\", \"stop\": [\"a\",\"a\",\"a\",\"a\",\"a\",\"a\",\"a\",\"a\",\"a\",\"a\","
                          "\"a\",\"a\",\"a\",\"a\",\"a\",\"a\",\"a\"]}", 400, "stop"},
         {SRV_COMPLETION, "{\"prompt\": \"x\", \"stop_token_ids\": [\"a\"]}", 400, "stop_token_ids"},
+        {SRV_COMPLETION, "{\"prompt\": \"x\", \"stop_token_ids\": [8192]}", 400, "stop_token_ids"}, /* past the vocabulary */
+        {SRV_COMPLETION, "{\"prompt\": \"x\", \"truncate_prompt_tokens\": 513}", 400, "truncate_prompt_tokens"},
+        {SRV_COMPLETION, "{\"prompt\": \"x\", \"model\": \"\xff\xfe\"}", 404, "model"}, /* its message: valid UTF-8 */
         {SRV_COMPLETION, "{\"prompt\": \"x\", \"n\": 0}", 400, "n"},
         {SRV_COMPLETION, "{\"prompt\": \"x\", \"n\": 65}", 400, "n"},
         {SRV_COMPLETION, "{\"prompt\": \"x\", \"n\": 1.5}", 400, "n"},
@@ -339,7 +342,17 @@ static void test_request_errors(void **state) {
                      e.message);
         char *j = srv_error_json(&e);
         assert_non_null(strstr(j, "\"error\":{\"message\":"));
+        srv_buf u = {0}; /* the body is valid UTF-8: lossy decoding leaves it as it is */
+        assert_true(srv_utf8_lossy(&u, j, strlen(j)) >= 0);
+        if (u.n != strlen(j) || memcmp(u.p, j, u.n)) fail_msg("case %zu: the error body is not valid UTF-8: %s", i, j);
+        srv_buf_free(&u);
         free(j);
+    }
+    {   /* a valid stop id at the vocabulary's top is accepted */
+        srv_request r;
+        srv_error e;
+        assert_int_equal(parse(SRV_COMPLETION, "{\"prompt\": \"a\", \"stop_token_ids\": [8191]}", &r, &e), 0);
+        srv_request_free(&r);
     }
     /* an escaped backslash before "u0000" is text, not a NUL; the neutral values of refused fields are accepted;
      * an integer out of range says so (not "must be an integer"), -0 is 0 */
