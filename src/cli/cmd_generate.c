@@ -550,8 +550,8 @@ static void *follower_main(void *arg) {
 
 /* --json-schema TEXT / --json-schema-file FILE / --json-object: the grammar, the tokenizer's trie, a matcher whose
  * end tokens are the sampler's stop ids */
-static int setup_grammar(const gen_args *a, gen_state *g, const fp4moe_sampler_params *sp, int64_t V) {
-    if (!g->tok) return fp4moe_set_error(FP4MOE_EINVAL, "structured output needs the model's tokenizer.json");
+/* The grammar of --json-schema / --json-schema-file / --json-object (*out; the caller frees it). */
+static int schema_grammar(const gen_args *a, fp4moe_grammar **out) {
     char *text = NULL;
     int st = FP4MOE_OK;
     if (a->json_schema_file) st = cli_read_text(a->json_schema_file, (int64_t)16 << 20, &text);
@@ -564,13 +564,19 @@ static int setup_grammar(const gen_args *a, gen_state *g, const fp4moe_sampler_p
                                   cJSON_GetErrorPtr() ? (long long)(cJSON_GetErrorPtr() - src) : 0LL);
         } else {
             st = fp4moe_grammar_from_json_schema(schema, a->json_schema_file ? a->json_schema_file : "--json-schema",
-                                                 &g->grammar);
+                                                 out);
             cJSON_Delete(schema);
         }
     } else if (!st) {
-        st = fp4moe_grammar_from_json_schema(NULL, NULL, &g->grammar);
+        st = fp4moe_grammar_from_json_schema(NULL, NULL, out);
     }
     free(text);
+    return st;
+}
+
+static int setup_grammar(const gen_args *a, gen_state *g, const fp4moe_sampler_params *sp, int64_t V) {
+    if (!g->tok) return fp4moe_set_error(FP4MOE_EINVAL, "structured output needs the model's tokenizer.json");
+    int st = schema_grammar(a, &g->grammar);
     if (!st) st = fp4moe_grammar_vocab_new(g->tok, &g->gv);
     if (!st) st = fp4moe_grammar_matcher_new(g->grammar, g->gv, sp->stop_ids, sp->n_stop, &g->gm);
     if (!st && !(g->mlog = malloc((size_t)V * sizeof(float)))) st = fp4moe_set_error(FP4MOE_ENOMEM, "out of memory");
@@ -780,6 +786,12 @@ int cmd_generate(int argc, char **argv) {
         cJSON_Delete(schema);
         fp4moe_grammar_free(gr);
         if (gst) return cli_usage_error(CMD, "%s", fp4moe_last_error());
+    }
+    if (a.json_schema_file) { /* the file and its schema checked before the model loads: a file error (exit 1) */
+        fp4moe_grammar *gr = NULL;
+        const int gst = schema_grammar(&a, &gr);
+        fp4moe_grammar_free(gr);
+        if (gst) return cli_fail(CMD, gst);
     }
     if ((rc = cli_set_threads(CMD, a.threads))) return rc;
     if ((rc = cli_require_model_dir(CMD, a.model))) return rc;

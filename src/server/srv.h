@@ -346,8 +346,8 @@ typedef struct {
     const volatile int *stop;          /* set by a signal handler: shut down */
 } srv_http_options;
 
-/* Checks before the model loads that host:port can be bound (a socket bound and closed again; port 0: nothing to
- * check), so that a busy port fails at once. Errors: FP4MOE_EINVAL (host), FP4MOE_EIO with the system's reason. */
+/* Checks before the model loads that host:port can be bound (a socket bound and closed again; port 0: the host
+ * resolved only), so that a busy port fails at once. Errors: FP4MOE_EINVAL (host), FP4MOE_EIO with the system's reason. */
 int srv_http_probe(const char *host, int port);
 
 /* Serves until *o->stop. Prints "listening on http://HOST:PORT" on stdout when ready.

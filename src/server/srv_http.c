@@ -499,17 +499,16 @@ static void on_completed(void *cls, struct MHD_Connection *c, void **req_cls, en
 }
 
 int srv_http_probe(const char *host, int port) {
-    if (port == 0) return FP4MOE_OK;
     struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM, .ai_flags = AI_NUMERICSERV}, *ai = NULL;
     char ps[16];
     snprintf(ps, sizeof ps, "%d", port);
     const int gai = getaddrinfo(host, ps, &hints, &ai);
     if (gai || !ai) return fp4moe_set_error(FP4MOE_EINVAL, "cannot resolve --host '%s': %s", host, gai_strerror(gai));
     int st = FP4MOE_OK;
-    const int fd = socket(ai->ai_family, SOCK_STREAM, 0);
+    const int fd = port == 0 ? 0 : socket(ai->ai_family, SOCK_STREAM, 0); /* port 0: any free one (the host only) */
     if (fd < 0) {
         st = fp4moe_set_error(FP4MOE_EIO, "cannot listen on %s:%d: socket: %s", host, port, strerror(errno));
-    } else {
+    } else if (port != 0) {
         const int one = 1;
         setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one); /* as libmicrohttpd's listen socket */
         if (bind(fd, ai->ai_addr, ai->ai_addrlen) != 0)

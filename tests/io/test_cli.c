@@ -1111,6 +1111,9 @@ static void test_generate_inputs_and_context(void **state) {
     EXPECT_RC(2, "generate", "-m", "no-such-model-dir", "-p", P, "--json-schema", "{bad");
     expect_in(g_err, "--json-schema is not one JSON value (near byte");
     EXPECT_RC(2, "generate", "-m", M, "-p", P, "--json-object", "--ignore-eos");
+    /* a schema file is read and checked before the model loads too (a file error: exit 1) */
+    EXPECT_RC(1, "generate", "-m", "no-such-model-dir", "-p", P, "--json-schema-file", "/no-such-schema.json");
+    expect_in(g_err, "/no-such-schema.json: cannot open");
     /* --threads */
     EXPECT_RC(0, "generate", "-m", M, "-p", P, "-n", "8", "--threads", "1");
     assert_string_equal(g_out, ref);
@@ -1739,6 +1742,10 @@ static void test_bench_ep_ranks(void **state) {
     /* each bad option named by itself; --api-key-file's key line */
     EXPECT_RC(2, "serve", "-m", M, "--max-seqs", "-1");
     expect_in(g_err, "--max-seqs must be in [0, 1048576] (got -1)");
+    EXPECT_RC(2, "serve", "-m", M, "--prefix-cache-mb", "-1"); /* (-1 was the default's sentinel, taken silently) */
+    expect_in(g_err, "--prefix-cache-mb must be in [0, ");
+    EXPECT_RC(1, "serve", "-m", M, "--host", "no-such-host.invalid", "--port", "0"); /* resolved before the load (RFC 6761) */
+    expect_in(g_err, "cannot resolve --host 'no-such-host.invalid'");
     EXPECT_RC(2, "serve", "-m", M, "--http-threads", "0");
     expect_in(g_err, "--http-threads must be in [1, 64] (got 0)");
     EXPECT_RC(2, "serve", "-m", M, "--max-seqs", "100000000");
