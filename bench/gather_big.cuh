@@ -65,6 +65,10 @@
 #ifndef BG_X3
 #define BG_X3 0 /* 1 (BG_XC=2 only): three x buffers, each consumer's x copies issued two steps ahead (224 KB) */
 #endif
+#ifndef BG_XCO
+#define BG_XCO 0 /* 1 (BG_XC=2 only, timing only): x copies coalesced (a warp: 2 rows x 256 contiguous bytes) into
+                  * conflict-free shared slots - the x path's best case, with no 2x sector over-fetch (session 43) */
+#endif
 #ifndef BG_KO
 #define BG_KO 0 /* 1: knock-out (timing only, wrong results): the producer stores the raw code words, no decode */
 #endif
@@ -75,6 +79,7 @@
 #endif
 static_assert(BG_LEAD == 1 || (BG_LEAD == 2 && BG_XC), "BG_LEAD 2 needs BG_XC");
 static_assert(!BG_X3 || BG_XC == 2, "BG_X3 needs BG_XC=2");
+static_assert(!BG_XCO || BG_XC == 2, "BG_XCO needs BG_XC=2");
 #define BG_THREADS 384
 #define BG_XKS (BG_MT * 32)    /* bytes of one k16 step of the x tile: 128 rows x 16 K bf16 */
 #define BG_XBYTES (8 * BG_XKS) /* one 128-K step of x */
@@ -222,9 +227,10 @@ struct bg_xc {
         off = gw_xoff(BG_XKS, 2 * q, 0, nlo + 64 * r) + 4 * t;
 #pragma unroll
         for (int i = 0; i < 8; i++) {
-            const int row = 64 * r + 8 * i + nlo;
+            const int row = 64 * r + 8 * i + (BG_XCO ? tid >> 4 : nlo);
             xr[i] = row < it.rows ? (uint32_t)gq_x_row(a.xrow, a.xdiv, it.row0 + row) : ~0u;
         }
+        if (BG_XCO) kc = 8 * (tid & 15);
     }
     template <int H> __device__ __forceinline__ void load(const gq_args &a, int s) {
         const int k0 = s * BT_KSTEP;
@@ -258,7 +264,7 @@ struct bg_xc {
         const uint32_t d = bt_smem_addr(xs) + r * 2048;
 #pragma unroll
         for (int i = 0; i < 8; i++) {
-            const int j = 8 * tid + i;
+            const int j = BG_XCO ? 128 * i + tid : 8 * tid + i; /* BG_XCO: lanes in consecutive 16-byte slots */
             if (xr[i] != ~0u && k0 + kc < a.K)
                 bt_cp16(d + (j >> 7) * BG_XKS + 16 * (j & 127), x + (int64_t)xr[i] * a.K + k0 + kc, 16);
         }
