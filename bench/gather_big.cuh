@@ -23,7 +23,10 @@
  * with uniform routing, within -4% .. +3% of production skewed and at 4,096-16,384 tokens, and 3-5% slower still with
  * the decode knocked out as well - so the natural-pair layout was not built and this kernel is closed as a lead (kept
  * here as the measured record). BG_X3 (three x buffers, x two steps ahead: 224 KB) tests whether the x copies' one
- * step of lead was what remained. */
+ * step of lead was what remained. Measured in session 43 (H100): 0.79 ms against production's 0.95 at 2,048 tokens
+ * uniform, 0.90 against 0.97 skewed, 3-7% less at 4,096 and 7-8% at 8,192 (2.93 against 3.10-3.16); Nsight Compute
+ * at 8,192: L2 at 80%, and the x copies (16-byte pieces at a 64-byte stride) fetch every sector twice - 38% of all
+ * global sectors. BG_XCO coalesces them (timing only as well): prepared, not run. */
 #ifndef FP4MOE_BENCH_GATHER_BIG_CUH
 #define FP4MOE_BENCH_GATHER_BIG_CUH
 
