@@ -505,15 +505,17 @@ int srv_http_probe(const char *host, int port) {
     const int gai = getaddrinfo(host, ps, &hints, &ai);
     if (gai || !ai) return fp4moe_set_error(FP4MOE_EINVAL, "cannot resolve --host '%s': %s", host, gai_strerror(gai));
     int st = FP4MOE_OK;
-    const int fd = port == 0 ? 0 : socket(ai->ai_family, SOCK_STREAM, 0); /* port 0: any free one (the host only) */
-    if (fd < 0) {
-        st = fp4moe_set_error(FP4MOE_EIO, "cannot listen on %s:%d: socket: %s", host, port, strerror(errno));
-    } else if (port != 0) {
-        const int one = 1;
-        setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one); /* as libmicrohttpd's listen socket */
-        if (bind(fd, ai->ai_addr, ai->ai_addrlen) != 0)
-            st = fp4moe_set_error(FP4MOE_EIO, "cannot listen on %s:%d: %s", host, port, strerror(errno));
-        close(fd);
+    if (port != 0) { /* port 0: any free one - the host alone is checked */
+        const int fd = socket(ai->ai_family, SOCK_STREAM, 0);
+        if (fd < 0) {
+            st = fp4moe_set_error(FP4MOE_EIO, "cannot listen on %s:%d: socket: %s", host, port, strerror(errno));
+        } else {
+            const int one = 1;
+            setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one); /* as libmicrohttpd's listen socket */
+            if (bind(fd, ai->ai_addr, ai->ai_addrlen) != 0)
+                st = fp4moe_set_error(FP4MOE_EIO, "cannot listen on %s:%d: %s", host, port, strerror(errno));
+            close(fd);
+        }
     }
     freeaddrinfo(ai);
     return st;
