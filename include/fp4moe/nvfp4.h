@@ -55,7 +55,8 @@ float fp4moe_amax(const void *w, fp4moe_dtype dtype, int64_t n);
  * returns their count and sets *first (may be NULL) to the index of the first, -1 if none. NVFP4 has no NaN
  * or infinity (spec section 3 saturates them to finite codes), so callers that quantize real weights check
  * with this first and refuse such a tensor (fp4moe quantize, the loader's quantize-on-load, inspect).
- * Returns 0 for another dtype or n <= 0. */
+ * Returns 0 for another dtype or n <= 0. w may sit at any byte address (a tensor read in place from a mapped
+ * safetensors file need not be aligned to its element size); so may fp4moe_amax's and fp4moe_nvfp4_quantize's. */
 int64_t fp4moe_count_nonfinite(const void *w, fp4moe_dtype dtype, int64_t n, int64_t *first);
 
 /* NVFP4-quantizes a (rows x K) row-major tensor w of dtype `dtype` (spec section 3).

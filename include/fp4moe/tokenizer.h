@@ -61,6 +61,12 @@ void fp4moe_tokenizer_free(fp4moe_tokenizer *tok);
  * <= U+10FFFF), or -1 when all of it is valid (also for len <= 0 or a NULL text): what encode refuses. */
 int64_t fp4moe_utf8_invalid_at(const char *text, int64_t len);
 
+/* text[0..len) as valid UTF-8 (lossy): every maximal invalid subpart (Unicode 15 ch. 3, "U+FFFD substitution of
+ * maximal subparts") becomes U+FFFD (EF BF BD), the rest is copied - the rule of Rust's String::from_utf8_lossy and
+ * Python's bytes.decode("utf-8", "replace"). out: room for 3 * len bytes (no terminating NUL is written); returns
+ * the bytes written. For text that must go into JSON (RFC 8259 requires UTF-8): file and tensor names, messages. */
+int64_t fp4moe_utf8_lossy(const char *text, int64_t len, char *out);
+
 /* Encodes `len` bytes of UTF-8 `text` (may hold NUL bytes; text may be NULL when len is 0). add_special != 0
  * adds the post-processor's special tokens (e.g. BOS), as HF add_special_tokens=True: so len 0 gives those
  * tokens alone (e.g. [BOS]), or no ids without add_special.

@@ -2,6 +2,7 @@
 #include "cli/cli_util.h"
 #include "cli/commands.h"
 #include "fp4moe/gather_qmm.h"
+#include "fp4moe/tokenizer.h"
 
 #include <cjson/cJSON.h>
 
@@ -47,12 +48,45 @@ void cli_json_print(const char *text) {
     g_json_printed = 1;
 }
 
+/* s (malloc'd by cJSON) as valid UTF-8: itself when it is, else a lossy copy (s freed); NULL when out of memory. */
+static char *utf8_or_lossy(char *s) {
+    const int64_t n = (int64_t)strlen(s);
+    if (fp4moe_utf8_invalid_at(s, n) < 0) return s;
+    char *t = malloc((size_t)n * 3 + 1);
+    if (!t) return NULL;
+    t[fp4moe_utf8_lossy(s, n, t)] = '\0';
+    free(s);
+    return t;
+}
+
+void cli_json_make_utf8(cJSON *o) {
+    for (; o; o = o->next) {
+        if (o->string && !(o->type & cJSON_StringIsConst)) {
+            char *k = utf8_or_lossy(o->string);
+            o->string = k ? k : strdup("");
+        }
+        if (cJSON_IsString(o) && o->valuestring && !(o->type & cJSON_IsReference)) {
+            char *v = utf8_or_lossy(o->valuestring);
+            o->valuestring = v ? v : strdup("");
+        }
+        if (o->child) cli_json_make_utf8(o->child);
+    }
+}
+
+void cli_json_print_obj(cJSON *o) {
+    cli_json_make_utf8(o);
+    char *s = cJSON_Print(o);
+    if (s) cli_json_print(s);
+    free(s);
+}
+
 static cJSON *error_object(const char *command, int exit_code) {
     cJSON *e = cJSON_CreateObject();
     if (!e) return NULL;
     cJSON_AddStringToObject(e, "command", command);
     cJSON_AddStringToObject(e, "message", g_last_error[0] ? g_last_error : "failed (the reason is on stderr)");
     cJSON_AddNumberToObject(e, "exit_code", exit_code);
+    cli_json_make_utf8(e); /* a message may quote the bytes of a file or a request */
     return e;
 }
 

@@ -7,6 +7,8 @@
 #include <stdint.h>
 #include <stdio.h>
 
+#include <cjson/cJSON.h>
+
 #include "fp4moe/safetensors.h"
 
 /* ---- options -------------------------------------------------------------------------------------- */
@@ -98,6 +100,11 @@ int cli_error(const char *command, int exit_code, const char *fmt, ...)
 void cli_json_mode_on(void);
 /* Prints text and a newline on stdout: the command's JSON object is out (no error object after it). */
 void cli_json_print(const char *text);
+/* Makes every key and string value of o (its siblings after it and their children) valid UTF-8 - RFC 8259 requires
+ * it, and names and messages may quote a file's raw bytes - by fp4moe_utf8_lossy (invalid subparts -> U+FFFD). */
+void cli_json_make_utf8(cJSON *o);
+/* cli_json_make_utf8(o), then o printed (cJSON_Print) by cli_json_print; o stays the caller's. */
+void cli_json_print_obj(cJSON *o);
 /* The error object's fields {"command", "message", "exit_code"} as a JSON text (malloc'd; NULL when out of
  * memory), for a command that adds it to an object it prints anyway. */
 char *cli_json_error_text(const char *command, int exit_code);

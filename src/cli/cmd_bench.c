@@ -198,9 +198,7 @@ static void report(const bench_args *a, const fp4moe_model *m, fp4moe_device dev
             cJSON_AddItemToObject(o, "prefill_split_ms", split_json(sm.split_pf));
             cJSON_AddItemToObject(o, "decode_split_ms_per_token", split_json(sm.split_dc));
         }
-        char *s = cJSON_Print(o);
-        if (s) cli_json_print(s);
-        free(s);
+        cli_json_print_obj(o);
         cJSON_Delete(o);
         return;
     }
@@ -400,9 +398,7 @@ static int bench_batch(const bench_args *a, const fp4moe_model *m, fp4moe_dtype 
                 for (int k = 0; k < FP4MOE_PROF_KINDS; k++) split_dc[k] /= (double)a->gen_tokens;
                 cJSON_AddItemToObject(j, "decode_split_ms_per_step", split_json(split_dc));
             }
-            char *txt = cJSON_Print(j);
-            if (txt) cli_json_print(txt);
-            free(txt);
+            cli_json_print_obj(j);
             cJSON_Delete(j);
         } else {
             printf("model          %s (%s%s)\n", what, fp4moe_quant_mode_name(fp4moe_model_format(m)),
@@ -631,9 +627,7 @@ static int bench_ep(const bench_args *a, fp4moe_dtype dt, fp4moe_route route, fp
             cJSON_AddNumberToObject(j, "ep_ranks", W);
             batch_json_fields(j, a, N, pfm, dcm);
             batch_hash_fields(j, hash0, N, h);
-            char *txt = cJSON_Print(j);
-            if (txt) cli_json_print(txt);
-            free(txt);
+            cli_json_print_obj(j);
             cJSON_Delete(j);
         } else {
             printf("setup          %lld sequences x (%lld prompt tokens, %lld generated), %d expert-parallel ranks "

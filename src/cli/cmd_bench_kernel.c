@@ -402,9 +402,7 @@ int cmd_bench_kernel(int argc, char **argv) {
             if (e) cJSON_AddItemToObject(root, "error", cJSON_Parse(e));
             free(e);
         }
-        char *s = cJSON_Print(root);
-        if (s) cli_json_print(s);
-        free(s);
+        cli_json_print_obj(root);
         cJSON_Delete(root);
     }
     return rc;

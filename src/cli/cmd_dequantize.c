@@ -90,6 +90,29 @@ static int unstacked_name(const char *name, int64_t e, char *out, size_t cap) {
 }
 
 
+static int has_suffix(const char *name, const char *suffix) {
+    const size_t n = strlen(name), k = strlen(suffix);
+    return n >= k && !strcmp(name + n - k, suffix);
+}
+
+/* Half of a quantized module (t, not one by fp4moe_qtensor_of): packed codes without their block scales, or block
+ * scales without their codes. Either would be copied into the "plain float" output as raw bytes - a checkpoint that
+ * no loader reads - so it is an error naming the tensor (the loader's and inspect's message). */
+static int half_a_module(const fp4moe_st_model *m, fp4moe_qformat fmt, const fp4moe_st_tensor *t) {
+    const int stem = (int)strlen(t->name);
+    if (t->dtype == FP4MOE_ST_U32 && has_suffix(t->name, ".weight"))
+        return fp4moe_set_error(FP4MOE_EFORMAT, "%s: tensor '%s' holds packed MLX nvfp4 codes (U32) but its block "
+                                "scales '%.*s.scales' are missing", t->file, t->name, stem - 7, t->name);
+    if (fmt == FP4MOE_QFMT_MODELOPT_NVFP4 && t->dtype == FP4MOE_ST_U8 && has_suffix(t->name, ".weight"))
+        return fp4moe_set_error(FP4MOE_EFORMAT, "%s: tensor '%s' holds packed NVFP4 codes (U8) but its block scales "
+                                "'%.*s.weight_scale' are missing", t->file, t->name, stem - 7, t->name);
+    const char *sfx = has_suffix(t->name, ".scales") ? ".scales" : has_suffix(t->name, ".weight_scale") ? ".weight_scale" : NULL;
+    if (sfx && (t->dtype == FP4MOE_ST_U8 || t->dtype == FP4MOE_ST_F8_E4M3) && !fp4moe_qtensor_is_aux(m, t->name))
+        return fp4moe_set_error(FP4MOE_EFORMAT, "%s: block scales '%s' have no packed codes '%.*s.weight' beside them "
+                                "(missing, or not NVFP4-packed)", t->file, t->name, stem - (int)strlen(sfx), t->name);
+    return FP4MOE_OK;
+}
+
 int cmd_dequantize(int argc, char **argv) {
     const char *input = NULL, *output = NULL, *dtype_s = "bf16";
     int unstack = 0, quiet = 0;
@@ -131,17 +154,19 @@ int cmd_dequantize(int argc, char **argv) {
         goto done;
     }
     const fp4moe_qformat fmt = fp4moe_qformat_detect(m);
-    if (fmt == FP4MOE_QFMT_PLAIN)
-        fprintf(stderr, "dequantize: %s has no quantized tensor; copying it unchanged (its dtypes kept, not --dtype)\n",
-                input);
     const int64_t n = fp4moe_st_model_count(m);
     int64_t max_ctx = 0; /* one producer per quantized tensor, E with --unstack */
     for (int64_t i = 0; i < n; i++) {
         fp4moe_qtensor q;
-        int r = fp4moe_qtensor_of(m, fp4moe_st_model_at(m, i), &q);
+        const fp4moe_st_tensor *t = fp4moe_st_model_at(m, i);
+        int r = fp4moe_qtensor_of(m, t, &q);
         if (r < 0) { st = r; goto fail; }
         if (r == 1) max_ctx += unstack && q.ndim == 3 ? q.E : 1;
+        if (r == 0 && (st = half_a_module(m, fmt, t))) goto fail;
     }
+    if (fmt == FP4MOE_QFMT_PLAIN)
+        fprintf(stderr, "dequantize: %s has no quantized tensor; copying it unchanged (its dtypes kept, not --dtype)\n",
+                input);
     if (!(ctx = calloc((size_t)max_ctx + 1, sizeof *ctx)) || (st = fp4moe_st_writer_new(&w))) {
         if (!st) st = fp4moe_set_error(FP4MOE_ENOMEM, "out of memory");
         goto fail;

@@ -482,9 +482,7 @@ static int run_generation(const gen_args *a, gen_state *g, const volatile sig_at
         if (prefilled) cJSON_AddNumberToObject(o, "prefill_tok_s", t_prefill > 0 ? (double)g->T / t_prefill : 0.0);
         else cJSON_AddNullToObject(o, "prefill_tok_s"); /* interrupted before the prefill ended */
         cJSON_AddNumberToObject(o, "decode_tok_s", t_decode > 0 && produced > 1 ? (double)(produced - 1) / t_decode : 0.0);
-        char *js = cJSON_Print(o);
-        if (js) cli_json_print(js);
-        free(js);
+        cli_json_print_obj(o);
         cJSON_Delete(o);
     }
     fflush(stdout);

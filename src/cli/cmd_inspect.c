@@ -267,9 +267,7 @@ int cmd_inspect(int argc, char **argv) {
         cJSON_AddNumberToObject(r.root, "float_values_checked", (double)r.float_values);
         cJSON_AddNumberToObject(r.root, "nonfinite_float_values", (double)r.nonfinite_total);
         cJSON_AddBoolToObject(r.root, "ok", r.problems_n == 0);
-        char *s = cJSON_Print(r.root);
-        if (s) cli_json_print(s);
-        free(s);
+        cli_json_print_obj(r.root);
         cJSON_Delete(r.root);
     } else {
         printf("nvfp4:   %lld quantized modules, %lld scale bytes checked, %lld NaN\n", (long long)r.quantized,

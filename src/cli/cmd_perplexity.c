@@ -179,9 +179,7 @@ static void report(const ppl_args *a, const ppl_state *p, int64_t windows, int64
         cJSON_AddNumberToObject(o, "ppl_all", ppl_a);
         cJSON_AddNumberToObject(o, "seconds", seconds);
         cJSON_AddNumberToObject(o, "tok_per_s", tps);
-        char *s = cJSON_Print(o);
-        if (s) cli_json_print(s);
-        free(s);
+        cli_json_print_obj(o);
         cJSON_Delete(o);
         return;
     }

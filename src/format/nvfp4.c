@@ -22,24 +22,41 @@ static int check_tensor_args(const char *fn, const void *a, const void *b, const
     return FP4MOE_OK;
 }
 
+/* Element i of a 16- / 32-bit array that may sit at any byte address: a safetensors data area starts right after
+ * its header, whose length the file chooses (a header padded to a length that is not a multiple of 4 is valid), so
+ * tensors read in place from a mapping need not be aligned to their element size. */
+static inline uint16_t ld_u16(const void *w, int64_t i) {
+    uint16_t v;
+    memcpy(&v, (const uint8_t *)w + (size_t)i * 2, 2);
+    return v;
+}
+static inline uint32_t ld_u32(const void *w, int64_t i) {
+    uint32_t v;
+    memcpy(&v, (const uint8_t *)w + (size_t)i * 4, 4);
+    return v;
+}
+
 /* n elements of w (dtype) starting at element i0 -> fp32 */
 static void load_block_f32(const void *w, fp4moe_dtype dtype, int64_t i0, int n, float *v) {
     if (dtype == FP4MOE_F32) {
-        memcpy(v, (const float *)w + i0, (size_t)n * sizeof(float));
+        memcpy(v, (const uint8_t *)w + (size_t)i0 * 4, (size_t)n * sizeof(float));
     } else if (dtype == FP4MOE_BF16) {
-        const uint16_t *h = (const uint16_t *)w + i0;
-        for (int i = 0; i < n; i++) v[i] = fp4moe_bf16_to_f32_inline(h[i]);
+        for (int i = 0; i < n; i++) v[i] = fp4moe_bf16_to_f32_inline(ld_u16(w, i0 + i));
     } else {
-        const uint16_t *h = (const uint16_t *)w + i0;
-        for (int i = 0; i < n; i++) v[i] = fp4moe_f16_to_f32(h[i]);
+        for (int i = 0; i < n; i++) v[i] = fp4moe_f16_to_f32(ld_u16(w, i0 + i));
     }
 }
 
 static float load_f32(const void *w, fp4moe_dtype dtype, int64_t i) {
     switch (dtype) {
-    case FP4MOE_F32: return ((const float *)w)[i];
-    case FP4MOE_F16: return fp4moe_f16_to_f32(((const uint16_t *)w)[i]);
-    default: return fp4moe_bf16_to_f32(((const uint16_t *)w)[i]);
+    case FP4MOE_F32: {
+        const uint32_t u = ld_u32(w, i);
+        float f;
+        memcpy(&f, &u, 4);
+        return f;
+    }
+    case FP4MOE_F16: return fp4moe_f16_to_f32(ld_u16(w, i));
+    default: return fp4moe_bf16_to_f32(ld_u16(w, i));
     }
 }
 
@@ -52,13 +69,12 @@ float fp4moe_amax(const void *w, fp4moe_dtype dtype, int64_t n) {
 int64_t fp4moe_count_nonfinite(const void *w, fp4moe_dtype dtype, int64_t n, int64_t *first) {
     int64_t count = 0, at = -1;
     if (w && dtype == FP4MOE_F32) {
-        const uint32_t *u = w;
         for (int64_t i = 0; i < n; i++)
-            if ((u[i] & 0x7F800000u) == 0x7F800000u && count++ == 0) at = i;
+            if ((ld_u32(w, i) & 0x7F800000u) == 0x7F800000u && count++ == 0) at = i;
     } else if (w && (dtype == FP4MOE_BF16 || dtype == FP4MOE_F16)) {
-        const uint16_t *u = w, mask = dtype == FP4MOE_BF16 ? 0x7F80u : 0x7C00u;
+        const uint16_t mask = dtype == FP4MOE_BF16 ? 0x7F80u : 0x7C00u;
         for (int64_t i = 0; i < n; i++)
-            if ((u[i] & mask) == mask && count++ == 0) at = i;
+            if ((ld_u16(w, i) & mask) == mask && count++ == 0) at = i;
     }
     if (first) *first = at;
     return count;

@@ -51,38 +51,14 @@ void srv_buf_free(srv_buf *b) {
 /* ---- lossy UTF-8 ------------------------------------------------------------------------------- */
 
 int64_t srv_utf8_lossy(srv_buf *b, const char *s, size_t n) {
-    const unsigned char *u = (const unsigned char *)s;
+    char *tmp = malloc(n * 3 + 1);
+    if (!tmp) return -1;
+    const int64_t len = fp4moe_utf8_lossy(s, (int64_t)n, tmp);
     int64_t chars = 0;
-    size_t i = 0;
-    while (i < n) {
-        const unsigned c = u[i];
-        /* the length of a valid sequence led by c, and the range of its second byte (RFC 3629 table 3-7) */
-        size_t len = 0;
-        unsigned lo = 0x80, hi = 0xBF;
-        if (c < 0x80) len = 1;
-        else if (c >= 0xC2 && c <= 0xDF) len = 2;
-        else if (c == 0xE0) len = 3, lo = 0xA0;
-        else if ((c >= 0xE1 && c <= 0xEC) || c == 0xEE || c == 0xEF) len = 3;
-        else if (c == 0xED) len = 3, hi = 0x9F;
-        else if (c == 0xF0) len = 4, lo = 0x90;
-        else if (c >= 0xF1 && c <= 0xF3) len = 4;
-        else if (c == 0xF4) len = 4, hi = 0x8F;
-        size_t k = len ? 1 : 0; /* bytes of the sequence that are valid so far */
-        while (k && k < len && i + k < n) {
-            const unsigned t = u[i + k];
-            if (k == 1 ? (t < lo || t > hi) : (t < 0x80 || t > 0xBF)) break;
-            k++;
-        }
-        if (len && k == len) {
-            if (srv_buf_add(b, s + i, len)) return -1;
-            i += len;
-        } else { /* a maximal invalid subsequence: its valid start (at least the one byte) */
-            if (srv_buf_add(b, "\xEF\xBF\xBD", 3)) return -1;
-            i += k ? k : 1;
-        }
-        chars++;
-    }
-    return chars;
+    for (int64_t i = 0; i < len; i++) chars += ((unsigned char)tmp[i] & 0xC0) != 0x80; /* lead bytes */
+    const int rc = srv_buf_add(b, tmp, (size_t)len);
+    free(tmp);
+    return rc ? -1 : chars;
 }
 
 int srv_text_idle(const srv_text *t) { return t->stopped || (t->released == t->all.n && t->pend.n == 0); }

@@ -262,6 +262,41 @@ int64_t fp4moe_utf8_invalid_at(const char *text, int64_t len) {
     return text && len > 0 ? tok_utf8_invalid_at(text, len) : -1;
 }
 
+int64_t fp4moe_utf8_lossy(const char *text, int64_t len, char *out) {
+    const unsigned char *u = (const unsigned char *)text;
+    int64_t i = 0, o = 0;
+    while (i < len) {
+        const unsigned c = u[i];
+        /* the length of a valid sequence led by c, and the range of its second byte (RFC 3629 table 3-7) */
+        int64_t need = 0;
+        unsigned lo = 0x80, hi = 0xBF;
+        if (c < 0x80) need = 1;
+        else if (c >= 0xC2 && c <= 0xDF) need = 2;
+        else if (c == 0xE0) need = 3, lo = 0xA0;
+        else if ((c >= 0xE1 && c <= 0xEC) || c == 0xEE || c == 0xEF) need = 3;
+        else if (c == 0xED) need = 3, hi = 0x9F;
+        else if (c == 0xF0) need = 4, lo = 0x90;
+        else if (c >= 0xF1 && c <= 0xF3) need = 4;
+        else if (c == 0xF4) need = 4, hi = 0x8F;
+        int64_t k = need ? 1 : 0; /* bytes of the sequence that are valid so far */
+        while (k && k < need && i + k < len) {
+            const unsigned t = u[i + k];
+            if (k == 1 ? (t < lo || t > hi) : (t < 0x80 || t > 0xBF)) break;
+            k++;
+        }
+        if (need && k == need) {
+            memcpy(out + o, text + i, (size_t)need);
+            o += need;
+            i += need;
+        } else { /* a maximal invalid subpart: its valid start (at least the one byte) -> U+FFFD */
+            memcpy(out + o, "\xEF\xBF\xBD", 3);
+            o += 3;
+            i += k ? k : 1;
+        }
+    }
+    return o;
+}
+
 int64_t tok_utf8_invalid_at(const char *s, int64_t n) {
     const unsigned char *u = (const unsigned char *)s;
     int64_t i = 0;

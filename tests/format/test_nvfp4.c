@@ -184,6 +184,27 @@ static void test_count_nonfinite(void **state) {
     assert_int_equal(first, -1);
     assert_int_equal(fp4moe_count_nonfinite(f, FP4MOE_F32, 0, &first), 0);
     assert_int_equal(first, -1);
+    /* at an odd byte address (a tensor in place in a mapped safetensors file whose header length is not a multiple
+     * of 4: a helper's trial, session 44 - UBSan's misaligned loads; the sanitize check runs this test) */
+    _Alignas(16) uint8_t buf[80];
+    for (int off = 1; off < 4; off++) {
+        memcpy(buf + off, f, sizeof f);
+        assert_int_equal(fp4moe_count_nonfinite(buf + off, FP4MOE_F32, 7, &first), 3);
+        assert_int_equal(first, 4);
+        assert_true(fp4moe_amax(buf + off, FP4MOE_F32, 4) == 3.4028235e38f);
+        memcpy(buf + off, b, sizeof b);
+        assert_int_equal(fp4moe_count_nonfinite(buf + off, FP4MOE_BF16, 6, &first), 2);
+        assert_int_equal(first, 2);
+        assert_true(fp4moe_amax(buf + off, FP4MOE_BF16, 2) == fp4moe_bf16_to_f32(0x7F7F));
+        uint8_t c1[8], s1 = 0, c2[8], s2 = 1;
+        float v[16];
+        for (int i = 0; i < 16; i++) v[i] = (float)(i - 7) * 0.37f;
+        memcpy(buf + off, v, sizeof v);
+        assert_int_equal(fp4moe_nvfp4_quantize(buf + off, FP4MOE_F32, 1, 16, 0, c1, &s1, NULL), FP4MOE_OK);
+        assert_int_equal(fp4moe_nvfp4_quantize(v, FP4MOE_F32, 1, 16, 0, c2, &s2, NULL), FP4MOE_OK);
+        assert_memory_equal(c1, c2, 8);
+        assert_int_equal(s1, s2);
+    }
 }
 
 int main(void) {

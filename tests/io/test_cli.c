@@ -841,6 +841,53 @@ static void test_inspect_finds_nan_scale(void **state) {
     expect_in(g_out, "0xFF in 'backbone.layers.0.mixer.in_proj.scales' at index 7 (row 3, block 1)");
 }
 
+/* Renames tensor `name` in a safetensors file's header to `to` (the same length, so every offset stays valid). */
+static void rename_tensor(const char *path, const char *name, const char *to) {
+    assert_int_equal(strlen(name), strlen(to));
+    FILE *fp = fopen(path, "r+b");
+    assert_non_null(fp);
+    uint8_t len8[8];
+    assert_int_equal(fread(len8, 1, 8, fp), 8);
+    int64_t hlen = 0;
+    for (int i = 7; i >= 0; i--) hlen = (hlen << 8) | len8[i];
+    char *h = calloc(1, (size_t)hlen + 1);
+    assert_int_equal(fread(h, 1, (size_t)hlen, fp), (size_t)hlen);
+    char quoted[512];
+    snprintf(quoted, sizeof quoted, "\"%s\"", name);
+    char *at = strstr(h, quoted);
+    if (!at) fail_msg("no tensor %s in %s", name, path);
+    memcpy(at + 1, to, strlen(to));
+    fseek(fp, 8, SEEK_SET);
+    assert_int_equal(fwrite(h, 1, (size_t)hlen, fp), (size_t)hlen);
+    fclose(fp);
+    free(h);
+}
+
+/* Half a quantized module - packed codes without their block scales, or block scales without their codes - is an
+ * error naming the tensor in dequantize, as in the loader and inspect (a helper's trial, session 44: dequantize
+ * copied the raw U32 codes into its "plain float" output and exited 0). */
+static void test_dequantize_half_modules(void **state) {
+    make_tensors(27, -1);
+    char in[512], q[512], d[512];
+    snprintf(in, sizeof in, "%s", io_path("half.safetensors"));
+    snprintf(q, sizeof q, "%s", io_path("half-q.safetensors"));
+    snprintf(d, sizeof d, "%s", io_path("half-deq.safetensors"));
+    write_model(in, 0);
+    EXPECT_RC(0, "quantize", "-i", in, "-o", q);
+    EXPECT_RC(0, "dequantize", "-i", q, "-o", d);
+    unlink(d);
+    rename_tensor(q, "backbone.layers.0.mixer.in_proj.scales", "backbone.layers.0.mixer.in_proj.scalez");
+    EXPECT_RC(1, "dequantize", "-i", q, "-o", d);
+    expect_in(g_err, "'backbone.layers.0.mixer.in_proj.weight' holds packed MLX nvfp4 codes (U32)");
+    expect_in(g_err, "in_proj.scales' are missing");
+    assert_int_equal(access(d, F_OK), -1);
+    rename_tensor(q, "backbone.layers.0.mixer.in_proj.scalez", "backbone.layers.0.mixer.in_proj.scales");
+    rename_tensor(q, L1 "switch_mlp.fc2.weight", L1 "switch_mlp.fc2.weighz");
+    EXPECT_RC(1, "dequantize", "-i", q, "-o", d);
+    expect_in(g_err, "block scales '" L1 "switch_mlp.fc2.scales' have no packed codes '" L1 "switch_mlp.fc2.weight'");
+    assert_int_equal(access(d, F_OK), -1);
+}
+
 static void test_modelopt_dequantize(void **state) {
     tu_rng r;
     tu_rng_seed(&r, 26);
@@ -1407,6 +1454,17 @@ static void expect_json_error(const char *command, int code, const char *msg) {
     cJSON_Delete(j);
 }
 
+/* stdout is one JSON error object of command and exit code (its message not compared) */
+static void expect_json_error_only(const char *command, int code) {
+    cJSON *j = cJSON_Parse(g_out);
+    if (!j) fail_msg("stdout is not one JSON object: %.2000s", g_out);
+    const cJSON *e = cJSON_GetObjectItemCaseSensitive(j, "error");
+    assert_non_null(e);
+    assert_string_equal(cJSON_GetObjectItemCaseSensitive(e, "command")->valuestring, command);
+    assert_int_equal((int)cJSON_GetObjectItemCaseSensitive(e, "exit_code")->valuedouble, code);
+    cJSON_Delete(j);
+}
+
 /* Limits a second helper's trial found unguarded (session 28) */
 static void test_limits(void **state) {
     (void)state;
@@ -1498,6 +1556,21 @@ static void test_json_errors(void **state) {
     expect_json_error("inspect", 1, "cannot stat");
     EXPECT_RC(1, "generate", "-m", M, "-p", P, "--ctx", "3", "--json");
     expect_json_error("generate", 1, "more than the context limit of 3 tokens");
+    /* names that are not valid UTF-8 (a tensor's, a path's) still give valid UTF-8 JSON (RFC 8259): U+FFFD for each
+     * invalid part (a helper's trial, session 44: inspect --json echoed a corrupted header's bytes raw) */
+    make_tensors(28, -1);
+    char bad[512];
+    snprintf(bad, sizeof bad, "%s", io_path("badname.safetensors"));
+    write_model(bad, 0);
+    rename_tensor(bad, "backbone.layers.0.norm.weight", "backbone.layers.0.n\x9arm.weight");
+    EXPECT_RC(0, "inspect", "--json", bad);
+    assert_int_equal(fp4moe_utf8_invalid_at(g_out, (int64_t)strlen(g_out)), -1);
+    expect_in(g_out, "backbone.layers.0.n\xEF\xBF\xBDrm.weight");
+    EXPECT_RC(1, "perplexity", "-m", io_path("no-such-\xff\xfe-model"), "--file", "x", "--json");
+    assert_int_equal(fp4moe_utf8_invalid_at(g_out, (int64_t)strlen(g_out)), -1);
+    expect_in(g_out, "no-such-\xEF\xBF\xBD\xEF\xBF\xBD-model");
+    expect_in(g_err, "no-such-\xff\xfe-model"); /* stderr: the path's own bytes */
+    expect_json_error_only("perplexity", 1);
     /* "--json" as another option's value does not switch the mode on */
     EXPECT_RC(1, "generate", "-m", M, "-p", "--json", "--ctx", "1");
     assert_string_equal(g_out, "");
@@ -1786,6 +1859,7 @@ int main(void) {
         cmocka_unit_test(test_include_exclude),
         cmocka_unit_test(test_incomplete_expert_stack),
         cmocka_unit_test(test_inspect_finds_nan_scale),
+        cmocka_unit_test(test_dequantize_half_modules),
         cmocka_unit_test(test_modelopt_dequantize),
         cmocka_unit_test(test_matches_golden_mlx),
         cmocka_unit_test(test_bench_ep_ranks),
