@@ -129,6 +129,30 @@ int cli_load_synthetic(const char *cmd, const char *name, uint64_t seed, fp4moe_
 
 /* ---- chat templates ---------------------------------------------------------------------------- */
 
+/* tokenizer_config.json at path p as a JSON object; NULL when there is none (*bad 0) or when it cannot be used - not
+ * readable, not JSON, not an object - (*bad 1, the error set naming the file and why). */
+static cJSON *tokenizer_config(const char *p, int *bad) {
+    *bad = 0;
+    if (!p || access(p, F_OK) != 0) return NULL;
+    char *text = NULL;
+    if (cli_read_text(p, 64 << 20, &text)) {
+        *bad = 1;
+        return NULL;
+    }
+    const char *end = NULL;
+    cJSON *j = cJSON_ParseWithOpts(text, &end, 1);
+    if (!j || !cJSON_IsObject(j)) {
+        *bad = 1;
+        if (j) fp4moe_set_error(FP4MOE_EFORMAT, "%s: not a JSON object", p);
+        else fp4moe_set_error(FP4MOE_EFORMAT, "%s: not valid JSON (at byte %lld)", p,
+                              (long long)(end && end >= text ? end - text : 0));
+        cJSON_Delete(j);
+        j = NULL;
+    }
+    free(text);
+    return j;
+}
+
 /* The template text (malloc'd) from the sources above; NULL with a message when there is none. */
 char *cli_load_chat_template(const char *model, const char *override, char **where) {
     char *text = NULL;
@@ -150,9 +174,21 @@ char *cli_load_chat_template(const char *model, const char *override, char **whe
     }
     free(p);
     p = cli_join(model, "tokenizer_config.json");
-    char *cfg = NULL;
-    cJSON *j = p && access(p, R_OK) == 0 && !cli_read_text(p, 64 << 20, &cfg) ? cJSON_Parse(cfg) : NULL;
+    int bad = 0;
+    cJSON *j = tokenizer_config(p, &bad);
+    if (bad) {
+        free(p);
+        return NULL; /* the file is there but unusable: its error, not "no chat template" */
+    }
     const cJSON *t = cJSON_GetObjectItemCaseSensitive(j, "chat_template");
+    if (t && !cJSON_IsString(t) && !cJSON_IsArray(t)) {
+        fp4moe_set_error(FP4MOE_EFORMAT, "%s: \"chat_template\" must be a string or a list of {\"name\", \"template\"}, "
+                         "not %s", p, cJSON_IsNumber(t) ? "a number" : cJSON_IsObject(t) ? "an object" :
+                         cJSON_IsBool(t) ? "a boolean" : "null");
+        cJSON_Delete(j);
+        free(p);
+        return NULL;
+    }
     if (cJSON_IsString(t)) {
         text = strdup(t->valuestring);
     } else if (cJSON_IsArray(t)) {
@@ -171,15 +207,18 @@ char *cli_load_chat_template(const char *model, const char *override, char **whe
     else if (where && p && (*where = malloc(strlen(p) + 20)))
         sprintf(*where, "%s (chat_template)", p);
     cJSON_Delete(j);
-    free(cfg);
     free(p);
     return text;
 }
 
 /* bos_token / eos_token of tokenizer_config.json (a string or {"content": ...}) into the context. */
 void cli_template_special_tokens(const char *dir, cJSON *ctx) {
-    char *p = cli_join(dir, "tokenizer_config.json"), *cfg = NULL;
-    cJSON *j = p && access(p, R_OK) == 0 && !cli_read_text(p, 64 << 20, &cfg) ? cJSON_Parse(cfg) : NULL;
+    char *p = cli_join(dir, "tokenizer_config.json");
+    int bad = 0;
+    cJSON *j = tokenizer_config(p, &bad);
+    if (bad)
+        fprintf(stderr, "fp4moe: warning: %s; the template's bos_token / eos_token / pad_token are empty strings\n",
+                fp4moe_last_error());
     const char *keys[] = {"bos_token", "eos_token", "pad_token"};
     for (int i = 0; i < 3; i++) {
         const cJSON *v = cJSON_GetObjectItemCaseSensitive(j, keys[i]);
@@ -187,7 +226,6 @@ void cli_template_special_tokens(const char *dir, cJSON *ctx) {
         cJSON_AddStringToObject(ctx, keys[i], cJSON_IsString(v) ? v->valuestring : "");
     }
     cJSON_Delete(j);
-    free(cfg);
     free(p);
 }
 

@@ -128,7 +128,9 @@ static int answer(const chat_args *a, fp4moe_session *s, int64_t V, fp4moe_token
     int64_t T = 0;
     st = fp4moe_tokenizer_encode(tok, prompt, (int64_t)strlen(prompt), 0, &ids, &T);
     free(prompt);
-    if (!st && T == 0) st = fp4moe_set_error(FP4MOE_EINVAL, "the rendered conversation encodes to no tokens");
+    if (!st && T == 0)
+        st = fp4moe_set_error(FP4MOE_EINVAL, "%s: the rendered conversation encodes to no tokens (the template "
+                              "renders nothing for it)", tmpl_name);
     if (!st && ctx_len > 0 && T >= ctx_len) {
         const int alone = cJSON_GetArraySize(cJSON_GetObjectItem(ctx, "messages")) <= 1 + (a->system != NULL);
         fprintf(stderr, "%s: the conversation with this message is %lld tokens, the context %lld (--ctx): message not "

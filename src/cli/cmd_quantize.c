@@ -152,17 +152,26 @@ static void free_plan(plan *p) {
 }
 
 /* Parses "<prefix>.experts.<e>.<up_proj|down_proj>.weight" (not mtp.*): returns 1 and sets the
- * stacked name ("<prefix>.switch_mlp.fc1.weight" / fc2) and e. */
+ * stacked name ("<prefix>.switch_mlp.fc1.weight" / fc2) and e; 0 for another name; an error for an expert
+ * projection whose index is not a plain decimal below 1,000,000 ("00", "-1", "1e3", "99999999999"): stacked, it
+ * would take another expert's slot or none, and left unstacked it would be a stray tensor no loader reads. */
 static int parse_expert(const char *name, char *stacked, size_t cap, int64_t *e) {
     if (!strncmp(name, "mtp.", 4)) return 0;
     const char *x = strstr(name, ".experts.");
     if (!x) return 0;
-    const char *d = x + 9;
-    char *end;
-    if (*d < '0' || *d > '9') return 0;
-    long long v = strtoll(d, &end, 10);
+    const char *d = x + 9, *end = strchr(d, '.');
+    if (!end) return 0;
     const char *fc = !strcmp(end, ".up_proj.weight") ? "fc1" : !strcmp(end, ".down_proj.weight") ? "fc2" : NULL;
-    if (!fc || v < 0 || v > 1000000) return 0;
+    if (!fc) return 0;
+    long long v = 0;
+    int ok = end > d && end - d <= 6 && (d[0] != '0' || end - d == 1);
+    for (const char *c = d; ok && c < end; c++) {
+        ok = *c >= '0' && *c <= '9';
+        v = v * 10 + (*c - '0');
+    }
+    if (!ok)
+        return fp4moe_set_error(FP4MOE_EFORMAT, "tensor '%s': expert index '%.*s' is not a plain decimal number "
+                                "below 1000000 (the experts are stacked by it)", name, (int)(end - d), d);
     if ((size_t)snprintf(stacked, cap, "%.*s.switch_mlp.%s.weight", (int)(x - name), name, fc) >= cap) return 0;
     *e = v;
     return 1;
@@ -173,8 +182,10 @@ static int build_plan(const fp4moe_st_model *m, pcre2_code *inc, pcre2_code *exc
     for (int64_t i = 0; i < n; i++) {
         const fp4moe_st_tensor *t = fp4moe_st_model_at(m, i);
         char stacked[1024];
-        int64_t e;
-        if (parse_expert(t->name, stacked, sizeof stacked, &e)) {
+        int64_t e = 0;
+        const int r = parse_expert(t->name, stacked, sizeof stacked, &e);
+        if (r < 0) return r;
+        if (r) {
             item *g = NULL;
             for (int64_t j = 0; j < p->n && !g; j++)
                 if (p->items[j].stacked && !strcmp(p->items[j].name, stacked)) g = &p->items[j];
@@ -190,6 +201,9 @@ static int build_plan(const fp4moe_st_model *m, pcre2_code *inc, pcre2_code *exc
                 g->src = s;
                 g->nsrc = e + 1;
             }
+            if (g->src[e])
+                return fp4moe_set_error(FP4MOE_EFORMAT, "expert %lld of '%s' is given twice: '%s' and '%s'",
+                                        (long long)e, stacked, g->src[e]->name, t->name);
             g->src[e] = t;
             continue;
         }

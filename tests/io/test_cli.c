@@ -789,6 +789,24 @@ static void test_incomplete_expert_stack(void **state) {
     EXPECT_RC(1, "quantize", "-i", in, "-o", io_path("holes-q.safetensors"));
     expect_in(g_err, "expert 2");
     expect_in(g_err, "switch_mlp.fc");
+    /* an expert twice under two spellings of its index ("00" beside "0"), or an index that is none (a helper's trial, session 44: the
+     * file order chose which copy was stacked; "experts.-1" passed through as a stray tensor) */
+    const char *bad[] = {L1 "experts.00.up_proj.weight", L1 "experts.-1.down_proj.weight",
+                         L1 "experts.1234567.up_proj.weight", L1 "experts.1e3.up_proj.weight"};
+    for (int k = 0; k < 4; k++) {
+        make_tensors(24, -1);
+        tu_rng r;
+        tu_rng_seed(&r, 5);
+        add_src(&r, bad[k], FP4MOE_ST_BF16, 2, k == 1 ? H : I, k == 1 ? I : H, 0);
+        char in2[512];
+        snprintf(in2, sizeof in2, "%s", io_path("dup.safetensors"));
+        unlink(in2);
+        write_model(in2, 0);
+        EXPECT_RC(1, "quantize", "-i", in2, "-o", io_path("dup-q.safetensors"));
+        expect_in(g_err, "is not a plain decimal");
+        expect_in(g_err, bad[k]);
+        assert_int_equal(access(io_path("dup-q.safetensors"), F_OK), -1);
+    }
 }
 
 /* Patches one byte of tensor `name` in file `path` at element index `at`. */
@@ -1411,6 +1429,40 @@ static void test_chat(void **state) {
     g_stdin_path = in;
     EXPECT_RC(1, "chat", "-m", "models/nemotron-h-tiny-moe");
     expect_in(g_err, "no chat template");
+    /* a tokenizer_config.json that cannot be read is named as such, not as "no chat template" (a helper's trial,
+     * session 44); a template that renders nothing is named */
+    char md[512], f[700], abs_[PATH_MAX];
+    snprintf(md, sizeof md, "%s", io_path("tc-model"));
+    assert_int_equal(mkdir(md, 0777), 0);
+    const char *links[] = {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json"};
+    for (int k = 0; k < 4; k++) {
+        snprintf(f, sizeof f, "models/nemotron-h-tiny-moe/%s", links[k]);
+        assert_non_null(realpath(f, abs_));
+        snprintf(f, sizeof f, "%s/%s", md, links[k]);
+        assert_int_equal(symlink(abs_, f), 0);
+    }
+    snprintf(f, sizeof f, "%s/tokenizer_config.json", md);
+    const char *cfgs[] = {"{\"chat_template\": ", "[1, 2]", "{\"chat_template\": 5}"};
+    const char *msgs[] = {"tokenizer_config.json: not valid JSON (at byte 18)", "tokenizer_config.json: not a JSON object",
+                          "tokenizer_config.json: \"chat_template\" must be a string or a list"};
+    for (int k = 0; k < 3; k++) {
+        io_write_bytes(f, cfgs[k], strlen(cfgs[k]));
+        g_stdin_path = in;
+        EXPECT_RC(1, "chat", "-m", md);
+        expect_in(g_err, msgs[k]);
+        assert_null(strstr(g_err, "no chat template"));
+    }
+    /* the template from its own file, tokenizer_config.json still broken: a warning that the special tokens are empty */
+    io_write_bytes(f, cfgs[0], strlen(cfgs[0]));
+    io_write_bytes(bad, "{{ messages[0].content }}", 25);
+    g_stdin_path = in;
+    EXPECT_RC(0, "chat", "-m", md, "--chat-template", bad, "-n", "2");
+    expect_in(g_err, "warning: ");
+    expect_in(g_err, "bos_token / eos_token / pad_token are empty strings");
+    io_write_bytes(bad, "", 0);
+    g_stdin_path = in;
+    EXPECT_RC(1, "chat", "-m", "models/nemotron-h-tiny-moe", "--chat-template", bad);
+    expect_in(g_err, "bad.jinja: the rendered conversation encodes to no tokens");
     EXPECT_RC(2, "chat", "-m", "models/nemotron-h-tiny-moe", "--think", "maybe");
     EXPECT_RC(0, "chat", "--help");
     expect_in(g_out, "/reset");
