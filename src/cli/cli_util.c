@@ -757,7 +757,7 @@ int cli_copy_config(const char *in_dir, const char *out_dir, int nvfp4) {
         }
     } else if (!st && nvfp4) {
         root = cJSON_CreateObject();     /* no config: write just the quantization entry */
-        fprintf(stderr, "warning: %s has no config.json: the output's config.json holds only the quantization entry "
+        fprintf(stderr, "quantize: warning: %s has no config.json: the output's config.json holds only the quantization entry "
                 "(add the model's fields before loading it)\n", in_dir);
     }
     if (!st && root) {

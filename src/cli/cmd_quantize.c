@@ -507,12 +507,20 @@ int cmd_quantize(int argc, char **argv) {
     if (is_dir) { /* a config fp4moe cannot load: said now, not at the output's first load (a helper's trial) */
         char *cj = cli_join(fp4moe_st_model_dir(m), "config.json");
         fp4moe_config cfg;
-        if (cj && access(cj, F_OK) == 0 && fp4moe_config_load(fp4moe_st_model_dir(m), &cfg) != FP4MOE_OK &&
-            !strstr(fp4moe_last_error(), "JSON")) /* broken JSON: the config copy below stops with its error */
+        if (cj && access(cj, F_OK) == 0 && fp4moe_config_load(fp4moe_st_model_dir(m), &cfg) != FP4MOE_OK) {
+            if (strstr(fp4moe_last_error(), "JSON")) { /* not a JSON object: the output's copy cannot take the entry */
+                char why[1024];
+                snprintf(why, sizeof why, "%s", fp4moe_last_error()); /* (set_error overwrites what it formats from) */
+                st = fp4moe_set_error(FP4MOE_EFORMAT, "%s (the output's config.json is this one with the quantization "
+                                      "entry added)", why);
+                free(cj);
+                goto fail;
+            }
             fprintf(stderr, "quantize: warning: %s: fp4moe will not load the output (the tensors are quantized "
                     "all the same)\n", fp4moe_last_error());
-        else if (cj && access(cj, F_OK) == 0)
+        } else if (cj && access(cj, F_OK) == 0) {
             fp4moe_config_free(&cfg);
+        }
         free(cj);
     }
     if ((st = build_plan(m, inc, exc, &p))) goto fail;

@@ -13,6 +13,7 @@
 #include <cjson/cJSON.h>
 
 #include "common/error.h"
+#include "common/json.h"
 
 #define INDEX_NAME "model.safetensors.index.json"
 #define INDEX_MAX_BYTES (256LL << 20)
@@ -150,13 +151,14 @@ static int open_indexed(fp4moe_st_model *m, const char *index_path) {
     char *text = NULL;
     int st = read_text(index_path, INDEX_MAX_BYTES, &text);
     if (st) return st;
-    cJSON *root = cJSON_Parse(text);
+    cJSON *root = NULL;
+    const int pst = fp4moe_json_parse(text, strlen(text), index_path, &root);
     free(text);
     char **shards = NULL;
     int64_t nshards = 0;
     uint8_t **used = NULL;
-    if (!root) {
-        st = fp4moe_set_error(FP4MOE_EFORMAT, "%s: not valid JSON", index_path);
+    if (pst) {
+        st = pst;
         goto done;
     }
     const cJSON *wm = cJSON_GetObjectItemCaseSensitive(root, "weight_map");

@@ -611,6 +611,18 @@ static void test_quantize_warns_on_config(void **state) {
     EXPECT_RC(0, "quantize", "-i", bf, "-o", bad, "-q");
     expect_in(g_err, "warning: ");
     expect_in(g_err, "hidden_size");
+    /* a config.json that is not one JSON object: an error before any tensor is quantized (its copy takes the
+     * quantization entry), the output not created */
+    const char *notjson[] = {"{\"hidden_size\": ", "[1, 2]", "{} xyz"};
+    for (int k = 0; k < 3; k++) {
+        io_write_bytes(cfg, notjson[k], strlen(notjson[k]));
+        char out2[512];
+        snprintf(out2, sizeof out2, "%s", io_path("cfg-notjson-q"));
+        EXPECT_RC(1, "quantize", "-i", bf, "-o", out2, "-q");
+        expect_in(g_err, "config.json: ");
+        expect_in(g_err, k == 0 ? "malformed JSON" : k == 1 ? "not a JSON object" : "text after the JSON value");
+        assert_int_equal(access(out2, F_OK), -1);
+    }
 }
 
 /* NaN / Inf in a tensor to be quantized is an error naming the tensor and the element (NVFP4 has no

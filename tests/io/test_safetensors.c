@@ -527,7 +527,11 @@ static void test_bad_model_dirs(void **state) {
     fp = fopen(io_path("idx_missing_tensor/model.safetensors.index.json"), "w");
     fputs("{\"weight_map\": ", fp);
     fclose(fp);
-    expect_model_error(d2, "index.json", "not valid JSON", NULL);
+    expect_model_error(d2, "index.json", "malformed JSON near line 1 column 15", NULL);
+    fp = fopen(io_path("idx_missing_tensor/model.safetensors.index.json"), "w");
+    fputs("{\"weight_map\": {\"t0\": \"a.safetensors\"}} x", fp); /* one JSON value a file (a helper's trial, session 44) */
+    fclose(fp);
+    expect_model_error(d2, "index.json", "text after the JSON value near line 1 column 41", NULL);
     fp = fopen(io_path("idx_missing_tensor/model.safetensors.index.json"), "w");
     fputs("{\"metadata\": {}}", fp);
     fclose(fp);

@@ -203,6 +203,15 @@ static void test_refusals(void **state) {
     free(j);
     expect_error("[1, 2]", FP4MOE_EFORMAT, "not a JSON object");
     expect_error("{\"model_type\": \"nemotron_h\",", FP4MOE_EFORMAT, "malformed JSON near line 1 column 28 (byte 27)");
+    /* one value a file: text after it is an error, white space is not (a helper's trial, session 44) */
+    char *t = malloc(strlen(k_nano) + 16);
+    sprintf(t, "%s\n xyz", k_nano);
+    expect_error(t, FP4MOE_EFORMAT, "text after the JSON value near line");
+    sprintf(t, "%s \n\t\r\n", k_nano);
+    fp4moe_config c2;
+    assert_int_equal(fp4moe_config_parse(t, "cfg", &c2), FP4MOE_OK);
+    fp4moe_config_free(&c2);
+    free(t);
 
     struct { const char *layers, *extra; int st; const char *needle; } bad[] = {
         {"\"hybrid_override_pattern\": \"M*X\"", "", FP4MOE_EFORMAT, "hybrid_override_pattern has 'X' at 2"},
