@@ -230,6 +230,22 @@ void cli_template_special_tokens(const char *dir, cJSON *ctx) {
 }
 
 
+int cli_ids_in_vocab(const char *dir, const fp4moe_tokenizer *tok, const int32_t *ids, int64_t n, int64_t V,
+                     const char *what) {
+    for (int64_t i = 0; i < n; i++) {
+        if (ids[i] >= 0 && ids[i] < V) continue;
+        const char *piece = tok ? fp4moe_tokenizer_id_to_token(tok, ids[i]) : NULL;
+        char why[160] = "";
+        if (tok)
+            snprintf(why, sizeof why, "; the tokenizer has %lld: tokenizer.json does not belong to this model",
+                     (long long)fp4moe_tokenizer_vocab_size(tok));
+        return fp4moe_set_error(FP4MOE_EFORMAT, "%s: token %lld of %s is id %d%s%s%s, outside the model's vocabulary "
+                                "of %lld ids (config.json vocab_size%s)", dir, (long long)i, what, (int)ids[i],
+                                piece ? " ('" : "", piece ? piece : "", piece ? "')" : "", (long long)V, why);
+    }
+    return FP4MOE_OK;
+}
+
 /* ---- generation_config.json ------------------------------------------------------------------------ */
 
 /* 0: id added (or there already), 1: outside the vocabulary, 2: no room (FP4MOE_MAX_STOP_IDS) */

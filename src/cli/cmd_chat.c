@@ -128,6 +128,7 @@ static int answer(const chat_args *a, fp4moe_session *s, int64_t V, fp4moe_token
     int64_t T = 0;
     st = fp4moe_tokenizer_encode(tok, prompt, (int64_t)strlen(prompt), 0, &ids, &T);
     free(prompt);
+    if (!st) st = cli_ids_in_vocab(a->model, tok, ids, T, V, "the rendered conversation");
     if (!st && T == 0)
         st = fp4moe_set_error(FP4MOE_EINVAL, "%s: the rendered conversation encodes to no tokens (the template "
                               "renders nothing for it)", tmpl_name);

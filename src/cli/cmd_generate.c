@@ -612,6 +612,11 @@ static int generate(const gen_args *a) {
         return rc;
     }
     free(text);
+    if ((rc = cli_ids_in_vocab(a->model, a->prompt_ids ? NULL : g.tok, g.prompt, g.T, fp4moe_model_config(g.m)->vocab,
+                               a->prompt_ids ? "--prompt-ids" : "the prompt"))) {
+        gen_free(&g);
+        return cli_fail(CMD, rc);
+    }
     const int64_t ctx = a->ctx > 0 ? a->ctx : fp4moe_model_config(g.m)->max_position;
     cli_warn_ctx(CMD, a->ctx, fp4moe_model_config(g.m)->max_position);
     if (ctx > 0 && g.T == ctx) { /* prompt + generated tokens <= ctx, as the server's limit (vLLM's max_model_len) */

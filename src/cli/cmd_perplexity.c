@@ -227,6 +227,10 @@ static int perplexity(const ppl_args *a) {
         ppl_free(&p);
         return rc;
     }
+    if ((rc = cli_ids_in_vocab(a->model, p.tok, p.ids, p.n_ids, fp4moe_model_config(p.m)->vocab, a->file))) {
+        ppl_free(&p);
+        return cli_fail(CMD, rc);
+    }
     cli_warn_ctx(CMD, a->ctx, fp4moe_model_config(p.m)->max_position);
     const volatile sig_atomic_t *stop = cli_install_sigint();
     fp4moe_session_options so;

@@ -104,6 +104,11 @@ char *cli_load_chat_template(const char *dir, const char *override, char **where
 /* bos_token / eos_token / pad_token of DIR/tokenizer_config.json (strings, "" when absent) into ctx (as the special
  * tokens HF's apply_chat_template passes). */
 void cli_template_special_tokens(const char *dir, cJSON *ctx);
+/* Checks that every id of ids[0..n) is below the model's vocab_size V: else FP4MOE_EFORMAT naming the first such
+ * id, its token in the tokenizer (tok may be NULL), what it is (`what`, e.g. "the prompt") and the two sizes - the
+ * tokenizer.json and config.json of `dir` disagree. */
+int cli_ids_in_vocab(const char *dir, const fp4moe_tokenizer *tok, const int32_t *ids, int64_t n, int64_t V,
+                     const char *what);
 /* The sampling options of the commands that generate (generate, chat): one group, one check. */
 typedef struct {
     double temp, top_p, min_p, repeat_penalty, presence_penalty, frequency_penalty;

@@ -1475,6 +1475,39 @@ static void test_chat(void **state) {
     g_stdin_path = in;
     EXPECT_RC(1, "chat", "-m", "models/nemotron-h-tiny-moe", "--chat-template", bad);
     expect_in(g_err, "bad.jinja: the rendered conversation encodes to no tokens");
+    /* a tokenizer with an id past the model's vocab_size (8,192): named when a text uses it, in generate, chat and
+     * perplexity - not a failure deep in the forward pass (a helper's trial, session 44) */
+    static char tj[1 << 20];
+    slurp("models/nemotron-h-tiny-moe/tokenizer.json", tj, sizeof tj);
+    char *at = strstr(tj, "\"added_tokens\": [");
+    assert_non_null(at);
+    at += strlen("\"added_tokens\": [");
+    static char tj2[(1 << 20) + 256];
+    snprintf(tj2, sizeof tj2, "%.*s{\"id\": 8192, \"content\": \"<big>\", \"single_word\": false, \"lstrip\": false, "
+             "\"rstrip\": false, \"normalized\": false, \"special\": false},%s", (int)(at - tj), tj, at);
+    snprintf(f, sizeof f, "%s/tokenizer.json", md);
+    unlink(f);
+    io_write_bytes(f, tj2, strlen(tj2));
+    snprintf(f, sizeof f, "%s/tokenizer_config.json", md);
+    unlink(f);
+    const char *vmsg = "is id 8192 ('<big>'), outside the model's vocabulary of 8192 ids (config.json vocab_size; the "
+                       "tokenizer has 8193: tokenizer.json does not belong to this model)";
+    EXPECT_RC(1, "generate", "-m", md, "-p", "Hello <big>", "-n", "2");
+    expect_in(g_err, "token 4 of the prompt ");
+    expect_in(g_err, vmsg);
+    EXPECT_RC(0, "generate", "-m", md, "-p", "Hello", "-n", "2"); /* a text without it runs */
+    char ppl[512];
+    snprintf(ppl, sizeof ppl, "%s", io_path("big.txt"));
+    static char longtext[4096];
+    snprintf(longtext, sizeof longtext, "%s", "Once upon a time there was a <big> king. ");
+    for (int k = 0; k < 20; k++) strcat(longtext, "The queen walked into the garden and saw the birds. ");
+    io_write_bytes(ppl, longtext, strlen(longtext));
+    EXPECT_RC(1, "perplexity", "-m", md, "--file", ppl, "--ctx", "16");
+    expect_in(g_err, vmsg);
+    io_write_bytes(in, "Say <big>\n", 10);
+    g_stdin_path = in;
+    EXPECT_RC(1, "chat", "-m", md, "--chat-template", "tests/golden/templates/nemotron-3-nano-30b-a3b.jinja", "-n", "2");
+    expect_in(g_err, "of the rendered conversation is id 8192");
     EXPECT_RC(2, "chat", "-m", "models/nemotron-h-tiny-moe", "--think", "maybe");
     EXPECT_RC(0, "chat", "--help");
     expect_in(g_out, "/reset");
