@@ -16,6 +16,7 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 #include <sys/mman.h>
 
 #include "common/error.h"
@@ -36,6 +37,8 @@ typedef struct {
     int64_t done, total;
     int64_t planned;                /* bytes of the big tensors, counted where they are made or
                                        (!on_host) skipped: a first pass sizes the progress bar */
+    int dry;                        /* that first pass: the fp32 vectors counted in vec_bytes, not made */
+    int64_t vec_bytes;
 } synth;
 
 /* Blocks of at least this size are 2 MiB-aligned and asked to live on transparent huge pages
@@ -76,6 +79,11 @@ static float uniform01(uint64_t key, int64_t i) {
 
 /* n fp32 values mean + sigma * normal of tensor `id`. */
 static int vec(synth *y, uint64_t id, int64_t n, float mean, float sigma, const float **out) {
+    if (y->dry) {
+        y->vec_bytes += n * (int64_t)sizeof(float);
+        *out = NULL;
+        return FP4MOE_OK;
+    }
     float *v = own(y->m, n * (int64_t)sizeof(float));
     if (!v) return FP4MOE_ENOMEM;
     const uint64_t key = syn_key(y->seed, id);
@@ -265,16 +273,26 @@ int fp4moe_model_synthetic(const fp4moe_config *cfg, const fp4moe_synthetic_opti
                .ctx = o.progress_ctx};
     st = m->cfg.layer_types && m->layers ? FP4MOE_OK
                                          : fp4moe_set_error(FP4MOE_ENOMEM, "model_synthetic: out of memory");
-    if (!st && y.on_host && y.progress) { /* a pass without the big tensors sizes the progress bar */
+    if (!st && y.on_host) { /* a pass that makes no tensor sizes the progress bar and the host memory */
         fp4moe_model *pm = calloc(1, sizeof *pm);
-        synth plan = {.m = pm, .seed = y.seed, .on_host = 0, .with_gs = y.with_gs};
+        synth plan = {.m = pm, .seed = y.seed, .on_host = 0, .with_gs = y.with_gs, .dry = 1};
         if (pm) {
             pm->cfg = m->cfg;
             pm->layers = calloc((size_t)cfg->n_layers, sizeof *pm->layers);
-            if (pm->layers && !build(&plan)) y.total = plan.planned;
+            if (pm->layers) st = build(&plan);
+            if (!st) y.total = plan.planned;
             pm->cfg.layer_types = NULL; /* m's */
             fp4moe_model_free(pm);
         }
+        /* a config far beyond the machine fails here, not after gigabytes of weights (a helper's trial, session 44:
+         * hidden_size 2^31 - 1 generated 8.5 GB before the embedding's allocation failed) */
+        const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
+        const double need = (double)plan.planned + (double)plan.vec_bytes, have = (double)pages * (double)page;
+        if (!st && pages > 0 && page > 0 && need > have)
+            st = fp4moe_set_error(FP4MOE_ENOMEM, "synthetic model: its weights take %.3g GB (hidden_size %lld, "
+                                  "vocab_size %lld, %lld layers), more than this machine's %.3g GB of memory",
+                                  need * 1e-9, (long long)cfg->hidden, (long long)cfg->vocab,
+                                  (long long)cfg->n_layers, have * 1e-9);
     }
     if (!st) st = build(&y);
     if (!st) model_compute_stats(m);

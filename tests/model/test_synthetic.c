@@ -136,6 +136,29 @@ static void test_model_runs(void **state) {
     fp4moe_config_free(&cfg);
 }
 
+/* A config whose weights outgrow the machine's memory fails at once with the size, before any weight is made (a
+ * helper's trial, session 44: hidden_size 2^31 - 1 filled 8.5 GB of norm vectors before the embedding failed);
+ * a K that is no multiple of 16 the same. The model made after a refused one is the usual one. */
+static void test_too_big_fails_first(void **state) {
+    (void)state;
+    fp4moe_config cfg;
+    assert_int_equal(fp4moe_config_parse(k_cfg, "synthetic test", &cfg), FP4MOE_OK);
+    const int64_t hidden = cfg.hidden;
+    cfg.hidden = (int64_t)1 << 34; /* 16 G features: ~10 TB of embedding alone */
+    fp4moe_synthetic_options o = {.device = FP4MOE_DEVICE_CPU};
+    fp4moe_model *m = NULL;
+    assert_int_equal(fp4moe_model_synthetic(&cfg, &o, &m), FP4MOE_ENOMEM);
+    assert_null(m);
+    assert_non_null(strstr(fp4moe_last_error(), "GB of memory"));
+    assert_non_null(strstr(fp4moe_last_error(), "hidden_size 17179869184"));
+    cfg.hidden = hidden + 8;
+    assert_int_equal(fp4moe_model_synthetic(&cfg, &o, &m), FP4MOE_EINVAL);
+    assert_non_null(strstr(fp4moe_last_error(), "multiple of 16"));
+    cfg.hidden = hidden;
+    fp4moe_model_free(make(&cfg, 3));
+    fp4moe_config_free(&cfg);
+}
+
 /* Without a visible GPU (every machine this program runs on in CI) device cuda is refused. */
 static void test_no_gpu_device(void **state) {
     (void)state;
@@ -204,6 +227,7 @@ int main(void) {
         cmocka_unit_test(test_blocks_no_global_scale),
         cmocka_unit_test(test_blocks_global_scale),
         cmocka_unit_test(test_model_runs),
+        cmocka_unit_test(test_too_big_fails_first),
         cmocka_unit_test(test_no_gpu_device),
         cmocka_unit_test(test_forward_argmax_cpu),
     };
