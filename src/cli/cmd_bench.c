@@ -679,7 +679,7 @@ static int bench(bench_args *a) {
     a->cpu_act = fp4moe_cpu_act_name(ca);
     if (fp4moe_route_parse(a->route, &route))
         return cli_usage_error(CMD, "--route must be auto, qmv, batched or dequant_gemm");
-    if (a->warmup < 0) a->warmup = dev == FP4MOE_DEVICE_CUDA ? 1 : 0;
+    if (a->warmup == INT64_MIN) a->warmup = dev == FP4MOE_DEVICE_CUDA ? 1 : 0; /* not given */
     if (a->profile && dev != FP4MOE_DEVICE_CUDA)
         return cli_usage_error(CMD, "--profile times device events: it needs --device cuda");
     if (a->gpus == 1 && (rc = cli_check_gpus(CMD, 1, a->device, dev))) return rc; /* one GPU: as generate's */
@@ -760,7 +760,7 @@ static int bench(bench_args *a) {
 }
 
 int cmd_bench(int argc, char **argv) {
-    bench_args a = {.prompt_tokens = 512, .gen_tokens = 128, .repeats = 3, .warmup = -1, .dtype = NULL,
+    bench_args a = {.prompt_tokens = 512, .gen_tokens = 128, .repeats = 3, .warmup = INT64_MIN, .dtype = NULL,
                     .route = "auto", .device = "auto", .floor_bw = 0};
     const cli_opt opts[] = {
         {"--model", "-m", CLI_STRING, &a.model, "DIR", "model directory"},
@@ -803,6 +803,10 @@ int cmd_bench(int argc, char **argv) {
     if (rc) return FP4MOE_EXIT_USAGE;
     if (a.chunk < 0) return cli_usage_error(CMD, "--chunk must be >= 1 (0: the default)");
     if (a.seed < 0) return cli_usage_error(CMD, "--seed must be >= 0");
+    if (a.warmup < 0 && a.warmup != INT64_MIN) return cli_usage_error(CMD, "--warmup must be >= 0");
+    if (a.warmup > 1000) return cli_usage_error(CMD, "--warmup must be at most 1000");
+    if (a.model && a.seed)
+        fprintf(stderr, "fp4moe %s: warning: --seed sets the synthetic weights' seed: it does nothing with -m\n", CMD);
     if (!a.model == !a.synthetic) return cli_usage_error(CMD, "give exactly one of -m DIR and --synthetic CONFIG");
     if (a.batch < 0 || a.batch > 65535) return cli_usage_error(CMD, "--batch must be in 0 .. 65535");
     if (a.gpus < 0 || a.gpus > 64 || a.ep_ranks < 0 || a.ep_ranks > 64)

@@ -47,7 +47,7 @@ static void usage(FILE *f) {
             "  --topk N                     experts per token (default 6)\n"
             "  --dtype T                    activations: bf16 | f16 | f32 (default bf16)\n"
             "  --route R                    all | qmv | batched | dequant_gemm | auto (default all)\n"
-            "  --repeats N                  timed rounds after one warm-up; medians reported (default 5)\n"
+            "  --repeats N                  timed rounds after one warm-up, 1 .. 64; medians reported (default 5)\n"
             "  --seed S                     random seed (default 1)\n"
             "  --both                       also the transposed shape: up (N x K) then down (K x N)\n"
             "  --w4a8                       also time the W4A8 form (int8 activations, --cpu-act q8) of\n"

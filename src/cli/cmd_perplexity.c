@@ -282,7 +282,7 @@ int cmd_perplexity(int argc, char **argv) {
     const cli_opt opts[] = {
         {"--model", "-m", CLI_STRING, &a.model, "DIR", "model directory (config.json, *.safetensors, tokenizer.json)"},
         {"--file", "-f", CLI_STRING, &a.file, "TEXT", "UTF-8 text file to score"},
-        {"--ctx", "-c", CLI_INT, &a.ctx, "N", "window length in tokens (default 512)"},
+        {"--ctx", "-c", CLI_INT, &a.ctx, "N", "window length in tokens, >= 4 (default 512)"},
         {"--max-tokens", NULL, CLI_INT, &a.max_tokens, "N", "use only the first N tokens of the text (default: all)"},
         {"--dtype", NULL, CLI_STRING, &a.dtype, "DT", "matmul activations: f32 or bf16 (default f32 on cpu; cuda: bf16)"},
         {"--cpu-act", NULL, CLI_STRING, &a.cpu_act, "MODE", CLI_CPU_ACT_HELP},

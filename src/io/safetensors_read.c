@@ -93,13 +93,13 @@ static int json_index(const cJSON *v, const char *path, const char *tensor, cons
                                 what);
     const double d = v->valuedouble;
     if (!isfinite(d) || d != floor(d))
-        return fp4moe_set_error(FP4MOE_EFORMAT, "%s: tensor '%s': %s = %g is not an integer", path,
+        return fp4moe_set_error(FP4MOE_EFORMAT, "%s: tensor '%s': %s = %.15g is not an integer", path,
                                 tensor, what, d);
     if (d < 0)
         return fp4moe_set_error(FP4MOE_EFORMAT, "%s: tensor '%s': %s = %.0f is negative", path,
                                 tensor, what, d);
     if (d > 9007199254740992.0) /* 2^53: beyond it a double no longer holds every integer */
-        return fp4moe_set_error(FP4MOE_EOVERFLOW, "%s: tensor '%s': %s = %g is too large", path,
+        return fp4moe_set_error(FP4MOE_EOVERFLOW, "%s: tensor '%s': %s = %.0f is too large", path,
                                 tensor, what, d);
     *out = (int64_t)d;
     return FP4MOE_OK;

@@ -248,7 +248,7 @@ int fp4moe_tokenizer_encode(const fp4moe_tokenizer *tok, const char *text, int64
     int64_t bad = tok_utf8_invalid_at(text, len);
     if (bad >= 0)
         return fp4moe_set_error(FP4MOE_EINVAL,
-                                "fp4moe_tokenizer_encode: text is not valid UTF-8 at byte %lld (0x%02x)",
+                                "the text is not valid UTF-8 at byte %lld (0x%02x)",
                                 (long long)bad, (unsigned char)text[bad]);
     tok_ivec out = {0};
     enc_ctx c;

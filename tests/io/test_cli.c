@@ -1902,6 +1902,12 @@ static void test_bench_ep_ranks(void **state) {
     EXPECT_RC(2, "bench", "-m", M, "--device", "cpu", "--prompt-tokens", "16", "--gen-tokens", "9223372036854775807");
     expect_in(g_err, "at most 16777216 tokens a sequence");
     EXPECT_RC(2, "bench", "-m", M, "--device", "cpu", "--batch", "2", "--ep-ranks", "2", "--gpus", "2");
+    /* a negative --warmup was taken as "the default" (a helper's trial, session 44); --seed with -m does nothing */
+    EXPECT_RC(2, "bench", "-m", M, "--device", "cpu", "--warmup", "-1");
+    expect_in(g_err, "--warmup must be >= 0");
+    EXPECT_RC(0, "bench", "-m", M, "--device", "cpu", "--prompt-tokens", "4", "--gen-tokens", "2", "--repeats", "1",
+              "--seed", "5");
+    expect_in(g_err, "warning: --seed sets the synthetic weights' seed: it does nothing with -m");
     /* serve's (its requests run in tests/server/test_server.py) */
     EXPECT_RC(2, "serve", "-m", M, "--device", "cpu", "--gpus", "2");
     expect_in(g_err, "--gpus needs --device cuda");
