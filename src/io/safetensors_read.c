@@ -229,6 +229,10 @@ static int index_tensors(fp4moe_st_file *f, fp4moe_st_tensor *hdr_order, const i
     int64_t max_end = 0, max_end_at = -1;
     for (int64_t i = 0; i < n; i++) {
         const fp4moe_st_tensor *t = &hdr_order[spans[i].seq];
+        if (t->nbytes > 0 && t->offset < max_end && !strcmp(t->name, hdr_order[max_end_at].name)) {
+            st = fp4moe_set_error(FP4MOE_EFORMAT, "%s: tensor '%s' appears twice in the header", f->path, t->name);
+            goto done; /* (the same name over the same bytes: the duplicate is the fault, not the overlap) */
+        }
         if (t->nbytes > 0 && t->offset < max_end) {
             st = fp4moe_set_error(FP4MOE_EFORMAT,
                                   "%s: tensor '%s' (bytes [%lld, %lld)) overlaps tensor '%s' "

@@ -299,6 +299,14 @@ static void test_bad_files(void **state) {
                "not valid JSON", NULL, NULL);
     bad_header("array.safetensors", "[1, 2]", 0, FP4MOE_EFORMAT, "not a JSON object", NULL, NULL);
     bad_header("trailing.safetensors", "{} x", 0, FP4MOE_EFORMAT, "after its JSON", NULL, NULL);
+    /* one name twice: said so whether or not the two entries share bytes (a helper's trial, session 44: the shared
+     * case was reported as an overlap of the tensor with itself) */
+    bad_header("dup_same.safetensors", "{\"w\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]},"
+               "\"w\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]}}", 4, FP4MOE_EFORMAT,
+               "tensor 'w' appears twice in the header", NULL, NULL);
+    bad_header("dup_apart.safetensors", "{\"w\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]},"
+               "\"w\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[4,8]}}", 8, FP4MOE_EFORMAT,
+               "tensor 'w' appears twice in the header", NULL, NULL);
     bad_header("empty_hdr.safetensors", "", 0, FP4MOE_EFORMAT, "not a JSON object", NULL, NULL);
     /* unknown dtype (F8_E4M3FN is torch's name, not the format's) */
     bad_header("dtype.safetensors", "{\"w.scale\":{\"dtype\":\"F8_E4M3FN\",\"shape\":[1],\"data_offsets\":[0,1]}}", 1,
