@@ -72,6 +72,12 @@
 #define BG_XCO 0 /* 1 (BG_XC=2 only, timing only): x copies coalesced (a warp: 2 rows x 256 contiguous bytes) into
                   * conflict-free shared slots - the x path's best case, with no 2x sector over-fetch (session 43) */
 #endif
+#ifndef BG_XP
+#define BG_XP 0 /* 1 (BG_XC=2): x read from a copy in the consumers' shared-memory order (bg_xp_permute: a row's 16
+                 * 16-byte pieces of a 128-K step are its core-matrix rows, k16 step p / 2, matrix p % 2; K padded to
+                 * a multiple of 128 with zeros), copied coalesced (a warp: 8 rows x 64 bytes) into conflict-free
+                 * slots - BG_XCO's copies with production's products (bitwise, checked); session 44 */
+#endif
 #ifndef BG_KO
 #define BG_KO 0 /* 1: knock-out (timing only, wrong results): the producer stores the raw code words, no decode */
 #endif
@@ -83,6 +89,18 @@
 static_assert(BG_LEAD == 1 || (BG_LEAD == 2 && BG_XC), "BG_LEAD 2 needs BG_XC");
 static_assert(!BG_X3 || BG_XC == 2, "BG_X3 needs BG_XC=2");
 static_assert(!BG_XCO || BG_XC == 2, "BG_XCO needs BG_XC=2");
+static_assert(!BG_XP || (BG_XC == 2 && !BG_XCO && !BG_KO), "BG_XP needs BG_XC=2 (and neither knock-out)");
+
+/* The permuted copy of BG_XP: element j (0 .. 127) of a 128-K step holds natural K offset bg_xp_src(j) - j = 8 p +
+ * 2 t + e, piece p = 2 ks + c (k16 step ks = 2 q + h, core matrix c): x[32 t + 8 q + 2 h + c + 4 e], the value that
+ * gw_xput4 puts at byte 4 t + 2 e of that core-matrix row (lane t's pair (x_i, x_i+4)); bg_xp_dst is its inverse. */
+__host__ __device__ constexpr int bg_xp_src(int j) {
+    return 32 * ((j >> 1) & 3) + 8 * (j >> 5) + 2 * ((j >> 4) & 1) + ((j >> 3) & 1) + 4 * (j & 1);
+}
+__host__ __device__ constexpr int bg_xp_dst(int k) {
+    return 8 * (2 * (2 * ((k >> 3) & 3) + ((k >> 1) & 1)) + (k & 1)) + 2 * (k >> 5) + ((k >> 2) & 1);
+}
+static_assert(bg_xp_dst(bg_xp_src(77)) == 77 && bg_xp_src(bg_xp_dst(77)) == 77, "inverse");
 #define BG_THREADS 384
 #define BG_XKS (BG_MT * 32)    /* bytes of one k16 step of the x tile: 128 rows x 16 K bf16 */
 #define BG_XBYTES (8 * BG_XKS) /* one 128-K step of x */
@@ -224,16 +242,19 @@ struct bg_xc {
     uint4 xv[4];
     int kc;
     uint32_t off; /* byte offset of piece 0 in a buffer */
-    __device__ __forceinline__ void init(const gq_args &a, const bt_item &it, int r) {
+    int xstride; /* elements between x rows: K, or (BG_XP) the permuted copy's padded K */
+    __device__ __forceinline__ void init(const gq_args &a, const bt_item &it, int r, int xs_stride) {
         const int tid = threadIdx.x & 127, t = tid & 3, nlo = (tid >> 2) & 7, q = tid >> 5;
         kc = 32 * t + 8 * q;
         off = gw_xoff(BG_XKS, 2 * q, 0, nlo + 64 * r) + 4 * t;
+        xstride = xs_stride;
 #pragma unroll
         for (int i = 0; i < 8; i++) {
-            const int row = 64 * r + 8 * i + (BG_XCO ? tid >> 4 : nlo);
+            const int row = 64 * r + 8 * i + (BG_XP ? tid & 7 : BG_XCO ? tid >> 4 : nlo);
             xr[i] = row < it.rows ? (uint32_t)gq_x_row(a.xrow, a.xdiv, it.row0 + row) : ~0u;
         }
         if (BG_XCO) kc = 8 * (tid & 15);
+        if (BG_XP) kc = 8 * (4 * (tid >> 5) + ((tid >> 3) & 3)); /* piece 4 w + lane / 8 of each of 8 rows */
     }
     template <int H> __device__ __forceinline__ void load(const gq_args &a, int s) {
         const int k0 = s * BT_KSTEP;
@@ -265,12 +286,21 @@ struct bg_xc {
         const __nv_bfloat16 *x = static_cast<const __nv_bfloat16 *>(a.x);
         /* piece j = 8 tid + i to the bytes this warpgroup's wgmma read: k16 step j / 128, its rows' 2 KB, 16 (j % 128) */
         const uint32_t d = bt_smem_addr(xs) + r * 2048;
+#if BG_XP /* piece p of row 64 r + 8 i + (tid % 8): its core-matrix row (k16 step p / 2, matrix p % 2); 8 lanes a
+           * wavefront on 8 rows' 16-byte bank groups; K padded in the copy (no K test) */
+        const int p = kc >> 3;
+        const uint32_t dp = d + (p >> 1) * BG_XKS + (p & 1) * 128 + (tid & 7) * 16;
+#pragma unroll
+        for (int i = 0; i < 8; i++)
+            if (xr[i] != ~0u) bt_cp16(dp + 256 * i, x + (int64_t)xr[i] * xstride + k0 + kc, 16);
+#else
 #pragma unroll
         for (int i = 0; i < 8; i++) {
             const int j = BG_XCO ? 128 * i + tid : 8 * tid + i; /* BG_XCO: lanes in consecutive 16-byte slots */
             if (xr[i] != ~0u && k0 + kc < a.K)
                 bt_cp16(d + (j >> 7) * BG_XKS + 16 * (j & 127), x + (int64_t)xr[i] * a.K + k0 + kc, 16);
         }
+#endif
         bt_cp_commit();
     }
     /* a whole step, then the proxy fence and the warpgroup's barrier (id 5 + r) */
@@ -285,7 +315,8 @@ struct bg_xc {
 };
 
 __global__ void __launch_bounds__(BG_THREADS, 1)
-gq_batched_big_kernel(gq_args a, const int *__restrict__ starts, const int *__restrict__ tile_off) {
+gq_batched_big_kernel(gq_args a, const int *__restrict__ starts, const int *__restrict__ tile_off, int xstride,
+                      int ystride) {
     cu_pdl_entry();
     extern __shared__ __align__(128) uint8_t smem[];
     uint8_t *xbuf = smem, *wbuf = smem + BG_XNB * BG_XBYTES;
@@ -333,17 +364,17 @@ gq_batched_big_kernel(gq_args a, const int *__restrict__ starts, const int *__re
             for (int i = 0; i < BG_NF / 2; i++) acc[i] = 0.0f;
 #if BG_X3 /* steps 0 and 1 (an empty group if there is no step 1); x buffer xb3 holds step gs's x */
             bg_xc xc;
-            xc.init(a, it, r);
+            xc.init(a, it, r, xstride);
             xc.async_stage(a, 0, xbuf + xb3 * BG_XBYTES, r);
             if (nsteps > 1) xc.async_stage(a, 1, xbuf + (xb3 == 2 ? 0 : xb3 + 1) * BG_XBYTES, r);
             else bt_cp_commit();
 #elif BG_XC == 2
             bg_xc xc;
-            xc.init(a, it, r);
+            xc.init(a, it, r, xstride);
             xc.async_stage(a, 0, xbuf + (gs & 1) * BG_XBYTES, r);
 #elif BG_XC
             bg_xc xc;
-            xc.init(a, it, r);
+            xc.init(a, it, r, xstride);
             xc.stage(a, 0, xbuf + (gs & 1) * BG_XBYTES, r); /* free: the last item's products are done */
 #endif
             for (int s = 0; s < nsteps; s++, gs++) {
@@ -406,7 +437,7 @@ gq_batched_big_kernel(gq_args a, const int *__restrict__ starts, const int *__re
                 for (int hh = 0; hh < 2; hh++) {
                     const int row = 16 * w + g + 8 * hh;
                     if (row < mine) {
-                        __nv_bfloat16 *yr = y + (it.row0 + 64 * r + row) * a.N;
+                        __nv_bfloat16 *yr = y + (it.row0 + 64 * r + row) * ystride;
 #pragma unroll
                         for (int i = 0; i < BG_NF / 8; i++) {
                             const int f = nb + 8 * i; /* N is even: f and f + 1 both in range or both not */
@@ -414,7 +445,13 @@ gq_batched_big_kernel(gq_args a, const int *__restrict__ starts, const int *__re
                                 __nv_bfloat162 v;
                                 v.x = cu_out<__nv_bfloat16>(acc[4 * i + 2 * hh] * mult, a.relu2);
                                 v.y = cu_out<__nv_bfloat16>(acc[4 * i + 2 * hh + 1] * mult, a.relu2);
-                                *reinterpret_cast<__nv_bfloat162 *>(yr + f) = v;
+                                if (ystride == a.N) {
+                                    *reinterpret_cast<__nv_bfloat162 *>(yr + f) = v;
+                                } else { /* y in the permuted copy's order (the next projection's x) */
+                                    __nv_bfloat16 *yb = yr + (f & ~127);
+                                    yb[bg_xp_dst(f & 127)] = v.x;
+                                    yb[bg_xp_dst((f + 1) & 127)] = v.y;
+                                }
                             }
                         }
                     }
@@ -422,17 +459,64 @@ gq_batched_big_kernel(gq_args a, const int *__restrict__ starts, const int *__re
             }
         }
     }
-    bt_zero_tail(static_cast<__nv_bfloat16 *>(a.y), starts, a.E, a.B, a.N);
+    bt_zero_tail(static_cast<__nv_bfloat16 *>(a.y), starts, a.E, a.B, ystride); /* (permuted: zeros all the same) */
 }
 
-
-/* the candidate's launch: the runs with 128-row tiles, then the kernel (tiled layout, bf16) */
-static int bg_launch(const gq_args *a, cudaStream_t st) {
+/* the kernel on x of row stride xstride (BG_XP: a permuted copy) into y of row stride ystride (!= N: permuted) */
+static int bg_launch_s(const gq_args *a, int xstride, int ystride, cudaStream_t st) {
     return bench_candidate_launch("gather big", gq_batched_big_kernel, BG_MT, BG_NF, BG_THREADS, BG_SMEM, a, st,
                                   [&](unsigned grid, int *starts, int *tile_off) {
                                       cu_launch(gq_batched_big_kernel, grid, BG_THREADS, BG_SMEM, st, *a, starts,
-                                                tile_off);
+                                                tile_off, xstride, ystride);
                                   });
 }
+
+/* K rounded up to whole 128-K steps: the permuted copy's row stride */
+__host__ __device__ inline int bg_xp_pad(int K) { return (K + 127) / 128 * 128; }
+
+/* rows x K bf16 (natural) -> rows x bg_xp_pad(K) in the permuted order, zeros past K (inverse = 1: back, K columns) */
+__global__ void bg_xp_permute_kernel(const uint16_t *in, uint16_t *out, int64_t rows, int K, int inverse) {
+    const int Kp = bg_xp_pad(K);
+    const int64_t n = rows * Kp;
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t row = i / Kp;
+        const int j = (int)(i % Kp), k = (j & ~127) + bg_xp_src(j & 127); /* permuted j holds natural k */
+        if (!inverse) out[i] = k < K ? in[row * K + k] : (uint16_t)0;
+        else if (k < K) out[row * K + k] = in[i];
+    }
+}
+static void bg_xp_permute(const void *in, void *out, int64_t rows, int K, int inverse, cudaStream_t st) {
+    const int64_t n = rows * bg_xp_pad(K);
+    bg_xp_permute_kernel<<<(unsigned)((n + 255) / 256 < 8192 ? (n + 255) / 256 : 8192), 256, 0, st>>>(
+        (const uint16_t *)in, (uint16_t *)out, rows, K, inverse);
+}
+
+#if BG_XP
+static int bg_check_yperm; /* the checks' second form: y permuted into a scratch, then permuted back into a->y */
+/* the candidate's launch on natural x and y (the checks): x permuted into a scratch copy first */
+static int bg_launch(const gq_args *a, cudaStream_t st) {
+    void *xp = NULL, *yp = NULL;
+    const int Kp = bg_xp_pad(a->K), Np = bg_xp_pad(a->N);
+    int rc = gq_scratch_alloc(&xp, (size_t)a->B * Kp * 2, st);
+    if (!rc && bg_check_yperm) {
+        rc = gq_scratch_alloc(&yp, (size_t)a->B * Np * 2, st);
+        if (!rc) cudaMemsetAsync(yp, 0xff, (size_t)a->B * Np * 2, st); /* poison: every element must be written */
+    }
+    if (!rc) {
+        bg_xp_permute(a->x, xp, a->B, a->K, 0, st);
+        gq_args c = *a;
+        c.x = xp;
+        if (yp) c.y = yp;
+        rc = bg_launch_s(&c, Kp, yp ? Np : a->N, st);
+        if (!rc && yp) bg_xp_permute(yp, a->y, a->B, a->N, 1, st);
+    }
+    if (yp) gq_scratch_free(yp, st);
+    if (xp) gq_scratch_free(xp, st);
+    return rc;
+}
+#else
+/* the candidate's launch: the runs with 128-row tiles, then the kernel (tiled layout, bf16) */
+static int bg_launch(const gq_args *a, cudaStream_t st) { return bg_launch_s(a, a->K, a->N, st); }
+#endif
 
 #endif
