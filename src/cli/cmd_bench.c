@@ -820,6 +820,9 @@ int cmd_bench(int argc, char **argv) {
         return cli_usage_error(CMD, "--prompt-tokens %lld + --gen-tokens %lld: at most 16777216 tokens a sequence",
                                (long long)a.prompt_tokens, (long long)a.gen_tokens);
     if (!(a.floor_bw >= 0.0)) return cli_usage_error(CMD, "--floor-bw must be > 0 (0: the default)");
+    if (a.floor_bw > 0.0 && a.floor_bw < 1e6) /* surely meant as GB/s (a helper's audit, session 44) */
+        return cli_usage_error(CMD, "--floor-bw %g: it is in bytes/s (e.g. 4.2e12 for 4.2 TB/s), not GB/s",
+                               a.floor_bw);
     if ((rc = cli_set_threads(CMD, a.threads))) return rc;
     if ((rc = cli_require_model_dir(CMD, a.model))) return rc;
     return bench(&a);

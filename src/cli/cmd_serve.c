@@ -168,8 +168,9 @@ static int serve(const serve_args *a) {
         ctx = a->ctx;
     }
     if (a->kv_tokens > 0 && a->kv_tokens < ctx)
-        fprintf(stderr, "%s: warning: --kv-cache-tokens %lld holds less than one context (%lld tokens): a request "
-                "whose prompt and output need more fails (503) even alone\n", CMD, (long long)a->kv_tokens,
+        fprintf(stderr, "%s: warning: --kv-cache-tokens %lld holds less than one context (%lld tokens): a prompt "
+                "larger than the pool is refused (400), and an answer that outgrows it ends there (finish_reason "
+                "\"length\") even alone\n", CMD, (long long)a->kv_tokens,
                 (long long)ctx);
     if (fp4moe_tokenizer_vocab_size(tok) > cfg->vocab)
         fprintf(stderr, "%s: warning: the tokenizer has %lld ids, the model %lld: prompts with larger ids are refused\n",

@@ -328,7 +328,8 @@ void srv_job_release(srv_job *j);
 /* Prometheus text of the engine's metrics (malloc'd); `http_codes` counters are appended by the
  * HTTP layer's own lines. */
 char *srv_engine_metrics(srv_engine *e);
-/* Counts one HTTP response by status code (for /metrics). */
+/* Counts one HTTP response by status code (for /metrics); 499 (a non-stream client that left) is counted by the engine
+ * when it cancels the job, not here. */
 void srv_engine_count_http(srv_engine *e, int http);
 /* Queue depth and running sequences (for /health). */
 void srv_engine_load(srv_engine *e, int64_t *queued, int64_t *running);

@@ -1063,6 +1063,8 @@ static int least_loaded(const srv_rank *rk) {
     return 1;
 }
 
+static void count_http_locked(srv_engine *e, int http);
+
 /* Ends a cancelled job (e->lock held): the client went away (a stream's connection released it, or the HTTP
  * side saw a non-stream client's socket closed: srv_job_cancel). Logged with status 499 (nginx's "client closed
  * request"); a connection still waiting for the whole answer is woken (it then sends an error body to the closed
@@ -1076,6 +1078,7 @@ static void finish_cancelled(srv_engine *e, srv_job *j) {
     if (g->done) return;       /* (a choice whose sibling failed) */
     g->http = 499;
     if (!g->r.stream) {
+        count_http_locked(e, 499); /* (the HTTP side's reply goes to a closed socket, if it goes at all) */
         srv_error er;
         srv_fail(&er, 499, NULL, "%s", "cancelled: the client closed the connection");
         char *body = srv_error_json(&er);
@@ -1657,12 +1660,17 @@ void srv_job_release(srv_job *j) {
     pthread_mutex_unlock(&e->lock);
 }
 
-void srv_engine_count_http(srv_engine *e, int http) {
-    pthread_mutex_lock(&e->lock);
+static void count_http_locked(srv_engine *e, int http) {
     int i = 0;
     while (i < e->n_codes && e->http_code[i] != http) i++;
     if (i == e->n_codes && e->n_codes < 16) e->http_code[e->n_codes++] = http;
     if (i < 16) e->http_count[i]++;
+}
+
+void srv_engine_count_http(srv_engine *e, int http) {
+    if (http == 499) return; /* counted by the engine when it cancels (no response reaches a client that left) */
+    pthread_mutex_lock(&e->lock);
+    count_http_locked(e, http);
     pthread_mutex_unlock(&e->lock);
 }
 

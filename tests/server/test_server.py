@@ -377,6 +377,7 @@ def main():
 
         # --- a client that goes away while waiting for a whole (non-stream) answer -------------------
         cancelled0 = s.metric('fp4moe_generations_total{reason="cancelled"}') or 0
+        c499 = s.metric('fp4moe_requests_total{code="499"}') or 0
         sock = socket.create_connection(("127.0.0.1", s.port))
         body = json.dumps({"prompt": p0, "max_tokens": 3000, "ignore_eos": True})
         sock.sendall(("POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -390,8 +391,10 @@ def main():
         sock.close()
         ok = freed_and_cancelled(s, cancelled0)
         t, _, _ = complete(c, p0, 24, False)
-        check(running == 1 and ok and t == ref, "a non-stream client gone while waiting: its sequence is freed, "
-              "counted as cancelled, the server answers the same afterwards (running %s -> 0)" % running)
+        n499 = s.metric('fp4moe_requests_total{code="499"}') or 0
+        check(running == 1 and ok and t == ref and n499 == c499 + 1, "a non-stream client gone while waiting: its "
+              "sequence is freed, counted as cancelled and as a 499 response (%s -> %s; a helper's audit, session 44: "
+              "never counted), the server answers the same afterwards (running %s -> 0)" % (c499, n499, running))
 
         # --- n choices: each its own sequence and sampler; choice 0 is the request's seed ---------------------------
         kw3 = dict(model="nemotron-h-tiny-moe", prompt=p0, max_tokens=12, temperature=1.0, seed=77)
