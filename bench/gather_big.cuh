@@ -78,6 +78,10 @@
                  * a multiple of 128 with zeros), copied coalesced (a warp: 8 rows x 64 bytes) into conflict-free
                  * slots - BG_XCO's copies with production's products (bitwise, checked); session 44 */
 #endif
+#ifndef BG_YNAT
+#define BG_YNAT 0 /* 1 (BG_XP, timing only): the output in natural order even where a permuted one is asked for (its
+                   * row stride kept) - what the permuted epilogue's scattered 2-byte stores cost */
+#endif
 #ifndef BG_KO
 #define BG_KO 0 /* 1: knock-out (timing only, wrong results): the producer stores the raw code words, no decode */
 #endif
@@ -445,7 +449,7 @@ gq_batched_big_kernel(gq_args a, const int *__restrict__ starts, const int *__re
                                 __nv_bfloat162 v;
                                 v.x = cu_out<__nv_bfloat16>(acc[4 * i + 2 * hh] * mult, a.relu2);
                                 v.y = cu_out<__nv_bfloat16>(acc[4 * i + 2 * hh + 1] * mult, a.relu2);
-                                if (ystride == a.N) {
+                                if (ystride == a.N || BG_YNAT) {
                                     *reinterpret_cast<__nv_bfloat162 *>(yr + f) = v;
                                 } else { /* y in the permuted copy's order (the next projection's x) */
                                     __nv_bfloat16 *yb = yr + (f & ~127);
