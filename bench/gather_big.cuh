@@ -78,6 +78,12 @@
                  * a multiple of 128 with zeros), copied coalesced (a warp: 8 rows x 64 bytes) into conflict-free
                  * slots - BG_XCO's copies with production's products (bitwise, checked); session 44 */
 #endif
+#ifndef BG_XPS
+#define BG_XPS 0 /* 1 (BG_XP): the permuted output stored as whole 16-byte pieces - lanes t and t ^ 2 of a row swap the
+                  * component the other keeps (8 shuffles a row and 128 features), then each lane stores 4 pieces a
+                  * row and 128 features (64 contiguous bytes a row an instruction) - instead of two scattered 2-byte
+                  * stores a feature pair; features past N stored as zeros (the next projection's K padding) */
+#endif
 #ifndef BG_YNAT
 #define BG_YNAT 0 /* 1 (BG_XP, timing only): the output in natural order even where a permuted one is asked for (its
                    * row stride kept) - what the permuted epilogue's scattered 2-byte stores cost */
@@ -437,6 +443,52 @@ gq_batched_big_kernel(gq_args a, const int *__restrict__ starts, const int *__re
                 __nv_bfloat16 *y = static_cast<__nv_bfloat16 *>(a.y);
                 const float mult = cu_expert_gs(a.gs, it.e) * bt_ops<__nv_bfloat16>::kUndo;
                 const int nb = it.ntile * BG_NF + 2 * t;
+#if BG_XPS
+                if (ystride != a.N && !BG_YNAT) { /* piece (Q, h, c) of a row's 128 features: component c of groups
+                                                   * 4 T + Q (T = 0..3) from lanes h (e = 0) and h + 2 (e = 1) */
+                    const int cm = t >> 1, hq = t & 1, fb0 = it.ntile * BG_NF;
+                    const __nv_bfloat16 zero = __float2bfloat16(0.0f);
+#pragma unroll
+                    for (int hh = 0; hh < 2; hh++) {
+                        const int row = 16 * w + g + 8 * hh;
+                        __nv_bfloat16 *yr = y + (it.row0 + 64 * r + row) * ystride;
+#pragma unroll
+                        for (int b = 0; b < BG_NF / 128; b++) {
+                            uint32_t own[8], got[8];
+#pragma unroll
+                            for (int m = 0; m < 8; m++) { /* groups 16 b + 2 m, + 1: this lane's component cm kept */
+                                uint32_t pr[2];
+#pragma unroll
+                                for (int cc = 0; cc < 2; cc++) {
+                                    const int i0 = 16 * b + 2 * m, f0 = fb0 + 8 * i0 + 2 * t + cc;
+                                    __nv_bfloat162 v;
+                                    v.x = f0 < a.N ? cu_out<__nv_bfloat16>(acc[4 * i0 + 2 * hh + cc] * mult, a.relu2) : zero;
+                                    v.y = f0 + 8 < a.N ? cu_out<__nv_bfloat16>(acc[4 * i0 + 4 + 2 * hh + cc] * mult, a.relu2)
+                                                       : zero;
+                                    pr[cc] = *reinterpret_cast<const uint32_t *>(&v);
+                                }
+                                own[m] = cm ? pr[1] : pr[0];
+                                got[m] = __shfl_xor_sync(0xffffffffu, cm ? pr[0] : pr[1], 2); /* lane t ^ 2's component cm */
+                            }
+                            const int fblk = fb0 + 128 * b;
+                            if (row < mine && fblk < a.N) {
+#pragma unroll
+                                for (int Q = 0; Q < 4; Q++) {
+                                    uint32_t wv[4];
+#pragma unroll
+                                    for (int T = 0; T < 4; T++) {
+                                        const int m = 2 * T + (Q >> 1);
+                                        const uint32_t e0 = cm ? got[m] : own[m], e1 = cm ? own[m] : got[m];
+                                        wv[T] = __byte_perm(e0, e1, (Q & 1) ? 0x7632 : 0x5410);
+                                    }
+                                    const int p = 2 * (2 * Q + hq) + cm;
+                                    *reinterpret_cast<uint4 *>(yr + fblk + 8 * p) = make_uint4(wv[0], wv[1], wv[2], wv[3]);
+                                }
+                            }
+                        }
+                    }
+                } else
+#endif
 #pragma unroll
                 for (int hh = 0; hh < 2; hh++) {
                     const int row = 16 * w + g + 8 * hh;
