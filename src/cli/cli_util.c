@@ -48,12 +48,13 @@ void cli_json_print(const char *text) {
     g_json_printed = 1;
 }
 
-/* s (malloc'd by cJSON) as valid UTF-8: itself when it is, else a lossy copy (s freed); NULL when out of memory. */
+/* s (malloc'd by cJSON) as valid UTF-8: itself when it is, else a lossy copy (s freed); s as it was when out of
+ * memory. */
 static char *utf8_or_lossy(char *s) {
     const int64_t n = (int64_t)strlen(s);
     if (fp4moe_utf8_invalid_at(s, n) < 0) return s;
     char *t = malloc((size_t)n * 3 + 1);
-    if (!t) return NULL;
+    if (!t) return s;
     t[fp4moe_utf8_lossy(s, n, t)] = '\0';
     free(s);
     return t;
@@ -61,14 +62,9 @@ static char *utf8_or_lossy(char *s) {
 
 void cli_json_make_utf8(cJSON *o) {
     for (; o; o = o->next) {
-        if (o->string && !(o->type & cJSON_StringIsConst)) {
-            char *k = utf8_or_lossy(o->string);
-            o->string = k ? k : strdup("");
-        }
-        if (cJSON_IsString(o) && o->valuestring && !(o->type & cJSON_IsReference)) {
-            char *v = utf8_or_lossy(o->valuestring);
-            o->valuestring = v ? v : strdup("");
-        }
+        if (o->string && !(o->type & cJSON_StringIsConst)) o->string = utf8_or_lossy(o->string);
+        if (cJSON_IsString(o) && o->valuestring && !(o->type & cJSON_IsReference))
+            o->valuestring = utf8_or_lossy(o->valuestring);
         if (o->child) cli_json_make_utf8(o->child);
     }
 }
