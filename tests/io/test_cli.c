@@ -821,6 +821,15 @@ static void test_incomplete_expert_stack(void **state) {
     }
 }
 
+/* The header length (the first 8 bytes, little-endian) of the safetensors file open at fp, read from its start. */
+static int64_t read_hlen(FILE *fp) {
+    uint8_t len8[8];
+    assert_int_equal(fread(len8, 1, 8, fp), 8);
+    int64_t hlen = 0;
+    for (int i = 7; i >= 0; i--) hlen = (hlen << 8) | len8[i];
+    return hlen;
+}
+
 /* Patches one byte of tensor `name` in file `path` at element index `at`. */
 static void patch_byte(const char *path, const char *name, int64_t at, uint8_t value) {
     fp4moe_st_file *f;
@@ -829,10 +838,7 @@ static void patch_byte(const char *path, const char *name, int64_t at, uint8_t v
     assert_non_null(t);
     assert_true(at < t->nbytes);
     FILE *fp = fopen(path, "r+b");
-    uint8_t len8[8];
-    assert_int_equal(fread(len8, 1, 8, fp), 8);
-    int64_t hlen = 0;
-    for (int i = 7; i >= 0; i--) hlen = (hlen << 8) | len8[i];
+    const int64_t hlen = read_hlen(fp);
     fseek(fp, (long)(8 + hlen + t->offset + at), SEEK_SET); /* data area starts at 8 + hlen */
     fputc(value, fp);
     fclose(fp);
@@ -876,10 +882,7 @@ static void rename_tensor(const char *path, const char *name, const char *to) {
     assert_int_equal(strlen(name), strlen(to));
     FILE *fp = fopen(path, "r+b");
     assert_non_null(fp);
-    uint8_t len8[8];
-    assert_int_equal(fread(len8, 1, 8, fp), 8);
-    int64_t hlen = 0;
-    for (int i = 7; i >= 0; i--) hlen = (hlen << 8) | len8[i];
+    const int64_t hlen = read_hlen(fp);
     char *h = calloc(1, (size_t)hlen + 1);
     assert_int_equal(fread(h, 1, (size_t)hlen, fp), (size_t)hlen);
     char quoted[512];
