@@ -165,8 +165,8 @@ static void report(const bench_args *a, const fp4moe_model *m, fp4moe_device dev
         cJSON_AddStringToObject(o, "cpu_act", a->cpu_act);
         cJSON_AddStringToObject(o, "kv_cache_dtype", a->kv_cache);
         cJSON_AddStringToObject(o, "route", a->route);
-        const char *eb = getenv("FP4MOE_GATHER_EXPERT_BATCHED") ? fp4moe_env_value("FP4MOE_GATHER_EXPERT_BATCHED") : NULL;
-        cJSON_AddStringToObject(o, "FP4MOE_GATHER_EXPERT_BATCHED", eb ? eb : "");
+        /* the value in force (the default when unset), so that two runs' JSON compare as they ran */
+        cJSON_AddStringToObject(o, "FP4MOE_GATHER_EXPERT_BATCHED", fp4moe_env_value("FP4MOE_GATHER_EXPERT_BATCHED"));
         cJSON_AddNumberToObject(o, "threads", omp_get_max_threads());
         cJSON_AddNumberToObject(o, "prompt_tokens", (double)a->prompt_tokens);
         cJSON_AddNumberToObject(o, "gen_tokens", (double)a->gen_tokens);
@@ -385,8 +385,8 @@ static int bench_batch(const bench_args *a, const fp4moe_model *m, fp4moe_dtype 
             cJSON_AddStringToObject(j, "cpu_act", a->cpu_act);
             cJSON_AddStringToObject(j, "kv_cache_dtype", a->kv_cache);
             cJSON_AddStringToObject(j, "route", a->route);
-            const char *eb = getenv("FP4MOE_GATHER_EXPERT_BATCHED") ? fp4moe_env_value("FP4MOE_GATHER_EXPERT_BATCHED") : NULL;
-            cJSON_AddStringToObject(j, "FP4MOE_GATHER_EXPERT_BATCHED", eb ? eb : "");
+            /* the value in force (the default when unset), so that two runs' JSON compare as they ran */
+            cJSON_AddStringToObject(j, "FP4MOE_GATHER_EXPERT_BATCHED", fp4moe_env_value("FP4MOE_GATHER_EXPERT_BATCHED"));
             cJSON_AddNumberToObject(j, "threads", omp_get_max_threads());
             batch_json_fields(j, a, N, pfm, dcm);
             char h[24];

@@ -1593,6 +1593,10 @@ static void test_limits(void **state) {
     EXPECT_RC(0, "bench", "-m", M, "--prompt-tokens", "8", "--gen-tokens", "2", "--repeats", "1");
     unsetenv("FP4MOE_GATHER_ROUTE");
     expect_in(g_out, "route auto (FP4MOE_GATHER_ROUTE=batched)");
+    /* --json gives the route switch's value in force, also when unset (it gave "") */
+    unsetenv("FP4MOE_GATHER_EXPERT_BATCHED");
+    EXPECT_RC(0, "bench", "-m", M, "--prompt-tokens", "8", "--gen-tokens", "2", "--repeats", "1", "--json");
+    expect_in(g_out, "\"FP4MOE_GATHER_EXPERT_BATCHED\":\t\"1\"");
 }
 
 /* --ctx above the model's max_position_embeddings: perplexity warns, as generate and chat do (a copy of the default
