@@ -486,8 +486,8 @@ int cli_read_utf8_text(const char *what, const char *path, int64_t max_bytes, ch
     const unsigned byte = (unsigned char)(*out)[bad];
     free(*out);
     *out = NULL;
-    return fp4moe_set_error(FP4MOE_EFORMAT, "%s %s is not UTF-8 text (an invalid byte 0x%02X at byte %lld)", what, path,
-                            byte, (long long)bad);
+    return fp4moe_set_error(FP4MOE_EFORMAT, "%s %s is not UTF-8 text (an invalid byte 0x%02X at byte %lld)", what,
+                            strcmp(path, "-") ? path : "standard input (-)", byte, (long long)bad);
 }
 
 void cli_drop_final_newline(char *text) {
@@ -500,11 +500,15 @@ void cli_drop_final_newline(char *text) {
 
 int cli_read_text(const char *path, int64_t max_bytes, char **out) {
     *out = NULL;
-    if (!strcmp(path, "-")) path = "/dev/stdin"; /* the convention of -f - */
+    const char *name = path; /* in messages */
+    if (!strcmp(path, "-")) { /* the convention of -f - */
+        path = "/dev/stdin";
+        name = "standard input (-)";
+    }
     struct stat sb;
-    if (stat(path, &sb) == 0 && S_ISDIR(sb.st_mode)) return fp4moe_set_error(FP4MOE_EIO, "%s: a directory", path);
+    if (stat(path, &sb) == 0 && S_ISDIR(sb.st_mode)) return fp4moe_set_error(FP4MOE_EIO, "%s: a directory", name);
     if (stat(path, &sb) == 0 && !S_ISREG(sb.st_mode) && !S_ISFIFO(sb.st_mode) && !S_ISCHR(sb.st_mode))
-        return fp4moe_set_error(FP4MOE_EIO, "%s: not a regular file, pipe or character device", path);
+        return fp4moe_set_error(FP4MOE_EIO, "%s: not a regular file, pipe or character device", name);
     /* a named pipe waits for its writer, as cat does (session 32 opened it without waiting: a writer that came a
        moment later was lost, the text read as empty, and the writer then blocked for ever) */
     const int fd = open(path, O_RDONLY);
@@ -512,10 +516,10 @@ int cli_read_text(const char *path, int64_t max_bytes, char **out) {
     if (!fp) {
         const int err = errno;
         if (fd >= 0) close(fd);
-        return fp4moe_set_error(FP4MOE_EIO, "%s: cannot open: %s", path, strerror(err));
+        return fp4moe_set_error(FP4MOE_EIO, "%s: cannot open: %s", name, strerror(err));
     }
     if (fstat(fd, &sb) == 0 && !S_ISREG(sb.st_mode)) { /* a pipe / stdin / <(...): read to its end */
-        const int st = read_stream_text(fp, path, max_bytes, out);
+        const int st = read_stream_text(fp, name, max_bytes, out);
         fclose(fp);
         return st;
     }
@@ -524,16 +528,16 @@ int cli_read_text(const char *path, int64_t max_bytes, char **out) {
     long n = -1;
     if (fseek(fp, 0, SEEK_END) == 0) n = ftell(fp);
     if (n < 0 || n > max_bytes) {
-        st = fp4moe_set_error(FP4MOE_EFORMAT, "%s: cannot read (size %ld, limit %lld)", path, n,
+        st = fp4moe_set_error(FP4MOE_EFORMAT, "%s: cannot read (size %ld, limit %lld)", name, n,
                               (long long)max_bytes);
     } else if (!(buf = malloc((size_t)n + 1))) {
-        st = fp4moe_set_error(FP4MOE_ENOMEM, "%s: out of memory", path);
+        st = fp4moe_set_error(FP4MOE_ENOMEM, "%s: out of memory", name);
     } else {
         rewind(fp);
-        if (fread(buf, 1, (size_t)n, fp) != (size_t)n) st = fp4moe_set_error(FP4MOE_EIO, "%s: read failed", path);
+        if (fread(buf, 1, (size_t)n, fp) != (size_t)n) st = fp4moe_set_error(FP4MOE_EIO, "%s: read failed", name);
         buf[n] = '\0';
         const char *nul = st ? NULL : memchr(buf, 0, (size_t)n); /* the text would end there without a word */
-        if (nul) st = fp4moe_set_error(FP4MOE_EFORMAT, "%s: a NUL byte at offset %lld: not text", path, (long long)(nul - buf));
+        if (nul) st = fp4moe_set_error(FP4MOE_EFORMAT, "%s: a NUL byte at offset %lld: not text", name, (long long)(nul - buf));
     }
     fclose(fp);
     if (st) free(buf);

@@ -1779,6 +1779,17 @@ static void test_output_for_scripts(void **state) {
     assert_non_null(b);
     assert_memory_equal(a, b, 40);
     free(want);
+    /* errors about --file - name standard input (they named /dev/stdin, a path the user never gave) */
+    char nulf[512];
+    snprintf(nulf, sizeof nulf, "%s", io_path("nul.txt"));
+    FILE *f = fopen(nulf, "wb");
+    assert_non_null(f);
+    fwrite("Once upon\0a time", 1, 16, f);
+    fclose(f);
+    g_stdin_path = nulf;
+    EXPECT_RC(1, "perplexity", "-m", mdl, "--file", "-", "--ctx", "64");
+    expect_in(g_err, "standard input (-): a NUL byte at offset 9");
+    unlink(nulf);
 }
 
 static void test_odd_inputs(void **state) {
