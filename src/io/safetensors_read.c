@@ -291,6 +291,16 @@ static int parse_image(fp4moe_st_file *f) {
         return fp4moe_set_error(FP4MOE_EFORMAT, "%s: header is not a JSON object (does not start with '{')",
                                 path);
 
+    /* a \u0000 escape would end a tensor name early once parsed (cJSON keeps NUL-terminated strings): "a\u0000b"
+     * would be read as tensor "a" */
+    const char *z = memmem(hdr, (size_t)hlen, "\\u0000", 6);
+    for (; z; z = memmem(z + 1, (size_t)(hdr + hlen - z - 1), "\\u0000", 6)) {
+        ptrdiff_t bs = 0; /* backslashes just before it: an even count makes this one an escape's start */
+        while (z - bs > hdr && z[-1 - bs] == '\\') bs++;
+        if (bs % 2 == 0)
+            return fp4moe_set_error(FP4MOE_EFORMAT, "%s: header has a \\u0000 (NUL) character in a string at byte %ld; "
+                                    "tensor names and metadata cannot contain NUL", path, (long)(z - hdr));
+    }
     const char *end = NULL;
     cJSON *root = cJSON_ParseWithLengthOpts(hdr, (size_t)hlen, &end, 0);
     if (!root) {

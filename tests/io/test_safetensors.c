@@ -362,6 +362,12 @@ static void test_bad_files(void **state) {
                FP4MOE_EFORMAT, "empty name", NULL, NULL);
     bad_header("meta.safetensors", "{\"__metadata__\":{\"format\":1}}", 0, FP4MOE_EFORMAT, "__metadata__",
                "format", "not a string");
+    /* a NUL character in a name (it was read as the name cut there, "a"); an escaped backslash before u0000 is text */
+    bad_header("nulname.safetensors", "{\"a\\u0000b\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[0,1]}}", 1,
+               FP4MOE_EFORMAT, "\\u0000 (NUL) character", "at byte 3", NULL);
+    bad_header("bsname.safetensors", "{\"a\\\\u0000b\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[0,1]},"
+               "\"c\\\\\\u0000\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[1,2]}}", 2,
+               FP4MOE_EFORMAT, "\\u0000 (NUL) character", "at byte 65", NULL);
     /* not a file at all */
     expect_open_error(io_tmpdir(), FP4MOE_EIO, "not a regular file", NULL, NULL);
     expect_open_error(io_path("does-not-exist.safetensors"), FP4MOE_EIO, "cannot open", NULL, NULL);
