@@ -211,13 +211,13 @@ int cmd_inspect(int argc, char **argv) {
     const char *path = npos ? pos[0] : model_dir;
     if (!path) return cli_usage_error(CMD, "missing PATH (a .safetensors file or a model directory)");
     cJSON *model_json = NULL; /* -m DIR --json: the summary as the "model" object */
+    char model_err[1200] = "";
     if (model_dir) {
         if (r.json && !(model_json = cJSON_CreateObject())) return cli_fail(CMD, FP4MOE_ENOMEM);
-        const int mrc = cli_model_summary(CMD, model_dir, stdout, model_json);
-        if (mrc) {
-            cJSON_Delete(model_json);
-            return mrc;
-        }
+        /* a model that does not load: said (stderr, and as a problem below), then the files' checks all the same -
+           they name what is wrong with the tensors (it stopped here, with no report) */
+        if (cli_model_summary(CMD, model_dir, stdout, model_json))
+            snprintf(model_err, sizeof model_err, "the model does not load: %s", fp4moe_last_error());
         r.summary = 1;
     }
 
@@ -258,6 +258,7 @@ int cmd_inspect(int argc, char **argv) {
         cq = NULL;
         if (!r.summary) printf("tensors:\n");
     }
+    if (model_err[0]) problem(&r, model_err);
     if (bad_config[0]) problem(&r, bad_config);
     for (int64_t i = 0; i < fp4moe_st_model_count(m); i++) list_tensor(&r, m, fp4moe_st_model_at(m, i));
     if (r.json) {

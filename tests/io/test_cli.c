@@ -921,6 +921,34 @@ static void test_dequantize_half_modules(void **state) {
     assert_int_equal(access(d, F_OK), -1);
 }
 
+/* inspect -m on a model that does not load (a tensor renamed): the load error is said, and the files' checks run all
+ * the same, the error among their problems (a helper's trial, session 44: it stopped at the error with no report) */
+static void test_inspect_model_not_loading(void **state) {
+    (void)state;
+    char dir[512], cmd[1200], file[600];
+    snprintf(dir, sizeof dir, "%s", io_path("renamed-model"));
+    snprintf(cmd, sizeof cmd, "rm -rf '%s' && cp -r models/nemotron-h-tiny-moe '%s'", dir, dir);
+    assert_int_equal(system(cmd), 0);
+    snprintf(file, sizeof file, "%s/model.safetensors", dir);
+    rename_tensor(file, "backbone.layers.0.norm.weight", "backbone.layers.0.norm.weighz");
+    EXPECT_RC(1, "inspect", "-m", dir);
+    expect_in(g_err, "backbone.layers.0.norm.weight");
+    expect_in(g_out, "PROBLEM: the model does not load: ");
+    expect_in(g_out, "nvfp4:   ");
+    expect_in(g_out, "status:  PROBLEMS FOUND");
+    EXPECT_RC(1, "inspect", "-m", dir, "--json");
+    cJSON *j = cJSON_Parse(g_out);
+    assert_non_null(j);
+    assert_true(cJSON_IsFalse(cJSON_GetObjectItem(j, "ok")));
+    const cJSON *p0 = cJSON_GetArrayItem(cJSON_GetObjectItem(j, "problems"), 0);
+    assert_true(cJSON_IsString(p0));
+    expect_in(p0->valuestring, "the model does not load: ");
+    assert_true(cJSON_GetObjectItem(j, "tensor_count")->valuedouble > 0);
+    cJSON_Delete(j);
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+    assert_int_equal(system(cmd), 0);
+}
+
 static void test_modelopt_dequantize(void **state) {
     tu_rng r;
     tu_rng_seed(&r, 26);
@@ -1981,6 +2009,7 @@ int main(void) {
         cmocka_unit_test(test_incomplete_expert_stack),
         cmocka_unit_test(test_inspect_finds_nan_scale),
         cmocka_unit_test(test_dequantize_half_modules),
+        cmocka_unit_test(test_inspect_model_not_loading),
         cmocka_unit_test(test_modelopt_dequantize),
         cmocka_unit_test(test_matches_golden_mlx),
         cmocka_unit_test(test_bench_ep_ranks),
