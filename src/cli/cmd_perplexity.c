@@ -162,7 +162,8 @@ static void report(const ppl_args *a, const ppl_state *p, int64_t windows, int64
         cJSON_AddNumberToObject(o, "ctx", (double)a->ctx);
         cJSON_AddStringToObject(o, "device", a->device);
         cJSON_AddNumberToObject(o, "text_tokens", (double)p->n_ids);
-        cJSON_AddNumberToObject(o, "max_tokens", (double)a->max_tokens); /* 0: all */
+        if (a->max_tokens > 0) cJSON_AddNumberToObject(o, "max_tokens", (double)a->max_tokens);
+        else cJSON_AddNullToObject(o, "max_tokens"); /* not given: all the text */
         cJSON_AddNumberToObject(o, "tokens_used", (double)(windows * a->ctx)); /* the windows' tokens (the tail that
                                                                                    fills none is dropped) */
         cJSON_AddNumberToObject(o, "windows", (double)windows);

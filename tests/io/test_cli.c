@@ -1800,6 +1800,8 @@ static void test_output_for_scripts(void **state) {
     char *want = strdup(g_out);
     expect_in(g_out, "\"tokens_used\":\t256");
     expect_in(g_out, "\"max_tokens\":\t256");
+    EXPECT_RC(0, "perplexity", "-m", mdl, "--file", held, "--ctx", "64", "--json"); /* not given: null (it said 0) */
+    expect_in(g_out, "\"max_tokens\":\tnull");
     g_stdin_path = held;
     EXPECT_RC(0, "perplexity", "-m", mdl, "--file", "-", "--ctx", "64", "--max-tokens", "256", "--json");
     const char *a = strstr(want, "\"ppl\""), *b = strstr(g_out, "\"ppl\"");
