@@ -148,6 +148,21 @@ static cJSON *split_json(const double *ms) {
     return o;
 }
 
+/* The setup fields every bench --json object starts with: model, format, device, dtypes, route, threads */
+static void json_setup(cJSON *o, const bench_args *a, const fp4moe_model *m, fp4moe_device dev, const char *what) {
+    cJSON_AddStringToObject(o, "model", what);
+    cJSON_AddBoolToObject(o, "synthetic", a->synthetic != NULL);
+    cJSON_AddStringToObject(o, "format", fp4moe_quant_mode_name(fp4moe_model_format(m)));
+    cJSON_AddStringToObject(o, "device", fp4moe_device_name(dev));
+    cJSON_AddStringToObject(o, "dtype", a->dtype);
+    cJSON_AddStringToObject(o, "cpu_act", a->cpu_act);
+    cJSON_AddStringToObject(o, "kv_cache_dtype", a->kv_cache);
+    cJSON_AddStringToObject(o, "route", a->route);
+    /* the value in force (the default when unset), so that two runs' JSON compare as they ran */
+    cJSON_AddStringToObject(o, "FP4MOE_GATHER_EXPERT_BATCHED", fp4moe_env_value("FP4MOE_GATHER_EXPERT_BATCHED"));
+    cJSON_AddNumberToObject(o, "threads", omp_get_max_threads());
+}
+
 static void report(const bench_args *a, const fp4moe_model *m, fp4moe_device dev, const bench_run *runs) {
     const int64_t R = a->repeats;
     bench_summary sm;
@@ -157,17 +172,7 @@ static void report(const bench_args *a, const fp4moe_model *m, fp4moe_device dev
     snprintf(hash, sizeof hash, "%016llx", (unsigned long long)runs[0].hash);
     if (a->json) {
         cJSON *o = cJSON_CreateObject();
-        cJSON_AddStringToObject(o, "model", what);
-        cJSON_AddBoolToObject(o, "synthetic", a->synthetic != NULL);
-        cJSON_AddStringToObject(o, "format", fp4moe_quant_mode_name(fp4moe_model_format(m)));
-        cJSON_AddStringToObject(o, "device", fp4moe_device_name(dev));
-        cJSON_AddStringToObject(o, "dtype", a->dtype);
-        cJSON_AddStringToObject(o, "cpu_act", a->cpu_act);
-        cJSON_AddStringToObject(o, "kv_cache_dtype", a->kv_cache);
-        cJSON_AddStringToObject(o, "route", a->route);
-        /* the value in force (the default when unset), so that two runs' JSON compare as they ran */
-        cJSON_AddStringToObject(o, "FP4MOE_GATHER_EXPERT_BATCHED", fp4moe_env_value("FP4MOE_GATHER_EXPERT_BATCHED"));
-        cJSON_AddNumberToObject(o, "threads", omp_get_max_threads());
+        json_setup(o, a, m, dev, what);
         cJSON_AddNumberToObject(o, "prompt_tokens", (double)a->prompt_tokens);
         cJSON_AddNumberToObject(o, "gen_tokens", (double)a->gen_tokens);
         cJSON_AddNumberToObject(o, "repeats", (double)R);
@@ -377,17 +382,7 @@ static int bench_batch(const bench_args *a, const fp4moe_model *m, fp4moe_dtype 
         const char *what = a->synthetic ? a->synthetic : a->model;
         if (a->json) {
             cJSON *j = cJSON_CreateObject();
-            cJSON_AddStringToObject(j, "model", what);
-            cJSON_AddBoolToObject(j, "synthetic", a->synthetic != NULL);
-            cJSON_AddStringToObject(j, "format", fp4moe_quant_mode_name(fp4moe_model_format(m)));
-            cJSON_AddStringToObject(j, "device", fp4moe_device_name(dev));
-            cJSON_AddStringToObject(j, "dtype", a->dtype);
-            cJSON_AddStringToObject(j, "cpu_act", a->cpu_act);
-            cJSON_AddStringToObject(j, "kv_cache_dtype", a->kv_cache);
-            cJSON_AddStringToObject(j, "route", a->route);
-            /* the value in force (the default when unset), so that two runs' JSON compare as they ran */
-            cJSON_AddStringToObject(j, "FP4MOE_GATHER_EXPERT_BATCHED", fp4moe_env_value("FP4MOE_GATHER_EXPERT_BATCHED"));
-            cJSON_AddNumberToObject(j, "threads", omp_get_max_threads());
+            json_setup(j, a, m, dev, what);
             batch_json_fields(j, a, N, pfm, dcm);
             char h[24];
             snprintf(h, sizeof h, "%016llx", (unsigned long long)all);
