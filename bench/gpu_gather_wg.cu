@@ -448,14 +448,15 @@ int main(void) {
     printf("| tokens | layout | production batched ms | candidate (WK_MT=%d) ms | dequant_gemm ms | candidate / production "
            "| production, runs once ms | candidate / that |\n", WK_MT);
     printf("|---:|---|---:|---:|---:|---:|---:|---:|\n");
-    const int Ts[] = {128, 512, 2048, 4096, 8192, 16384, 32768}; /* 4,096 and the last two only when WK_TOKENS lists them */
+    const int Ts[] = {128, 512, 1024, 2048, 4096, 8192, 16384, 32768}; /* 1,024, 4,096 and the last two only when
+                                                                          * WK_TOKENS lists them */
     /* routing: uniform over the experts (skew 0), or skewed: expert e drawn with weight (e + 1)^-skew
      * (a Zipf law; 0.5 gives the 512-token w32 tile count that matches the synthetic model's gather
      * time, 1.2x the uniform one, docs/GPU-NOTES.md session 19) */
     const double skews[] = {0.0, 0.5};
-    for (int ti = 0; ti < 14; ti++) {
+    for (int ti = 0; ti < 16; ti++) {
         const int T = Ts[ti / 2], B = 6 * T;
-        if ((T > 8192 || T == 4096) && !only_T) continue;
+        if ((T > 8192 || T == 4096 || T == 1024) && !only_T) continue;
         const double skew = skews[ti % 2];
         double cw[128], tot = 0;
         for (int e = 0; e < 128; e++) cw[e] = tot += pow(e + 1.0, -skew);

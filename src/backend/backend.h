@@ -156,7 +156,8 @@ typedef struct be_ops {
     int (*linear_gather_rows)(void *bc, const void *W, const void *x, int64_t T, const uint32_t *row_of, int64_t k,
                               const uint32_t *idx, int64_t B, int relu2, void *y);
     /* Optional (NULL: not offered): a MoE layer's routed up and down projections in one step - hs = linear_gather_rows(
-     * Wup, x, row_of, relu2 1), then ys = linear_gather(Wdown, hs) - with those two calls' results, bit for bit.
+     * Wup, x, row_of, relu2 1), then ys = linear_gather(Wdown, hs) - ys with those two calls' result, bit for bit (hs
+     * is scratch: the backend may keep the up projection's output elsewhere and leave hs as it was).
      * FP4MOE_EUNSUPPORTED where the backend cannot (the caller then makes the two calls). */
     int (*experts_rows)(void *bc, const void *Wup, const void *Wdown, const void *x, int64_t T, const uint32_t *row_of,
                         int64_t k, const uint32_t *idx, int64_t B, void *hs, void *ys);

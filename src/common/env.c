@@ -52,6 +52,10 @@ static const fp4moe_env_var k_vars[ENV_COUNT] = {
     [ENV_CUDA_MOE_FUSED] = {"FP4MOE_CUDA_MOE_FUSED", "0|1", "1",
                             "1: a MoE layer's routed up and down projections in one CUDA kernel where both run "
                             "32-row tiles (prefills of ~86-1,024 tokens); 0: two launches; the same results"},
+    [ENV_CUDA_MOE_BIG] = {"FP4MOE_CUDA_MOE_BIG", "0|1", "1",
+                          "1: a MoE layer's routed up and down projections on 128-row x 256-feature tiles where the "
+                          "experts' runs are long (80+ rows an expert on average: prefills of ~1,700+ tokens of "
+                          "top-6 over 128 experts); 0: the 64-row tiles; the same results"},
 };
 
 static int allowed(const fp4moe_env_var *v, const char *val) {

@@ -24,6 +24,7 @@ typedef enum {
     ENV_CUDA_GATHER_SCHED,         /* "dynamic" | "static" */
     ENV_API_KEY,                   /* any text: fp4moe serve's API key */
     ENV_CUDA_MOE_FUSED,            /* "0" | "1" */
+    ENV_CUDA_MOE_BIG,              /* "0" | "1" */
     ENV_COUNT
 } env_id;
 

@@ -905,6 +905,108 @@ static void test_moe_pair(void **state) {
     moe_pair_case(g, 64, 128, 128, 64, 40, 6, 0, 0, 66);    /* 240 rows of 64 experts: 8-row tiles - refused */
 }
 
+/* ---- gather_qmm_cuda_moe_rows on 128 x 256 tiles (gq_launch_moe_big: runs of 80+ rows an expert) -------------------
+ * As moe_pair_case, with `oor` rows of idx E at the sorted tail (out of range: y rows of zeros): y bitwise equal to
+ * gather_qmm_cuda_rows (up, relu^2) then gather_qmm_cuda_ex (down) - the 64-row wgmma kernel -, y poisoned first,
+ * three calls in a row; h is left as it was (poisoned: the up projection's output goes to the kernel's scratch).
+ * Then FP4MOE_CUDA_MOE_BIG=0: refused (no 32-row runs given), the caller makes the two calls. want_big 0: the call
+ * itself must be refused (a shape the big tiles do not take). */
+static void moe_big_case(gpu_ctx *g, int64_t E, int64_t N, int64_t K, int64_t N2, int64_t T, int64_t k, int skew,
+                         int64_t oor, int want_big, uint64_t seed) {
+    tu_rng r;
+    tu_rng_seed(&r, seed);
+    dev_weights du, dd;
+    dev_weights_make(g, &du, E, N, K, 1, &r);
+    dev_weights_make(g, &dd, E, N2, N, 1, &r);
+    const int64_t B = T * k;
+    uint16_t *x = tu_random_x(FP4MOE_BF16, T + 1, K, &r);
+    for (int64_t i = 0; i < K; i++) x[T * K + i] = 0x7fc0; /* row T: NaN, outside the map */
+    uint32_t *ids = malloc((size_t)B * 4), *row_of = malloc((size_t)B * 4), *idx = malloc((size_t)B * 4);
+    assert_true(ids && row_of && idx);
+    for (int64_t b = 0; b < B; b++) {
+        uint32_t e = tu_rng_below(&r, (uint32_t)E);
+        if (skew && tu_rng_below(&r, 2)) e = tu_rng_below(&r, 1 + e); /* more rows on the low experts */
+        ids[b] = b >= B - oor ? (uint32_t)E : e;                     /* the last oor rows: out of range */
+    }
+    int64_t p = 0;
+    for (uint32_t e = 0; e <= (uint32_t)E; e++)
+        for (int64_t b = 0; b < B; b++)
+            if (ids[b] == e) {
+                row_of[p] = (uint32_t)b;
+                idx[p++] = e;
+            }
+    assert_int_equal(p, B);
+    void *dx = gt_upload(x, (size_t)((T + 1) * K) * 2);
+    uint32_t *didx = gt_upload(idx, (size_t)B * 4), *drow = gt_upload(row_of, (size_t)B * 4);
+    const size_t hb = (size_t)(B * N) * 2, yb = (size_t)(B * N2) * 2;
+    void *h1 = gt_upload(NULL, hb), *h2 = gt_upload(NULL, hb), *y1 = gt_upload(NULL, yb), *y2 = gt_upload(NULL, yb);
+    const fp4moe_route A = FP4MOE_ROUTE_AUTO;
+    gt_poison(h2, hb);
+    if (!want_big) {
+        assert_int_equal(gather_qmm_cuda_moe_rows(&du.w, 1, &dd.w, 1, dx, T, drow, k, didx, B, A, h2, y2, g->stream,
+                                                  NULL),
+                         FP4MOE_EUNSUPPORTED);
+        fp4moe_clear_error();
+    } else {
+        const size_t big = yb > hb ? yb : hb;
+        uint16_t *a = malloc(big), *b = malloc(big);
+        assert_true(a && b);
+        int fused = 0;
+        gt_poison(h1, hb);
+        gt_poison(y1, yb);
+        assert_int_equal(gather_qmm_cuda_rows(&du.w, 1, dx, T, drow, k, didx, B, A, 1, h1, g->stream, NULL), FP4MOE_OK);
+        assert_int_equal(gather_qmm_cuda_ex(&dd.w, 1, h1, FP4MOE_BF16, didx, B, 1, A, 0, y1, g->stream, &fused, NULL),
+                         FP4MOE_OK);
+        gt_download(a, y1, yb);
+        for (int64_t i = (B - oor) * N2; i < B * N2; i++) /* the reference's out-of-range rows: zeros */
+            if (a[i]) fail_msg("moe big: reference y element %lld = %04x, not 0", (long long)i, a[i]);
+        for (int rep = 0; rep < 3; rep++) {
+            gt_poison(y2, yb);
+            assert_int_equal(gather_qmm_cuda_moe_rows(&du.w, 1, &dd.w, 1, dx, T, drow, k, didx, B, A, h2, y2, g->stream,
+                                                      NULL),
+                             FP4MOE_OK);
+            GT_CHECK(cudaStreamSynchronize(g->stream));
+            gt_download(b, y2, yb);
+            size_t bad = 0, first = 0;
+            for (size_t i = 0; i < yb / 2; i++)
+                if (a[i] != b[i] && !bad++) first = i;
+            if (bad)
+                fail_msg("moe big (E=%lld %lld->%lld->%lld T=%lld k=%lld skew %d oor %lld) call %d: y differs in %zu of "
+                         "%zu elements (first %zu: row %zu, %04x vs %04x)", (long long)E, (long long)K, (long long)N,
+                         (long long)N2, (long long)T, (long long)k, skew, (long long)oor, rep + 1, bad, yb / 2, first,
+                         first / (size_t)N2, a[first], b[first]);
+        }
+        gt_download(b, h2, hb);
+        for (size_t i = 0; i < hb / 2; i++)
+            if (b[i] != 0xffff) fail_msg("moe big: h element %zu written (%04x)", i, b[i]);
+        /* switched off: the 64-row tiles are not the fused pair's, so refused (the caller makes the two calls) */
+        tu_setenv("FP4MOE_CUDA_MOE_BIG", "0");
+        assert_int_equal(gather_qmm_cuda_moe_rows(&du.w, 1, &dd.w, 1, dx, T, drow, k, didx, B, A, h2, y2, g->stream,
+                                                  NULL),
+                         FP4MOE_EUNSUPPORTED);
+        fp4moe_clear_error();
+        tu_setenv("FP4MOE_CUDA_MOE_BIG", NULL);
+        free(a);
+        free(b);
+    }
+    free(x); free(ids); free(row_of); free(idx);
+    gt_free(dx); gt_free(didx); gt_free(drow); gt_free(h1); gt_free(h2); gt_free(y1); gt_free(y2);
+    dev_weights_free(&du);
+    dev_weights_free(&dd);
+}
+
+static void test_moe_big(void **state) {
+    gpu_ctx *g = *state;
+    moe_big_case(g, 16, 320, 448, 200, 250, 6, 0, 0, 1, 71);  /* 1,500 rows (94 an expert); K 3.5 steps, N % 256 = 64 */
+    moe_big_case(g, 16, 320, 448, 200, 250, 6, 1, 37, 1, 72); /* skewed (runs of many 128-row tiles), 37 out of range */
+    moe_big_case(g, 4, 256, 192, 128, 100, 6, 0, 5, 1, 73);   /* 150 an expert; down N < 256, up K 1.5 steps */
+    moe_big_case(g, 2, 64, 128, 192, 100, 2, 0, 3, 1, 74);    /* up N 64 (half a 128-feature block), down K 0.5 step */
+    if (!getenv("FP4MOE_TEST_SANITIZE")) /* (compute-sanitizer runs: the small shapes) */
+        moe_big_case(g, 128, 1856, 2688, 2688, 2048, 6, 1, 0, 1, 75); /* the 30B-A3B layer at 2,048 tokens, skewed */
+    moe_big_case(g, 16, 320, 448, 202, 250, 6, 0, 0, 1, 76);  /* down N 202 */
+    moe_big_case(g, 16, 320, 416, 200, 250, 6, 0, 0, 0, 77);  /* up K % 64 = 32: refused */
+}
+
 static void test_linear_gather_rows(void **state) {
     gpu_ctx *g = *state;
     const fp4moe_route A = FP4MOE_ROUTE_AUTO;
@@ -1239,6 +1341,7 @@ int main(void) {
         cmocka_unit_test(test_linear_gather_x1),
         cmocka_unit_test(test_linear_gather_rows),
         cmocka_unit_test(test_moe_pair),
+        cmocka_unit_test(test_moe_big),
         cmocka_unit_test(test_combine),
         cmocka_unit_test(test_rmsnorm_gated),
         cmocka_unit_test(test_argmax_rows),

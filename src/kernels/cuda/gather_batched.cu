@@ -44,6 +44,7 @@
  * on its A row, B column and C element. So route qmv and route batched give bitwise identical
  * outputs on sorted input (tests/gpu/test_gather_qmm_gpu.c checks it), and greedy decoding does
  * not change with FP4MOE_GATHER_EXPERT_BATCHED. */
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -1658,3 +1659,5 @@ int gq_launch_moe_pair(const gq_args *u, const gq_args *d, int *done, int64_t do
         return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "gather_qmm_cuda (moe pair): FP4MOE_CUDA_GATHER_SCHED=static");
     return launch_moe_w32(u, d, done, st);
 }
+
+#include "kernels/cuda/gather_big.cuh" /* gq_launch_moe_big: a MoE layer on 128 x 256 tiles */

@@ -260,6 +260,17 @@ int gq_launch_runs(const gq_args *a, int row_tile, int *starts, int *tile_off, c
 int64_t gq_moe_done_ints(int64_t B, int64_t E);
 int gq_launch_moe_pair(const gq_args *u, const gq_args *d, int *done, int64_t done_n, cudaStream_t st);
 
+/* A MoE layer's up projection u (x -> h with relu^2; x: T rows (token rows, read through u->xrow / u->xdiv) or, without
+ * xrow, B rows, of u->K bf16) and down projection d (h -> y, B x d->N bf16) on 128-row x 256-feature tiles
+ * (gather_big.cuh): y bitwise that of gq_launch_batched(u) then (d); h itself is NOT written (the up projection's
+ * output goes to a per-call scratch in the kernel's permuted order). A per-call scratch of T x gb_pad(u->K) + B x
+ * gb_pad(u->N) bf16 and the runs of 128-row tiles of idx (made here; u->runs is not read). gq_moe_big_fits: bf16
+ * tiled weights with 16-byte aligned codes, u->K and d->K multiples of 64, N even, d->K == u->N, one E / B / idx,
+ * d->xrow null, x 16-byte aligned; elsewhere gq_launch_moe_big gives FP4MOE_EUNSUPPORTED, as it does when the scratch
+ * cannot be allocated (the caller's two calls need none). FP4MOE_ECUDA on a failed launch. */
+bool gq_moe_big_fits(const gq_args *u, const gq_args *d);
+int gq_launch_moe_big(const gq_args *u, const gq_args *d, int64_t T, cudaStream_t st);
+
 /* Route launchers (arguments already validated; FP4MOE_OK or FP4MOE_ECUDA with a message). */
 int gq_launch_qmv(const gq_args *a, fp4moe_dtype dtype, cudaStream_t st);
 /* qmv v5 (gather_qmv.cu): decode-sized (B <= 32) bf16 batches with K % 32 == 0 on tensor cores;

@@ -148,6 +148,11 @@ static int route_needs_sorted(fp4moe_route r) {
 
 /* The automatic choice on CUDA (the one place where the CUDA route predicate lives). */
 #define GQ_DEQUANT_GEMM_ROWS_PLAIN 256   /* a plain linear (E = 1): cuBLAS on its bf16 copy from 256 rows */
+#ifndef GQ_BIG_ROWS_PER_EXPERT
+#define GQ_BIG_ROWS_PER_EXPERT 80 /* a MoE layer's up + down on 128 x 256 tiles (gq_launch_moe_big) from 80 rows an
+                                   * expert on average (2,048 tokens of top-6 over 128 experts: 96); see
+                                   * gather_qmm_cuda_moe_rows */
+#endif
 #ifndef GQ_DEQUANT_GEMM_ROWS_PER_EXPERT
 #define GQ_DEQUANT_GEMM_ROWS_PER_EXPERT 512 /* experts (E > 1): rows an expert on average (see choose_route) */
 #endif
@@ -334,8 +339,6 @@ extern "C" int gather_qmm_cuda_moe_rows(const fp4moe_nvfp4_weights *wu, int tile
                                         int tiled_d, const void *x, int64_t T, const uint32_t *xrow, int64_t xdiv,
                                         const uint32_t *idx, int64_t B, fp4moe_route route, void *h, void *y,
                                         void *stream, const gq_runs *runs) {
-    if (strcmp(env_get(ENV_CUDA_MOE_FUSED), "1"))
-        return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "gather_qmm_cuda (moe pair): off (FP4MOE_CUDA_MOE_FUSED=0)");
     int st = check_call(wu, x, FP4MOE_BF16, idx, B, 1, route, h);
     if (st == FP4MOE_OK) st = check_call(wd, h, FP4MOE_BF16, idx, B, 1, route, y);
     if (st != FP4MOE_OK || B == 0) return st;
@@ -346,6 +349,21 @@ extern "C" int gather_qmm_cuda_moe_rows(const fp4moe_nvfp4_weights *wu, int tile
                                 (const void *)xrow, (long long)wd->K, (long long)wu->N, (long long)wd->E,
                                 (long long)wu->E);
     const fp4moe_route r = route == FP4MOE_ROUTE_AUTO ? choose_route(B, wu->E, 1) : route;
+    cudaStream_t s = (cudaStream_t)stream;
+    if (r == FP4MOE_ROUTE_BATCHED && B >= GQ_BIG_ROWS_PER_EXPERT * wu->E && strcmp(env_get(ENV_CUDA_MOE_BIG), "0")) {
+        const gq_args u = {wu->codes, wu->scales, wu->global_scale, (int)wu->E, (int)wu->N, (int)wu->K, x, h, idx,
+                           (int)B, 1, tiled_u, 0, xrow, (int)xdiv, nullptr, 0, nullptr};
+        const gq_args d = {wd->codes, wd->scales, wd->global_scale, (int)wd->E, (int)wd->N, (int)wd->K, h, y, idx,
+                           (int)B, 0, tiled_d, 0, nullptr, 0, nullptr, 0, nullptr};
+        if (gq_moe_big_fits(&u, &d)) {
+            st = gq_launch_moe_big(&u, &d, T, s);
+            return st ? fp4moe_error_context(st, "gather_qmm_cuda (moe, big tiles, E=%d up %dx%d down %dx%d B=%d)", u.E,
+                                             u.N, u.K, d.N, d.K, u.B)
+                      : FP4MOE_OK;
+        }
+    }
+    if (strcmp(env_get(ENV_CUDA_MOE_FUSED), "1"))
+        return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "gather_qmm_cuda (moe pair): off (FP4MOE_CUDA_MOE_FUSED=0)");
     if (r != FP4MOE_ROUTE_BATCHED || !runs_match(runs, idx, B, wu->E) || !runs->done)
         return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "gather_qmm_cuda (moe pair): route %s or no runs made with idx",
                                 fp4moe_route_name(r));
@@ -353,7 +371,7 @@ extern "C" int gather_qmm_cuda_moe_rows(const fp4moe_nvfp4_weights *wu, int tile
                        1, tiled_u, 0, xrow, (int)xdiv, runs->buf, runs->mt, nullptr};
     const gq_args d = {wd->codes, wd->scales, wd->global_scale, (int)wd->E, (int)wd->N, (int)wd->K, h, y, idx, (int)B,
                        0, tiled_d, 0, nullptr, 0, runs->buf, runs->mt, nullptr};
-    st = gq_launch_moe_pair(&u, &d, runs->done, runs->done_n, (cudaStream_t)stream);
+    st = gq_launch_moe_pair(&u, &d, runs->done, runs->done_n, s);
     if (st == FP4MOE_EUNSUPPORTED) return st;
     return st ? fp4moe_error_context(st, "gather_qmm_cuda (moe pair, E=%d up %dx%d down %dx%d B=%d)", u.E, u.N, u.K,
                                      d.N, d.K, u.B)

@@ -162,8 +162,12 @@ int gather_qmm_cuda_rows(const fp4moe_nvfp4_weights *w, int tiled, const void *x
                          int64_t xdiv, const uint32_t *idx, int64_t B, fp4moe_route route, int relu2, void *y,
                          void *stream, const gq_runs *runs);
 /* gather_qmm_cuda_rows of the up projection wu (relu^2, into h) and gather_qmm_cuda of the down projection wd (h -> y)
- * on the same sorted idx, in one launch (gq_launch_moe_pair: FP4MOE_CUDA_MOE_FUSED=1, both on the expert-batched
- * route's 32-row tiles, runs matching idx with done counters); FP4MOE_EUNSUPPORTED elsewhere. */
+ * on the same sorted idx, in one step: where the route is the expert-batched one and the experts' runs are long
+ * (GQ_BIG_ROWS_PER_EXPERT rows an expert on average; FP4MOE_CUDA_MOE_BIG=1, the default; gq_moe_big_fits) on
+ * 128 x 256 tiles (gq_launch_moe_big: y bitwise the same, h NOT written - a scratch of the kernel's order takes the
+ * up projection's output); else in one launch (gq_launch_moe_pair: FP4MOE_CUDA_MOE_FUSED=1, both on the
+ * expert-batched route's 32-row tiles, runs matching idx with done counters: h and y written); FP4MOE_EUNSUPPORTED
+ * elsewhere. */
 int gather_qmm_cuda_moe_rows(const fp4moe_nvfp4_weights *wu, int tiled_u, const fp4moe_nvfp4_weights *wd, int tiled_d,
                              const void *x, int64_t T, const uint32_t *xrow, int64_t xdiv, const uint32_t *idx,
                              int64_t B, fp4moe_route route, void *h, void *y, void *stream, const gq_runs *runs);
@@ -215,10 +219,11 @@ int cuda_linear_gather(const cuda_ops *o, const cuda_linear *w, const uint16_t *
 int cuda_linear_gather_x1(const cuda_ops *o, const cuda_linear *w, const uint16_t *x, const uint32_t *idx,
                           int64_t B, int relu2, uint16_t *y);
 
-/* The routed experts' up and down projections of a MoE layer in one launch where the CUDA kernels can (gq_launch_moe_pair:
- * FP4MOE_CUDA_MOE_FUSED=1, NVFP4 experts without bias, the expert-batched route on 32-row tiles, the runs of idx made
- * by cuda_moe_route with its done counters): hs (B x up N, bf16) = relu^2(x[row_of[b] / k] @ up^T), then ys (B x down
- * N, bf16) = hs @ down^T - bitwise cuda_linear_gather_rows(up, relu2 1) then cuda_linear_gather(down). Elsewhere
+/* The routed experts' up and down projections of a MoE layer in one step where the CUDA kernels can (NVFP4 experts
+ * without bias; gather_qmm_cuda_moe_rows: 128 x 256 tiles for long runs, else gq_launch_moe_pair where both run the
+ * expert-batched route's 32-row tiles on the runs of idx made by cuda_moe_route with its done counters): hs (B x up
+ * N, bf16; scratch - not written on the 128 x 256 tiles) = relu^2(x[row_of[b] / k] @ up^T), then ys (B x down N,
+ * bf16) = hs @ down^T - ys bitwise cuda_linear_gather_rows(up, relu2 1) then cuda_linear_gather(down). Elsewhere
  * FP4MOE_EUNSUPPORTED (the caller makes the two calls); FP4MOE_EINVAL on bad arguments, FP4MOE_ECUDA on a launch
  * failure. */
 int cuda_experts_rows(const cuda_ops *o, const cuda_linear *up, const cuda_linear *down, const uint16_t *x, int64_t T,
