@@ -900,7 +900,8 @@ static void test_moe_pair(void **state) {
     moe_pair_case(g, 16, 320, 448, 200, 100, 6, 1, 1, 62);  /* skewed: runs of several tiles */
     moe_pair_case(g, 128, 1856, 2688, 2688, 512, 6, 1, 1, 63); /* the 30B-A3B layer at 512 tokens */
     moe_pair_case(g, 2, 64, 128, 192, 20, 4, 0, 1, 64);     /* 80 rows of 2 experts: 12 items, all at once */
-    moe_pair_case(g, 4, 256, 256, 128, 150, 6, 0, 0, 65);   /* 900 rows of 4 experts: 64-row tiles - refused */
+    moe_pair_case(g, 4, 256, 256, 128, 40, 6, 0, 0, 65);    /* 240 rows of 4 experts: 64-row tiles, below the big tiles'
+                                                             * 80 an expert - refused (900 rows take the big tiles) */
     moe_pair_case(g, 2, 320, 128, 192, 1000, 6, 0, 0, 69);  /* 6,000 rows of 2 experts: dequant_gemm - refused */
     moe_pair_case(g, 64, 128, 128, 64, 40, 6, 0, 0, 66);    /* 240 rows of 64 experts: 8-row tiles - refused */
 }
