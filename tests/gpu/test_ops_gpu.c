@@ -1005,6 +1005,12 @@ static void test_moe_big(void **state) {
     if (!getenv("FP4MOE_TEST_SANITIZE")) /* (compute-sanitizer runs: the small shapes) */
         moe_big_case(g, 128, 1856, 2688, 2688, 2048, 6, 1, 0, 1, 75); /* the 30B-A3B layer at 2,048 tokens, skewed */
     moe_big_case(g, 16, 320, 448, 202, 250, 6, 0, 0, 1, 76);  /* down N 202 */
+    /* more items than blocks (H100 / H200: 132 an SM; 512 up, 384 down items): the dynamic order's counter and its
+     * reset between the up and the down launch, then the static order */
+    moe_big_case(g, 64, 1024, 448, 768, 1500, 6, 0, 0, 1, 78);
+    tu_setenv("FP4MOE_CUDA_GATHER_SCHED", "static");
+    moe_big_case(g, 64, 1024, 448, 768, 1500, 6, 0, 0, 1, 79);
+    tu_setenv("FP4MOE_CUDA_GATHER_SCHED", NULL);
     moe_big_case(g, 16, 320, 416, 200, 250, 6, 0, 0, 0, 77);  /* up K % 64 = 32: refused */
 }
 

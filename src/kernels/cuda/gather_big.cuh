@@ -8,7 +8,7 @@
  * tile once per 64 rows and runs at ~300 TFLOP/s at 2k-8k tokens; here the roles are those of a CUTLASS-style
  * grouped GEMM (operands in shared memory, 128 x 256 tiles):
  * - item = (expert, 256 features, 128 rows) in bt_item_of's order; block = 3 warpgroups (384 threads, one block an
- *   SM), static order (block b: items b, b + grid, ...);
+ *   SM); a block's items from the work counter as it finishes them (gb_fetch), or in the static order;
  * - warpgroup 0, the producer, each 128-K step: the 256 x 128 weight tile, decoded as the other kernels decode it
  *   (bt_dec4, one packed multiply by the block scale) and stored by stmatrix as K-major core matrices, each k16 step
  *   holding the K indices of the other kernels' k16 step (so the products are theirs); its loads a step ahead;
@@ -49,7 +49,8 @@ static_assert(gb_perm_dst(gb_perm_src(77)) == 77 && gb_perm_src(gb_perm_dst(77))
 /* K rounded up to whole 128-K steps: a permuted row's length */
 __host__ __device__ constexpr int gb_pad(int K) { return (K + 127) / 128 * 128; }
 
-/* named barriers (0 is __syncthreads): FULL b = 1 + b, EMPTY b = 3 + b (all 384 threads); 5 + r: consumer r's own */
+/* named barriers (0 is __syncthreads): FULL b = 1 + b, EMPTY b = 3 + b (all 384 threads); 5 + r: consumer r's own;
+ * 7: the producer's own (gb_fetch) */
 __device__ __forceinline__ void gb_sync(int id) { asm volatile("bar.sync %0, %1;" ::"r"(id), "n"(GB_THREADS) : "memory"); }
 __device__ __forceinline__ void gb_arrive(int id) { asm volatile("bar.arrive %0, %1;" ::"r"(id), "n"(GB_THREADS) : "memory"); }
 
@@ -143,14 +144,40 @@ struct gb_xcopy {
     }
 };
 
+/* The order of a block's items. Static (ctr NULL, FP4MOE_CUDA_GATHER_SCHED=static): block b takes items b, b + grid,
+ * ...; dynamic (ctr = tile_off + E + 1, zeroed by the runs kernel): its first item is blockIdx.x and each next one
+ * grid + the counter's next value, as bt_sched (why: there). The producer warpgroup, which runs up to two steps ahead
+ * of the consumers, fetches item j + 1 when it starts item j: thread 0 puts it in next_item[(j + 1) % 4] before a
+ * producer-only barrier (named barrier 7) and before its arrival on the FULL barrier of item j's step 0, after
+ * which the consumers read it (gb_next). The slot is written again at item j + 4, which the producer can only
+ * start after the consumers finished item j + 1's first step (the two weight buffers): four slots are enough. The
+ * fetch that returns total - 1 is the call's last and sets the counter back to 0 (the down projection's launch uses
+ * the same runs). */
+__device__ __forceinline__ int64_t gb_fetch(int *ctr, int *next_item, int64_t j, int64_t item, int64_t total) {
+    if (!ctr) return item + gridDim.x;
+    if (threadIdx.x == 0) {
+        const int v = atomicAdd(ctr, 1);
+        next_item[(j + 1) & 3] = v;
+#ifndef FP4MOE_INJECT_FAULT_BIG_SCHED /* deliberate fault (tests must catch it): the counter left at total */
+        if ((int64_t)v == total - 1) atomicExch(ctr, 0);
+#endif
+    }
+    asm volatile("bar.sync 7, 128;" ::: "memory");
+    return (int64_t)gridDim.x + next_item[(j + 1) & 3];
+}
+__device__ __forceinline__ int64_t gb_next(const int *ctr, const int *next_item, int64_t j, int64_t item) {
+    return ctr ? (int64_t)gridDim.x + next_item[(j + 1) & 3] : item + gridDim.x;
+}
+
 /* y (bf16) = the items' products; x rows of xstride elements (permuted, padded); y rows of ystride elements: yperm 0:
  * N, natural order; yperm 1: gb_pad(N), permuted order, zeros past N (the next projection's x). Rows past starts[E]:
  * zeros. */
 __global__ void __launch_bounds__(GB_THREADS, 1)
 gq_big_kernel(gq_args a, const int *__restrict__ starts, const int *__restrict__ tile_off, int xstride, int ystride,
-              int yperm) {
+              int yperm, int *ctr) {
     cu_pdl_entry();
     extern __shared__ __align__(128) uint8_t smem[];
+    __shared__ int next_item[4]; /* the dynamic order's ring (gb_fetch) */
     uint8_t *xbuf = smem, *wbuf = smem + 3 * GB_XBYTES;
     const int wg = __shfl_sync(0xffffffffu, (int)(threadIdx.x >> 7), 0); /* warp-uniform for the compiler */
     const int NT = (a.N + GB_NF - 1) / GB_NF, nsteps = (a.K + BT_KSTEP - 1) / BT_KSTEP;
@@ -158,7 +185,9 @@ gq_big_kernel(gq_args a, const int *__restrict__ starts, const int *__restrict__
     int64_t gs = 0; /* the block's steps so far: weight buffer gs & 1 */
     if (wg == 0) { /* the producer */
         gb_producer p;
-        for (int64_t item = blockIdx.x; item < total; item += gridDim.x) {
+        int64_t next = 0;
+        for (int64_t item = blockIdx.x, j = 0; item < total; item = next, j++) {
+            next = gb_fetch(ctr, next_item, j, item, total);
             const bt_item it = bt_item_of<GB_MT>(item, a.E, NT, starts, tile_off);
             p.init(a, it);
             p.load(0);
@@ -177,7 +206,8 @@ gq_big_kernel(gq_args a, const int *__restrict__ starts, const int *__restrict__
     } else { /* the consumers: rows 64 r .. 64 r + 63 of an item */
         const int r = wg - 1, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, w = (threadIdx.x >> 5) & 3;
         int xb = 0; /* the x buffer of step gs: gs % 3 */
-        for (int64_t item = blockIdx.x; item < total; item += gridDim.x) {
+        int64_t next = 0;
+        for (int64_t item = blockIdx.x, j = 0; item < total; item = next, j++) {
             const bt_item it = bt_item_of<GB_MT>(item, a.E, NT, starts, tile_off);
             const int mine = it.rows - 64 * r;
             float acc[GB_NF / 2];
@@ -194,6 +224,7 @@ gq_big_kernel(gq_args a, const int *__restrict__ starts, const int *__restrict__
                 wg_fence_async_smem();
                 asm volatile("bar.sync %0, 128;" ::"r"(5 + r) : "memory");
                 gb_sync(1 + b);
+                if (s == 0) next = gb_next(ctr, next_item, j, item); /* (written before step 0's FULL arrival) */
                 const uint32_t xa = bt_smem_addr(xbuf + xb * GB_XBYTES) + r * 2048;
                 const uint32_t wa = bt_smem_addr(wbuf + b * GB_WBYTES);
                 wg_fence();
@@ -321,7 +352,8 @@ static int launch_big(const gq_args *a, const int *starts, const int *tile_off, 
     unsigned grid = 0;
     const int rc = persistent_grid(gq_big_kernel, GB_THREADS, GB_SMEM, bound, &grid);
     if (rc) return rc;
-    cu_launch(gq_big_kernel, grid, GB_THREADS, GB_SMEM, st, *a, starts, tile_off, xstride, ystride, yperm);
+    cu_launch(gq_big_kernel, grid, GB_THREADS, GB_SMEM, st, *a, starts, tile_off, xstride, ystride, yperm,
+              sched_counter(a, tile_off));
     FP4MOE_CUDA_TRY("gather_qmm_cuda", cudaGetLastError(), "launch of the expert-batched kernel (big tiles)");
     return FP4MOE_OK;
 }
