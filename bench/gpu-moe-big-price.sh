@@ -3,12 +3,12 @@
 # prices it against the 64-row tiles inside a real prefill (issue 12), most important first, each step under a time
 # limit and printed at once (a call cut short keeps what it had):
 #   1. test_ops_gpu test_moe_pair / test_moe_big (bitwise against the 64-row kernel);
-#   2. prefill TOKENS + 16 of the synthetic 30B-A3B, alternated rounds: big tiles in the dynamic order (default), in
-#      the static order (FP4MOE_CUDA_GATHER_SCHED=static) and off (FP4MOE_CUDA_MOE_BIG=0); hashes must be equal;
-#   3. every kernel of one prefill timed by Nsight Compute (gpu__time_duration, clocks left alone), summed by kernel
-#      name, big tiles on and off: what the kernels do not account for is the time between them;
-#   4. the fault builds f_bigs / f_bigx / f_bigy must fail test_moe_big; compute-sanitizer memcheck / racecheck;
-#   5. the greedy hash with FP4MOE_GATHER_EXPERT_BATCHED=0; prefill 8,192 + 8 on / off, one round.
+#   2. prefill TOKENS / 4,096 / 8,192 + 8 of the synthetic 30B-A3B, big tiles on (default) and off
+#      (FP4MOE_CUDA_MOE_BIG=0), two alternated rounds; hashes must be equal;
+#   3. the fault builds f_bigs / f_bigx / f_bigy must fail test_moe_big; compute-sanitizer memcheck / racecheck;
+#   4. the greedy hash with FP4MOE_GATHER_EXPERT_BATCHED=0 (TOKENS + 8);
+#   5. every kernel of one prefill timed by Nsight Compute (gpu__time_duration, clocks left alone), summed by kernel
+#      name, big tiles on (off: session 46's first call): what the kernels do not account for is the time between them.
 # Usage: bench/gpu-moe-big-price.sh PKG [TOKENS]  (PKG: FAULTS_ONLY="f_bigs f_bigx f_bigy"
 #        scripts/gpu-staged-check.sh --package PKG, here; OUT: logs)
 set -u
@@ -29,9 +29,11 @@ printf '#!/bin/sh\nexec env FP4MOE_CUDA_MOE_BIG=0 %s "$@"\n' "$B/fp4moe" >$B/big
 printf '#!/bin/sh\nexec env FP4MOE_CUDA_GATHER_SCHED=static %s "$@"\n' "$B/fp4moe" >$B/static
 chmod +x $B/big0 $B/static
 A="--synthetic nemotron-3-nano-30b-a3b --device cuda"
-OUT=$OUT/p2k timeout 200 bash bench/gpu-compare.sh $B 2 "$A --prompt-tokens $TOK --gen-tokens 16 --repeats 2" \
-    dyn=$B/fp4moe static=$B/static big0=$B/big0 >"$OUT/p2k.txt" 2>&1
-echo "== prefill $TOK + 16"; grep '^|' "$OUT/p2k.txt"; grep -v '^|' "$OUT/p2k.txt" | head -3
+for P in $TOK 4096 8192; do
+    OUT=$OUT/p$P timeout 200 bash bench/gpu-compare.sh $B 2 "$A --prompt-tokens $P --gen-tokens 8 --repeats 2" \
+        dyn=$B/fp4moe big0=$B/big0 >"$OUT/p$P.txt" 2>&1
+    echo "== prefill $P + 8"; grep '^|' "$OUT/p$P.txt" | tail -2; grep -v '^|' "$OUT/p$P.txt" | head -2
+done
 summ() { # ncu csv -> per kernel name: launches, total us, mean us; and the sum
     python3 - "$1" <<'PY'
 import csv, sys, collections
@@ -51,15 +53,10 @@ for k, v in sorted(tot.items(), key=lambda kv: -kv[1])[:16]:
 print(f"  {'ALL KERNELS':40s} {sum(n.values()):5d}          = {s / 1e3:8.3f} ms")
 PY
 }
-NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null)
-for big in 1 0; do
+for t in test_ops_gpu test_gather_qmm_gpu test_model_gpu; do
     t0=$SECONDS
-    FP4MOE_CUDA_MOE_BIG=$big timeout 150 "$NCU" --clock-control none --metrics gpu__time_duration.sum --csv \
-        -k "regex:^(?!synth|spin)" --launch-count 3000 \
-        $B/fp4moe bench $A --prompt-tokens $TOK --gen-tokens 1 --repeats 1 --warmup 0 >"$OUT/ncu$big.csv" 2>"$OUT/ncu$big.err"
-    echo "== ncu, big tiles $big: exit $? $((SECONDS - t0)) s, $(grep -c gpu__time_duration "$OUT/ncu$big.csv") kernels"
-    grep -v "^==PROF==" "$OUT/ncu$big.err" | tail -2 | cut -c1-200
-    summ "$OUT/ncu$big.csv"
+    FP4MOE_TEST_QUICK=1 timeout 120 $B/$t >"$OUT/$t.log" 2>&1
+    echo "$t: exit $? $((SECONDS - t0)) s, $(grep -c '^\[       OK' "$OUT/$t.log") ok; $(grep -m2 'FAILED  \] [a-z]' "$OUT/$t.log" | tr '\n' ' ')"
 done
 for f in f_bigs f_bigx f_bigy; do
     [ -f "$PKG/$f/0/test_ops_gpu.xz" ] || continue
@@ -70,13 +67,20 @@ done
 CS=/usr/local/cuda/bin/compute-sanitizer
 for t in memcheck racecheck; do
     t0=$SECONDS
-    FP4MOE_TEST_SANITIZE=1 FP4MOE_TEST_FILTER=test_moe_big timeout 120 $CS --tool $t --error-exitcode 9 $T \
+    FP4MOE_TEST_SANITIZE=1 FP4MOE_TEST_FILTER=test_moe_big timeout 150 $CS --tool $t --error-exitcode 9 $T \
         >"$OUT/san-big-$t.log" 2>&1
     echo "$t test_moe_big: exit $? $((SECONDS - t0)) s $(grep -m1 'ERROR SUMMARY\|RACECHECK SUMMARY' "$OUT/san-big-$t.log")"
 done
-FP4MOE_GATHER_EXPERT_BATCHED=0 timeout 60 $B/fp4moe bench $A --prompt-tokens $TOK --gen-tokens 16 --repeats 1 --json \
+FP4MOE_GATHER_EXPERT_BATCHED=0 timeout 60 $B/fp4moe bench $A --prompt-tokens $TOK --gen-tokens 8 --repeats 1 --json \
     >"$OUT/hash-off.json" 2>&1
 echo "FP4MOE_GATHER_EXPERT_BATCHED=0: $(grep -o '"gen_ids_fnv1a"[^,]*' "$OUT/hash-off.json")"
-OUT=$OUT/p8k timeout 120 bash bench/gpu-compare.sh $B 1 "$A --prompt-tokens 8192 --gen-tokens 8 --repeats 1" \
-    dyn=$B/fp4moe big0=$B/big0 >"$OUT/p8k.txt" 2>&1
-echo "== prefill 8192 + 8"; grep '^|' "$OUT/p8k.txt"
+NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null)
+for big in 1; do
+    t0=$SECONDS
+    FP4MOE_CUDA_MOE_BIG=$big timeout 150 "$NCU" --clock-control none --metrics gpu__time_duration.sum --csv \
+        -k "regex:^(?!synth|spin)" --launch-count 3000 \
+        $B/fp4moe bench $A --prompt-tokens $TOK --gen-tokens 1 --repeats 1 --warmup 0 >"$OUT/ncu$big.csv" 2>"$OUT/ncu$big.err"
+    echo "== ncu, big tiles $big: exit $? $((SECONDS - t0)) s, $(grep -c gpu__time_duration "$OUT/ncu$big.csv") kernels"
+    grep -v "^==PROF==" "$OUT/ncu$big.err" | tail -2 | cut -c1-200
+    summ "$OUT/ncu$big.csv"
+done

@@ -998,20 +998,22 @@ static void moe_big_case(gpu_ctx *g, int64_t E, int64_t N, int64_t K, int64_t N2
 
 static void test_moe_big(void **state) {
     gpu_ctx *g = *state;
-    moe_big_case(g, 16, 320, 448, 200, 250, 6, 0, 0, 1, 71);  /* 1,500 rows (94 an expert); K 3.5 steps, N % 256 = 64 */
-    moe_big_case(g, 16, 320, 448, 200, 250, 6, 1, 37, 1, 72); /* skewed (runs of many 128-row tiles), 37 out of range */
-    moe_big_case(g, 4, 256, 192, 128, 100, 6, 0, 5, 1, 73);   /* 150 an expert; down N < 256, up K 1.5 steps */
-    moe_big_case(g, 2, 64, 128, 192, 100, 2, 0, 3, 1, 74);    /* up N 64 (half a 128-feature block), down K 0.5 step */
+    /* (runs of 300+ rows an expert: above the big tiles' threshold, GQ_BIG_ROWS_PER_EXPERT) */
+    moe_big_case(g, 16, 320, 448, 200, 800, 6, 0, 0, 1, 71);  /* 4,800 rows (300 an expert); K 3.5 steps, N % 256 = 64 */
+    moe_big_case(g, 16, 320, 448, 200, 800, 6, 1, 37, 1, 72); /* skewed (runs of many 128-row tiles), 37 out of range */
+    moe_big_case(g, 4, 256, 192, 128, 250, 6, 0, 5, 1, 73);   /* 375 an expert; down N < 256, up K 1.5 steps */
+    moe_big_case(g, 2, 64, 128, 192, 330, 2, 0, 3, 1, 74);    /* up N 64 (half a 128-feature block), down K 0.5 step */
     if (!getenv("FP4MOE_TEST_SANITIZE")) /* (compute-sanitizer runs: the small shapes) */
-        moe_big_case(g, 128, 1856, 2688, 2688, 2048, 6, 1, 0, 1, 75); /* the 30B-A3B layer at 2,048 tokens, skewed */
-    moe_big_case(g, 16, 320, 448, 202, 250, 6, 0, 0, 1, 76);  /* down N 202 */
-    /* more items than blocks (H100 / H200: 132 an SM; 512 up, 384 down items): the dynamic order's counter and its
+        moe_big_case(g, 128, 1856, 2688, 2688, 8192, 6, 1, 0, 1, 75); /* the 30B-A3B layer at 8,192 tokens, skewed */
+    moe_big_case(g, 16, 320, 448, 202, 800, 6, 0, 0, 1, 76);  /* down N 202 */
+    /* more items than blocks (H100 / H200: 132 an SM; 640 up, 480 down items): the dynamic order's counter and its
      * reset between the up and the down launch, then the static order */
-    moe_big_case(g, 64, 1024, 448, 768, 1500, 6, 0, 0, 1, 78);
+    moe_big_case(g, 32, 1024, 448, 768, 1600, 6, 0, 0, 1, 78);
     tu_setenv("FP4MOE_CUDA_GATHER_SCHED", "static");
-    moe_big_case(g, 64, 1024, 448, 768, 1500, 6, 0, 0, 1, 79);
+    moe_big_case(g, 32, 1024, 448, 768, 1600, 6, 0, 0, 1, 79);
     tu_setenv("FP4MOE_CUDA_GATHER_SCHED", NULL);
-    moe_big_case(g, 16, 320, 416, 200, 250, 6, 0, 0, 0, 77);  /* up K % 64 = 32: refused */
+    moe_big_case(g, 16, 320, 416, 200, 800, 6, 0, 0, 0, 77);  /* up K % 64 = 32: refused */
+    moe_big_case(g, 16, 320, 448, 200, 40, 6, 0, 0, 0, 80);   /* 15 rows an expert: below the threshold, refused */
 }
 
 static void test_linear_gather_rows(void **state) {

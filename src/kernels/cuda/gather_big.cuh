@@ -14,7 +14,11 @@
  *   holding the K indices of the other kernels' k16 step (so the products are theirs); its loads a step ahead;
  * - warpgroups 1 and 2, the consumers, rows 0-63 / 64-127: their own x rows by 16-byte cp.async two steps ahead
  *   (three x buffers), then 8 wgmma m64n256k16 SS a step, fp32 accumulators from 0; the epilogue is gw_store's
- *   arithmetic (cu_out);
+ *   arithmetic (cu_out). A half item (<= 64 rows: an expert's last tile, or a short run) gives both consumers the
+ *   same 64 rows and each 128 of the features (m64n128k16): its tensor-core time is that of the 64-row kernel's
+ *   tiles, not a 128-row tile's. Why: the routing of a real prefill is skewed - in the synthetic 30B-A3B model at
+ *   2,048 tokens about half the experts get < 64 rows (rows / 128-row tile capacity 0.55-0.59, 64-row tiles
+ *   0.72-0.76; session 46), and with 128-row items only the big tiles lost end to end;
  * - FULL / EMPTY named barriers per weight buffer (two): the producer decodes step s + 1 while the tensor cores run
  *   step s.
  * x must be in the "permuted" order (gb_perm_src): a row's 128-K step holds, at element j, natural K gb_perm_src(j)
@@ -120,11 +124,11 @@ struct gb_producer {
 struct gb_xcopy {
     uint32_t xr[8]; /* source rows (gq_x_row); ~0u: past the item's rows, not copied */
     int kc;
-    __device__ __forceinline__ void init(const gq_args &a, const bt_item &it, int r) {
+    __device__ __forceinline__ void init(const gq_args &a, const bt_item &it, int rb) { /* rows rb .. rb + 63 */
         const int tid = threadIdx.x & 127;
 #pragma unroll
         for (int i = 0; i < 8; i++) {
-            const int row = 64 * r + 8 * i + (tid & 7);
+            const int row = rb + 8 * i + (tid & 7);
             xr[i] = row < it.rows ? (uint32_t)gq_x_row(a.xrow, a.xdiv, it.row0 + row) : ~0u;
         }
         kc = 8 * (4 * (tid >> 5) + ((tid >> 3) & 3));
@@ -203,18 +207,19 @@ gq_big_kernel(gq_args a, const int *__restrict__ starts, const int *__restrict__
         /* the consumers' last two releases (no arrivals left pending on a barrier) */
         if (gs >= 2) gb_sync(3 + (int)((gs - 2) & 1));
         if (gs >= 1) gb_sync(3 + (int)((gs - 1) & 1));
-    } else { /* the consumers: rows 64 r .. 64 r + 63 of an item */
+    } else { /* the consumers: rows 64 r .. 64 r + 63 of an item; of a half item (<= 64 rows), features 128 r .. + 127 */
         const int r = wg - 1, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, w = (threadIdx.x >> 5) & 3;
         int xb = 0; /* the x buffer of step gs: gs % 3 */
         int64_t next = 0;
         for (int64_t item = blockIdx.x, j = 0; item < total; item = next, j++) {
             const bt_item it = bt_item_of<GB_MT>(item, a.E, NT, starts, tile_off);
-            const int mine = it.rows - 64 * r;
+            const bool half = it.rows <= 64; /* (warp-uniform) */
+            const int rb = half ? 0 : 64 * r, mine = it.rows - rb;
             float acc[GB_NF / 2];
 #pragma unroll
             for (int i = 0; i < GB_NF / 2; i++) acc[i] = 0.0f;
             gb_xcopy xc; /* steps 0 and 1 (an empty group if there is no step 1) */
-            xc.init(a, it, r);
+            xc.init(a, it, rb);
             xc.issue(a, 0, xbuf + xb * GB_XBYTES, r, xstride);
             if (nsteps > 1) xc.issue(a, 1, xbuf + (xb == 2 ? 0 : xb + 1) * GB_XBYTES, r, xstride);
             else bt_cp_commit();
@@ -228,9 +233,17 @@ gq_big_kernel(gq_args a, const int *__restrict__ starts, const int *__restrict__
                 const uint32_t xa = bt_smem_addr(xbuf + xb * GB_XBYTES) + r * 2048;
                 const uint32_t wa = bt_smem_addr(wbuf + b * GB_WBYTES);
                 wg_fence();
+                if (half) { /* 64 x 128: acc[0 .. 63]; features 128 r .. at (128 r / 8) 256 bytes */
 #pragma unroll
-                for (int ks = 0; ks < 8; ks++)
-                    wg_ss<GB_NF>::mma(acc, wg_desc(xa + ks * GB_XKS, 128, 256), wg_desc(wa + ks * GB_WKS, 128, 256), 1);
+                    for (int ks = 0; ks < 8; ks++)
+                        wg_ss<GB_NF / 2>::mma(acc, wg_desc(xa + ks * GB_XKS, 128, 256),
+                                              wg_desc(wa + ks * GB_WKS + r * 4096, 128, 256), 1);
+                } else {
+#pragma unroll
+                    for (int ks = 0; ks < 8; ks++)
+                        wg_ss<GB_NF>::mma(acc, wg_desc(xa + ks * GB_XKS, 128, 256), wg_desc(wa + ks * GB_WKS, 128, 256),
+                                          1);
+                }
                 wg_commit();
                 wg_wait<1>(); /* step s - 1's products done: its buffers are free */
                 if (s > 0) gb_arrive(3 + (b ^ 1));
@@ -244,10 +257,10 @@ gq_big_kernel(gq_args a, const int *__restrict__ starts, const int *__restrict__
 #pragma unroll
             for (int i = 0; i < GB_NF / 2; i++) asm volatile("" : "+f"(acc[i])::"memory"); /* read after the wait */
             if (mine <= 0) continue;
-            /* acc[4 i + h]: row 16 w + g + 8 (h / 2), feature 8 i + 2 t + h % 2 */
+            /* acc[4 i + h]: row rb + 16 w + g + 8 (h / 2), feature fb0 + 8 i + 2 t + h % 2 (i < 32; half: i < 16) */
             __nv_bfloat16 *y = static_cast<__nv_bfloat16 *>(a.y);
             const float mult = cu_expert_gs(a.gs, it.e) * bt_ops<__nv_bfloat16>::kUndo;
-            const int fb0 = it.ntile * GB_NF;
+            const int fb0 = it.ntile * GB_NF + (half ? 128 * r : 0);
             if (yperm) {
                 /* permuted: piece (Q, h, c) of a row's 128 features holds component c of feature groups 4 T + Q (T =
                  * 0..3) from lanes t = h (e = 0) and t = h + 2 (e = 1); lanes t and t ^ 2 swap the component the
@@ -257,9 +270,10 @@ gq_big_kernel(gq_args a, const int *__restrict__ starts, const int *__restrict__
 #pragma unroll
                 for (int hh = 0; hh < 2; hh++) {
                     const int row = 16 * w + g + 8 * hh;
-                    __nv_bfloat16 *yr = y + (it.row0 + 64 * r + row) * ystride;
+                    __nv_bfloat16 *yr = y + (it.row0 + rb + row) * ystride;
 #pragma unroll
                     for (int bb = 0; bb < GB_NF / 128; bb++) {
+                        if (bb > 0 && half) break; /* (warp-uniform) */
                         uint32_t own[8], got[8];
 #pragma unroll
                         for (int m = 0; m < 8; m++) { /* groups 16 bb + 2 m, + 1: this lane's component cm kept */
@@ -302,11 +316,11 @@ gq_big_kernel(gq_args a, const int *__restrict__ starts, const int *__restrict__
                 for (int hh = 0; hh < 2; hh++) {
                     const int row = 16 * w + g + 8 * hh;
                     if (row < mine) {
-                        __nv_bfloat16 *yr = y + (it.row0 + 64 * r + row) * ystride;
+                        __nv_bfloat16 *yr = y + (it.row0 + rb + row) * ystride;
 #pragma unroll
                         for (int i = 0; i < GB_NF / 8; i++) {
                             const int f = fb0 + 2 * t + 8 * i; /* N is even: f and f + 1 both in range or both not */
-                            if (f < a.N) {
+                            if (f < a.N && (i < GB_NF / 16 || !half)) {
                                 __nv_bfloat162 v;
                                 v.x = cu_out<__nv_bfloat16>(acc[4 * i + 2 * hh] * mult, a.relu2);
                                 v.y = cu_out<__nv_bfloat16>(acc[4 * i + 2 * hh + 1] * mult, a.relu2);
