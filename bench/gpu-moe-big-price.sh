@@ -9,6 +9,7 @@
 #   4. the greedy hash with FP4MOE_GATHER_EXPERT_BATCHED=0 (TOKENS + 8);
 #   5. every kernel of one prefill timed by Nsight Compute (gpu__time_duration, clocks left alone), summed by kernel
 #      name, big tiles on (off: session 46's first call): what the kernels do not account for is the time between them.
+# VAR: an fp4moe variant (.xz, bench/build-variants.sh) timed in step 2 as well.
 # Usage: bench/gpu-moe-big-price.sh PKG [TOKENS]  (PKG: FAULTS_ONLY="f_bigs f_bigx f_bigy"
 #        scripts/gpu-staged-check.sh --package PKG, here; OUT: logs)
 set -u
@@ -31,8 +32,8 @@ chmod +x $B/big0 $B/static
 A="--synthetic nemotron-3-nano-30b-a3b --device cuda"
 for P in $TOK 4096 8192; do
     OUT=$OUT/p$P timeout 200 bash bench/gpu-compare.sh $B 2 "$A --prompt-tokens $P --gen-tokens 8 --repeats 2" \
-        dyn=$B/fp4moe big0=$B/big0 >"$OUT/p$P.txt" 2>&1
-    echo "== prefill $P + 8"; grep '^|' "$OUT/p$P.txt" | tail -2; grep -v '^|' "$OUT/p$P.txt" | head -2
+        dyn=$B/fp4moe ${VAR:+var=$VAR} big0=$B/big0 >"$OUT/p$P.txt" 2>&1
+    echo "== prefill $P + 8"; grep '^| [a-z]' "$OUT/p$P.txt" | grep -v '^| build'; grep -v '^|' "$OUT/p$P.txt" | head -2
 done
 summ() { # ncu csv -> per kernel name: launches, total us, mean us; and the sum
     python3 - "$1" <<'PY'

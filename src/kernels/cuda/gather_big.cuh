@@ -30,6 +30,9 @@
 #ifndef FP4MOE_KERNELS_CUDA_GATHER_BIG_CUH
 #define FP4MOE_KERNELS_CUDA_GATHER_BIG_CUH
 
+#ifndef GB_HALF_ITEMS
+#define GB_HALF_ITEMS 1 /* 0: every item 128 rows (session 46's measurement of the half items) */
+#endif
 #define GB_NF 256     /* features an item */
 #define GB_MT 128     /* rows an item */
 #define GB_THREADS 384
@@ -153,7 +156,7 @@ struct gb_xcopy {
  * grid + the counter's next value, as bt_sched (why: there). The producer warpgroup, which runs up to two steps ahead
  * of the consumers, fetches item j + 1 when it starts item j: thread 0 puts it in next_item[(j + 1) % 4] before a
  * producer-only barrier (named barrier 7) and before its arrival on the FULL barrier of item j's step 0, after
- * which the consumers read it (gb_next). The slot is written again at item j + 4, which the producer can only
+ * which the consumers read it (gb_steps). The slot is written again at item j + 4, which the producer can only
  * start after the consumers finished item j + 1's first step (the two weight buffers): four slots are enough. The
  * fetch that returns total - 1 is the call's last and sets the counter back to 0 (the down projection's launch uses
  * the same runs). */
@@ -169,8 +172,40 @@ __device__ __forceinline__ int64_t gb_fetch(int *ctr, int *next_item, int64_t j,
     asm volatile("bar.sync 7, 128;" ::: "memory");
     return (int64_t)gridDim.x + next_item[(j + 1) & 3];
 }
-__device__ __forceinline__ int64_t gb_next(const int *ctr, const int *next_item, int64_t j, int64_t item) {
-    return ctr ? (int64_t)gridDim.x + next_item[(j + 1) & 3] : item + gridDim.x;
+
+/* A consumer's K loop over one item (HALF: a half item's 64 x 128 products in acc[0 .. 63], features 128 r .. at
+ * (128 r / 8) 256 bytes of the weight buffer), from the x copies of steps 0 and 1 already issued. Two instances, so
+ * that no branch separates the wgmma of one step (a branch there made ptxas inject warpgroup.arrive, C7519). */
+template <bool HALF>
+__device__ __forceinline__ void gb_steps(float (&acc)[GB_NF / 2], const gq_args &a, const gb_xcopy &xc, uint8_t *xbuf,
+                                         uint8_t *wbuf, int r, int xstride, int nsteps, int64_t &gs, int &xb,
+                                         int64_t &next, const int *slot) {
+    for (int s = 0; s < nsteps; s++, gs++) {
+        const int b = (int)(gs & 1);
+        bt_cp_wait<1>(); /* this step's x copies landed (step s + 1's may be in flight) */
+        wg_fence_async_smem();
+        asm volatile("bar.sync %0, 128;" ::"r"(5 + r) : "memory");
+        gb_sync(1 + b);
+        if (s == 0 && slot) next = (int64_t)gridDim.x + *slot; /* (written before step 0's FULL arrival) */
+        const uint32_t xa = bt_smem_addr(xbuf + xb * GB_XBYTES) + r * 2048;
+        const uint32_t wa = bt_smem_addr(wbuf + b * GB_WBYTES);
+        wg_fence();
+#pragma unroll
+        for (int ks = 0; ks < 8; ks++) {
+            if (HALF)
+                wg_ss<GB_NF / 2>::mma(acc, wg_desc(xa + ks * GB_XKS, 128, 256),
+                                      wg_desc(wa + ks * GB_WKS + r * 4096, 128, 256), 1);
+            else
+                wg_ss<GB_NF>::mma(acc, wg_desc(xa + ks * GB_XKS, 128, 256), wg_desc(wa + ks * GB_WKS, 128, 256), 1);
+        }
+        wg_commit();
+        wg_wait<1>(); /* step s - 1's products done: its buffers are free */
+        if (s > 0) gb_arrive(3 + (b ^ 1));
+        const int xf = xb == 0 ? 2 : xb - 1; /* step s - 1's x buffer takes step s + 2 */
+        if (s + 2 < nsteps) xc.issue(a, s + 2, xbuf + xf * GB_XBYTES, r, xstride);
+        else bt_cp_commit();
+        xb = xb == 2 ? 0 : xb + 1;
+    }
 }
 
 /* y (bf16) = the items' products; x rows of xstride elements (permuted, padded); y rows of ystride elements: yperm 0:
@@ -213,7 +248,7 @@ gq_big_kernel(gq_args a, const int *__restrict__ starts, const int *__restrict__
         int64_t next = 0;
         for (int64_t item = blockIdx.x, j = 0; item < total; item = next, j++) {
             const bt_item it = bt_item_of<GB_MT>(item, a.E, NT, starts, tile_off);
-            const bool half = it.rows <= 64; /* (warp-uniform) */
+            const bool half = GB_HALF_ITEMS && it.rows <= 64; /* (warp-uniform) */
             const int rb = half ? 0 : 64 * r, mine = it.rows - rb;
             float acc[GB_NF / 2];
 #pragma unroll
@@ -223,35 +258,11 @@ gq_big_kernel(gq_args a, const int *__restrict__ starts, const int *__restrict__
             xc.issue(a, 0, xbuf + xb * GB_XBYTES, r, xstride);
             if (nsteps > 1) xc.issue(a, 1, xbuf + (xb == 2 ? 0 : xb + 1) * GB_XBYTES, r, xstride);
             else bt_cp_commit();
-            for (int s = 0; s < nsteps; s++, gs++) {
-                const int b = (int)(gs & 1);
-                bt_cp_wait<1>(); /* this step's x copies landed (step s + 1's may be in flight) */
-                wg_fence_async_smem();
-                asm volatile("bar.sync %0, 128;" ::"r"(5 + r) : "memory");
-                gb_sync(1 + b);
-                if (s == 0) next = gb_next(ctr, next_item, j, item); /* (written before step 0's FULL arrival) */
-                const uint32_t xa = bt_smem_addr(xbuf + xb * GB_XBYTES) + r * 2048;
-                const uint32_t wa = bt_smem_addr(wbuf + b * GB_WBYTES);
-                wg_fence();
-                if (half) { /* 64 x 128: acc[0 .. 63]; features 128 r .. at (128 r / 8) 256 bytes */
-#pragma unroll
-                    for (int ks = 0; ks < 8; ks++)
-                        wg_ss<GB_NF / 2>::mma(acc, wg_desc(xa + ks * GB_XKS, 128, 256),
-                                              wg_desc(wa + ks * GB_WKS + r * 4096, 128, 256), 1);
-                } else {
-#pragma unroll
-                    for (int ks = 0; ks < 8; ks++)
-                        wg_ss<GB_NF>::mma(acc, wg_desc(xa + ks * GB_XKS, 128, 256), wg_desc(wa + ks * GB_WKS, 128, 256),
-                                          1);
-                }
-                wg_commit();
-                wg_wait<1>(); /* step s - 1's products done: its buffers are free */
-                if (s > 0) gb_arrive(3 + (b ^ 1));
-                const int xf = xb == 0 ? 2 : xb - 1; /* step s - 1's x buffer takes step s + 2 */
-                if (s + 2 < nsteps) xc.issue(a, s + 2, xbuf + xf * GB_XBYTES, r, xstride);
-                else bt_cp_commit();
-                xb = xb == 2 ? 0 : xb + 1;
-            }
+            /* the next item: the static one, or the dynamic order's slot, read after step 0's FULL barrier */
+            next = item + gridDim.x;
+            const int *slot = ctr ? next_item + ((j + 1) & 3) : nullptr;
+            if (half) gb_steps<true>(acc, a, xc, xbuf, wbuf, r, xstride, nsteps, gs, xb, next, slot);
+            else gb_steps<false>(acc, a, xc, xbuf, wbuf, r, xstride, nsteps, gs, xb, next, slot);
             wg_wait<0>();
             gb_arrive(3 + (int)((gs - 1) & 1));
 #pragma unroll
