@@ -14,11 +14,9 @@
  *   holding the K indices of the other kernels' k16 step (so the products are theirs); its loads a step ahead;
  * - warpgroups 1 and 2, the consumers, rows 0-63 / 64-127: their own x rows by 16-byte cp.async two steps ahead
  *   (three x buffers), then 8 wgmma m64n256k16 SS a step, fp32 accumulators from 0; the epilogue is gw_store's
- *   arithmetic (cu_out). A half item (<= 64 rows: an expert's last tile, or a short run) gives both consumers the
- *   same 64 rows and each 128 of the features (m64n128k16): its tensor-core time is that of the 64-row kernel's
- *   tiles, not a 128-row tile's. Why: the routing of a real prefill is skewed - in the synthetic 30B-A3B model at
- *   2,048 tokens about half the experts get < 64 rows (rows / 128-row tile capacity 0.55-0.59, 64-row tiles
- *   0.72-0.76; session 46), and with 128-row items only the big tiles lost end to end;
+ *   arithmetic (cu_out). (Items of <= 64 rows - half the experts of the synthetic 30B-A3B model's skewed routing at
+ *   2,048 tokens - waste half a 128-row tile; session 46 measured "half items", both consumers on the same 64 rows
+ *   and 128 features each: no faster, the producer's decode then bounds them. Dropped.)
  * - FULL / EMPTY named barriers per weight buffer (two): the producer decodes step s + 1 while the tensor cores run
  *   step s.
  * x must be in the "permuted" order (gb_perm_src): a row's 128-K step holds, at element j, natural K gb_perm_src(j)
@@ -30,9 +28,6 @@
 #ifndef FP4MOE_KERNELS_CUDA_GATHER_BIG_CUH
 #define FP4MOE_KERNELS_CUDA_GATHER_BIG_CUH
 
-#ifndef GB_HALF_ITEMS
-#define GB_HALF_ITEMS 1 /* 0: every item 128 rows (session 46's measurement of the half items) */
-#endif
 #define GB_NF 256     /* features an item */
 #define GB_MT 128     /* rows an item */
 #define GB_THREADS 384
@@ -173,10 +168,8 @@ __device__ __forceinline__ int64_t gb_fetch(int *ctr, int *next_item, int64_t j,
     return (int64_t)gridDim.x + next_item[(j + 1) & 3];
 }
 
-/* A consumer's K loop over one item (HALF: a half item's 64 x 128 products in acc[0 .. 63], features 128 r .. at
- * (128 r / 8) 256 bytes of the weight buffer), from the x copies of steps 0 and 1 already issued. Two instances, so
- * that no branch separates the wgmma of one step (a branch there made ptxas inject warpgroup.arrive, C7519). */
-template <bool HALF>
+/* A consumer's K loop over one item, from the x copies of steps 0 and 1 already issued; `next` from the dynamic
+ * order's slot (NULL: static) after step 0's FULL barrier */
 __device__ __forceinline__ void gb_steps(float (&acc)[GB_NF / 2], const gq_args &a, const gb_xcopy &xc, uint8_t *xbuf,
                                          uint8_t *wbuf, int r, int xstride, int nsteps, int64_t &gs, int &xb,
                                          int64_t &next, const int *slot) {
@@ -191,13 +184,8 @@ __device__ __forceinline__ void gb_steps(float (&acc)[GB_NF / 2], const gq_args 
         const uint32_t wa = bt_smem_addr(wbuf + b * GB_WBYTES);
         wg_fence();
 #pragma unroll
-        for (int ks = 0; ks < 8; ks++) {
-            if (HALF)
-                wg_ss<GB_NF / 2>::mma(acc, wg_desc(xa + ks * GB_XKS, 128, 256),
-                                      wg_desc(wa + ks * GB_WKS + r * 4096, 128, 256), 1);
-            else
-                wg_ss<GB_NF>::mma(acc, wg_desc(xa + ks * GB_XKS, 128, 256), wg_desc(wa + ks * GB_WKS, 128, 256), 1);
-        }
+        for (int ks = 0; ks < 8; ks++)
+            wg_ss<GB_NF>::mma(acc, wg_desc(xa + ks * GB_XKS, 128, 256), wg_desc(wa + ks * GB_WKS, 128, 256), 1);
         wg_commit();
         wg_wait<1>(); /* step s - 1's products done: its buffers are free */
         if (s > 0) gb_arrive(3 + (b ^ 1));
@@ -242,14 +230,13 @@ gq_big_kernel(gq_args a, const int *__restrict__ starts, const int *__restrict__
         /* the consumers' last two releases (no arrivals left pending on a barrier) */
         if (gs >= 2) gb_sync(3 + (int)((gs - 2) & 1));
         if (gs >= 1) gb_sync(3 + (int)((gs - 1) & 1));
-    } else { /* the consumers: rows 64 r .. 64 r + 63 of an item; of a half item (<= 64 rows), features 128 r .. + 127 */
+    } else { /* the consumers: rows 64 r .. 64 r + 63 of an item */
         const int r = wg - 1, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, w = (threadIdx.x >> 5) & 3;
         int xb = 0; /* the x buffer of step gs: gs % 3 */
         int64_t next = 0;
         for (int64_t item = blockIdx.x, j = 0; item < total; item = next, j++) {
             const bt_item it = bt_item_of<GB_MT>(item, a.E, NT, starts, tile_off);
-            const bool half = GB_HALF_ITEMS && it.rows <= 64; /* (warp-uniform) */
-            const int rb = half ? 0 : 64 * r, mine = it.rows - rb;
+            const int rb = 64 * r, mine = it.rows - rb;
             float acc[GB_NF / 2];
 #pragma unroll
             for (int i = 0; i < GB_NF / 2; i++) acc[i] = 0.0f;
@@ -261,17 +248,16 @@ gq_big_kernel(gq_args a, const int *__restrict__ starts, const int *__restrict__
             /* the next item: the static one, or the dynamic order's slot, read after step 0's FULL barrier */
             next = item + gridDim.x;
             const int *slot = ctr ? next_item + ((j + 1) & 3) : nullptr;
-            if (half) gb_steps<true>(acc, a, xc, xbuf, wbuf, r, xstride, nsteps, gs, xb, next, slot);
-            else gb_steps<false>(acc, a, xc, xbuf, wbuf, r, xstride, nsteps, gs, xb, next, slot);
+            gb_steps(acc, a, xc, xbuf, wbuf, r, xstride, nsteps, gs, xb, next, slot);
             wg_wait<0>();
             gb_arrive(3 + (int)((gs - 1) & 1));
 #pragma unroll
             for (int i = 0; i < GB_NF / 2; i++) asm volatile("" : "+f"(acc[i])::"memory"); /* read after the wait */
             if (mine <= 0) continue;
-            /* acc[4 i + h]: row rb + 16 w + g + 8 (h / 2), feature fb0 + 8 i + 2 t + h % 2 (i < 32; half: i < 16) */
+            /* acc[4 i + h]: row rb + 16 w + g + 8 (h / 2), feature fb0 + 8 i + 2 t + h % 2 */
             __nv_bfloat16 *y = static_cast<__nv_bfloat16 *>(a.y);
             const float mult = cu_expert_gs(a.gs, it.e) * bt_ops<__nv_bfloat16>::kUndo;
-            const int fb0 = it.ntile * GB_NF + (half ? 128 * r : 0);
+            const int fb0 = it.ntile * GB_NF;
             if (yperm) {
                 /* permuted: piece (Q, h, c) of a row's 128 features holds component c of feature groups 4 T + Q (T =
                  * 0..3) from lanes t = h (e = 0) and t = h + 2 (e = 1); lanes t and t ^ 2 swap the component the
@@ -284,7 +270,6 @@ gq_big_kernel(gq_args a, const int *__restrict__ starts, const int *__restrict__
                     __nv_bfloat16 *yr = y + (it.row0 + rb + row) * ystride;
 #pragma unroll
                     for (int bb = 0; bb < GB_NF / 128; bb++) {
-                        if (bb > 0 && half) break; /* (warp-uniform) */
                         uint32_t own[8], got[8];
 #pragma unroll
                         for (int m = 0; m < 8; m++) { /* groups 16 bb + 2 m, + 1: this lane's component cm kept */
@@ -331,7 +316,7 @@ gq_big_kernel(gq_args a, const int *__restrict__ starts, const int *__restrict__
 #pragma unroll
                         for (int i = 0; i < GB_NF / 8; i++) {
                             const int f = fb0 + 2 * t + 8 * i; /* N is even: f and f + 1 both in range or both not */
-                            if (f < a.N && (i < GB_NF / 16 || !half)) {
+                            if (f < a.N) {
                                 __nv_bfloat162 v;
                                 v.x = cu_out<__nv_bfloat16>(acc[4 * i + 2 * hh] * mult, a.relu2);
                                 v.y = cu_out<__nv_bfloat16>(acc[4 * i + 2 * hh + 1] * mult, a.relu2);
