@@ -444,49 +444,9 @@ gq_batched_big_kernel(gq_args a, const int *__restrict__ starts, const int *__re
                 const float mult = cu_expert_gs(a.gs, it.e) * bt_ops<__nv_bfloat16>::kUndo;
                 const int nb = it.ntile * BG_NF + 2 * t;
 #if BG_XPS
-                if (ystride != a.N && !BG_YNAT) { /* piece (Q, h, c) of a row's 128 features: component c of groups
-                                                   * 4 T + Q (T = 0..3) from lanes h (e = 0) and h + 2 (e = 1) */
-                    const int cm = t >> 1, hq = t & 1, fb0 = it.ntile * BG_NF;
-                    const __nv_bfloat16 zero = __float2bfloat16(0.0f);
-#pragma unroll
-                    for (int hh = 0; hh < 2; hh++) {
-                        const int row = 16 * w + g + 8 * hh;
-                        __nv_bfloat16 *yr = y + (it.row0 + 64 * r + row) * ystride;
-#pragma unroll
-                        for (int b = 0; b < BG_NF / 128; b++) {
-                            uint32_t own[8], got[8];
-#pragma unroll
-                            for (int m = 0; m < 8; m++) { /* groups 16 b + 2 m, + 1: this lane's component cm kept */
-                                uint32_t pr[2];
-#pragma unroll
-                                for (int cc = 0; cc < 2; cc++) {
-                                    const int i0 = 16 * b + 2 * m, f0 = fb0 + 8 * i0 + 2 * t + cc;
-                                    __nv_bfloat162 v;
-                                    v.x = f0 < a.N ? cu_out<__nv_bfloat16>(acc[4 * i0 + 2 * hh + cc] * mult, a.relu2) : zero;
-                                    v.y = f0 + 8 < a.N ? cu_out<__nv_bfloat16>(acc[4 * i0 + 4 + 2 * hh + cc] * mult, a.relu2)
-                                                       : zero;
-                                    pr[cc] = *reinterpret_cast<const uint32_t *>(&v);
-                                }
-                                own[m] = cm ? pr[1] : pr[0];
-                                got[m] = __shfl_xor_sync(0xffffffffu, cm ? pr[0] : pr[1], 2); /* lane t ^ 2's component cm */
-                            }
-                            const int fblk = fb0 + 128 * b;
-                            if (row < mine && fblk < a.N) {
-#pragma unroll
-                                for (int Q = 0; Q < 4; Q++) {
-                                    uint32_t wv[4];
-#pragma unroll
-                                    for (int T = 0; T < 4; T++) {
-                                        const int m = 2 * T + (Q >> 1);
-                                        const uint32_t e0 = cm ? got[m] : own[m], e1 = cm ? own[m] : got[m];
-                                        wv[T] = __byte_perm(e0, e1, (Q & 1) ? 0x7632 : 0x5410);
-                                    }
-                                    const int p = 2 * (2 * Q + hq) + cm;
-                                    *reinterpret_cast<uint4 *>(yr + fblk + 8 * p) = make_uint4(wv[0], wv[1], wv[2], wv[3]);
-                                }
-                            }
-                        }
-                    }
+                if (ystride != a.N && !BG_YNAT) { /* production's permuted store (src/kernels/cuda/gather_big.cuh) */
+                    static_assert(BG_NF == GB_NF, "BG_XPS: production's 256-feature items");
+                    gb_store_permuted(acc, y, it.row0 + 64 * r, ystride, mine, it.ntile * BG_NF, a.N, mult, a.relu2);
                 } else
 #endif
 #pragma unroll

@@ -777,6 +777,31 @@ static void rows_case(gpu_ctx *g, int64_t E, int64_t N, int64_t K, int64_t T, in
     dev_weights_free(&dw);
 }
 
+/* The MoE cases' inputs: x (T + 1 rows of K bf16, row T NaN: outside the map) and B = T k rows of random experts
+ * (`skew`: expert draws weighted (e + 1)^-1 so some runs span several tiles; the last `oor` rows out of range, idx E),
+ * sorted on the host: row_of[p] = the unsorted row b (token b / k) of sorted row p, idx[p] its expert. */
+static void moe_case_inputs(tu_rng *r, int64_t E, int64_t K, int64_t T, int64_t k, int skew, int64_t oor,
+                            uint16_t **x, uint32_t **ids, uint32_t **row_of, uint32_t **idx) {
+    const int64_t B = T * k;
+    *x = tu_random_x(FP4MOE_BF16, T + 1, K, r);
+    for (int64_t i = 0; i < K; i++) (*x)[T * K + i] = 0x7fc0;
+    *ids = malloc((size_t)B * 4), *row_of = malloc((size_t)B * 4), *idx = malloc((size_t)B * 4);
+    assert_true(*ids && *row_of && *idx);
+    for (int64_t b = 0; b < B; b++) {
+        uint32_t e = tu_rng_below(r, (uint32_t)E);
+        if (skew && tu_rng_below(r, 2)) e = tu_rng_below(r, 1 + e); /* more rows on the low experts */
+        (*ids)[b] = b >= B - oor ? (uint32_t)E : e;                 /* the last oor rows: out of range */
+    }
+    int64_t p = 0;
+    for (uint32_t e = 0; e <= (uint32_t)E; e++)
+        for (int64_t b = 0; b < B; b++)
+            if ((*ids)[b] == e) {
+                (*row_of)[p] = (uint32_t)b;
+                (*idx)[p++] = e;
+            }
+    assert_int_equal(p, B);
+}
+
 /* ---- gather_qmm_cuda_moe_rows: a MoE layer's up and down projections in one launch ------------------------------
  * T tokens, k experts each (duplicates allowed; `skew`: expert draws weighted (e + 1)^-1 so some runs span several
  * 32-row tiles), sorted on the host; the fused call against gather_qmm_cuda_rows (up, relu^2) then
@@ -792,22 +817,9 @@ static void moe_pair_case(gpu_ctx *g, int64_t E, int64_t N, int64_t K, int64_t N
     dev_weights_make(g, &du, E, N, K, 1, &r);
     dev_weights_make(g, &dd, E, N2, N, 1, &r);
     const int64_t B = T * k;
-    uint16_t *x = tu_random_x(FP4MOE_BF16, T + 1, K, &r);
-    for (int64_t i = 0; i < K; i++) x[T * K + i] = 0x7fc0; /* row T: NaN, outside the map */
-    uint32_t *ids = malloc((size_t)B * 4), *row_of = malloc((size_t)B * 4), *idx = malloc((size_t)B * 4);
-    assert_true(ids && row_of && idx);
-    for (int64_t b = 0; b < B; b++) {
-        uint32_t e = tu_rng_below(&r, (uint32_t)E);
-        if (skew && tu_rng_below(&r, 2)) e = tu_rng_below(&r, 1 + e); /* more rows on the low experts */
-        ids[b] = e;
-    }
-    int64_t p = 0;
-    for (uint32_t e = 0; e < (uint32_t)E; e++)
-        for (int64_t b = 0; b < B; b++)
-            if (ids[b] == e) {
-                row_of[p] = (uint32_t)b;
-                idx[p++] = e;
-            }
+    uint16_t *x;
+    uint32_t *ids, *row_of, *idx;
+    moe_case_inputs(&r, E, K, T, k, skew, 0, &x, &ids, &row_of, &idx);
     void *dx = gt_upload(x, (size_t)((T + 1) * K) * 2);
     uint32_t *didx = gt_upload(idx, (size_t)B * 4), *drow = gt_upload(row_of, (size_t)B * 4);
     const size_t hb = (size_t)(B * N) * 2, yb = (size_t)(B * N2) * 2;
@@ -920,23 +932,9 @@ static void moe_big_case(gpu_ctx *g, int64_t E, int64_t N, int64_t K, int64_t N2
     dev_weights_make(g, &du, E, N, K, 1, &r);
     dev_weights_make(g, &dd, E, N2, N, 1, &r);
     const int64_t B = T * k;
-    uint16_t *x = tu_random_x(FP4MOE_BF16, T + 1, K, &r);
-    for (int64_t i = 0; i < K; i++) x[T * K + i] = 0x7fc0; /* row T: NaN, outside the map */
-    uint32_t *ids = malloc((size_t)B * 4), *row_of = malloc((size_t)B * 4), *idx = malloc((size_t)B * 4);
-    assert_true(ids && row_of && idx);
-    for (int64_t b = 0; b < B; b++) {
-        uint32_t e = tu_rng_below(&r, (uint32_t)E);
-        if (skew && tu_rng_below(&r, 2)) e = tu_rng_below(&r, 1 + e); /* more rows on the low experts */
-        ids[b] = b >= B - oor ? (uint32_t)E : e;                     /* the last oor rows: out of range */
-    }
-    int64_t p = 0;
-    for (uint32_t e = 0; e <= (uint32_t)E; e++)
-        for (int64_t b = 0; b < B; b++)
-            if (ids[b] == e) {
-                row_of[p] = (uint32_t)b;
-                idx[p++] = e;
-            }
-    assert_int_equal(p, B);
+    uint16_t *x;
+    uint32_t *ids, *row_of, *idx;
+    moe_case_inputs(&r, E, K, T, k, skew, oor, &x, &ids, &row_of, &idx);
     void *dx = gt_upload(x, (size_t)((T + 1) * K) * 2);
     uint32_t *didx = gt_upload(idx, (size_t)B * 4), *drow = gt_upload(row_of, (size_t)B * 4);
     const size_t hb = (size_t)(B * N) * 2, yb = (size_t)(B * N2) * 2;

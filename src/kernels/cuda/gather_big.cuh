@@ -168,6 +168,85 @@ __device__ __forceinline__ int64_t gb_fetch(int *ctr, int *next_item, int64_t j,
     return (int64_t)gridDim.x + next_item[(j + 1) & 3];
 }
 
+/* A consumer warpgroup's epilogue (gw_store's arithmetic, cu_out): acc[4 i + h] = the product of row row0 + 16 w + g +
+ * 8 (h / 2), feature fb0 + 8 i + 2 t + h % 2 (w: the warp in the warpgroup, g = lane / 4, t = lane % 4); rows below
+ * `mine` stored, features below N. bench/gather_big.cuh's variants store through the same two functions. */
+/* y in the permuted order (rows of ystride = gb_pad(N), zeros past N: the next projection's x) */
+__device__ __forceinline__ void gb_store_permuted(const float (&acc)[GB_NF / 2], __nv_bfloat16 *y, int64_t row0,
+                                  int ystride, int mine, int fb0, int N, float mult, int relu2) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, w = (threadIdx.x >> 5) & 3;
+    /* permuted: piece (Q, h, c) of a row's 128 features holds component c of feature groups 4 T + Q (T =
+     * 0..3) from lanes t = h (e = 0) and t = h + 2 (e = 1); lanes t and t ^ 2 swap the component the
+     * other keeps, then each lane stores 4 whole pieces a row (Q = 0..3, h = t % 2, c = t / 2) */
+    const int cm = t >> 1, hq = t & 1;
+    const __nv_bfloat16 zero = __float2bfloat16(0.0f);
+#pragma unroll
+    for (int hh = 0; hh < 2; hh++) {
+        const int row = 16 * w + g + 8 * hh;
+        __nv_bfloat16 *yr = y + (row0 + row) * ystride;
+#pragma unroll
+        for (int bb = 0; bb < GB_NF / 128; bb++) {
+            uint32_t own[8], got[8];
+#pragma unroll
+            for (int m = 0; m < 8; m++) { /* groups 16 bb + 2 m, + 1: this lane's component cm kept */
+                uint32_t pr[2];
+#pragma unroll
+                for (int cc = 0; cc < 2; cc++) {
+                    const int i0 = 16 * bb + 2 * m, f0 = fb0 + 8 * i0 + 2 * t + cc;
+                    __nv_bfloat162 v;
+                    v.x = f0 < N ? cu_out<__nv_bfloat16>(acc[4 * i0 + 2 * hh + cc] * mult, relu2) : zero;
+                    v.y = f0 + 8 < N ? cu_out<__nv_bfloat16>(acc[4 * i0 + 4 + 2 * hh + cc] * mult, relu2)
+                                       : zero;
+                    pr[cc] = *reinterpret_cast<const uint32_t *>(&v);
+                }
+                own[m] = cm ? pr[1] : pr[0];
+                got[m] = __shfl_xor_sync(0xffffffffu, cm ? pr[0] : pr[1], 2); /* lane t ^ 2's component cm */
+            }
+            const int fblk = fb0 + 128 * bb;
+            if (row < mine && fblk < N) {
+#pragma unroll
+                for (int Q = 0; Q < 4; Q++) {
+                    uint32_t wv[4];
+#pragma unroll
+                    for (int T = 0; T < 4; T++) {
+                        const int m = 2 * T + (Q >> 1);
+                        const uint32_t e0 = cm ? got[m] : own[m], e1 = cm ? own[m] : got[m];
+                        wv[T] = __byte_perm(e0, e1, (Q & 1) ? 0x7632 : 0x5410);
+                    }
+    #ifdef FP4MOE_INJECT_FAULT_BIG_YPERM /* deliberate fault (tests must catch it): pieces c = 0 and 1 swapped */
+                    const int p = 2 * (2 * Q + hq) + (cm ^ 1);
+    #else
+                    const int p = 2 * (2 * Q + hq) + cm;
+    #endif
+                    *reinterpret_cast<uint4 *>(yr + fblk + 8 * p) = make_uint4(wv[0], wv[1], wv[2], wv[3]);
+                }
+            }
+        }
+    }
+}
+/* y in the natural order (rows of ystride elements) */
+__device__ __forceinline__ void gb_store_natural(const float (&acc)[GB_NF / 2], __nv_bfloat16 *y, int64_t row0,
+                                 int ystride, int mine, int fb0, int N, float mult, int relu2) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, w = (threadIdx.x >> 5) & 3;
+#pragma unroll
+    for (int hh = 0; hh < 2; hh++) {
+        const int row = 16 * w + g + 8 * hh;
+        if (row < mine) {
+            __nv_bfloat16 *yr = y + (row0 + row) * ystride;
+#pragma unroll
+            for (int i = 0; i < GB_NF / 8; i++) {
+                const int f = fb0 + 2 * t + 8 * i; /* N is even: f and f + 1 both in range or both not */
+                if (f < N) {
+                    __nv_bfloat162 v;
+                    v.x = cu_out<__nv_bfloat16>(acc[4 * i + 2 * hh] * mult, relu2);
+                    v.y = cu_out<__nv_bfloat16>(acc[4 * i + 2 * hh + 1] * mult, relu2);
+                    *reinterpret_cast<__nv_bfloat162 *>(yr + f) = v;
+                }
+            }
+        }
+    }
+}
+
 /* A consumer's K loop over one item, from the x copies of steps 0 and 1 already issued; `next` from the dynamic
  * order's slot (NULL: static) after step 0's FULL barrier */
 __device__ __forceinline__ void gb_steps(float (&acc)[GB_NF / 2], const gq_args &a, const gb_xcopy &xc, uint8_t *xbuf,
@@ -231,7 +310,7 @@ gq_big_kernel(gq_args a, const int *__restrict__ starts, const int *__restrict__
         if (gs >= 2) gb_sync(3 + (int)((gs - 2) & 1));
         if (gs >= 1) gb_sync(3 + (int)((gs - 1) & 1));
     } else { /* the consumers: rows 64 r .. 64 r + 63 of an item */
-        const int r = wg - 1, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, w = (threadIdx.x >> 5) & 3;
+        const int r = wg - 1;
         int xb = 0; /* the x buffer of step gs: gs % 3 */
         int64_t next = 0;
         for (int64_t item = blockIdx.x, j = 0; item < total; item = next, j++) {
@@ -258,74 +337,8 @@ gq_big_kernel(gq_args a, const int *__restrict__ starts, const int *__restrict__
             __nv_bfloat16 *y = static_cast<__nv_bfloat16 *>(a.y);
             const float mult = cu_expert_gs(a.gs, it.e) * bt_ops<__nv_bfloat16>::kUndo;
             const int fb0 = it.ntile * GB_NF;
-            if (yperm) {
-                /* permuted: piece (Q, h, c) of a row's 128 features holds component c of feature groups 4 T + Q (T =
-                 * 0..3) from lanes t = h (e = 0) and t = h + 2 (e = 1); lanes t and t ^ 2 swap the component the
-                 * other keeps, then each lane stores 4 whole pieces a row (Q = 0..3, h = t % 2, c = t / 2) */
-                const int cm = t >> 1, hq = t & 1;
-                const __nv_bfloat16 zero = __float2bfloat16(0.0f);
-#pragma unroll
-                for (int hh = 0; hh < 2; hh++) {
-                    const int row = 16 * w + g + 8 * hh;
-                    __nv_bfloat16 *yr = y + (it.row0 + rb + row) * ystride;
-#pragma unroll
-                    for (int bb = 0; bb < GB_NF / 128; bb++) {
-                        uint32_t own[8], got[8];
-#pragma unroll
-                        for (int m = 0; m < 8; m++) { /* groups 16 bb + 2 m, + 1: this lane's component cm kept */
-                            uint32_t pr[2];
-#pragma unroll
-                            for (int cc = 0; cc < 2; cc++) {
-                                const int i0 = 16 * bb + 2 * m, f0 = fb0 + 8 * i0 + 2 * t + cc;
-                                __nv_bfloat162 v;
-                                v.x = f0 < a.N ? cu_out<__nv_bfloat16>(acc[4 * i0 + 2 * hh + cc] * mult, a.relu2) : zero;
-                                v.y = f0 + 8 < a.N ? cu_out<__nv_bfloat16>(acc[4 * i0 + 4 + 2 * hh + cc] * mult, a.relu2)
-                                                   : zero;
-                                pr[cc] = *reinterpret_cast<const uint32_t *>(&v);
-                            }
-                            own[m] = cm ? pr[1] : pr[0];
-                            got[m] = __shfl_xor_sync(0xffffffffu, cm ? pr[0] : pr[1], 2); /* lane t ^ 2's component cm */
-                        }
-                        const int fblk = fb0 + 128 * bb;
-                        if (row < mine && fblk < a.N) {
-#pragma unroll
-                            for (int Q = 0; Q < 4; Q++) {
-                                uint32_t wv[4];
-#pragma unroll
-                                for (int T = 0; T < 4; T++) {
-                                    const int m = 2 * T + (Q >> 1);
-                                    const uint32_t e0 = cm ? got[m] : own[m], e1 = cm ? own[m] : got[m];
-                                    wv[T] = __byte_perm(e0, e1, (Q & 1) ? 0x7632 : 0x5410);
-                                }
-#ifdef FP4MOE_INJECT_FAULT_BIG_YPERM /* deliberate fault (tests must catch it): pieces c = 0 and 1 swapped */
-                                const int p = 2 * (2 * Q + hq) + (cm ^ 1);
-#else
-                                const int p = 2 * (2 * Q + hq) + cm;
-#endif
-                                *reinterpret_cast<uint4 *>(yr + fblk + 8 * p) = make_uint4(wv[0], wv[1], wv[2], wv[3]);
-                            }
-                        }
-                    }
-                }
-            } else {
-#pragma unroll
-                for (int hh = 0; hh < 2; hh++) {
-                    const int row = 16 * w + g + 8 * hh;
-                    if (row < mine) {
-                        __nv_bfloat16 *yr = y + (it.row0 + rb + row) * ystride;
-#pragma unroll
-                        for (int i = 0; i < GB_NF / 8; i++) {
-                            const int f = fb0 + 2 * t + 8 * i; /* N is even: f and f + 1 both in range or both not */
-                            if (f < a.N) {
-                                __nv_bfloat162 v;
-                                v.x = cu_out<__nv_bfloat16>(acc[4 * i + 2 * hh] * mult, a.relu2);
-                                v.y = cu_out<__nv_bfloat16>(acc[4 * i + 2 * hh + 1] * mult, a.relu2);
-                                *reinterpret_cast<__nv_bfloat162 *>(yr + f) = v;
-                            }
-                        }
-                    }
-                }
-            }
+            if (yperm) gb_store_permuted(acc, y, it.row0 + rb, ystride, mine, fb0, a.N, mult, a.relu2);
+            else gb_store_natural(acc, y, it.row0 + rb, ystride, mine, fb0, a.N, mult, a.relu2);
         }
     }
     bt_zero_tail(static_cast<__nv_bfloat16 *>(a.y), starts, a.E, a.B, ystride);
