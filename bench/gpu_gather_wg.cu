@@ -23,7 +23,8 @@
  * kernel that production's gq_batched_w32_kernel (32 features a warp, written as bench/gather_f32w.cuh
  * in session 17, measured 0.88x at 512 tokens and moved to production in session 18) replaced;
  * tiled layout only. The timing table has uniform and skewed routing (Zipf exponent 0.5) at each size
- * (session 19). WK_XPERM=1: the candidate is bench/gather_xperm.cuh's w32 kernel staging x by cp.async from an
+ * (session 19); WK_ROUTE_FILE=bench/moe_route_synth30b_2048.txt puts the synthetic model's own counts (one layer,
+ * scaled to the size) in place of the Zipf row (session 46: the model is far more skewed; route_lens). WK_XPERM=1: the candidate is bench/gather_xperm.cuh's w32 kernel staging x by cp.async from an
  * x its producer wrote permuted (session 28; tiled layout only; XP_XBUF=2 XP_MINB=4 for 4 blocks an SM, XP_MT=40
  * for 40-row items). Usage: gpu_gather_wg (WK_CHECKS=small: only the small checks, for compute-sanitizer;
  * WK_CHECKS=none: no checks, WK_TOKENS=T[,T...]: only the timings of those sizes, e.g. for Nsight Compute; 16384
@@ -36,6 +37,8 @@
  * projections in one launch), checked as a pair (h and y bitwise) and timed against production's two calls, both
  * with the runs made per call (the production column) and made once (the last columns: as the router's sort makes
  * them). */
+#include <errno.h>
+
 #include "kernels/cuda/gather_batched.cu"
 
 extern "C" {
@@ -189,6 +192,48 @@ static int prod_pair_runs(gq_args u, gq_args d, cudaStream_t st) {
 }
 
 /* ---- host side ---------------------------------------------------------------------------------- */
+
+/* WK_ROUTE_FILE (e.g. bench/moe_route_synth30b_2048.txt: one line of 128 expert row counts a MoE layer of a 2,048-token
+ * prefill, '#' lines skipped): layer WK_ROUTE_LAYER's counts scaled to T tokens (6 T rows; the remainder of the
+ * rounding to the largest experts), so that the timing table's second row of each size has the model's skew
+ * (session 46: the synthetic model leaves 42-68 experts under 64 rows at 2,048 tokens; the Zipf 0.5 row none) */
+#ifndef WK_ROUTE_LAYER
+#define WK_ROUTE_LAYER 11
+#endif
+static int route_lens(const char *path, int T, int lens[128]) {
+    FILE *f = fopen(path, "r");
+    if (!f) { fprintf(stderr, "WK_ROUTE_FILE %s: %s\n", path, strerror(errno)); return 1; }
+    char line[4096];
+    int layer = 0, got = 0;
+    while (!got && fgets(line, sizeof line, f)) {
+        if (line[0] == '#' || line[0] == '\n') continue;
+        if (layer++ != WK_ROUTE_LAYER) continue;
+        char *p = line;
+        long tot = 0;
+        for (int e = 0; e < 128; e++) {
+            char *end;
+            const long v = strtol(p, &end, 10);
+            if (end == p || v < 0) { fprintf(stderr, "WK_ROUTE_FILE %s: layer %d: count %d missing or bad\n", path, WK_ROUTE_LAYER, e); fclose(f); return 1; }
+            lens[e] = (int)v;
+            tot += v;
+            p = end;
+        }
+        if (tot <= 0) { fprintf(stderr, "WK_ROUTE_FILE %s: layer %d: no rows\n", path, WK_ROUTE_LAYER); fclose(f); return 1; }
+        long sum = 0;
+        int big = 0;
+        for (int e = 0; e < 128; e++) {
+            lens[e] = (int)((double)lens[e] * 6.0 * T / (double)tot);
+            sum += lens[e];
+            if (lens[e] > lens[big]) big = e;
+        }
+        lens[big] += (int)(6L * T - sum);
+        got = 1;
+    }
+    fclose(f);
+    if (!got) { fprintf(stderr, "WK_ROUTE_FILE %s: no layer %d\n", path, WK_ROUTE_LAYER); return 1; }
+    return 0;
+}
+
 
 typedef struct {
     int E, N, K;
@@ -454,10 +499,11 @@ int main(void) {
      * (a Zipf law; 0.5 gives the 512-token w32 tile count that matches the synthetic model's gather
      * time, 1.2x the uniform one, docs/GPU-NOTES.md session 19) */
     const double skews[] = {0.0, 0.5};
+    const char *route_file = getenv("WK_ROUTE_FILE");
     for (int ti = 0; ti < 16; ti++) {
         const int T = Ts[ti / 2], B = 6 * T;
         if ((T > 8192 || T == 4096 || T == 1024) && !only_T) continue;
-        const double skew = skews[ti % 2];
+        double skew = skews[ti % 2];
         double cw[128], tot = 0;
         for (int e = 0; e < 128; e++) cw[e] = tot += pow(e + 1.0, -skew);
         int lens[128] = {0}, maxlen = 0, tiles32 = 0;
@@ -475,6 +521,10 @@ int main(void) {
                 ch[k] = e;
                 lens[e]++;
             }
+        }
+        if (route_file && ti % 2 == 1) { /* the skewed row: the model's own counts instead (WK_ROUTE_FILE) */
+            if (route_lens(route_file, T, lens)) return 1;
+            skew = -1.0;
         }
         for (int e = 0; e < 128; e++) { maxlen = lens[e] > maxlen ? lens[e] : maxlen; tiles32 += (lens[e] + 31) / 32; }
         if (only_T) { /* (after the routing draws: the same routing as a full run) */
@@ -512,8 +562,9 @@ int main(void) {
             const float t2 = T >= 2048 ? gt_time_ms(run_pair, &c2, 5, 2) : 0.0f;
             const float t3 = gt_time_ms(run_pair, &c3, 7, inner);
             const float t1b = gt_time_ms(run_pair, &c1, 7, inner); /* the candidate again: drift */
-            printf("| %d | %s, skew %.1f (max run %d, %d 32-row tiles) | %.4f | %.4f / %.4f | %.4f | %.2f | %.4f | %.3f |\n",
-                   T, tl ? "tiled" : "rows", skew, maxlen, tiles32, t0, t1, t1b, t2, t1 / t0, t3, t1b / t3);
+            printf("| %d | %s, %s %.1f (max run %d, %d 32-row tiles) | %.4f | %.4f / %.4f | %.4f | %.2f | %.4f | %.3f |\n",
+                   T, tl ? "tiled" : "rows", skew < 0 ? "model layer" : "skew", skew < 0 ? (double)WK_ROUTE_LAYER : skew,
+                   maxlen, tiles32, t0, t1, t1b, t2, t1 / t0, t3, t1b / t3);
         }
         free(hidx);
         gt_free(didx); gt_free(x); gt_free(h); gt_free(y);
