@@ -24,7 +24,8 @@
  * are 8 rows x 64 contiguous bytes into 8 different 16-byte bank groups; rows padded with zeros to whole steps
  * (gb_pad). The up projection's input is permuted by gb_permute_kernel; its output h is written permuted (and
  * padded) by the epilogue for the down projection, as whole 16-byte pieces after one shuffle between lanes t and
- * t ^ 2. Measured (H100, bench/gpu_gather_wg, up + down of one 30B-A3B layer): docs/PERFORMANCE.md, session 45. */
+ * t ^ 2. Measured (H100): docs/PERFORMANCE.md, sessions 45 (bench/gpu_gather_wg) and 46 (end to end: the threshold,
+ * GQ_BIG_ROWS_PER_EXPERT, and the work counter). */
 #ifndef FP4MOE_KERNELS_CUDA_GATHER_BIG_CUH
 #define FP4MOE_KERNELS_CUDA_GATHER_BIG_CUH
 
