@@ -3,9 +3,10 @@
 # prices it against the 64-row tiles inside a real prefill (issue 12), most important first, each step under a time
 # limit and printed at once (a call cut short keeps what it had):
 #   1. test_ops_gpu test_moe_pair / test_moe_big (bitwise against the 64-row kernel);
-#   2. prefill 2,048 / 4,096 / 8,192 + 8 of the synthetic 30B-A3B, big tiles on (default: from 4,096 tokens) and off
-#      (FP4MOE_CUDA_MOE_BIG=0), two alternated rounds; hashes must be equal;
-#   3. the fault builds f_bigs / f_bigx / f_bigy must fail test_moe_big; compute-sanitizer memcheck / racecheck;
+#   2. prefill 2,048 / 4,096 / 8,192 + 8 of the synthetic 30B-A3B, big tiles on (default: from 4,096 tokens, short
+#      remainders on 64-row tiles), =all (every row on big tiles) and off (=0), two alternated rounds; hashes must
+#      be equal;
+#   3. the fault builds f_bigs / f_bigx / f_bigy / f_bigr must fail test_moe_big; compute-sanitizer memcheck / racecheck;
 #   4. the greedy hash with FP4MOE_GATHER_EXPERT_BATCHED=0 (TOKENS + 8, default 4,096);
 #   5. the bench candidates of CAND (bench/build-bench-variants.sh of gpu_gather_wg, e.g. BG_XCO / BG_XPS) at
 #      1,024-8,192 tokens, timings only (uniform / skewed routing: the production column is two 64-row calls);
@@ -29,11 +30,12 @@ t0=$SECONDS
 FP4MOE_TEST_FILTER=test_moe timeout 150 $T >"$OUT/moe_tests.log" 2>&1
 echo "test_ops_gpu test_moe*: exit $? $((SECONDS - t0)) s"; grep -h "OK \]\|FAILED\|moe big\|moe pair" "$OUT/moe_tests.log" | head -8
 printf '#!/bin/sh\nexec env FP4MOE_CUDA_MOE_BIG=0 %s "$@"\n' "$B/fp4moe" >$B/big0
-chmod +x $B/big0
+printf '#!/bin/sh\nexec env FP4MOE_CUDA_MOE_BIG=all %s "$@"\n' "$B/fp4moe" >$B/bigall
+chmod +x $B/big0 $B/bigall
 A="--synthetic nemotron-3-nano-30b-a3b --device cuda"
 for P in 2048 4096 8192; do
     OUT=$OUT/p$P timeout 200 bash bench/gpu-compare.sh $B 2 "$A --prompt-tokens $P --gen-tokens 8 --repeats 2" \
-        dyn=$B/fp4moe ${VAR:+var=$VAR} big0=$B/big0 >"$OUT/p$P.txt" 2>&1
+        dyn=$B/fp4moe ${VAR:+var=$VAR} all=$B/bigall big0=$B/big0 >"$OUT/p$P.txt" 2>&1
     echo "== prefill $P + 8"; grep '^| [a-z]' "$OUT/p$P.txt" | grep -v '^| build'; grep -v '^|' "$OUT/p$P.txt" | head -2
 done
 summ() { # ncu csv -> per kernel name: launches, total us, mean us; and the sum
@@ -60,7 +62,7 @@ for t in test_ops_gpu test_gather_qmm_gpu test_model_gpu; do
     FP4MOE_TEST_QUICK=1 timeout 120 $B/$t >"$OUT/$t.log" 2>&1
     echo "$t: exit $? $((SECONDS - t0)) s, $(grep -c '^\[       OK' "$OUT/$t.log") ok; $(grep -m2 'FAILED  \] [a-z]' "$OUT/$t.log" | tr '\n' ' ')"
 done
-for f in f_bigs f_bigx f_bigy; do
+for f in f_bigs f_bigx f_bigy f_bigr; do
     [ -f "$PKG/$f/0/test_ops_gpu.xz" ] || continue
     xz -dc "$PKG/$f/0/test_ops_gpu.xz" >$B/$f && chmod +x $B/$f
     FP4MOE_TEST_FILTER=test_moe_big timeout 60 $B/$f >"$OUT/$f.log" 2>&1

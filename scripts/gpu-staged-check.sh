@@ -76,6 +76,7 @@ f_route test_gather_qmm_gpu src/kernels/cuda/gather_qmm_cuda.cu ROUTE_ROWS route
 f_bigx test_ops_gpu src/kernels/cuda/gather_batched.cu BIG_XCOPY test_moe_big
 f_bigy test_ops_gpu src/kernels/cuda/gather_batched.cu BIG_YPERM test_moe_big
 f_bigs test_ops_gpu src/kernels/cuda/gather_batched.cu BIG_SCHED test_moe_big
+f_bigr test_ops_gpu src/kernels/cuda/gather_qmm_cuda.cu BIG_REM test_moe_big
 "
 if [ "${1:-}" = "--package" ]; then
     BINP=${2:?usage: --package BIN}

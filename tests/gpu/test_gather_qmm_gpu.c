@@ -19,8 +19,9 @@
  * FP4MOE_CUDA_GATHER_SCHED=static.
  *
  * The automatic route's thresholds (route_choice, host-only: it runs without a device too, and is then the only
- * test): qmv for unsorted or < 64 rows, dequant_gemm for plain linears from 256 rows and for experts from 512 rows
- * an expert on average (the 8,192-token MoE step, 384 an expert, stays batched: docs/PERFORMANCE.md session 38),
+ * test): qmv for unsorted or < 64 rows, dequant_gemm for plain linears from 256 rows and for experts from 1,024 rows
+ * an expert on average (512 with FP4MOE_CUDA_MOE_BIG=0; the 8,192-token MoE step, 384 an expert, stays batched:
+ * docs/PERFORMANCE.md sessions 38 and 47),
  * FP4MOE_GATHER_EXPERT_BATCHED=0 replacing batched by qmv and nothing else; fault ROUTE_ROWS must fail it.
  *
  * Environment: FP4MOE_TEST_ROUTE=qmv|batched|dequant_gemm|auto runs one route only (fault check);
@@ -333,42 +334,52 @@ static void test_errors(void **state) {
 /* gather_qmm_cuda_auto_route against the rule, with the route environment cleared (and put back) */
 static void test_route_choice(void **state) {
     (void)state;
-    const char *saved[2] = {getenv("FP4MOE_GATHER_ROUTE"), getenv("FP4MOE_GATHER_EXPERT_BATCHED")};
-    char *keep[2] = {saved[0] ? strdup(saved[0]) : NULL, saved[1] ? strdup(saved[1]) : NULL};
+    static const char *names[3] = {"FP4MOE_GATHER_ROUTE", "FP4MOE_GATHER_EXPERT_BATCHED", "FP4MOE_CUDA_MOE_BIG"};
+    char *keep[3];
+    for (int j = 0; j < 3; j++) keep[j] = getenv(names[j]) ? strdup(getenv(names[j])) : NULL;
     tu_setenv("FP4MOE_GATHER_ROUTE", NULL);
-    static const struct { int64_t B, E; int sorted, off; fp4moe_route want; } k[] = {
-        {6, 128, 1, 0, FP4MOE_ROUTE_QMV},                  /* a decode token */
-        {1000, 128, 0, 0, FP4MOE_ROUTE_QMV},               /* unsorted */
-        {63, 8, 1, 0, FP4MOE_ROUTE_QMV},                   /* below FP4MOE_BATCHED_MIN_ROWS */
-        {64, 8, 1, 0, FP4MOE_ROUTE_BATCHED},
-        {6 * 512, 128, 1, 0, FP4MOE_ROUTE_BATCHED},        /* 512-token MoE step */
-        {256 * 128, 128, 1, 0, FP4MOE_ROUTE_BATCHED},      /* 256 rows an expert: batched since session 38 */
-        {6 * 8192, 128, 1, 0, FP4MOE_ROUTE_BATCHED},       /* 8,192-token MoE step, 384 an expert */
-        {512 * 128 - 1, 128, 1, 0, FP4MOE_ROUTE_BATCHED},
-        {512 * 128, 128, 1, 0, FP4MOE_ROUTE_DEQUANT_GEMM}, /* 512 an expert */
-        {6 * 32768, 128, 1, 0, FP4MOE_ROUTE_DEQUANT_GEMM},
-        {3072, 8, 1, 0, FP4MOE_ROUTE_BATCHED},             /* the cases above: 384 an expert */
-        {40000, 8, 1, 0, FP4MOE_ROUTE_DEQUANT_GEMM},
-        {255, 1, 1, 0, FP4MOE_ROUTE_BATCHED},              /* plain linears: 256 rows */
-        {256, 1, 1, 0, FP4MOE_ROUTE_DEQUANT_GEMM},
-        {6 * 8192, 128, 1, 1, FP4MOE_ROUTE_QMV},           /* the switch off: batched -> qmv only */
-        {512 * 128, 128, 1, 1, FP4MOE_ROUTE_DEQUANT_GEMM},
-        {256, 1, 1, 1, FP4MOE_ROUTE_DEQUANT_GEMM},
-        {255, 1, 1, 1, FP4MOE_ROUTE_QMV},
+    /* big: 0: FP4MOE_CUDA_MOE_BIG=0 (the experts' dequant_gemm from 512 rows an expert, not 1,024) */
+    static const struct { int64_t B, E; int sorted, off, big; fp4moe_route want; } k[] = {
+        {6, 128, 1, 0, 1, FP4MOE_ROUTE_QMV},                  /* a decode token */
+        {1000, 128, 0, 0, 1, FP4MOE_ROUTE_QMV},               /* unsorted */
+        {63, 8, 1, 0, 1, FP4MOE_ROUTE_QMV},                   /* below FP4MOE_BATCHED_MIN_ROWS */
+        {64, 8, 1, 0, 1, FP4MOE_ROUTE_BATCHED},
+        {6 * 512, 128, 1, 0, 1, FP4MOE_ROUTE_BATCHED},        /* 512-token MoE step */
+        {256 * 128, 128, 1, 0, 1, FP4MOE_ROUTE_BATCHED},      /* 256 rows an expert: batched since session 38 */
+        {6 * 8192, 128, 1, 0, 1, FP4MOE_ROUTE_BATCHED},       /* 8,192-token MoE step, 384 an expert */
+        {512 * 128, 128, 1, 0, 1, FP4MOE_ROUTE_BATCHED},      /* 512 an expert: the big tiles' (session 47) */
+        {6 * 16384, 128, 1, 0, 1, FP4MOE_ROUTE_BATCHED},      /* 16,384-token MoE step, 768 an expert */
+        {1024 * 128 - 1, 128, 1, 0, 1, FP4MOE_ROUTE_BATCHED},
+        {1024 * 128, 128, 1, 0, 1, FP4MOE_ROUTE_DEQUANT_GEMM}, /* 1,024 an expert */
+        {6 * 32768, 128, 1, 0, 1, FP4MOE_ROUTE_DEQUANT_GEMM},
+        {512 * 128 - 1, 128, 1, 0, 0, FP4MOE_ROUTE_BATCHED},  /* big tiles off: 512 an expert */
+        {512 * 128, 128, 1, 0, 0, FP4MOE_ROUTE_DEQUANT_GEMM},
+        {3072, 8, 1, 0, 1, FP4MOE_ROUTE_BATCHED},             /* the cases above: 384 an expert */
+        {40000, 8, 1, 0, 1, FP4MOE_ROUTE_DEQUANT_GEMM},
+        {255, 1, 1, 0, 1, FP4MOE_ROUTE_BATCHED},              /* plain linears: 256 rows (big tiles or not) */
+        {256, 1, 1, 0, 1, FP4MOE_ROUTE_DEQUANT_GEMM},
+        {256, 1, 1, 0, 0, FP4MOE_ROUTE_DEQUANT_GEMM},
+        {6 * 8192, 128, 1, 1, 1, FP4MOE_ROUTE_QMV},           /* the switch off: batched -> qmv only */
+        {512 * 128, 128, 1, 1, 1, FP4MOE_ROUTE_QMV},
+        {1024 * 128, 128, 1, 1, 1, FP4MOE_ROUTE_DEQUANT_GEMM},
+        {512 * 128, 128, 1, 1, 0, FP4MOE_ROUTE_DEQUANT_GEMM},
+        {256, 1, 1, 1, 1, FP4MOE_ROUTE_DEQUANT_GEMM},
+        {255, 1, 1, 1, 1, FP4MOE_ROUTE_QMV},
     };
     int bad = 0;
     for (size_t i = 0; i < sizeof k / sizeof k[0]; i++) {
         tu_setenv("FP4MOE_GATHER_EXPERT_BATCHED", k[i].off ? "0" : NULL);
+        tu_setenv("FP4MOE_CUDA_MOE_BIG", k[i].big ? NULL : "0");
         const fp4moe_route got = gather_qmm_cuda_auto_route(k[i].B, k[i].E, k[i].sorted);
         if (got != k[i].want) {
-            fprintf(stderr, "route_choice: B=%lld E=%lld %s%s: %s, expected %s\n", (long long)k[i].B, (long long)k[i].E,
-                    k[i].sorted ? "sorted" : "unsorted", k[i].off ? " EXPERT_BATCHED=0" : "", fp4moe_route_name(got),
-                    fp4moe_route_name(k[i].want));
+            fprintf(stderr, "route_choice: B=%lld E=%lld %s%s%s: %s, expected %s\n", (long long)k[i].B,
+                    (long long)k[i].E, k[i].sorted ? "sorted" : "unsorted", k[i].off ? " EXPERT_BATCHED=0" : "",
+                    k[i].big ? "" : " MOE_BIG=0", fp4moe_route_name(got), fp4moe_route_name(k[i].want));
             bad++;
         }
     }
-    for (int j = 0; j < 2; j++) {
-        tu_setenv(j ? "FP4MOE_GATHER_EXPERT_BATCHED" : "FP4MOE_GATHER_ROUTE", keep[j]);
+    for (int j = 0; j < 3; j++) {
+        tu_setenv(names[j], keep[j]);
         free(keep[j]);
     }
     assert_int_equal(bad, 0);

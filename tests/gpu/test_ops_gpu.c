@@ -778,8 +778,10 @@ static void rows_case(gpu_ctx *g, int64_t E, int64_t N, int64_t K, int64_t T, in
 }
 
 /* The MoE cases' inputs: x (T + 1 rows of K bf16, row T NaN: outside the map) and B = T k rows of random experts
- * (`skew`: expert draws weighted (e + 1)^-1 so some runs span several tiles; the last `oor` rows out of range, idx E),
- * sorted on the host: row_of[p] = the unsorted row b (token b / k) of sorted row p, idx[p] its expert. */
+ * (`skew` 1: expert draws weighted (e + 1)^-1 so some runs span several tiles; 2: runs of chosen lengths around the
+ * 64- and 128-row tile bounds, expert e taking kLens[e % 12] rows, the last expert the rest, in a random order; the
+ * last `oor` rows out of range, idx E), sorted on the host: row_of[p] = the unsorted row b (token b / k) of sorted
+ * row p, idx[p] its expert. */
 static void moe_case_inputs(tu_rng *r, int64_t E, int64_t K, int64_t T, int64_t k, int skew, int64_t oor,
                             uint16_t **x, uint32_t **ids, uint32_t **row_of, uint32_t **idx) {
     const int64_t B = T * k;
@@ -789,8 +791,19 @@ static void moe_case_inputs(tu_rng *r, int64_t E, int64_t K, int64_t T, int64_t 
     assert_true(*ids && *row_of && *idx);
     for (int64_t b = 0; b < B; b++) {
         uint32_t e = tu_rng_below(r, (uint32_t)E);
-        if (skew && tu_rng_below(r, 2)) e = tu_rng_below(r, 1 + e); /* more rows on the low experts */
-        (*ids)[b] = b >= B - oor ? (uint32_t)E : e;                 /* the last oor rows: out of range */
+        if (skew == 1 && tu_rng_below(r, 2)) e = tu_rng_below(r, 1 + e); /* more rows on the low experts */
+        (*ids)[b] = b >= B - oor ? (uint32_t)E : e;                      /* the last oor rows: out of range */
+    }
+    if (skew == 2) {
+        static const int64_t kLens[12] = {0, 1, 64, 65, 128, 192, 63, 129, 300, 320, 127, 200};
+        int64_t b = 0;
+        for (int64_t e = 0; e < E; e++)
+            for (int64_t n = e == E - 1 ? B - oor - b : kLens[e % 12]; n > 0 && b < B - oor; n--) (*ids)[b++] = (uint32_t)e;
+        for (int64_t i = B - oor - 1; i > 0; i--) { /* a random order of the in-range rows */
+            const uint32_t j = tu_rng_below(r, (uint32_t)(i + 1)), t = (*ids)[i];
+            (*ids)[i] = (*ids)[j];
+            (*ids)[j] = t;
+        }
     }
     int64_t p = 0;
     for (uint32_t e = 0; e <= (uint32_t)E; e++)
@@ -918,12 +931,13 @@ static void test_moe_pair(void **state) {
     moe_pair_case(g, 64, 128, 128, 64, 40, 6, 0, 0, 66);    /* 240 rows of 64 experts: 8-row tiles - refused */
 }
 
-/* ---- gather_qmm_cuda_moe_rows on 128 x 256 tiles (gq_launch_moe_big: runs of 80+ rows an expert) -------------------
+/* ---- gather_qmm_cuda_moe_rows on 128 x 256 tiles (gq_launch_moe_big: runs of 192+ rows an expert) ------------------
  * As moe_pair_case, with `oor` rows of idx E at the sorted tail (out of range: y rows of zeros): y bitwise equal to
  * gather_qmm_cuda_rows (up, relu^2) then gather_qmm_cuda_ex (down) - the 64-row wgmma kernel -, y poisoned first,
- * three calls in a row; h is left as it was (poisoned: the up projection's output goes to the kernel's scratch).
- * Then FP4MOE_CUDA_MOE_BIG=0: refused (no 32-row runs given), the caller makes the two calls. want_big 0: the call
- * itself must be refused (a shape the big tiles do not take). */
+ * three calls in a row, with FP4MOE_CUDA_MOE_BIG=1 (runs' remainders of <= 64 rows on the 64-row tiles: h has those
+ * rows) and =all (every row on the big tiles: h left as it was); each element of h either still poisoned or the
+ * reference's. Then FP4MOE_CUDA_MOE_BIG=0: refused (no 32-row runs given), the caller makes the two calls. want_big
+ * 0: the call itself must be refused (a shape the big tiles do not take). */
 static void moe_big_case(gpu_ctx *g, int64_t E, int64_t N, int64_t K, int64_t N2, int64_t T, int64_t k, int skew,
                          int64_t oor, int want_big, uint64_t seed) {
     tu_rng r;
@@ -959,8 +973,14 @@ static void moe_big_case(gpu_ctx *g, int64_t E, int64_t N, int64_t K, int64_t N2
         gt_download(a, y1, yb);
         for (int64_t i = (B - oor) * N2; i < B * N2; i++) /* the reference's out-of-range rows: zeros */
             if (a[i]) fail_msg("moe big: reference y element %lld = %04x, not 0", (long long)i, a[i]);
-        for (int rep = 0; rep < 3; rep++) {
+        uint16_t *href = malloc(hb);
+        assert_true(href != NULL);
+        gt_download(href, h1, hb);
+        for (int rep = 0; rep < 4; rep++) {
+            const char *mode = rep < 3 ? "1" : "all";
+            tu_setenv("FP4MOE_CUDA_MOE_BIG", mode);
             gt_poison(y2, yb);
+            gt_poison(h2, hb);
             assert_int_equal(gather_qmm_cuda_moe_rows(&du.w, 1, &dd.w, 1, dx, T, drow, k, didx, B, A, h2, y2, g->stream,
                                                       NULL),
                              FP4MOE_OK);
@@ -970,14 +990,23 @@ static void moe_big_case(gpu_ctx *g, int64_t E, int64_t N, int64_t K, int64_t N2
             for (size_t i = 0; i < yb / 2; i++)
                 if (a[i] != b[i] && !bad++) first = i;
             if (bad)
-                fail_msg("moe big (E=%lld %lld->%lld->%lld T=%lld k=%lld skew %d oor %lld) call %d: y differs in %zu of "
-                         "%zu elements (first %zu: row %zu, %04x vs %04x)", (long long)E, (long long)K, (long long)N,
-                         (long long)N2, (long long)T, (long long)k, skew, (long long)oor, rep + 1, bad, yb / 2, first,
-                         first / (size_t)N2, a[first], b[first]);
+                fail_msg("moe big (E=%lld %lld->%lld->%lld T=%lld k=%lld skew %d oor %lld, FP4MOE_CUDA_MOE_BIG=%s) call "
+                         "%d: y differs in %zu of %zu elements (first %zu: row %zu, %04x vs %04x)", (long long)E,
+                         (long long)K, (long long)N, (long long)N2, (long long)T, (long long)k, skew, (long long)oor,
+                         mode, rep + 1, bad, yb / 2, first, first / (size_t)N2, a[first], b[first]);
+            gt_download(b, h2, hb);
+            size_t written = 0;
+            for (size_t i = 0; i < hb / 2; i++) {
+                if (b[i] == 0xffff) continue;
+                written++;
+                if (b[i] != href[i])
+                    fail_msg("moe big (FP4MOE_CUDA_MOE_BIG=%s): h element %zu (row %zu) %04x, reference %04x", mode, i,
+                             i / (size_t)N, b[i], href[i]);
+            }
+            if (!strcmp(mode, "all") && written)
+                fail_msg("moe big (FP4MOE_CUDA_MOE_BIG=all): %zu elements of h written", written);
         }
-        gt_download(b, h2, hb);
-        for (size_t i = 0; i < hb / 2; i++)
-            if (b[i] != 0xffff) fail_msg("moe big: h element %zu written (%04x)", i, b[i]);
+        free(href);
         /* switched off: the 64-row tiles are not the fused pair's, so refused (the caller makes the two calls) */
         tu_setenv("FP4MOE_CUDA_MOE_BIG", "0");
         assert_int_equal(gather_qmm_cuda_moe_rows(&du.w, 1, &dd.w, 1, dx, T, drow, k, didx, B, A, h2, y2, g->stream,
@@ -1004,6 +1033,8 @@ static void test_moe_big(void **state) {
     if (!getenv("FP4MOE_TEST_SANITIZE")) /* (compute-sanitizer runs: the small shapes) */
         moe_big_case(g, 128, 1856, 2688, 2688, 8192, 6, 1, 0, 1, 75); /* the 30B-A3B layer at 8,192 tokens, skewed */
     moe_big_case(g, 16, 320, 448, 202, 800, 6, 0, 0, 1, 76);  /* down N 202 */
+    /* runs of 0, 1, 63, 64, 65, 127-129, 192, 200, 300, 320 rows: remainders on both sides of the split (64 rows) */
+    moe_big_case(g, 16, 320, 448, 200, 800, 6, 2, 5, 1, 81);
     /* more items than blocks (H100 / H200: 132 an SM; 640 up, 480 down items): the dynamic order's counter and its
      * reset between the up and the down launch, then the static order */
     moe_big_case(g, 32, 1024, 448, 768, 1600, 6, 0, 0, 1, 78);

@@ -501,12 +501,13 @@ template <int MT> struct bt_cfg {
 
 /* Work item `item` of a persistent grid over (expert, N-tile, row-tile) (NT N-tiles, MT-row tiles):
  * the expert e (the largest with tile_off[e] * NT <= item: it has tiles), its N-tile and first row,
- * and the item's rows (<= MT). */
+ * and the item's rows (<= MT). SKIP > 0: the tiles start after the run's first n / SKIP * SKIP rows (n: its
+ * length) - the remainder of a split run (gq_launch_runs_split with row tile SKIP, rem_off as tile_off). */
 struct bt_item {
     int e, ntile, rows;
     int64_t row0;
 };
-template <int MT>
+template <int MT, int SKIP = 0>
 __device__ __forceinline__ bt_item bt_item_of(int64_t item, int E, int NT, const int *starts, const int *tile_off) {
     int lo = 0, hi = E;
     while (hi - lo > 1) {
@@ -520,6 +521,7 @@ __device__ __forceinline__ bt_item bt_item_of(int64_t item, int E, int NT, const
     const int64_t local = item - (int64_t)tile_off[lo] * NT;
     it.ntile = (int)(local / tiles);
     it.row0 = (int64_t)starts[lo] + (int64_t)(local % tiles) * MT;
+    if constexpr (SKIP > 0) it.row0 += (starts[lo + 1] - starts[lo]) / SKIP * SKIP;
     it.rows = (int)min((int64_t)MT, (int64_t)starts[lo + 1] - it.row0);
     return it;
 }
@@ -1463,7 +1465,7 @@ __device__ __forceinline__ void gw_item_n(int n8, const gq_args &a, int e, int64
 #undef GW_CASE
 }
 
-template <int MT, bool TL, int MINB>
+template <int MT, bool TL, int MINB, int SKIP = 0>
 __global__ void __launch_bounds__(GW_THREADS, MINB)
 gq_batched_wg_kernel(gq_args a, const int *__restrict__ starts, const int *__restrict__ tile_off, int *ctr) {
     cu_pdl_entry();
@@ -1475,7 +1477,7 @@ gq_batched_wg_kernel(gq_args a, const int *__restrict__ starts, const int *__res
     const int64_t total = (int64_t)tile_off[a.E] * NT;
     for (int64_t item = blockIdx.x; item < total; item = sch.next(item, next_item)) {
         sch.fetch(next_item, total);
-        const bt_item it = bt_item_of<MT>(item, a.E, NT, starts, tile_off);
+        const bt_item it = bt_item_of<MT, SKIP>(item, a.E, NT, starts, tile_off);
         gw_item_n<MT, TL>((it.rows + 7) >> 3, a, it.e, it.row0, it.rows, it.ntile * GW_NTILE + wg * 64 + wq * 16, smem);
     }
     bt_zero_tail(static_cast<__nv_bfloat16 *>(a.y), starts, a.E, a.B, a.N);
@@ -1508,15 +1510,16 @@ static int *sched_counter(const gq_args *a, const int *tile_off) {
     return const_cast<int *>(tile_off) + a->E + 1;
 }
 
-/* the wgmma kernel with MT-row tiles (starts / tile_off (E + 2 ints) from gq_launch_runs with row tile MT) */
-template <int MT, bool TL, int MINB = (GW_WGS > 2 ? 1 : 2)>
+/* the wgmma kernel with MT-row tiles (starts / tile_off (E + 2 ints) from gq_launch_runs with row tile MT; SKIP > 0:
+ * the remainders of gq_launch_runs_split with row tile SKIP, tile_off its rem_off) */
+template <int MT, bool TL, int MINB = (GW_WGS > 2 ? 1 : 2), int SKIP = 0>
 static int launch_wg(const gq_args *a, const int *starts, const int *tile_off, cudaStream_t st) {
     const int64_t NT = (a->N + GW_NTILE - 1) / GW_NTILE;
     const int64_t bound = ((int64_t)a->B / MT + 1 + (a->E < a->B ? a->E : a->B)) * NT;
     unsigned grid = 0;
-    const int rc = persistent_grid(gq_batched_wg_kernel<MT, TL, MINB>, GW_THREADS, gw_cfg<MT>::SMEM, bound, &grid);
+    const int rc = persistent_grid(gq_batched_wg_kernel<MT, TL, MINB, SKIP>, GW_THREADS, gw_cfg<MT>::SMEM, bound, &grid);
     if (rc) return rc;
-    cu_launch(gq_batched_wg_kernel<MT, TL, MINB>, grid, GW_THREADS, gw_cfg<MT>::SMEM, st, *a, starts, tile_off,
+    cu_launch(gq_batched_wg_kernel<MT, TL, MINB, SKIP>, grid, GW_THREADS, gw_cfg<MT>::SMEM, st, *a, starts, tile_off,
               sched_counter(a, tile_off));
     FP4MOE_CUDA_TRY("gather_qmm_cuda", cudaGetLastError(), "launch of the expert-batched kernel (wgmma)");
     return FP4MOE_OK;

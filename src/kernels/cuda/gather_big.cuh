@@ -14,9 +14,14 @@
  *   holding the K indices of the other kernels' k16 step (so the products are theirs); its loads a step ahead;
  * - warpgroups 1 and 2, the consumers, rows 0-63 / 64-127: their own x rows by 16-byte cp.async two steps ahead
  *   (three x buffers), then 8 wgmma m64n256k16 SS a step, fp32 accumulators from 0; the epilogue is gw_store's
- *   arithmetic (cu_out). (Items of <= 64 rows - half the experts of the synthetic 30B-A3B model's skewed routing at
- *   2,048 tokens - waste half a 128-row tile; session 46 measured "half items", both consumers on the same 64 rows
- *   and 128 features each: no faster, the producer's decode then bounds them. Dropped.)
+ *   arithmetic (cu_out).
+ * - a run's remainder of <= 64 rows (past its whole 128-row tiles; 65-127 rows stay a big item) goes to the 64-row
+ *   wgmma kernel (gq_launch_runs_split, launch_wg with SKIP 128; FP4MOE_CUDA_MOE_BIG=all: not split): as a big item it
+ *   would cost a full one, the producer's decode of 256 x 128 weights a step bounding it with one consumer idle
+ *   (session 46: "half items", both consumers on the same 64 rows with 128 features each, were no faster), where the
+ *   64-row kernel's 16 warps decode. The synthetic 30B-A3B model's skewed routing leaves 65-80 of 128 experts such a
+ *   remainder (~33 rows on average) at 2,048-8,192 tokens. Session 47 (H100, end to end): 4,096 tokens +1.6%, 8,192
+ *   +0.4% against every row on big tiles.
  * - FULL / EMPTY named barriers per weight buffer (two): the producer decodes step s + 1 while the tensor cores run
  *   step s.
  * x must be in the "permuted" order (gb_perm_src): a row's 128-K step holds, at element j, natural K gb_perm_src(j)
@@ -388,12 +393,13 @@ bool gq_moe_big_fits(const gq_args *u, const gq_args *d) {
            d->K == u->N && u->E == d->E && u->B == d->B && u->idx == d->idx && !d->xrow;
 }
 
-int gq_launch_moe_big(const gq_args *u, const gq_args *d, int64_t T, cudaStream_t st) {
+int gq_launch_moe_big(const gq_args *u, const gq_args *d, int64_t T, bool split, cudaStream_t st) {
     if (!gq_moe_big_fits(u, d) || T < 1 || (!u->xrow && T != u->B))
         return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "gather_qmm_cuda (moe, big tiles): not two tiled calls of one "
                                 "layer (K %% 64, N even, down K = up N)");
     const int Kp = gb_pad(u->K), Np = gb_pad(u->N);
-    const size_t runs_b = (2 * (size_t)u->E + 3) * sizeof(int), xp_b = (size_t)T * Kp * 2, hp_b = (size_t)u->B * Np * 2;
+    /* starts (E + 1), tile_off (E + 2), rem_off (E + 2) */
+    const size_t runs_b = (3 * (size_t)u->E + 5) * sizeof(int), xp_b = (size_t)T * Kp * 2, hp_b = (size_t)u->B * Np * 2;
     uint8_t *buf = NULL;
     const size_t bytes = (runs_b + 255) / 256 * 256 + xp_b + hp_b;
     int rc = gq_scratch_alloc((void **)&buf, bytes, st);
@@ -404,9 +410,10 @@ int gq_launch_moe_big(const gq_args *u, const gq_args *d, int64_t T, cudaStream_
         return fp4moe_set_error(FP4MOE_EUNSUPPORTED, "gather_qmm_cuda (moe, big tiles): no %.1f MB of scratch (%s)",
                                 bytes / 1e6, why);
     }
-    int *starts = (int *)buf, *tile_off = starts + u->E + 1;
+    int *starts = (int *)buf, *tile_off = starts + u->E + 1, *rem_off = tile_off + u->E + 2;
     uint16_t *xp = (uint16_t *)(buf + (runs_b + 255) / 256 * 256), *hp = xp + (size_t)T * Kp;
-    rc = gq_launch_runs(u, GB_MT, starts, tile_off, st);
+    rc = split ? gq_launch_runs_split(u, GB_MT, starts, tile_off, rem_off, st)
+               : gq_launch_runs(u, GB_MT, starts, tile_off, st);
     if (!rc) {
         const int64_t pieces = T * (Kp / 8);
         cu_launch(gb_permute_kernel, (unsigned)((pieces + 255) / 256 < 4096 ? (pieces + 255) / 256 : 4096), 256, 0, st,
@@ -416,8 +423,13 @@ int gq_launch_moe_big(const gq_args *u, const gq_args *d, int64_t T, cudaStream_
         up.x = xp;
         up.y = hp;
         dn.x = hp;
+        /* split: the short remainders (<= 64 rows) on the 64-row wgmma kernel, whose 16 warps decode an item's
+         * weights where the big tiles' 4 producer warps would decode them for half a tile of rows (u's x through
+         * xrow, h in the caller's natural rows; the same products, so y is the same bits) */
         rc = launch_big(&up, starts, tile_off, Kp, 1, st);
+        if (!rc && split) rc = launch_wg<64, true, (GW_WGS > 2 ? 1 : 2), GB_MT>(u, starts, rem_off, st);
         if (!rc) rc = launch_big(&dn, starts, tile_off, Np, 0, st);
+        if (!rc && split) rc = launch_wg<64, true, (GW_WGS > 2 ? 1 : 2), GB_MT>(d, starts, rem_off, st);
     }
     const int rc2 = gq_scratch_free(buf, st);
     return rc ? rc : rc2;

@@ -249,6 +249,13 @@ int gq_launch_bf16_f32out(const gq_args *a, cudaStream_t st);
  *               tile_off has E + 2 ints).
  * A broken "sorted" promise gives wrong runs but never an out-of-bounds access. */
 int gq_launch_runs(const gq_args *a, int row_tile, int *starts, int *tile_off, cudaStream_t st);
+/* As gq_launch_runs, but a run's remainder (n % row_tile for a run of n rows) of 1 .. row_tile / 2 rows is split off:
+ *   tile_off[e] = sum over e' < e of (n(e') / row_tile + (n(e') % row_tile > row_tile / 2)): expert e's row_tile
+ *               tiles from starts[e] (a remainder over row_tile / 2 rows their last, short, tile);
+ *   rem_off[e]  = the number of experts e' < e with 1 <= n(e') % row_tile <= row_tile / 2: expert e's remainder
+ *               (rows starts[e] + n(e) / row_tile * row_tile .. starts[e + 1]) one tile of row_tile / 2 rows;
+ *   tile_off[E + 1] = rem_off[E + 1] = 0 (the two launches' work counters). tile_off and rem_off: E + 2 ints each. */
+int gq_launch_runs_split(const gq_args *a, int row_tile, int *starts, int *tile_off, int *rem_off, cudaStream_t st);
 
 
 /* A MoE layer's up projection u (x -> h with relu^2; x through u->xrow or not) and down projection d (h -> y) in ONE
@@ -262,14 +269,16 @@ int gq_launch_moe_pair(const gq_args *u, const gq_args *d, int *done, int64_t do
 
 /* A MoE layer's up projection u (x -> h with relu^2; x: T rows (token rows, read through u->xrow / u->xdiv) or, without
  * xrow, B rows, of u->K bf16) and down projection d (h -> y, B x d->N bf16) on 128-row x 256-feature tiles
- * (gather_big.cuh): y bitwise that of gq_launch_batched(u) then (d); h itself is NOT written (the up projection's
- * output goes to a per-call scratch in the kernel's permuted order). A per-call scratch of T x gb_pad(u->K) + B x
- * gb_pad(u->N) bf16 and the runs of 128-row tiles of idx (made here; u->runs is not read). gq_moe_big_fits: bf16
+ * (gather_big.cuh): y bitwise that of gq_launch_batched(u) then (d). split: a run's remainder of 1-64 rows (past its
+ * whole 128-row tiles) on the 64-row wgmma kernel, through h (u->y: only those rows of h are written); the other rows'
+ * up projection output goes to a per-call scratch in the big kernel's permuted order (split false: all of it, h not
+ * written). A per-call scratch of T x gb_pad(u->K) + B x gb_pad(u->N) bf16 and the runs of idx (gq_launch_runs_split
+ * / gq_launch_runs with row tile 128, made here; u->runs is not read). gq_moe_big_fits: bf16
  * tiled weights with 16-byte aligned codes, u->K and d->K multiples of 64, N even, d->K == u->N, one E / B / idx,
  * d->xrow null, x 16-byte aligned; elsewhere gq_launch_moe_big gives FP4MOE_EUNSUPPORTED, as it does when the scratch
  * cannot be allocated (the caller's two calls need none). FP4MOE_ECUDA on a failed launch. */
 bool gq_moe_big_fits(const gq_args *u, const gq_args *d);
-int gq_launch_moe_big(const gq_args *u, const gq_args *d, int64_t T, cudaStream_t st);
+int gq_launch_moe_big(const gq_args *u, const gq_args *d, int64_t T, bool split, cudaStream_t st);
 
 /* Route launchers (arguments already validated; FP4MOE_OK or FP4MOE_ECUDA with a message). */
 int gq_launch_qmv(const gq_args *a, fp4moe_dtype dtype, cudaStream_t st);

@@ -45,42 +45,23 @@
 /* ---- expert runs on the device ------------------------------------------------------------- */
 #define RUNS_THREADS 1024
 
-__global__ void __launch_bounds__(RUNS_THREADS)
-gq_runs_kernel(const uint32_t *__restrict__ idx, int B, int E, int row_tile, int *__restrict__ starts,
-               int *__restrict__ tile_off) {
-    cu_pdl_entry();
-    /* starts[e] = lower bound of e in idx (first b with idx[b] >= e), e = 0..E: written by the
-     * boundary b with idx[b-1] < e <= idx[b] (idx[-1] = -1; b = B stands for every e up to E), so
-     * each e once, from one coalesced read of idx (a binary search per expert was a chain of ~12
-     * dependent loads: 5.5 us a call at 3,072 rows, Nsight Compute) */
-    for (int b = threadIdx.x; b <= B; b += blockDim.x) {
-        const int64_t prev = b > 0 ? (int64_t)idx[b - 1] : -1;
-        const int64_t cur = b < B ? (int64_t)idx[b] : (int64_t)E;
-#ifdef FP4MOE_INJECT_FAULT_RUNS /* deliberate fault (tests must catch it): an expert's start one row late */
-        for (int64_t e = prev + 1; e <= cur && e <= E; e++) starts[e] = b + (e == E / 2 && b < B);
-#else
-        for (int64_t e = prev + 1; e <= cur && e <= E; e++) starts[e] = b;
-#endif
-    }
-    if (!tile_off) return;
-    __syncthreads(); /* starts[] written by this block is visible to it after the barrier */
-    /* exclusive scan of tiles(e) = ceil(max(0, starts[e+1] - starts[e]) / row_tile), in chunks */
+/* off[0] = 0, off[e + 1] = tiles(0) + ... + tiles(e) for e < E (tiles(e): a function of the run length starts[e + 1] -
+ * starts[e]), off[E + 1] = 0 (the work counter of the expert-batched kernels' dynamic item order; gather_batched.cu,
+ * bt_sched): an exclusive scan in chunks of RUNS_THREADS experts by the whole block, starts[] already visible to it */
+template <typename F>
+__device__ __forceinline__ void runs_scan(const int *starts, int E, int *off, F tiles) {
     __shared__ int warp_sum[RUNS_THREADS / 32];
     __shared__ int carry;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     if (threadIdx.x == 0) {
         carry = 0;
-        tile_off[0] = 0;
-        tile_off[E + 1] = 0; /* the expert-batched kernels' work counter (gather_batched.cu, bt_sched) */
+        off[0] = 0;
+        off[E + 1] = 0;
     }
     __syncthreads();
     for (int base = 0; base < E; base += RUNS_THREADS) {
         const int e = base + threadIdx.x;
-        int v = 0;
-        if (e < E) {
-            const int len = starts[e + 1] - starts[e];
-            v = len > 0 ? (len + row_tile - 1) / row_tile : 0;
-        }
+        int v = e < E ? tiles(starts[e + 1] - starts[e]) : 0;
         for (int o = 1; o < 32; o <<= 1) { /* inclusive warp scan */
             const int u = __shfl_up_sync(0xffffffffu, v, o);
             if (lane >= o) v += u;
@@ -97,16 +78,61 @@ gq_runs_kernel(const uint32_t *__restrict__ idx, int B, int E, int row_tile, int
         }
         __syncthreads();
         const int incl = carry + v + (warp > 0 ? warp_sum[warp - 1] : 0);
-        if (e < E) tile_off[e + 1] = incl;
+        if (e < E) off[e + 1] = incl;
         __syncthreads();
         if (threadIdx.x == RUNS_THREADS - 1) carry = incl;
         __syncthreads();
     }
 }
 
+__global__ void __launch_bounds__(RUNS_THREADS)
+gq_runs_kernel(const uint32_t *__restrict__ idx, int B, int E, int row_tile, int *__restrict__ starts,
+               int *__restrict__ tile_off, int *__restrict__ rem_off) {
+    cu_pdl_entry();
+    /* starts[e] = lower bound of e in idx (first b with idx[b] >= e), e = 0..E: written by the
+     * boundary b with idx[b-1] < e <= idx[b] (idx[-1] = -1; b = B stands for every e up to E), so
+     * each e once, from one coalesced read of idx (a binary search per expert was a chain of ~12
+     * dependent loads: 5.5 us a call at 3,072 rows, Nsight Compute) */
+    for (int b = threadIdx.x; b <= B; b += blockDim.x) {
+        const int64_t prev = b > 0 ? (int64_t)idx[b - 1] : -1;
+        const int64_t cur = b < B ? (int64_t)idx[b] : (int64_t)E;
+#ifdef FP4MOE_INJECT_FAULT_RUNS /* deliberate fault (tests must catch it): an expert's start one row late */
+        for (int64_t e = prev + 1; e <= cur && e <= E; e++) starts[e] = b + (e == E / 2 && b < B);
+#else
+        for (int64_t e = prev + 1; e <= cur && e <= E; e++) starts[e] = b;
+#endif
+    }
+    if (!tile_off) return;
+    __syncthreads(); /* starts[] written by this block is visible to it after the barrier */
+    const int half = row_tile / 2;
+    if (!rem_off) { /* ceil(run / row_tile) tiles an expert */
+        runs_scan(starts, E, tile_off, [=](int n) { return n > 0 ? (n + row_tile - 1) / row_tile : 0; });
+        return;
+    }
+    /* split (gq_launch_runs_split): a run's remainder r = n % row_tile of 1 .. row_tile / 2 rows is a tile of its own
+     * in rem_off; the row_tile tiles of tile_off take the rest (and a longer remainder as their last, short, tile) */
+    runs_scan(starts, E, tile_off, [=](int n) {
+        return n > 0 ? n / row_tile + (n % row_tile > half ? 1 : 0) : 0;
+    });
+    runs_scan(starts, E, rem_off, [=](int n) {
+        const int r = n > 0 ? n % row_tile : 0;
+#ifdef FP4MOE_INJECT_FAULT_BIG_REM /* deliberate fault (tests must catch it): remainders of exactly row_tile / 2 rows lost */
+        return r > 0 && r < half ? 1 : 0;
+#else
+        return r > 0 && r <= half ? 1 : 0;
+#endif
+    });
+}
+
 int gq_launch_runs(const gq_args *a, int row_tile, int *starts, int *tile_off, cudaStream_t st) {
-    cu_launch(gq_runs_kernel, 1, RUNS_THREADS, 0, st, a->idx, a->B, a->E, row_tile, starts, tile_off);
+    cu_launch(gq_runs_kernel, 1, RUNS_THREADS, 0, st, a->idx, a->B, a->E, row_tile, starts, tile_off, (int *)nullptr);
     FP4MOE_CUDA_TRY("gather_qmm_cuda", cudaGetLastError(), "launch of the expert-runs kernel");
+    return FP4MOE_OK;
+}
+
+int gq_launch_runs_split(const gq_args *a, int row_tile, int *starts, int *tile_off, int *rem_off, cudaStream_t st) {
+    cu_launch(gq_runs_kernel, 1, RUNS_THREADS, 0, st, a->idx, a->B, a->E, row_tile, starts, tile_off, rem_off);
+    FP4MOE_CUDA_TRY("gather_qmm_cuda", cudaGetLastError(), "launch of the expert-runs kernel (split)");
     return FP4MOE_OK;
 }
 
@@ -159,6 +185,13 @@ static int route_needs_sorted(fp4moe_route r) {
 #ifndef GQ_DEQUANT_GEMM_ROWS_PER_EXPERT
 #define GQ_DEQUANT_GEMM_ROWS_PER_EXPERT 512 /* experts (E > 1): rows an expert on average (see choose_route) */
 #endif
+#ifndef GQ_BIG_DEQUANT_ROWS_PER_EXPERT
+#define GQ_BIG_DEQUANT_ROWS_PER_EXPERT 1024 /* the same while the big tiles are on (FP4MOE_CUDA_MOE_BIG != 0). Measured
+                                             * (session 47, H100, synthetic 30B-A3B, prefill + 4, two alternated
+                                             * rounds, big tiles against dequant_gemm): 12,288 tokens (576 an expert)
+                                             * 56,572 / 50,109 tok/s (+12.9%), 16,384 (768) 54,515 / 52,235 (+4.4%),
+                                             * 32,768 (1,536) 48,113 / 51,577 (-6.7%) */
+#endif
 static fp4moe_route choose_route(int64_t B, int64_t E, int sorted) {
     const fp4moe_route env = gather_env_route();
     if (env != FP4MOE_ROUTE_AUTO && (sorted || !route_needs_sorted(env))) return env;
@@ -168,12 +201,18 @@ static fp4moe_route choose_route(int64_t B, int64_t E, int sorted) {
      * every used expert a call (~3.3 ms of fixed cost a 30B-A3B layer, H100): session 38 measured the MoE layer's
      * up + down (bench/gpu_gather_wg, H100, uniform / skew 0.5 routing) batched 3.40 / 3.18 ms against dequant_gemm
      * 4.35 / 4.36 at 8,192 tokens (384 rows an expert), 6.48 / 6.41 against 5.41 / 5.82 at 16,384 (768): the
-     * crossover near 550 rows an expert (it was 256 before the wgmma kernel, session 10) */
+     * crossover near 550 rows an expert (it was 256 before the wgmma kernel, session 10). The big tiles (a MoE layer's
+     * up + down, gq_launch_moe_big) move it to 1,024 (GQ_BIG_DEQUANT_ROWS_PER_EXPERT): the same rule for the two
+     * separate calls that stand in when the big tiles cannot run (weights not tiled), so that
+     * FP4MOE_GATHER_EXPERT_BATCHED=0 still changes only batched -> qmv */
+    const int64_t per_expert = E > 1 ? (strcmp(env_get(ENV_CUDA_MOE_BIG), "0") ? GQ_BIG_DEQUANT_ROWS_PER_EXPERT
+                                                                               : GQ_DEQUANT_GEMM_ROWS_PER_EXPERT)
+                                     : GQ_DEQUANT_GEMM_ROWS_PLAIN;
 #ifdef FP4MOE_INJECT_FAULT_ROUTE_ROWS /* deliberate fault (tests must catch it): experts at the plain linears' 256 rows */
+    (void)per_expert;
     if (B >= GQ_DEQUANT_GEMM_ROWS_PLAIN * E) return FP4MOE_ROUTE_DEQUANT_GEMM;
 #else
-    if (B >= (E > 1 ? GQ_DEQUANT_GEMM_ROWS_PER_EXPERT : GQ_DEQUANT_GEMM_ROWS_PLAIN) * E)
-        return FP4MOE_ROUTE_DEQUANT_GEMM;
+    if (B >= per_expert * E) return FP4MOE_ROUTE_DEQUANT_GEMM;
 #endif
     /* FP4MOE_GATHER_EXPERT_BATCHED=0 replaces the expert-batched route by qmv and nothing else: the
      * sorted qmv runs the same mma arithmetic in 8-row tiles, so the outputs are bit-identical and
@@ -353,13 +392,14 @@ extern "C" int gather_qmm_cuda_moe_rows(const fp4moe_nvfp4_weights *wu, int tile
                                 (long long)wu->E);
     const fp4moe_route r = route == FP4MOE_ROUTE_AUTO ? choose_route(B, wu->E, 1) : route;
     cudaStream_t s = (cudaStream_t)stream;
-    if (r == FP4MOE_ROUTE_BATCHED && B >= GQ_BIG_ROWS_PER_EXPERT * wu->E && strcmp(env_get(ENV_CUDA_MOE_BIG), "0")) {
+    const char *big = env_get(ENV_CUDA_MOE_BIG); /* 0 | 1 (short remainders on 64-row tiles) | all */
+    if (r == FP4MOE_ROUTE_BATCHED && B >= GQ_BIG_ROWS_PER_EXPERT * wu->E && strcmp(big, "0")) {
         const gq_args u = {wu->codes, wu->scales, wu->global_scale, (int)wu->E, (int)wu->N, (int)wu->K, x, h, idx,
                            (int)B, 1, tiled_u, 0, xrow, (int)xdiv, nullptr, 0, nullptr};
         const gq_args d = {wd->codes, wd->scales, wd->global_scale, (int)wd->E, (int)wd->N, (int)wd->K, h, y, idx,
                            (int)B, 0, tiled_d, 0, nullptr, 0, nullptr, 0, nullptr};
         if (gq_moe_big_fits(&u, &d)) {
-            st = gq_launch_moe_big(&u, &d, T, s);
+            st = gq_launch_moe_big(&u, &d, T, strcmp(big, "all") != 0, s);
             return st ? fp4moe_error_context(st, "gather_qmm_cuda (moe, big tiles, E=%d up %dx%d down %dx%d B=%d)", u.E,
                                              u.N, u.K, d.N, d.K, u.B)
                       : FP4MOE_OK;

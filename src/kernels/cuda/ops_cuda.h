@@ -163,9 +163,9 @@ int gather_qmm_cuda_rows(const fp4moe_nvfp4_weights *w, int tiled, const void *x
                          void *stream, const gq_runs *runs);
 /* gather_qmm_cuda_rows of the up projection wu (relu^2, into h) and gather_qmm_cuda of the down projection wd (h -> y)
  * on the same sorted idx, in one step: where the route is the expert-batched one and the experts' runs are long
- * (GQ_BIG_ROWS_PER_EXPERT rows an expert on average; FP4MOE_CUDA_MOE_BIG=1, the default; gq_moe_big_fits) on
- * 128 x 256 tiles (gq_launch_moe_big: y bitwise the same, h NOT written - a scratch of the kernel's order takes the
- * up projection's output); else in one launch (gq_launch_moe_pair: FP4MOE_CUDA_MOE_FUSED=1, both on the
+ * (GQ_BIG_ROWS_PER_EXPERT rows an expert on average; FP4MOE_CUDA_MOE_BIG=1 or all, 1 the default; gq_moe_big_fits)
+ * on 128 x 256 tiles (gq_launch_moe_big: y bitwise the same; h holds only the rows of runs' remainders of <= 64 rows
+ * (=1; =all: none) - a scratch of the kernel's order takes the rest of the up projection's output); else in one launch (gq_launch_moe_pair: FP4MOE_CUDA_MOE_FUSED=1, both on the
  * expert-batched route's 32-row tiles, runs matching idx with done counters: h and y written); FP4MOE_EUNSUPPORTED
  * elsewhere. */
 int gather_qmm_cuda_moe_rows(const fp4moe_nvfp4_weights *wu, int tiled_u, const fp4moe_nvfp4_weights *wd, int tiled_d,
