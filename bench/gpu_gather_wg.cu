@@ -33,6 +33,9 @@
  * WK_BIG=1 (session 40): the candidate is bench/gather_big.cuh's warp-specialised big-tile kernel (items of 128 rows x
  * BG_NF features, a producer warpgroup decoding the weights into shared memory, two consumer warpgroups on wgmma SS;
  * tiled layout only).
+ * The production column (tiled layout): the model's MoE step, gather_qmm_cuda_moe_rows (x of B / 6 token rows
+ * through a random row map), where it takes the big tiles (from 192 rows an expert: 4,096+ tokens; session 47);
+ * below that production's two calls as before (the model runs the fused 32-row pair up to 1,024 tokens).
  * WK_FUSED=1 (session 36): the candidate is production's fused MoE kernel (gq_launch_moe_pair: the up and down
  * projections in one launch), checked as a pair (h and y bitwise) and timed against production's two calls, both
  * with the runs made per call (the production column) and made once (the last columns: as the router's sort makes
@@ -40,6 +43,7 @@
 #include <errno.h>
 
 #include "kernels/cuda/gather_batched.cu"
+#include "kernels/cuda/ops_cuda.h"
 
 extern "C" {
 #include "gpu_testutil.h"
@@ -442,6 +446,8 @@ typedef struct {
     const uint32_t *idx;
     int B;
     void *hp; /* BG_XP: h in the permuted order (K padded, the padding zero) */
+    const void *xt;        /* the production MoE step's x: B / 6 token rows, read through xrow (xdiv 6) */
+    const uint32_t *xrow;  /* B entries: a random permutation of 0 .. B - 1 */
 } tctx;
 
 static int run_pair(void *p) {
@@ -466,6 +472,15 @@ static int run_pair(void *p) {
     }
 #endif
     if (c->which == 3) return prod_pair_runs(u, d, 0);
+    if (c->which == 0 && c->tiled && c->xrow) { /* the model's MoE step where it takes the big tiles (session 47) */
+        const fp4moe_nvfp4_weights wu = {c->up->tiled, c->up->scales, c->up->gs, c->up->E, c->up->N, c->up->K},
+                                   wd = {c->down->tiled, c->down->scales, c->down->gs, c->down->E, c->down->N,
+                                         c->down->K};
+        const int st = gather_qmm_cuda_moe_rows(&wu, 1, &wd, 1, c->xt, c->B / 6, c->xrow, 6, c->idx, c->B,
+                                                FP4MOE_ROUTE_AUTO, c->h, c->y, 0, NULL);
+        if (st != FP4MOE_EUNSUPPORTED) return st;
+        fp4moe_clear_error(); /* below the big tiles' threshold: the two calls, as before */
+    }
     if (c->which == 1) return wk_launch(&u, 0) || wk_launch(&d, 0);
     if (c->which == 2) { /* dequant_gemm has no relu^2 epilogue: the caller's kernel, as production */
         return gq_run_dequant_gemm(&u, FP4MOE_BF16, 0) || cuda_relu2(0, (uint16_t *)c->h, (int64_t)c->B * 1856) ||
@@ -537,6 +552,16 @@ int main(void) {
         uint32_t *didx = (uint32_t *)gt_upload(hidx, sizeof(uint32_t) * (size_t)B);
         void *x = gt_rand_dev((int64_t)B * 2688, 1.0f, &r, 0);
         void *h = gt_upload(NULL, (size_t)B * 1856 * 2), *y = gt_upload(NULL, (size_t)B * 2688 * 2);
+        void *xt = gt_rand_dev((int64_t)T * 2688, 1.0f, &r, 0);
+        uint32_t *perm = (uint32_t *)malloc(sizeof(uint32_t) * (size_t)B);
+        for (int i = 0; i < B; i++) perm[i] = (uint32_t)i;
+        for (int i = B - 1; i > 0; i--) {
+            const uint32_t j = tu_rng_below(&r, (uint32_t)(i + 1)), t = perm[i];
+            perm[i] = perm[j];
+            perm[j] = t;
+        }
+        uint32_t *xrow = (uint32_t *)gt_upload(perm, sizeof(uint32_t) * (size_t)B);
+        free(perm);
         void *xp = NULL;
 #if WK_XPERM
         xp = gt_upload(NULL, (size_t)B * 2688 * 2);
@@ -553,7 +578,7 @@ int main(void) {
         void *hp = NULL;
 #endif
         for (int tl = WK_TL0 || getenv("WK_TILED_ONLY"); tl < 2; tl++) {
-            tctx c0 = {&up, &down, tl != 0, 0, x, xp, h, y, didx, B, hp}, c1 = c0, c2 = c0, c3 = c0;
+            tctx c0 = {&up, &down, tl != 0, 0, x, xp, h, y, didx, B, hp, xt, xrow}, c1 = c0, c2 = c0, c3 = c0;
             c1.which = 1;
             c2.which = 2;
             c3.which = 3;
@@ -567,7 +592,7 @@ int main(void) {
                    maxlen, tiles32, t0, t1, t1b, t2, t1 / t0, t3, t1b / t3);
         }
         free(hidx);
-        gt_free(didx); gt_free(x); gt_free(h); gt_free(y);
+        gt_free(didx); gt_free(x); gt_free(h); gt_free(y); gt_free(xt); gt_free(xrow);
         if (xp) gt_free(xp);
         if (hp) gt_free(hp);
     }
