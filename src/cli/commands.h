@@ -38,7 +38,7 @@ int cli_parse_device(const char *cmd, const char *s, fp4moe_device *d);
  * them (the reason of fp4moe_cuda_check, or how many devices are visible). */
 int cli_check_gpus(const char *cmd, int64_t gpus, const char *device_arg, fp4moe_device dev);
 /* Default prefill chunk of CUDA sessions (tokens): large, so that a prompt reads the weights once, and so that a long
- * prompt's MoE steps reach the big tiles and the dequant_gemm route (>= 192 / 1,024 rows an expert, gather_qmm_cuda.cu). Measured (session 39,
+ * prompt's MoE steps reach the big tiles and the dequant_gemm route (>= 128 / 1,024 rows an expert, gather_qmm_cuda.cu). Measured (session 39,
  * H100, synthetic 30B-A3B shape, docs/PERFORMANCE.md): 32,768 against 8,192 - prefill 20,480 tokens 46,223 -> 52,646
  * tok/s, 32,768 tokens 42,716 -> 50,237, 12,288 tokens equal; the session's activations are sized for a chunk (bench's
  * GPU memory peak 23.2 -> 28.5 GB at a 512-token prompt), so generate and bench size it to the prompt:

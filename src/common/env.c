@@ -54,7 +54,7 @@ static const fp4moe_env_var k_vars[ENV_COUNT] = {
                             "32-row tiles (prefills of ~86-1,024 tokens); 0: two launches; the same results"},
     [ENV_CUDA_MOE_BIG] = {"FP4MOE_CUDA_MOE_BIG", "0|1|all", "1",
                           "1: a MoE layer's routed up and down projections on 128-row x 256-feature tiles where the "
-                          "experts' runs are long (192-1,023 rows an expert on average: prefills of 4,096-21,845 "
+                          "experts' runs are long (128-1,023 rows an expert on average: prefills of 2,731-21,845 "
                           "tokens of top-6 over 128 experts; dequant_gemm from 1,024, 512 with 0), a run's remainder of <= 64 rows on the 64-row tiles; all: "
                           "every row on the big tiles; 0: the 64-row tiles; the same results"},
 };

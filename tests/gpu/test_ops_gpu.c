@@ -931,7 +931,7 @@ static void test_moe_pair(void **state) {
     moe_pair_case(g, 64, 128, 128, 64, 40, 6, 0, 0, 66);    /* 240 rows of 64 experts: 8-row tiles - refused */
 }
 
-/* ---- gather_qmm_cuda_moe_rows on 128 x 256 tiles (gq_launch_moe_big: runs of 192+ rows an expert) ------------------
+/* ---- gather_qmm_cuda_moe_rows on 128 x 256 tiles (gq_launch_moe_big: runs of 128+ rows an expert) ------------------
  * As moe_pair_case, with `oor` rows of idx E at the sorted tail (out of range: y rows of zeros): y bitwise equal to
  * gather_qmm_cuda_rows (up, relu^2) then gather_qmm_cuda_ex (down) - the 64-row wgmma kernel -, y poisoned first,
  * three calls in a row, with FP4MOE_CUDA_MOE_BIG=1 (runs' remainders of <= 64 rows on the 64-row tiles: h has those
@@ -1043,6 +1043,8 @@ static void test_moe_big(void **state) {
     tu_setenv("FP4MOE_CUDA_GATHER_SCHED", NULL);
     moe_big_case(g, 16, 320, 416, 200, 800, 6, 0, 0, 0, 77);  /* up K % 64 = 32: refused */
     moe_big_case(g, 16, 320, 448, 200, 40, 6, 0, 0, 0, 80);   /* 15 rows an expert: below the threshold, refused */
+    moe_big_case(g, 16, 320, 448, 200, 1024, 2, 0, 0, 1, 82); /* 128 rows an expert on average: the threshold, taken */
+    moe_big_case(g, 16, 320, 448, 200, 1016, 2, 0, 0, 0, 83); /* 127: refused */
 }
 
 static void test_linear_gather_rows(void **state) {

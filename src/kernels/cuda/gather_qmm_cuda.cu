@@ -175,12 +175,14 @@ static int route_needs_sorted(fp4moe_route r) {
 /* The automatic choice on CUDA (the one place where the CUDA route predicate lives). */
 #define GQ_DEQUANT_GEMM_ROWS_PLAIN 256   /* a plain linear (E = 1): cuBLAS on its bf16 copy from 256 rows */
 #ifndef GQ_BIG_ROWS_PER_EXPERT
-#define GQ_BIG_ROWS_PER_EXPERT 192 /* a MoE layer's up + down on 128 x 256 tiles (gq_launch_moe_big) from 192 rows
-                                    * an expert on average (4,096 tokens of top-6 over 128 experts) up to the
-                                    * dequant_gemm route's 512. Measured (session 46, H100, synthetic 30B-A3B, prefill
-                                    * + 8, two alternated rounds, on / off): 2,048 tokens (96 an expert) 49,964 /
-                                    * 50,904 tok/s (-1.8%), 4,096 55,662 / 54,182 (+2.7%), 8,192 56,888 / 54,577
-                                    * (+4.2%); between 96 and 192 not measured */
+#define GQ_BIG_ROWS_PER_EXPERT 128 /* a MoE layer's up + down on 128 x 256 tiles (gq_launch_moe_big) from 128 rows
+                                    * an expert on average (2,731 tokens of top-6 over 128 experts) up to the
+                                    * dequant_gemm route's 1,024. Measured (H100, synthetic 30B-A3B, prefill + 8,
+                                    * alternated rounds, big tiles / 64-row tiles): session 46 2,048 tokens (96 an
+                                    * expert) 49,964 / 50,904 tok/s (-1.8%), 4,096 55,662 / 54,182 (+2.7%), 8,192
+                                    * 56,888 / 54,577 (+4.2%); session 47 (short remainders on 64-row tiles) 2,048
+                                    * -0.5%, 3,072 (144) 54,155 / 52,729 (+2.7%), 3,584 (168) 54,522 / 53,196 (+2.5%);
+                                    * between 96 and 128 not measured */
 #endif
 #ifndef GQ_DEQUANT_GEMM_ROWS_PER_EXPERT
 #define GQ_DEQUANT_GEMM_ROWS_PER_EXPERT 512 /* experts (E > 1): rows an expert on average (see choose_route) */
