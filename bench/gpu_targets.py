@@ -6,7 +6,8 @@ Usage: bench/gpu_targets.py T      (T: the folder gpu-peers.sh wrote: gather.txt
                                     e2e_512.json, e2e_2048.json, prof_512.json, prof_2048.json)
 
 Inputs, all from the same call on one GPU: gather.txt - bench/gpu_gather_wg's table (the production column: up +
-down of one 30B-A3B MoE layer, tiled layout, uniform routing, ms); decode.txt - bench/gpu_moe_decode 8 6 0 (the
+down of one 30B-A3B MoE layer, tiled layout, uniform routing, ms; since session 47 the model's MoE step where it
+takes the big tiles, i.e. 8,192 tokens); decode.txt - bench/gpu_moe_decode 8 6 0 (the
 decode MoE pair as the model runs it: graph replay, weights from DRAM, us); torch.json - ../shared/anchors/
 moe_anchor.py (copy rate, torch bf16 _grouped_mm up + down); e2e_P.json - `fp4moe bench --json` on the synthetic
 30B-A3B shape (P prompt tokens); prof_P.json - the same with --profile (device ms of the Mamba-2 layers). A missing
