@@ -21,10 +21,11 @@ cd "$(dirname "$0")/.." || exit 1
 G=${1:-gpu-bin}
 OUT=${OUT:-gpu-big-tma-out}
 mkdir -p "$OUT"
-B=/tmp/tma-bin
-mkdir -p $B
-[ -x $B/fp4moe ] || tar -C $B -xJf "$G/main/batch.tar.xz"
-export LD_LIBRARY_PATH=$B:/usr/local/cuda/lib64
+GP_NAME=batch
+GP_BUILD=build-gpum
+. scripts/gpu-pack.sh
+gp_main "$G/main" # the package unpacked into GP_BIN, LD_LIBRARY_PATH set
+B=$GP_BIN
 nvidia-smi --query-gpu=name --format=csv,noheader
 NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu)
 cp $B/fp4moe $B/main

@@ -21,10 +21,11 @@ PKG=$1 TOK=${2:-4096} CAND=${3:-}
 OUT=${OUT:-gpu-moe-big-out}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name --format=csv,noheader
-B=/tmp/moebig-bin
-mkdir -p $B
-[ -x $B/fp4moe ] || tar -C $B -xJf "$PKG/batch.tar.xz"
-export LD_LIBRARY_PATH=$B:/usr/local/cuda/lib64
+GP_NAME=batch
+GP_BUILD=build-gpum
+. scripts/gpu-pack.sh
+gp_main "$PKG" # the package unpacked into GP_BIN, LD_LIBRARY_PATH set
+B=$GP_BIN
 T=$B/test_ops_gpu
 t0=$SECONDS
 FP4MOE_TEST_FILTER=test_moe timeout 150 $T >"$OUT/moe_tests.log" 2>&1

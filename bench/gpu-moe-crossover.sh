@@ -11,10 +11,11 @@ cd "$(dirname "$0")/.." || exit 1
 PKG=$1
 OUT=${OUT:-gpu-moe-crossover-out}
 mkdir -p "$OUT"
-B=/tmp/moebig-bin
-mkdir -p $B
-[ -x $B/fp4moe ] || tar -C $B -xJf "$PKG/batch.tar.xz"
-export LD_LIBRARY_PATH=$B:/usr/local/cuda/lib64
+GP_NAME=batch
+GP_BUILD=build-gpum
+. scripts/gpu-pack.sh
+gp_main "$PKG" # the package unpacked into GP_BIN, LD_LIBRARY_PATH set
+B=$GP_BIN
 nvidia-smi --query-gpu=name --format=csv,noheader
 t0=$SECONDS
 FP4MOE_TEST_QUICK=1 timeout 120 $B/test_gather_qmm_gpu >"$OUT/tg.log" 2>&1
