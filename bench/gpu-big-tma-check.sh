@@ -16,6 +16,8 @@
 #   (GP_NAME=batch GP_BUILD=build-gpum GP_PROGS="fp4moe test_ops_gpu" GP_TARGETS="fp4moe_cli test_ops_gpu"; \
 #    . scripts/gpu-pack.sh; gp_package gpu-bin/main)
 # Usage (device): OUT=$OUT bash bench/gpu-big-tma-check.sh gpu-bin
+# Result (session 48, H100; docs/PERFORMANCE.md): both variants bitwise right, memcheck clean, and slower - the up
+# projection 1,416 (GB_TMA=1) / 1,151 (GB_TMA=2) against 614 us at 4,096 tokens: per-row boxes bind the TMA unit.
 set -u
 cd "$(dirname "$0")/.." || exit 1
 G=${1:-gpu-bin}
