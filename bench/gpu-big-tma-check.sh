@@ -22,13 +22,10 @@ set -u
 cd "$(dirname "$0")/.." || exit 1
 G=${1:-gpu-bin}
 OUT=${OUT:-gpu-big-tma-out}
-mkdir -p "$OUT"
 GP_NAME=batch
 GP_BUILD=build-gpum
 . scripts/gpu-pack.sh
-gp_main "$G/main" # the package unpacked into GP_BIN, LD_LIBRARY_PATH set
-B=$GP_BIN
-nvidia-smi --query-gpu=name --format=csv,noheader
+gp_device "$G/main" # the package unpacked into B, LD_LIBRARY_PATH set, OUT made, the GPU named
 NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu)
 cp $B/fp4moe $B/main
 for v in 1 2; do

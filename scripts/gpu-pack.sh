@@ -9,6 +9,7 @@
 # and then calls gp_main "$@": `--package BIN` packs and exits; otherwise it leaves the directory of
 # runnable programs in GP_BIN (BIN = $1, default $GP_BUILD/$GP_NAME-bin when packed there, else a
 # build here) with LD_LIBRARY_PATH set up (packed libraries, CUDA, pip-wheel CUDA libraries).
+# gp_device PKG (the bench/ device scripts): gp_main PKG, then B = GP_BIN, mkdir $OUT and the GPU's name printed.
 
 GP_PROGS=${GP_PROGS:-fp4moe test_model_gpu test_ssm_gpu test_gather_qmm_gpu test_attention_gpu test_ops_gpu test_ep_gpu}
 GP_TARGETS=${GP_TARGETS:-fp4moe_cli test_model_gpu test_ssm_gpu test_gather_qmm_gpu test_attention_gpu test_ops_gpu test_ep_gpu}
@@ -45,6 +46,13 @@ gp_unpack() { # BIN -> prints the directory holding the programs
     else
         (cd "$1" && pwd)
     fi
+}
+
+gp_device() { # PKG: on the GPU machine (a bench/ device script): gp_main PKG, its directory in B, $OUT made, the
+    gp_main "$1"  # GPU's name printed
+    B=$GP_BIN
+    mkdir -p "$OUT"
+    nvidia-smi --query-gpu=name --format=csv,noheader
 }
 
 gp_main() {
