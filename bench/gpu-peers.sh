@@ -14,7 +14,9 @@
 #                                                        checkouts MAMBA (state-spaces/mamba) and EINOPS
 #                                                        (arogozhnikov/einops); carry DIR
 #        bench/gpu-peers.sh DIR PKG                      on the GPU machine (PKG: a batch package for
-#                                                        the libraries, scripts/gpu-staged-check.sh --package)
+#                                                        the libraries, scripts/gpu-staged-check.sh --package);
+#                                                        PEERS_SKIP_LONG=1: without the 8,192 / 32,768-token
+#                                                        prompts and the torch 2k-32k peer (beyond the targets)
 set -u
 cd "$(dirname "$0")/.."
 if [ "${1:-}" = "--prepare" ]; then
@@ -46,11 +48,14 @@ for P in 512 2048; do
     timeout 150 "$GP_BIN/fp4moe" bench $SYN --prompt-tokens $P --gen-tokens $G --repeats 3 >"$R/e2e_$P.json" 2>"$R/e2e_$P.log"
     timeout 150 "$GP_BIN/fp4moe" bench $SYN --prompt-tokens $P --gen-tokens 1 --repeats 3 --profile >"$R/prof_$P.json" 2>"$R/prof_$P.log"
 done
-for P in 8192 32768; do # beyond the targets: long prompts at the CLI's default chunk
-    timeout 150 "$GP_BIN/fp4moe" bench $SYN --prompt-tokens $P --gen-tokens 8 --repeats 2 >"$R/e2e_$P.json" 2>"$R/e2e_$P.log"
-done
+if [ "${PEERS_SKIP_LONG:-0}" != 1 ]; then # PEERS_SKIP_LONG=1: the targets only (a shorter call)
+    for P in 8192 32768; do # beyond the targets: long prompts at the CLI's default chunk
+        timeout 150 "$GP_BIN/fp4moe" bench $SYN --prompt-tokens $P --gen-tokens 8 --repeats 2 >"$R/e2e_$P.json" 2>"$R/e2e_$P.log"
+    done
+    echo "== torch bf16 _grouped_mm, 2k-32k tokens"
+    timeout 150 python3 bench/torch_grouped_mm_long.py 2>"$R/torch_long.log" | tee "$R/torch_long.json" | tail -4
+fi
 T=$PWD
-echo "== torch bf16 _grouped_mm, 2k-32k tokens"; timeout 150 python3 bench/torch_grouped_mm_long.py 2>"$R/torch_long.log" | tee "$R/torch_long.json" | tail -4
 cd "$D" || exit 1
 echo "== torch bf16 _grouped_mm"; timeout 150 python3 moe_anchor.py 2>"$R/torch.log" | tee "$R/torch.json" | tail -12
 echo "== mamba_ssm SSD, torch SDPA"; timeout 240 python3 layer_anchor.py . 2>&1 | tail -24

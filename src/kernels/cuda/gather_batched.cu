@@ -1240,7 +1240,8 @@ int gq_batched_row_tile(const gq_args *a, fp4moe_dtype dtype) {
  * pair of wgmma, wait_group 1 or 2 after each): ptxas serialises the wgmma ("insufficient register resources") at
  * 128 registers, and at 255 (one block an SM) it takes all of them. */
 /* the weight ring's depth in this kernel: BT_STAGES (4) slots of GW_THREADS x 40 bytes; with one block an SM (GW_WGS
- * 4: 32 KB of x buffers + 80 KB of ring) deeper rings fit (6: 152 KB) - not measured yet */
+ * 4: 32 KB of x buffers + 80 KB of ring) deeper rings fit (5 / 6: 132 / 152 KB) - measured within noise at prefill
+ * 2k / 8k (session 40, docs/PERFORMANCE.md) */
 #ifndef GW_STAGES
 #define GW_STAGES BT_STAGES
 #endif
