@@ -5,8 +5,9 @@
 # ../shared/anchors/moe_anchor.py (torch bf16 _grouped_mm on bf16 experts, the copy rate) and
 # layer_anchor.py (the state-spaces/mamba Triton SSD scan, torch SDPA); bench/gpu_moe_decode (the decode MoE pair) and
 # fp4moe bench at 512 + 128 / 2,048 + 32 tokens (speeds; --profile: the Mamba-2 layers' device time), 8,192 and 32,768
-# (beyond the targets), bench/torch_grouped_mm_long.py (the torch peer at 2k-32k tokens); last, issue 12's
-# targets table from all of it (bench/gpu_targets.py; the inputs stay in $OUT/peers).
+# (beyond the targets), bench/torch_grouped_mm_long.py (the torch peer at 2k-32k tokens); then issue 12's
+# targets table from all of it (bench/gpu_targets.py; the inputs stay in $OUT/peers); last the Mamba-2 peer
+# (layer_anchor.py: its Triton compiles are the call's slowest part and no row of the table needs them).
 # Usage: bench/gpu-peers.sh --prepare DIR MAMBA EINOPS   here: DIR gets the anchors, the two programs
 #                                                        (stripped, xz; from build-gpum) and the Python
 #                                                        packages mamba_ssm (ops/triton + utils only:
@@ -58,5 +59,5 @@ fi
 T=$PWD
 cd "$D" || exit 1
 echo "== torch bf16 _grouped_mm"; timeout 150 python3 moe_anchor.py 2>"$R/torch.log" | tee "$R/torch.json" | tail -12
+echo "== issue 12 targets"; python3 "$T/bench/gpu_targets.py" "$R" # before the slowest peer (Triton compiles)
 echo "== mamba_ssm SSD, torch SDPA"; timeout 240 python3 layer_anchor.py . 2>&1 | tail -24
-echo "== issue 12 targets"; python3 "$T/bench/gpu_targets.py" "$R"
