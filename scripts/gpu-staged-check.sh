@@ -55,6 +55,7 @@ f_xrow test_ops_gpu src/kernels/cuda/gather_batched.cu XROW test_linear_gather_r
 f_split test_ops_gpu src/kernels/cuda/ops_linear.cu SPLIT_SUM test_moe_route
 f_qmvr test_ops_gpu src/kernels/cuda/gather_qmm_cuda.cu QMV_ROWS test_tiled_layout
 f_ssd test_ssm_gpu src/kernels/cuda/ops_ssm.cu SSD_TF32
+f_ssdbuf test_ssm_gpu src/kernels/cuda/ops_ssm.cu SSD_SBUF
 f_gated test_ops_gpu src/kernels/cuda/ops_elementwise.cu GATED_LANES test_rmsnorm_gated
 f_sort test_ops_gpu src/kernels/cuda/ops_moe.cu SORT_BASE test_moe_route
 f_sched test_gather_qmm_gpu src/kernels/cuda/gather_batched.cu SCHED

@@ -603,11 +603,17 @@ static int launch_tiled_s(const cuda_ssm_args *a, cudaStream_t st) {
  * separate accumulators, i.e. two independent mma chains), so y and the state agree with the fp64
  * recurrence within the scan's tolerance - not bitwise with the recurrent kernels (another order of
  * the fp32 operations).
- * A chunk in three barrier-separated phases: (1) the decays (8 threads a row); (2) the products that
- * need no M - C B^T (then M, in shared memory), C S_in^T (warps 8-15, one 16 x 16 tile of y each) and
- * the state update (warps 0-7, a 16 x S/4 tile of the state each, held in their accumulators across
- * the chunks) - side by side; (3) M x and y (warps 8-15) while warps 0-7 store the new state for the
- * next chunk's C S_in^T. The chunk inputs (C, B of the group, x of the head's rows) are copied with
+ * Without a C B^T workspace (PRE false), a chunk in three barrier-separated phases: (1) the decays (8 threads
+ * a row); (2) the products that need no M - C B^T (then M, in shared memory), C S_in^T (warps 8-15, one
+ * 16 x 16 tile of y each) and the state update (warps 0-7, a 16 x S/4 tile of the state each, held in
+ * their accumulators across the chunks) - side by side; (3) M x and y (warps 8-15) while warps 0-7 store
+ * the new state for the next chunk's C S_in^T. With the workspace (PRE), one block barrier a chunk: the
+ * state team (warps 0-7) and the y team (8-15) share only [1] (chunk c's inputs, dt, dA and S_in
+ * visible); the state team computes the decay rows 0-31 and again row L - 1 (w and cum[L-1], the same
+ * operations), then updates the state and writes it into the other of two S buffers; the y team computes
+ * rows 32-63, C S_in^T, waits for the state team's rows (a named barrier the state team only arrives at),
+ * then M x and y. The same operations in both forms; the PRE form measured (H100, gpu_ssm, ms a layer):
+ * 512 tokens 0.0577 against 0.0615, 2,048 0.191 against 0.207, 8,192 0.723 against 0.795. The chunk inputs (C, B of the group, x of the head's rows) are copied with
  * cp.async one chunk ahead (double-buffered), the raw dt a chunk ahead in registers. Tokens past T in
  * the last chunk: dt = 0, dA = 1, zero rows (no contribution). Shared-memory rows are padded (+4 / +8
  * floats) so the fragment loads hit distinct banks. */
@@ -629,6 +635,8 @@ template <int S_> struct ssd_geom {
     static constexpr int SP = S_ + 4, XP = PB + 8, MP = L + 4;
     static constexpr int BUF = 2 * L * SP + L * XP;                        /* C, B, x of one chunk */
     static constexpr int FLOATS = 2 * BUF + 2 * L * MP + PB * SP + 4 * L;  /* + M (x2), S, dt, dA, cum, w */
+    /* PRE: + a second S, dt and dA buffer, the chunk's total decay (+3 pad); 225,808 bytes at S 128 */
+    static constexpr int FLOATS_PRE = FLOATS + PB * SP + 2 * L + 4;
     static constexpr int NQ = S_ / 32;                                     /* n8 tiles of a state tile */
     static_assert(L == 64 && PB == 32 && SSD_W == 16 && S_ % 32 == 0, "ssd_geom: the warp tiling below");
 };
@@ -775,7 +783,9 @@ ssm_ssd_kernel(cuda_ssm_args a, int vec) {
     constexpr int L = Gm::L, PB = Gm::PB, SP = Gm::SP, XP = Gm::XP, MP = Gm::MP, BUF = Gm::BUF, NQ = Gm::NQ;
     constexpr int NT = SSD_W * 32;
     extern __shared__ __align__(16) float sm[];
-    float *Mb = sm + 2 * BUF, *Ss = Mb + 2 * L * MP, *dtv = Ss + PB * SP, *dAv = dtv + L, *cum = dAv + L, *wv = cum + L;
+    constexpr int NS = PRE ? 2 : 1, ND = PRE ? 2 * L : L; /* S buffers; dt / dA floats */
+    float *Mb = sm + 2 * BUF, *Ss = Mb + 2 * L * MP, *dtv = Ss + NS * PB * SP, *dAv = dtv + ND, *cum = dAv + ND,
+          *wv = cum + L;
     const int hd = (int)a.hd, nh = (int)a.nh, T = (int)a.T;
     const int h = blockIdx.y, grp = h / (nh / (int)a.G), p0 = blockIdx.x * PB;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
@@ -874,6 +884,130 @@ ssm_ssd_kernel(cuda_ssm_args a, int vec) {
     ts_commit();
     uint16_t raw = tid < L && tid < T ? a.dt[(int64_t)tid * a.dts + h] : 0;
 
+    /* (1) the decays of row i, thread s of the row's 8 (8 consecutive lanes) owning columns j in [8 s, 8 s + 8):
+     * loc[jj] = the product of dA over this eighth's tokens in (j, i], times up (the returned product over the
+     * eighths above s) = decay(i, j) */
+    auto row_decays = [&](const float *dA_, int i, int s, float (&loc)[8]) -> float {
+        float r = 1.0f;
+#pragma unroll
+        for (int jj = 7; jj >= 0; jj--) {
+            const int j = 8 * s + jj;
+            loc[jj] = r;
+            if (j <= i) r = __fmul_rn(r, dA_[j]);
+        }
+        /* r: the product over this eighth's tokens <= i; the eighths above s multiply in */
+        float v = r;
+#pragma unroll
+        for (int o = 1; o < 8; o <<= 1) {
+            const float u = __shfl_down_sync(0xffffffffu, v, o, 8);
+            if (s + o < 8) v = __fmul_rn(v, u);
+        }
+        float up = __shfl_down_sync(0xffffffffu, v, 1, 8);
+        if (s == 7) up = 1.0f;
+        return up;
+    };
+    if constexpr (PRE) { /* one block barrier a chunk (the comment above ssd_geom); named barriers 1 (the state
+                            team), 3 (the y team waiting for the state team's decay rows) */
+    float *clv = wv + L;
+    for (int c = 0; c < nchunks; c++) {
+        const int t0 = c * L, tc = min(L, T - t0);
+        float *dtc = dtv + (c & 1) * L, *dAc = dAv + (c & 1) * L;
+        if (tid < L) {
+            float2 d = make_float2(0.0f, 1.0f);
+            if (tid < tc) d = ts_dt_dA(raw, bias, a.dt_lo, a.dt_hi, Ah);
+            dtc[tid] = d.x;
+            dAc[tid] = d.y;
+            raw = t0 + L + tid < T ? a.dt[(int64_t)(t0 + L + tid) * a.dts + h] : 0;
+        }
+        asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+        __syncthreads(); /* [1] */
+        if (c + 1 < nchunks) load((c + 1) & 1, t0 + L);
+        ts_commit();
+        const float *Cs = sm + (c & 1) * BUF, *Bs = Cs + L * SP, *Xs = Bs + L * SP;
+        float *Ms = Mb + (c & 1) * L * MP;
+#ifndef FP4MOE_INJECT_FAULT_SSD_SBUF /* deliberate fault (tests must catch it): the y team reads the S buffer being written */
+        const float *Sin = Ss + (c & 1) * PB * SP;
+#else
+        const float *Sin = Ss + ((c + 1) & 1) * PB * SP;
+#endif
+        /* decay rows: thread (row i, eighth s) as phase (1) below */
+        auto decay_rows = [&](int i, int s) {
+            float loc[8];
+            const float up = row_decays(dAc, i, s, loc);
+#pragma unroll
+            for (int jj = 0; jj < 8; jj++) {
+                const int j = 8 * s + jj;
+                const float dec = __fmul_rn(loc[jj], up);
+                const float m = j <= i ? __fmul_rn(dec, dtc[j]) : 0.0f;
+                Ms[i * MP + j] = j <= i ? __fmul_rn(Ms[i * MP + j], m) : 0.0f;
+            }
+            if (s == 0) cum[i] = __fmul_rn(__fmul_rn(loc[0], up), dAc[0]);
+        };
+        if (sw) {
+            decay_rows(tid >> 3, tid & 7); /* rows 0-31, for the y team */
+            asm volatile("bar.arrive 3, 512;" ::: "memory");
+            if (warp == 0) { /* row L - 1 (every 8 lanes; lanes 0-7 write) */
+                const int s = lane & 7;
+                float loc[8];
+                const float up = row_decays(dAc, L - 1, s, loc);
+                if (lane < 8) {
+#pragma unroll
+                    for (int jj = 0; jj < 8; jj++) {
+                        const int j = 8 * s + jj;
+                        wv[j] = __fmul_rn(__fmul_rn(loc[jj], up), dtc[j]);
+                    }
+                    if (s == 0) clv[0] = __fmul_rn(__fmul_rn(loc[0], up), dAc[0]);
+                }
+            }
+            asm volatile("bar.sync 1, 256;" ::: "memory");
+            const float cl = clv[0];
+            float small[NQ][4] = {};
+#pragma unroll
+            for (int q = 0; q < NQ; q++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) accS[q][e] = __fmul_rn(accS[q][e], cl);
+            ssd_product<NQ, 2>(accS, small, L, NQ,
+                [&](int k0, uint32_t (&ah)[4], uint32_t (&al)[4]) { ssd_ld_at(Xs, XP, wv, sp0, k0, g, t, ah, al); },
+                [&](int k0, int q, uint32_t (&bh)[2], uint32_t (&bl)[2]) { ssd_ld_bk(Bs, SP, k0, sn0 + 8 * q, g, t, bh, bl); });
+            float *Sout = Ss + ((c + 1) & 1) * PB * SP;
+#pragma unroll
+            for (int q = 0; q < NQ; q++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    accS[q][e] += small[q][e];
+                    Sout[(sp0 + g + 8 * (e >> 1)) * SP + sn0 + 8 * q + 2 * t + (e & 1)] = accS[q][e];
+                }
+        } else {
+            decay_rows(32 + ((tid - 256) >> 3), tid & 7); /* rows 32-63 */
+            float yo[2][4];
+            {
+                float big[2][4] = {}, small[2][4] = {};
+                ssd_product<2, 4>(big, small, S_, 2,
+                    [&](int k0, uint32_t (&ah)[4], uint32_t (&al)[4]) { ssd_ld_a(Cs, SP, 16 * ym, k0, g, t, ah, al); },
+                    [&](int k0, int q, uint32_t (&bh)[2], uint32_t (&bl)[2]) { ssd_ld_bn(Sin, SP, k0, yp + 8 * q, g, t, bh, bl); });
+#pragma unroll
+                for (int q = 0; q < 2; q++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++) yo[q][e] = big[q][e] + small[q][e];
+            }
+            asm volatile("bar.sync 3, 512;" ::: "memory"); /* M and cum of both teams */
+            float big[2][4] = {}, small[2][4] = {};
+            ssd_product<2, 1>(big, small, 16 * ym + 16, 2,
+                [&](int k0, uint32_t (&ah)[4], uint32_t (&al)[4]) { ssd_ld_a(Ms, MP, 16 * ym, k0, g, t, ah, al); },
+                [&](int k0, int q, uint32_t (&bh)[2], uint32_t (&bl)[2]) { ssd_ld_bk(Xs, XP, k0, yp + 8 * q, g, t, bh, bl); });
+#pragma unroll
+            for (int q = 0; q < 2; q++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int i = 16 * ym + g + 8 * (e >> 1), pc = yp + 8 * q + 2 * t + (e & 1), p = p0 + pc;
+                    if (i < tc && p < hd)
+                        a.y[(int64_t)(t0 + i) * ystride + (int64_t)h * hd + p] =
+                            __fadd_rn(fmaf(cum[i], yo[q][e], big[q][e] + small[q][e]), __fmul_rn(Dh, Xs[i * XP + pc]));
+                }
+        }
+    }
+    } else {
+
     for (int c = 0; c < nchunks; c++) {
         const int t0 = c * L, tc = min(L, T - t0);
         if (tid < L) { /* dt, dA of token tid (as the recurrent kernels); past T: no step */
@@ -894,37 +1028,21 @@ ssm_ssd_kernel(cuda_ssm_args a, int vec) {
         {
             const int i = tid >> 3, s = tid & 7;
             float loc[8];
-            float r = 1.0f;
-#pragma unroll
-            for (int jj = 7; jj >= 0; jj--) {
-                const int j = 8 * s + jj;
-                loc[jj] = r;
-                if (j <= i) r = __fmul_rn(r, dAv[j]);
-            }
-            /* r: the product over this eighth's tokens <= i; the eighths above s multiply in */
-            float v = r;
-#pragma unroll
-            for (int o = 1; o < 8; o <<= 1) {
-                const float u = __shfl_down_sync(0xffffffffu, v, o, 8);
-                if (s + o < 8) v = __fmul_rn(v, u);
-            }
-            float up = __shfl_down_sync(0xffffffffu, v, 1, 8);
-            if (s == 7) up = 1.0f;
+            const float up = row_decays(dAv, i, s, loc);
 #pragma unroll
             for (int jj = 0; jj < 8; jj++) {
                 const int j = 8 * s + jj;
                 const float dec = __fmul_rn(loc[jj], up); /* decay(i, j) */
                 const float m = j <= i ? __fmul_rn(dec, dtv[j]) : 0.0f;
                 if (i == L - 1) wv[j] = m;
-                if constexpr (PRE) Ms[i * MP + j] = j <= i ? __fmul_rn(Ms[i * MP + j], m) : 0.0f;
-                else Ms[i * MP + j] = m;
+                Ms[i * MP + j] = m;
             }
             if (s == 0) cum[i] = __fmul_rn(__fmul_rn(loc[0], up), dAv[0]);
         }
         __syncthreads(); /* [2] decays, cum, w */
 
-        /* (2a) warps 0-9: M = (C B^T) o decays on one unit of the lower triangle (PRE: done above) */
-        if (!PRE && warp < 10) {
+        /* (2a) warps 0-9: M = (C B^T) o decays on one unit of the lower triangle */
+        if (warp < 10) {
             float big[2][4] = {}, small[2][4] = {};
             ssd_product<2, 4>(big, small, S_, 2,
                 [&](int k0, uint32_t (&ah)[4], uint32_t (&al)[4]) { ssd_ld_a(Cs, SP, 16 * gm, k0, g, t, ah, al); },
@@ -987,6 +1105,7 @@ ssm_ssd_kernel(cuda_ssm_args a, int vec) {
                     Ss[(sp0 + g + 8 * (e >> 1)) * SP + sn0 + 8 * q + 2 * t + (e & 1)] = accS[q][e];
         }
     }
+    } /* PRE */
     if (sw) {
 #pragma unroll
         for (int q = 0; q < NQ; q++)
@@ -1003,16 +1122,17 @@ ssm_ssd_kernel(cuda_ssm_args a, int vec) {
 template <int S_>
 static int launch_ssd(const cuda_ssm_args *a, cudaStream_t st, bool auto_pre) {
     using Gm = ssd_geom<S_>;
-    const size_t smem = (size_t)Gm::FLOATS * sizeof(float), smem_cb = (size_t)2 * Gm::L * Gm::SP * sizeof(float);
+    const size_t smem = (size_t)Gm::FLOATS * sizeof(float), smem_pre = (size_t)Gm::FLOATS_PRE * sizeof(float),
+                 smem_cb = (size_t)2 * Gm::L * Gm::SP * sizeof(float);
     const bool pre = a->ws && a->ws_floats >= a->G * Gm::L * Gm::L && (uintptr_t)a->ws % 16 == 0 &&
                      (!auto_pre || a->T >= SSD_PRE_MIN_T);
-    cudaError_t e = cudaFuncSetAttribute(ssm_ssd_kernel<S_, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    cudaError_t e = cudaFuncSetAttribute(ssm_ssd_kernel<S_, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem_pre);
     if (e == cudaSuccess)
         e = cudaFuncSetAttribute(ssm_ssd_kernel<S_, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
     if (e == cudaSuccess)
         e = cudaFuncSetAttribute(ssm_ssd_cb_kernel<S_>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem_cb);
     if (e != cudaSuccess)
-        return fp4moe_set_error(FP4MOE_ECUDA, "cuda op ssm scan (ssd): %zu bytes of shared memory: %s", smem,
+        return fp4moe_set_error(FP4MOE_ECUDA, "cuda op ssm scan (ssd): %zu bytes of shared memory: %s", smem_pre,
                                 cudaGetErrorString(e));
     const int vec = ((uintptr_t)a->B % 16 == 0) && ((uintptr_t)a->C % 16 == 0) && ((uintptr_t)a->x % 16 == 0) &&
                     a->bcs % 4 == 0 && a->xs % 4 == 0 && a->hd % 4 == 0;
@@ -1034,7 +1154,7 @@ static int launch_ssd(const cuda_ssm_args *a, cudaStream_t st, bool auto_pre) {
         p.y = a->y + t0 * a->nh * a->hd;
         cu_launch(ssm_ssd_cb_kernel<S_>, dim3(ops_blocks(p.T, Gm::L), (unsigned)a->G), 256, smem_cb, st, p, vec);
         OPS_LAUNCH_CHECK("ssm scan (ssd C B^T)");
-        cu_launch(ssm_ssd_kernel<S_, true>, grid, SSD_W * 32, smem, st, p, vec);
+        cu_launch(ssm_ssd_kernel<S_, true>, grid, SSD_W * 32, smem_pre, st, p, vec);
         OPS_LAUNCH_CHECK("ssm scan (ssd)");
     }
     return FP4MOE_OK;
