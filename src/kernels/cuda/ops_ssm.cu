@@ -613,9 +613,10 @@ static int launch_tiled_s(const cuda_ssm_args *a, cudaStream_t st) {
  * operations), then updates the state and writes it into the other of two S buffers; the y team computes
  * rows 32-63, C S_in^T, waits for the state team's rows (a named barrier the state team only arrives at),
  * then M x and y. The same operations in both forms; the PRE form measured (H100, gpu_ssm, ms a layer):
- * 512 tokens 0.0577 against 0.0615, 2,048 0.191 against 0.207, 8,192 0.723 against 0.795. The chunk inputs (C, B of the group, x of the head's rows) are copied with
- * cp.async one chunk ahead (double-buffered), the raw dt a chunk ahead in registers. Tokens past T in
- * the last chunk: dt = 0, dA = 1, zero rows (no contribution). Shared-memory rows are padded (+4 / +8
+ * 512 tokens 0.0577 against 0.0615, 2,048 0.191 against 0.207, 8,192 0.723 against 0.795 for the three
+ * phases (docs/PERFORMANCE.md, session 50). The chunk inputs (C, B of the group, x of the head's rows) are
+ * copied with cp.async one chunk ahead (double-buffered), the raw dt a chunk ahead in registers. Tokens past
+ * T in the last chunk: dt = 0, dA = 1, zero rows (no contribution). Shared-memory rows are padded (+4 / +8
  * floats) so the fragment loads hit distinct banks. */
 #define SSD_L 64  /* tokens a chunk */
 #define SSD_PB 32 /* head_dim rows a block */
