@@ -907,19 +907,73 @@ ssm_ssd_kernel(cuda_ssm_args a, int vec) {
         if (s == 7) up = 1.0f;
         return up;
     };
+    /* dt, dA of token tid of the chunk at t0 (as the recurrent kernels; past T: no step) into dt_, dA_; the next
+     * chunk's raw dt into raw */
+    auto chunk_dt = [&](float *dt_, float *dA_, int t0, int tc) {
+        if (tid < L) {
+            float2 d = make_float2(0.0f, 1.0f);
+            if (tid < tc) d = ts_dt_dA(raw, bias, a.dt_lo, a.dt_hi, Ah);
+            dt_[tid] = d.x;
+            dA_[tid] = d.y;
+            raw = t0 + L + tid < T ? a.dt[(int64_t)(t0 + L + tid) * a.dts + h] : 0;
+        }
+    };
+    /* warps 8-15: C S_in^T of their y tile */
+    auto c_sin = [&](const float *Cs, const float *Sin, float (&yo)[2][4]) {
+        float big[2][4] = {}, small[2][4] = {};
+        ssd_product<2, 4>(big, small, S_, 2,
+            [&](int k0, uint32_t (&ah)[4], uint32_t (&al)[4]) { ssd_ld_a(Cs, SP, 16 * ym, k0, g, t, ah, al); },
+            [&](int k0, int q, uint32_t (&bh)[2], uint32_t (&bl)[2]) { ssd_ld_bn(Sin, SP, k0, yp + 8 * q, g, t, bh, bl); });
+#pragma unroll
+        for (int q = 0; q < 2; q++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) yo[q][e] = big[q][e] + small[q][e];
+    };
+    /* warps 0-7: S_out = cl S_in + (w x)^T B, in their accumulators */
+    auto state_update = [&](const float *Xs, const float *Bs, float cl) {
+        float small[NQ][4] = {};
+#pragma unroll
+        for (int q = 0; q < NQ; q++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) accS[q][e] = __fmul_rn(accS[q][e], cl);
+        ssd_product<NQ, 2>(accS, small, L, NQ,
+            [&](int k0, uint32_t (&ah)[4], uint32_t (&al)[4]) { ssd_ld_at(Xs, XP, wv, sp0, k0, g, t, ah, al); },
+            [&](int k0, int q, uint32_t (&bh)[2], uint32_t (&bl)[2]) { ssd_ld_bk(Bs, SP, k0, sn0 + 8 * q, g, t, bh, bl); });
+#pragma unroll
+        for (int q = 0; q < NQ; q++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) accS[q][e] += small[q][e];
+    };
+    /* warps 0-7: their state tile into an S buffer */
+    auto state_store = [&](float *S) {
+#pragma unroll
+        for (int q = 0; q < NQ; q++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) S[(sp0 + g + 8 * (e >> 1)) * SP + sn0 + 8 * q + 2 * t + (e & 1)] = accS[q][e];
+    };
+    /* warps 8-15: y = M x + cum o (C S_in^T) + D x of their tile (M x over j <= i only) */
+    auto y_out = [&](const float *Ms, const float *Xs, const float (&yo)[2][4], int t0, int tc) {
+        float big[2][4] = {}, small[2][4] = {};
+        ssd_product<2, 1>(big, small, 16 * ym + 16, 2,
+            [&](int k0, uint32_t (&ah)[4], uint32_t (&al)[4]) { ssd_ld_a(Ms, MP, 16 * ym, k0, g, t, ah, al); },
+            [&](int k0, int q, uint32_t (&bh)[2], uint32_t (&bl)[2]) { ssd_ld_bk(Xs, XP, k0, yp + 8 * q, g, t, bh, bl); });
+#pragma unroll
+        for (int q = 0; q < 2; q++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int i = 16 * ym + g + 8 * (e >> 1), pc = yp + 8 * q + 2 * t + (e & 1), p = p0 + pc;
+                if (i < tc && p < hd)
+                    a.y[(int64_t)(t0 + i) * ystride + (int64_t)h * hd + p] =
+                        __fadd_rn(fmaf(cum[i], yo[q][e], big[q][e] + small[q][e]), __fmul_rn(Dh, Xs[i * XP + pc]));
+            }
+    };
     if constexpr (PRE) { /* one block barrier a chunk (the comment above ssd_geom); named barriers 1 (the state
                             team), 3 (the y team waiting for the state team's decay rows) */
     float *clv = wv + L;
     for (int c = 0; c < nchunks; c++) {
         const int t0 = c * L, tc = min(L, T - t0);
         float *dtc = dtv + (c & 1) * L, *dAc = dAv + (c & 1) * L;
-        if (tid < L) {
-            float2 d = make_float2(0.0f, 1.0f);
-            if (tid < tc) d = ts_dt_dA(raw, bias, a.dt_lo, a.dt_hi, Ah);
-            dtc[tid] = d.x;
-            dAc[tid] = d.y;
-            raw = t0 + L + tid < T ? a.dt[(int64_t)(t0 + L + tid) * a.dts + h] : 0;
-        }
+        chunk_dt(dtc, dAc, t0, tc);
         asm volatile("cp.async.wait_group 0;\n" ::: "memory");
         __syncthreads(); /* [1] */
         if (c + 1 < nchunks) load((c + 1) & 1, t0 + L);
@@ -961,63 +1015,21 @@ ssm_ssd_kernel(cuda_ssm_args a, int vec) {
                 }
             }
             asm volatile("bar.sync 1, 256;" ::: "memory");
-            const float cl = clv[0];
-            float small[NQ][4] = {};
-#pragma unroll
-            for (int q = 0; q < NQ; q++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) accS[q][e] = __fmul_rn(accS[q][e], cl);
-            ssd_product<NQ, 2>(accS, small, L, NQ,
-                [&](int k0, uint32_t (&ah)[4], uint32_t (&al)[4]) { ssd_ld_at(Xs, XP, wv, sp0, k0, g, t, ah, al); },
-                [&](int k0, int q, uint32_t (&bh)[2], uint32_t (&bl)[2]) { ssd_ld_bk(Bs, SP, k0, sn0 + 8 * q, g, t, bh, bl); });
-            float *Sout = Ss + ((c + 1) & 1) * PB * SP;
-#pragma unroll
-            for (int q = 0; q < NQ; q++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    accS[q][e] += small[q][e];
-                    Sout[(sp0 + g + 8 * (e >> 1)) * SP + sn0 + 8 * q + 2 * t + (e & 1)] = accS[q][e];
-                }
+            state_update(Xs, Bs, clv[0]);
+            state_store(Ss + ((c + 1) & 1) * PB * SP);
         } else {
             decay_rows(32 + ((tid - 256) >> 3), tid & 7); /* rows 32-63 */
             float yo[2][4];
-            {
-                float big[2][4] = {}, small[2][4] = {};
-                ssd_product<2, 4>(big, small, S_, 2,
-                    [&](int k0, uint32_t (&ah)[4], uint32_t (&al)[4]) { ssd_ld_a(Cs, SP, 16 * ym, k0, g, t, ah, al); },
-                    [&](int k0, int q, uint32_t (&bh)[2], uint32_t (&bl)[2]) { ssd_ld_bn(Sin, SP, k0, yp + 8 * q, g, t, bh, bl); });
-#pragma unroll
-                for (int q = 0; q < 2; q++)
-#pragma unroll
-                    for (int e = 0; e < 4; e++) yo[q][e] = big[q][e] + small[q][e];
-            }
+            c_sin(Cs, Sin, yo);
             asm volatile("bar.sync 3, 512;" ::: "memory"); /* M and cum of both teams */
-            float big[2][4] = {}, small[2][4] = {};
-            ssd_product<2, 1>(big, small, 16 * ym + 16, 2,
-                [&](int k0, uint32_t (&ah)[4], uint32_t (&al)[4]) { ssd_ld_a(Ms, MP, 16 * ym, k0, g, t, ah, al); },
-                [&](int k0, int q, uint32_t (&bh)[2], uint32_t (&bl)[2]) { ssd_ld_bk(Xs, XP, k0, yp + 8 * q, g, t, bh, bl); });
-#pragma unroll
-            for (int q = 0; q < 2; q++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    const int i = 16 * ym + g + 8 * (e >> 1), pc = yp + 8 * q + 2 * t + (e & 1), p = p0 + pc;
-                    if (i < tc && p < hd)
-                        a.y[(int64_t)(t0 + i) * ystride + (int64_t)h * hd + p] =
-                            __fadd_rn(fmaf(cum[i], yo[q][e], big[q][e] + small[q][e]), __fmul_rn(Dh, Xs[i * XP + pc]));
-                }
+            y_out(Ms, Xs, yo, t0, tc);
         }
     }
     } else {
 
     for (int c = 0; c < nchunks; c++) {
         const int t0 = c * L, tc = min(L, T - t0);
-        if (tid < L) { /* dt, dA of token tid (as the recurrent kernels); past T: no step */
-            float2 d = make_float2(0.0f, 1.0f);
-            if (tid < tc) d = ts_dt_dA(raw, bias, a.dt_lo, a.dt_hi, Ah);
-            dtv[tid] = d.x;
-            dAv[tid] = d.y;
-            raw = t0 + L + tid < T ? a.dt[(int64_t)(t0 + L + tid) * a.dts + h] : 0;
-        }
+        chunk_dt(dtv, dAv, t0, tc);
         asm volatile("cp.async.wait_group 0;\n" ::: "memory");
         __syncthreads(); /* [1] chunk c's inputs, dt and dA visible; the other buffer free */
         if (c + 1 < nchunks) load((c + 1) & 1, t0 + L);
@@ -1058,53 +1070,12 @@ ssm_ssd_kernel(cuda_ssm_args a, int vec) {
         }
         /* (2b) warps 8-15: C S_in^T for their y tile; warps 0-7: S_out = cum[L-1] S_in + (w x)^T B */
         float yo[2][4];
-        if (!sw) {
-            float big[2][4] = {}, small[2][4] = {};
-            ssd_product<2, 4>(big, small, S_, 2,
-                [&](int k0, uint32_t (&ah)[4], uint32_t (&al)[4]) { ssd_ld_a(Cs, SP, 16 * ym, k0, g, t, ah, al); },
-                [&](int k0, int q, uint32_t (&bh)[2], uint32_t (&bl)[2]) { ssd_ld_bn(Ss, SP, k0, yp + 8 * q, g, t, bh, bl); });
-#pragma unroll
-            for (int q = 0; q < 2; q++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) yo[q][e] = big[q][e] + small[q][e];
-        } else {
-            const float cl = cum[L - 1];
-            float small[NQ][4] = {};
-#pragma unroll
-            for (int q = 0; q < NQ; q++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) accS[q][e] = __fmul_rn(accS[q][e], cl);
-            ssd_product<NQ, 2>(accS, small, L, NQ,
-                [&](int k0, uint32_t (&ah)[4], uint32_t (&al)[4]) { ssd_ld_at(Xs, XP, wv, sp0, k0, g, t, ah, al); },
-                [&](int k0, int q, uint32_t (&bh)[2], uint32_t (&bl)[2]) { ssd_ld_bk(Bs, SP, k0, sn0 + 8 * q, g, t, bh, bl); });
-#pragma unroll
-            for (int q = 0; q < NQ; q++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) accS[q][e] += small[q][e];
-        }
+        if (!sw) c_sin(Cs, Ss, yo);
+        else state_update(Xs, Bs, cum[L - 1]);
         __syncthreads(); /* [3] M done; every read of S_in done */
 
-        if (!sw) { /* (3) y = M x + cum o (C S_in^T) + D x */
-            float big[2][4] = {}, small[2][4] = {};
-            ssd_product<2, 1>(big, small, 16 * ym + 16, 2, /* j <= i only */
-                [&](int k0, uint32_t (&ah)[4], uint32_t (&al)[4]) { ssd_ld_a(Ms, MP, 16 * ym, k0, g, t, ah, al); },
-                [&](int k0, int q, uint32_t (&bh)[2], uint32_t (&bl)[2]) { ssd_ld_bk(Xs, XP, k0, yp + 8 * q, g, t, bh, bl); });
-#pragma unroll
-            for (int q = 0; q < 2; q++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    const int i = 16 * ym + g + 8 * (e >> 1), pc = yp + 8 * q + 2 * t + (e & 1), p = p0 + pc;
-                    if (i < tc && p < hd)
-                        a.y[(int64_t)(t0 + i) * ystride + (int64_t)h * hd + p] =
-                            __fadd_rn(fmaf(cum[i], yo[q][e], big[q][e] + small[q][e]), __fmul_rn(Dh, Xs[i * XP + pc]));
-                }
-        } else { /* (3) the new state for the next chunk's C S_in^T */
-#pragma unroll
-            for (int q = 0; q < NQ; q++)
-#pragma unroll
-                for (int e = 0; e < 4; e++)
-                    Ss[(sp0 + g + 8 * (e >> 1)) * SP + sn0 + 8 * q + 2 * t + (e & 1)] = accS[q][e];
-        }
+        if (!sw) y_out(Ms, Xs, yo, t0, tc); /* (3) */
+        else state_store(Ss);               /* (3) the new state for the next chunk's C S_in^T */
     }
     } /* PRE */
     if (sw) {
