@@ -48,6 +48,7 @@ f_runs test_gather_qmm_gpu src/kernels/cuda/gather_qmm_cuda.cu RUNS
 f_xb test_ops_gpu src/kernels/cuda/gather_qmv.cu XBCAST test_linear_gather_x1
 f_rw test_ops_gpu src/kernels/cuda/ops_elementwise.cu RMSNORM_WIDE test_rmsnorm_residual
 f_am test_ops_gpu src/kernels/cuda/ops_elementwise.cu ARGMAX_TIE test_argmax_rows
+f_amr test_ops_gpu src/kernels/cuda/ops_elementwise.cu ARGMAX_RESET test_argmax_rows
 f_wpre test_ops_gpu src/kernels/cuda/gather_qmv.cu QMMA_WPRE test_tiled_layout
 f_kvp test_model_gpu src/model/forward.c KV_PAIR
 f_w32 test_ops_gpu src/kernels/cuda/gather_batched.cu W32 test_tiled_layout

@@ -1191,7 +1191,9 @@ static void test_rmsnorm_gated(void **state) {
 /* ---- cuda_argmax_rows_f32 ---------------------------------------------------------------------------
  * Against the host rule (a number beats NaN, the larger wins, equal values: the lower index): random
  * rows with a planted maximum, ties of the maximum (the lower index must win), NaNs (ignored), an
- * all-NaN row (index 0), n % 4 != 0 (the scalar path), and the 131,072-logit decode row. */
+ * all-NaN row (index 0), n % 4 != 0 (the scalar path), and the 131,072-logit decode row; each case one
+ * block a row (ws NULL) and split (a zeroed scratch, <= 8 rows of >= 8,192 logits), the split form run
+ * twice on new data (its counters must be back at 0 for the next call, as in a graph's next replay). */
 static int32_t host_argmax(const float *x, int64_t n) {
     int32_t bi = -1;
     for (int64_t i = 0; i < n; i++) {
@@ -1201,9 +1203,8 @@ static int32_t host_argmax(const float *x, int64_t n) {
     return bi < 0 ? 0 : bi;
 }
 
-static void argmax_case(gpu_ctx *g, int64_t rows, int64_t n, uint64_t seed) {
-    tu_rng r;
-    tu_rng_seed(&r, seed);
+static void argmax_run(gpu_ctx *g, int64_t rows, int64_t n, tu_rng *rp, void *ws, const char *form) {
+    tu_rng r = *rp;
     float *x = malloc((size_t)(rows * n) * 4);
     int32_t *got = malloc((size_t)rows * 4);
     assert_true(x && got);
@@ -1226,28 +1227,45 @@ static void argmax_case(gpu_ctx *g, int64_t rows, int64_t n, uint64_t seed) {
         default: xr[tu_rng_below(&r, (uint32_t)n)] = 12.0f; /* a planted maximum */
         }
     }
+    *rp = r;
     float *dx = gt_upload(x, (size_t)(rows * n) * 4);
     int32_t *dout = gt_upload(NULL, (size_t)rows * 4);
     gt_poison(dout, (size_t)rows * 4);
-    assert_int_equal(cuda_argmax_rows_f32(g->stream, dx, rows, n, dout), FP4MOE_OK);
+    assert_int_equal(cuda_argmax_rows_f32(g->stream, dx, rows, n, dout, ws), FP4MOE_OK);
     GT_CHECK(cudaStreamSynchronize(g->stream));
     gt_download(got, dout, (size_t)rows * 4);
     for (int64_t t = 0; t < rows; t++) {
         const int32_t want = host_argmax(x + t * n, n);
         if (got[t] != want)
-            fail_msg("argmax rows=%lld n=%lld: row %lld gives %d, not %d", (long long)rows, (long long)n, (long long)t,
-                     got[t], want);
+            fail_msg("argmax rows=%lld n=%lld (%s): row %lld gives %d, not %d", (long long)rows, (long long)n, form,
+                     (long long)t, got[t], want);
     }
     free(x); free(got);
     gt_free(dx); gt_free(dout);
 }
 
+static void argmax_case(gpu_ctx *g, int64_t rows, int64_t n, uint64_t seed) {
+    tu_rng r;
+    tu_rng_seed(&r, seed);
+    argmax_run(g, rows, n, &r, NULL, "one block a row");
+    void *ws = gt_upload(NULL, cuda_argmax_ws_bytes());
+    GT_CHECK(cudaMemset(ws, 0, cuda_argmax_ws_bytes()));
+    GT_CHECK(cudaDeviceSynchronize());
+    argmax_run(g, rows, n, &r, ws, "split");
+    argmax_run(g, rows, n, &r, ws, "split, second call");
+    gt_free(ws);
+}
+
 static void test_argmax_rows(void **state) {
     gpu_ctx *g = *state;
-    argmax_case(g, 1, 131072, 71); /* the decode row */
-    argmax_case(g, 8, 131072, 72); /* ties, NaNs, all NaN */
-    argmax_case(g, 5, 1001, 73);   /* n % 4 != 0: the scalar path */
-    argmax_case(g, 4, 7, 74);      /* fewer elements than threads */
+    argmax_case(g, 1, 131072, 71);  /* the decode row: 64 parts of 2,048 */
+    argmax_case(g, 8, 131072, 72);  /* ties, NaNs, all NaN (a number only in the last part) */
+    argmax_case(g, 9, 131072, 75);  /* too many rows to split */
+    argmax_case(g, 3, 131075, 76);  /* n % 4 != 0: the scalar path, split (43 parts of 3,072; the last short) */
+    argmax_case(g, 2, 8192, 77);    /* the smallest split row: 8 parts */
+    argmax_case(g, 2, 100000, 78);  /* 49 parts of 2,048, the last of 1,696 */
+    argmax_case(g, 5, 1001, 73);    /* n % 4 != 0: the scalar path */
+    argmax_case(g, 4, 7, 74);       /* fewer elements than threads */
 }
 
 static void test_combine(void **state) {

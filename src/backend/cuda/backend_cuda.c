@@ -589,6 +589,7 @@ typedef struct {
     uint32_t *zeros;
     int *e1_runs;                   /* ops.e1_runs (cuda_e1_runs_table of cap rows) */
     float *att_scratch;             /* split-KV decode partials */
+    void *argmax_ws;                /* the split argmax's pairs and counters (zeroed; the kernel leaves them so) */
     float *ssm_ws;                  /* the Mamba-2 SSD's C B^T chunks (cuda_ssm_args.ws) for `cap` tokens */
     int64_t ssm_ws_floats;
     graph_slot graphs[MAX_GRAPHS];
@@ -844,7 +845,7 @@ static int cu_rmsnorm_gated(void *bc, const float *y, const void *z, int64_t zs,
     return cuda_rmsnorm_gated(S_(bc), y, z, zs, w, T, D, G, eps, out);
 }
 static int cu_argmax_rows(void *bc, const float *x, int64_t n, int64_t V, int32_t *out) {
-    return cuda_argmax_rows_f32(S_(bc), x, n, V, out);
+    return cuda_argmax_rows_f32(S_(bc), x, n, V, out, CX(bc)->argmax_ws);
 }
 
 /* Decode rows [0, nd) in one launch each (device-side slots: graph-stable), prefill segments one
@@ -981,6 +982,7 @@ void be_cuda_free(void *bcv) {
     cudaFree(c->ws);
     cudaFree(c->zeros);
     cudaFree(c->att_scratch);
+    cudaFree(c->argmax_ws);
     cudaFree(c->ssm_ws);
     cudaFree(c->ops.f32_x);
     cudaFree(c->ops.f32_y);
@@ -1016,6 +1018,7 @@ int be_cuda_new(const fp4moe_model *m, fp4moe_route route, int64_t cap, int64_t 
     TRY(cu_alloc(c, BLAS_WORKSPACE, &c->ws));
     TRY(cuda_blas_create(c->stream, c->ws, BLAS_WORKSPACE, &c->blas));
     TRY(cu_alloc(c, (size_t)cap * 4, (void **)&c->zeros));
+    TRY(cu_alloc(c, cuda_argmax_ws_bytes(), &c->argmax_ws));
     if (strchr(m->cfg.layer_types, FP4MOE_LAYER_ATTENTION)) {
         const int64_t rows = max_decode_rows < cap ? max_decode_rows : cap;
         TRY(cu_alloc(c, cuda_attention_decode_scratch(rows, m->cfg.attn_heads, m->cfg.head_dim),

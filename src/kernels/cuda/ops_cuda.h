@@ -299,9 +299,14 @@ int cuda_relu2(void *stream, uint16_t *x, int64_t n);
  * then layer_forward's h += out). b may be NULL. */
 int cuda_residual_add(void *stream, float *h, const uint16_t *a, const uint16_t *b, int64_t n);
 
-/* out[r] = argmax over row r of x (rows x n fp32 logits), lowest index on ties, NaN never wins
- * (fp4moe_argmax); one block per row. */
-int cuda_argmax_rows_f32(void *stream, const float *x, int64_t rows, int64_t n, int32_t *out);
+/* out[r] = argmax over row r of x (rows x n fp32 logits, device), lowest index on ties, NaN never wins,
+ * an all-NaN row gives 0 (fp4moe_argmax's rules). ws: NULL, or cuda_argmax_ws_bytes() of device memory,
+ * zeroed before its first use and used by one stream at a time (the kernel leaves it zeroed): with it,
+ * calls of <= 8 rows of >= 8,192 logits (a decode step's lm_head rows) read each row with up to 64
+ * blocks; otherwise one block a row. The same result either way. Errors: FP4MOE_EUNSUPPORTED for
+ * n < 1 or rows or n past INT_MAX; a launch error. */
+int cuda_argmax_rows_f32(void *stream, const float *x, int64_t rows, int64_t n, int32_t *out, void *ws);
+size_t cuda_argmax_ws_bytes(void);
 
 /* y[i] = bf16(rmsnorm(x[rows[i]]) * w) for i < n (cuda_rmsnorm on gathered rows; rows: device). */
 int cuda_rmsnorm_rows(void *stream, const float *x, const int32_t *rows, int64_t n, const float *w,
