@@ -15,11 +15,8 @@ cd "$(dirname "$0")/.." || exit 1
 G=${1:-gpu-bin}
 OLD=$2 NEW=$3
 OUT=${OUT:-gpu-argmax-out}
-GP_NAME=batch
-GP_BUILD=build-gpum
-GP_PROGS="fp4moe test_ops_gpu"
 . scripts/gpu-pack.sh
-gp_device "$G/main"
+gp_bench_device "$G/main" # the package unpacked into B, LD_LIBRARY_PATH set, OUT made, the GPU named
 CS=/usr/local/cuda/bin/compute-sanitizer
 export FP4MOE_TEST_FILTER=test_argmax_rows
 timeout 120 $B/test_ops_gpu >"$OUT/t.log" 2>&1

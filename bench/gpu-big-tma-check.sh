@@ -22,10 +22,8 @@ set -u
 cd "$(dirname "$0")/.." || exit 1
 G=${1:-gpu-bin}
 OUT=${OUT:-gpu-big-tma-out}
-GP_NAME=batch
-GP_BUILD=build-gpum
 . scripts/gpu-pack.sh
-gp_device "$G/main" # the package unpacked into B, LD_LIBRARY_PATH set, OUT made, the GPU named
+gp_bench_device "$G/main" # the package unpacked into B, LD_LIBRARY_PATH set, OUT made, the GPU named
 NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu)
 cp $B/fp4moe $B/main
 for v in 1 2; do

@@ -19,11 +19,8 @@ set -u
 cd "$(dirname "$0")/.." || exit 1
 G=${1:-gpu-bin}
 OUT=${OUT:-gpu-decode-variants-out}
-GP_NAME=batch
-GP_BUILD=build-gpum
-GP_PROGS="fp4moe test_ops_gpu"
 . scripts/gpu-pack.sh
-gp_device "$G/main" # the package unpacked into B, LD_LIBRARY_PATH set, OUT made, the GPU named
+gp_bench_device "$G/main" # the package unpacked into B, LD_LIBRARY_PATH set, OUT made, the GPU named
 xz -dc "$G/dvt/0/test_ops_gpu.xz" >$B/tv && chmod +x $B/tv
 xz -dc "$G/dvq/0/test_gather_qmm_gpu.xz" >$B/tq && chmod +x $B/tq
 FP4MOE_TEST_FILTER=test_linear_gather_x1 timeout 120 $B/tv >"$OUT/tv.log" 2>&1

@@ -19,10 +19,8 @@ set -u
 cd "$(dirname "$0")/.." || exit 1
 PKG=$1 TOK=${2:-4096} CAND=${3:-}
 OUT=${OUT:-gpu-moe-big-out}
-GP_NAME=batch
-GP_BUILD=build-gpum
 . scripts/gpu-pack.sh
-gp_device "$PKG" # the package unpacked into B, LD_LIBRARY_PATH set, OUT made, the GPU named
+gp_bench_device "$PKG" # the package unpacked into B, LD_LIBRARY_PATH set, OUT made, the GPU named
 T=$B/test_ops_gpu
 t0=$SECONDS
 FP4MOE_TEST_FILTER=test_moe timeout 150 $T >"$OUT/moe_tests.log" 2>&1

@@ -10,10 +10,8 @@ set -u
 cd "$(dirname "$0")/.." || exit 1
 PKG=$1
 OUT=${OUT:-gpu-moe-crossover-out}
-GP_NAME=batch
-GP_BUILD=build-gpum
 . scripts/gpu-pack.sh
-gp_device "$PKG" # the package unpacked into B, LD_LIBRARY_PATH set, OUT made, the GPU named
+gp_bench_device "$PKG" # the package unpacked into B, LD_LIBRARY_PATH set, OUT made, the GPU named
 t0=$SECONDS
 FP4MOE_TEST_QUICK=1 timeout 120 $B/test_gather_qmm_gpu >"$OUT/tg.log" 2>&1
 echo "test_gather_qmm_gpu (quick): exit $? $((SECONDS - t0)) s, $(grep -c '^\[       OK' "$OUT/tg.log") ok $(grep -m2 'FAILED  \] [a-z]' "$OUT/tg.log" | tr '\n' ' ')"

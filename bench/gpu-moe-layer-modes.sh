@@ -15,11 +15,8 @@ set -u
 cd "$(dirname "$0")/.." || exit 1
 G=${1:-gpu-bin}
 OUT=${OUT:-gpu-moe-layer-out}
-GP_NAME=batch
-GP_BUILD=build-gpum
-GP_PROGS="fp4moe test_ops_gpu"
 . scripts/gpu-pack.sh
-gp_device "$G/main"
+gp_bench_device "$G/main" # the package unpacked into B, LD_LIBRARY_PATH set, OUT made, the GPU named
 xz -dc "$G/md.xz" >$B/md && chmod +x $B/md
 for m in 0 3 6 7; do
     timeout 60 $B/md 8 6 $m 2>&1 | grep -v '^|---\|^| weights'

@@ -21,11 +21,8 @@ set -u
 cd "$(dirname "$0")/.." || exit 1
 G=${1:-gpu-bin}
 OUT=${OUT:-gpu-ssd-variants-out}
-GP_NAME=batch
-GP_BUILD=build-gpum
-GP_PROGS="fp4moe test_ops_gpu"
 . scripts/gpu-pack.sh
-gp_device "$G/main"
+gp_bench_device "$G/main" # the package unpacked into B, LD_LIBRARY_PATH set, OUT made, the GPU named
 CS=/usr/local/cuda/bin/compute-sanitizer
 V=$(cd "$G/ssdv" && ls | sort -n | tr '\n' ' ')
 for v in $V; do

@@ -10,6 +10,8 @@
 # runnable programs in GP_BIN (BIN = $1, default $GP_BUILD/$GP_NAME-bin when packed there, else a
 # build here) with LD_LIBRARY_PATH set up (packed libraries, CUDA, pip-wheel CUDA libraries).
 # gp_device PKG (the bench/ device scripts): gp_main PKG, then B = GP_BIN, mkdir $OUT and the GPU's name printed.
+# gp_bench_device PKG: gp_device with the bench package's settings (GP_NAME batch, GP_BUILD build-gpum, GP_PROGS
+# fp4moe test_ops_gpu: the package the bench/ scripts' headers build with gp_package).
 
 GP_PROGS=${GP_PROGS:-fp4moe test_model_gpu test_ssm_gpu test_gather_qmm_gpu test_attention_gpu test_ops_gpu test_ep_gpu}
 GP_TARGETS=${GP_TARGETS:-fp4moe_cli test_model_gpu test_ssm_gpu test_gather_qmm_gpu test_attention_gpu test_ops_gpu test_ep_gpu}
@@ -53,6 +55,13 @@ gp_device() { # PKG: on the GPU machine (a bench/ device script): gp_main PKG, i
     B=$GP_BIN
     mkdir -p "$OUT"
     nvidia-smi --query-gpu=name --format=csv,noheader
+}
+
+gp_bench_device() { # PKG: the bench/ device scripts' prologue
+    GP_NAME=batch
+    GP_BUILD=build-gpum
+    GP_PROGS="fp4moe test_ops_gpu"
+    gp_device "$1"
 }
 
 gp_main() {
