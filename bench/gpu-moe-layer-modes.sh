@@ -8,6 +8,7 @@
 #   2. fp4moe bench 512 + 128 with FP4MOE_CUDA_SIDE_STREAM=1 (the default: the shared expert on a second queue beside
 #      the routing and the routed experts) and =0, alternated, two rounds: how much of the shared expert the side
 #      stream already hides (mode 7 can only gain what it does not).
+# Measured in session 52 (docs/PERFORMANCE.md): mode 7 beats mode 6 but loses to the side stream - not built.
 # Build here first (build-gpum configured): the batch package in G/main (bench/gpu-decode-variants.sh), then
 #   cmake --build build-gpum --target gpu_moe_decode && strip -o /tmp/md build-gpum/gpu_moe_decode && xz -9c /tmp/md >G/md.xz
 # Usage (device): OUT=$OUT bash bench/gpu-moe-layer-modes.sh G
