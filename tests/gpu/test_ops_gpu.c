@@ -1373,6 +1373,11 @@ static void test_dense_linear(void **state) {
     dense_case(g, 300, 256, 100, 1, 6);     /* 64-row tiles of a plain linear */
     dense_case(g, 2688, 1856, 40, 1, 7);    /* gq_dense_kg_kernel (no runs) */
     dense_case(g, 4104, 2688, 257, 1, 5);   /* grows again */
+    /* decode-sized calls: the tensor-core qmv, with and without the runs table (bench/patches/qmv-idx-gs.diff's
+       fault E1_IDX: with it, those rows taken as expert 1, i.e. zeros) */
+    dense_case(g, 2688, 4096, 1, 1, 8);     /* out_proj of one decode token */
+    dense_case(g, 3712, 2688, 3, 1, 9);     /* the shared expert's up projection, 3 sequences */
+    dense_case(g, 100, 256, 2, 0, 10);      /* N % 16 != 0, no global scale */
 }
 
 static int setup(void **state) {
