@@ -14,6 +14,9 @@
 #   and a batch package in gpu-bin/main for the libraries:
 #   (GP_NAME=batch GP_BUILD=build-gpum GP_PROGS="fp4moe test_ops_gpu" GP_TARGETS="fp4moe_cli test_ops_gpu"; \
 #    . scripts/gpu-pack.sh; gp_package gpu-bin/main)
+# Optional: G/dvt/1/test_ops_gpu.xz, a deliberate-fault build of the same test (must FAIL the filtered test);
+# TV_FILTER (default test_linear_gather_x1): the test_ops_gpu tests of step 1 and of the memcheck;
+# MD_MODES (default "1 2"): the gpu_moe_decode modes run once each after the pair (3: the shared expert's dense pair).
 # Usage (device): OUT=$OUT bash bench/gpu-decode-variants.sh gpu-bin
 set -u
 cd "$(dirname "$0")/.." || exit 1
@@ -23,11 +26,17 @@ OUT=${OUT:-gpu-decode-variants-out}
 gp_bench_device "$G/main" # the package unpacked into B, LD_LIBRARY_PATH set, OUT made, the GPU named
 xz -dc "$G/dvt/0/test_ops_gpu.xz" >$B/tv && chmod +x $B/tv
 xz -dc "$G/dvq/0/test_gather_qmm_gpu.xz" >$B/tq && chmod +x $B/tq
-FP4MOE_TEST_FILTER=test_linear_gather_x1 timeout 120 $B/tv >"$OUT/tv.log" 2>&1
-echo "variant 1 test_ops_gpu test_linear_gather_x1: exit $? ($(grep -c 'OK \]' "$OUT/tv.log") OK)"
+TV_FILTER=${TV_FILTER:-test_linear_gather_x1}
+FP4MOE_TEST_FILTER=$TV_FILTER timeout 120 $B/tv >"$OUT/tv.log" 2>&1
+echo "variant 1 test_ops_gpu $TV_FILTER: exit $? ($(grep -c 'OK \]' "$OUT/tv.log") OK)"
+if [ -f "$G/dvt/1/test_ops_gpu.xz" ]; then
+    xz -dc "$G/dvt/1/test_ops_gpu.xz" >$B/tf && chmod +x $B/tf
+    FP4MOE_TEST_FILTER=$TV_FILTER timeout 120 $B/tf >"$OUT/tf.log" 2>&1
+    echo "fault build test_ops_gpu $TV_FILTER: exit $? (must not be 0; $(grep -c 'FAILED \]' "$OUT/tf.log") FAILED)"
+fi
 timeout 300 $B/tq >"$OUT/tq.log" 2>&1
 echo "variant 1 test_gather_qmm_gpu: exit $? ($(grep -c 'OK \]' "$OUT/tq.log") OK, $(grep -c 'FAILED \]' "$OUT/tq.log") FAILED)"
-FP4MOE_TEST_SANITIZE=1 FP4MOE_TEST_FILTER=test_linear_gather_x1 timeout 200 /usr/local/cuda/bin/compute-sanitizer \
+FP4MOE_TEST_SANITIZE=1 FP4MOE_TEST_FILTER=$TV_FILTER timeout 200 /usr/local/cuda/bin/compute-sanitizer \
     --tool memcheck --error-exitcode 9 $B/tv >"$OUT/tv-mem.log" 2>&1
 echo "variant 1 memcheck: exit $? $(grep -m1 'ERROR SUMMARY' "$OUT/tv-mem.log")"
 V=$(cd "$G/dv" && ls | sort -n | tr '\n' ' ')
@@ -42,9 +51,9 @@ for round in 1 2 3; do
         timeout 60 $B/d$v 8 6 0 2>&1 | grep -m1 "^| 8 layers" | cut -d'|' -f3-5
     done
 done
-for m in 1 2; do
+for m in ${MD_MODES:-1 2}; do
     for v in $V; do
-        printf "mode %s (%s) v%s: " $m "$([ $m = 1 ] && echo up || echo down)" $v
+        printf "mode %s v%s: " $m $v
         timeout 60 $B/d$v 8 6 $m 2>&1 | grep -m1 "^| 8 layers" | cut -d'|' -f3-5
     done
 done
