@@ -32,10 +32,10 @@ echo "variant 1 test_ops_gpu $TV_FILTER: exit $? ($(grep -c 'OK \]' "$OUT/tv.log
 if [ -f "$G/dvt/1/test_ops_gpu.xz" ]; then
     xz -dc "$G/dvt/1/test_ops_gpu.xz" >$B/tf && chmod +x $B/tf
     FP4MOE_TEST_FILTER=$TV_FILTER timeout 120 $B/tf >"$OUT/tf.log" 2>&1
-    echo "fault build test_ops_gpu $TV_FILTER: exit $? (must not be 0; $(grep -c 'FAILED \]' "$OUT/tf.log") FAILED)"
+    echo "fault build test_ops_gpu $TV_FILTER: exit $? (must not be 0; $(grep -c '^\[  FAILED  \] [a-z]' "$OUT/tf.log") FAILED)"
 fi
 timeout 300 $B/tq >"$OUT/tq.log" 2>&1
-echo "variant 1 test_gather_qmm_gpu: exit $? ($(grep -c 'OK \]' "$OUT/tq.log") OK, $(grep -c 'FAILED \]' "$OUT/tq.log") FAILED)"
+echo "variant 1 test_gather_qmm_gpu: exit $? ($(grep -c 'OK \]' "$OUT/tq.log") OK, $(grep -c '^\[  FAILED  \] [a-z]' "$OUT/tq.log") FAILED)"
 FP4MOE_TEST_SANITIZE=1 FP4MOE_TEST_FILTER=$TV_FILTER timeout 200 /usr/local/cuda/bin/compute-sanitizer \
     --tool memcheck --error-exitcode 9 $B/tv >"$OUT/tv-mem.log" 2>&1
 echo "variant 1 memcheck: exit $? $(grep -m1 'ERROR SUMMARY' "$OUT/tv-mem.log")"
