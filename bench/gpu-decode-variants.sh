@@ -14,7 +14,8 @@
 #   and a batch package in gpu-bin/main for the libraries:
 #   (GP_NAME=batch GP_BUILD=build-gpum GP_PROGS="fp4moe test_ops_gpu" GP_TARGETS="fp4moe_cli test_ops_gpu"; \
 #    . scripts/gpu-pack.sh; gp_package gpu-bin/main)
-# Optional: G/dvt/1/test_ops_gpu.xz, a deliberate-fault build of the same test (must FAIL the filtered test);
+# Optional: G/dvt/1/test_ops_gpu.xz, a deliberate-fault build of the same test (must FAIL the filtered test), made
+# by a second flag set in the dvt build above: ... bench/build-variants.sh gpu-bin/dvt SRC "$V1" "$V1 -DFP4MOE_INJECT_FAULT_<MACRO>=1";
 # TV_FILTER (default test_linear_gather_x1): the test_ops_gpu tests of step 1 and of the memcheck;
 # MD_MODES (default "1 2"): the gpu_moe_decode modes run once each after the pair (3: the shared expert's dense pair).
 # Usage (device): OUT=$OUT bash bench/gpu-decode-variants.sh gpu-bin
