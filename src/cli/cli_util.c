@@ -111,6 +111,13 @@ int cli_json_finish(const char *command, int exit_code) {
     return exit_code;
 }
 
+void cli_json_note_error(const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(g_last_error, sizeof g_last_error, fmt, ap);
+    va_end(ap);
+}
+
 int cli_usage_error(const char *command, const char *fmt, ...) {
     va_list ap;
     va_start(ap, fmt);

@@ -108,6 +108,13 @@ void cli_json_print_obj(cJSON *o);
 /* The error object's fields {"command", "message", "exit_code"} as a JSON text (malloc'd; NULL when out of
  * memory), for a command that adds it to an object it prints anyway. */
 char *cli_json_error_text(const char *command, int exit_code);
+/* Keeps MESSAGE for the error object (as cli_error does) without printing it: for a caller that prints its own
+ * text on stderr (main()'s unknown command and its usage). */
+void cli_json_note_error(const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 1, 2)))
+#endif
+    ;
 /* main(): prints the error object when the mode is on, exit_code != 0 and no JSON object was printed.
  * Returns exit_code. */
 int cli_json_finish(const char *command, int exit_code);

@@ -213,6 +213,9 @@ int cmd_inspect(int argc, char **argv) {
     cJSON *model_json = NULL; /* -m DIR --json: the summary as the "model" object */
     char model_err[1200] = "";
     if (model_dir) {
+        /* a missing DIR (or a file) said once, as generate says it (a user's trial: "config.json: cannot open", then
+           "DIR: cannot stat") */
+        if (cli_require_model_dir(CMD, model_dir)) return FP4MOE_EXIT_FAIL;
         if (r.json && !(model_json = cJSON_CreateObject())) return cli_fail(CMD, FP4MOE_ENOMEM);
         /* a model that does not load: said (stderr, and as a problem below), then the files' checks all the same -
            they name what is wrong with the tensors (it stopped here, with no report) */
@@ -225,6 +228,8 @@ int cmd_inspect(int argc, char **argv) {
     int st = fp4moe_st_model_open(path, &m);
     if (st) {
         cJSON_Delete(model_json);
+        /* the files fail as the model did (a truncated shard): the message is on stderr already, not twice */
+        if (model_err[0] && !strcmp(model_err + strlen("the model does not load: "), fp4moe_last_error())) return 1;
         return cli_fail(CMD, st);
     }
     const fp4moe_qformat fmt = fp4moe_qformat_detect(m);

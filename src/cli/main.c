@@ -89,5 +89,12 @@ int main(int argc, char **argv) {
     }
     fprintf(stderr, "fp4moe: unknown command '%s'\n\n", cmd);
     usage(stderr);
-    return FP4MOE_EXIT_USAGE;
+    /* --json anywhere after it: the error object on stdout too, as every command gives it (a user's trial) */
+    for (int i = 2; i < argc; i++)
+        if (!strcmp(argv[i], "--json")) {
+            cli_json_mode_on();
+            cli_json_note_error("unknown command '%s' (fp4moe --help lists them)", cmd);
+            break;
+        }
+    return cli_json_finish("fp4moe", FP4MOE_EXIT_USAGE);
 }

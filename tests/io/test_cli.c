@@ -352,6 +352,15 @@ static void test_usage_and_exit_codes(void **state) {
     assert_int_equal(run(NULL), 2);
     EXPECT_RC(2, "frobnicate");
     expect_in(g_err, "unknown command 'frobnicate'");
+    assert_int_equal(g_out[0], 0);
+    EXPECT_RC(2, "frobnicate", "--json"); /* the error object on stdout, as a command's (a user's trial, session 54) */
+    cJSON *uj = cJSON_Parse(g_out);
+    assert_non_null(uj);
+    const cJSON *ue = cJSON_GetObjectItem(uj, "error");
+    assert_non_null(ue);
+    expect_in(cJSON_GetObjectItem(ue, "message")->valuestring, "unknown command 'frobnicate'");
+    assert_int_equal((int)cJSON_GetObjectItem(ue, "exit_code")->valuedouble, 2);
+    cJSON_Delete(uj);
     EXPECT_RC(2, "quantize", "--input", "x");
     expect_in(g_err, "--output");
     EXPECT_RC(2, "quantize", "-i", "a", "-o", "b", "--include", "(unclosed");
@@ -945,8 +954,21 @@ static void test_inspect_model_not_loading(void **state) {
     expect_in(p0->valuestring, "the model does not load: ");
     assert_true(cJSON_GetObjectItem(j, "tensor_count")->valuedouble > 0);
     cJSON_Delete(j);
+    /* a truncated shard: the model and the files fail alike - the message once, not twice; a missing DIR is said as
+       generate says it, not "config.json: cannot open" then "cannot stat" (a user's trial, session 54) */
+    assert_int_equal(truncate(file, 1000), 0);
+    EXPECT_RC(1, "inspect", "-m", dir);
+    const char *once = strstr(g_err, "runs past the end");
+    assert_non_null(once);
+    assert_null(strstr(once + 1, "runs past the end"));
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
     assert_int_equal(system(cmd), 0);
+    EXPECT_RC(1, "inspect", "-m", dir);
+    expect_in(g_err, "does not exist");
+    assert_null(strstr(g_err, "cannot stat"));
+    assert_null(strstr(g_err, "config.json"));
+    EXPECT_RC(1, "inspect", "-m", dir, "--json");
+    expect_in(g_out, "does not exist");
 }
 
 static void test_modelopt_dequantize(void **state) {
@@ -1863,7 +1885,7 @@ static void test_odd_inputs(void **state) {
     EXPECT_RC(2, "perplexity", "-m", mdl, "--file", held, "--ctx", "1024", "--max-tokens", "600");
     expect_in(g_err, "--max-tokens 600 (of its");
     EXPECT_RC(1, "inspect", "-m", "/nonexistent-fp4moe-model");
-    expect_in(g_err, "config.json: cannot open: No such file or directory");
+    expect_in(g_err, "model directory /nonexistent-fp4moe-model does not exist");
     snprintf(file, sizeof file, "%s", io_path("odd-output-file"));
     io_write_bytes(file, "hi\n", 3);
     EXPECT_RC(1, "quantize", "-i", "tests/golden/models/tiny-a-bf16", "-o", file);
