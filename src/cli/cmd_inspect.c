@@ -212,6 +212,7 @@ int cmd_inspect(int argc, char **argv) {
     if (!path) return cli_usage_error(CMD, "missing PATH (a .safetensors file or a model directory)");
     cJSON *model_json = NULL; /* -m DIR --json: the summary as the "model" object */
     char model_err[1200] = "";
+    static const char k_no_load[] = "the model does not load: ";
     if (model_dir) {
         /* a missing DIR (or a file) said once, as generate says it (a user's trial: "config.json: cannot open", then
            "DIR: cannot stat") */
@@ -220,7 +221,7 @@ int cmd_inspect(int argc, char **argv) {
         /* a model that does not load: said (stderr, and as a problem below), then the files' checks all the same -
            they name what is wrong with the tensors (it stopped here, with no report) */
         if (cli_model_summary(CMD, model_dir, stdout, model_json))
-            snprintf(model_err, sizeof model_err, "the model does not load: %s", fp4moe_last_error());
+            snprintf(model_err, sizeof model_err, "%s%s", k_no_load, fp4moe_last_error());
         r.summary = 1;
     }
 
@@ -229,7 +230,7 @@ int cmd_inspect(int argc, char **argv) {
     if (st) {
         cJSON_Delete(model_json);
         /* the files fail as the model did (a truncated shard): the message is on stderr already, not twice */
-        if (model_err[0] && !strcmp(model_err + strlen("the model does not load: "), fp4moe_last_error())) return 1;
+        if (model_err[0] && !strcmp(model_err + sizeof k_no_load - 1, fp4moe_last_error())) return 1;
         return cli_fail(CMD, st);
     }
     const fp4moe_qformat fmt = fp4moe_qformat_detect(m);
